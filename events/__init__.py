@@ -1,0 +1,1 @@
+"""The pure core of runplane: events, aggregates, decide / evolve. No I/O here."""

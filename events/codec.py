@@ -1,0 +1,47 @@
+"""One reused encoder and decoder for every stored event."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from events.org import OrgEvent
+from events.run import RunEvent
+from events.workspace import WorkspaceEvent
+
+AnyEvent = RunEvent | WorkspaceEvent | OrgEvent
+
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)  # type: ignore[arg-type]  # a union type is a valid decoder spec
+
+ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def encode(event: AnyEvent) -> bytes:
+    return _encoder.encode(event)
+
+
+def decode(data: bytes) -> AnyEvent:
+    return _decoder.decode(data)
+
+
+def tag_of(event: AnyEvent) -> str:
+    return str(type(event).__struct_config__.tag)
+
+
+def valid_id(value: str) -> bool:
+    """Ids and names are subject-safe tokens: lowercase letters, digits and dashes."""
+    return bool(ID_RE.match(value))
+
+
+def run_subject(org: str, ws: str, run: str) -> str:
+    return f"rp.run.{org}.{ws}.{run}"
+
+
+def ws_subject(org: str, ws: str) -> str:
+    return f"rp.ws.{org}.{ws}"
+
+
+def org_subject(org: str) -> str:
+    return f"rp.org.{org}"

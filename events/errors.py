@@ -1,0 +1,51 @@
+"""Domain errors. Every error knows whether retrying could help."""
+
+from __future__ import annotations
+
+
+class DomainError(Exception):
+    """Root of every error the core raises."""
+
+    retryable = False
+    code = "domain-error"
+
+
+class Invalid(DomainError):
+    """A command is malformed or refers to something that does not make sense."""
+
+    code = "invalid-command"
+
+
+class NotFound(DomainError):
+    """The aggregate does not exist."""
+
+    code = "not-found"
+
+
+class AlreadyExists(DomainError):
+    """The aggregate was created already."""
+
+    code = "already-exists"
+
+
+class IllegalTransition(DomainError):
+    """The command is not allowed in the aggregate's current status."""
+
+    code = "illegal-transition"
+
+    def __init__(self, message: str, *, status: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class StaleLease(DomainError):
+    """A report came from an executor whose lease is no longer current (fencing)."""
+
+    code = "stale-lease"
+
+
+class Conflict(DomainError):
+    """Someone appended to the aggregate first; reload and decide again."""
+
+    retryable = True
+    code = "conflict"

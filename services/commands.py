@@ -1,0 +1,239 @@
+"""Application service: load aggregates, run the pure `decide`, append atomically.
+
+Every writer (api, scheduler, executor) goes through here, so the rules that span two
+aggregates live in one place: a new run is enqueued on its workspace in the same atomic
+batch, admission moves the workspace and the run together, and a run that reaches a
+terminal status gives its workspace back in the same batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import msgspec
+from ulid import ULID
+
+from events import org as org_agg
+from events import run as run_agg
+from events import workspace as ws_agg
+from events.codec import AnyEvent, org_subject, run_subject, ws_subject
+from events.errors import Conflict, NotFound
+from services.infra.eventstore import Append, EventStore
+
+S = TypeVar("S")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    """A ULID, lowercased so that it is a subject-safe token."""
+    return str(ULID()).lower()
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Loaded(msgspec.Struct, frozen=True, kw_only=True):
+    subject: str
+    seq: int  # last sequence on the subject, 0 if none
+    state: Any
+
+
+class Result(msgspec.Struct, frozen=True, kw_only=True):
+    """What a command did: the new state of the aggregate and the last stream sequence."""
+
+    state: Any
+    seq: int
+    events: list[Any] = []
+
+
+class App:
+    """The command side. `clock` and `ids` are injected so tests can pin them."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        ids: Callable[[], str] = new_id,
+        attempts: int = 20,
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.ids = ids
+        self.attempts = attempts
+
+    # ------------------------------------------------------------ loading
+
+    async def _load(
+        self, subject: str, fold: Callable[[list[Any]], S]
+    ) -> tuple[S, int, str]:
+        envs = await self.store.read(subject)
+        real = envs[-1].subject if envs else subject
+        return fold([e.event for e in envs]), (envs[-1].seq if envs else 0), real
+
+    async def load_run(self, org: str, ws: str | None, run: str) -> Loaded:
+        """Load a run; with `ws` unknown the subject is found by wildcard."""
+        subject = run_subject(org, ws or "*", run)
+        state, seq, real = await self._load(subject, run_agg.fold)
+        return Loaded(subject=real, seq=seq, state=state)
+
+    async def load_ws(self, org: str, ws: str) -> Loaded:
+        subject = ws_subject(org, ws)
+        state, seq, real = await self._load(subject, ws_agg.fold)
+        return Loaded(subject=real, seq=seq, state=state)
+
+    async def load_org(self, org: str) -> Loaded:
+        subject = org_subject(org)
+        state, seq, real = await self._load(subject, org_agg.fold)
+        return Loaded(subject=real, seq=seq, state=state)
+
+    async def _retrying(self, attempt: Callable[[], Any]) -> Any:
+        for i in range(self.attempts):
+            try:
+                return await attempt()
+            except Conflict:
+                if i == self.attempts - 1:
+                    raise
+                await asyncio.sleep(random.uniform(0, 0.002 * (2 ** min(i, 6))))
+        raise AssertionError("unreachable")
+
+    def _appends(self, subject: str, seq: int, events: list[AnyEvent]) -> list[Append]:
+        return [
+            Append(subject=subject, event=e, expected=seq + i, msg_id=self.ids())
+            for i, e in enumerate(events)
+        ]
+
+    # ------------------------------------------------------------ organizations
+
+    async def create_org(self, name: str, actor: str) -> Result:
+        async def attempt() -> Result:
+            cur = await self.load_org(name)
+            evs = org_agg.decide(
+                cur.state, org_agg.CreateOrg(actor=actor, name=name), now=self.clock(),
+                new_id=self.ids,
+            )
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=org_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    async def issue_token(self, org: str, user: str, role: str, actor: str) -> tuple[str, Result]:
+        """Issue a token scoped to the organization; only its hash is stored."""
+        token = f"rp_{secrets.token_urlsafe(32)}"
+        token_id = self.ids()
+
+        async def attempt() -> Result:
+            cur = await self.load_org(org)
+            cmd = org_agg.IssueToken(
+                actor=actor, token_id=token_id, token_hash=hash_token(token), user=user, role=role
+            )
+            evs = org_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=org_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return token, await self._retrying(attempt)
+
+    # ------------------------------------------------------------ workspaces
+
+    async def create_workspace(
+        self, org: str, name: str, config: run_agg.Workspace, actor: str
+    ) -> Result:
+        async def attempt() -> Result:
+            o = await self.load_org(org)
+            if not o.state.exists:
+                raise NotFound("organization does not exist")
+            cur = await self.load_ws(org, name)
+            cmd = ws_agg.CreateWorkspace(actor=actor, org=org, name=name, config=config)
+            evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    # ------------------------------------------------------------ runs
+
+    async def create_run(
+        self, org: str, ws: str, run_type: str, actor: str, message: str = ""
+    ) -> Result:
+        """Record a pending run and enqueue it on its workspace, in one atomic batch."""
+        run_id = self.ids()
+
+        async def attempt() -> Result:
+            w = await self.load_ws(org, ws)
+            if not w.state.exists:
+                raise NotFound("workspace does not exist")
+            now = self.clock()
+            create = run_agg.CreateRun(
+                actor=actor, run_id=run_id, org=org, workspace=ws, run_type=run_type,
+                config=w.state.config, message=message,
+            )
+            run_events = run_agg.decide(run_agg.INITIAL, create, now=now, new_id=self.ids)
+            ws_events = ws_agg.decide(
+                w.state, ws_agg.EnqueueRun(actor=actor, run_id=run_id), now=now, new_id=self.ids
+            )
+            seq = await self.store.append(
+                self._appends(run_subject(org, ws, run_id), 0, list(run_events))
+                + self._appends(w.subject, w.seq, list(ws_events))
+            )
+            return Result(state=run_agg.fold(run_events), seq=seq, events=list(run_events))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    async def run_command(
+        self, org: str, ws: str | None, run_id: str, command: run_agg.RunCommand
+    ) -> Result:
+        """Apply a command to a run; a terminal outcome releases the workspace atomically."""
+
+        async def attempt() -> Result:
+            r = await self.load_run(org, ws, run_id)
+            if not r.state.exists:
+                raise NotFound("run does not exist")
+            now = self.clock()
+            evs = run_agg.decide(r.state, command, now=now, new_id=self.ids)
+            new_state = run_agg.fold(evs, r.state)
+            appends = self._appends(r.subject, r.seq, list(evs))
+            if new_state.terminal and not r.state.terminal:
+                w = await self.load_ws(org, new_state.workspace)
+                release = ws_agg.ReleaseRun(
+                    actor=command.actor, run_id=run_id, status=str(new_state.status)
+                )
+                ws_events = ws_agg.decide(w.state, release, now=now, new_id=self.ids)
+                appends += self._appends(w.subject, w.seq, list(ws_events))
+            seq = await self.store.append(appends) if appends else r.seq
+            return Result(state=new_state, seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    async def admit_next(self, org: str, ws: str, actor: str = "scheduler") -> str:
+        """Admit the oldest pending run of the workspace if none is active; return its id."""
+
+        async def attempt() -> str:
+            w = await self.load_ws(org, ws)
+            now = self.clock()
+            ws_events = ws_agg.decide(
+                w.state, ws_agg.AdmitNext(actor=actor), now=now, new_id=self.ids
+            )
+            if not ws_events:
+                return ""
+            run_id = ws_events[0].run_id  # type: ignore[union-attr]  # AdmitNext yields RunAdmitted
+            r = await self.load_run(org, ws, run_id)
+            run_events = run_agg.decide(
+                r.state, run_agg.AdmitRun(actor=actor), now=now, new_id=self.ids
+            )
+            await self.store.append(
+                self._appends(w.subject, w.seq, list(ws_events))
+                + self._appends(r.subject, r.seq, list(run_events))
+            )
+            return run_id  # type: ignore[no-any-return]  # str
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # str
