@@ -1,0 +1,41 @@
+"""Shared fixtures: a real nats-server per test (port 0, its own store), real Terraform."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from services.infra import streams
+from services.infra.eventstore import EventStore
+from services.infra.natsserver import EmbeddedNats
+from services.commands import App
+
+
+@pytest.fixture
+async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    """A fresh nats-server with JetStream on a random port and a temporary store."""
+    async with EmbeddedNats(tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
+    """A connection with every runplane stream declared."""
+    conn = await nats.connect(nats_server.url)
+    await streams.declare(conn, conn.jetstream())
+    yield conn
+    await conn.close()
+
+
+@pytest.fixture
+def store(nc: NATS) -> EventStore:
+    return EventStore(nc)
+
+
+@pytest.fixture
+def app(store: EventStore) -> App:
+    return App(store)

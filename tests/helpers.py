@@ -1,0 +1,32 @@
+"""Test helpers: never sleep and hope, poll with a bound."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> T:
+    """Call `probe` until it returns a truthy value or raises no AssertionError; return it."""
+    deadline = time.monotonic() + timeout
+    last: BaseException | None = None
+    while True:
+        try:
+            value = await probe()
+            if value:
+                return value
+        except AssertionError as e:
+            last = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}") from last
+        await asyncio.sleep(interval)
