@@ -1,0 +1,54 @@
+"""Checking out a workspace's repository: a fresh clone per phase, never an interactive prompt."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from executor import process
+from executor.errors import StepFailed
+from executor.output import Output
+from executor.process import StepLog
+
+
+def git_env() -> dict[str, str]:
+    """The host environment, with every way git could wait for a person switched off."""
+    env = dict(os.environ)
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    env.setdefault("GIT_SSH_COMMAND", "ssh -oBatchMode=yes")
+    return env
+
+
+async def _git(args: list[str], *, cwd: Path, step_log: StepLog, grace: float) -> Output:
+    out = Output()
+    code = await process.run(
+        ["git", *args], cwd=cwd, env=git_env(), step_log=step_log, on_line=out.feed,
+        grace=grace,
+    )
+    if code != 0:
+        raise StepFailed("checkout", f"git {args[0]} failed (exit {code}): {out.error_text()}")
+    return out
+
+
+async def checkout(
+    repository: str, dest: Path, *, branch: str, commit: str = "", step_log: StepLog,
+    grace: float = 5.0,
+) -> str:
+    """Clone `repository` (a path or URL) into `dest` at `branch`, or at `commit` if given.
+
+    Returns the checked-out commit sha. The apply phase passes the plan's commit: a branch
+    that moved since the plan must not change what gets applied.
+    """
+    if commit:
+        # All branches, not only `branch`: the commit may no longer be its head.
+        args = ["clone", "--no-checkout", "--", repository, str(dest)]
+    else:
+        args = ["clone", "--single-branch", "--branch", branch, "--", repository, str(dest)]
+    await _git(args, cwd=dest.parent, step_log=step_log, grace=grace)
+    if commit:
+        await _git(["checkout", "--detach", commit], cwd=dest, step_log=step_log, grace=grace)
+    head = await _git(["rev-parse", "HEAD"], cwd=dest, step_log=step_log, grace=grace)
+    sha = head.last_line.strip()
+    if commit and sha != commit:
+        raise StepFailed("checkout", f"checked out {sha}, expected {commit}")
+    return sha

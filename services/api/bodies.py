@@ -1,0 +1,96 @@
+"""Request bodies: msgspec Structs that forbid unknown fields, and the one way to read them.
+
+The OpenAPI document takes its request schemas from these Structs, so the documented and
+the enforced shape cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, TypeVar
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+
+from events.codec import valid_id
+from services.api.problems import Problem
+
+NonEmpty = Annotated[str, Meta(min_length=1, max_length=1024)]
+Name = Annotated[
+    str, Meta(description="lowercase letters, digits and dashes; starts with a letter or digit")
+]
+
+
+class Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every request body."""
+
+
+class CreateOrgBody(Body, frozen=True, kw_only=True):
+    name: Name
+
+
+class CreateTokenBody(Body, frozen=True, kw_only=True):
+    user: Annotated[str, Meta(min_length=1, max_length=200)] = "admin"
+    role: Annotated[str, Meta(description="viewer, operator, approver or admin")] = "admin"
+
+
+class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
+    name: Name
+    repository: Annotated[NonEmpty, Meta(description="git URL or local path")]
+    branch: NonEmpty = "main"
+    directory: NonEmpty = "."
+    variables: dict[str, str] = {}
+
+
+class CreateRunBody(Body, frozen=True, kw_only=True):
+    type: Annotated[str, Meta(description="plan, apply, destroy or drift")]
+    message: Annotated[str, Meta(max_length=4096)] = ""
+
+
+class ApproveBody(Body, frozen=True, kw_only=True):
+    acknowledged: list[str] = []
+
+
+class DiscardBody(Body, frozen=True, kw_only=True):
+    reason: Annotated[str, Meta(max_length=4096)] = ""
+
+
+class CancelBody(Body, frozen=True, kw_only=True):
+    reason: Annotated[str, Meta(max_length=4096)] = ""
+
+
+BODIES: tuple[type[Body], ...] = (
+    CreateOrgBody,
+    CreateTokenBody,
+    CreateWorkspaceBody,
+    CreateRunBody,
+    ApproveBody,
+    DiscardBody,
+    CancelBody,
+)
+
+B = TypeVar("B", bound=Body)
+
+
+async def read_body(request: web.Request, kind: type[B], *, optional: bool = False) -> B:
+    """Decode the JSON body into `kind`; an empty body is allowed when every field has a default."""
+    raw = await request.read()
+    if not raw.strip():
+        if optional:
+            return kind()
+        raise Problem("invalid-body", "a JSON object body is required")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.DecodeError as e:
+        raise Problem("invalid-body", str(e)) from e
+
+
+def check_name(field: str, value: str) -> str:
+    """Names become NATS subject tokens: reject anything else at the edge."""
+    if not valid_id(value):
+        raise Problem(
+            "invalid-id",
+            f"{field} {value!r} is not a valid id: use 1 to 63 lowercase letters, digits "
+            "and dashes, starting with a letter or digit",
+        )
+    return value

@@ -1,0 +1,110 @@
+"""Middlewares, outermost first: one log line per request, problem details for every
+error, bearer authentication, and the RP-Min-Seq wait of reads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats.errors
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from events.errors import DomainError
+from services.api.auth import PRINCIPAL, authenticate
+from services.api.context import API, READ_WAIT_S
+from services.api.problems import Problem, from_domain, from_http
+from services.infra.eventstore import StoreError
+
+log = structlog.get_logger("runplane.api")
+
+PUBLIC = frozenset({"/healthz"})
+MIN_SEQ = "RP-Min-Seq"
+_BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
+
+
+@web.middleware
+async def log_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """One summary line per request, with org / workspace / run bound for every line."""
+    ids = {_BOUND[k]: v for k, v in request.match_info.items() if k in _BOUND}
+    start = time.perf_counter()
+    status = 500
+    with structlog.contextvars.bound_contextvars(
+        method=request.method, path=request.path, **ids
+    ):
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        finally:
+            ms = round((time.perf_counter() - start) * 1000, 2)
+            log.info("request", status=status, duration_ms=ms)
+
+
+@web.middleware
+async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error becomes problem details: never a traceback, never an HTML page."""
+    try:
+        return await handler(request)
+    except Problem as p:
+        return p.response()
+    except DomainError as e:
+        return from_domain(e).response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return from_http(e).response()
+    except (StoreError, nats.errors.Error) as e:
+        log.warning("event store unavailable", error=str(e))
+        return Problem("unavailable", "the event store is unavailable; try again").response()
+    except Exception:
+        log.exception("unhandled error")
+        return Problem("internal-error", "an unexpected error occurred").response()
+
+
+def _is_public(request: web.Request) -> bool:
+    resource = request.match_info.route.resource
+    return resource is not None and resource.canonical in PUBLIC
+
+
+@web.middleware
+async def authenticate_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every route but the public ones needs a valid bearer token."""
+    if not _is_public(request):
+        api = request.app[API]
+        request[PRINCIPAL] = await authenticate(api, request.headers.get("Authorization"))
+    return await handler(request)
+
+
+def _min_seq(raw: str) -> int:
+    try:
+        seq = int(raw)
+    except ValueError:
+        seq = -1
+    if seq < 0:
+        raise Problem("invalid-header", f"{MIN_SEQ} must be a non-negative integer")
+    return seq
+
+
+@web.middleware
+async def min_seq(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A read with RP-Min-Seq waits (bounded) until the projection holds that sequence."""
+    raw = request.headers.get(MIN_SEQ)
+    if raw is not None and request.method in ("GET", "HEAD"):
+        seq = _min_seq(raw)
+        api = request.app[API]
+        if not await api.reached(seq, READ_WAIT_S):
+            raise Problem(
+                "stale-read",
+                f"the read model is at {api.projector.seq}, not yet at {seq}",
+                headers={"Retry-After": "1"},
+                projected_seq=api.projector.seq,
+            )
+    return await handler(request)
+
+
+MIDDLEWARES = (log_requests, problems, authenticate_requests, min_seq)

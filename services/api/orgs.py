@@ -1,0 +1,110 @@
+"""Handlers for organizations, their tokens and their workspaces."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from events.run import Workspace
+from services.api import render
+from services.api.auth import ADMIN, PRINCIPAL, VIEWER
+from services.api.bodies import (
+    CreateOrgBody,
+    CreateTokenBody,
+    CreateWorkspaceBody,
+    check_name,
+    read_body,
+)
+from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope, written
+from services.api.context import API, Api
+from services.api.problems import Problem
+
+PREFIX = "/api/v1"
+
+
+async def _existing_org(api: Api, org: str) -> Row:
+    row = await api.read.get_org(org)
+    if row is None:
+        raise Problem("not-found", f"organization {org} not found")
+    return row
+
+
+async def create_org(request: web.Request) -> web.Response:
+    """POST /orgs: the admin token only."""
+    if not request[PRINCIPAL].superuser:
+        raise Problem("forbidden", "only the admin token may create organizations")
+    body = await read_body(request, CreateOrgBody)
+    name = check_name("name", body.name)
+    api = request.app[API]
+    result = await api.app.create_org(name, request[PRINCIPAL].user)
+    return await written(
+        api,
+        result.seq,
+        lambda: api.read.get_org(name),
+        lambda: render.org(result.state),
+        status=201,
+        location=f"{PREFIX}/orgs/{name}",
+    )
+
+
+async def get_org(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    return json_response(await _existing_org(api, org))
+
+
+async def create_token(request: web.Request) -> web.Response:
+    """POST /orgs/{org}/tokens: the only answer that ever shows the clear token."""
+    api, org, who = scope(request, ADMIN)
+    body = await read_body(request, CreateTokenBody, optional=True)
+    token, result = await api.app.issue_token(org, body.user, body.role, who.user)
+    await api.after_write(result.seq)  # so the token works here at once
+    issued = result.events[-1]
+    answer = {
+        "token": token,
+        "token_id": issued.token_id,
+        "user": issued.user,
+        "role": issued.role,
+        "org": org,
+    }
+    return json_response(answer, status=201, headers={SEQ_HEADER: str(result.seq)})
+
+
+async def create_workspace(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    body = await read_body(request, CreateWorkspaceBody)
+    name = check_name("name", body.name)
+    config = Workspace(
+        repository=body.repository,
+        branch=body.branch,
+        directory=body.directory,
+        variables=dict(body.variables),
+    )
+    result = await api.app.create_workspace(org, name, config, who.user)
+    return await written(
+        api,
+        result.seq,
+        lambda: api.read.get_workspace(org, name),
+        lambda: render.workspace(result.state, who.user),
+        status=201,
+        location=f"{PREFIX}/orgs/{org}/workspaces/{name}",
+    )
+
+
+async def list_workspaces(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    await _existing_org(api, org)
+    return items(await api.read.list_workspaces(org))
+
+
+async def get_workspace(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    ws = path_id(request, "ws")
+    row = await api.read.get_workspace(org, ws)
+    if row is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    return json_response(row)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    if request.app[API].ready():
+        return json_response({"status": "ok"})
+    raise Problem("not-ready", "starting up or shutting down")

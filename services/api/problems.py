@@ -1,0 +1,121 @@
+"""RFC 9457 problem details: every error the API answers with, with a stable `type`.
+
+A handler raises `Problem(slug, detail)`; the problems middleware turns it, a domain error,
+an aiohttp HTTP exception or anything unexpected into an `application/problem+json` body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from events.errors import (
+    AlreadyExists,
+    Conflict,
+    DomainError,
+    IllegalTransition,
+    Invalid,
+    NotFound,
+)
+
+BASE = "https://runplane.dev/problems/"
+CONTENT_TYPE = "application/problem+json"
+
+# slug -> (HTTP status, title). Slugs are part of the API contract: never rename one.
+KINDS: dict[str, tuple[int, str]] = {
+    "invalid-body": (400, "The request body is invalid"),
+    "invalid-query": (400, "A query parameter is invalid"),
+    "invalid-header": (400, "A request header is invalid"),
+    "unauthorized": (401, "Authentication is required"),
+    "forbidden": (403, "The token's role does not allow this"),
+    "not-found": (404, "Not found"),
+    "method-not-allowed": (405, "Method not allowed"),
+    "conflict": (409, "Not allowed in the current status"),
+    "already-exists": (409, "Already exists"),
+    "body-too-large": (413, "The request body is too large"),
+    "invalid-id": (422, "An identifier is invalid"),
+    "invalid-command": (422, "The command is invalid"),
+    "internal-error": (500, "Internal server error"),
+    "unavailable": (503, "Temporarily unavailable"),
+    "stale-read": (503, "The read model has not caught up"),
+    "not-ready": (503, "Not ready"),
+}
+
+_encoder = msgspec.json.Encoder()
+
+
+class Problem(Exception):
+    """An HTTP error answered as problem details; `extra` adds members to the body."""
+
+    def __init__(
+        self,
+        slug: str,
+        detail: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.slug = slug
+        self.status, self.title = KINDS[slug]
+        self.detail = detail
+        self.headers = dict(headers or {})
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "type": BASE + self.slug,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+            **self.extra,
+        }
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=_encoder.encode(self.body()),
+            content_type=CONTENT_TYPE,
+            headers=self.headers,
+        )
+
+
+def unauthorized(detail: str, *, invalid_token: bool = False) -> Problem:
+    challenge = 'Bearer realm="runplane"'
+    if invalid_token:
+        challenge += ', error="invalid_token"'
+    return Problem("unauthorized", detail, headers={"WWW-Authenticate": challenge})
+
+
+def from_domain(error: DomainError) -> Problem:
+    """The problem a domain error stands for."""
+    detail = str(error)
+    match error:
+        case IllegalTransition():
+            return Problem("conflict", detail, current_status=error.status)
+        case AlreadyExists():
+            return Problem("already-exists", detail)
+        case NotFound():
+            return Problem("not-found", detail)
+        case Invalid():
+            return Problem("invalid-command", detail)
+        case Conflict():
+            # Optimistic retries ran out: heavy contention on one aggregate.
+            return Problem("unavailable", detail, headers={"Retry-After": "1"})
+        case _:
+            return Problem("conflict", detail)
+
+
+_HTTP_SLUGS = {404: "not-found", 405: "method-not-allowed", 413: "body-too-large"}
+_KEPT_HEADERS = ("Allow",)
+
+
+def from_http(exc: web.HTTPException) -> Problem:
+    """The problem for an error aiohttp raised itself (no route, wrong method, ...)."""
+    slug = _HTTP_SLUGS.get(exc.status, "internal-error" if exc.status >= 500 else "invalid-body")
+    headers = {h: exc.headers[h] for h in _KEPT_HEADERS if h in exc.headers}
+    detail = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+    return Problem(slug, detail, headers=headers)

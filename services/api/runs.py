@@ -1,0 +1,181 @@
+"""Handlers for runs: create, read, list, approve, discard, cancel, audit history, steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from events.run import ApproveRun, CancelRun, DiscardRun, RunCommand, Status
+from services.api import render
+from services.api.auth import APPROVER, OPERATOR, VIEWER, Principal
+from services.api.bodies import (
+    ApproveBody,
+    Body,
+    CancelBody,
+    CreateRunBody,
+    DiscardBody,
+    check_name,
+    read_body,
+)
+from services.api.common import Row, items, json_response, path_id, scope, written
+from services.api.context import Api
+from services.api.problems import Problem
+from services.commands import Result
+
+PREFIX = "/api/v1"
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+_STATUSES = frozenset(s.value for s in Status)
+_LIST_PARAMS = frozenset({"status", "workspace", "limit", "before"})
+
+
+async def _existing_run(api: Api, org: str, run_id: str) -> Row:
+    row = await api.read.get_run(org, run_id)
+    if row is None:
+        raise Problem("not-found", f"run {run_id} not found")
+    return row
+
+
+async def _answer(api: Api, org: str, result: Result, *, status: int) -> web.Response:
+    """Answer a command on a run with the run as projected once it holds the write."""
+    run_id = result.state.run_id
+    return await written(
+        api,
+        result.seq,
+        lambda: api.read.get_run(org, run_id),
+        lambda: render.run(result.state, result.seq),
+        status=status,
+        location=f"{PREFIX}/orgs/{org}/runs/{run_id}" if status == 201 else "",
+    )
+
+
+async def create_run(request: web.Request) -> web.Response:
+    api, org, who = scope(request, OPERATOR)
+    ws = path_id(request, "ws")
+    body = await read_body(request, CreateRunBody)
+    result = await api.app.create_run(org, ws, body.type, who.user, body.message)
+    return await _answer(api, org, result, status=201)
+
+
+async def get_run(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    return json_response(await _existing_run(api, org, path_id(request, "run")))
+
+
+# ------------------------------------------------------------ listing
+
+
+def _statuses(raw: str) -> list[str]:
+    wanted = [s.strip() for s in raw.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - _STATUSES)
+    if unknown:
+        raise Problem("invalid-query", f"unknown status {', '.join(unknown)}")
+    return wanted
+
+
+def _limit(raw: str) -> int:
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise Problem("invalid-query", f"limit must be an integer from 1 to {MAX_LIMIT}")
+    return int(raw)
+
+
+def _filters(request: web.Request) -> dict[str, Any]:
+    """The list filters of the query string; unknown parameters are refused."""
+    query = request.query
+    unknown = sorted(set(query) - _LIST_PARAMS)
+    if unknown:
+        raise Problem("invalid-query", f"unknown query parameter {', '.join(unknown)}")
+    filters: dict[str, Any] = {"limit": _limit(query.get("limit", str(DEFAULT_LIMIT)))}
+    if "status" in query:
+        filters["status"] = _statuses(query["status"])
+    if "workspace" in query:
+        filters["workspace"] = check_name("workspace", query["workspace"])
+    if "before" in query:
+        filters["before"] = query["before"]
+    return filters
+
+
+async def _list(api: Api, org: str, filters: dict[str, Any]) -> web.Response:
+    rows = await api.read.list_runs(org, **filters)
+    return items(rows)
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    filters = _filters(request)
+    if await api.read.get_org(org) is None:
+        raise Problem("not-found", f"organization {org} not found")
+    return await _list(api, org, filters)
+
+
+async def list_workspace_runs(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    ws = path_id(request, "ws")
+    filters = _filters(request)
+    if "workspace" in filters:
+        raise Problem("invalid-query", "the workspace is given by the path")
+    if await api.read.get_workspace(org, ws) is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    return await _list(api, org, {**filters, "workspace": ws})
+
+
+# ------------------------------------------------------------ commands on a run
+
+
+async def _command(
+    request: web.Request,
+    role: str,
+    kind: type[Body],
+    make: Callable[[Principal, Any], RunCommand],
+) -> web.Response:
+    api, org, who = scope(request, role)
+    run_id = path_id(request, "run")
+    body = await read_body(request, kind, optional=True)
+    result = await api.app.run_command(org, None, run_id, make(who, body))
+    return await _answer(api, org, result, status=200)
+
+
+async def approve_run(request: web.Request) -> web.Response:
+    return await _command(
+        request,
+        APPROVER,
+        ApproveBody,
+        lambda who, body: ApproveRun(actor=who.user, acknowledged=list(body.acknowledged)),
+    )
+
+
+async def discard_run(request: web.Request) -> web.Response:
+    return await _command(
+        request,
+        APPROVER,
+        DiscardBody,
+        lambda who, body: DiscardRun(actor=who.user, reason=body.reason),
+    )
+
+
+async def cancel_run(request: web.Request) -> web.Response:
+    return await _command(
+        request,
+        OPERATOR,
+        CancelBody,
+        lambda who, body: CancelRun(actor=who.user, reason=body.reason),
+    )
+
+
+# ------------------------------------------------------------ history
+
+
+async def run_events(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    run_id = path_id(request, "run")
+    await _existing_run(api, org, run_id)
+    return items(await api.read.run_events(org, run_id))
+
+
+async def run_steps(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    run_id = path_id(request, "run")
+    await _existing_run(api, org, run_id)
+    return items(await api.read.run_steps(org, run_id))

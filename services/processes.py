@@ -1,0 +1,132 @@
+"""The processes `runplane` runs, each one built from its options in one place."""
+
+from __future__ import annotations
+
+import socket
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import structlog
+
+from services.runtime import (
+    ConfigError,
+    Options,
+    admin_token,
+    http_site,
+    make_app,
+    nats_for,
+    wait_for_signal,
+)
+
+log = structlog.get_logger(__name__)
+
+
+def _readmodel_path(opts: Options) -> Path:
+    opts.data_dir.mkdir(parents=True, exist_ok=True)
+    return opts.data_dir / "readmodel.sqlite"
+
+
+async def _start_api(opts: Options, stack: AsyncExitStack, nc: object, ready: object) -> str:
+    from projections.projector import Projector
+    from services.api.app import build_app
+
+    app = make_app(nc)  # type: ignore[arg-type]  # NATS client
+    projector = await stack.enter_async_context(Projector(nc, _readmodel_path(opts)))
+    web_app = build_app(app=app, projector=projector, admin_token=admin_token(opts), ready=ready)  # type: ignore[arg-type]  # callable
+    return await stack.enter_async_context(http_site(web_app, opts.listen))
+
+
+async def _start_executor(opts: Options, stack: AsyncExitStack, nc: object) -> None:
+    from executor.worker import Executor, TerraformSettings
+
+    ex = Executor(
+        nc,  # type: ignore[arg-type]  # NATS client
+        make_app(nc),  # type: ignore[arg-type]  # NATS client
+        pool=opts.pool,
+        work_dir=opts.data_dir / "work",
+        terraform=TerraformSettings(
+            binary=opts.terraform_binary or None,
+            provider_mirrors=opts.provider_mirrors,
+            mirror_root=opts.data_dir / "providers",
+        ),
+        executor_id=opts.executor_id or f"{socket.gethostname()}-{id(stack) % 10000}",
+    )
+    await stack.enter_async_context(ex)
+
+
+async def up(opts: Options, stack: AsyncExitStack) -> None:
+    """Everything on one machine: embedded NATS, api+projector, scheduler, one executor."""
+    from services.demo import DEMO_ORG, DEMO_WS, ensure_demo
+    from services.scheduler.scheduler import Scheduler
+
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    components_ready = {"v": False}
+    base = await _start_api(opts, stack, nc, lambda: components_ready["v"])
+    await stack.enter_async_context(Scheduler(nc, make_app(nc), pool=opts.pool))
+    await _start_executor(opts, stack, nc)
+    if opts.demo:
+        await ensure_demo(make_app(nc), opts.data_dir)
+    components_ready["v"] = True
+    _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
+    await wait_for_signal()
+    log.info("shutting_down")
+
+
+def _banner(base: str, token: str, org: str, ws: str) -> None:
+    h = f'-H "Authorization: Bearer {token}"'
+    lines = [
+        f"runplane is up at {base}",
+        f"admin token: {token}",
+        "",
+    ]
+    if ws:
+        lines += [
+            "Start a run on the demo workspace, then approve it and follow it:",
+            f"  curl -s {h} -X POST {base}/api/v1/orgs/{org}/workspaces/{ws}/runs"
+            ' -d \'{"type": "apply"}\'',
+            f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID",
+            f"  curl -s {h} -X POST {base}/api/v1/orgs/{org}/runs/RUN_ID/approve"
+            ' -d \'{"acknowledged": []}\'',
+            f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID/events",
+            "",
+        ]
+    lines.append("Press Ctrl-C to stop.")
+    print("\n".join(lines), flush=True)
+
+
+async def api(opts: Options, stack: AsyncExitStack) -> None:
+    if not opts.nats_url:
+        raise ConfigError("runplane api needs --nats-url (or RUNPLANE_NATS_URL)")
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    base = await _start_api(opts, stack, nc, lambda: True)
+    print(f"runplane api listening at {base}", flush=True)
+    await wait_for_signal()
+
+
+async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
+    from services.scheduler.scheduler import Scheduler
+
+    if not opts.nats_url:
+        raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    await stack.enter_async_context(Scheduler(nc, make_app(nc), pool=opts.pool))
+    print("runplane scheduler running", flush=True)
+    await wait_for_signal()
+
+
+async def executor(opts: Options, stack: AsyncExitStack) -> None:
+    if not opts.nats_url:
+        raise ConfigError("runplane executor needs --nats-url (or RUNPLANE_NATS_URL)")
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    await _start_executor(opts, stack, nc)
+    print(f"runplane executor running (pool {opts.pool})", flush=True)
+    await wait_for_signal()
+
+
+async def replay(opts: Options, stack: AsyncExitStack) -> None:
+    """Rebuild the read model from sequence 1 (the embedded server is started if needed)."""
+    from projections.replay import replay as do_replay
+
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    count = await do_replay(nc, _readmodel_path(opts))
+    print(f"replayed {count} events into {_readmodel_path(opts)}", flush=True)

@@ -1,0 +1,315 @@
+"""The event codec: every event round-trips, past JSON still decodes, stored events tolerate
+fields they do not know, and ids are subject-safe tokens."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any, get_args
+
+import msgspec
+import pytest
+
+from events import codec
+from events.codec import AnyEvent, decode, encode, tag_of, valid_id
+from events.org import OrgCreated, OrgEvent, TokenIssued
+from events.run import (
+    ApplyFinished,
+    PhaseStarted,
+    PlanFinished,
+    PlanSummary,
+    RunApproved,
+    RunCanceled,
+    RunCreated,
+    RunDiscarded,
+    RunEvent,
+    RunFailed,
+    RunQueued,
+    StepFinished,
+    StepStarted,
+    Workspace,
+)
+from events.workspace import (
+    RunAdmitted,
+    RunEnqueued,
+    RunReleased,
+    WorkspaceCreated,
+    WorkspaceEvent,
+)
+
+AT = datetime(2025, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+CONFIG = Workspace(
+    repository="https://git.example.com/acme/infra.git",
+    branch="prod",
+    directory="network",
+    variables={"region": "eu-west-1"},
+)
+SUMMARY = PlanSummary(add=1, change=2, destroy=3)
+
+SAMPLES: list[Any] = [
+    RunCreated(
+        at=AT,
+        actor="alice",
+        run_id="01jh0000000000000000000000",
+        org="acme",
+        workspace="network",
+        run_type="apply",
+        config=CONFIG,
+        message="bump vpc",
+    ),
+    RunQueued(at=AT, actor="scheduler", phase="plan"),
+    PhaseStarted(at=AT, actor="exec-a", phase="plan", lease_id="lease-1", executor_id="exec-a"),
+    StepStarted(at=AT, actor="exec-a", lease_id="lease-1", step="init"),
+    StepFinished(
+        at=AT,
+        actor="exec-a",
+        lease_id="lease-1",
+        step="init",
+        ok=False,
+        started_at=AT - timedelta(seconds=30),
+        log_object="logs/run/init",
+        error="exit 1",
+    ),
+    PlanFinished(
+        at=AT,
+        actor="exec-a",
+        lease_id="lease-1",
+        commit="c0ffee",
+        has_changes=True,
+        summary=SUMMARY,
+        plan_object="plans/run",
+        plan_digest="sha256:abc",
+        require_approval=False,
+    ),
+    RunApproved(at=AT, actor="bob", acknowledged=["aws_instance.web", "aws_vpc.main"]),
+    ApplyFinished(at=AT, actor="exec-b", lease_id="lease-2", summary=SUMMARY),
+    RunDiscarded(at=AT, actor="bob", reason="wrong region"),
+    RunCanceled(at=AT, actor="alice", reason="not today"),
+    RunFailed(
+        at=AT, actor="exec-b", reason="step_failed", message="apply: exit 1", lease_id="lease-2"
+    ),
+    WorkspaceCreated(at=AT, actor="alice", org="acme", name="network", config=CONFIG),
+    RunEnqueued(at=AT, actor="alice", run_id="run-1"),
+    RunAdmitted(at=AT, actor="scheduler", run_id="run-1"),
+    RunReleased(at=AT, actor="scheduler", run_id="run-1", status="applied"),
+    OrgCreated(at=AT, actor="alice", name="acme"),
+    TokenIssued(
+        at=AT, actor="alice", token_id="tok-1", token_hash="sha256:feed", user="bob", role="admin"
+    ),
+]
+
+EVENT_TYPES = [*get_args(RunEvent), *get_args(WorkspaceEvent), *get_args(OrgEvent)]
+
+
+def test_there_is_a_sample_of_every_event_type_so_none_escapes_the_round_trip() -> None:
+    assert sorted(type(e).__name__ for e in SAMPLES) == sorted(t.__name__ for t in EVENT_TYPES)
+    assert set(get_args(AnyEvent)) == set(EVENT_TYPES)
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_every_event_decodes_from_its_encoding_to_an_equal_struct(event: Any) -> None:
+    back = decode(encode(event))
+    assert type(back) is type(event)
+    assert back == event
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: type(e).__name__)
+def test_every_event_is_stored_under_its_explicit_tag_not_a_module_path(event: Any) -> None:
+    stored = msgspec.json.decode(encode(event))
+    assert stored["type"] == tag_of(event)
+    assert tag_of(event).split(".")[0] in {"run", "ws", "org"}
+
+
+def test_event_tags_are_unique_across_aggregates() -> None:
+    tags = [tag_of(e) for e in SAMPLES]
+    assert len(tags) == len(set(tags))
+
+
+def test_datetimes_come_back_timezone_aware_utc() -> None:
+    back = decode(encode(SAMPLES[4]))
+    assert isinstance(back, StepFinished)
+    assert back.at.utcoffset() == timedelta(0)
+    assert back.started_at.utcoffset() == timedelta(0)
+
+
+def test_a_datetime_in_another_offset_decodes_to_the_same_instant() -> None:
+    cet = timezone(timedelta(hours=1))
+    event = RunQueued(at=AT.astimezone(cet), actor="scheduler")
+    assert decode(encode(event)).at == AT
+
+
+# ------------------------------------------------------ golden samples: past events, as stored
+# Literal JSON as earlier versions wrote it. Never edit these: add new ones. A failure means a
+# change broke old events (rename, retype, removal) and needs a new tag plus an upcaster.
+
+GOLDEN: list[tuple[bytes, Any]] = [
+    (
+        b'{"type":"run.created","at":"2025-01-02T03:04:05Z","actor":"alice","run_id":"run-1",'
+        b'"org":"acme","workspace":"network","run_type":"plan","config":{"repository":'
+        b'"https://git.example.com/acme/infra.git","branch":"main","directory":".",'
+        b'"variables":{"region":"eu-west-1"}},"message":"first"}',
+        RunCreated(
+            at=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
+            actor="alice",
+            run_id="run-1",
+            org="acme",
+            workspace="network",
+            run_type="plan",
+            config=Workspace(
+                repository="https://git.example.com/acme/infra.git",
+                variables={"region": "eu-west-1"},
+            ),
+            message="first",
+        ),
+    ),
+    (
+        # written before optional fields were filled in: defaults apply on decode
+        b'{"type":"run.created","at":"2025-01-02T03:04:05Z","actor":"alice","run_id":"run-2",'
+        b'"org":"acme","workspace":"network","run_type":"apply",'
+        b'"config":{"repository":"git@example.com:infra.git"}}',
+        RunCreated(
+            at=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
+            actor="alice",
+            run_id="run-2",
+            org="acme",
+            workspace="network",
+            run_type="apply",
+            config=Workspace(repository="git@example.com:infra.git"),
+        ),
+    ),
+    (
+        b'{"type":"run.plan_finished","at":"2025-01-02T03:09:00.250000Z","actor":"exec-a",'
+        b'"lease_id":"lease-1","commit":"c0ffee","has_changes":true,'
+        b'"summary":{"add":1,"change":0,"destroy":2},"plan_object":"plans/run-1",'
+        b'"plan_digest":"sha256:abc","require_approval":true}',
+        PlanFinished(
+            at=datetime(2025, 1, 2, 3, 9, 0, 250000, tzinfo=UTC),
+            actor="exec-a",
+            lease_id="lease-1",
+            commit="c0ffee",
+            has_changes=True,
+            summary=PlanSummary(add=1, destroy=2),
+            plan_object="plans/run-1",
+            plan_digest="sha256:abc",
+            require_approval=True,
+        ),
+    ),
+    (
+        b'{"type":"run.failed","at":"2025-01-02T03:10:00Z","actor":"reaper",'
+        b'"reason":"executor_unavailable"}',
+        RunFailed(
+            at=datetime(2025, 1, 2, 3, 10, tzinfo=UTC),
+            actor="reaper",
+            reason="executor_unavailable",
+        ),
+    ),
+    (
+        b'{"type":"ws.run_released","at":"2025-01-02T03:11:00Z","actor":"scheduler",'
+        b'"run_id":"run-1","status":"applied"}',
+        RunReleased(
+            at=datetime(2025, 1, 2, 3, 11, tzinfo=UTC),
+            actor="scheduler",
+            run_id="run-1",
+            status="applied",
+        ),
+    ),
+    (
+        b'{"type":"org.token_issued","at":"2025-01-01T00:00:00Z","actor":"alice",'
+        b'"token_id":"tok-1","token_hash":"sha256:feed","user":"bob","role":"approver"}',
+        TokenIssued(
+            at=datetime(2025, 1, 1, tzinfo=UTC),
+            actor="alice",
+            token_id="tok-1",
+            token_hash="sha256:feed",
+            user="bob",
+            role="approver",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("stored", "expected"), GOLDEN, ids=lambda g: getattr(g, "__name__", ""))
+def test_golden_past_events_still_decode_to_the_same_struct(stored: bytes, expected: Any) -> None:
+    assert decode(stored) == expected
+
+
+def test_unknown_fields_in_a_stored_event_are_skipped_on_decode() -> None:
+    stored = (
+        b'{"type":"run.created","at":"2025-01-02T03:04:05Z","actor":"alice","run_id":"run-1",'
+        b'"org":"acme","workspace":"network","run_type":"plan","priority":7,'
+        b'"labels":{"team":"net"},"config":{"repository":"r","future_setting":[1,2]}}'
+    )
+    event = decode(stored)
+    assert isinstance(event, RunCreated)
+    assert (event.run_id, event.config) == ("run-1", Workspace(repository="r"))
+
+
+def test_unknown_fields_in_a_nested_plan_summary_are_skipped_on_decode() -> None:
+    stored = (
+        b'{"type":"run.apply_finished","at":"2025-01-02T03:04:05Z","actor":"exec",'
+        b'"lease_id":"l","summary":{"add":1,"import":4},"duration_ms":1200}'
+    )
+    assert decode(stored) == ApplyFinished(
+        at=datetime(2025, 1, 2, 3, 4, 5, tzinfo=UTC),
+        actor="exec",
+        lease_id="l",
+        summary=PlanSummary(add=1),
+    )
+
+
+def test_an_event_of_an_unknown_type_is_refused_on_decode() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        decode(b'{"type":"run.teleported","at":"2025-01-02T03:04:05Z","actor":"a"}')
+
+
+def test_an_event_missing_a_required_field_is_refused_on_decode() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        decode(b'{"type":"run.failed","at":"2025-01-02T03:04:05Z","actor":"a"}')
+
+
+# ------------------------------------------------------------------------------ ids, subjects
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["a", "7", "acme", "run-1", "01jh5n3k6e2q8d9f0a1b2c3d4e", "a" * 63, "x-" * 31 + "y"],
+)
+def test_valid_id_accepts_lowercase_subject_safe_tokens(value: str) -> None:
+    assert valid_id(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "-leading-dash",
+        "Acme",
+        "01JH5N3K6E2Q8D9F0A1B2C3D4E",
+        "a.b",
+        "a b",
+        "a*",
+        "a>",
+        "a_b",
+        "é",
+        "a" * 64,
+        " a",
+        "a\tb",
+    ],
+)
+def test_valid_id_rejects_anything_that_is_not_a_subject_safe_token(value: str) -> None:
+    assert not valid_id(value)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core bug: ID_RE ends in `$`, which also matches before a trailing newline "
+    "(events/codec.py, ID_RE / valid_id)",
+)
+@pytest.mark.parametrize("value", ["acme\n", "run-1\n"])
+def test_valid_id_rejects_a_trailing_newline(value: str) -> None:
+    assert not valid_id(value)
+
+
+def test_subjects_put_each_aggregate_on_its_own_subject() -> None:
+    assert codec.run_subject("acme", "network", "run-1") == "rp.run.acme.network.run-1"
+    assert codec.ws_subject("acme", "network") == "rp.ws.acme.network"
+    assert codec.org_subject("acme") == "rp.org.acme"

@@ -1,0 +1,210 @@
+"""Admission and dispatch with real JetStream: FIFO per workspace, one active run, no
+double admission even with two schedulers racing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import defaultdict
+from contextlib import AsyncExitStack
+
+from nats.aio.client import Client as NATS
+
+from events import run as R
+from events.workspace import RunAdmitted, RunEnqueued, RunReleased
+from services.commands import App, new_id
+from services.infra import streams
+from services.infra.eventstore import EventStore
+from services.scheduler.scheduler import Scheduler
+from tests.helpers import eventually
+
+
+async def _setup(app: App, workspaces: list[str]) -> None:
+    await app.create_org("acme", "admin")
+    for ws in workspaces:
+        await app.create_workspace("acme", ws, R.Workspace(repository="/nowhere"), "admin")
+
+
+class FakeExecutor:
+    """Stands in for Terraform only: claims dispatched phases through the real work queue
+    and finishes each plan with no changes, so runs end and free their workspace."""
+
+    def __init__(self, nc: NATS, app: App) -> None:
+        self.nc, self.app = nc, app
+        self.claimed: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> FakeExecutor:
+        js = self.nc.jetstream()
+        await streams.ensure_executor_consumer(js, "default")
+        self.sub = await js.pull_subscribe_bind(
+            durable=streams.executor_consumer("default"), stream=streams.DISPATCH
+        )
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                msgs = await self.sub.fetch(10, timeout=0.5)
+            except Exception:  # noqa: BLE001  # fetch timeouts: poll again
+                continue
+            for m in msgs:
+                body = json.loads(m.data)
+                await m.ack()
+                await self._work(body)
+
+    async def _work(self, body: dict[str, str]) -> None:
+        lease = new_id()
+        org, ws, run = body["org"], body["workspace"], body["run_id"]
+        try:
+            await self.app.run_command(
+                org, ws, run,
+                R.ClaimPhase(actor="fake", phase=body["phase"], lease_id=lease, executor_id="f"),
+            )
+        except Exception:  # noqa: BLE001  # claim refused: already claimed or canceled
+            return
+        self.claimed.append(run)
+        await self.app.run_command(
+            org, ws, run,
+            R.FinishPlan(actor="fake", lease_id=lease, commit="c", has_changes=False,
+                         summary=R.PlanSummary()),
+        )
+
+
+def check_history(envs: list[object]) -> dict[str, list[str]]:
+    """From the event history alone: FIFO admission and one active run per workspace.
+    Returns each workspace's admission order."""
+    enqueued: dict[str, list[str]] = defaultdict(list)
+    admitted: dict[str, list[str]] = defaultdict(list)
+    active: dict[str, str] = {}
+    gone: set[str] = set()
+    for env in envs:
+        ev, ws = env.event, env.subject  # type: ignore[attr-defined]
+        if isinstance(ev, RunEnqueued):
+            enqueued[ws].append(ev.run_id)
+        elif isinstance(ev, RunAdmitted):
+            assert not active.get(ws), f"{ev.run_id} admitted while {active[ws]} active in {ws}"
+            waiting = [r for r in enqueued[ws] if r not in gone and r not in admitted[ws]]
+            assert waiting and waiting[0] == ev.run_id, f"{ev.run_id} overtook {waiting[:1]}"
+            admitted[ws].append(ev.run_id)
+            active[ws] = ev.run_id
+        elif isinstance(ev, RunReleased):
+            gone.add(ev.run_id)
+            if active.get(ws) == ev.run_id:
+                active[ws] = ""
+    return admitted
+
+
+async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
+    nc: NATS, app: App, store: EventStore
+) -> None:
+    workspaces = [f"ws{i}" for i in range(5)]
+    await _setup(app, workspaces)
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(Scheduler(nc, App(EventStore(nc))))
+        await stack.enter_async_context(Scheduler(nc, App(EventStore(nc))))
+        fake = await stack.enter_async_context(FakeExecutor(nc, app))
+        created = await asyncio.gather(
+            *(app.create_run("acme", random.choice(workspaces), "plan", "alice") for _ in range(60))
+        )
+        ids = {r.state.run_id for r in created}
+
+        async def all_done() -> bool:
+            states = [
+                (await app.load_run("acme", r.state.workspace, r.state.run_id)).state
+                for r in created
+            ]
+            return all(s.status == R.Status.NO_CHANGES for s in states)
+
+        await eventually(all_done, timeout=60, what="every run to finish")
+    admitted = check_history(await store.read("rp.>"))
+    assert sorted(sum(admitted.values(), [])) == sorted(ids)
+    assert sorted(fake.claimed) == sorted(ids), "every run planned exactly once"
+
+
+async def test_a_busy_workspace_does_not_block_another(nc: NATS, app: App) -> None:
+    await _setup(app, ["busy", "free"])
+    async with Scheduler(nc, app):
+        first = await app.create_run("acme", "busy", "apply", "alice")
+        second = await app.create_run("acme", "busy", "apply", "alice")
+        other = await app.create_run("acme", "free", "apply", "alice")
+
+        async def status(ws: str, run: str) -> str:
+            return str((await app.load_run("acme", ws, run)).state.status)
+
+        async def both_admitted() -> bool:
+            return (
+                await status("busy", first.state.run_id) == "queued"
+                and await status("free", other.state.run_id) == "queued"
+            )
+
+        await eventually(both_admitted, what="both workspaces' first runs admitted")
+        assert await status("busy", second.state.run_id) == "pending"
+
+
+async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
+    nc: NATS, app: App
+) -> None:
+    await _setup(app, ["net"])
+    async with Scheduler(nc, app):
+        first = await app.create_run("acme", "net", "apply", "alice")
+        second = await app.create_run("acme", "net", "apply", "alice")
+        r1 = first.state.run_id
+
+        async def is_queued(run: str) -> bool:
+            return (await app.load_run("acme", "net", run)).state.status == R.Status.QUEUED
+
+        await eventually(lambda: is_queued(r1), what="first run admitted")
+        lease = new_id()
+        await app.run_command("acme", "net", r1, R.ClaimPhase(
+            actor="x", phase="plan", lease_id=lease, executor_id="x"))
+        await app.run_command("acme", "net", r1, R.FinishPlan(
+            actor="x", lease_id=lease, commit="c", has_changes=True,
+            summary=R.PlanSummary(add=1)))
+        await asyncio.sleep(0.3)  # give a wrong admission the chance to happen
+        assert (await app.load_run("acme", "net", second.state.run_id)).state.status == "pending"
+        await app.run_command("acme", "net", r1, R.DiscardRun(actor="bob"))
+        await eventually(lambda: is_queued(second.state.run_id), what="second run admitted")
+
+
+async def test_canceling_a_pending_run_removes_it_from_the_queue(nc: NATS, app: App) -> None:
+    await _setup(app, ["net"])
+    async with Scheduler(nc, app):
+        runs = [await app.create_run("acme", "net", "apply", "alice") for _ in range(3)]
+        r0, r1, r2 = (r.state.run_id for r in runs)
+
+        async def status(run: str) -> str:
+            return str((await app.load_run("acme", "net", run)).state.status)
+
+        await eventually(lambda: _eq(status(r0), "queued"), what="first admitted")
+        await app.run_command("acme", "net", r1, R.CancelRun(actor="alice"))
+        await app.run_command("acme", "net", r0, R.CancelRun(actor="alice"))
+        await eventually(lambda: _eq(status(r2), "queued"), what="third admitted after cancels")
+        assert await status(r1) == "canceled"
+
+
+async def _eq(value: object, expected: str) -> bool:
+    return (await value) == expected  # type: ignore[misc]
+
+
+async def test_dispatch_is_deduplicated_per_phase(nc: NATS, app: App) -> None:
+    """Handling the same event twice publishes the phase to the work queue once."""
+    await _setup(app, ["net"])
+    async with Scheduler(nc, app) as sched:
+        r = await app.create_run("acme", "net", "apply", "alice")
+        run_id = r.state.run_id
+
+        async def queued() -> bool:
+            return (await app.load_run("acme", "net", run_id)).state.status == R.Status.QUEUED
+
+        await eventually(queued, what="admitted")
+        await sched._dispatch("acme", "net", run_id)  # a redelivered event, handled again
+    info = await nc.jetstream().stream_info(streams.DISPATCH)
+    assert info.state.messages == 1
