@@ -54,9 +54,9 @@ async def _start_executor(opts: Options, stack: AsyncExitStack, nc: object) -> N
     await stack.enter_async_context(ex)
 
 
-async def up(opts: Options, stack: AsyncExitStack) -> None:
-    """Everything on one machine: embedded NATS, api+projector, scheduler, one executor."""
-    from services.demo import DEMO_ORG, DEMO_WS, ensure_demo
+async def start_all(opts: Options, stack: AsyncExitStack) -> str:
+    """Start every component on one machine; return the API's base URL once all are ready."""
+    from services.demo import ensure_demo
     from services.scheduler.scheduler import Scheduler
 
     nc = await stack.enter_async_context(nats_for(opts, stack))
@@ -67,6 +67,14 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     if opts.demo:
         await ensure_demo(make_app(nc), opts.data_dir)
     components_ready["v"] = True
+    return base
+
+
+async def up(opts: Options, stack: AsyncExitStack) -> None:
+    """Everything on one machine: embedded NATS, api+projector, scheduler, one executor."""
+    from services.demo import DEMO_ORG, DEMO_WS
+
+    base = await start_all(opts, stack)
     _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
     await wait_for_signal()
     log.info("shutting_down")

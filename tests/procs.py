@@ -1,0 +1,123 @@
+"""Helpers to run runplane processes as real subprocesses in tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tests.helpers import eventually
+
+RUNPLANE = [sys.executable, "-m", "services.cli"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A runplane subprocess with its output captured to a file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.args = args
+        self.log = log
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> Proc:
+        out = open(self.log, "ab")  # noqa: SIM115  # kept open for the child's lifetime
+        self.proc = await asyncio.create_subprocess_exec(
+            *RUNPLANE, *self.args, stdout=out, stderr=out, env=self.env, cwd=str(ROOT),
+            start_new_session=True,
+        )
+        out.close()
+        return self
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    async def stop(self, sig: signal.Signals = signal.SIGTERM, timeout: float = 30) -> int:
+        assert self.proc
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+        return await asyncio.wait_for(self.proc.wait(), timeout)
+
+    def kill(self) -> None:
+        assert self.proc
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+class Client:
+    """A tiny JSON client for the runplane API."""
+
+    def __init__(self, base: str, token: str) -> None:
+        self.base = base
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.session = aiohttp.ClientSession()
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body)
+        async with self.session.request(
+            method, self.base + path, data=data, headers=self.headers
+        ) as resp:
+            text = await resp.text()
+            return resp.status, (json.loads(text) if text else None)
+
+    async def ok(self, method: str, path: str, body: Any = None) -> Any:
+        status, payload = await self.call(method, path, body)
+        assert 200 <= status < 300, (status, payload)
+        return payload
+
+    async def wait_status(
+        self, org: str, run: str, wanted: set[str], timeout: float = 60
+    ) -> dict[str, Any]:
+        async def probe() -> dict[str, Any] | None:
+            try:
+                status, r = await self.call("GET", f"/api/v1/orgs/{org}/runs/{run}")
+            except aiohttp.ClientError:
+                return None
+            if status == 200 and r["status"] in wanted:
+                return r  # type: ignore[no-any-return]
+            return None
+
+        return await eventually(probe, timeout=timeout, interval=0.1,
+                                what=f"run {run} to reach {wanted}")
+
+
+async def wait_healthy(base: str, timeout: float = 60) -> None:
+    async def probe() -> bool:
+        try:
+            async with aiohttp.ClientSession() as s, s.get(base + "/healthz") as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    await eventually(probe, timeout=timeout, interval=0.1, what=f"{base}/healthz")
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+__all__ = ["Client", "Proc", "free_port", "pids_alive", "signal", "wait_healthy"]

@@ -1,0 +1,143 @@
+"""runplane as a user runs it: real processes, real nats-server, real Terraform."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from services.demo import make_demo_repo
+from services.infra.eventstore import EventStore
+from services.infra.natsserver import EmbeddedNats
+from tests.procs import Client, Proc, free_port, wait_healthy
+
+pytestmark = pytest.mark.terraform
+
+HAPPY_PATH = [
+    "pending",
+    "queued",
+    "planning",
+    "awaiting_approval",
+    "apply_queued",
+    "applying",
+    "applied",
+]
+
+
+def statuses_from_events(events: list[dict[str, object]]) -> list[str]:
+    """The run's status path, read from its audit history alone."""
+    path = []
+    for e in events:
+        kind = e["type"]
+        data = e["data"]
+        assert isinstance(data, dict)
+        step = {
+            "run.created": "pending",
+            "run.queued": "queued",
+            "run.approved": "apply_queued",
+            "run.apply_finished": "applied",
+            "run.failed": "failed",
+        }.get(str(kind))
+        if kind == "run.phase_started":
+            step = "planning" if data["phase"] == "plan" else "applying"
+        if kind == "run.plan_finished":
+            step = "awaiting_approval" if data.get("require_approval", True) else "apply_queued"
+        if step:
+            path.append(step)
+    return path
+
+
+def nats_servers_using(path: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "nats-server" in cmd and str(path) in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+async def test_runplane_up_plans_and_applies_the_demo_and_stops_everything(
+    tmp_path: Path,
+) -> None:
+    data, port = tmp_path / "data", free_port()
+    up = await Proc(
+        ["up", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+        tmp_path / "up.log",
+        env={"RUNPLANE_ADMIN_TOKEN": "t0ken-for-tests"},
+    ).start()
+    base = f"http://127.0.0.1:{port}"
+    client = Client(base, "t0ken-for-tests")
+    try:
+        await wait_healthy(base)
+        banner = up.output()
+        assert base in banner and "t0ken-for-tests" in banner and "curl" in banner
+        run = await client.ok("POST", "/api/v1/orgs/demo/workspaces/hello/runs", {"type": "apply"})
+        assert run["status"] == "pending"
+        planned = await client.wait_status("demo", run["id"], {"awaiting_approval", "failed"})
+        assert planned["status"] == "awaiting_approval", planned
+        assert planned["plan_summary"] == {"add": 2, "change": 0, "destroy": 0}
+        await client.ok("POST", f"/api/v1/orgs/demo/runs/{run['id']}/approve",
+                        {"acknowledged": []})
+        done = await client.wait_status("demo", run["id"], {"applied", "failed"})
+        assert done["status"] == "applied", done
+        events = (await client.ok("GET", f"/api/v1/orgs/demo/runs/{run['id']}/events"))["items"]
+        assert statuses_from_events(events) == HAPPY_PATH
+        seqs = [e["seq"] for e in events]
+        assert seqs == sorted(seqs) and all(e["actor"] and e["at"] for e in events)
+        assert nats_servers_using(data), "the embedded nats-server runs on the data directory"
+    finally:
+        await client.close()
+        code = await up.stop(signal.SIGTERM)
+    assert code == 0, up.output()[-3000:]
+    assert not nats_servers_using(data), "runplane up left its nats-server running"
+
+
+async def test_the_api_killed_mid_run_loses_nothing(
+    tmp_path: Path, nats_server: EmbeddedNats, store: EventStore
+) -> None:
+    """Kill -9 the api while a run moves on; the restarted api catches up from its
+    checkpoint and shows every event the run has, in order."""
+    url = nats_server.url
+    common = ["--nats-url", url, "--data-dir"]
+    env = {"RUNPLANE_ADMIN_TOKEN": "adm"}
+    sched = await Proc(["scheduler", *common, str(tmp_path / "s")], tmp_path / "s.log", env).start()
+    execu = await Proc(["executor", *common, str(tmp_path / "e")], tmp_path / "e.log", env).start()
+    port = free_port()
+    api_args = ["api", *common, str(tmp_path / "a"), "--listen", f"127.0.0.1:{port}"]
+    api = await Proc(api_args, tmp_path / "a.log", env).start()
+    base = f"http://127.0.0.1:{port}"
+    client = Client(base, "adm")
+    repo = make_demo_repo(tmp_path / "repo")
+    try:
+        await wait_healthy(base)
+        await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        await client.ok("POST", "/api/v1/orgs/acme/workspaces",
+                        {"name": "net", "repository": str(repo), "variables": {"n": "1"}})
+        run = await client.ok("POST", "/api/v1/orgs/acme/workspaces/net/runs", {"type": "apply"})
+        api.kill()
+        await api.proc.wait()  # type: ignore[union-attr]
+        api = await Proc(api_args, tmp_path / "a.log", env).start()
+        await wait_healthy(base)
+        await client.wait_status("acme", run["id"], {"awaiting_approval"})
+        await client.ok("POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve",
+                        {"acknowledged": []})
+        api.kill()
+        await api.proc.wait()  # type: ignore[union-attr]
+        api = await Proc(api_args, tmp_path / "a.log", env).start()
+        await wait_healthy(base)
+        done = await client.wait_status("acme", run["id"], {"applied", "failed"})
+        assert done["status"] == "applied", done
+        events = (await client.ok("GET", f"/api/v1/orgs/acme/runs/{run['id']}/events"))["items"]
+        stored = await store.read(f"rp.run.acme.net.{run['id']}")
+        assert [e["seq"] for e in events] == [e.seq for e in stored]
+        assert statuses_from_events(events) == HAPPY_PATH
+    finally:
+        await client.close()
+        for p in (api, sched, execu):
+            await p.stop()
