@@ -32,7 +32,7 @@ def tag_of(event: AnyEvent) -> str:
 
 def valid_id(value: str) -> bool:
     """Ids and names are subject-safe tokens: lowercase letters, digits and dashes."""
-    return bool(ID_RE.match(value))
+    return ID_RE.fullmatch(value) is not None
 
 
 def run_subject(org: str, ws: str, run: str) -> str:

@@ -414,6 +414,8 @@ def decide(
                     f"not {command.phase}",
                     status=str(state.status),
                 )
+            if not command.lease_id:
+                raise Invalid("a claim needs a lease id")
             return [
                 PhaseStarted(
                     at=now,
@@ -500,7 +502,7 @@ def decide(
                 RunFailed(
                     at=now,
                     actor=who,
-                    reason=command.reason,
+                    reason=command.reason or "failed",
                     message=command.message,
                     lease_id=command.lease_id,
                 )

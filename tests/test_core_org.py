@@ -22,8 +22,10 @@ def issue(role: str = "operator", token_id: str = "tok-1") -> IssueToken:
 
 
 def test_create_records_the_organization() -> None:
-    state = given(ORG).when(CreateOrg(actor="alice", name="acme")).then(
-        OrgCreated(at=NOW, actor="alice", name="acme")
+    state = (
+        given(ORG)
+        .when(CreateOrg(actor="alice", name="acme"))
+        .then(OrgCreated(at=NOW, actor="alice", name="acme"))
     )
     assert (state.name, state.created_at, state.tokens) == ("acme", NOW, ())
 
@@ -34,9 +36,18 @@ def test_creating_an_organization_that_exists_is_refused_as_already_exists() -> 
 
 @pytest.mark.parametrize("role", org.ROLES)
 def test_a_token_with_a_known_role_is_issued_storing_only_its_hash(role: str) -> None:
-    state = given(ORG, CREATED).when(issue(role)).then(
-        TokenIssued(
-            at=NOW, actor="alice", token_id="tok-1", token_hash="sha256:feed", user="bob", role=role
+    state = (
+        given(ORG, CREATED)
+        .when(issue(role))
+        .then(
+            TokenIssued(
+                at=NOW,
+                actor="alice",
+                token_id="tok-1",
+                token_hash="sha256:feed",
+                user="bob",
+                role=role,
+            )
         )
     )
     assert state.tokens == ("tok-1",)
@@ -62,14 +73,18 @@ def test_issued_tokens_are_kept_in_issue_order() -> None:
     first = TokenIssued(
         at=NOW, actor="alice", token_id="tok-1", token_hash="h1", user="bob", role="viewer"
     )
-    state = given(ORG, CREATED, first).when(issue(token_id="tok-2")).then(
-        TokenIssued(
-            at=NOW,
-            actor="alice",
-            token_id="tok-2",
-            token_hash="sha256:feed",
-            user="bob",
-            role="operator",
+    state = (
+        given(ORG, CREATED, first)
+        .when(issue(token_id="tok-2"))
+        .then(
+            TokenIssued(
+                at=NOW,
+                actor="alice",
+                token_id="tok-2",
+                token_hash="sha256:feed",
+                user="bob",
+                role="operator",
+            )
         )
     )
     assert state.tokens == ("tok-1", "tok-2")

@@ -38,7 +38,7 @@ from events.run import (
     StepFinished,
     StepStarted,
 )
-from tests.gwt import NOW, Aggregate, Ids, given
+from tests.gwt import NOW, Aggregate, Given, Ids, given
 
 RUN = Aggregate(initial=run.INITIAL, decide=run.decide, evolve=run.evolve)
 
@@ -138,7 +138,7 @@ def history(status: Status) -> list[RunEvent]:
     return list(HISTORIES[status])
 
 
-def in_status(status: Status) -> Any:
+def in_status(status: Status) -> Given[run.RunState]:
     return given(RUN, *history(status))
 
 
@@ -278,15 +278,23 @@ def test_every_command_but_create_on_a_missing_run_is_refused_as_not_found(comma
 
 
 def test_admit_moves_a_pending_run_to_queued_waiting_for_its_plan_phase() -> None:
-    state = in_status(Status.PENDING).when(ADMIT).then(
-        RunQueued(at=NOW, actor="scheduler", phase="plan")
+    state = (
+        in_status(Status.PENDING)
+        .when(ADMIT)
+        .then(RunQueued(at=NOW, actor="scheduler", phase="plan"))
     )
     assert state.status == Status.QUEUED
 
 
 def test_claiming_the_plan_phase_starts_planning_under_the_claimed_lease() -> None:
-    state = in_status(Status.QUEUED).when(claim("plan", PLAN_LEASE)).then(
-        PhaseStarted(at=NOW, actor="exec-a", phase="plan", lease_id=PLAN_LEASE, executor_id="exec-a")
+    state = (
+        in_status(Status.QUEUED)
+        .when(claim("plan", PLAN_LEASE))
+        .then(
+            PhaseStarted(
+                at=NOW, actor="exec-a", phase="plan", lease_id=PLAN_LEASE, executor_id="exec-a"
+            )
+        )
     )
     assert (state.status, state.phase, state.lease_id, state.executor_id) == (
         Status.PLANNING,
@@ -301,22 +309,28 @@ def test_step_reports_under_the_current_lease_are_recorded_and_keep_the_status(
     status: Status,
 ) -> None:
     lease = LEASE_OF[status]
-    state = in_status(status).when(StartStep(actor="exec", lease_id=lease, step="init")).then(
-        StepStarted(at=NOW, actor="exec", lease_id=lease, step="init")
+    state = (
+        in_status(status)
+        .when(StartStep(actor="exec", lease_id=lease, step="init"))
+        .then(StepStarted(at=NOW, actor="exec", lease_id=lease, step="init"))
     )
     assert state.status == status
     finish = FinishStep(
         actor="exec", lease_id=lease, step="init", ok=False, started_at=at(2), error="boom"
     )
-    state = in_status(status).when(finish).then(
-        StepFinished(
-            at=NOW,
-            actor="exec",
-            lease_id=lease,
-            step="init",
-            ok=False,
-            started_at=at(2),
-            error="boom",
+    state = (
+        in_status(status)
+        .when(finish)
+        .then(
+            StepFinished(
+                at=NOW,
+                actor="exec",
+                lease_id=lease,
+                step="init",
+                ok=False,
+                started_at=at(2),
+                error="boom",
+            )
         )
     )
     assert state.status == status
@@ -326,7 +340,11 @@ def test_a_plan_run_with_changes_ends_planned_and_keeps_the_plan() -> None:
     g = given(RUN, created("plan"), QUEUED, PLAN_STARTED)
     state = g.when(finish_plan()).then(plan_finished_now())
     assert state.status == Status.PLANNED
-    assert (state.commit, state.plan_summary, state.plan_digest) == ("c0ffee", SUMMARY, "sha256:abc")
+    assert (state.commit, state.plan_summary, state.plan_digest) == (
+        "c0ffee",
+        SUMMARY,
+        "sha256:abc",
+    )
     assert state.lease_id == ""
 
 
@@ -371,25 +389,33 @@ def test_an_apply_or_destroy_plan_without_required_approval_goes_straight_to_app
 
 
 def test_approve_moves_an_awaiting_run_to_apply_queued_and_records_the_approver() -> None:
-    state = in_status(Status.AWAITING_APPROVAL).when(APPROVE).then(
-        RunApproved(at=NOW, actor="bob", acknowledged=["aws_instance.web"])
+    state = (
+        in_status(Status.AWAITING_APPROVAL)
+        .when(APPROVE)
+        .then(RunApproved(at=NOW, actor="bob", acknowledged=["aws_instance.web"]))
     )
     assert state.status == Status.APPLY_QUEUED
     assert (state.approved_by, state.acknowledged) == ("bob", ["aws_instance.web"])
 
 
 def test_claiming_the_apply_phase_starts_applying_under_a_fresh_lease() -> None:
-    state = in_status(Status.APPLY_QUEUED).when(claim("apply", APPLY_LEASE, "exec-b")).then(
-        PhaseStarted(
-            at=NOW, actor="exec-b", phase="apply", lease_id=APPLY_LEASE, executor_id="exec-b"
+    state = (
+        in_status(Status.APPLY_QUEUED)
+        .when(claim("apply", APPLY_LEASE, "exec-b"))
+        .then(
+            PhaseStarted(
+                at=NOW, actor="exec-b", phase="apply", lease_id=APPLY_LEASE, executor_id="exec-b"
+            )
         )
     )
     assert (state.status, state.lease_id) == (Status.APPLYING, APPLY_LEASE)
 
 
 def test_finishing_the_apply_ends_applied_with_its_summary_and_releases_the_lease() -> None:
-    state = in_status(Status.APPLYING).when(finish_apply()).then(
-        ApplyFinished(at=NOW, actor="exec-b", lease_id=APPLY_LEASE, summary=SUMMARY)
+    state = (
+        in_status(Status.APPLYING)
+        .when(finish_apply())
+        .then(ApplyFinished(at=NOW, actor="exec-b", lease_id=APPLY_LEASE, summary=SUMMARY))
     )
     assert (state.status, state.apply_summary, state.lease_id) == (Status.APPLIED, SUMMARY, "")
 
@@ -486,9 +512,11 @@ def test_approve_is_refused_unless_awaiting_approval(status: Status) -> None:
 
 
 def test_discard_of_an_awaiting_run_ends_discarded_with_its_reason() -> None:
-    state = in_status(Status.AWAITING_APPROVAL).when(
-        DiscardRun(actor="bob", reason="wrong region")
-    ).then(RunDiscarded(at=NOW, actor="bob", reason="wrong region"))
+    state = (
+        in_status(Status.AWAITING_APPROVAL)
+        .when(DiscardRun(actor="bob", reason="wrong region"))
+        .then(RunDiscarded(at=NOW, actor="bob", reason="wrong region"))
+    )
     assert (state.status, state.reason) == (Status.DISCARDED, "wrong region")
 
 
@@ -509,8 +537,10 @@ def test_discard_is_refused_unless_awaiting_approval(status: Status) -> None:
 
 @pytest.mark.parametrize("status", [Status.PENDING, Status.QUEUED, Status.APPLY_QUEUED])
 def test_cancel_of_a_waiting_run_ends_canceled(status: Status) -> None:
-    state = in_status(status).when(CancelRun(actor="alice", reason="not today")).then(
-        RunCanceled(at=NOW, actor="alice", reason="not today")
+    state = (
+        in_status(status)
+        .when(CancelRun(actor="alice", reason="not today"))
+        .then(RunCanceled(at=NOW, actor="alice", reason="not today"))
     )
     assert (state.status, state.reason) == (Status.CANCELED, "not today")
 
@@ -522,8 +552,10 @@ def test_cancel_without_a_reason_records_canceled_as_the_reason() -> None:
 
 
 def test_cancel_of_a_run_awaiting_approval_is_refused_carrying_its_status() -> None:
-    err = in_status(Status.AWAITING_APPROVAL).when(CancelRun(actor="alice")).then_error(
-        IllegalTransition
+    err = (
+        in_status(Status.AWAITING_APPROVAL)
+        .when(CancelRun(actor="alice"))
+        .then_error(IllegalTransition)
     )
     assert err.status == "awaiting_approval"
 
@@ -547,8 +579,10 @@ def test_fail_without_a_lease_ends_failed_from_every_non_terminal_status_with_it
     status: Status,
 ) -> None:
     command = FailRun(actor="reaper", reason="timed_out", message="run limit 2h")
-    state = in_status(status).when(command).then(
-        RunFailed(at=NOW, actor="reaper", reason="timed_out", message="run limit 2h")
+    state = (
+        in_status(status)
+        .when(command)
+        .then(RunFailed(at=NOW, actor="reaper", reason="timed_out", message="run limit 2h"))
     )
     assert (state.status, state.reason, state.message) == (
         Status.FAILED,
@@ -561,24 +595,24 @@ def test_fail_without_a_lease_ends_failed_from_every_non_terminal_status_with_it
 @pytest.mark.parametrize("status", [Status.PLANNING, Status.APPLYING])
 def test_fail_under_the_current_lease_ends_failed_and_records_the_lease(status: Status) -> None:
     lease = LEASE_OF[status]
-    state = in_status(status).when(
-        FailRun(actor="exec", reason="step_failed", lease_id=lease)
-    ).then(RunFailed(at=NOW, actor="exec", reason="step_failed", lease_id=lease))
+    state = (
+        in_status(status)
+        .when(FailRun(actor="exec", reason="step_failed", lease_id=lease))
+        .then(RunFailed(at=NOW, actor="exec", reason="step_failed", lease_id=lease))
+    )
     assert (state.status, state.reason, state.lease_id) == (Status.FAILED, "step_failed", "")
 
 
 @pytest.mark.parametrize("status", TERMINAL)
 def test_fail_without_a_lease_is_refused_once_terminal(status: Status) -> None:
-    err = in_status(status).when(FailRun(actor="reaper", reason="timed_out")).then_error(
-        IllegalTransition
+    err = (
+        in_status(status)
+        .when(FailRun(actor="reaper", reason="timed_out"))
+        .then_error(IllegalTransition)
     )
     assert err.status == status
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: FailRun accepts an empty reason and records none (events/run.py decide, FailRun)",
-)
 def test_a_failure_without_a_reason_is_refused_or_still_records_one() -> None:
     outcome = in_status(Status.QUEUED).when(FailRun(actor="reaper", reason=""))
     if outcome.error is not None:
@@ -665,8 +699,8 @@ def test_claiming_the_apply_phase_of_a_run_queued_for_its_plan_is_refused() -> N
 
 
 def test_claiming_the_plan_phase_of_a_run_queued_for_its_apply_is_refused() -> None:
-    err = in_status(Status.APPLY_QUEUED).when(claim("plan", PLAN_LEASE)).then_error(
-        IllegalTransition
+    err = (
+        in_status(Status.APPLY_QUEUED).when(claim("plan", PLAN_LEASE)).then_error(IllegalTransition)
     )
     assert err.status == "apply_queued"
 
@@ -686,10 +720,5 @@ def test_a_phase_can_be_claimed_only_while_it_waits_so_it_runs_at_most_once(
     assert err.status == status
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: ClaimPhase accepts an empty lease_id, leaving a phase no report can "
-    "ever pass the fence for (events/run.py decide, ClaimPhase)",
-)
 def test_claiming_a_phase_with_an_empty_lease_is_refused_as_invalid() -> None:
     in_status(Status.QUEUED).when(claim("plan", "")).then_error(Invalid)

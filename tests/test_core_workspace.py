@@ -67,9 +67,11 @@ def test_enqueueing_into_a_missing_workspace_is_refused_as_not_found() -> None:
 
 
 def test_enqueued_runs_wait_in_arrival_order() -> None:
-    state = given(WS, CREATED, enqueued("run-1"), enqueued("run-2")).when(
-        EnqueueRun(actor="alice", run_id="run-3")
-    ).then(RunEnqueued(at=NOW, actor="alice", run_id="run-3"))
+    state = (
+        given(WS, CREATED, enqueued("run-1"), enqueued("run-2"))
+        .when(EnqueueRun(actor="alice", run_id="run-3"))
+        .then(RunEnqueued(at=NOW, actor="alice", run_id="run-3"))
+    )
     assert state.queue == ("run-1", "run-2", "run-3")
     assert state.active == ""
 
@@ -89,8 +91,10 @@ def test_enqueueing_a_run_that_is_queued_or_active_is_refused_as_invalid(
 
 
 def test_admit_next_admits_the_oldest_run_when_nothing_is_active() -> None:
-    state = given(WS, CREATED, enqueued("run-1"), enqueued("run-2")).when(ADMIT).then(
-        RunAdmitted(at=NOW, actor="scheduler", run_id="run-1")
+    state = (
+        given(WS, CREATED, enqueued("run-1"), enqueued("run-2"))
+        .when(ADMIT)
+        .then(RunAdmitted(at=NOW, actor="scheduler", run_id="run-1"))
     )
     assert (state.active, state.queue) == ("run-1", ("run-2",))
 
@@ -111,9 +115,11 @@ def test_admit_next_decides_nothing_for_a_missing_workspace() -> None:
 
 def test_releasing_the_active_run_frees_the_slot_for_the_next_oldest() -> None:
     history = [CREATED, enqueued("run-1"), enqueued("run-2"), admitted("run-1")]
-    state = given(WS, *history).when(
-        ReleaseRun(actor="scheduler", run_id="run-1", status="applied")
-    ).then(RunReleased(at=NOW, actor="scheduler", run_id="run-1", status="applied"))
+    state = (
+        given(WS, *history)
+        .when(ReleaseRun(actor="scheduler", run_id="run-1", status="applied"))
+        .then(RunReleased(at=NOW, actor="scheduler", run_id="run-1", status="applied"))
+    )
     assert (state.active, state.queue) == ("", ("run-2",))
     given(WS, *history, released("run-1")).when(ADMIT).then(
         RunAdmitted(at=NOW, actor="scheduler", run_id="run-2")
@@ -122,9 +128,11 @@ def test_releasing_the_active_run_frees_the_slot_for_the_next_oldest() -> None:
 
 def test_releasing_a_waiting_run_removes_it_from_the_queue_and_keeps_the_active_one() -> None:
     history = [CREATED, enqueued("run-1"), enqueued("run-2"), enqueued("run-3"), admitted("run-1")]
-    state = given(WS, *history).when(
-        ReleaseRun(actor="alice", run_id="run-2", status="canceled")
-    ).then(RunReleased(at=NOW, actor="alice", run_id="run-2", status="canceled"))
+    state = (
+        given(WS, *history)
+        .when(ReleaseRun(actor="alice", run_id="run-2", status="canceled"))
+        .then(RunReleased(at=NOW, actor="alice", run_id="run-2", status="canceled"))
+    )
     assert (state.active, state.queue) == ("run-1", ("run-3",))
 
 
