@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from executor import process
 from executor.errors import StepFailed
 from executor.output import Output
 from executor.process import StepLog
+
+_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 def git_env() -> dict[str, str]:
@@ -39,6 +42,8 @@ async def checkout(
     Returns the checked-out commit sha. The apply phase passes the plan's commit: a branch
     that moved since the plan must not change what gets applied.
     """
+    if commit and not _SHA.fullmatch(commit):
+        raise StepFailed("checkout", f"not a commit sha: {commit!r}")
     if commit:
         # All branches, not only `branch`: the commit may no longer be its head.
         args = ["clone", "--no-checkout", "--", repository, str(dest)]

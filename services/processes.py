@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -37,7 +36,7 @@ async def _start_api(opts: Options, stack: AsyncExitStack, nc: object, ready: ob
 
 
 async def _start_executor(opts: Options, stack: AsyncExitStack, nc: object) -> None:
-    from executor.worker import Executor, TerraformSettings
+    from executor.worker import Executor, TerraformSettings, default_executor_id
 
     ex = Executor(
         nc,  # type: ignore[arg-type]  # NATS client
@@ -49,7 +48,7 @@ async def _start_executor(opts: Options, stack: AsyncExitStack, nc: object) -> N
             provider_mirrors=opts.provider_mirrors,
             mirror_root=opts.data_dir / "providers",
         ),
-        executor_id=opts.executor_id or f"{socket.gethostname()}-{id(stack) % 10000}",
+        executor_id=opts.executor_id or default_executor_id(),
     )
     await stack.enter_async_context(ex)
 

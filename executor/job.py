@@ -1,0 +1,153 @@
+"""One claimed phase of one run, and the step protocol every step follows.
+
+A step reports `StartStep`, runs, stores its log in `rp-logs`, and reports `FinishStep`.
+Every report carries the phase's lease: once the run has moved on (failed by the reaper,
+canceled), the report raises `StaleLease` and the executor abandons the phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+import structlog
+
+from events.errors import DomainError
+from events.run import FinishStep, RunCommand, RunState, StartStep, Workspace
+from executor.errors import ObjectStoreError, StepFailed
+from executor.objects import LOGS_BUCKET, Objects, log_object
+from executor.output import Masker
+from executor.process import StepLog
+from executor.terraform import Terraform
+from services.commands import App
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+STOPPED = "executor_stopped"
+LEASE_LOST = "lease_lost"
+
+
+@dataclass(kw_only=True, eq=False)  # identity: jobs are kept in a set
+class Job:
+    """Everything a phase needs: the run as claimed, the lease, and a private directory."""
+
+    app: App
+    objects: Objects
+    terraform: Terraform
+    org: str
+    ws: str
+    run_id: str
+    phase: str
+    lease_id: str
+    executor_id: str
+    run: RunState
+    root: Path  # fresh, removed when the phase ends
+    keep_dir: Path  # where files that must not be lost go if the object store refuses them
+    grace: float = 20.0
+    masker: Masker = field(default_factory=Masker)
+    step: str = ""  # the step running now, for failure reasons
+    finishing: bool = False  # the phase's final report is under way: do not cancel it
+    cancel_reason: str = ""
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def actor(self) -> str:
+        return f"executor:{self.executor_id}"
+
+    @property
+    def config(self) -> Workspace:
+        assert self.run.config is not None, "a claimed run always has its workspace config"
+        return self.run.config
+
+    @property
+    def src(self) -> Path:
+        return self.root / "src"
+
+    @property
+    def workdir(self) -> Path:
+        """The Terraform working directory: the workspace's directory in the clone."""
+        return self.src / self.config.directory
+
+    def now(self) -> datetime:
+        return self.app.clock()
+
+    async def report(self, command: RunCommand) -> None:
+        """Append a command to the run; raises StaleLease once the lease is not current."""
+        await self.app.run_command(self.org, self.ws, self.run_id, command)
+
+    def cancel(self, reason: str) -> None:
+        """Interrupt the phase (its Terraform gets SIGINT), unless it is already reporting."""
+        if self.task is None or self.task.done() or self.finishing:
+            return
+        self.cancel_reason = self.cancel_reason or reason
+        self.task.cancel(reason)
+
+
+async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> T:
+    """Run one step under the step protocol; a failure becomes StepFailed for this step."""
+    job.step = name
+    started = job.now()
+    await job.report(StartStep(actor=job.actor, lease_id=job.lease_id, step=name))
+    step_log = StepLog(job.root / "logs" / job.phase / f"{name}.log", job.masker)
+    log.info("step_started", step=name)
+    try:
+        result = await body(step_log)
+    except StepFailed as e:
+        await _finish(job, name, started, step_log, ok=False, error=e.error)
+        raise
+    except asyncio.CancelledError:
+        await _finish_interrupted(job, name, started, step_log)
+        raise
+    except Exception as e:
+        # An unexpected error inside the step (object store down, disk full): the step
+        # fails like any other, with the error as its message.
+        failure = StepFailed(name, f"{type(e).__name__}: {job.masker(str(e))}")
+        log.exception("step_error", step=name)
+        await _finish(job, name, started, step_log, ok=False, error=failure.error)
+        raise failure from e
+    await _finish(job, name, started, step_log, ok=True)
+    return result
+
+
+async def _finish(
+    job: Job, name: str, started: datetime, step_log: StepLog, *, ok: bool, error: str = ""
+) -> None:
+    step_log.close()
+    obj = await _store_log(job, name, step_log)
+    await job.report(
+        FinishStep(
+            actor=job.actor, lease_id=job.lease_id, step=name, ok=ok, started_at=started,
+            log_object=obj, error=error,
+        )
+    )
+    log.info("step_finished", step=name, ok=ok)
+
+
+async def _finish_interrupted(job: Job, name: str, started: datetime, step_log: StepLog) -> None:
+    """Best effort: keep the log and mark the step failed; the lease may be gone already."""
+    try:
+        await _finish(
+            job, name, started, step_log, ok=False,
+            error=f"interrupted ({job.cancel_reason or 'cancelled'})",
+        )
+    except DomainError as e:
+        log.info("interrupted_step_not_reported", step=name, why=str(e))
+    except Exception:
+        log.exception("interrupted_step_not_reported", step=name)
+
+
+async def _store_log(job: Job, name: str, step_log: StepLog) -> str:
+    """Upload the step's log; a log that cannot be stored must not lose the step's report."""
+    obj = log_object(job.run_id, job.phase, name)
+    try:
+        await job.objects.upload(LOGS_BUCKET, obj, step_log.path)
+    except ObjectStoreError:
+        log.exception("log_not_stored", step=name, object=obj)
+        return ""
+    return obj

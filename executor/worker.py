@@ -1,0 +1,357 @@
+"""The executor process: pull dispatched phases of a pool, claim them, run them, heartbeat.
+
+A dispatch message only says "this phase of this run waits"; the claim (`ClaimPhase`, an
+optimistic append on the run) decides who runs it. The message is acked once the claim
+is decided either way, so a claimed phase is never handed to a second executor and an
+apply runs at most once. An executor that dies mid-phase stops heartbeating; the reaper
+fails the run with `executor_unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+import msgspec
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from events.codec import valid_id
+from events.errors import DomainError
+from events.run import ClaimPhase, FailRun, RunState
+from executor import terraform as tf
+from executor.job import LEASE_LOST, STOPPED, Job
+from executor.objects import Objects
+from executor.phases import run_phase
+from services.commands import App, new_id
+from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
+
+log = structlog.get_logger(__name__)
+
+TerraformSettings = tf.TerraformConfig  # the name the composition root uses
+
+PHASES = ("plan", "apply")
+
+
+class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A dispatch message. Unknown fields are allowed: a newer scheduler may add some."""
+
+    org: str
+    workspace: str
+    run_id: str
+    phase: str
+
+
+def parse_dispatch(data: bytes) -> Dispatch:
+    """Decode and validate a dispatch body; ValueError if it is not one."""
+    try:
+        d = msgspec.json.decode(data, type=Dispatch)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not a dispatch message: {e}") from e
+    if not all(valid_id(x) for x in (d.org, d.workspace, d.run_id)):
+        raise ValueError("dispatch ids are not subject-safe tokens")
+    if d.phase not in PHASES:
+        raise ValueError(f"unknown phase {d.phase!r}")
+    return d
+
+
+def heartbeat_subject(run_id: str, phase: str) -> str:
+    return f"rp.hb.{run_id}.{phase}"
+
+
+def default_executor_id() -> str:
+    host = "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname().lower())
+    return f"{host or 'executor'}-{new_id()[-8:]}"
+
+
+class Executor:
+    """Runs the phases dispatched to one pool until `stop()`; an async context manager.
+
+    `work_dir` holds the provider mirror, Terraform's CLI config, one fresh directory per
+    phase (removed when it ends) and, should the object store refuse a new state, the copy
+    kept so that it is not lost. `concurrency` phases run at once (default one).
+
+    Stopping interrupts Terraform with SIGINT and kills it after `grace_period` seconds,
+    `apply_grace_period` during an apply: an interrupted apply finishes the operations in
+    flight and writes their state, which can take minutes, and killing it earlier leaves
+    infrastructure that no state records. Give the process manager's stop timeout more.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        app: App,
+        *,
+        pool: str = "default",
+        work_dir: Path,
+        terraform: tf.TerraformConfig | None = None,
+        executor_id: str | None = None,
+        heartbeat_interval: float = 5.0,
+        grace_period: float = 20.0,
+        apply_grace_period: float = 600.0,
+        concurrency: int = 1,
+        fetch_timeout: float = 2.0,
+    ) -> None:
+        if not valid_id(pool):
+            raise ValueError(f"pool {pool!r} is not a subject-safe token")
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.app = app
+        self.pool = pool
+        self.work_dir = Path(work_dir)
+        self.terraform_config = terraform or tf.TerraformConfig()
+        self.executor_id = executor_id or default_executor_id()
+        self.heartbeat_interval = heartbeat_interval
+        self.grace_period = grace_period
+        self.apply_grace_period = apply_grace_period
+        self.fetch_timeout = fetch_timeout
+        self.objects = Objects(self.js)
+        self._slots = asyncio.Semaphore(concurrency)
+        self._stopping = asyncio.Event()
+        self._jobs: set[Job] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._terraform: tf.Terraform | None = None
+        self._sub: JetStreamContext.PullSubscription | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Executor:
+        """Prepare Terraform, bind the pool's consumer and start taking work."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "jobs").mkdir(exist_ok=True)
+        self._terraform = await asyncio.to_thread(
+            tf.prepare, self.terraform_config, self.work_dir / "terraform"
+        )
+        version = await tf.check_version(self._terraform)
+        await ensure_executor_consumer(self.js, self.pool)
+        self._sub = await self.js.pull_subscribe_bind(
+            durable=executor_consumer(self.pool), stream=DISPATCH
+        )
+        self._task = asyncio.create_task(self._loop(), name=f"executor-{self.executor_id}")
+        log.info("executor_ready", executor_id=self.executor_id, pool=self.pool,
+                 terraform=version)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop: running phases are interrupted and fail with `executor_stopped`."""
+        self.stop()
+        try:
+            await self.run()
+        finally:
+            if self._sub is not None:
+                await self._sub.unsubscribe()
+                self._sub = None
+
+    def stop(self) -> None:
+        """Stop taking work; interrupt running phases, which fail with `executor_stopped`."""
+        if not self._stopping.is_set():
+            log.info("executor_stopping", executor_id=self.executor_id, running=len(self._jobs))
+        self._stopping.set()
+        for job in list(self._jobs):
+            job.cancel(STOPPED)
+
+    async def run(self) -> None:
+        """Wait while the executor works, until `stop()` (or SIGTERM) has wound it down.
+
+        The work loop starts when the context is entered, so a composition root may just
+        enter it and wait for a signal; `run()` is for callers that want to block here.
+        """
+        if self._task is None:
+            raise RuntimeError("use `async with Executor(...)` before run()")
+        # Shielded: cancelling one waiter must not kill the loop under the others.
+        await asyncio.shield(self._task)
+
+    async def _loop(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                while not self._stopping.is_set():
+                    await self._slots.acquire()
+                    msg = await self._next()
+                    if msg is None:
+                        self._slots.release()
+                        continue
+                    tg.create_task(self._handle(msg))
+        finally:
+            log.info("executor_stopped", executor_id=self.executor_id)
+
+    # ------------------------------------------------------------ taking work
+
+    async def _next(self) -> Msg | None:
+        """One dispatch message, or None when there was none (or we are stopping)."""
+        if self._stopping.is_set():
+            return None
+        assert self._sub is not None
+        try:
+            msgs = await self._sub.fetch(1, timeout=self.fetch_timeout)
+        except nats.errors.TimeoutError:
+            return None
+        except Exception as e:  # keep taking work through broker hiccups
+            log.warning("fetch_failed", error=repr(e))
+            await asyncio.sleep(1)
+            return None
+        if self._stopping.is_set():
+            for m in msgs:  # hand it straight to another executor
+                await m.nak()
+            return None
+        return msgs[0] if msgs else None
+
+    async def _handle(self, msg: Msg) -> None:
+        """Claim and run one dispatched phase; never raises (it would end the TaskGroup)."""
+        try:
+            try:
+                d = parse_dispatch(msg.data)
+            except ValueError as e:
+                log.error("dispatch_malformed", error=str(e))
+                await msg.term()
+                return
+            with structlog.contextvars.bound_contextvars(
+                org=d.org, workspace=d.workspace, run_id=d.run_id, phase=d.phase
+            ):
+                job = await self._claim(msg, d)
+                if job is not None:
+                    await self._execute(job)
+        except Exception:
+            log.exception("dispatch_handling_failed")
+        finally:
+            self._slots.release()
+
+    async def _claim(self, msg: Msg, d: Dispatch) -> Job | None:
+        """Claim the phase under a fresh lease; ack the message whatever the claim decided."""
+        lease_id = new_id()
+        claim = ClaimPhase(
+            actor=f"executor:{self.executor_id}", phase=d.phase, lease_id=lease_id,
+            executor_id=self.executor_id,
+        )
+        try:
+            result = await self.app.run_command(d.org, d.workspace, d.run_id, claim)
+        except DomainError as e:
+            if e.retryable:
+                await msg.nak(delay=1)
+                return None
+            log.info("dispatch_dropped", why=e.code, detail=str(e))
+            await msg.ack()
+            return None
+        except Exception as e:
+            log.warning("claim_failed_will_retry", error=repr(e))
+            await msg.nak(delay=2)
+            return None
+        await _ack(msg)  # the claim is ours even if this ack is lost: run the phase
+        log.info("phase_claimed", lease_id=lease_id)
+        return self._job(d, lease_id, result.state)
+
+    def _job(self, d: Dispatch, lease_id: str, run: RunState) -> Job:
+        assert self._terraform is not None
+        root = tempfile.mkdtemp(prefix=f"{d.run_id}-{d.phase}-", dir=self.work_dir / "jobs")
+        return Job(
+            app=self.app, objects=self.objects, terraform=self._terraform, org=d.org,
+            ws=d.workspace, run_id=d.run_id, phase=d.phase, lease_id=lease_id,
+            executor_id=self.executor_id, run=run,
+            root=Path(root), keep_dir=self.work_dir / "unsaved-state",
+            grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
+        )
+
+    # ------------------------------------------------------------ running a phase
+
+    async def _execute(self, job: Job) -> None:
+        """Run the phase in its own task (so stop() can interrupt it) beside its heartbeat."""
+        self._jobs.add(job)
+        job.task = asyncio.create_task(run_phase(job), name=f"{job.run_id}-{job.phase}")
+        beat = asyncio.create_task(self._heartbeat(job))
+        try:
+            if self._stopping.is_set():  # stop() came while we were claiming
+                job.cancel(STOPPED)
+            await asyncio.wait([job.task])
+        finally:
+            beat.cancel()
+            if not job.task.done():  # we were cancelled from outside: take the phase down
+                job.cancel(STOPPED)
+                await asyncio.wait([job.task])
+            self._jobs.discard(job)
+            await self._conclude(job)
+
+    async def _conclude(self, job: Job) -> None:
+        """Log how the phase ended; report `executor_stopped` if we interrupted it."""
+        assert job.task is not None
+        if job.task.cancelled():
+            if job.cancel_reason == STOPPED:
+                await self._fail(job, "executor_stopped",
+                                 f"executor {self.executor_id} stopped during the "
+                                 f"{job.step or job.phase} step")
+            else:
+                log.warning("phase_abandoned", why="the run's lease is no longer ours")
+            return
+        exc = job.task.exception()
+        if exc is None:
+            log.info("phase_ended", step=job.step)
+        elif isinstance(exc, DomainError):
+            log.warning("phase_abandoned", why=str(exc), code=exc.code)
+        else:
+            log.error("phase_crashed", exc_info=exc)
+            await self._fail(job, f"{job.step or job.phase}_failed", f"executor error: {exc!r}")
+
+    async def _fail(self, job: Job, reason: str, message: str) -> None:
+        """Best effort: the lease may be gone (StaleLease) or NATS unreachable."""
+        cmd = FailRun(actor=job.actor, lease_id=job.lease_id, reason=reason, message=message)
+        try:
+            await job.report(cmd)
+            log.info("phase_failed", reason=reason)
+        except DomainError as e:
+            log.info("phase_failure_not_reported", reason=reason, why=str(e))
+        except Exception:
+            log.exception("phase_failure_not_reported", reason=reason)
+
+    async def _heartbeat(self, job: Job) -> None:
+        """Beat every interval; interrupt the phase once the run's lease is no longer ours."""
+        subject = heartbeat_subject(job.run_id, job.phase)
+        while True:
+            await self._beat(subject, job)
+            await asyncio.sleep(self.heartbeat_interval)
+            if await self._lease_lost(job):
+                log.warning("lease_lost", lease_id=job.lease_id)
+                job.cancel(LEASE_LOST)
+                return
+
+    async def _beat(self, subject: str, job: Job) -> None:
+        body = {"lease_id": job.lease_id, "executor_id": self.executor_id,
+                "at": job.now().isoformat()}
+        try:
+            await self.js.publish(subject, json.dumps(body).encode())
+        except Exception as e:  # a missed beat is survivable; the next one may land
+            log.warning("heartbeat_failed", error=repr(e))
+
+    async def _lease_lost(self, job: Job) -> bool:
+        if job.finishing:
+            return False
+        try:
+            loaded = await self.app.load_run(job.org, job.ws, job.run_id)
+        except Exception as e:
+            log.warning("lease_check_failed", error=repr(e))
+            return False
+        return bool(loaded.state.lease_id != job.lease_id)
+
+
+async def _ack(msg: Msg) -> None:
+    try:
+        await msg.ack()
+    except Exception as e:  # redelivery is harmless: a second claim is refused
+        log.warning("ack_failed", error=repr(e))
+
+
+def install_signal_handlers(executor: Executor) -> None:
+    """SIGTERM and SIGINT stop the executor cleanly (running phases fail, state is kept)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, executor.stop)

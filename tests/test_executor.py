@@ -1,0 +1,361 @@
+"""The executor against a real nats-server and real Terraform (null provider, offline)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import subprocess
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import ObjectNotFoundError
+
+from events.run import (
+    ApproveRun,
+    ClaimPhase,
+    FailRun,
+    RunState,
+    StepFinished,
+    StepStarted,
+    Workspace,
+)
+from executor import Executor
+from executor.objects import PLANS_BUCKET, STATE_BUCKET
+from services.commands import App
+from services.infra.streams import DISPATCH, dispatch_subject, executor_consumer
+from tests.helpers import eventually
+
+pytestmark = pytest.mark.terraform
+
+MAIN_TF = """
+variable "n" { default = "1" }
+resource "null_resource" "hello" {
+  count    = tonumber(var.n)
+  triggers = { n = var.n }
+}
+"""
+
+BAD_REFERENCE_TF = """
+resource "null_resource" "hello" {
+  triggers = { n = var.missing }
+}
+"""
+
+SLOW_TF = """
+variable "marker" {}
+resource "null_resource" "slow" {
+  provisioner "local-exec" { command = "touch ${var.marker} && sleep 60" }
+}
+"""
+
+_GIT_ENV = {
+    **os.environ,
+    "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com",
+}
+
+
+def git(repo: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["git", *args], cwd=repo, env=_GIT_ENV, check=True, capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def commit(repo: Path, main_tf: str) -> str:
+    """Write main.tf, commit it on `main`, return the commit sha."""
+    (repo / "main.tf").write_text(main_tf)
+    git(repo, "add", "main.tf")
+    git(repo, "commit", "-q", "-m", "change")
+    return git(repo, "rev-parse", "HEAD")
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    path = tmp_path / "repo"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    return path
+
+
+class Harness:
+    """Drives runs the way the scheduler would: create, admit, dispatch, approve."""
+
+    def __init__(self, nc: NATS, app: App) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.app = app
+
+    async def workspace(self, ws: str, config: Workspace, org: str = "acme") -> None:
+        if not (await self.app.load_org(org)).state.exists:
+            await self.app.create_org(org, "alice")
+        await self.app.create_workspace(org, ws, config, "alice")
+
+    async def start_run(self, ws: str, run_type: str = "apply", org: str = "acme") -> str:
+        run_id = (await self.app.create_run(org, ws, run_type, "alice")).state.run_id
+        assert await self.app.admit_next(org, ws) == run_id
+        await self.dispatch(ws, run_id, "plan", org)
+        return str(run_id)
+
+    async def dispatch(self, ws: str, run_id: str, phase: str, org: str = "acme") -> None:
+        body = {"org": org, "workspace": ws, "run_id": run_id, "phase": phase}
+        await self.js.publish(
+            dispatch_subject("default"), json.dumps(body).encode(),
+            headers={"Nats-Msg-Id": f"{run_id}:{phase}"},
+        )
+
+    async def approve(self, ws: str, run_id: str, org: str = "acme") -> None:
+        await self.app.run_command(org, ws, run_id, ApproveRun(actor="alice"))
+        await self.dispatch(ws, run_id, "apply", org)
+
+    async def run(self, ws: str, run_id: str, org: str = "acme") -> RunState:
+        return (await self.app.load_run(org, ws, run_id)).state  # type: ignore[no-any-return]
+
+    async def reaches(self, ws: str, run_id: str, status: str, org: str = "acme") -> RunState:
+        async def probe() -> RunState:
+            state = await self.run(ws, run_id, org)
+            assert str(state.status) == status, f"{state.status} {state.reason} {state.message}"
+            return state
+
+        return await eventually(probe, timeout=30, what=f"run {run_id} {status}")
+
+    async def events(self, ws: str, run_id: str, org: str = "acme") -> list[Any]:
+        envs = await self.app.store.read(f"rp.run.{org}.{ws}.{run_id}")
+        return [e.event for e in envs]
+
+    async def get(self, bucket: str, name: str) -> bytes:
+        buf = io.BytesIO()
+        store = await self.js.object_store(bucket)
+        await store.get(name, writeinto=buf)
+        return buf.getvalue()
+
+
+@pytest.fixture
+def h(nc: NATS, app: App) -> Harness:
+    return Harness(nc, app)
+
+
+@pytest.fixture
+async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
+    """A running executor with quick heartbeats, short polls and a short stop grace."""
+    ex = Executor(
+        nc, app, work_dir=tmp_path / "exec", executor_id="test-exec", heartbeat_interval=0.2,
+        grace_period=5.0, fetch_timeout=0.2,
+    )
+    async with ex:
+        yield ex
+
+
+def step_results(events: list[Any]) -> dict[str, StepFinished]:
+    return {e.step: e for e in events if isinstance(e, StepFinished)}
+
+
+async def test_plan_awaits_approval_then_apply_stores_state(
+    h: Harness, repo: Path, executor: Executor
+) -> None:
+    """A plan stores its plan file by digest at the branch's commit; apply stores the state."""
+    sha = commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo), variables={"n": "2"}))
+    run_id = await h.start_run("net")
+
+    planned = await h.reaches("net", run_id, "awaiting_approval")
+    assert planned.commit == sha
+    assert (planned.plan_summary.add, planned.plan_summary.destroy) == (2, 0)
+    plan_bytes = await h.get(PLANS_BUCKET, planned.plan_object)
+    assert hashlib.sha256(plan_bytes).hexdigest() == planned.plan_digest
+    steps = step_results(await h.events("net", run_id))
+    assert [s for s, e in steps.items() if e.ok] == ["checkout", "init", "plan"]
+    assert b"Plan: 2 to add" in await h.get("rp-logs", steps["plan"].log_object)
+
+    await h.approve("net", run_id)
+    applied = await h.reaches("net", run_id, "applied")
+    assert applied.apply_summary.add == 2
+    state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
+    assert len(state["resources"][0]["instances"]) == 2
+    await eventually(_empty(executor.work_dir / "jobs"), what="phase directories removed")
+
+
+async def test_second_run_plans_against_the_stored_state(
+    h: Harness, repo: Path, executor: Executor
+) -> None:
+    """After one applied run, the next plan sees the existing resources (state carried over)."""
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo)))
+    first = await h.start_run("net")
+    await h.reaches("net", first, "awaiting_approval")
+    await h.approve("net", first)
+    await h.reaches("net", first, "applied")
+
+    sha = commit(repo, MAIN_TF.replace('default = "1"', 'default = "3"'))
+    second = await h.start_run("net")
+    planned = await h.reaches("net", second, "awaiting_approval")
+    assert planned.commit == sha
+    # Without the stored state the plan would add 3; with it, the existing one is
+    # replaced (its trigger changed) and two are added.
+    assert (planned.plan_summary.add, planned.plan_summary.destroy) == (3, 1)
+    await h.approve("net", second)
+    await h.reaches("net", second, "applied")
+    state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
+    assert len(state["resources"][0]["instances"]) == 3
+
+
+async def test_failing_plan_fails_the_run_with_terraforms_error(
+    h: Harness, repo: Path, executor: Executor
+) -> None:
+    """A plan error fails the run with `plan_failed` and Terraform's diagnostic as message."""
+    commit(repo, BAD_REFERENCE_TF)
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = await h.start_run("net")
+
+    failed = await h.reaches("net", run_id, "failed")
+    assert failed.reason == "plan_failed"
+    assert "Error: Reference to undeclared input variable" in failed.message
+    assert "main.tf line 3" in failed.message
+    plan_step = step_results(await h.events("net", run_id))["plan"]
+    assert not plan_step.ok and "undeclared input variable" in plan_step.error
+    assert plan_step.log_object
+
+
+async def test_invalid_configuration_fails_init(
+    h: Harness, repo: Path, executor: Executor
+) -> None:
+    """HCL that does not parse fails at init (Terraform parses before installing providers)."""
+    commit(repo, 'resource "null_resource" "x" {\n')
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = await h.start_run("net")
+    failed = await h.reaches("net", run_id, "failed")
+    assert failed.reason == "init_failed"
+    assert failed.message.startswith("Error: ")
+    assert "main.tf line 2" in failed.message
+
+
+async def test_unknown_branch_fails_checkout(h: Harness, repo: Path, executor: Executor) -> None:
+    """A branch that does not exist fails the run at checkout, saying what git said."""
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo), branch="nope"))
+    run_id = await h.start_run("net")
+    failed = await h.reaches("net", run_id, "failed")
+    assert failed.reason == "checkout_failed"
+    assert "nope" in failed.message
+
+
+async def test_dispatch_for_a_claimed_phase_is_dropped(
+    h: Harness, repo: Path, nc: NATS, app: App, executor: Executor
+) -> None:
+    """A dispatch whose phase another executor holds is acked and nothing runs."""
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = (await app.create_run("acme", "net", "apply", "alice")).state.run_id
+    await app.admit_next("acme", "net")
+    claim = ClaimPhase(actor="executor:other", phase="plan", lease_id="l1", executor_id="other")
+    before = (await app.run_command("acme", "net", run_id, claim)).state
+
+    await h.dispatch("net", run_id, "plan")
+
+    async def consumed() -> bool:
+        info = await nc.jetstream().consumer_info(DISPATCH, executor_consumer("default"))
+        return info.num_pending == 0 and info.num_ack_pending == 0 and info.delivered.stream_seq > 0
+
+    await eventually(consumed, what="the dispatch message acked")
+    after = await h.run("net", run_id)
+    assert (after.version, after.lease_id, after.executor_id) == (before.version, "l1", "other")
+    assert not [e for e in await h.events("net", run_id) if isinstance(e, StepStarted)]
+
+
+async def test_tampered_plan_is_not_applied(h: Harness, repo: Path, executor: Executor) -> None:
+    """A plan object whose digest differs from the approved one fails the run, unapplied."""
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = await h.start_run("net")
+    planned = await h.reaches("net", run_id, "awaiting_approval")
+    store = await h.js.object_store(PLANS_BUCKET)
+    await store.put(planned.plan_object, b"not the approved plan")
+
+    await h.approve("net", run_id)
+    failed = await h.reaches("net", run_id, "failed")
+    assert failed.reason == "plan_digest_mismatch"
+    with pytest.raises(ObjectNotFoundError):
+        await h.get(STATE_BUCKET, "acme/net/terraform.tfstate")
+
+
+async def test_drift_run_without_drift_has_no_changes(
+    h: Harness, repo: Path, executor: Executor
+) -> None:
+    """A refresh-only plan with nothing drifted ends `no_changes` (not Terraform's exit 2)."""
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = await h.start_run("net", run_type="drift")
+    done = await h.reaches("net", run_id, "no_changes")
+    assert done.plan_object == ""
+
+
+async def test_stop_interrupts_apply_and_keeps_the_state(
+    h: Harness, repo: Path, executor: Executor, tmp_path: Path
+) -> None:
+    """Stopping mid-apply interrupts Terraform, stores the state it wrote, fails the run."""
+    marker = tmp_path / "provisioner-started"
+    commit(repo, SLOW_TF)
+    await h.workspace("net", Workspace(repository=str(repo), variables={"marker": str(marker)}))
+    run_id = await h.start_run("net")
+    await h.reaches("net", run_id, "awaiting_approval")
+    await h.approve("net", run_id)
+
+    await eventually(_exists(marker), what="the provisioner to start")
+    executor.stop()
+
+    failed = await h.reaches("net", run_id, "failed")
+    assert failed.reason == "executor_stopped"
+    assert "apply" in failed.message
+    state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
+    assert state["resources"][0]["instances"][0]["status"] == "tainted"
+    apply_step = step_results(await h.events("net", run_id))["apply"]
+    assert not apply_step.ok and b"Interrupt received" in await h.get(
+        "rp-logs", apply_step.log_object
+    )
+
+
+async def test_lost_lease_interrupts_terraform_and_keeps_the_state(
+    h: Harness, repo: Path, app: App, executor: Executor, tmp_path: Path
+) -> None:
+    """A run failed under a running apply (the reaper) interrupts it; its state is stored."""
+    marker = tmp_path / "provisioner-started"
+    commit(repo, SLOW_TF)
+    await h.workspace("net", Workspace(repository=str(repo), variables={"marker": str(marker)}))
+    run_id = await h.start_run("net")
+    await h.reaches("net", run_id, "awaiting_approval")
+    await h.approve("net", run_id)
+    await eventually(_exists(marker), what="the provisioner to start")
+
+    reap = FailRun(actor="scheduler", reason="executor_unavailable", message="no heartbeat")
+    await app.run_command("acme", "net", run_id, reap)
+
+    async def stored() -> bytes:
+        try:
+            return await h.get(STATE_BUCKET, "acme/net/terraform.tfstate")
+        except ObjectNotFoundError:
+            return b""
+
+    state = json.loads(await eventually(stored, timeout=15, what="the state stored"))
+    assert state["resources"][0]["instances"][0]["status"] == "tainted"
+    await eventually(_empty(executor.work_dir / "jobs"), what="the phase directory removed")
+    failed = await h.run("net", run_id)
+    assert (failed.reason, failed.message) == ("executor_unavailable", "no heartbeat")
+
+
+def _empty(path: Path) -> Callable[[], Any]:
+    async def probe() -> bool:
+        return not any(path.iterdir())
+
+    return probe
+
+
+def _exists(path: Path) -> Callable[[], Any]:
+    async def probe() -> bool:
+        return path.exists()
+
+    return probe
