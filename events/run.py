@@ -268,6 +268,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     acknowledged: list[str] = []
     reason: str = ""
     message: str = ""
+    error_message: str = ""
     version: int = 0
 
     @property
@@ -352,7 +353,11 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
             return msgspec.structs.replace(s, status=Status.CANCELED, reason=event.reason)
         case RunFailed():
             return msgspec.structs.replace(
-                s, status=Status.FAILED, reason=event.reason, message=event.message, lease_id=""
+                s,
+                status=Status.FAILED,
+                reason=event.reason,
+                error_message=event.message,
+                lease_id="",
             )
         case _:
             assert_never(event)

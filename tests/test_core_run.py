@@ -584,11 +584,12 @@ def test_fail_without_a_lease_ends_failed_from_every_non_terminal_status_with_it
         .when(command)
         .then(RunFailed(at=NOW, actor="reaper", reason="timed_out", message="run limit 2h"))
     )
-    assert (state.status, state.reason, state.message) == (
+    assert (state.status, state.reason, state.error_message) == (
         Status.FAILED,
         "timed_out",
         "run limit 2h",
     )
+    assert state.message == "bump vpc", "the run's own message survives its failure"
     assert state.lease_id == ""
 
 

@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from events.org import ROLES
-from services.api.context import API, Api
+from services.api.context import Api
 from services.api.problems import Problem, unauthorized
 
 VIEWER, OPERATOR, APPROVER, ADMIN = ROLES
@@ -69,11 +69,3 @@ async def authenticate(api: Api, header: str | None) -> Principal:
     if row is None:
         raise unauthorized("the token is not valid", invalid_token=True)
     return Principal(user=row["user"], role=row["role"], org=row["org"], token_id=row["token_id"])
-
-
-def principal(request: web.Request) -> Principal:
-    return request[PRINCIPAL]
-
-
-def api_of(request: web.Request) -> Api:
-    return request.app[API]

@@ -12,12 +12,17 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from events.codec import valid_id
+from events.codec import ID_RE, valid_id
 from services.api.problems import Problem
 
 NonEmpty = Annotated[str, Meta(min_length=1, max_length=1024)]
+# Checked by `check_name` (a 422 invalid-id), not by msgspec (a 400), hence only documented.
 Name = Annotated[
-    str, Meta(description="lowercase letters, digits and dashes; starts with a letter or digit")
+    str,
+    Meta(
+        description="lowercase letters, digits and dashes; starts with a letter or digit",
+        extra_json_schema={"pattern": ID_RE.pattern},
+    ),
 ]
 
 

@@ -41,6 +41,9 @@ class Api:
         self.projector = projector
         self.admin_digest = hashlib.sha256(admin_token.encode()).digest()
         self.ready = ready or (lambda: True)
+        self.write_wait = WRITE_WAIT_S
+        self.read_wait = READ_WAIT_S
+        self.token_wait = TOKEN_WAIT_S
 
     @property
     def read(self) -> ReadModel:
@@ -52,9 +55,9 @@ class Api:
 
     async def after_write(self, seq: int) -> bool:
         """Wait until the projection holds a write; a miss is logged, the write stands."""
-        if await self.reached(seq, WRITE_WAIT_S):
+        if await self.reached(seq, self.write_wait):
             return True
-        log.warning("projection lagging behind a write", seq=seq, projected=self.projector.seq)
+        log.warning("projection_lagging", seq=seq, projected=self.projector.seq)
         return False
 
     async def token(self, token_hash: str) -> dict[str, Any] | None:
@@ -63,7 +66,7 @@ class Api:
         row = await self.read.token(token_hash)
         if row is not None:
             return row
-        await self.reached(await self.app.store.last_seq(), TOKEN_WAIT_S)
+        await self.reached(await self.app.store.last_seq(), self.token_wait)
         return await self.read.token(token_hash)
 
 

@@ -13,7 +13,7 @@ from aiohttp.typedefs import Handler
 
 from events.errors import DomainError
 from services.api.auth import PRINCIPAL, authenticate
-from services.api.context import API, READ_WAIT_S
+from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
 from services.infra.eventstore import StoreError
 
@@ -30,9 +30,7 @@ async def log_requests(request: web.Request, handler: Handler) -> web.StreamResp
     ids = {_BOUND[k]: v for k, v in request.match_info.items() if k in _BOUND}
     start = time.perf_counter()
     status = 500
-    with structlog.contextvars.bound_contextvars(
-        method=request.method, path=request.path, **ids
-    ):
+    with structlog.contextvars.bound_contextvars(method=request.method, path=request.path, **ids):
         try:
             response = await handler(request)
             status = response.status
@@ -42,7 +40,8 @@ async def log_requests(request: web.Request, handler: Handler) -> web.StreamResp
             raise
         finally:
             ms = round((time.perf_counter() - start) * 1000, 2)
-            log.info("request", status=status, duration_ms=ms)
+            who = request.get(PRINCIPAL)
+            log.info("request", status=status, duration_ms=ms, user=who.user if who else None)
 
 
 @web.middleware
@@ -57,12 +56,12 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return from_http(e).response()
+        return from_http(e, request.method, request.path).response()
     except (StoreError, nats.errors.Error) as e:
-        log.warning("event store unavailable", error=str(e))
+        log.warning("event_store_unavailable", error=str(e))
         return Problem("unavailable", "the event store is unavailable; try again").response()
     except Exception:
-        log.exception("unhandled error")
+        log.exception("unhandled_error")
         return Problem("internal-error", "an unexpected error occurred").response()
 
 
@@ -74,10 +73,12 @@ def _is_public(request: web.Request) -> bool:
 @web.middleware
 async def authenticate_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route but the public ones needs a valid bearer token."""
-    if not _is_public(request):
-        api = request.app[API]
-        request[PRINCIPAL] = await authenticate(api, request.headers.get("Authorization"))
-    return await handler(request)
+    if _is_public(request):
+        return await handler(request)
+    who = await authenticate(request.app[API], request.headers.get("Authorization"))
+    request[PRINCIPAL] = who
+    with structlog.contextvars.bound_contextvars(user=who.user):
+        return await handler(request)
 
 
 def _min_seq(raw: str) -> int:
@@ -97,7 +98,7 @@ async def min_seq(request: web.Request, handler: Handler) -> web.StreamResponse:
     if raw is not None and request.method in ("GET", "HEAD"):
         seq = _min_seq(raw)
         api = request.app[API]
-        if not await api.reached(seq, READ_WAIT_S):
+        if not await api.reached(seq, api.read_wait):
             raise Problem(
                 "stale-read",
                 f"the read model is at {api.projector.seq}, not yet at {seq}",

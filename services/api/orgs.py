@@ -40,7 +40,7 @@ async def create_org(request: web.Request) -> web.Response:
         api,
         result.seq,
         lambda: api.read.get_org(name),
-        lambda: render.org(result.state),
+        lambda: render.org(result.state, request[PRINCIPAL].user),
         status=201,
         location=f"{PREFIX}/orgs/{name}",
     )

@@ -113,9 +113,17 @@ _HTTP_SLUGS = {404: "not-found", 405: "method-not-allowed", 413: "body-too-large
 _KEPT_HEADERS = ("Allow",)
 
 
-def from_http(exc: web.HTTPException) -> Problem:
+def from_http(exc: web.HTTPException, method: str, path: str) -> Problem:
     """The problem for an error aiohttp raised itself (no route, wrong method, ...)."""
     slug = _HTTP_SLUGS.get(exc.status, "internal-error" if exc.status >= 500 else "invalid-body")
     headers = {h: exc.headers[h] for h in _KEPT_HEADERS if h in exc.headers}
-    detail = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+    match exc.status:
+        case 404:
+            detail = f"no route for {method} {path}"
+        case 405:
+            detail = f"{method} is not allowed on {path}; allowed: {headers.get('Allow', '')}"
+        case _:
+            detail = (
+                exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+            )
     return Problem(slug, detail, headers=headers)

@@ -1,34 +1,50 @@
 """Resources rendered from a command's own result, in the read model's shape.
 
 Used only when this replica's projection has not caught up with a write within the bound:
-the write stands, so the client gets what the command decided rather than an error.
+the write stands, so the client gets what the command decided rather than an error. Like
+the read model, "not set" is null and times are ISO 8601 UTC with a Z; a test holds the
+two shapes equal.
 """
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from events.org import OrgState
-from events.run import RunState, Status
+from events.run import PlanSummary, RunState
 from events.workspace import WorkspaceState
 
 Row = dict[str, Any]
 
 
-def org(state: OrgState) -> Row:
-    return {"name": state.name, "created_at": state.created_at}
+def _time(dt: datetime | None) -> str | None:
+    if dt is None:
+        return None
+    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+def _summary(summary: PlanSummary | None) -> Row | None:
+    if summary is None:
+        return None
+    return {"add": summary.add, "change": summary.change, "destroy": summary.destroy}
+
+
+def org(state: OrgState, actor: str) -> Row:
+    return {"name": state.name, "created_at": _time(state.created_at), "created_by": actor}
 
 
 def workspace(state: WorkspaceState, actor: str) -> Row:
     config = state.config
+    assert config is not None, "a created workspace has its configuration"
     return {
         "org": state.org,
         "name": state.name,
-        "repository": config.repository if config else "",
-        "branch": config.branch if config else "",
-        "directory": config.directory if config else "",
-        "variables": dict(config.variables) if config else {},
-        "created_at": state.created_at,
+        "repository": config.repository,
+        "branch": config.branch,
+        "directory": config.directory,
+        "variables": dict(config.variables),
+        "created_at": _time(state.created_at),
         "created_by": actor,
         "active_run": state.active or None,
         "queue": list(state.queue),
@@ -36,7 +52,7 @@ def workspace(state: WorkspaceState, actor: str) -> Row:
 
 
 def run(state: RunState, seq: int) -> Row:
-    failed = state.status == Status.FAILED
+    planned = state.plan_summary is not None
     return {
         "id": state.run_id,
         "org": state.org,
@@ -44,19 +60,19 @@ def run(state: RunState, seq: int) -> Row:
         "type": state.run_type,
         "status": str(state.status),
         "created_by": state.created_by,
-        "created_at": state.created_at,
-        "updated_at": state.updated_at,
-        "message": "" if failed else state.message,
-        "commit": state.commit,
-        "has_changes": state.has_changes,
-        "plan_summary": state.plan_summary,
-        "apply_summary": state.apply_summary,
-        "plan_digest": state.plan_digest,
-        "approved_by": state.approved_by,
+        "created_at": _time(state.created_at),
+        "updated_at": _time(state.updated_at),
+        "message": state.message,
+        "commit": state.commit or None,
+        "has_changes": state.has_changes if planned else None,
+        "plan_summary": _summary(state.plan_summary),
+        "apply_summary": _summary(state.apply_summary),
+        "plan_digest": state.plan_digest or None,
+        "approved_by": state.approved_by or None,
         "acknowledged": list(state.acknowledged),
-        "reason": state.reason,
-        "error_message": state.message if failed else "",
-        "phase": state.phase,
-        "executor_id": state.executor_id,
+        "reason": state.reason or None,
+        "error_message": state.error_message or None,
+        "phase": state.phase or None,
+        "executor_id": state.executor_id or None,
         "seq": seq,
     }

@@ -93,13 +93,15 @@ def _filters(request: web.Request) -> dict[str, Any]:
     if "workspace" in query:
         filters["workspace"] = check_name("workspace", query["workspace"])
     if "before" in query:
-        filters["before"] = query["before"]
+        filters["before"] = check_name("before", query["before"])
     return filters
 
 
 async def _list(api: Api, org: str, filters: dict[str, Any]) -> web.Response:
+    """Newest first; a full page carries `next`, the `before` of the following page."""
     rows = await api.read.list_runs(org, **filters)
-    return items(rows)
+    full = len(rows) == filters["limit"]
+    return items(rows, next=rows[-1]["id"] if full and rows else None)
 
 
 async def list_runs(request: web.Request) -> web.Response:

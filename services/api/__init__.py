@@ -1,0 +1,1 @@
+"""The HTTP API (aiohttp): see `services.api.app.build_app`."""

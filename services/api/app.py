@@ -1,0 +1,68 @@
+"""The HTTP API: commands in through `App`, queries out of this replica's projection.
+
+`build_app` wires handlers and middlewares around the adapters it is given; the process's
+composition root owns their lifetimes (the projector is an async context manager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from services.api import openapi, orgs, runs
+from services.api.common import json_response
+from services.api.context import API, Api
+from services.api.middleware import MIDDLEWARES
+from services.commands import App
+
+if TYPE_CHECKING:
+    from projections.projector import Projector
+
+V1 = "/api/v1"
+ORG = V1 + "/orgs/{org}"
+RUN = ORG + "/runs/{run}"
+WS = ORG + "/workspaces/{ws}"
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return json_response(request.app[OPENAPI])
+
+
+OPENAPI: web.AppKey[dict[str, object]] = web.AppKey("runplane.openapi", dict)
+
+ROUTES = [
+    web.get("/healthz", orgs.healthz, allow_head=False),
+    web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
+    web.post(V1 + "/orgs", orgs.create_org),
+    web.get(ORG, orgs.get_org, allow_head=False),
+    web.post(ORG + "/tokens", orgs.create_token),
+    web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
+    web.post(ORG + "/workspaces", orgs.create_workspace),
+    web.get(WS, orgs.get_workspace, allow_head=False),
+    web.get(WS + "/runs", runs.list_workspace_runs, allow_head=False),
+    web.post(WS + "/runs", runs.create_run),
+    web.get(ORG + "/runs", runs.list_runs, allow_head=False),
+    web.get(RUN, runs.get_run, allow_head=False),
+    web.post(RUN + "/approve", runs.approve_run),
+    web.post(RUN + "/discard", runs.discard_run),
+    web.post(RUN + "/cancel", runs.cancel_run),
+    web.get(RUN + "/events", runs.run_events, allow_head=False),
+    web.get(RUN + "/steps", runs.run_steps, allow_head=False),
+]
+
+
+def build_app(
+    *,
+    app: App,
+    projector: Projector,
+    admin_token: str,
+    ready: Callable[[], bool] | None = None,
+) -> web.Application:
+    """The aiohttp application of the API over `app` (writes) and `projector` (reads)."""
+    web_app = web.Application(middlewares=MIDDLEWARES)
+    web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
+    web_app[OPENAPI] = openapi.document()
+    web_app.add_routes(ROUTES)
+    return web_app

@@ -1,0 +1,284 @@
+"""The OpenAPI 3.1 document of the HTTP API, as data.
+
+Answer schemas are written out in `schemas.py`; request body schemas come from the very
+msgspec Structs that decode the bodies (so they say `additionalProperties: false` exactly
+where the server refuses unknown fields). A test checks that every route of the router is
+documented and every documented operation is routed.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.api.bodies import BODIES
+from services.api.problems import CONTENT_TYPE
+from services.api.schemas import ID, INT, REF, SCHEMAS, STR, Doc, ref
+
+
+def _path(name: str, what: str) -> Doc:
+    return {"name": name, "in": "path", "required": True, "description": what, "schema": ID}
+
+
+def _query(name: str, what: str, schema: Doc) -> Doc:
+    return {"name": name, "in": "query", "required": False, "description": what, "schema": schema}
+
+
+PARAMETERS: dict[str, Doc] = {
+    "org": _path("org", "organization name"),
+    "ws": _path("ws", "workspace name"),
+    "run": _path("run", "run id"),
+    "min_seq": {
+        "name": "RP-Min-Seq",
+        "in": "header",
+        "required": False,
+        "description": "answer only from a projection at or past this stream sequence "
+        "(the RP-Seq of the caller's last write); 503 stale-read if it cannot within ~5 s",
+        "schema": {**INT, "minimum": 0},
+    },
+    "status": _query("status", "comma-separated run statuses", STR),
+    "workspace": _query("workspace", "only runs of this workspace", ID),
+    "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
+    "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
+}
+
+_ERRORS = {
+    "400": "invalid-body, invalid-query or invalid-header",
+    "401": "unauthorized: no token or an unknown token",
+    "403": "forbidden: the token's role lacks the permission in its organization",
+    "404": "not-found: absent, or not visible to the token's organization",
+    "409": "conflict (with current_status) or already-exists",
+    "422": "invalid-id or invalid-command",
+    "503": "unavailable or stale-read",
+}
+
+
+def _problem(what: str) -> Doc:
+    return {"description": what, "content": {CONTENT_TYPE: {"schema": ref("Problem")}}}
+
+
+RESPONSES: dict[str, Doc] = {code: _problem(what) for code, what in _ERRORS.items()}
+SEQ_HEADER: Doc = {
+    "description": "stream sequence of the write's last event; send it as RP-Min-Seq",
+    "schema": INT,
+}
+
+
+def _json(schema: str) -> Doc:
+    return {"application/json": {"schema": ref(schema)}}
+
+
+def _op(
+    op_id: str,
+    summary: str,
+    answer: tuple[int, str],
+    *,
+    params: tuple[str, ...] = (),
+    body: str = "",
+    body_required: bool = True,
+    errors: tuple[int, ...] = (),
+) -> Doc:
+    """One operation; a body makes it a command, which answers with RP-Seq."""
+    code, schema = answer
+    ok: Doc = {"description": schema, "content": _json(schema)}
+    if body:
+        ok["headers"] = {"RP-Seq": SEQ_HEADER}
+    op: Doc = {
+        "operationId": op_id,
+        "summary": summary,
+        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
+        "responses": {
+            str(code): ok,
+            **{str(e): {"$ref": f"#/components/responses/{e}"} for e in (401, *errors, 503)},
+        },
+    }
+    if body:
+        op["requestBody"] = {"required": body_required, "content": _json(body)}
+    return op
+
+
+_READ = ("min_seq",)
+_LIST = ("status", "limit", "before", "min_seq")
+_RUN = ("org", "run")
+
+
+def _run_command(op_id: str, summary: str, body: str, errors: tuple[int, ...]) -> Doc:
+    return _op(
+        op_id,
+        summary,
+        (200, "Run"),
+        params=_RUN,
+        body=body,
+        body_required=False,
+        errors=(400, 403, 404, 409, 422, *errors),
+    )
+
+
+PATHS: dict[str, Doc] = {
+    "/healthz": {
+        "get": {
+            "operationId": "healthz",
+            "summary": "Liveness and readiness",
+            "security": [],
+            "responses": {
+                "200": {"description": "ready", "content": _json("Health")},
+                "503": _problem("not-ready"),
+            },
+        }
+    },
+    "/api/v1/openapi.json": {
+        "get": {
+            "operationId": "openapi",
+            "summary": "This document",
+            "responses": {
+                "200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}},
+                "401": {"$ref": "#/components/responses/401"},
+            },
+        }
+    },
+    "/api/v1/orgs": {
+        "post": _op(
+            "createOrg",
+            "Create an organization (admin token only)",
+            (201, "Org"),
+            body="CreateOrgBody",
+            errors=(400, 403, 409, 422),
+        )
+    },
+    "/api/v1/orgs/{org}": {
+        "get": _op(
+            "getOrg",
+            "An organization",
+            (200, "Org"),
+            params=("org", *_READ),
+            errors=(400, 404, 422, 503),
+        )
+    },
+    "/api/v1/orgs/{org}/tokens": {
+        "post": _op(
+            "createToken",
+            "Issue a token scoped to the organization",
+            (201, "Token"),
+            params=("org",),
+            body="CreateTokenBody",
+            body_required=False,
+            errors=(400, 403, 404, 422),
+        )
+    },
+    "/api/v1/orgs/{org}/workspaces": {
+        "get": _op(
+            "listWorkspaces",
+            "The organization's workspaces",
+            (200, "WorkspaceList"),
+            params=("org", *_READ),
+            errors=(400, 404, 422, 503),
+        ),
+        "post": _op(
+            "createWorkspace",
+            "Create a workspace",
+            (201, "Workspace"),
+            params=("org",),
+            body="CreateWorkspaceBody",
+            errors=(400, 403, 404, 409, 422),
+        ),
+    },
+    "/api/v1/orgs/{org}/workspaces/{ws}": {
+        "get": _op(
+            "getWorkspace",
+            "A workspace",
+            (200, "Workspace"),
+            params=("org", "ws", *_READ),
+            errors=(400, 404, 422, 503),
+        )
+    },
+    "/api/v1/orgs/{org}/workspaces/{ws}/runs": {
+        "get": _op(
+            "listWorkspaceRuns",
+            "The workspace's runs, newest first",
+            (200, "RunList"),
+            params=("org", "ws", *_LIST),
+            errors=(400, 404, 422, 503),
+        ),
+        "post": _op(
+            "createRun",
+            "Queue a run on the workspace",
+            (201, "Run"),
+            params=("org", "ws"),
+            body="CreateRunBody",
+            errors=(400, 403, 404, 422),
+        ),
+    },
+    "/api/v1/orgs/{org}/runs": {
+        "get": _op(
+            "listRuns",
+            "The organization's runs, newest first",
+            (200, "RunList"),
+            params=("org", "workspace", *_LIST),
+            errors=(400, 404, 422, 503),
+        )
+    },
+    "/api/v1/orgs/{org}/runs/{run}": {
+        "get": _op(
+            "getRun",
+            "A run",
+            (200, "Run"),
+            params=(*_RUN, *_READ),
+            errors=(400, 404, 422, 503),
+        )
+    },
+    "/api/v1/orgs/{org}/runs/{run}/approve": {
+        "post": _run_command("approveRun", "Approve a run awaiting approval", "ApproveBody", ())
+    },
+    "/api/v1/orgs/{org}/runs/{run}/discard": {
+        "post": _run_command("discardRun", "Discard a run awaiting approval", "DiscardBody", ())
+    },
+    "/api/v1/orgs/{org}/runs/{run}/cancel": {
+        "post": _run_command(
+            "cancelRun", "Cancel a run before it changes anything", "CancelBody", ()
+        )
+    },
+    "/api/v1/orgs/{org}/runs/{run}/events": {
+        "get": _op(
+            "runEvents",
+            "The run's audit history, oldest first",
+            (200, "RunEventList"),
+            params=(*_RUN, *_READ),
+            errors=(400, 404, 422, 503),
+        )
+    },
+    "/api/v1/orgs/{org}/runs/{run}/steps": {
+        "get": _op(
+            "runSteps",
+            "The run's steps",
+            (200, "StepList"),
+            params=(*_RUN, *_READ),
+            errors=(400, 404, 422, 503),
+        )
+    },
+}
+
+
+def _body_schemas() -> dict[str, Doc]:
+    _, components = msgspec.json.schema_components(BODIES, ref_template=REF)
+    return components
+
+
+def document() -> Doc:
+    """The whole OpenAPI 3.1 document."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "runplane",
+            "version": "1",
+            "description": "Control plane for Terraform runs. Errors are RFC 9457 problem "
+            "details. Every command answers with RP-Seq; send it back as RP-Min-Seq "
+            "to read your own writes from any replica.",
+        },
+        "security": [{"bearer": []}],
+        "paths": PATHS,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {**SCHEMAS, **_body_schemas()},
+            "parameters": PARAMETERS,
+            "responses": RESPONSES,
+        },
+    }

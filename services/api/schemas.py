@@ -1,0 +1,135 @@
+"""Schemas of the API's answers, for the OpenAPI document: written out as data.
+
+Resources have the read model's shape (`projections.readmodel`); "not set" is null.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from events.codec import ID_RE
+from events.org import ROLES
+from events.run import RUN_TYPES, Status
+from services.api.problems import BASE, KINDS
+
+Doc = dict[str, Any]
+
+REF = "#/components/schemas/{name}"
+
+
+def ref(name: str) -> Doc:
+    return {"$ref": REF.format(name=name)}
+
+
+def _obj(required: list[str], **props: Any) -> Doc:
+    return {"type": "object", "required": required, "properties": props}
+
+
+def _nullable(schema: Doc) -> Doc:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+STR: Doc = {"type": "string"}
+INT: Doc = {"type": "integer"}
+BOOL: Doc = {"type": "boolean"}
+TIME: Doc = {"type": "string", "format": "date-time"}
+ID: Doc = {"type": "string", "pattern": ID_RE.pattern}
+
+# ------------------------------------------------------------ schemas of answers
+
+SCHEMAS: dict[str, Doc] = {
+    "Problem": {
+        **_obj(
+            ["type", "title", "status", "detail"],
+            type={"type": "string", "format": "uri", "examples": [BASE + "not-found"]},
+            title=STR,
+            status=INT,
+            detail=STR,
+            current_status={**STR, "description": "with a `conflict`: the run's status"},
+        ),
+        "description": "RFC 9457 problem details; `type` is "
+        + BASE
+        + "<slug>, one of: "
+        + ", ".join(KINDS),
+    },
+    "Health": _obj(["status"], status={"const": "ok"}),
+    "Org": _obj(["name"], name=ID, created_at=TIME, created_by=STR),
+    "Token": _obj(
+        ["token", "token_id", "user", "role", "org"],
+        token={**STR, "description": "shown only in this answer; store it now"},
+        token_id=STR,
+        user=STR,
+        role={"enum": list(ROLES)},
+        org=ID,
+    ),
+    "Workspace": _obj(
+        ["org", "name", "repository", "branch", "directory", "variables"],
+        org=ID,
+        name=ID,
+        repository=STR,
+        branch=STR,
+        directory=STR,
+        variables={"type": "object", "additionalProperties": STR},
+        created_at=TIME,
+        created_by=STR,
+        active_run=_nullable(STR),
+        queue={"type": "array", "items": STR},
+    ),
+    "PlanSummary": _obj(["add", "change", "destroy"], add=INT, change=INT, destroy=INT),
+    "Run": _obj(
+        ["id", "org", "workspace", "type", "status"],
+        id=ID,
+        org=ID,
+        workspace=ID,
+        type={"enum": list(RUN_TYPES)},
+        status={"enum": [s.value for s in Status]},
+        created_by=STR,
+        created_at=TIME,
+        updated_at=TIME,
+        message=STR,
+        commit=_nullable(STR),
+        has_changes={**_nullable(BOOL), "description": "null until the plan finished"},
+        plan_summary=_nullable(ref("PlanSummary")),
+        apply_summary=_nullable(ref("PlanSummary")),
+        plan_digest=_nullable(STR),
+        approved_by=_nullable(STR),
+        acknowledged={"type": "array", "items": STR},
+        reason=_nullable(STR),
+        error_message=_nullable(STR),
+        phase=_nullable(STR),
+        executor_id=_nullable(STR),
+        seq={**INT, "description": "stream sequence of the run's last projected event"},
+    ),
+    "RunEvent": _obj(
+        ["seq", "type", "at", "actor", "data"],
+        seq=INT,
+        type={**STR, "examples": ["run.created", "run.approved"]},
+        at=TIME,
+        actor=STR,
+        data={"type": "object", "description": "the event's own fields"},
+    ),
+    "Step": _obj(
+        ["phase", "step", "status"],
+        phase={"enum": ["plan", "apply"]},
+        step={**STR, "examples": ["checkout", "init", "plan", "apply"]},
+        status={"enum": ["running", "ok", "failed"]},
+        started_at=_nullable(TIME),
+        ended_at=_nullable(TIME),
+        duration_ms=_nullable(INT),
+        error=_nullable(STR),
+        log_object=_nullable(STR),
+    ),
+}
+
+
+def _list_of(name: str) -> Doc:
+    return _obj(["items"], items={"type": "array", "items": ref(name)})
+
+
+for _name in ("Workspace", "RunEvent", "Step"):
+    SCHEMAS[f"{_name}List"] = _list_of(_name)
+SCHEMAS["RunList"] = _list_of("Run")
+SCHEMAS["RunList"]["properties"]["next"] = {
+    **_nullable(ID),
+    "description": "on a full page: pass as `before` for the next page",
+}

@@ -1,0 +1,232 @@
+"""The HTTP API's refusals: authentication, roles, org isolation on every endpoint, bad
+bodies and ids, unknown routes, unexpected errors; and the OpenAPI document's coverage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from services.api.app import ROUTES, build_app
+from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+
+V1 = "/api/v1"
+RUN_ID = "01jrunofanotherorg0000000a"
+
+# Every route but the two public-ish documents, as (method, path template). `{run}` is
+# filled with a run of org acme; `{ws}` with acme's workspace.
+ORG_ENDPOINTS = [
+    ("GET", "/api/v1/orgs/{org}"),
+    ("POST", "/api/v1/orgs/{org}/tokens"),
+    ("GET", "/api/v1/orgs/{org}/workspaces"),
+    ("POST", "/api/v1/orgs/{org}/workspaces"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
+    ("GET", "/api/v1/orgs/{org}/runs"),
+    ("GET", "/api/v1/orgs/{org}/runs/{run}"),
+    ("POST", "/api/v1/orgs/{org}/runs/{run}/approve"),
+    ("POST", "/api/v1/orgs/{org}/runs/{run}/discard"),
+    ("POST", "/api/v1/orgs/{org}/runs/{run}/cancel"),
+    ("GET", "/api/v1/orgs/{org}/runs/{run}/events"),
+    ("GET", "/api/v1/orgs/{org}/runs/{run}/steps"),
+]
+VALID_BODIES: dict[str, Any] = {
+    "/api/v1/orgs": {"name": "zeta"},
+    "/api/v1/orgs/{org}/tokens": {"role": "viewer"},
+    "/api/v1/orgs/{org}/workspaces": {"name": "other", "repository": "r"},
+    "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
+}
+
+
+def _routes() -> set[tuple[str, str]]:
+    app = web.Application()
+    app.add_routes(ROUTES)
+    return {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.resource is not None and r.method != "HEAD"
+    }
+
+
+def test_the_isolation_table_covers_every_org_route() -> None:
+    """Isolation is checked on every org-scoped endpoint: the table is the router."""
+    scoped = {(m, p) for m, p in _routes() if p.startswith("/api/v1/orgs/{org}")}
+    assert scoped == set(ORG_ENDPOINTS)
+
+
+@pytest.fixture
+async def two_orgs(http: Http) -> dict[str, Any]:
+    """Org acme with a workspace and a run; org beta with its own tokens."""
+    acme = await http.org("acme")
+    beta = await http.org("beta")
+    await http.workspace("acme", "net")
+    await http.workspace("beta", "net")
+    run = await http.run("acme", "net")
+    return {"acme": acme, "beta": beta, "run": run["id"]}
+
+
+async def test_another_orgs_things_are_not_found_on_every_endpoint(
+    http: Http, two_orgs: dict[str, Any]
+) -> None:
+    """A token of org beta, even its admin, gets 404 for anything of org acme: through
+    acme's paths, and for acme's run through beta's own paths."""
+    beta_admin = two_orgs["beta"]["admin"]
+    for method, template in ORG_ENDPOINTS:
+        body = VALID_BODIES.get(template)
+        for org in ("acme", "beta"):
+            if org == "beta" and "{run}" not in template:
+                continue  # beta's own workspaces and org are visible to it
+            path = template.format(org=org, ws="net", run=two_orgs["run"])
+            kw = {"json": body} if body is not None else {}
+            a = await http.call(method, path, token=beta_admin, **kw)
+            a.problem("not-found", 404)
+    a = await http.get(f"{V1}/orgs/acme/runs/{two_orgs['run']}", token=two_orgs["acme"]["viewer"])
+    assert a.status == 200  # the run exists: the 404s above were isolation
+
+
+async def test_a_role_without_the_permission_is_forbidden(
+    http: Http, two_orgs: dict[str, Any]
+) -> None:
+    """Within its own org a role lacking a permission gets 403; one holding it does not."""
+    t = two_orgs["acme"]
+    run = f"{V1}/orgs/acme/runs/{two_orgs['run']}"
+    denied = [
+        ("viewer", "POST", f"{V1}/orgs/acme/workspaces/net/runs", {"type": "plan"}),
+        ("viewer", "POST", f"{run}/cancel", None),
+        ("operator", "POST", f"{run}/approve", None),
+        ("operator", "POST", f"{run}/discard", None),
+        ("approver", "POST", f"{V1}/orgs/acme/workspaces", {"name": "x", "repository": "r"}),
+        ("approver", "POST", f"{V1}/orgs/acme/tokens", None),
+    ]
+    for role, method, path, body in denied:
+        kw: dict[str, Any] = {"json": body} if body is not None else {}
+        (await http.call(method, path, token=t[role], **kw)).problem("forbidden", 403)
+    # the same calls with enough rank pass the role check (and reach the domain)
+    assert (await http.post(f"{run}/approve", token=t["approver"])).status == 409
+    assert (await http.post(f"{run}/cancel", token=t["operator"])).status == 200
+    assert (await http.get(f"{V1}/orgs/acme/workspaces", token=t["viewer"])).status == 200
+
+
+async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
+    """Without a token, with another scheme or with an unknown token: 401 and a Bearer
+    challenge, on every route but /healthz."""
+    http.api.token_wait = 0.2
+    for method, template in sorted(_routes()):
+        if template == "/healthz":
+            continue
+        path = template.format(org="acme", ws="net", run=RUN_ID)
+        for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
+            a = await http.call(method, path, token=None, headers=hdrs)
+            a.problem("unauthorized", 401)
+            assert a.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+async def test_malformed_bodies_are_invalid_body(http: Http, two_orgs: dict[str, Any]) -> None:
+    """Not JSON, not an object, an unknown field, a wrong type or a missing field: 400."""
+    run = two_orgs["run"]
+    posts = [
+        ("/api/v1/orgs", {"name": 3}),
+        ("/api/v1/orgs/acme/tokens", {"role": ["admin"]}),
+        ("/api/v1/orgs/acme/workspaces", {"name": "x", "repository": "r", "variables": {"a": 1}}),
+        ("/api/v1/orgs/acme/workspaces/net/runs", {"type": None}),
+        (f"/api/v1/orgs/acme/runs/{run}/approve", {"acknowledged": "all"}),
+        (f"/api/v1/orgs/acme/runs/{run}/discard", {"reason": 1}),
+        (f"/api/v1/orgs/acme/runs/{run}/cancel", {"reason": False}),
+    ]
+    for path, wrong_type in posts:
+        for bad in (b"{not json", b"[1, 2]", b'"text"', b'{"surprise": 1}'):
+            (await http.post(path, data=bad)).problem("invalid-body", 400)
+        (await http.post(path, json=wrong_type)).problem("invalid-body", 400)
+    for path in ("/api/v1/orgs", "/api/v1/orgs/acme/workspaces/net/runs"):
+        a = await http.post(path, json={})
+        assert "missing required field" in a.problem("invalid-body", 400)["detail"]
+
+
+async def test_malformed_ids_are_invalid_id(http: Http, two_orgs: dict[str, Any]) -> None:
+    """Ids and names must be subject-safe tokens: anything else is a 422 invalid-id."""
+    run = two_orgs["run"]
+    bad_paths = [
+        ("GET", "/api/v1/orgs/Acme"),
+        ("GET", "/api/v1/orgs/acme/workspaces/net_1"),
+        ("GET", "/api/v1/orgs/acme/runs/-x"),
+        ("POST", "/api/v1/orgs/acme/runs/a*b/cancel"),
+        ("GET", f"/api/v1/orgs/acme/runs/{'x' * 64}/events"),
+        ("GET", f"/api/v1/orgs/ac%20me/runs/{run}"),
+    ]
+    for method, path in bad_paths:
+        (await http.call(method, path)).problem("invalid-id", 422)
+    (await http.post(f"{V1}/orgs", json={"name": "Big.Org"})).problem("invalid-id", 422)
+    a = await http.post(f"{V1}/orgs/acme/workspaces", json={"name": "a b", "repository": "r"})
+    a.problem("invalid-id", 422)
+
+
+async def test_unknown_routes_and_methods_are_problems(http: Http) -> None:
+    """No route is a 404 problem, a wrong method a 405 problem with Allow: never HTML."""
+    (await http.get(f"{V1}/nothing/here")).problem("not-found", 404)
+    a = await http.call("DELETE", f"{V1}/orgs/acme")
+    a.problem("method-not-allowed", 405)
+    assert "GET" in a.headers["Allow"]
+
+
+async def test_an_unexpected_error_is_a_500_problem_without_details(
+    http: Http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug answers 500 problem details; the exception's text never reaches the client."""
+    await http.org("acme")
+
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(http.api.read, "get_org", broken)
+    a = await http.get(f"{V1}/orgs/acme")
+    a.problem("internal-error", 500)
+    assert "secret" not in str(a.body) and "Traceback" not in str(a.body)
+
+
+async def test_openapi_documents_exactly_the_routes(http: Http) -> None:
+    """Every routed operation is documented and every documented one is routed; bodies
+    forbid unknown fields; errors are problem details; the scheme is bearer."""
+    a = await http.get(f"{V1}/openapi.json")
+    assert a.status == 200
+    doc = a.body
+    assert doc["openapi"].startswith("3.1")
+    documented = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    assert documented == _routes()
+    schemas = doc["components"]["schemas"]
+    for path, ops in doc["paths"].items():
+        for op in ops.values():
+            for ref in _refs(op):
+                assert _resolve(doc, ref) is not None, (path, ref)
+            body = op.get("requestBody")
+            if body:
+                name = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+                assert schemas[name]["additionalProperties"] is False, name
+            params = {p["$ref"].rsplit("/", 1)[1] for p in op.get("parameters", [])}
+            assert {seg.strip("{}") for seg in path.split("/") if seg.startswith("{")} <= params
+    assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert doc["paths"]["/healthz"]["get"]["security"] == []
+    assert set(schemas["Problem"]["required"]) == {"type", "title", "status", "detail"}
+
+
+async def test_build_app_refuses_an_empty_admin_token(http: Http) -> None:
+    """An empty admin token would let an empty bearer through: refuse to start."""
+    with pytest.raises(ValueError):
+        build_app(app=http.app, projector=http.api.projector, admin_token="")
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        own = [node["$ref"]] if "$ref" in node else []
+        return own + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def _resolve(doc: dict[str, Any], ref: str) -> Any:
+    node: Any = doc
+    for part in ref.removeprefix("#/").split("/"):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
