@@ -9,10 +9,10 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
-from services.commands import App
 
 
 @pytest.fixture

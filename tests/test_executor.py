@@ -119,7 +119,7 @@ class Harness:
     async def reaches(self, ws: str, run_id: str, status: str, org: str = "acme") -> RunState:
         async def probe() -> RunState:
             state = await self.run(ws, run_id, org)
-            assert str(state.status) == status, f"{state.status} {state.reason} {state.message}"
+            assert str(state.status) == status, f"{state.status} {state.reason} {state.error_message}"
             return state
 
         return await eventually(probe, timeout=30, what=f"run {run_id} {status}")
@@ -214,8 +214,8 @@ async def test_failing_plan_fails_the_run_with_terraforms_error(
 
     failed = await h.reaches("net", run_id, "failed")
     assert failed.reason == "plan_failed"
-    assert "Error: Reference to undeclared input variable" in failed.message
-    assert "main.tf line 3" in failed.message
+    assert "Error: Reference to undeclared input variable" in failed.error_message
+    assert "main.tf line 3" in failed.error_message
     plan_step = step_results(await h.events("net", run_id))["plan"]
     assert not plan_step.ok and "undeclared input variable" in plan_step.error
     assert plan_step.log_object
@@ -230,8 +230,8 @@ async def test_invalid_configuration_fails_init(
     run_id = await h.start_run("net")
     failed = await h.reaches("net", run_id, "failed")
     assert failed.reason == "init_failed"
-    assert failed.message.startswith("Error: ")
-    assert "main.tf line 2" in failed.message
+    assert failed.error_message.startswith("Error: ")
+    assert "main.tf line 2" in failed.error_message
 
 
 async def test_unknown_branch_fails_checkout(h: Harness, repo: Path, executor: Executor) -> None:
@@ -241,7 +241,7 @@ async def test_unknown_branch_fails_checkout(h: Harness, repo: Path, executor: E
     run_id = await h.start_run("net")
     failed = await h.reaches("net", run_id, "failed")
     assert failed.reason == "checkout_failed"
-    assert "nope" in failed.message
+    assert "nope" in failed.error_message
 
 
 async def test_dispatch_for_a_claimed_phase_is_dropped(
@@ -310,7 +310,7 @@ async def test_stop_interrupts_apply_and_keeps_the_state(
 
     failed = await h.reaches("net", run_id, "failed")
     assert failed.reason == "executor_stopped"
-    assert "apply" in failed.message
+    assert "apply" in failed.error_message
     state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
     assert state["resources"][0]["instances"][0]["status"] == "tainted"
     apply_step = step_results(await h.events("net", run_id))["apply"]
@@ -344,7 +344,7 @@ async def test_lost_lease_interrupts_terraform_and_keeps_the_state(
     assert state["resources"][0]["instances"][0]["status"] == "tainted"
     await eventually(_empty(executor.work_dir / "jobs"), what="the phase directory removed")
     failed = await h.run("net", run_id)
-    assert (failed.reason, failed.message) == ("executor_unavailable", "no heartbeat")
+    assert (failed.reason, failed.error_message) == ("executor_unavailable", "no heartbeat")
 
 
 def _empty(path: Path) -> Callable[[], Any]:

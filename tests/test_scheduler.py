@@ -9,6 +9,7 @@ import random
 from collections import defaultdict
 from contextlib import AsyncExitStack
 
+import nats
 from nats.aio.client import Client as NATS
 
 from events import run as R
@@ -16,6 +17,7 @@ from events.workspace import RunAdmitted, RunEnqueued, RunReleased
 from services.commands import App, new_id
 from services.infra import streams
 from services.infra.eventstore import EventStore
+from services.infra.natsserver import EmbeddedNats
 from services.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 
@@ -103,13 +105,15 @@ def check_history(envs: list[object]) -> dict[str, list[str]]:
 
 
 async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
-    nc: NATS, app: App, store: EventStore
+    nats_server: EmbeddedNats, nc: NATS, app: App, store: EventStore
 ) -> None:
     workspaces = [f"ws{i}" for i in range(5)]
     await _setup(app, workspaces)
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Scheduler(nc, App(EventStore(nc))))
-        await stack.enter_async_context(Scheduler(nc, App(EventStore(nc))))
+        for _ in range(2):  # two schedulers, each with its own connection, as two processes
+            conn = await nats.connect(nats_server.url)
+            stack.push_async_callback(conn.close)
+            await stack.enter_async_context(Scheduler(conn, App(EventStore(conn))))
         fake = await stack.enter_async_context(FakeExecutor(nc, app))
         created = await asyncio.gather(
             *(app.create_run("acme", random.choice(workspaces), "plan", "alice") for _ in range(60))

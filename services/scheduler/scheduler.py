@@ -28,6 +28,7 @@ from events.run import WAITING_PHASE, RunState
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import StoreError
+from services.infra.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
@@ -71,13 +72,8 @@ class Scheduler:
 
     async def stop(self) -> None:
         self._stopping.set()
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001  # shutting down anyway
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def run(self) -> None:
         sub = await self.js.pull_subscribe_bind(

@@ -1,0 +1,168 @@
+"""Apply a batch of stream messages to the read model in one SQLite transaction.
+
+The shell around the folds of `projections/project.py`: decode, prefetch the rows the batch
+touches, fold, then write the changed rows and the checkpoint together, so the checkpoint
+always names exactly the rows that are there. Used by the live `Projector` and by `replay`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import aiosqlite
+import msgspec
+import structlog
+
+from events.codec import AnyEvent, decode, tag_of
+from events.run import RunCreated
+from events.workspace import WorkspaceCreated
+from projections.ordered import Delivered
+from projections.project import (
+    Meta,
+    Unprojectable,
+    Working,
+    finish,
+    meta_of,
+    project_event,
+)
+from projections.schema import RUNS, STEPS, TABLES, WORKSPACES, Table
+
+log = structlog.get_logger(__name__)
+
+_CHUNK = 500  # keys per IN (...) list, well under SQLite's variable limit
+
+
+class Item(NamedTuple):
+    meta: Meta
+    event: AnyEvent | None  # None: the message did not decode
+    raw: bytes
+    error: str = ""
+
+
+class Applied(NamedTuple):
+    """What a batch did."""
+
+    last_seq: int  # the checkpoint after the batch
+    events: int  # events folded
+    skipped: int  # messages recorded in `skipped` instead (undecodable or unprojectable)
+
+
+async def apply_batch(
+    db: aiosqlite.Connection, msgs: Sequence[Delivered], *, after: int
+) -> Applied:
+    """Fold every message above sequence `after` and move the checkpoint, atomically."""
+    items = [_decode(m) for m in msgs if m.seq > after]
+    if not items:
+        return Applied(after, 0, 0)
+    w = Working()
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        await _prefetch(db, w, items)
+        skipped = _fold(w, items)
+        finish(w)
+        last = items[-1].meta.seq
+        await _flush(db, w, last)
+        await db.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(Exception):  # the connection itself may be what failed
+            await db.execute("ROLLBACK")
+        raise
+    return Applied(last, len(items) - skipped, skipped)
+
+
+def _decode(m: Delivered) -> Item:
+    meta = meta_of(m.seq, m.subject, m.time_ns)
+    try:
+        return Item(meta, decode(m.data), m.data)
+    except msgspec.DecodeError as e:  # includes ValidationError (e.g. an unknown tag)
+        return Item(meta, None, m.data, f"undecodable: {e}")
+
+
+# ---------------------------------------------------------------- prefetch
+
+
+def _needed(items: Iterable[Item], kind: str, creator: type) -> list[Any]:
+    """Aggregates whose first event in the batch is not their creation: they may exist."""
+    first: dict[Any, bool] = {}
+    for it in items:
+        if it.event is None or it.meta.kind != kind:
+            continue
+        key = it.meta.run_id if kind == "run" else (it.meta.org, it.meta.workspace)
+        first.setdefault(key, isinstance(it.event, creator))
+    return sorted(k for k, created in first.items() if not created)
+
+
+async def _prefetch(db: aiosqlite.Connection, w: Working, items: list[Item]) -> None:
+    runs = _needed(items, "run", RunCreated)
+    await _load(db, w, RUNS, "id", runs)
+    await _load(db, w, STEPS, "run_id", runs)
+    workspaces = _needed(items, "ws", WorkspaceCreated)
+    for i in range(0, len(workspaces), _CHUNK):
+        chunk = workspaces[i : i + _CHUNK]
+        values = ", ".join("(?, ?)" for _ in chunk)
+        sql = f"{WORKSPACES.select} WHERE (org, name) IN (VALUES {values})"
+        await _load_rows(db, w, WORKSPACES, sql, [v for pair in chunk for v in pair])
+
+
+async def _load(
+    db: aiosqlite.Connection, w: Working, table: Table, column: str, keys: list[Any]
+) -> None:
+    for i in range(0, len(keys), _CHUNK):
+        chunk = keys[i : i + _CHUNK]
+        sql = f"{table.select} WHERE {column} IN ({', '.join('?' * len(chunk))})"
+        await _load_rows(db, w, table, sql, chunk)
+
+
+async def _load_rows(
+    db: aiosqlite.Connection, w: Working, table: Table, sql: str, params: list[Any]
+) -> None:
+    names = table.names
+    async with db.execute(sql, params) as cur:
+        for row in await cur.fetchall():
+            w.load(table.name, dict(zip(names, row, strict=True)))
+
+
+# ---------------------------------------------------------------- fold and flush
+
+
+def _fold(w: Working, items: list[Item]) -> int:
+    """Fold each item; record what cannot be folded instead of stalling. Returns skips."""
+    skipped = 0
+    for it in items:
+        reason = it.error
+        if it.event is not None:
+            try:
+                project_event(w, it.meta, it.event, it.raw)
+                continue
+            except Unprojectable as e:
+                reason = str(e)
+            except Exception as e:  # a fold bug must not stall every reader: record it
+                log.exception("projection_bug", seq=it.meta.seq, subject=it.meta.subject)
+                reason = f"{type(e).__name__}: {e}"
+        skipped += 1
+        _skip(w, it, reason)
+    return skipped
+
+
+def _skip(w: Working, it: Item, reason: str) -> None:
+    kind = tag_of(it.event) if it.event is not None else None
+    log.warning("event_skipped", seq=it.meta.seq, subject=it.meta.subject, reason=reason)
+    w.insert(
+        "skipped", {"seq": it.meta.seq, "subject": it.meta.subject, "type": kind, "reason": reason}
+    )
+
+
+async def _flush(db: aiosqlite.Connection, w: Working, seq: int) -> None:
+    for table in TABLES:
+        dirty = w.dirty.get(table.name)
+        if not dirty:
+            continue
+        deletes = [k for k, r in dirty.items() if r is None]
+        upserts = [table.values(r) for r in dirty.values() if r is not None]
+        if deletes:
+            await db.executemany(table.delete, deletes)
+        if upserts:
+            await db.executemany(table.upsert, upserts)
+    await db.execute("UPDATE checkpoint SET seq = ? WHERE id = 1", (seq,))

@@ -1,0 +1,375 @@
+"""Folds: one decoded event, with its place in the stream, into rows of the read model.
+
+No I/O here. Every `project_*` reads and writes rows of a `Working` set: the shell
+(`projections/batch.py`) prefetches the rows a batch touches, runs the folds and `finish`,
+and writes the changed rows back with the checkpoint in one transaction. Folding into
+rows rather than issuing SQL per event keeps a batch to a handful of `executemany` calls
+(a run's row is written once per batch, however many events it had), and keeps each fold
+a plain function of (rows, event).
+
+Run statuses come from the core's own `events.run.evolve`: each run row carries its
+`RunState` (column `state_json`), so the read model can never disagree with the writers
+about what an event means. Everything written derives from the event and its stream
+metadata, never the clock, so a replay writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Any, assert_never
+
+import msgspec
+
+from events import run as run_agg
+from events.codec import AnyEvent, tag_of
+from events.org import OrgCreated, OrgEvent, TokenIssued
+from events.run import RunEvent, RunState, StepFinished, StepStarted
+from events.workspace import (
+    RunAdmitted,
+    RunEnqueued,
+    RunReleased,
+    WorkspaceCreated,
+    WorkspaceEvent,
+)
+from projections.schema import BY_NAME, Key, Row
+
+_json = msgspec.json.Encoder(order="sorted")
+_state_decoder = msgspec.json.Decoder(RunState)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_ZERO = timedelta(0)
+
+
+class Unprojectable(Exception):
+    """The event decoded but cannot be folded (e.g. it names a run that was never created)."""
+
+
+class Meta(msgspec.Struct, frozen=True):
+    """Where an event sits in the stream, and the aggregate its subject names."""
+
+    seq: int
+    subject: str
+    stored_at: str
+    kind: str = ""  # "run" | "ws" | "org" | "" for a subject we do not know
+    org: str | None = None
+    workspace: str | None = None
+    run_id: str | None = None
+
+
+def meta_of(seq: int, subject: str, time_ns: int) -> Meta:
+    """Parse `rp.run.<org>.<ws>.<run>`, `rp.ws.<org>.<ws>` or `rp.org.<org>`."""
+    stored = iso(_EPOCH + timedelta(microseconds=time_ns // 1000))
+    parts = subject.split(".")
+    match parts:
+        case ["rp", "run", org, ws, run]:
+            return Meta(seq, subject, stored, "run", org, ws, run)
+        case ["rp", "ws", org, ws]:
+            return Meta(seq, subject, stored, "ws", org, ws)
+        case ["rp", "org", org]:
+            return Meta(seq, subject, stored, "org", org)
+        case _:
+            return Meta(seq, subject, stored)
+
+
+def iso(dt: datetime) -> str:
+    """ISO 8601 UTC with microseconds and a Z: fixed width, so text order is time order."""
+    if dt.utcoffset() != _ZERO:
+        dt = dt.astimezone(UTC)
+    return dt.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+def _opt(value: str) -> str | None:
+    """The core uses "" for "not set"; the read model says null."""
+    return value or None
+
+
+# ---------------------------------------------------------------- the working set
+
+
+class Working:
+    """The rows one batch reads and writes.
+
+    `rows` holds what was prefetched or written so far (the current truth for the batch);
+    `dirty` the last write per key (None = delete), flushed in table order at commit.
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict[Key, Row]] = defaultdict(dict)
+        self.dirty: dict[str, dict[Key, Row | None]] = defaultdict(dict)
+        self._groups: dict[str, dict[Any, set[Key]]] = defaultdict(lambda: defaultdict(set))
+        self.runs: dict[str, RunView] = {}  # runs folded in this batch, by id
+
+    def load(self, table: str, row: Row) -> None:
+        key = BY_NAME[table].key(row)
+        self.rows[table][key] = row
+        self._groups[table][key[0]].add(key)
+
+    def get(self, table: str, key: Key) -> Row | None:
+        return self.rows[table].get(key)
+
+    def put(self, table: str, row: Row) -> None:
+        self.load(table, row)
+        self.dirty[table][BY_NAME[table].key(row)] = row
+
+    def insert(self, table: str, row: Row) -> None:
+        """Write a row no fold will read back in this batch (audit, tokens, ...)."""
+        self.dirty[table][BY_NAME[table].key(row)] = row
+
+    def delete(self, table: str, key: Key) -> None:
+        self.rows[table].pop(key, None)
+        self._groups[table][key[0]].discard(key)
+        self.dirty[table][key] = None
+
+    def rows_of(self, table: str, first: Any) -> list[Row]:
+        """Known rows whose first key column is `first` (e.g. the steps of one run)."""
+        return [self.rows[table][k] for k in sorted(self._groups[table][first])]
+
+    def run(self, run_id: str) -> RunView | None:
+        """The run as of the last event folded, from its prefetched row the first time."""
+        view = self.runs.get(run_id)
+        if view is None:
+            row = self.get("runs", (run_id,))
+            if row is None:
+                return None
+            state = _state_decoder.decode(row["state_json"])
+            view = RunView(state, row["message"], row["error_message"], row["last_seq"])
+            self.runs[run_id] = view
+        return view
+
+
+class RunView(msgspec.Struct):
+    """A run while a batch folds it; its row is written once, from the last of these."""
+
+    state: RunState
+    message: str  # the run's own; RunState.message is overwritten by run.failed
+    error_message: str | None
+    last_seq: int
+    dirty: bool = False
+
+
+# ---------------------------------------------------------------- folds
+
+
+def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
+    """Record the event in the audit history, then fold it into its aggregate's rows."""
+    w.insert("events", _event_row(meta, event, raw))
+    if isinstance(event, OrgCreated | TokenIssued):
+        project_org(w, meta, event)
+    elif isinstance(event, WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased):
+        project_workspace(w, meta, event)
+    else:
+        project_run(w, meta, event)
+
+
+def _event_row(meta: Meta, event: AnyEvent, raw: bytes) -> Row:
+    return {
+        "seq": meta.seq,
+        "subject": meta.subject,
+        "org": meta.org,
+        "workspace": meta.workspace,
+        "run_id": meta.run_id,
+        "type": tag_of(event),
+        "at": iso(event.at),
+        "actor": event.actor,
+        "data_json": raw.decode(),
+        "stored_at": meta.stored_at,
+    }
+
+
+def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
+    match event:
+        case OrgCreated():
+            w.insert(
+                "orgs", {"name": event.name, "created_at": iso(event.at), "created_by": event.actor}
+            )
+        case TokenIssued():
+            w.insert(
+                "tokens",
+                {
+                    "token_hash": event.token_hash,
+                    "token_id": event.token_id,
+                    "org": meta.org,
+                    "user": event.user,
+                    "role": event.role,
+                    "created_at": iso(event.at),
+                },
+            )
+        case _:
+            assert_never(event)
+
+
+def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
+    """Workspace rows and the FIFO queue, as `events.workspace.evolve` keeps them."""
+    if isinstance(event, WorkspaceCreated):
+        w.put("workspaces", _workspace_row(event))
+        return
+    key = (meta.org, meta.workspace)
+    ws = w.get("workspaces", key)
+    if ws is None:
+        raise Unprojectable(f"workspace {meta.org}/{meta.workspace} was never created")
+    queued = (meta.org, meta.workspace, event.run_id)
+    match event:
+        case RunEnqueued():
+            w.put(
+                "ws_queue",
+                {
+                    "org": meta.org,
+                    "workspace": meta.workspace,
+                    "run_id": event.run_id,
+                    "position": meta.seq,
+                },
+            )
+        case RunAdmitted():
+            w.delete("ws_queue", queued)
+            w.put("workspaces", ws | {"active_run": event.run_id})
+        case RunReleased():
+            w.delete("ws_queue", queued)
+            if ws["active_run"] == event.run_id:
+                w.put("workspaces", ws | {"active_run": None})
+        case _:
+            assert_never(event)
+
+
+def _workspace_row(event: WorkspaceCreated) -> Row:
+    cfg = event.config
+    return {
+        "org": event.org,
+        "name": event.name,
+        "repository": cfg.repository,
+        "branch": cfg.branch,
+        "directory": cfg.directory,
+        "variables_json": _json.encode(cfg.variables).decode(),
+        "created_at": iso(event.at),
+        "created_by": event.actor,
+        "active_run": None,
+    }
+
+
+def project_run(w: Working, meta: Meta, event: RunEvent) -> None:
+    """Fold with the core's `evolve`; the run's row is derived at the end of the batch."""
+    run_id = meta.run_id
+    if run_id is None:
+        raise Unprojectable(f"run event on a non-run subject {meta.subject}")
+    view = w.run(run_id)
+    if isinstance(event, run_agg.RunCreated):
+        if view is not None:
+            raise Unprojectable(f"run {run_id} created twice")
+        view = w.runs[run_id] = RunView(run_agg.INITIAL, event.message, None, meta.seq)
+    elif view is None:
+        raise Unprojectable(f"run {run_id} was never created")
+    before = view.state
+    view.state = run_agg.evolve(before, event)
+    view.last_seq, view.dirty = meta.seq, True
+    if isinstance(event, run_agg.RunFailed):
+        view.error_message = _opt(event.message)
+    project_steps(w, meta, before, view.state, event)
+
+
+def finish(w: Working) -> None:
+    """Write the row of every run the batch folded, from its final state."""
+    for view in w.runs.values():
+        if view.dirty:
+            w.put("runs", run_row(view))
+
+
+def run_row(view: RunView) -> Row:
+    s = view.state
+    plan, applied = s.plan_summary, s.apply_summary
+    return {
+        "id": s.run_id,
+        "org": s.org,
+        "workspace": s.workspace,
+        "type": s.run_type,
+        "status": str(s.status),
+        "created_by": s.created_by,
+        "created_at": iso(s.created_at) if s.created_at else None,
+        "updated_at": iso(s.updated_at) if s.updated_at else None,
+        "message": view.message,
+        "commit_sha": _opt(s.commit),
+        "has_changes": None if plan is None else int(s.has_changes),
+        "plan_add": plan.add if plan else None,
+        "plan_change": plan.change if plan else None,
+        "plan_destroy": plan.destroy if plan else None,
+        "apply_add": applied.add if applied else None,
+        "apply_change": applied.change if applied else None,
+        "apply_destroy": applied.destroy if applied else None,
+        "plan_digest": _opt(s.plan_digest),
+        "approved_by": _opt(s.approved_by),
+        "acknowledged_json": _json.encode(s.acknowledged).decode(),
+        "reason": _opt(s.reason),
+        "error_message": view.error_message,
+        "phase": _opt(s.phase),
+        "lease_id": _opt(s.lease_id),
+        "executor_id": _opt(s.executor_id),
+        "last_seq": view.last_seq,
+        "state_json": _json.encode(s).decode(),
+    }
+
+
+def project_steps(
+    w: Working, meta: Meta, before: RunState, after: RunState, event: RunEvent
+) -> None:
+    """Steps of the current phase; a run that ends leaves no step 'running'."""
+    match event:
+        case StepStarted():
+            w.put("steps", _step_started(meta, before.phase, event))
+        case StepFinished():
+            prev = w.get("steps", (meta.run_id, before.phase, event.step))
+            w.put("steps", _step_finished(meta, before.phase, event, prev))
+        case _ if after.terminal and not before.terminal:
+            _close_running_steps(w, meta.run_id, event, str(after.status), after.reason)
+
+
+def _step_started(meta: Meta, phase: str, event: StepStarted) -> Row:
+    return {
+        "run_id": meta.run_id,
+        "phase": phase,
+        "step": event.step,
+        "status": "running",
+        "started_at": iso(event.at),
+        "ended_at": None,
+        "duration_ms": None,
+        "error": None,
+        "log_object": None,
+        "started_seq": meta.seq,
+    }
+
+
+def _step_finished(meta: Meta, phase: str, event: StepFinished, prev: Row | None) -> Row:
+    # Prefer the control plane's own start time; the executor's is the fallback.
+    started = prev["started_at"] if prev else iso(event.started_at)
+    return {
+        "run_id": meta.run_id,
+        "phase": phase,
+        "step": event.step,
+        "status": "ok" if event.ok else "failed",
+        "started_at": started,
+        "ended_at": iso(event.at),
+        "duration_ms": _ms_between(started, event.at),
+        "error": _opt(event.error),
+        "log_object": _opt(event.log_object),
+        "started_seq": prev["started_seq"] if prev else meta.seq,
+    }
+
+
+def _close_running_steps(
+    w: Working, run_id: str | None, event: RunEvent, status: str, reason: str
+) -> None:
+    """A run failed under a step (executor gone, timeout): that step failed too."""
+    for row in w.rows_of("steps", run_id):
+        if row["status"] == "running":
+            w.put(
+                "steps",
+                row
+                | {
+                    "status": "failed",
+                    "ended_at": iso(event.at),
+                    "duration_ms": _ms_between(row["started_at"], event.at),
+                    "error": f"run {status}" + (f": {reason}" if reason else ""),
+                },
+            )
+
+
+def _ms_between(started_iso: str, ended: datetime) -> int:
+    delta = ended - datetime.fromisoformat(started_iso)
+    return delta // timedelta(milliseconds=1)

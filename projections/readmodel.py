@@ -1,0 +1,246 @@
+"""Queries over the read model, answering plain dicts ready for JSON.
+
+A `ReadModel` has its own connection, apart from the projector's writer: in WAL mode it
+reads the last committed batch while the next one is being written, and it never sees a
+batch half-applied. Answers that need two tables read both in one snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import aiosqlite
+import msgspec
+
+from projections.schema import TABLES
+
+_RUN_COLS = (
+    "id, org, workspace, type, status, created_by, created_at, updated_at, message, "
+    "commit_sha, has_changes, plan_add, plan_change, plan_destroy, apply_add, apply_change, "
+    "apply_destroy, plan_digest, approved_by, acknowledged_json, reason, error_message, "
+    "phase, executor_id, last_seq"
+)
+_WS_COLS = (
+    "org, name, repository, branch, directory, variables_json, created_at, created_by, active_run"
+)
+_ENVELOPE = ("type", "at", "actor")
+_MAX_LIMIT = 1000
+
+
+class ReadModel:
+    """Read-only queries of one read-model database."""
+
+    def __init__(self, db: aiosqlite.Connection) -> None:
+        self.db = db
+        self._snapshot_lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, path: Path) -> ReadModel:
+        """A read-only connection to a database the projector created."""
+        db = await aiosqlite.connect(path, isolation_level=None)
+        db.row_factory = aiosqlite.Row
+        await db.execute("PRAGMA query_only = ON")
+        await db.execute("PRAGMA busy_timeout = 5000")
+        return cls(db)
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ plumbing
+
+    async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[aiosqlite.Row]:
+        async with self.db.execute(sql, params) as cur:
+            return list(await cur.fetchall())
+
+    async def _one(self, sql: str, params: Sequence[Any] = ()) -> aiosqlite.Row | None:
+        async with self.db.execute(sql, params) as cur:
+            return await cur.fetchone()
+
+    @asynccontextmanager
+    async def _snapshot(self) -> AsyncIterator[None]:
+        """One read transaction; serialized, since the connection is shared by callers."""
+        async with self._snapshot_lock:
+            await self.db.execute("BEGIN")
+            try:
+                yield
+            finally:
+                await self.db.execute("COMMIT")
+
+    # ------------------------------------------------------------ organizations
+
+    async def get_org(self, org: str) -> dict[str, Any] | None:
+        row = await self._one(
+            "SELECT name, created_at, created_by FROM orgs WHERE name = ?", (org,)
+        )
+        return dict(row) if row else None
+
+    async def token(self, token_hash: str) -> dict[str, Any] | None:
+        """Who a token (given by its SHA-256 hex digest) belongs to."""
+        row = await self._one(
+            "SELECT org, user, role, token_id FROM tokens WHERE token_hash = ?", (token_hash,)
+        )
+        return dict(row) if row else None
+
+    # ------------------------------------------------------------ workspaces
+
+    async def get_workspace(self, org: str, ws: str) -> dict[str, Any] | None:
+        async with self._snapshot():
+            row = await self._one(
+                f"SELECT {_WS_COLS} FROM workspaces WHERE org = ? AND name = ?", (org, ws)
+            )
+            if row is None:
+                return None
+            queue = await self._all(
+                "SELECT run_id FROM ws_queue WHERE org = ? AND workspace = ? ORDER BY position",
+                (org, ws),
+            )
+        return _workspace(row, [q["run_id"] for q in queue])
+
+    async def list_workspaces(self, org: str) -> list[dict[str, Any]]:
+        """Every workspace of the organization, by name, each with its queue."""
+        async with self._snapshot():
+            rows = await self._all(
+                f"SELECT {_WS_COLS} FROM workspaces WHERE org = ? ORDER BY name", (org,)
+            )
+            queued = await self._all(
+                "SELECT workspace, run_id FROM ws_queue WHERE org = ? ORDER BY workspace, position",
+                (org,),
+            )
+        queues: dict[str, list[str]] = {}
+        for q in queued:
+            queues.setdefault(q["workspace"], []).append(q["run_id"])
+        return [_workspace(r, queues.get(r["name"], [])) for r in rows]
+
+    # ------------------------------------------------------------ runs
+
+    async def get_run(self, org: str, run_id: str) -> dict[str, Any] | None:
+        """The run, or None if it does not exist or belongs to another organization."""
+        row = await self._one(
+            f"SELECT {_RUN_COLS} FROM runs WHERE id = ? AND org = ?", (run_id, org)
+        )
+        return _run(row) if row else None
+
+    async def list_runs(
+        self,
+        org: str,
+        *,
+        workspace: str | None = None,
+        status: list[str] | None = None,
+        limit: int = 100,
+        before: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Runs newest first. `before` is the id of the last run of the previous page."""
+        where, params = ["org = ?"], [org]
+        if workspace is not None:
+            where.append("workspace = ?")
+            params.append(workspace)
+        if status:
+            where.append(f"status IN ({', '.join('?' * len(status))})")
+            params.extend(status)
+        if before is not None:
+            # An unknown cursor matches nothing, rather than restarting at the newest run.
+            where.append(
+                "(created_at, id) < (SELECT created_at, id FROM runs WHERE org = ? AND id = ?)"
+            )
+            params.extend([org, before])
+        sql = (
+            f"SELECT {_RUN_COLS} FROM runs WHERE {' AND '.join(where)} "
+            "ORDER BY created_at DESC, id DESC LIMIT ?"
+        )
+        rows = await self._all(sql, [*params, max(0, min(limit, _MAX_LIMIT))])
+        return [_run(r) for r in rows]
+
+    async def run_events(self, org: str, run_id: str) -> list[dict[str, Any]]:
+        """The run's own events in stream order; `data` is the payload without the envelope."""
+        rows = await self._all(
+            "SELECT seq, type, at, actor, data_json FROM events "
+            "WHERE run_id = ? AND org = ? ORDER BY seq",
+            (run_id, org),
+        )
+        return [_event(r) for r in rows]
+
+    async def run_steps(self, org: str, run_id: str) -> list[dict[str, Any]]:
+        """The run's steps in the order they started."""
+        rows = await self._all(
+            "SELECT s.phase, s.step, s.status, s.started_at, s.ended_at, s.duration_ms, "
+            "s.error, s.log_object FROM steps s JOIN runs r ON r.id = s.run_id "
+            "WHERE s.run_id = ? AND r.org = ? ORDER BY s.started_seq, s.phase, s.step",
+            (run_id, org),
+        )
+        return [dict(r) for r in rows]
+
+    # ------------------------------------------------------------ whole model
+
+    async def dump(self) -> dict[str, list[tuple[Any, ...]]]:
+        """Every table's rows sorted by primary key: two equal dumps are equal read models."""
+        async with self._snapshot():
+            return {t.name: [tuple(r) for r in await self._all(t.select_sorted)] for t in TABLES}
+
+
+def _workspace(row: aiosqlite.Row, queue: list[str]) -> dict[str, Any]:
+    out = dict(row)
+    out["variables"] = msgspec.json.decode(out.pop("variables_json") or "{}")
+    out["queue"] = queue
+    return out
+
+
+def _summary(row: aiosqlite.Row, prefix: str) -> dict[str, int] | None:
+    if row[f"{prefix}_add"] is None:
+        return None
+    return {k: row[f"{prefix}_{k}"] for k in ("add", "change", "destroy")}
+
+
+def _run(row: aiosqlite.Row) -> dict[str, Any]:
+    r = dict(row)
+    return {
+        "id": r["id"],
+        "org": r["org"],
+        "workspace": r["workspace"],
+        "type": r["type"],
+        "status": r["status"],
+        "created_by": r["created_by"],
+        "created_at": r["created_at"],
+        "updated_at": r["updated_at"],
+        "message": r["message"],
+        "commit": r["commit_sha"],
+        "has_changes": None if r["has_changes"] is None else bool(r["has_changes"]),
+        "plan_summary": _summary(row, "plan"),
+        "apply_summary": _summary(row, "apply"),
+        "plan_digest": r["plan_digest"],
+        "approved_by": r["approved_by"],
+        "acknowledged": msgspec.json.decode(r["acknowledged_json"] or "[]"),
+        "reason": r["reason"],
+        "error_message": r["error_message"],
+        "phase": r["phase"],
+        "executor_id": r["executor_id"],
+        "seq": r["last_seq"],
+    }
+
+
+def _event(row: aiosqlite.Row) -> dict[str, Any]:
+    data = msgspec.json.decode(row["data_json"])
+    for key in _ENVELOPE:
+        data.pop(key, None)
+    return {
+        "seq": row["seq"],
+        "type": row["type"],
+        "at": row["at"],
+        "actor": row["actor"],
+        "data": data,
+    }

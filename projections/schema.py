@@ -1,0 +1,249 @@
+"""The read model's tables, and opening a SQLite database that holds them.
+
+Tables are declared once as `Table` values: the DDL, the upsert and delete statements and
+the row order of `dump()` all derive from the same column list. Bump `VERSION` whenever a
+table changes; a database of another version is emptied and rebuilt by replay, since a
+read model is only ever a fold of the stream.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+
+VERSION = 1
+
+Row = dict[str, Any]
+Key = tuple[Any, ...]
+
+
+class Table:
+    """A table's columns and primary key, and the statements derived from them."""
+
+    def __init__(self, name: str, pk: tuple[str, ...], *columns: str) -> None:
+        self.name = name
+        self.pk = pk
+        self.columns = tuple((c.split(" ", 1)[0], c.split(" ", 1)[1]) for c in columns)
+        self.names = tuple(c for c, _ in self.columns)
+        # itemgetter: rows are built per event, so this is on the replay's hot path.
+        self.values: Callable[[Row], tuple[Any, ...]] = operator.itemgetter(*self.names)
+        self._key = operator.itemgetter(*pk)
+        cols = ", ".join(f"{c} {t}" for c, t in self.columns)
+        # Text keys: the row lives in the key's b-tree, one lookup instead of two.
+        rowid = "" if pk == ("seq",) else " WITHOUT ROWID"
+        key = ", ".join(pk)
+        self.ddl = f"CREATE TABLE IF NOT EXISTS {name} ({cols}, PRIMARY KEY ({key})){rowid}"
+        marks = ", ".join("?" * len(self.names))
+        self.upsert = f"INSERT OR REPLACE INTO {name} ({', '.join(self.names)}) VALUES ({marks})"
+        self.delete = f"DELETE FROM {name} WHERE {' AND '.join(f'{c} = ?' for c in pk)}"
+        self.select = f"SELECT {', '.join(self.names)} FROM {name}"
+        self.select_sorted = f"{self.select} ORDER BY {key}"
+
+    def key(self, row: Row) -> Key:
+        key = self._key(row)
+        return key if len(self.pk) > 1 else (key,)
+
+
+CHECKPOINT = Table("checkpoint", ("id",), "id INTEGER CHECK (id = 1)", "seq INTEGER NOT NULL")
+ORGS = Table("orgs", ("name",), "name TEXT NOT NULL", "created_at TEXT", "created_by TEXT")
+TOKENS = Table(
+    "tokens",
+    ("token_hash",),
+    "token_hash TEXT NOT NULL",
+    "token_id TEXT",
+    "org TEXT",
+    "user TEXT",
+    "role TEXT",
+    "created_at TEXT",
+)
+WORKSPACES = Table(
+    "workspaces",
+    ("org", "name"),
+    "org TEXT NOT NULL",
+    "name TEXT NOT NULL",
+    "repository TEXT",
+    "branch TEXT",
+    "directory TEXT",
+    "variables_json TEXT",
+    "created_at TEXT",
+    "created_by TEXT",
+    "active_run TEXT",
+)
+WS_QUEUE = Table(
+    "ws_queue",
+    ("org", "workspace", "run_id"),
+    "org TEXT NOT NULL",
+    "workspace TEXT NOT NULL",
+    "run_id TEXT NOT NULL",
+    "position INTEGER NOT NULL",  # the stream sequence of ws.run_enqueued: FIFO order
+)
+RUNS = Table(
+    "runs",
+    ("id",),
+    "id TEXT NOT NULL",
+    "org TEXT NOT NULL",
+    "workspace TEXT NOT NULL",
+    "type TEXT",
+    "status TEXT",
+    "created_by TEXT",
+    "created_at TEXT",
+    "updated_at TEXT",
+    "message TEXT",
+    "commit_sha TEXT",
+    "has_changes INTEGER",
+    "plan_add INTEGER",
+    "plan_change INTEGER",
+    "plan_destroy INTEGER",
+    "apply_add INTEGER",
+    "apply_change INTEGER",
+    "apply_destroy INTEGER",
+    "plan_digest TEXT",
+    "approved_by TEXT",
+    "acknowledged_json TEXT",
+    "reason TEXT",
+    "error_message TEXT",
+    "phase TEXT",
+    "lease_id TEXT",
+    "executor_id TEXT",
+    "last_seq INTEGER",
+    "state_json TEXT",  # events.run.RunState, so the next event folds with the core's evolve
+)
+STEPS = Table(
+    "steps",
+    ("run_id", "phase", "step"),
+    "run_id TEXT NOT NULL",
+    "phase TEXT NOT NULL",
+    "step TEXT NOT NULL",
+    "status TEXT",
+    "started_at TEXT",
+    "ended_at TEXT",
+    "duration_ms INTEGER",
+    "error TEXT",
+    "log_object TEXT",
+    "started_seq INTEGER",  # start order
+)
+EVENTS = Table(
+    "events",
+    ("seq",),
+    "seq INTEGER",
+    "subject TEXT NOT NULL",
+    "org TEXT",
+    "workspace TEXT",
+    "run_id TEXT",
+    "type TEXT",
+    "at TEXT",
+    "actor TEXT",
+    "data_json TEXT",  # the event exactly as stored, unknown fields included
+    "stored_at TEXT",  # when JetStream stored it
+)
+SKIPPED = Table(
+    "skipped",
+    ("seq",),
+    "seq INTEGER",
+    "subject TEXT NOT NULL",
+    "type TEXT",
+    "reason TEXT",
+)
+
+TABLES: tuple[Table, ...] = (
+    CHECKPOINT,
+    ORGS,
+    TOKENS,
+    WORKSPACES,
+    WS_QUEUE,
+    RUNS,
+    STEPS,
+    EVENTS,
+    SKIPPED,
+)
+BY_NAME = {t.name: t for t in TABLES}
+
+INDEXES = (
+    "CREATE INDEX IF NOT EXISTS runs_by_org ON runs (org, created_at DESC, id DESC)",
+    "CREATE INDEX IF NOT EXISTS runs_by_ws ON runs (org, workspace, created_at DESC, id DESC)",
+    "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq)",
+    "CREATE INDEX IF NOT EXISTS ws_queue_order ON ws_queue (org, workspace, position)",
+)
+
+
+# ---------------------------------------------------------------- opening
+
+
+async def connect(path: Path, *, fast_unsafe: bool = False) -> aiosqlite.Connection:
+    """Open the database in autocommit mode (transactions are explicit) with the schema.
+
+    `fast_unsafe` is for a replay into a scratch file that is thrown away on failure:
+    no journal, no fsync until the end.
+    """
+    db = await aiosqlite.connect(path, isolation_level=None)
+    if fast_unsafe:
+        await db.execute("PRAGMA journal_mode = OFF")
+        await db.execute("PRAGMA synchronous = OFF")
+        await db.execute("PRAGMA cache_size = -65536")
+    else:
+        await db.execute("PRAGMA journal_mode = WAL")
+        # WAL + NORMAL: a commit survives a crash of the process; an OS crash may lose the
+        # last transactions, which the checkpoint makes harmless (they are re-projected).
+        await db.execute("PRAGMA synchronous = NORMAL")
+    await db.execute("PRAGMA busy_timeout = 5000")
+    # A replay builds the secondary indexes once at the end: faster than row by row.
+    await _ensure_schema(db, indexes=not fast_unsafe)
+    return db
+
+
+async def _ensure_schema(db: aiosqlite.Connection, *, indexes: bool) -> None:
+    async with db.execute("PRAGMA user_version") as cur:
+        row = await cur.fetchone()
+    version = row[0] if row else 0
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        if version != VERSION:
+            await _drop_all(db)
+        for table in TABLES:
+            await db.execute(table.ddl)
+        if indexes:
+            await create_indexes(db)
+        await db.execute("INSERT OR IGNORE INTO checkpoint (id, seq) VALUES (1, 0)")
+        await db.execute(f"PRAGMA user_version = {VERSION}")
+        await db.execute("COMMIT")
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
+
+
+async def create_indexes(db: aiosqlite.Connection) -> None:
+    for index in INDEXES:
+        await db.execute(index)
+
+
+async def _drop_all(db: aiosqlite.Connection) -> None:
+    """Drop every table: a read model of another schema version is rebuilt from the stream."""
+    async with db.execute("SELECT name FROM sqlite_master WHERE type = 'table'") as cur:
+        names = [r[0] for r in await cur.fetchall()]
+    for name in names:
+        if not name.startswith("sqlite_"):
+            await db.execute(f'DROP TABLE IF EXISTS "{name}"')
+
+
+async def reset(db: aiosqlite.Connection) -> None:
+    """Empty every table and move the checkpoint back to 0, in one transaction."""
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        for table in TABLES:
+            await db.execute(f"DELETE FROM {table.name}")
+        await db.execute("INSERT INTO checkpoint (id, seq) VALUES (1, 0)")
+        await db.execute("COMMIT")
+    except BaseException:
+        await db.execute("ROLLBACK")
+        raise
+
+
+async def checkpoint(db: aiosqlite.Connection) -> int:
+    """The last stream sequence the database covers."""
+    async with db.execute("SELECT seq FROM checkpoint WHERE id = 1") as cur:
+        row = await cur.fetchone()
+    return int(row[0]) if row else 0

@@ -1,0 +1,256 @@
+"""The projection's folds, without I/O: given events, then rows."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+from itertools import count
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events import run as run_agg
+from events.codec import AnyEvent, encode, run_subject, ws_subject
+from events.errors import DomainError
+from events.run import (
+    AdmitRun,
+    ApproveRun,
+    CancelRun,
+    ClaimPhase,
+    CreateRun,
+    DiscardRun,
+    FailRun,
+    FinishApply,
+    FinishPlan,
+    FinishStep,
+    PlanSummary,
+    RunCommand,
+    StartStep,
+    Workspace,
+)
+from events.workspace import RunAdmitted, RunEnqueued, RunReleased, WorkspaceCreated
+from projections.project import Unprojectable, Working, finish, iso, meta_of, project_event
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+CONFIG = Workspace(repository="/repo")
+
+
+class Stream:
+    """Folds events into one working set, numbering them like a stream."""
+
+    def __init__(self) -> None:
+        self.w = Working()
+        self.seq = count(1)
+
+    def add(self, subject: str, *events: AnyEvent) -> None:
+        for event in events:
+            seq = next(self.seq)
+            meta = meta_of(seq, subject, seq * 1_000_000)
+            project_event(self.w, meta, event, encode(event))
+        finish(self.w)
+
+    def run(self, run_id: str) -> dict[str, object]:
+        row = self.w.get("runs", (run_id,))
+        assert row is not None
+        return row
+
+
+def decide_all(commands: list[RunCommand]) -> list[run_agg.RunEvent]:
+    """Run commands through the core in order, dropping the ones it refuses."""
+    state, events, ticks = run_agg.INITIAL, [], count()
+    for command in commands:
+        now = T0 + timedelta(seconds=next(ticks))
+        try:
+            new = run_agg.decide(state, command, now=now, new_id=lambda: "id")
+        except DomainError:
+            continue
+        state = run_agg.fold(new, state)
+        events.extend(new)
+    return events
+
+
+CREATE = CreateRun(
+    actor="alice", run_id="r1", org="acme", workspace="net", run_type="apply", config=CONFIG
+)
+SUBJECT = run_subject("acme", "net", "r1")
+
+
+def _next_command(data: st.DataObject, state: run_agg.RunState, n: int) -> RunCommand:
+    """A command that is plausible for the state (current lease, waiting phase), or noise."""
+    noise = data.draw(st.integers(0, 9)) == 0  # now and then: a stale lease or an ending
+    lease = "stale" if noise else state.lease_id or "l0"
+    phase = run_agg.WAITING_PHASE.get(state.status, "plan")  # type: ignore[arg-type]  # None ok
+    step = data.draw(st.sampled_from(["checkout", "init", "plan"]))
+    summary = PlanSummary(add=data.draw(st.integers(0, 3)))
+    flag = data.draw(st.booleans())
+    options: list[RunCommand] = [
+        AdmitRun(actor="s"),
+        ClaimPhase(actor="x", phase=phase, lease_id=f"l{n}", executor_id=f"x{n}"),
+        StartStep(actor="x", lease_id=lease, step=step),
+        FinishStep(actor="x", lease_id=lease, step=step, ok=flag, started_at=T0),
+        FinishPlan(
+            actor="x",
+            lease_id=lease,
+            commit="c0",
+            has_changes=flag or summary.add > 0,
+            summary=summary,
+            require_approval=data.draw(st.booleans()),
+        ),
+        FinishApply(actor="x", lease_id=lease, summary=summary),
+        ApproveRun(actor="bob", acknowledged=["warning"] if flag else []),
+    ]
+    endings: list[RunCommand] = [
+        DiscardRun(actor="bob"),
+        CancelRun(actor="bob"),
+        FailRun(actor="x", reason="boom", message="m", lease_id=state.lease_id if flag else ""),
+    ]
+    return data.draw(st.sampled_from(endings if noise else options))
+
+
+def decide_next(events: list[run_agg.RunEvent], command: RunCommand) -> list[run_agg.RunEvent]:
+    """The events one more command adds after `events`, or none if the core refuses it."""
+    now = T0 + timedelta(seconds=len(events))
+    try:
+        return run_agg.decide(run_agg.fold(events), command, now=now, new_id=lambda: "id")
+    except DomainError:
+        return []
+
+
+def random_history(run_type: str, length: int, data: st.DataObject) -> list[run_agg.RunEvent]:
+    create = CreateRun(
+        actor="alice", run_id="r1", org="acme", workspace="net", run_type=run_type, config=CONFIG
+    )
+    events = decide_all([create])
+    for n in range(length):
+        events += decide_next(events, _next_command(data, run_agg.fold(events), n))
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(run_type=st.sampled_from(run_agg.RUN_TYPES), length=st.integers(0, 40), data=st.data())
+def test_projected_run_agrees_with_the_core_fold_after_every_event(
+    run_type: str, length: int, data: st.DataObject
+) -> None:
+    """Status, phase, summaries and approval in the row equal events.run.fold of the prefix."""
+    events = random_history(run_type, length, data)
+    s = Stream()
+    for i, event in enumerate(events, 1):
+        s.add(SUBJECT, event)
+        expected = run_agg.fold(events[:i])
+        row = s.run("r1")
+        assert row["status"] == str(expected.status)
+        assert row["phase"] == (expected.phase or None)
+        assert row["executor_id"] == (expected.executor_id or None)
+        assert row["plan_add"] == (expected.plan_summary.add if expected.plan_summary else None)
+        assert row["apply_add"] == (expected.apply_summary.add if expected.apply_summary else None)
+        assert row["approved_by"] == (expected.approved_by or None)
+        assert row["last_seq"] == i
+    if run_agg.fold(events).terminal:
+        steps = s.w.rows_of("steps", "r1")
+        assert all(step["status"] != "running" for step in steps)
+
+
+def test_a_failed_run_keeps_its_own_message_and_records_the_error_apart() -> None:
+    """The core's RunState.message is overwritten by run.failed; the row keeps both."""
+    create = CreateRun(
+        actor="alice",
+        run_id="r1",
+        org="acme",
+        workspace="net",
+        run_type="plan",
+        config=CONFIG,
+        message="bump vpc",
+    )
+    events = decide_all([create, FailRun(actor="reaper", reason="timeout", message="took 2h")])
+    s = Stream()
+    s.add(SUBJECT, *events)
+    row = s.run("r1")
+    assert (row["status"], row["message"], row["reason"], row["error_message"]) == (
+        "failed",
+        "bump vpc",
+        "timeout",
+        "took 2h",
+    )
+
+
+def test_a_run_that_fails_under_a_running_step_fails_that_step() -> None:
+    """The executor vanished mid-step: the step must not stay 'running' forever."""
+    events = decide_all(
+        [
+            CREATE,
+            AdmitRun(actor="s"),
+            ClaimPhase(actor="x", phase="plan", lease_id="l1", executor_id="x1"),
+            StartStep(actor="x", lease_id="l1", step="checkout"),
+            FinishStep(actor="x", lease_id="l1", step="checkout", ok=True, started_at=T0),
+            StartStep(actor="x", lease_id="l1", step="init"),
+            FailRun(actor="reaper", reason="executor_unavailable"),
+        ]
+    )
+    s = Stream()
+    s.add(SUBJECT, *events)
+    steps = {r["step"]: r for r in s.w.rows_of("steps", "r1")}
+    assert steps["checkout"]["status"] == "ok"
+    assert steps["init"]["status"] == "failed"
+    assert steps["init"]["error"] == "run failed: executor_unavailable"
+    assert steps["init"]["phase"] == "plan"
+    assert steps["init"]["ended_at"] == iso(events[-1].at)
+
+
+def test_step_duration_runs_from_step_started_to_step_finished() -> None:
+    events = decide_all(
+        [
+            CREATE,
+            AdmitRun(actor="s"),
+            ClaimPhase(actor="x", phase="plan", lease_id="l1", executor_id="x1"),
+            StartStep(actor="x", lease_id="l1", step="init"),
+            FinishStep(actor="x", lease_id="l1", step="init", ok=False, started_at=T0, error="no"),
+        ]
+    )
+    s = Stream()
+    s.add(SUBJECT, *events)
+    (step,) = s.w.rows_of("steps", "r1")
+    assert step["duration_ms"] == 1000  # decide_all ticks one second per command
+    assert (step["status"], step["error"]) == ("failed", "no")
+
+
+def test_workspace_queue_follows_enqueue_admit_and_release() -> None:
+    s = Stream()
+    subject = ws_subject("acme", "net")
+    s.add(subject, WorkspaceCreated(at=T0, actor="a", org="acme", name="net", config=CONFIG))
+    s.add(subject, *(RunEnqueued(at=T0, actor="a", run_id=r) for r in ("r1", "r2", "r3")))
+    s.add(subject, RunAdmitted(at=T0, actor="s", run_id="r1"))
+    s.add(subject, RunReleased(at=T0, actor="a", run_id="r3", status="canceled"))
+    queue = sorted(s.w.rows["ws_queue"].values(), key=lambda r: r["position"])
+    assert [r["run_id"] for r in queue] == ["r2"]
+    assert s.w.rows["workspaces"][("acme", "net")]["active_run"] == "r1"
+    s.add(subject, RunReleased(at=T0, actor="a", run_id="r1", status="applied"))
+    assert s.w.rows["workspaces"][("acme", "net")]["active_run"] is None
+
+
+def test_events_of_aggregates_never_created_are_unprojectable() -> None:
+    s = Stream()
+    queued = run_agg.RunQueued(at=T0, actor="s")
+    with pytest.raises(Unprojectable, match="never created"):
+        s.add(SUBJECT, queued)
+    with pytest.raises(Unprojectable, match="never created"):
+        s.add(ws_subject("acme", "net"), RunEnqueued(at=T0, actor="a", run_id="r1"))
+
+
+def test_times_are_fixed_width_utc_text() -> None:
+    """Fixed width keeps text order equal to time order for ORDER BY created_at."""
+    plus2 = timezone(timedelta(hours=2))
+    assert iso(datetime(2025, 1, 1, 2, 0, tzinfo=plus2)) == "2025-01-01T00:00:00.000000Z"
+    assert iso(datetime(2025, 1, 1, 0, 0, 0, 5, tzinfo=UTC)) == "2025-01-01T00:00:00.000005Z"
+
+
+def test_subjects_name_their_aggregate() -> None:
+    def parts(subject: str) -> tuple[str, str | None, str | None, str | None]:
+        m = meta_of(1, subject, 0)
+        return m.kind, m.org, m.workspace, m.run_id
+
+    assert parts("rp.run.acme.net.r1") == ("run", "acme", "net", "r1")
+    assert parts("rp.ws.acme.net") == ("ws", "acme", "net", None)
+    assert parts("rp.org.acme") == ("org", "acme", None, None)
+    assert parts("rp.other") == ("", None, None, None)
+    stored = meta_of(1, "rp.org.acme", 1_500_000_000_123_456_789).stored_at
+    assert stored == "2017-07-14T02:40:00.123456Z"
