@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nats
+import nats.errors
 import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
@@ -22,6 +23,10 @@ from services.infra.eventstore import EventStore, wait_for_stream
 from services.infra.natsserver import EmbeddedNats
 
 log = structlog.get_logger(__name__)
+
+
+# How long a process waits for NATS at start before giving up with a clear error.
+CONNECT_TIMEOUT_S = float(os.environ.get("RUNPLANE_CONNECT_TIMEOUT", "15"))
 
 
 class ConfigError(Exception):
@@ -69,13 +74,19 @@ async def nats_connection(url: str) -> AsyncIterator[NATS]:
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
 
-    nc = await nats.connect(
-        url,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        error_cb=on_error,
-        name="runplane",
-    )
+    try:
+        nc = await asyncio.wait_for(
+            nats.connect(
+                url,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=on_error,
+                name="runplane",
+            ),
+            CONNECT_TIMEOUT_S,
+        )
+    except (TimeoutError, OSError, nats.errors.Error) as e:
+        raise ConfigError(f"cannot reach NATS at {url} ({type(e).__name__})") from e
     try:
         await streams.declare(nc, nc.jetstream())
         await wait_for_stream(nc)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from projections.readmodel import ReadModel
 from services.demo import make_demo_repo
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
@@ -96,6 +97,16 @@ async def test_runplane_up_plans_and_applies_the_demo_and_stops_everything(
         code = await up.stop(signal.SIGTERM)
     assert code == 0, up.output()[-3000:]
     assert not nats_servers_using(data), "runplane up left its nats-server running"
+    live = await _dump(data / "readmodel.sqlite")
+    replay = await Proc(["replay", "--data-dir", str(data)], tmp_path / "replay.log").start()
+    assert await replay.stop(signal.SIGCONT, timeout=60) == 0, replay.output()
+    assert "replayed" in replay.output()
+    assert await _dump(data / "readmodel.sqlite") == live, "replay rebuilt identical rows"
+
+
+async def _dump(path: Path) -> dict[str, list[tuple[object, ...]]]:
+    async with await ReadModel.open(path) as rm:
+        return await rm.dump()
 
 
 async def test_the_api_killed_mid_run_loses_nothing(
