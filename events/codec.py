@@ -13,7 +13,7 @@ from events.workspace import WorkspaceEvent
 AnyEvent = RunEvent | WorkspaceEvent | OrgEvent
 
 _encoder = msgspec.json.Encoder()
-_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)  # type: ignore[arg-type]  # a union type is a valid decoder spec
+_decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)
 
 ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 

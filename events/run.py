@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import assert_never
+from typing import TypeVar, assert_never
 
 import msgspec
 
@@ -385,132 +385,95 @@ def _fence(state: RunState, lease_id: str) -> None:
         raise StaleLease(f"lease {lease_id} is not the run's current lease")
 
 
+E = TypeVar("E", bound=Event)
+
+
+def _record(event_type: type[E], command: Command, now: datetime, **overrides: object) -> E:
+    """The event of a command: the command's fields that the event has, at `now`."""
+    fields = {
+        name: getattr(command, name)
+        for name in event_type.__struct_fields__
+        if name != "at" and hasattr(command, name)
+    }
+    return event_type(at=now, **{**fields, **overrides})
+
+
+def _check_claim(state: RunState, command: ClaimPhase) -> None:
+    _require(state, set(WAITING_PHASE), "claim")
+    waiting = WAITING_PHASE[state.status]  # type: ignore[index]  # _require narrowed status
+    if waiting != command.phase:
+        raise IllegalTransition(
+            f"the run waits for its {waiting} phase, not {command.phase}",
+            status=str(state.status),
+        )
+    if not command.lease_id:
+        raise Invalid("a claim needs a lease id")
+
+
+def _check_cancel(state: RunState) -> None:
+    if state.status == Status.AWAITING_APPROVAL:
+        raise IllegalTransition(
+            "a run awaiting approval is discarded, not canceled", status=str(state.status)
+        )
+    if state.status == Status.APPLYING:
+        raise IllegalTransition(
+            "an applying run cannot be canceled: interrupting an apply can corrupt state",
+            status=str(state.status),
+        )
+    _require(state, CANCELABLE, "cancel")
+
+
+def _check_finish(state: RunState, lease_id: str, status: Status, what: str) -> None:
+    _fence(state, lease_id)
+    if state.status != status:
+        raise IllegalTransition(
+            f"cannot finish {what} of a run that is {state.status}", status=str(state.status)
+        )
+
+
 def decide(
     state: RunState, command: RunCommand, *, now: datetime, new_id: Callable[[], str]
 ) -> list[RunEvent]:
     """Decide which events a command produces against the current run state."""
-    who = command.actor
     match command:
         case CreateRun():
             if state.exists:
                 raise AlreadyExists(f"run {command.run_id} already exists")
             if command.run_type not in RUN_TYPES:
                 raise Invalid(f"unknown run type {command.run_type!r}")
-            return [
-                RunCreated(
-                    at=now,
-                    actor=who,
-                    run_id=command.run_id,
-                    org=command.org,
-                    workspace=command.workspace,
-                    run_type=command.run_type,
-                    config=command.config,
-                    message=command.message,
-                )
-            ]
+            return [_record(RunCreated, command, now)]
         case AdmitRun():
             _require(state, {Status.PENDING}, "admit")
-            return [RunQueued(at=now, actor=who, phase="plan")]
+            return [_record(RunQueued, command, now, phase="plan")]
         case ClaimPhase():
-            _require(state, set(WAITING_PHASE), "claim")
-            if WAITING_PHASE[state.status] != command.phase:  # type: ignore[index]  # narrowed by _require
-                raise IllegalTransition(
-                    f"the run waits for its {WAITING_PHASE[state.status]} phase, "  # type: ignore[index]  # narrowed
-                    f"not {command.phase}",
-                    status=str(state.status),
-                )
-            if not command.lease_id:
-                raise Invalid("a claim needs a lease id")
-            return [
-                PhaseStarted(
-                    at=now,
-                    actor=who,
-                    phase=command.phase,
-                    lease_id=command.lease_id,
-                    executor_id=command.executor_id,
-                )
-            ]
+            _check_claim(state, command)
+            return [_record(PhaseStarted, command, now)]
         case StartStep():
             _fence(state, command.lease_id)
-            return [StepStarted(at=now, actor=who, lease_id=command.lease_id, step=command.step)]
+            return [_record(StepStarted, command, now)]
         case FinishStep():
             _fence(state, command.lease_id)
-            return [
-                StepFinished(
-                    at=now,
-                    actor=who,
-                    lease_id=command.lease_id,
-                    step=command.step,
-                    ok=command.ok,
-                    started_at=command.started_at,
-                    log_object=command.log_object,
-                    error=command.error,
-                )
-            ]
+            return [_record(StepFinished, command, now)]
         case FinishPlan():
-            _fence(state, command.lease_id)
-            if state.status != Status.PLANNING:
-                raise IllegalTransition(
-                    f"cannot finish a plan of a run that is {state.status}",
-                    status=str(state.status),
-                )
-            return [
-                PlanFinished(
-                    at=now,
-                    actor=who,
-                    lease_id=command.lease_id,
-                    commit=command.commit,
-                    has_changes=command.has_changes,
-                    summary=command.summary,
-                    plan_object=command.plan_object,
-                    plan_digest=command.plan_digest,
-                    require_approval=command.require_approval,
-                )
-            ]
+            _check_finish(state, command.lease_id, Status.PLANNING, "a plan")
+            return [_record(PlanFinished, command, now)]
         case FinishApply():
-            _fence(state, command.lease_id)
-            if state.status != Status.APPLYING:
-                raise IllegalTransition(
-                    f"cannot finish an apply of a run that is {state.status}",
-                    status=str(state.status),
-                )
-            return [
-                ApplyFinished(
-                    at=now, actor=who, lease_id=command.lease_id, summary=command.summary
-                )
-            ]
+            _check_finish(state, command.lease_id, Status.APPLYING, "an apply")
+            return [_record(ApplyFinished, command, now)]
         case ApproveRun():
             _require(state, {Status.AWAITING_APPROVAL}, "approve")
-            return [RunApproved(at=now, actor=who, acknowledged=list(command.acknowledged))]
+            return [_record(RunApproved, command, now, acknowledged=list(command.acknowledged))]
         case DiscardRun():
             _require(state, {Status.AWAITING_APPROVAL}, "discard")
-            return [RunDiscarded(at=now, actor=who, reason=command.reason or "discarded")]
+            return [_record(RunDiscarded, command, now, reason=command.reason or "discarded")]
         case CancelRun():
-            if state.status == Status.AWAITING_APPROVAL:
-                raise IllegalTransition(
-                    "a run awaiting approval is discarded, not canceled",
-                    status=str(state.status),
-                )
-            if state.status == Status.APPLYING:
-                raise IllegalTransition(
-                    "an applying run cannot be canceled: interrupting an apply can corrupt state",
-                    status=str(state.status),
-                )
-            _require(state, CANCELABLE, "cancel")
-            return [RunCanceled(at=now, actor=who, reason=command.reason or "canceled")]
+            _check_cancel(state)
+            return [_record(RunCanceled, command, now, reason=command.reason or "canceled")]
         case FailRun():
             if command.lease_id:
                 _fence(state, command.lease_id)
             else:
                 _require(state, set(Status) - TERMINAL, "fail")
-            return [
-                RunFailed(
-                    at=now,
-                    actor=who,
-                    reason=command.reason or "failed",
-                    message=command.message,
-                    lease_id=command.lease_id,
-                )
-            ]
+            return [_record(RunFailed, command, now, reason=command.reason or "failed")]
         case _:
             assert_never(command)

@@ -138,8 +138,6 @@ def decide(
         case ReleaseRun():
             if command.run_id not in state.queue and command.run_id != state.active:
                 return []
-            return [
-                RunReleased(at=now, actor=who, run_id=command.run_id, status=command.status)
-            ]
+            return [RunReleased(at=now, actor=who, run_id=command.run_id, status=command.status)]
         case _:
             assert_never(command)

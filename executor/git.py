@@ -25,7 +25,11 @@ def git_env() -> dict[str, str]:
 async def _git(args: list[str], *, cwd: Path, step_log: StepLog, grace: float) -> Output:
     out = Output()
     code = await process.run(
-        ["git", *args], cwd=cwd, env=git_env(), step_log=step_log, on_line=out.feed,
+        ["git", *args],
+        cwd=cwd,
+        env=git_env(),
+        step_log=step_log,
+        on_line=out.feed,
         grace=grace,
     )
     if code != 0:
@@ -34,7 +38,12 @@ async def _git(args: list[str], *, cwd: Path, step_log: StepLog, grace: float) -
 
 
 async def checkout(
-    repository: str, dest: Path, *, branch: str, commit: str = "", step_log: StepLog,
+    repository: str,
+    dest: Path,
+    *,
+    branch: str,
+    commit: str = "",
+    step_log: StepLog,
     grace: float = 5.0,
 ) -> str:
     """Clone `repository` (a path or URL) into `dest` at `branch`, or at `commit` if given.

@@ -122,8 +122,13 @@ async def _finish(
     obj = await _store_log(job, name, step_log)
     await job.report(
         FinishStep(
-            actor=job.actor, lease_id=job.lease_id, step=name, ok=ok, started_at=started,
-            log_object=obj, error=error,
+            actor=job.actor,
+            lease_id=job.lease_id,
+            step=name,
+            ok=ok,
+            started_at=started,
+            log_object=obj,
+            error=error,
         )
     )
     log.info("step_finished", step=name, ok=ok)
@@ -133,7 +138,11 @@ async def _finish_interrupted(job: Job, name: str, started: datetime, step_log: 
     """Best effort: keep the log and mark the step failed; the lease may be gone already."""
     try:
         await _finish(
-            job, name, started, step_log, ok=False,
+            job,
+            name,
+            started,
+            step_log,
+            ok=False,
             error=f"interrupted ({job.cancel_reason or 'cancelled'})",
         )
     except DomainError as e:

@@ -66,7 +66,8 @@ class Output:
         """The counts of Terraform's `change_summary` message (zero if it printed none)."""
         c = self.changes or {}
         return PlanSummary(
-            add=int(c.get("add", 0)), change=int(c.get("change", 0)),
+            add=int(c.get("add", 0)),
+            change=int(c.get("change", 0)),
             destroy=int(c.get("remove", 0)),
         )
 

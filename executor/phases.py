@@ -64,9 +64,13 @@ async def _plan_phase(job: Job) -> None:
     job.finishing = True
     await job.report(
         FinishPlan(
-            actor=job.actor, lease_id=job.lease_id, commit=commit,
-            has_changes=outcome.has_changes, summary=outcome.summary,
-            plan_object=outcome.plan_object, plan_digest=outcome.plan_digest,
+            actor=job.actor,
+            lease_id=job.lease_id,
+            commit=commit,
+            has_changes=outcome.has_changes,
+            summary=outcome.summary,
+            plan_object=outcome.plan_object,
+            plan_digest=outcome.plan_digest,
             require_approval=True,
         )
     )
@@ -89,7 +93,10 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> str
     if pinned and not job.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
     sha = await git.checkout(
-        cfg.repository, job.src, branch=cfg.branch, commit=job.run.commit if pinned else "",
+        cfg.repository,
+        job.src,
+        branch=cfg.branch,
+        commit=job.run.commit if pinned else "",
         step_log=step_log,
         grace=job.grace,
     )
@@ -145,8 +152,10 @@ async def _drift(job: Job, step_log: StepLog) -> tuple[PlanSummary, bool]:
         raise StepFailed("plan", f"terraform show failed (exit {code})")
     summary = drift_summary(json.loads(show_path.read_bytes()))
     drifted = summary.add + summary.change + summary.destroy > 0
-    step_log.note(f"drift: {summary.add} created, {summary.change} changed, "
-                  f"{summary.destroy} deleted outside Terraform")
+    step_log.note(
+        f"drift: {summary.add} created, {summary.change} changed, "
+        f"{summary.destroy} deleted outside Terraform"
+    )
     return summary, drifted
 
 
@@ -169,8 +178,12 @@ async def _apply(job: Job, step_log: StepLog) -> PlanSummary:
 
 async def _terraform(job: Job, step_log: StepLog, args: list[str], out: Output | None) -> int:
     return await process.run(
-        job.terraform.argv(*args), cwd=job.workdir, env=job.terraform.env(),
-        step_log=step_log, on_line=out.feed if out else None, grace=job.grace,
+        job.terraform.argv(*args),
+        cwd=job.workdir,
+        env=job.terraform.env(),
+        step_log=step_log,
+        on_line=out.feed if out else None,
+        grace=job.grace,
     )
 
 

@@ -85,9 +85,7 @@ class Terraform:
 
     def env(self) -> dict[str, str]:
         """The process environment: the host's, minus overrides, plus automation settings."""
-        env = {
-            k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)
-        }
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)}
         env.update(
             TF_CLI_CONFIG_FILE=str(self.cli_config),
             TF_IN_AUTOMATION="1",
@@ -206,8 +204,10 @@ async def check_version(terraform: Terraform, *, minimum: tuple[int, int] = (1, 
     """Run `version -json` once at start, so a wrong binary fails now, not at the first run."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *terraform.argv(*version_args()), env=terraform.env(),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            *terraform.argv(*version_args()),
+            env=terraform.env(),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
         )
     except OSError as e:

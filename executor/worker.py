@@ -136,8 +136,7 @@ class Executor:
             durable=executor_consumer(self.pool), stream=DISPATCH
         )
         self._task = asyncio.create_task(self._loop(), name=f"executor-{self.executor_id}")
-        log.info("executor_ready", executor_id=self.executor_id, pool=self.pool,
-                 terraform=version)
+        log.info("executor_ready", executor_id=self.executor_id, pool=self.pool, terraform=version)
         return self
 
     async def __aexit__(
@@ -232,7 +231,9 @@ class Executor:
         """Claim the phase under a fresh lease; ack the message whatever the claim decided."""
         lease_id = new_id()
         claim = ClaimPhase(
-            actor=f"executor:{self.executor_id}", phase=d.phase, lease_id=lease_id,
+            actor=f"executor:{self.executor_id}",
+            phase=d.phase,
+            lease_id=lease_id,
             executor_id=self.executor_id,
         )
         try:
@@ -256,10 +257,18 @@ class Executor:
         assert self._terraform is not None
         root = tempfile.mkdtemp(prefix=f"{d.run_id}-{d.phase}-", dir=self.work_dir / "jobs")
         return Job(
-            app=self.app, objects=self.objects, terraform=self._terraform, org=d.org,
-            ws=d.workspace, run_id=d.run_id, phase=d.phase, lease_id=lease_id,
-            executor_id=self.executor_id, run=run,
-            root=Path(root), keep_dir=self.work_dir / "unsaved-state",
+            app=self.app,
+            objects=self.objects,
+            terraform=self._terraform,
+            org=d.org,
+            ws=d.workspace,
+            run_id=d.run_id,
+            phase=d.phase,
+            lease_id=lease_id,
+            executor_id=self.executor_id,
+            run=run,
+            root=Path(root),
+            keep_dir=self.work_dir / "unsaved-state",
             grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
         )
 
@@ -287,9 +296,11 @@ class Executor:
         assert job.task is not None
         if job.task.cancelled():
             if job.cancel_reason == STOPPED:
-                await self._fail(job, "executor_stopped",
-                                 f"executor {self.executor_id} stopped during the "
-                                 f"{job.step or job.phase} step")
+                await self._fail(
+                    job,
+                    "executor_stopped",
+                    f"executor {self.executor_id} stopped during the {job.step or job.phase} step",
+                )
             else:
                 log.warning("phase_abandoned", why="the run's lease is no longer ours")
             return
@@ -325,8 +336,11 @@ class Executor:
                 return
 
     async def _beat(self, subject: str, job: Job) -> None:
-        body = {"lease_id": job.lease_id, "executor_id": self.executor_id,
-                "at": job.now().isoformat()}
+        body = {
+            "lease_id": job.lease_id,
+            "executor_id": self.executor_id,
+            "at": job.now().isoformat(),
+        }
         try:
             await self.js.publish(subject, json.dumps(body).encode())
         except Exception as e:  # a missed beat is survivable; the next one may land

@@ -9,7 +9,6 @@ is how the api answers a read only from a projection at or past the caller's las
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 from types import TracebackType
 from typing import Self

@@ -18,9 +18,14 @@ log = structlog.get_logger(__name__)
 
 
 def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
-    p.add_argument("--data-dir", type=Path, default=Path(os.environ.get("RUNPLANE_DATA_DIR", ".runplane")))
-    p.add_argument("--nats-url", default=os.environ.get("RUNPLANE_NATS_URL", ""),
-                   help="use this NATS server or cluster instead of starting one")
+    p.add_argument(
+        "--data-dir", type=Path, default=Path(os.environ.get("RUNPLANE_DATA_DIR", ".runplane"))
+    )
+    p.add_argument(
+        "--nats-url",
+        default=os.environ.get("RUNPLANE_NATS_URL", ""),
+        help="use this NATS server or cluster instead of starting one",
+    )
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
@@ -28,12 +33,20 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
 
 def _executor_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool", default=os.environ.get("RUNPLANE_POOL", "default"))
-    p.add_argument("--terraform-binary", default=os.environ.get("RUNPLANE_TERRAFORM_BINARY", ""),
-                   help="terraform or tofu binary (default: the bundled Terraform 1.0.3)")
+    p.add_argument(
+        "--terraform-binary",
+        default=os.environ.get("RUNPLANE_TERRAFORM_BINARY", ""),
+        help="terraform or tofu binary (default: the bundled Terraform 1.0.3)",
+    )
     mirrors = [m for m in os.environ.get("RUNPLANE_PROVIDER_MIRRORS", "").split(":") if m]
-    p.add_argument("--provider-mirror", dest="provider_mirrors", action="append", type=Path,
-                   default=[Path(m) for m in mirrors],
-                   help="extra filesystem mirror of providers (repeatable)")
+    p.add_argument(
+        "--provider-mirror",
+        dest="provider_mirrors",
+        action="append",
+        type=Path,
+        default=[Path(m) for m in mirrors],
+        help="extra filesystem mirror of providers (repeatable)",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,10 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except OSError as e:
-        print(f"runplane: {e.strerror or e}: {getattr(e, 'filename', '') or ''}".rstrip(": "),
-              file=sys.stderr)
+        print(
+            f"runplane: {e.strerror or e}: {getattr(e, 'filename', '') or ''}".rstrip(": "),
+            file=sys.stderr,
+        )
         return 1
-    except Exception as e:  # noqa: BLE001  # one line for the user, the details in the log
+    except Exception as e:  # one line for the user, the details in the log
         log.exception("fatal")
         print(f"runplane: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -74,9 +74,7 @@ class App:
 
     # ------------------------------------------------------------ loading
 
-    async def _load(
-        self, subject: str, fold: Callable[[list[Any]], S]
-    ) -> tuple[S, int, str]:
+    async def _load(self, subject: str, fold: Callable[[list[Any]], S]) -> tuple[S, int, str]:
         envs = await self.store.read(subject)
         real = envs[-1].subject if envs else subject
         return fold([e.event for e in envs]), (envs[-1].seq if envs else 0), real
@@ -119,7 +117,9 @@ class App:
         async def attempt() -> Result:
             cur = await self.load_org(name)
             evs = org_agg.decide(
-                cur.state, org_agg.CreateOrg(actor=actor, name=name), now=self.clock(),
+                cur.state,
+                org_agg.CreateOrg(actor=actor, name=name),
+                now=self.clock(),
                 new_id=self.ids,
             )
             seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
@@ -174,8 +174,13 @@ class App:
                 raise NotFound("workspace does not exist")
             now = self.clock()
             create = run_agg.CreateRun(
-                actor=actor, run_id=run_id, org=org, workspace=ws, run_type=run_type,
-                config=w.state.config, message=message,
+                actor=actor,
+                run_id=run_id,
+                org=org,
+                workspace=ws,
+                run_type=run_type,
+                config=w.state.config,
+                message=message,
             )
             run_events = run_agg.decide(run_agg.INITIAL, create, now=now, new_id=self.ids)
             ws_events = ws_agg.decide(
@@ -234,6 +239,6 @@ class App:
                 self._appends(w.subject, w.seq, list(ws_events))
                 + self._appends(r.subject, r.seq, list(run_events))
             )
-            return run_id  # type: ignore[no-any-return]  # str
+            return run_id
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # str

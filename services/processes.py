@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import structlog
+from nats.aio.client import Client as NATS
 
 from services.runtime import (
     ConfigError,
@@ -25,22 +27,24 @@ def _readmodel_path(opts: Options) -> Path:
     return opts.data_dir / "readmodel.sqlite"
 
 
-async def _start_api(opts: Options, stack: AsyncExitStack, nc: object, ready: object) -> str:
+async def _start_api(
+    opts: Options, stack: AsyncExitStack, nc: NATS, ready: Callable[[], bool]
+) -> str:
     from projections.projector import Projector
     from services.api.app import build_app
 
-    app = make_app(nc)  # type: ignore[arg-type]  # NATS client
+    app = make_app(nc)
     projector = await stack.enter_async_context(Projector(nc, _readmodel_path(opts)))
-    web_app = build_app(app=app, projector=projector, admin_token=admin_token(opts), ready=ready)  # type: ignore[arg-type]  # callable
+    web_app = build_app(app=app, projector=projector, admin_token=admin_token(opts), ready=ready)
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 
 
-async def _start_executor(opts: Options, stack: AsyncExitStack, nc: object) -> None:
+async def _start_executor(opts: Options, stack: AsyncExitStack, nc: NATS) -> None:
     from executor.worker import Executor, TerraformSettings, default_executor_id
 
     ex = Executor(
-        nc,  # type: ignore[arg-type]  # NATS client
-        make_app(nc),  # type: ignore[arg-type]  # NATS client
+        nc,
+        make_app(nc),
         pool=opts.pool,
         work_dir=opts.data_dir / "work",
         terraform=TerraformSettings(
@@ -93,7 +97,7 @@ def _banner(base: str, token: str, org: str, ws: str) -> None:
             ' -d \'{"type": "apply"}\'',
             f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID",
             f"  curl -s {h} -X POST {base}/api/v1/orgs/{org}/runs/RUN_ID/approve"
-            ' -d \'{"acknowledged": []}\'',
+            " -d '{\"acknowledged\": []}'",
             f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID/events",
             "",
         ]

@@ -35,9 +35,14 @@ class Proc:
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> Proc:
-        out = open(self.log, "ab")  # noqa: SIM115  # kept open for the child's lifetime
+        out = open(self.log, "ab")  # kept open for the child's lifetime
         self.proc = await asyncio.create_subprocess_exec(
-            *RUNPLANE, *self.args, stdout=out, stderr=out, env=self.env, cwd=str(ROOT),
+            *RUNPLANE,
+            *self.args,
+            stdout=out,
+            stderr=out,
+            env=self.env,
+            cwd=str(ROOT),
             start_new_session=True,
         )
         out.close()
@@ -94,8 +99,9 @@ class Client:
                 return r  # type: ignore[no-any-return]
             return None
 
-        return await eventually(probe, timeout=timeout, interval=0.1,
-                                what=f"run {run} to reach {wanted}")
+        return await eventually(
+            probe, timeout=timeout, interval=0.1, what=f"run {run} to reach {wanted}"
+        )
 
 
 async def wait_healthy(base: str, timeout: float = 60) -> None:

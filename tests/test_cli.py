@@ -14,7 +14,10 @@ from tests.procs import ROOT
 def runplane(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
-        capture_output=True, text=True, cwd=ROOT, timeout=60,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
         env={**os.environ, "RUNPLANE_CONNECT_TIMEOUT": "2"},
     )
 

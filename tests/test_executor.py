@@ -55,8 +55,10 @@ resource "null_resource" "slow" {
 
 _GIT_ENV = {
     **os.environ,
-    "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com",
-    "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.com",
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.com",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.com",
 }
 
 
@@ -105,7 +107,8 @@ class Harness:
     async def dispatch(self, ws: str, run_id: str, phase: str, org: str = "acme") -> None:
         body = {"org": org, "workspace": ws, "run_id": run_id, "phase": phase}
         await self.js.publish(
-            dispatch_subject("default"), json.dumps(body).encode(),
+            dispatch_subject("default"),
+            json.dumps(body).encode(),
             headers={"Nats-Msg-Id": f"{run_id}:{phase}"},
         )
 
@@ -119,7 +122,9 @@ class Harness:
     async def reaches(self, ws: str, run_id: str, status: str, org: str = "acme") -> RunState:
         async def probe() -> RunState:
             state = await self.run(ws, run_id, org)
-            assert str(state.status) == status, f"{state.status} {state.reason} {state.error_message}"
+            assert str(state.status) == status, (
+                f"{state.status} {state.reason} {state.error_message}"
+            )
             return state
 
         return await eventually(probe, timeout=30, what=f"run {run_id} {status}")
@@ -144,8 +149,13 @@ def h(nc: NATS, app: App) -> Harness:
 async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
     """A running executor with quick heartbeats, short polls and a short stop grace."""
     ex = Executor(
-        nc, app, work_dir=tmp_path / "exec", executor_id="test-exec", heartbeat_interval=0.2,
-        grace_period=5.0, fetch_timeout=0.2,
+        nc,
+        app,
+        work_dir=tmp_path / "exec",
+        executor_id="test-exec",
+        heartbeat_interval=0.2,
+        grace_period=5.0,
+        fetch_timeout=0.2,
     )
     async with ex:
         yield ex
@@ -221,9 +231,7 @@ async def test_failing_plan_fails_the_run_with_terraforms_error(
     assert plan_step.log_object
 
 
-async def test_invalid_configuration_fails_init(
-    h: Harness, repo: Path, executor: Executor
-) -> None:
+async def test_invalid_configuration_fails_init(h: Harness, repo: Path, executor: Executor) -> None:
     """HCL that does not parse fails at init (Terraform parses before installing providers)."""
     commit(repo, 'resource "null_resource" "x" {\n')
     await h.workspace("net", Workspace(repository=str(repo)))

@@ -75,16 +75,19 @@ def test_masker_hides_url_credentials_and_secrets() -> None:
 
 
 def test_drift_summary_counts_resource_drift_by_action() -> None:
-    show = {"resource_drift": [
-        {"change": {"actions": ["update"]}}, {"change": {"actions": ["delete"]}},
-    ]}
+    show = {
+        "resource_drift": [
+            {"change": {"actions": ["update"]}},
+            {"change": {"actions": ["delete"]}},
+        ]
+    }
     assert drift_summary(show) == PlanSummary(change=1, destroy=1)
     assert drift_summary({}) == PlanSummary()
 
 
 @pytest.mark.parametrize(
-    ("run_type", "flag"), [("plan", None), ("apply", None), ("destroy", "-destroy"),
-                           ("drift", "-refresh-only")],
+    ("run_type", "flag"),
+    [("plan", None), ("apply", None), ("destroy", "-destroy"), ("drift", "-refresh-only")],
 )
 def test_plan_flags_follow_the_run_type(run_type: str, flag: str | None) -> None:
     args = tf.plan_args(run_type, {"n": "2", "name": "a b"})
@@ -105,8 +108,17 @@ def test_cli_config_has_a_mirror_per_dir_and_no_registry(tmp_path: Path) -> None
 def test_prepare_builds_the_mirror_and_env(tmp_path: Path) -> None:
     """The bundled null provider is linked in the registry layout; env points at the config."""
     ready = tf.prepare(tf.TerraformConfig(provider_mirrors=[tmp_path / "m"]), tmp_path / "d")
-    link = (tmp_path / "d" / "providers" / "registry.terraform.io" / "hashicorp" / "null"
-            / "2.1.2" / "linux_amd64" / tf.NULL_PROVIDER_FILE)
+    link = (
+        tmp_path
+        / "d"
+        / "providers"
+        / "registry.terraform.io"
+        / "hashicorp"
+        / "null"
+        / "2.1.2"
+        / "linux_amd64"
+        / tf.NULL_PROVIDER_FILE
+    )
     assert link.resolve() == tf.bundled_null_provider().resolve()
     env = ready.env()
     assert env["TF_CLI_CONFIG_FILE"] == str(ready.cli_config)
@@ -121,9 +133,12 @@ def test_prepare_refuses_a_missing_binary(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [b"not json", b'{"org":"a","workspace":"b","run_id":"c"}',
-     b'{"org":"A.B","workspace":"b","run_id":"c","phase":"plan"}',
-     b'{"org":"a","workspace":"b","run_id":"c","phase":"destroy"}'],
+    [
+        b"not json",
+        b'{"org":"a","workspace":"b","run_id":"c"}',
+        b'{"org":"A.B","workspace":"b","run_id":"c","phase":"plan"}',
+        b'{"org":"a","workspace":"b","run_id":"c","phase":"destroy"}',
+    ],
 )
 def test_malformed_dispatch_is_refused(body: bytes) -> None:
     with pytest.raises(ValueError):

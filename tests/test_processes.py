@@ -83,8 +83,7 @@ async def test_runplane_up_plans_and_applies_the_demo_and_stops_everything(
         planned = await client.wait_status("demo", run["id"], {"awaiting_approval", "failed"})
         assert planned["status"] == "awaiting_approval", planned
         assert planned["plan_summary"] == {"add": 2, "change": 0, "destroy": 0}
-        await client.ok("POST", f"/api/v1/orgs/demo/runs/{run['id']}/approve",
-                        {"acknowledged": []})
+        await client.ok("POST", f"/api/v1/orgs/demo/runs/{run['id']}/approve", {"acknowledged": []})
         done = await client.wait_status("demo", run["id"], {"applied", "failed"})
         assert done["status"] == "applied", done
         events = (await client.ok("GET", f"/api/v1/orgs/demo/runs/{run['id']}/events"))["items"]
@@ -128,16 +127,18 @@ async def test_the_api_killed_mid_run_loses_nothing(
     try:
         await wait_healthy(base)
         await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
-        await client.ok("POST", "/api/v1/orgs/acme/workspaces",
-                        {"name": "net", "repository": str(repo), "variables": {"n": "1"}})
+        await client.ok(
+            "POST",
+            "/api/v1/orgs/acme/workspaces",
+            {"name": "net", "repository": str(repo), "variables": {"n": "1"}},
+        )
         run = await client.ok("POST", "/api/v1/orgs/acme/workspaces/net/runs", {"type": "apply"})
         api.kill()
         await api.proc.wait()  # type: ignore[union-attr]
         api = await Proc(api_args, tmp_path / "a.log", env).start()
         await wait_healthy(base)
         await client.wait_status("acme", run["id"], {"awaiting_approval"})
-        await client.ok("POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve",
-                        {"acknowledged": []})
+        await client.ok("POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []})
         api.kill()
         await api.proc.wait()  # type: ignore[union-attr]
         api = await Proc(api_args, tmp_path / "a.log", env).start()

@@ -67,16 +67,21 @@ class FakeExecutor:
         org, ws, run = body["org"], body["workspace"], body["run_id"]
         try:
             await self.app.run_command(
-                org, ws, run,
+                org,
+                ws,
+                run,
                 R.ClaimPhase(actor="fake", phase=body["phase"], lease_id=lease, executor_id="f"),
             )
         except Exception:  # noqa: BLE001  # claim refused: already claimed or canceled
             return
         self.claimed.append(run)
         await self.app.run_command(
-            org, ws, run,
-            R.FinishPlan(actor="fake", lease_id=lease, commit="c", has_changes=False,
-                         summary=R.PlanSummary()),
+            org,
+            ws,
+            run,
+            R.FinishPlan(
+                actor="fake", lease_id=lease, commit="c", has_changes=False, summary=R.PlanSummary()
+            ),
         )
 
 
@@ -129,7 +134,7 @@ async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
 
         await eventually(all_done, timeout=60, what="every run to finish")
     admitted = check_history(await store.read("rp.>"))
-    assert sorted(sum(admitted.values(), [])) == sorted(ids)
+    assert sorted(r for runs in admitted.values() for r in runs) == sorted(ids)
     assert sorted(fake.claimed) == sorted(ids), "every run planned exactly once"
 
 
@@ -167,11 +172,24 @@ async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
 
         await eventually(lambda: is_queued(r1), what="first run admitted")
         lease = new_id()
-        await app.run_command("acme", "net", r1, R.ClaimPhase(
-            actor="x", phase="plan", lease_id=lease, executor_id="x"))
-        await app.run_command("acme", "net", r1, R.FinishPlan(
-            actor="x", lease_id=lease, commit="c", has_changes=True,
-            summary=R.PlanSummary(add=1)))
+        await app.run_command(
+            "acme",
+            "net",
+            r1,
+            R.ClaimPhase(actor="x", phase="plan", lease_id=lease, executor_id="x"),
+        )
+        await app.run_command(
+            "acme",
+            "net",
+            r1,
+            R.FinishPlan(
+                actor="x",
+                lease_id=lease,
+                commit="c",
+                has_changes=True,
+                summary=R.PlanSummary(add=1),
+            ),
+        )
         await asyncio.sleep(0.3)  # give a wrong admission the chance to happen
         assert (await app.load_run("acme", "net", second.state.run_id)).state.status == "pending"
         await app.run_command("acme", "net", r1, R.DiscardRun(actor="bob"))

@@ -40,6 +40,22 @@ class Envelope(msgspec.Struct, frozen=True, kw_only=True):
     event: AnyEvent
 
 
+class _AckError(msgspec.Struct, frozen=True):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _Ack(msgspec.Struct, frozen=True):
+    """JetStream's answer to a publish or to the commit of a batch."""
+
+    seq: int = 0
+    error: _AckError | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(_Ack)
+
+
 class Append(msgspec.Struct, frozen=True, kw_only=True):
     """One event to append on a subject, expecting that subject's last sequence."""
 
@@ -113,9 +129,7 @@ class EventStore:
     async def last(self, subject: str) -> tuple[int, str]:
         """The sequence and msg id of the last message on an exact subject (0, "" if none)."""
         req = json.dumps({"last_by_subj": subject}).encode()
-        msg = await self.nc.request(
-            f"$JS.API.DIRECT.GET.{self.stream}", req, timeout=self.timeout
-        )
+        msg = await self.nc.request(f"$JS.API.DIRECT.GET.{self.stream}", req, timeout=self.timeout)
         hdrs = msg.headers or {}
         if hdrs.get("Status"):
             return 0, ""
@@ -150,42 +164,48 @@ class EventStore:
                 if landed:
                     return landed
                 continue
-            err = ack.get("error")
-            if not err:
-                return int(ack["seq"])
-            if err.get("err_code") in (WRONG_LAST_SEQUENCE, BATCH_DUPLICATE_ID):
+            err = ack.error
+            if err is None:
+                return ack.seq
+            if err.err_code in (WRONG_LAST_SEQUENCE, BATCH_DUPLICATE_ID):
                 landed = await self._landed(items[-1].subject, ids[-1])
                 if landed:
                     return landed
-                raise Conflict(err.get("description", "wrong last sequence"))
-            raise StoreError(f"append refused: {err.get('description')}")
+                raise Conflict(err.description or "wrong last sequence")
+            raise StoreError(f"append refused: {err.description}")
         raise StoreError("append timed out") from last_err
 
     async def _landed(self, subject: str, msg_id: str) -> int:
         seq, head_id = await self.last(subject)
         return seq if head_id == msg_id else 0
 
-    async def _send(self, items: list[Append], ids: list[str]) -> dict[str, object]:
+    async def _send(self, items: list[Append], ids: list[str]) -> _Ack:
         if len(items) == 1:
             it = items[0]
             msg = await self.nc.request(
-                it.subject, encode(it.event), headers=_headers(it, ids[0], {}),
+                it.subject,
+                encode(it.event),
+                headers=_headers(it, ids[0], {}),
                 timeout=self.timeout,
             )
-            return json.loads(msg.data)  # type: ignore[no-any-return]  # JSON ack
+            return _ack_decoder.decode(msg.data)
         batch = uuid.uuid4().hex
         n = len(items)
         for i, (it, mid) in enumerate(zip(items, ids, strict=True), 1):
             extra = {"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)}
             if i < n:
-                await self.nc.publish(it.subject, encode(it.event), headers=_headers(it, mid, extra))
+                await self.nc.publish(
+                    it.subject, encode(it.event), headers=_headers(it, mid, extra)
+                )
                 continue
             extra["Nats-Batch-Commit"] = "1"
             msg = await self.nc.request(
-                it.subject, encode(it.event), headers=_headers(it, mid, extra),
+                it.subject,
+                encode(it.event),
+                headers=_headers(it, mid, extra),
                 timeout=self.timeout,
             )
-            return json.loads(msg.data)  # type: ignore[no-any-return]  # JSON ack
+            return _ack_decoder.decode(msg.data)
         raise AssertionError("unreachable")
 
 

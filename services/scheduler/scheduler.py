@@ -89,7 +89,7 @@ class Scheduler:
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
                 await asyncio.sleep(0.5)
                 continue
-            except Exception:  # noqa: BLE001  # keep scheduling through broker hiccups
+            except Exception:  # keep scheduling through broker hiccups
                 log.exception("scheduler_fetch_failed")
                 await asyncio.sleep(0.5)
                 continue
@@ -121,10 +121,13 @@ class Scheduler:
                 await m.ack()
             except (StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
                 retry = getattr(e, "retryable", True)
-                log.warning("scheduler_retry" if retry else "scheduler_drop",
-                            subject=m.subject, error=str(e))
+                log.warning(
+                    "scheduler_retry" if retry else "scheduler_drop",
+                    subject=m.subject,
+                    error=str(e),
+                )
                 await (m.nak(delay=0.5) if retry else m.term())
-            except Exception:  # noqa: BLE001  # one bad message must not stop scheduling
+            except Exception:  # one bad message must not stop scheduling
                 log.exception("scheduler_handler_failed", subject=m.subject)
                 await m.nak(delay=2)
 
@@ -136,7 +139,7 @@ class Scheduler:
     async def _dispatch(self, org: str, ws: str, run_id: str) -> None:
         loaded = await self.app.load_run(org, ws, run_id)
         state: RunState = loaded.state
-        phase = WAITING_PHASE.get(state.status) if state.status else None  # type: ignore[call-overload]  # Status keys
+        phase = WAITING_PHASE.get(state.status) if state.status else None
         if not phase:
             return
         await self.js.publish(
