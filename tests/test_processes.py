@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from pathlib import Path
 
 import pytest
+from nats.aio.client import Client as NATS
 
+from events.run import Workspace
 from projections.readmodel import ReadModel
+from services.commands import App
 from services.demo import make_demo_repo
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
+from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
+from tests.test_scheduler import FakeExecutor, check_history
 
 pytestmark = pytest.mark.terraform
 
@@ -153,3 +159,38 @@ async def test_the_api_killed_mid_run_loses_nothing(
         await client.close()
         for p in (api, sched, execu):
             await p.stop()
+
+
+async def test_two_scheduler_processes_never_admit_twice_or_out_of_order(
+    tmp_path: Path, nats_server: EmbeddedNats, nc: NATS, app: App, store: EventStore
+) -> None:
+    workspaces = [f"ws{i}" for i in range(4)]
+    await app.create_org("acme", "admin")
+    for ws in workspaces:
+        await app.create_workspace("acme", ws, Workspace(repository="/nowhere"), "admin")
+    args = ["scheduler", "--nats-url", nats_server.url, "--data-dir"]
+    scheds = [
+        await Proc([*args, str(tmp_path / f"s{i}")], tmp_path / f"s{i}.log").start()
+        for i in range(2)
+    ]
+    try:
+        async with FakeExecutor(nc, app) as fake:
+            created = await asyncio.gather(
+                *(app.create_run("acme", workspaces[i % 4], "plan", "al") for i in range(40))
+            )
+
+            async def all_done() -> bool:
+                for r in created:
+                    s = (await app.load_run("acme", r.state.workspace, r.state.run_id)).state
+                    if s.status != "no_changes":
+                        return False
+                return True
+
+            await eventually(all_done, timeout=60, what="every run to finish")
+    finally:
+        for p in scheds:
+            assert await p.stop() == 0, p.output()[-2000:]
+    ids = sorted(r.state.run_id for r in created)
+    admitted = check_history(await store.read("rp.>"))
+    assert sorted(r for runs in admitted.values() for r in runs) == ids
+    assert sorted(fake.claimed) == ids, "every run planned exactly once"
