@@ -15,6 +15,15 @@ import msgspec
 
 from events.base import Command, Event
 from events.errors import AlreadyExists, IllegalTransition, Invalid, NotFound, StaleLease
+from events.values import (
+    RESOURCE_STATES,
+    AttributeChange,
+    PlanSummary,
+    ResourceChange,
+    Snapshot,
+    VariableRef,
+    Workspace,
+)
 
 
 class Status(StrEnum):
@@ -53,21 +62,6 @@ WAITING_PHASE = {Status.QUEUED: "plan", Status.APPLY_QUEUED: "apply"}
 RUNNING_STATUS = {"plan": Status.PLANNING, "apply": Status.APPLYING}
 
 
-class Workspace(msgspec.Struct, frozen=True, kw_only=True):
-    """What the run needs to know of its workspace, snapshotted at creation."""
-
-    repository: str
-    branch: str = "main"
-    directory: str = "."
-    variables: dict[str, str] = {}
-
-
-class PlanSummary(msgspec.Struct, frozen=True, kw_only=True):
-    add: int = 0
-    change: int = 0
-    destroy: int = 0
-
-
 # ---------------------------------------------------------------- events
 
 
@@ -81,9 +75,10 @@ class RunCreated(Event, frozen=True, kw_only=True, tag="run.created"):
 
 
 class RunQueued(Event, frozen=True, kw_only=True, tag="run.queued"):
-    """Admitted: the plan phase now waits for an executor."""
+    """Admitted: the plan phase now waits for an executor, pinned to its snapshot."""
 
     phase: str = "plan"
+    snapshot: Snapshot | None = None
 
 
 class PhaseStarted(Event, frozen=True, kw_only=True, tag="run.phase_started"):
@@ -106,6 +101,7 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="run.step_finished"):
     started_at: datetime
     log_object: str = ""
     error: str = ""
+    metrics: dict[str, int] = {}
 
 
 class PlanFinished(Event, frozen=True, kw_only=True, tag="run.plan_finished"):
@@ -116,6 +112,9 @@ class PlanFinished(Event, frozen=True, kw_only=True, tag="run.plan_finished"):
     plan_object: str = ""
     plan_digest: str = ""
     require_approval: bool = True
+    commit_author: str = ""
+    commit_message: str = ""
+    changes: list[ResourceChange] = []
 
 
 class RunApproved(Event, frozen=True, kw_only=True, tag="run.approved"):
@@ -125,6 +124,30 @@ class RunApproved(Event, frozen=True, kw_only=True, tag="run.approved"):
 class ApplyFinished(Event, frozen=True, kw_only=True, tag="run.apply_finished"):
     lease_id: str
     summary: PlanSummary
+
+
+class ResourceStateChanged(Event, frozen=True, kw_only=True, tag="run.resource_state"):
+    """One resource moved during the apply: pending, applying, done, failed, not_applied.
+
+    A replacement reports each of its stages (`action` delete / create) in the order run.
+    """
+
+    lease_id: str
+    address: str
+    action: str
+    state: str
+    error: str = ""
+
+
+class StateVersionCreated(Event, frozen=True, kw_only=True, tag="run.state_version"):
+    """Terraform wrote a new state version (stored encrypted in the object store)."""
+
+    lease_id: str
+    serial: int
+    lineage: str = ""
+    digest: str
+    object: str
+    size: int = 0
 
 
 class RunDiscarded(Event, frozen=True, kw_only=True, tag="run.discarded"):
@@ -150,6 +173,8 @@ RunEvent = (
     | PlanFinished
     | RunApproved
     | ApplyFinished
+    | ResourceStateChanged
+    | StateVersionCreated
     | RunDiscarded
     | RunCanceled
     | RunFailed
@@ -169,7 +194,7 @@ class CreateRun(Command, frozen=True, kw_only=True):
 
 
 class AdmitRun(Command, frozen=True, kw_only=True):
-    pass
+    snapshot: Snapshot | None = None
 
 
 class ClaimPhase(Command, frozen=True, kw_only=True):
@@ -190,6 +215,7 @@ class FinishStep(Command, frozen=True, kw_only=True):
     started_at: datetime
     log_object: str = ""
     error: str = ""
+    metrics: dict[str, int] = {}
 
 
 class FinishPlan(Command, frozen=True, kw_only=True):
@@ -200,11 +226,31 @@ class FinishPlan(Command, frozen=True, kw_only=True):
     plan_object: str = ""
     plan_digest: str = ""
     require_approval: bool = True
+    commit_author: str = ""
+    commit_message: str = ""
+    changes: list[ResourceChange] = []
 
 
 class FinishApply(Command, frozen=True, kw_only=True):
     lease_id: str
     summary: PlanSummary
+
+
+class ReportResource(Command, frozen=True, kw_only=True):
+    lease_id: str
+    address: str
+    action: str
+    state: str
+    error: str = ""
+
+
+class RecordStateVersion(Command, frozen=True, kw_only=True):
+    lease_id: str
+    serial: int
+    lineage: str = ""
+    digest: str
+    object: str
+    size: int = 0
 
 
 class ApproveRun(Command, frozen=True, kw_only=True):
@@ -235,6 +281,8 @@ RunCommand = (
     | FinishStep
     | FinishPlan
     | FinishApply
+    | ReportResource
+    | RecordStateVersion
     | ApproveRun
     | DiscardRun
     | CancelRun
@@ -259,6 +307,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     lease_id: str = ""
     executor_id: str = ""
     commit: str = ""
+    snapshot: Snapshot | None = None
     has_changes: bool = False
     plan_summary: PlanSummary | None = None
     apply_summary: PlanSummary | None = None
@@ -312,7 +361,14 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
                 message=event.message,
             )
         case RunQueued():
-            return msgspec.structs.replace(s, status=Status.QUEUED, phase="")
+            snap = event.snapshot
+            return msgspec.structs.replace(
+                s,
+                status=Status.QUEUED,
+                phase="",
+                snapshot=snap,
+                commit=snap.commit if snap and snap.commit else s.commit,
+            )
         case PhaseStarted():
             return msgspec.structs.replace(
                 s,
@@ -321,7 +377,7 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
                 lease_id=event.lease_id,
                 executor_id=event.executor_id,
             )
-        case StepStarted() | StepFinished():
+        case StepStarted() | StepFinished() | ResourceStateChanged() | StateVersionCreated():
             return s
         case PlanFinished():
             nxt = status_after_plan(state, event)
@@ -460,6 +516,14 @@ def decide(
         case FinishApply():
             _check_finish(state, command.lease_id, Status.APPLYING, "an apply")
             return [_record(ApplyFinished, command, now)]
+        case ReportResource():
+            _check_finish(state, command.lease_id, Status.APPLYING, "a resource")
+            if command.state not in RESOURCE_STATES:
+                raise Invalid(f"unknown resource state {command.state!r}")
+            return [_record(ResourceStateChanged, command, now)]
+        case RecordStateVersion():
+            _fence(state, command.lease_id)
+            return [_record(StateVersionCreated, command, now)]
         case ApproveRun():
             _require(state, {Status.AWAITING_APPROVAL}, "approve")
             return [_record(RunApproved, command, now, acknowledged=list(command.acknowledged))]
@@ -477,3 +541,13 @@ def decide(
             return [_record(RunFailed, command, now, reason=command.reason or "failed")]
         case _:
             assert_never(command)
+
+
+__all__ = [
+    "AttributeChange",
+    "PlanSummary",
+    "ResourceChange",
+    "Snapshot",
+    "VariableRef",
+    "Workspace",
+]
