@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 1
+VERSION = 2
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
