@@ -1,0 +1,110 @@
+"""Inherited settings: organization -> folders (nested) -> workspace.
+
+Each level stores only what it sets. The effective value of a setting is the one set at
+the nearest level, or the default, and it records where it came from (its origin).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from events.errors import Invalid
+
+
+def _bool(v: Any) -> str:
+    return "" if isinstance(v, bool) else "must be true or false"
+
+
+def _seconds(v: Any) -> str:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 30 * 24 * 3600
+    return "" if ok else "must be a whole number of seconds from 0 to 2592000"
+
+
+def _positive_seconds(v: Any) -> str:
+    return _seconds(v) or ("" if v >= 1 else "must be at least 1 second")
+
+
+def _name(v: Any) -> str:
+    ok = isinstance(v, str) and 0 < len(v) <= 63 and v.replace("-", "").isalnum() and v.islower()
+    return "" if ok else "must be a lowercase name of letters, digits and dashes"
+
+
+def _path(v: Any) -> str:
+    return "" if isinstance(v, str) and len(v) <= 4096 and "\0" not in v else "must be a path"
+
+
+def _principals(v: Any) -> str:
+    """People are plain user names; groups are written `group:<name>`."""
+    if not isinstance(v, list) or len(v) > 1000:
+        return "must be a list of user names and group:<name> entries"
+    for item in v:
+        name = item[6:] if isinstance(item, str) and item.startswith("group:") else item
+        if _name(name):
+            return f"has an invalid entry {item!r}"
+    return ""
+
+
+class Spec(NamedTuple):
+    default: Any
+    check: Callable[[Any], str]
+    doc: str
+
+
+SPECS: dict[str, Spec] = {
+    "require_approval": Spec(True, _bool, "a person must approve before apply"),
+    "confirm_destructive": Spec(False, _bool, "approval lists every delete and replace"),
+    "four_eyes": Spec(False, _bool, "the run's creator may not approve it"),
+    "approvers": Spec([], _principals, "who may approve or discard (empty: any operator)"),
+    "heartbeat_timeout": Spec(600, _positive_seconds, "seconds of executor silence"),
+    "dispatch_timeout": Spec(0, _seconds, "seconds a step may wait for an executor (0: ever)"),
+    "approval_timeout": Spec(0, _seconds, "seconds a run may await approval (0: no limit)"),
+    "run_timeout": Spec(0, _seconds, "seconds a run may stay open (0: no limit)"),
+    "executor_pool": Spec("default", _name, "the executor pool that runs the steps"),
+    "terraform_binary": Spec("", _path, "terraform or tofu binary (empty: executor's)"),
+    "speculative_plans": Spec(False, _bool, "plan-only runs bypass the workspace queue"),
+}
+
+DEFAULT_ORIGIN = "default"
+
+
+def validate(patch: Mapping[str, Any]) -> dict[str, Any]:
+    """Check a partial settings object; `None` unsets a value at that level."""
+    errors = []
+    for key, value in patch.items():
+        spec = SPECS.get(key)
+        if spec is None:
+            errors.append(f"unknown setting {key!r}")
+        elif value is not None and (problem := spec.check(value)):
+            errors.append(f"{key} {problem}")
+    if errors:
+        raise Invalid("; ".join(errors))
+    return dict(patch)
+
+
+def merge(current: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply a validated patch to one level's own settings (None removes a key)."""
+    out = dict(current)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def effective(levels: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Resolve settings along the path, outermost level first: [("org", {...}),
+    ("folder:platform", {...}), ("workspace", {...})]. Every known setting gets a value
+    and the origin of that value."""
+    out = {name: {"value": spec.default, "origin": DEFAULT_ORIGIN} for name, spec in SPECS.items()}
+    for origin, values in levels:
+        for name, value in values.items():
+            if name in out:
+                out[name] = {"value": value, "origin": origin}
+    return out
+
+
+def values(resolved: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Just the values of resolved settings."""
+    return {name: entry["value"] for name, entry in resolved.items()}
