@@ -1,0 +1,163 @@
+"""What a phase holds in trust: its secret variables, its managed state, its sealed plan.
+
+`Vault` is executor-wide (NATS, the key ring, the state store). `guarded(job)` wraps one
+phase: it fetches the run's secret variables under the phase's lease (masked from every
+log, handed to Terraform's environment only), and serves the workspace's managed state on
+loopback (`executor/statebackend.py`) until the phase ends. Plan files travel sealed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import structlog
+from nats.aio.client import Client as NATS
+
+from executor import secrets as secret_vars
+from executor.changes import show_plan
+from executor.objects import Objects
+from executor.statebackend import ERRORED_STATE, StateBackend
+from executor.statestore import StateStore
+from services.infra.crypto import KeyRing, load_keyring
+from services.secrets import secret_names
+
+if TYPE_CHECKING:
+    from executor.job import Job
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Vault:
+    """NATS and the keys: everything an executor needs to keep plans, state and secrets."""
+
+    nc: NATS
+    keyring: KeyRing
+    objects: Objects
+    state: StateStore
+
+    @classmethod
+    def create(cls, nc: NATS, keyring: KeyRing | None, objects: Objects, work_dir: Path) -> Vault:
+        """Without a key ring, one generated once in `work_dir` (a lone executor, tests)."""
+        keys = keyring or load_keyring("", work_dir, create=True)
+        return cls(nc, keys, objects, StateStore(nc.jetstream(), keys))
+
+    async def upload_sealed(self, bucket: str, name: str, path: Path) -> None:
+        """Seal `path` (bound to `bucket/name`) and store it; the clear file stays local."""
+        sealed = path.with_name(f".{path.name}.sealed")
+        try:
+            await asyncio.to_thread(self.keyring.seal_file, path, sealed, f"{bucket}/{name}")
+            await self.objects.upload(bucket, name, sealed)
+        finally:
+            sealed.unlink(missing_ok=True)
+
+    async def download_sealed(self, bucket: str, name: str, dest: Path) -> bool:
+        """Fetch and open object `name` into `dest`; False if there is no such object.
+
+        Raises `services.infra.crypto.Tampered` or `UnknownKey` if it does not open.
+        """
+        sealed = dest.with_name(f".{dest.name}.sealed")
+        try:
+            if not await self.objects.download(bucket, name, sealed):
+                return False
+            await asyncio.to_thread(self.keyring.open_file, sealed, dest, f"{bucket}/{name}")
+            return True
+        finally:
+            sealed.unlink(missing_ok=True)
+
+
+@dataclass
+class Custody:
+    """One phase's share of the vault, and the state backend serving it."""
+
+    vault: Vault
+    backend: StateBackend | None = None
+
+    def problems(self) -> str:
+        """Why the state backend refused Terraform something, for the run's error."""
+        if self.backend is None or not self.backend.problems:
+            return ""
+        return "runplane state backend: " + "; ".join(dict.fromkeys(self.backend.problems))
+
+
+@asynccontextmanager
+async def guarded(job: Job) -> AsyncIterator[None]:
+    """For the length of a phase: its secret variables, and its managed state served.
+
+    Both reach Terraform through the environment of every command the phase runs.
+    """
+    custody = job.custody
+    await _take_secrets(job)
+    if not job.config.managed_state:
+        yield
+        return
+    async with StateBackend(job, custody.vault.state) as backend:
+        custody.backend = backend
+        _add_env(job, backend.env())
+        yield
+
+
+def _add_env(job: Job, env: dict[str, str]) -> None:
+    job.terraform = replace(job.terraform, extra_env={**job.terraform.extra_env, **env})
+
+
+async def _take_secrets(job: Job) -> None:
+    """Fetch the run's secret values: masked everywhere, TF_VAR_* for the plan only.
+
+    The apply phase applies the saved plan, which carries the values it was planned with;
+    it fetches them only so that its logs are masked too.
+    """
+    if not secret_names(job.run):
+        return
+    values = await secret_vars.fetch(
+        job.custody.vault.nc,
+        job.custody.vault.keyring,
+        org=job.org,
+        ws=job.ws,
+        run_id=job.run_id,
+        lease_id=job.lease_id,
+    )
+    job.masker.add(masked_forms(values.values()))
+    if job.phase == "plan":
+        _add_env(job, secret_vars.terraform_env(values))
+    log.info("secret_variables_received", count=len(values))
+
+
+async def mask_planned_secrets(job: Job) -> None:
+    """Mask the secret values the saved plan carries (they may differ from today's)."""
+    names = secret_names(job.run)
+    if not names:
+        return
+    variables = (await show_plan(job)).get("variables") or {}
+    planned = [str((variables.get(n) or {}).get("value", "")) for n in names]
+    job.masker.add(masked_forms(planned))
+
+
+def masked_forms(values: Iterable[str]) -> list[str]:
+    """Each value as it is, and as it appears inside a JSON string (Terraform's -json)."""
+    forms = set()
+    for value in values:
+        forms.update({value, json.dumps(value)[1:-1]})
+    return [f for f in forms if f]
+
+
+def rescue_errored_state(job: Job) -> Path | None:
+    """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600)."""
+    errored = job.workdir / ERRORED_STATE
+    if not errored.exists():
+        return None
+    job.keep_dir.mkdir(parents=True, exist_ok=True)
+    kept = job.keep_dir / f"{job.org}.{job.ws}.{job.run_id}.tfstate"
+    fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out, errored.open("rb") as src:
+        shutil.copyfileobj(src, out)
+    log.error("state_not_stored", kept=str(kept))
+    return kept

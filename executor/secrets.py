@@ -1,0 +1,61 @@
+"""Fetching a phase's secret variables: by request-reply under the phase's lease, never stored.
+
+The values come back sealed for this run and lease (see `services/secrets.py`), are opened
+in memory, handed to Terraform as `TF_VAR_<name>` in its environment (never on its command
+line, never in a file) and added to the masker, so no log line leaving the executor shows
+them.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from executor.errors import StepFailed
+from services.infra.crypto import CryptoError, KeyRing
+from services.secrets import reply_context, secrets_subject
+
+REASON = "secrets_unavailable"
+
+
+async def fetch(
+    nc: NATS,
+    keyring: KeyRing,
+    *,
+    org: str,
+    ws: str,
+    run_id: str,
+    lease_id: str,
+    timeout: float = 10.0,
+) -> dict[str, str]:
+    """The run's secret values; StepFailed (`secrets_unavailable`) if they cannot be had."""
+    body = json.dumps({"run_id": run_id, "lease_id": lease_id}).encode()
+    try:
+        msg = await nc.request(secrets_subject(org, ws), body, timeout=timeout)
+    except nats.errors.NoRespondersError as e:
+        raise _failed("no secrets responder is running (it runs beside the scheduler)") from e
+    except (TimeoutError, nats.errors.TimeoutError) as e:
+        raise _failed(f"the secrets responder did not answer within {timeout:g}s") from e
+    try:
+        answer = json.loads(msg.data)
+        if "error" in answer:
+            raise _failed(f"refused: {answer['error']}")
+        sealed = base64.b64decode(answer["sealed"])
+        values = json.loads(keyring.open(sealed, reply_context(run_id, lease_id)))
+    except (ValueError, KeyError, TypeError) as e:
+        raise _failed(f"malformed answer from the secrets responder: {type(e).__name__}") from e
+    except CryptoError as e:
+        raise _failed(f"the answer does not open with this executor's keys: {e}") from e
+    return {str(k): str(v) for k, v in values.items()}
+
+
+def terraform_env(values: dict[str, str]) -> dict[str, str]:
+    """`TF_VAR_<name>` for each secret variable."""
+    return {f"TF_VAR_{name}": value for name, value in values.items()}
+
+
+def _failed(message: str) -> StepFailed:
+    return StepFailed("secrets", f"secret variables unavailable: {message}", reason=REASON)

@@ -1,0 +1,294 @@
+"""Terraform's `http` backend, served by the executor on loopback for the length of a phase.
+
+Terraform finds it through `TF_HTTP_*` environment variables (the override file written
+into the working directory only says `backend "http" {}`): addresses taken from the
+environment are not stored in the plan file, so the apply phase, on another port or
+another executor, serves the same state. Basic auth with a password drawn per phase keeps
+other local processes out.
+
+- `GET`: the workspace's current state version; a workspace with none gets an empty
+  initial state (see `executor.statestore.initial_state` for why not a 404);
+- `POST`: a new version, accepted only from the holder of the lock; it is sealed into
+  `rp-state`, recorded on the run (`RecordStateVersion`, fenced by the lease: a zombie's
+  write is refused and Terraform keeps it in `errored.tfstate`), and the head moves with
+  optimistic concurrency;
+- `LOCK` / `UNLOCK`: the lock in KV. A second locker gets 423 and the holder's lock info.
+  A lock whose run has ended (or moved on to a later phase) is dead and is broken.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import structlog
+from aiohttp import web
+
+from events.errors import DomainError
+from events.run import RecordStateVersion, RunCommand, RunState
+from executor.statestore import (
+    Head,
+    HeadMoved,
+    LockRecord,
+    StateStore,
+    StateStoreError,
+    initial_state,
+)
+from services.commands import App
+
+log = structlog.get_logger(__name__)
+
+OVERRIDE_FILE = "runplane_backend_override.tf"
+OVERRIDE = """\
+# Written by runplane for this step: state is served by the executor (TF_HTTP_* settings).
+terraform {
+  backend "http" {
+    lock_method   = "LOCK"
+    unlock_method = "UNLOCK"
+  }
+}
+"""
+USER = "runplane"
+MAX_STATE = 512 * 1024 * 1024  # aiohttp's default (1 MiB) is far below real state files
+ERRORED_STATE = "errored.tfstate"
+
+
+class Lessee(Protocol):
+    """The phase a backend serves: who it is and how it reports (an `executor.job.Job`)."""
+
+    app: App
+    org: str
+    ws: str
+    run_id: str
+    lease_id: str
+    executor_id: str
+
+    @property
+    def actor(self) -> str: ...
+
+    async def report(self, command: RunCommand) -> None: ...
+
+
+def write_override(workdir: Path) -> Path:
+    """Point the configuration at the http backend (replacing any backend it declares)."""
+    path = workdir / OVERRIDE_FILE
+    path.write_text(OVERRIDE)
+    return path
+
+
+def _text(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=message + "\n")
+
+
+class StateBackend:
+    """One phase's state server; an async context manager. `env()` configures Terraform."""
+
+    def __init__(self, job: Lessee, store: StateStore) -> None:
+        self.job = job
+        self.store = store
+        self.password = secrets.token_urlsafe(24)
+        self.url = ""
+        self.problems: list[str] = []  # why a request was refused, for the run's error
+        self._head: Head | None = None
+        self._revision = 0
+        self._read = False
+        self._runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> StateBackend:
+        app = web.Application(middlewares=[self._auth], client_max_size=MAX_STATE)
+        for method, handler in (
+            ("GET", self._get),
+            ("POST", self._post),
+            ("LOCK", self._lock),
+            ("UNLOCK", self._unlock),
+        ):
+            app.router.add_route(method, "/state", handler)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}/state"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._release_ours()
+        finally:
+            if self._runner is not None:
+                await self._runner.cleanup()
+                self._runner = None
+
+    def env(self) -> dict[str, str]:
+        """Terraform's http backend settings, by environment so no plan file keeps them."""
+        return {
+            "TF_HTTP_ADDRESS": self.url,
+            "TF_HTTP_LOCK_ADDRESS": self.url,
+            "TF_HTTP_UNLOCK_ADDRESS": self.url,
+            "TF_HTTP_UPDATE_METHOD": "POST",
+            "TF_HTTP_LOCK_METHOD": "LOCK",
+            "TF_HTTP_UNLOCK_METHOD": "UNLOCK",
+            "TF_HTTP_USERNAME": USER,
+            "TF_HTTP_PASSWORD": self.password,
+        }
+
+    # ------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if not self._authorized(request.headers.get("Authorization", "")):
+            return _text(401, "authentication required")
+        try:
+            response: web.StreamResponse = await handler(request)
+            return response
+        except StateStoreError as e:
+            return self._refuse(503, str(e))
+
+    def _authorized(self, header: str) -> bool:
+        scheme, _, encoded = header.partition(" ")
+        try:
+            user, _, password = base64.b64decode(encoded, validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return False
+        expected = f"{USER}:{self.password}".encode()
+        given = f"{user}:{password}".encode()
+        return scheme.lower() == "basic" and hmac.compare_digest(given, expected)
+
+    def _refuse(self, status: int, message: str) -> web.Response:
+        self.problems.append(message)
+        log.warning("state_request_refused", status=status, why=message)
+        return _text(status, message)
+
+    # ------------------------------------------------------------ state
+
+    async def _get(self, request: web.Request) -> web.Response:
+        self._head, self._revision = await self.store.head(self.job.org, self.job.ws)
+        self._read = True
+        if self._head is None:
+            data = initial_state(self.job.org, self.job.ws)
+            return web.Response(body=data, content_type="application/json")
+        data = await self.store.read(self._head)
+        return web.Response(body=data, content_type="application/json")
+
+    async def _post(self, request: web.Request) -> web.Response:
+        data = await request.read()
+        holder, _ = await self.store.holder(self.job.org, self.job.ws)
+        if not self._holds(holder, request.query.get("ID", "")):
+            return self._refuse(409, "refusing a state write from a step that holds no lock")
+        if not self._read:
+            self._head, self._revision = await self.store.head(self.job.org, self.job.ws)
+        if self._head is not None and hashlib.sha256(data).hexdigest() == self._head.digest:
+            return _text(200, "unchanged")
+        try:
+            head = await self.store.put_version(self.job.org, self.job.ws, data, self.job.run_id)
+        except ValueError as e:
+            return self._refuse(400, f"not a Terraform state: {e}")
+        return await self._record(head)
+
+    async def _record(self, head: Head) -> web.Response:
+        """Record the version on the run (fenced), then move the head."""
+        job = self.job
+        try:
+            await job.report(
+                RecordStateVersion(
+                    actor=job.actor,
+                    lease_id=job.lease_id,
+                    serial=head.serial,
+                    lineage=head.lineage,
+                    digest=head.digest,
+                    object=head.object,
+                    size=head.size,
+                )
+            )
+        except DomainError as e:
+            await self.store.drop_version(head.object)
+            return self._refuse(409, f"state version not recorded: {e}")
+        try:
+            self._revision = await self.store.move_head(job.org, job.ws, head, self._revision)
+        except HeadMoved as e:
+            log.error("state_head_moved", object=head.object)
+            return self._refuse(409, str(e))
+        self._head = head
+        log.info("state_version_stored", serial=head.serial, object=head.object)
+        return _text(200, "stored")
+
+    # ------------------------------------------------------------ locks
+
+    def _holds(self, holder: LockRecord | None, lock_id: str) -> bool:
+        return (
+            holder is not None and holder.lease_id == self.job.lease_id and (holder.id == lock_id)
+        )
+
+    async def _lock(self, request: web.Request) -> web.Response:
+        try:
+            info = json.loads(await request.read())
+            record = self._record_of(info)
+        except (ValueError, KeyError, TypeError):
+            return self._refuse(400, "not a Terraform lock")
+        holder, revision = await self.store.lock(record)
+        if holder is None or self._holds(holder, record.id):
+            return _text(200, "locked")
+        if await self._dead(holder) and await self.store.take_over(record, revision):
+            log.warning("state_lock_broken", holder_run=holder.run_id, holder=holder.lease_id)
+            return _text(200, "locked (a dead run's lock was broken)")
+        return self._locked(holder)
+
+    def _record_of(self, info: dict[str, Any]) -> LockRecord:
+        job = self.job
+        return LockRecord(
+            id=str(info["ID"]),
+            info=info,
+            org=job.org,
+            ws=job.ws,
+            run_id=job.run_id,
+            lease_id=job.lease_id,
+            executor_id=job.executor_id,
+        )
+
+    def _locked(self, holder: LockRecord) -> web.Response:
+        """423 with the holder's lock info, which Terraform prints."""
+        by = f"runplane run {holder.run_id} (executor {holder.executor_id})"
+        info = {**holder.info, "Info": holder.info.get("Info") or by}
+        self.problems.append(f"the state is locked by {by}")
+        return web.json_response(info, status=423)
+
+    async def _dead(self, holder: LockRecord) -> bool:
+        """A lock is dead once its run has ended, or the same run moved to a later lease."""
+        loaded = await self.job.app.load_run(holder.org, holder.ws, holder.run_id)
+        run: RunState = loaded.state
+        if not run.exists or run.terminal:
+            return True
+        return holder.run_id == self.job.run_id and holder.lease_id != run.lease_id
+
+    async def _unlock(self, request: web.Request) -> web.Response:
+        try:
+            lock_id = str(json.loads(await request.read())["ID"])
+        except (ValueError, KeyError, TypeError):
+            return self._refuse(400, "not a Terraform lock")
+        holder, revision = await self.store.holder(self.job.org, self.job.ws)
+        if holder is None:
+            return _text(200, "not locked")
+        if holder.id != lock_id:
+            return self._locked(holder)
+        await self.store.unlock(self.job.org, self.job.ws, revision)
+        return _text(200, "unlocked")
+
+    async def _release_ours(self) -> None:
+        """At the end of the phase no Terraform of ours runs: release a lock it left."""
+        try:
+            holder, revision = await self.store.holder(self.job.org, self.job.ws)
+            if holder is not None and holder.lease_id == self.job.lease_id:
+                await self.store.unlock(self.job.org, self.job.ws, revision)
+                log.warning("state_lock_released", lock_id=holder.id)
+        except StateStoreError as e:  # the next run breaks it once this one has ended
+            log.warning("state_lock_not_released", error=str(e))

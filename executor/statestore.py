@@ -1,0 +1,243 @@
+"""A workspace's managed state in NATS: sealed versions, the head pointer and the lock.
+
+- versions: object store bucket `rp-state`, object `<org>/<ws>/<serial>-<sha256[:16]>`,
+  sealed with the key ring and bound to the object's name;
+- head: KV `rp-state-head`, key `<org>.<ws>` -> the current version (`Head`), moved only
+  with optimistic concurrency, so a writer that read an older head cannot overwrite a newer;
+- lock: KV `rp-state-locks`, key `<org>.<ws>` -> Terraform's lock and who holds it
+  (`LockRecord`), taken with `create` so there is at most one holder.
+
+Executors need nothing else: no shared disk, no database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import uuid
+from typing import Any
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from executor.errors import ExecutorError
+from services.infra.crypto import CryptoError, KeyRing
+from services.infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
+from services.infra.streams import STATE_BUCKET
+
+WRONG_LAST_SEQUENCE = 10071
+_NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
+
+
+class StateStoreError(ExecutorError):
+    """The state could not be read or written (NATS unreachable, a version unreadable)."""
+
+    retryable = True
+
+
+class HeadMoved(StateStoreError):
+    """Someone else moved the head since this writer read it."""
+
+    retryable = False
+
+
+class Head(msgspec.Struct, frozen=True, kw_only=True):
+    """The workspace's current state version."""
+
+    object: str
+    serial: int
+    lineage: str = ""
+    digest: str
+    size: int = 0
+    run_id: str = ""
+
+
+class LockRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A held state lock: Terraform's lock info as it sent it, and the run holding it."""
+
+    id: str
+    info: dict[str, Any]
+    org: str
+    ws: str
+    run_id: str
+    lease_id: str
+    executor_id: str = ""
+
+
+def ws_key(org: str, ws: str) -> str:
+    return f"{org}.{ws}"
+
+
+def version_object(org: str, ws: str, serial: int, digest: str) -> str:
+    return f"{org}/{ws}/{serial}-{digest[:16]}"
+
+
+def object_context(name: str) -> str:
+    """What a sealed state version is bound to: its bucket and object name."""
+    return f"{STATE_BUCKET}/{name}"
+
+
+def initial_state(org: str, ws: str) -> bytes:
+    """The state of a workspace that has none yet: empty, serial 0, a lineage of its own.
+
+    Served instead of "no state" because Terraform 1.0's remote state manager, when it
+    starts from no state and persists twice in one command (an interrupted apply does),
+    re-reads its first write and sends that instead of the second: the resources being
+    created are lost. Derived from the workspace's name, it is the same for every phase on
+    every executor, so a plan made against it is not stale at apply.
+    """
+    lineage = uuid.uuid5(uuid.NAMESPACE_URL, f"runplane:state:{org}/{ws}")
+    doc = {
+        "version": 4,
+        "terraform_version": "1.0.0",  # the oldest runplane runs: never "newer than you"
+        "serial": 0,
+        "lineage": str(lineage),
+        "outputs": {},
+        "resources": [],
+    }
+    return json.dumps(doc).encode()
+
+
+def parse_state(data: bytes) -> tuple[int, str]:
+    """The serial and lineage of a Terraform state file; ValueError if it is not one."""
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or not isinstance(doc.get("serial"), int):
+        raise ValueError("not a Terraform state: no integer serial")
+    return int(doc["serial"]), str(doc.get("lineage", ""))
+
+
+class StateStore:
+    """Reads and writes managed state for any workspace; one per executor."""
+
+    def __init__(self, js: JetStreamContext, keyring: KeyRing) -> None:
+        self.js = js
+        self.keyring = keyring
+
+    async def _kv(self, bucket: str) -> KeyValue:
+        try:
+            return await self.js.key_value(bucket)
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"opening {bucket}: {e!r}") from e
+
+    # ------------------------------------------------------------ versions and head
+
+    async def head(self, org: str, ws: str) -> tuple[Head | None, int]:
+        """The current version and the head's revision (0: the workspace has no state)."""
+        kv = await self._kv(STATE_HEAD_BUCKET)
+        try:
+            entry = await kv.get(ws_key(org, ws))
+        except nats.js.errors.KeyNotFoundError:
+            return None, 0
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"reading the state head of {org}/{ws}: {e!r}") from e
+        return msgspec.json.decode(entry.value or b"", type=Head), int(entry.revision or 0)
+
+    async def read(self, head: Head) -> bytes:
+        """The clear state of a version, checked against its digest."""
+        buf = io.BytesIO()
+        try:
+            store = await self.js.object_store(STATE_BUCKET)
+            await store.get(head.object, writeinto=buf)
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"reading {STATE_BUCKET}/{head.object}: {e!r}") from e
+        try:
+            data = self.keyring.open(buf.getvalue(), object_context(head.object))
+        except CryptoError as e:
+            raise StateStoreError(f"state version {head.object} does not open: {e}") from e
+        if hashlib.sha256(data).hexdigest() != head.digest:
+            raise StateStoreError(f"state version {head.object} does not match its digest")
+        return data
+
+    async def put_version(self, org: str, ws: str, data: bytes, run_id: str = "") -> Head:
+        """Seal and store a new version; the head does not move yet (see `move_head`)."""
+        serial, lineage = parse_state(data)
+        digest = hashlib.sha256(data).hexdigest()
+        name = version_object(org, ws, serial, digest)
+        sealed = self.keyring.seal(data, object_context(name))
+        try:
+            store = await self.js.object_store(STATE_BUCKET)
+            await store.put(name, sealed)
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"storing {STATE_BUCKET}/{name}: {e!r}") from e
+        return Head(
+            object=name,
+            serial=serial,
+            lineage=lineage,
+            digest=digest,
+            size=len(data),
+            run_id=run_id,
+        )
+
+    async def drop_version(self, name: str) -> None:
+        """Best effort: remove a version that never became the head."""
+        try:
+            store = await self.js.object_store(STATE_BUCKET)
+            await store.delete(name)
+        except _NATS_ERRORS:
+            pass
+
+    async def move_head(self, org: str, ws: str, head: Head, last: int) -> int:
+        """Point the head at `head` if it is still at revision `last`; the new revision."""
+        kv = await self._kv(STATE_HEAD_BUCKET)
+        try:
+            return await kv.update(ws_key(org, ws), msgspec.json.encode(head), last=last)
+        except nats.js.errors.KeyWrongLastSequenceError as e:
+            raise HeadMoved(f"the state of {org}/{ws} changed since it was read") from e
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"moving the state head of {org}/{ws}: {e!r}") from e
+
+    # ------------------------------------------------------------ locks
+
+    async def lock(self, record: LockRecord) -> tuple[LockRecord | None, int]:
+        """Take the lock: (None, revision) if taken, else (the holder, its revision)."""
+        kv = await self._kv(STATE_LOCKS_BUCKET)
+        key = ws_key(record.org, record.ws)
+        for _ in range(3):  # the holder may release between our create and our read
+            try:
+                return None, await kv.create(key, msgspec.json.encode(record))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                pass
+            except _NATS_ERRORS as e:
+                raise StateStoreError(f"locking the state of {record.org}/{record.ws}") from e
+            holder, rev = await self.holder(record.org, record.ws)
+            if holder is not None:
+                return holder, rev
+        raise StateStoreError(f"the state lock of {record.org}/{record.ws} keeps changing hands")
+
+    async def holder(self, org: str, ws: str) -> tuple[LockRecord | None, int]:
+        kv = await self._kv(STATE_LOCKS_BUCKET)
+        try:
+            entry = await kv.get(ws_key(org, ws))
+        except nats.js.errors.KeyNotFoundError:
+            return None, 0
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"reading the state lock of {org}/{ws}: {e!r}") from e
+        record = msgspec.json.decode(entry.value or b"", type=LockRecord)
+        return record, int(entry.revision or 0)
+
+    async def take_over(self, record: LockRecord, last: int) -> bool:
+        """Replace a dead holder's lock if it is still at revision `last`."""
+        kv = await self._kv(STATE_LOCKS_BUCKET)
+        try:
+            await kv.update(ws_key(record.org, record.ws), msgspec.json.encode(record), last=last)
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"breaking the state lock of {record.org}/{record.ws}") from e
+
+    async def unlock(self, org: str, ws: str, last: int) -> None:
+        """Release the lock if it is still at revision `last`."""
+        kv = await self._kv(STATE_LOCKS_BUCKET)
+        try:
+            await kv.delete(ws_key(org, ws), last=last)
+        except nats.js.errors.APIError as e:
+            if e.err_code == WRONG_LAST_SEQUENCE:
+                raise HeadMoved(f"the state lock of {org}/{ws} changed hands") from e
+            raise StateStoreError(f"unlocking the state of {org}/{ws}: {e!r}") from e
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"unlocking the state of {org}/{ws}: {e!r}") from e

@@ -1,0 +1,80 @@
+"""State versions and what a run is pinned to: the fold and the queries.
+
+- `state_versions` (`projections/schema.py`): one row per `run.state_version` event, keyed
+  by the event's stream sequence, so a workspace's versions list newest first;
+- a run's pins are read from rows that exist already: its snapshot from the run's
+  `RunState` (`runs.state_json`), its commit's author and message from its last
+  `run.plan_finished` in the audit history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import aiosqlite
+import msgspec
+
+from events.run import PlanFinished, RunState, StateVersionCreated
+
+if TYPE_CHECKING:
+    from projections.project import Meta, Working
+
+Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
+
+_state = msgspec.json.Decoder(RunState)
+_plan = msgspec.json.Decoder(PlanFinished)
+_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at"
+
+
+def _iso(dt: datetime) -> str:
+    """As `projections.project.iso`: UTC, microseconds, a Z (text order is time order)."""
+    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+def project_state_version(w: Working, meta: Meta, event: object) -> None:
+    """A `run.state_version` event becomes a row of its workspace's versions."""
+    if not isinstance(event, StateVersionCreated):
+        return
+    w.insert(
+        "state_versions",
+        {
+            "org": meta.org,
+            "workspace": meta.workspace,
+            "seq": meta.seq,
+            "run_id": meta.run_id,
+            "serial": event.serial,
+            "lineage": event.lineage,
+            "digest": event.digest,
+            "object": event.object,
+            "size": event.size,
+            "created_at": _iso(event.at),
+        },
+    )
+
+
+async def state_versions(query: Query, org: str, ws: str) -> list[dict[str, Any]]:
+    """The workspace's state versions, newest first."""
+    rows = await query(
+        f"SELECT {_COLUMNS} FROM state_versions WHERE org = ? AND workspace = ? ORDER BY seq DESC",
+        (org, ws),
+    )
+    return [dict(r) for r in rows]
+
+
+async def run_pins(query: Query, run_id: str) -> dict[str, Any]:
+    """The run's snapshot (null before admission) and its commit's author and message."""
+    runs = await query("SELECT state_json FROM runs WHERE id = ?", (run_id,))
+    plans = await query(
+        "SELECT data_json FROM events WHERE run_id = ? AND type = 'run.plan_finished' "
+        "ORDER BY seq DESC LIMIT 1",
+        (run_id,),
+    )
+    snapshot = _state.decode(runs[0]["state_json"]).snapshot if runs else None
+    plan = _plan.decode(plans[0]["data_json"]) if plans else None
+    return {
+        "snapshot": msgspec.to_builtins(snapshot) if snapshot is not None else None,
+        "commit_author": plan.commit_author or None if plan else None,
+        "commit_message": plan.commit_message or None if plan else None,
+    }

@@ -1,0 +1,110 @@
+"""The admission snapshot: what a run is pinned to before any executor sees it.
+
+The scheduler resolves the workspace branch's head with `git ls-remote` (bounded by a
+timeout), lists the variable names with their origins (secret values never: only the
+names of the secret variables stored for the workspace), and copies the effective
+settings. The plan then checks out exactly that commit, however far the branch has moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+from events.errors import DomainError
+from events.run import RunState, Snapshot, VariableRef, Workspace
+from services.secrets import SecretStore
+
+DEFAULT_TIMEOUT = 30.0
+_SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+_MAX_ERROR = 2000
+
+
+class SnapshotFailed(DomainError):
+    """The snapshot cannot be taken (the branch cannot be resolved); the run fails."""
+
+    code = "checkout-failed"
+
+
+def git_env() -> dict[str, str]:
+    """The host environment, with every way git could wait for a person switched off."""
+    env = dict(os.environ)
+    env["GIT_TERMINAL_PROMPT"] = "0"
+    env.setdefault("GIT_SSH_COMMAND", "ssh -oBatchMode=yes")
+    return env
+
+
+async def resolve_commit(repository: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT) -> str:
+    """The sha `refs/heads/<branch>` points at in `repository`; SnapshotFailed if none."""
+    ref = f"refs/heads/{branch}"
+    proc = await asyncio.create_subprocess_exec(
+        *("git", "ls-remote", "--exit-code", "--", repository, ref),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=git_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError as e:
+        proc.kill()
+        await proc.wait()
+        raise SnapshotFailed(f"git ls-remote {repository} timed out after {timeout:g}s") from e
+    if proc.returncode == 2:
+        raise SnapshotFailed(f"branch {branch!r} not found in {repository}")
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip()[-_MAX_ERROR:]
+        raise SnapshotFailed(f"git ls-remote {repository} failed (exit {proc.returncode}): {text}")
+    return _sha_of(out.decode(errors="replace"), ref, repository)
+
+
+def _sha_of(listing: str, ref: str, repository: str) -> str:
+    for line in listing.splitlines():
+        sha, _, name = line.partition("\t")
+        if name == ref and _SHA.fullmatch(sha):
+            return sha
+    raise SnapshotFailed(f"git ls-remote {repository} did not list {ref}")
+
+
+def variables(config: Workspace, secret_names: list[str]) -> list[VariableRef]:
+    """Plain variables, then secret ones, each by name with its origin."""
+    plain = [VariableRef(name=n, origin="workspace") for n in sorted(config.variables)]
+    hidden = [VariableRef(name=n, origin="workspace", sensitive=True) for n in secret_names]
+    return plain + hidden
+
+
+def settings(config: Workspace) -> dict[str, object]:
+    """The effective settings the run executes under."""
+    return {
+        "heartbeat_timeout": config.heartbeat_timeout,
+        "dispatch_timeout": config.dispatch_timeout,
+        "managed_state": config.managed_state,
+        "require_approval": True,
+    }
+
+
+class Snapshotter:
+    """Takes a run's snapshot at admission; the scheduler's `App` calls it."""
+
+    def __init__(self, secrets: SecretStore | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+        self.secrets = secrets
+        self.timeout = timeout
+
+    async def __call__(self, run: RunState) -> Snapshot:
+        config = run.config
+        if config is None:
+            raise SnapshotFailed("the run has no workspace configuration")
+        commit = await resolve_commit(config.repository, config.branch, timeout=self.timeout)
+        return Snapshot(
+            commit=commit,
+            variables=variables(config, await self._secret_names(run, config)),
+            settings=settings(config),
+        )
+
+    async def _secret_names(self, run: RunState, config: Workspace) -> list[str]:
+        """The secret variables stored now; without a store, the names the workspace had."""
+        if self.secrets is None:
+            return sorted(config.secret_variables)
+        return await self.secrets.names(run.org, run.workspace)

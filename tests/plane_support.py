@@ -1,0 +1,122 @@
+"""The whole control plane in one test: api (with the sealed secret store), scheduler
+(pinning snapshots), secrets responder and executors, over a real nats-server and real
+Terraform, all sharing one key ring. Holds no tests itself."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from nats.aio.client import Client as NATS
+
+from events.run import RunState
+from executor import Executor
+from projections.projector import Projector
+from services.api.app import build_app
+from services.api.context import API
+from services.commands import App
+from services.infra.crypto import KeyRing
+from services.scheduler.scheduler import Scheduler
+from services.secrets import SecretsResponder, SecretStore
+from services.snapshot import Snapshotter
+from tests.helpers import eventually
+from tests.test_api_support import ADMIN_TOKEN, Http
+from tests.test_executor import git
+
+
+@dataclass
+class Plane:
+    """Handles on every part; `executor()` starts one more executor."""
+
+    http: Http
+    app: App
+    nc: NATS
+    keyring: KeyRing
+    secrets: SecretStore
+    root: Path
+    stack: AsyncExitStack
+    executors: dict[str, Executor] = field(default_factory=dict)
+
+    async def executor(self, name: str) -> Executor:
+        ex = Executor(
+            self.nc,
+            self.app,
+            work_dir=self.root / name,
+            executor_id=name,
+            heartbeat_interval=0.2,
+            grace_period=5.0,
+            fetch_timeout=0.2,
+            keyring=self.keyring,
+        )
+        self.executors[name] = await self.stack.enter_async_context(ex)
+        return ex
+
+    async def run(self, ws: str, run_id: str, org: str = "acme") -> RunState:
+        return (await self.app.load_run(org, ws, run_id)).state  # type: ignore[no-any-return]
+
+    async def reaches(self, ws: str, run_id: str, *status: str, org: str = "acme") -> RunState:
+        async def probe() -> RunState:
+            state = await self.run(ws, run_id, org)
+            assert str(state.status) in status, (
+                f"{state.status} {state.reason} {state.error_message}"
+            )
+            return state
+
+        return await eventually(probe, timeout=60, what=f"run {run_id} {status}")
+
+    async def events(self, ws: str, run_id: str, org: str = "acme") -> list[Any]:
+        envs = await self.app.store.read(f"rp.run.{org}.{ws}.{run_id}")
+        return [e.event for e in envs]
+
+    async def start(self, ws: str, run_type: str = "apply", org: str = "acme") -> str:
+        a = await self.http.post(
+            f"/api/v1/orgs/{org}/workspaces/{ws}/runs", json={"type": run_type}
+        )
+        assert a.status == 201, a.body
+        return str(a.body["id"])
+
+    async def approve(self, run_id: str, org: str = "acme") -> None:
+        a = await self.http.post(f"/api/v1/orgs/{org}/runs/{run_id}/approve", json={})
+        assert a.status == 200, a.body
+
+
+@pytest.fixture(name="plane")
+async def plane_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Plane]:
+    keyring = KeyRing.generate()
+    secrets = SecretStore(nc, keyring)
+    async with AsyncExitStack() as stack:
+        projector = await stack.enter_async_context(Projector(nc, tmp_path / "rm.sqlite"))
+        started = await app.create_org("plane-fixture", "test")
+        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
+        web_app = build_app(
+            app=app, projector=projector, admin_token=ADMIN_TOKEN, secret_store=secrets
+        )
+        client = await stack.enter_async_context(TestClient(TestServer(web_app)))
+        pinning = App(app.store, snapshot=Snapshotter(secrets, timeout=10))
+        await stack.enter_async_context(Scheduler(nc, pinning))
+        await stack.enter_async_context(SecretsResponder(nc, app, secrets))
+        http = Http(client, web_app[API], app)
+        assert (await http.post("/api/v1/orgs", json={"name": "acme"})).status == 201
+        yield Plane(http, app, nc, keyring, secrets, tmp_path, stack)
+
+
+@pytest.fixture(name="repo")
+def repo_fixture(tmp_path: Path) -> Path:
+    path = tmp_path / "repo"
+    path.mkdir()
+    git(path, "init", "-q", "-b", "main")
+    return path
+
+
+def commit(repo: Path, files: dict[str, str], message: str = "change") -> str:
+    """Write files, commit them on the current branch, return the commit sha."""
+    for name, text in files.items():
+        (repo / name).write_text(text)
+        git(repo, "add", name)
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
