@@ -1,0 +1,151 @@
+"""`GET .../runs/{run}/logs`: a run's log lines as JSON, or followed as server-sent events.
+
+Without `follow`: `{"items": [{"phase", "step", "stream", "line", "text"}, ...]}`, step
+after step in start order. With `follow=1`: `text/event-stream` of `event: line` (data:
+one item as above), `event: step` (a step started or ended: phase, step, status, and at
+the end error and metrics), and finally `event: end` (data: the run's terminal status and
+reason), after which the server closes the stream. A comment line is sent every 15
+seconds of silence so that proxies keep the connection open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import structlog
+from aiohttp import web
+from nats.aio.client import Client as NATS
+
+from events.run import TERMINAL
+from services.api.auth import VIEWER
+from services.api.bodies import check_name
+from services.api.common import json_response, path_id, scope
+from services.api.problems import Problem
+from services.api.runlog import Follower, Out, Target, encode_sse, snapshot
+from services.api.schemas import INT, STR, Doc
+from services.infra.steplogs import PHASES, STREAMS, LogError
+
+log = structlog.get_logger("runplane.api")
+
+_PARAMS = frozenset({"follow", "phase", "step"})
+_FOLLOW = {"1": True, "true": True, "0": False, "false": False, "": False}
+
+
+def _query(request: web.Request) -> tuple[bool, str | None, str | None]:
+    """`follow`, `phase` and `step` of the query string; anything else is refused."""
+    query = request.query
+    unknown = sorted(set(query) - _PARAMS)
+    if unknown:
+        raise Problem("invalid-query", f"unknown query parameter {', '.join(unknown)}")
+    follow = query.get("follow", "0").lower()
+    if follow not in _FOLLOW:
+        raise Problem("invalid-query", "follow must be 1 or 0")
+    phase = query.get("phase")
+    if phase is not None and phase not in PHASES:
+        raise Problem("invalid-query", f"phase must be one of {', '.join(PHASES)}")
+    step = query.get("step")
+    return _FOLLOW[follow], phase, None if step is None else check_name("step", step)
+
+
+async def run_logs(request: web.Request) -> web.StreamResponse:
+    api, org, _ = scope(request, VIEWER)
+    run_id = path_id(request, "run")
+    follow, phase, step = _query(request)
+    run = await api.read.get_run(org, run_id)
+    if run is None:
+        raise Problem("not-found", f"run {run_id} not found")
+    target = Target(org=org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
+    nc = api.app.store.nc
+    if follow:
+        return await _follow_stream(request, nc, target)
+    try:
+        lines = await snapshot(nc, api.read, target, ended=run["status"] in TERMINAL)
+    except LogError as e:
+        raise Problem("unavailable", f"the log store is unavailable: {e}") from e
+    return json_response({"items": lines})
+
+
+async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.StreamResponse:
+    """Server-sent events until the run ends. Once the headers are out, a failure can only
+    be told as an `error` event; the client reconnects and skips lines it already has."""
+    resp = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    resp.content_type = "text/event-stream"
+    await resp.prepare(request)
+
+    async def send(batch: list[Out]) -> None:
+        await resp.write(encode_sse(batch))
+
+    try:
+        await Follower(nc, target, send).run()
+    except ConnectionError:
+        log.info("log_follow_client_gone")
+    except Exception as e:  # noqa: BLE001 - the response is under way: no problem document now
+        log.warning("log_follow_failed", error=repr(e))
+        with contextlib.suppress(ConnectionError):
+            await send([("error", {"detail": "the log stream failed; reconnect to resume"})])
+    return resp
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+
+def _param(name: str, what: str, schema: Doc) -> Doc:
+    return {"name": name, "in": "query", "required": False, "description": what, "schema": schema}
+
+
+PARAMETERS: dict[str, Doc] = {
+    "log_follow": _param(
+        "follow", "1: server-sent events until the run ends", {"enum": ["0", "1", "false", "true"]}
+    ),
+    "log_phase": _param("phase", "only this phase", {"enum": list(PHASES)}),
+    "log_step": _param("step", "only this step", STR),
+}
+_LINE: Doc = {
+    "type": "object",
+    "required": ["phase", "step", "stream", "line", "text"],
+    "properties": {
+        "phase": {"enum": list(PHASES)},
+        "step": STR,
+        "stream": {"enum": list(STREAMS)},
+        "line": {**INT, "description": "1, 2, ... per step, across both streams"},
+        "text": {**STR, "description": "masked; without its newline"},
+    },
+}
+_SSE = (
+    "`event: line` (data: one item of the JSON answer), `event: step` (data: phase, step, "
+    "status running | ok | failed, error, metrics), `event: error` (data: detail; "
+    "reconnect), then `event: end` (data: status, reason) once the run is terminal; "
+    "comments keep it alive"
+)
+
+OPENAPI: Doc = {
+    "get": {
+        "operationId": "runLogs",
+        "summary": "The run's log lines, stdout and stderr apart; followed live with follow=1",
+        "parameters": [
+            {"$ref": "#/components/parameters/org"},
+            {"$ref": "#/components/parameters/run"},
+            *({"$ref": f"#/components/parameters/{name}"} for name in PARAMETERS),
+            {"$ref": "#/components/parameters/min_seq"},
+        ],
+        "responses": {
+            "200": {
+                "description": "the lines, step after step in start order",
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "required": ["items"],
+                            "properties": {"items": {"type": "array", "items": _LINE}},
+                        }
+                    },
+                    "text/event-stream": {"schema": {**STR, "description": _SSE}},
+                },
+            },
+            **{
+                str(code): {"$ref": f"#/components/responses/{code}"}
+                for code in (400, 401, 404, 422, 503)
+            },
+        },
+    }
+}
