@@ -1,0 +1,213 @@
+"""The heartbeat board: RP_HEARTBEATS, one message per active phase on `rp.hb.<run>.<phase>`.
+
+The stream keeps the last message per subject, so the stream *is* the list of phases
+someone should be watching. The last message on a subject is the phase's latest sign of
+life: an executor's beat (`lease_id` set), the scheduler's beat on a fresh lease's behalf
+(`kind: claimed`), or the scheduler's `dispatched` marker while nobody has claimed the
+phase yet (`lease_id` empty). Each body says after how many silent seconds it is stale
+(`timeout`), so a reader needs no other lookup while all is well.
+
+Ages are measured on the server's clock only. Every message carries its receipt time
+(`Nats-Time-Stamp`, set by the stream's leader), and a reader learns the server's "now"
+by publishing a clock message and reading it back with the board: neither the executor's
+`at` nor the reader's own clock enters the comparison, so clock skew between hosts cannot
+reap a live executor or spare a dead one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from services.infra.streams import HEARTBEATS
+
+PHASES = ("plan", "apply")
+CLOCK_SUBJECT = "rp.hb._clock.now"
+WRONG_LAST_SEQUENCE = 10071
+DISPATCHED = "dispatched"
+CLAIMED = "claimed"
+_PAGE = 1000
+
+
+class BoardError(RuntimeError):
+    """The heartbeat stream could not be read or written; worth retrying."""
+
+    retryable = True
+
+
+class Body(msgspec.Struct, frozen=True, kw_only=True):
+    """A heartbeat body. Unknown fields are allowed: a newer writer may add some."""
+
+    lease_id: str = ""
+    executor_id: str = ""
+    kind: str = ""
+    org: str = ""
+    workspace: str = ""
+    timeout: int = -1  # seconds of silence before the entry is stale; -1: not said
+
+
+class Beat(msgspec.Struct, frozen=True, kw_only=True):
+    """The last message on one phase's subject, with its place and server time."""
+
+    subject: str
+    seq: int
+    time: datetime
+    run_id: str
+    phase: str
+    body: Body
+
+    @property
+    def lease_id(self) -> str:
+        return self.body.lease_id
+
+
+_decoder = msgspec.json.Decoder(Body)
+
+
+def subject(run_id: str, phase: str) -> str:
+    return f"rp.hb.{run_id}.{phase}"
+
+
+def body(**fields: Any) -> bytes:
+    """Encode a heartbeat body (the executor's and the scheduler's share one shape)."""
+    return json.dumps(fields).encode()
+
+
+def beat_interval(configured: float, timeout: int) -> float:
+    """How often to beat: as configured, but at least three beats per heartbeat timeout."""
+    return min(configured, timeout / 3) if timeout > 0 else configured
+
+
+def server_time(value: str) -> datetime:
+    """Parse `Nats-Time-Stamp` (RFC 3339 with nanoseconds); microseconds are kept."""
+    head, _, frac = value.rstrip("Z").partition(".")
+    return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}").replace(tzinfo=UTC)
+
+
+def parse(hdrs: dict[str, str], data: bytes) -> Beat | None:
+    """A board message as a Beat; None for the clock and anything not `rp.hb.<run>.<phase>`."""
+    subj = hdrs["Nats-Subject"]
+    parts = subj.split(".")
+    if len(parts) != 4 or parts[3] not in PHASES or parts[2].startswith("_"):
+        return None
+    try:
+        decoded = _decoder.decode(data) if data else Body()
+    except msgspec.DecodeError:
+        decoded = Body(kind="unreadable")
+    return Beat(
+        subject=subj,
+        seq=int(hdrs["Nats-Sequence"]),
+        time=server_time(hdrs["Nats-Time-Stamp"]),
+        run_id=parts[2],
+        phase=parts[3],
+        body=decoded,
+    )
+
+
+class Board:
+    """Read and write the heartbeat stream."""
+
+    def __init__(self, nc: NATS, *, stream: str = HEARTBEATS, timeout: float = 5.0) -> None:
+        self.nc = nc
+        self.stream = stream
+        self.timeout = timeout
+
+    async def snapshot(self) -> tuple[datetime, list[Beat]]:
+        """The server's time now and every phase's last message."""
+        await self.put(CLOCK_SUBJECT, b"")
+        now: datetime | None = None
+        beats: list[Beat] = []
+        start = 1
+        while True:
+            page = await self._page(start)
+            for hdrs, data in page:
+                if hdrs["Nats-Subject"] == CLOCK_SUBJECT:
+                    now = server_time(hdrs["Nats-Time-Stamp"])
+                elif (beat := parse(hdrs, data)) is not None:
+                    beats.append(beat)
+            if len(page) < _PAGE:
+                break
+            start = int(page[-1][0]["Nats-Sequence"]) + 1
+        if now is None:
+            raise BoardError("the clock message was not read back")
+        return now, beats
+
+    async def _page(self, start: int) -> list[tuple[dict[str, str], bytes]]:
+        """One batched direct get of up to `_PAGE` messages from sequence `start`.
+
+        Collected by a callback rather than `next_msg` per message: half the cost.
+        """
+        out: list[tuple[dict[str, str], bytes]] = []
+        end: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+        async def collect(msg: Msg) -> None:
+            hdrs = msg.headers or {}
+            if status := hdrs.get("Status"):
+                if not end.done():
+                    end.set_result(f"{status} {hdrs.get('Description', '')}")
+            else:
+                out.append((hdrs, msg.data))
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, cb=collect, pending_msgs_limit=-1)
+        req = {"seq": start, "next_by_subj": "rp.hb.>", "batch": _PAGE}
+        try:
+            await self.nc.publish(self._direct, json.dumps(req).encode(), reply=inbox)
+            status = await asyncio.wait_for(end, self.timeout)
+        except TimeoutError as e:
+            raise BoardError("reading heartbeats timed out") from e
+        finally:
+            await sub.unsubscribe()
+        if not status.startswith(("204", "404")):
+            raise BoardError(f"reading heartbeats: {status}")
+        return out
+
+    @property
+    def _direct(self) -> str:
+        return f"$JS.API.DIRECT.GET.{self.stream}"
+
+    async def last(self, run_id: str, phase: str) -> Beat | None:
+        """The last message on one phase's subject, if any."""
+        req = json.dumps({"last_by_subj": subject(run_id, phase)}).encode()
+        try:
+            msg = await self.nc.request(self._direct, req, timeout=self.timeout)
+        except TimeoutError as e:
+            raise BoardError("reading a heartbeat timed out") from e
+        hdrs = msg.headers or {}
+        if hdrs.get("Status"):
+            return None
+        return parse(hdrs, msg.data)
+
+    async def put(self, subj: str, data: bytes, *, expected: int | None = None) -> bool:
+        """Publish; with `expected`, only if the subject's last sequence is still that one
+        (0: the subject is empty). False when that expectation failed."""
+        headers = {} if expected is None else {"Nats-Expected-Last-Subject-Sequence": str(expected)}
+        try:
+            msg = await self.nc.request(subj, data, headers=headers, timeout=self.timeout)
+        except TimeoutError as e:
+            raise BoardError(f"publishing on {subj} timed out") from e
+        error = json.loads(msg.data).get("error")
+        if error is None:
+            return True
+        if error.get("err_code") == WRONG_LAST_SEQUENCE:
+            return False
+        raise BoardError(f"publishing on {subj}: {error.get('description')}")
+
+    async def purge(self, subj: str, *, through: int | None = None) -> None:
+        """Drop a subject's messages (only up to sequence `through`, if given)."""
+        req: dict[str, Any] = {"filter": subj}
+        if through is not None:
+            req["seq"] = through + 1  # the server purges below `seq`
+        api = f"$JS.API.STREAM.PURGE.{self.stream}"
+        try:
+            resp = await self.nc.request(api, json.dumps(req).encode(), timeout=self.timeout)
+        except TimeoutError as e:
+            raise BoardError(f"purging {subj} timed out") from e
+        if "error" in (answer := json.loads(resp.data)):
+            raise BoardError(f"purging {subj}: {answer['error'].get('description')}")

@@ -1,0 +1,234 @@
+"""The reaper: fail runs whose executor went silent, and phases nobody claimed in time.
+
+Every `interval` it reads the heartbeat board (one message per active phase, see
+`services.infra.heartbeats`) and judges each entry older than its timeout against the
+run itself:
+
+- a beat of the run's current lease: the executor is gone (killed, host lost, paused);
+  the run fails with `executor_unavailable`, which releases its workspace;
+- a `dispatched` marker of a phase the run still waits for: nobody picked it up within
+  the workspace's dispatch timeout; the run fails with `executor_unavailable` too;
+- a marker of a phase that was claimed since: the lease gets its own beat, so an
+  executor that died between its claim and its first beat is still caught;
+- anything else (the run moved on or ended): the entry is purged.
+
+Any number of replicas may reap at once. Each failure is guarded by the condition it
+was judged on (same status, same lease), checked again against the state the append
+expects, so a run that moved on in between is left alone and two reapers fail a run at
+most once. A phase failed by the reaper is fenced: the executor's next report carries a
+lease that is no longer current and is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from datetime import datetime
+from enum import StrEnum
+from types import TracebackType
+
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+
+from events.errors import DomainError, IllegalTransition
+from events.run import RUNNING_STATUS, WAITING_PHASE, FailRun, RunState
+from services.commands import App
+from services.infra.eventstore import StoreError
+from services.infra.heartbeats import Beat, Board, BoardError
+from services.infra.tasks import cancel_and_wait
+from services.scheduler.watch import adopt
+
+log = structlog.get_logger(__name__)
+
+ACTOR = "reaper"
+REASON = "executor_unavailable"
+
+Guard = Callable[[RunState], None]
+
+
+class Verdict(StrEnum):
+    KEEP = "keep"
+    FAIL_SILENT = "fail_silent"  # the lease's executor stopped beating
+    FAIL_UNCLAIMED = "fail_unclaimed"  # nobody claimed the phase within the dispatch timeout
+    ADOPT = "adopt"  # claimed, but the board still shows the marker: beat for the lease
+    PURGE = "purge"  # the run moved on: the entry is garbage
+
+
+def running(run: RunState, phase: str) -> bool:
+    return run.phase == phase and run.status == RUNNING_STATUS.get(phase)
+
+
+def judge(beat: Beat, run: RunState) -> Verdict:
+    """What to do with a stale board entry, given the run's state now. Pure."""
+    if not run.exists or run.terminal:
+        return Verdict.PURGE
+    if running(run, beat.phase):
+        return Verdict.FAIL_SILENT if beat.lease_id == run.lease_id else Verdict.ADOPT
+    if run.status is not None and WAITING_PHASE.get(run.status) == beat.phase:
+        return Verdict.KEEP if beat.lease_id else Verdict.FAIL_UNCLAIMED
+    return Verdict.PURGE
+
+
+def silent_guard(beat: Beat) -> Guard:
+    """Fail only while the run still runs that phase under that lease."""
+
+    def guard(run: RunState) -> None:
+        if not running(run, beat.phase) or run.lease_id != beat.lease_id:
+            raise IllegalTransition("the run moved on since it was judged", status=str(run.status))
+
+    return guard
+
+
+def unclaimed_guard(beat: Beat) -> Guard:
+    """Fail only while the run still waits for that phase."""
+
+    def guard(run: RunState) -> None:
+        if run.status is None or WAITING_PHASE.get(run.status) != beat.phase:
+            raise IllegalTransition(
+                "the phase was claimed since it was judged", status=str(run.status)
+            )
+
+    return guard
+
+
+class Reaper:
+    """Watches the heartbeat board; an async context manager, one task."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        app: App,
+        *,
+        interval: float = 1.0,
+        concurrency: int = 32,
+        board: Board | None = None,
+    ) -> None:
+        self.app = app
+        self.board = board or Board(nc)
+        self.interval = interval
+        # (subject, has a lease) -> timeout, for entries that do not say theirs
+        self._timeouts: dict[tuple[str, bool], int] = {}
+        self._slots = asyncio.Semaphore(concurrency)
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Reaper:
+        self._task = asyncio.create_task(self.run(), name="reaper")
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._stopping.set()
+        await cancel_and_wait(self._task)
+        self._task = None
+
+    async def run(self) -> None:
+        """Reap every `interval`, or twice as long as a round took: reading the board costs
+        about 25 us per active phase, so a huge board slows the rounds, not the process."""
+        log.info("reaper_started", interval=self.interval)
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set():
+            started = loop.time()
+            try:
+                await self.reap_once()
+            except (BoardError, StoreError, nats.errors.Error, TimeoutError) as e:
+                log.warning("reaper_retry", error=str(e))
+            except Exception:  # one bad round must not stop reaping
+                log.exception("reaper_round_failed")
+            pause = max(self.interval, 2 * (loop.time() - started))
+            try:
+                await asyncio.wait_for(self._stopping.wait(), pause)
+            except TimeoutError:
+                pass
+
+    async def reap_once(self) -> list[tuple[Beat, Verdict]]:
+        """One round: judge every stale entry; return what was decided (for tests)."""
+        now, beats = await self.board.snapshot()
+        known = self._timeouts
+        self._timeouts = {k: known[k] for b in beats if (k := _key(b)) in known}
+        stale = [b for b in beats if await self._stale(b, now)]
+        results = await asyncio.gather(*(self._reap(b, now) for b in stale), return_exceptions=True)
+        done: list[tuple[Beat, Verdict]] = []
+        for beat, result in zip(stale, results, strict=True):
+            if isinstance(result, BaseException):  # judged again next round
+                log.warning("reap_failed", run_id=beat.run_id, error=repr(result))
+            else:
+                done.append((beat, result))
+        return done
+
+    async def _stale(self, beat: Beat, now: datetime) -> bool:
+        timeout = await self._timeout(beat)
+        return timeout > 0 and (now - beat.time).total_seconds() > timeout
+
+    async def _timeout(self, beat: Beat) -> int:
+        """The entry's timeout: as it says, else from the run's configuration (cached)."""
+        if beat.body.timeout >= 0:
+            return beat.body.timeout
+        key = _key(beat)
+        if key not in self._timeouts:
+            cfg = (await self._load(beat)).config
+            if cfg is None:
+                return 1  # no such run: stale at once, and purged
+            self._timeouts[key] = cfg.heartbeat_timeout if key[1] else cfg.dispatch_timeout
+        return self._timeouts[key]
+
+    async def _load(self, beat: Beat) -> RunState:
+        b = beat.body
+        loaded = await self.app.load_run(b.org or "*", b.workspace or None, beat.run_id)
+        return loaded.state  # type: ignore[no-any-return]  # Loaded.state is Any
+
+    async def _reap(self, beat: Beat, now: datetime) -> Verdict:
+        async with self._slots:
+            return await self._reap_one(beat, now)
+
+    async def _reap_one(self, beat: Beat, now: datetime) -> Verdict:
+        run = await self._load(beat)
+        verdict = judge(beat, run)
+        with structlog.contextvars.bound_contextvars(
+            run_id=beat.run_id, phase=beat.phase, lease_id=beat.lease_id
+        ):
+            silence = (now - beat.time).total_seconds()
+            match verdict:
+                case Verdict.FAIL_SILENT | Verdict.FAIL_UNCLAIMED:
+                    await self._fail(beat, run, verdict, silence)
+                case Verdict.ADOPT:
+                    await adopt(self.board, run)
+                case Verdict.PURGE:
+                    await self.board.purge(beat.subject, through=beat.seq)
+                case Verdict.KEEP:
+                    pass
+        return verdict
+
+    async def _fail(self, beat: Beat, run: RunState, verdict: Verdict, silence: float) -> None:
+        silent = verdict == Verdict.FAIL_SILENT
+        cmd = FailRun(actor=ACTOR, reason=REASON, message=_message(beat, run, silent, silence))
+        guard = silent_guard(beat) if silent else unclaimed_guard(beat)
+        try:
+            await self.app.run_command(run.org, run.workspace, run.run_id, cmd, guard=guard)
+        except DomainError as e:  # another reaper, or the run itself, got there first
+            log.info("reap_skipped", why=str(e))
+            return
+        log.warning("run_reaped", verdict=str(verdict), silence=round(silence, 3))
+        await self.board.purge(beat.subject, through=beat.seq)
+
+
+def _key(beat: Beat) -> tuple[str, bool]:
+    return beat.subject, bool(beat.lease_id)
+
+
+def _message(beat: Beat, run: RunState, silent: bool, silence: float) -> str:
+    cfg = run.config
+    if silent:
+        timeout = cfg.heartbeat_timeout if cfg else beat.body.timeout
+        who = run.executor_id or beat.body.executor_id or "(unknown)"
+        return (
+            f"executor {who} sent no heartbeat for {silence:.0f}s during the {beat.phase} "
+            f"phase (heartbeat timeout {timeout}s)"
+        )
+    timeout = cfg.dispatch_timeout if cfg else beat.body.timeout
+    return f"no executor picked up the {beat.phase} phase within the dispatch timeout of {timeout}s"

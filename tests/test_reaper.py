@@ -1,0 +1,255 @@
+"""The reaper against a real nats-server: silent executors, unclaimed phases, races.
+
+Executors are played by the test (claims through the App, beats on the board) so that
+each timing is pinned; tests/test_reaper_processes.py does it with real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from events import run as R
+from events.errors import IllegalTransition
+from events.workspace import RunReleased
+from services.commands import App, new_id
+from services.infra.eventstore import EventStore
+from services.infra.heartbeats import Board, body, subject
+from services.infra.natsserver import EmbeddedNats
+from services.scheduler.reaper import Reaper, Verdict, silent_guard
+from services.scheduler.scheduler import Scheduler
+from tests.helpers import eventually
+
+ORG = "acme"
+
+
+async def workspace(app: App, ws: str, *, heartbeat: int = 600, dispatch: int = 0) -> None:
+    if not (await app.load_org(ORG)).state.exists:
+        await app.create_org(ORG, "admin")
+    cfg = R.Workspace(repository="/nowhere", heartbeat_timeout=heartbeat, dispatch_timeout=dispatch)
+    await app.create_workspace(ORG, ws, cfg, "admin")
+
+
+async def queued_run(app: App, ws: str) -> str:
+    run_id = str((await app.create_run(ORG, ws, "apply", "alice")).state.run_id)
+    assert await app.admit_next(ORG, ws) == run_id
+    return run_id
+
+
+async def claim(app: App, ws: str, run_id: str, phase: str = "plan") -> str:
+    lease = new_id()
+    cmd = R.ClaimPhase(actor="executor:t", phase=phase, lease_id=lease, executor_id="t")
+    await app.run_command(ORG, ws, run_id, cmd)
+    return lease
+
+
+async def beat(board: Board, ws: str, run_id: str, lease: str, timeout: int, **extra: str) -> None:
+    data = body(lease_id=lease, executor_id="t", org=ORG, workspace=ws, timeout=timeout, **extra)
+    assert await board.put(subject(run_id, "plan"), data)
+
+
+async def state(app: App, ws: str, run_id: str) -> R.RunState:
+    return (await app.load_run(ORG, ws, run_id)).state  # type: ignore[no-any-return]
+
+
+async def reaches(app: App, ws: str, run_id: str, status: str, timeout: float = 15) -> R.RunState:
+    async def probe() -> R.RunState:
+        s = await state(app, ws, run_id)
+        assert str(s.status) == status, f"{s.status} {s.reason} {s.error_message}"
+        return s
+
+    return await eventually(probe, timeout=timeout, what=f"run {run_id} {status}")
+
+
+async def failures(app: App, ws: str, run_id: str) -> list[R.RunFailed]:
+    envs = await app.store.read(f"rp.run.{ORG}.{ws}.{run_id}")
+    return [e.event for e in envs if isinstance(e.event, R.RunFailed)]
+
+
+@pytest.fixture
+def board(nc: NATS) -> Board:
+    return Board(nc)
+
+
+@pytest.fixture
+async def reaper(nc: NATS, app: App) -> AsyncIterator[Reaper]:
+    async with Reaper(nc, app, interval=0.1) as r:
+        yield r
+
+
+# ---------------------------------------------------------------- silent executors
+
+
+async def test_a_silent_executor_fails_its_run_after_the_heartbeat_timeout(
+    app: App, board: Board, reaper: Reaper
+) -> None:
+    """No beat for heartbeat_timeout seconds: failed by the reaper, workspace released."""
+    await workspace(app, "net", heartbeat=1)
+    run_id = await queued_run(app, "net")
+    lease = await claim(app, "net", run_id)
+    await beat(board, "net", run_id, lease, timeout=1)
+    silent_since = time.monotonic()
+
+    failed = await reaches(app, "net", run_id, "failed")
+    waited = time.monotonic() - silent_since
+    assert 0.9 <= waited < 2.5, waited
+    assert failed.reason == "executor_unavailable"
+    assert "executor t sent no heartbeat" in failed.error_message
+    assert "heartbeat timeout 1s" in failed.error_message
+    [event] = await failures(app, "net", run_id)
+    assert (event.actor, event.lease_id) == ("reaper", "")
+    ws = (await app.load_ws(ORG, "net")).state
+    assert not ws.active, "the workspace was released in the same batch"
+    await eventually(_gone(board, run_id), what="the board entry purged")
+
+
+async def test_beats_keep_a_run_alive_and_only_the_servers_clock_counts(
+    nc: NATS, store: EventStore, board: Board
+) -> None:
+    """Beats whose `at` lies (an executor's clock a day behind) and a reaper whose clock
+    runs an hour ahead change nothing: ages are measured on the server's timestamps."""
+    skewed = App(store, clock=lambda: datetime.now(UTC) + timedelta(hours=1))
+    await workspace(skewed, "net", heartbeat=1)
+    run_id = await queued_run(skewed, "net")
+    lease = await claim(skewed, "net", run_id)
+    lie = (datetime.now(UTC) - timedelta(days=1)).isoformat()
+    async with Reaper(nc, skewed, interval=0.1):
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:  # three timeouts, beating every 0.3 s
+            await beat(board, "net", run_id, lease, timeout=1, at=lie)
+            await asyncio.sleep(0.3)
+            assert (await state(skewed, "net", run_id)).status == R.Status.PLANNING
+        await reaches(skewed, "net", run_id, "failed")
+
+
+async def test_an_entry_without_a_timeout_is_judged_by_the_runs_configuration(
+    app: App, board: Board, reaper: Reaper
+) -> None:
+    """An older executor's beat (no org, workspace or timeout): the run's config decides."""
+    await workspace(app, "net", heartbeat=1)
+    run_id = await queued_run(app, "net")
+    lease = await claim(app, "net", run_id)
+    assert await board.put(subject(run_id, "plan"), body(lease_id=lease, executor_id="old"))
+    failed = await reaches(app, "net", run_id, "failed")
+    assert failed.reason == "executor_unavailable"
+
+
+async def test_an_executor_dead_between_claim_and_first_beat_is_reaped(
+    nc: NATS, app: App, board: Board, reaper: Reaper
+) -> None:
+    """The scheduler beats on a fresh lease's behalf when it sees `run.phase_started`."""
+    await workspace(app, "net", heartbeat=1)
+    async with Scheduler(nc, app):
+        run_id = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
+        await reaches(app, "net", run_id, "queued")
+        lease = await claim(app, "net", run_id)  # ...and the executor dies: it never beats
+        entry = await eventually(lambda: board.last(run_id, "plan"), what="a beat for the lease")
+        assert entry is not None and (entry.lease_id, entry.body.kind) == (lease, "claimed")
+        failed = await reaches(app, "net", run_id, "failed")
+    assert failed.reason == "executor_unavailable"
+
+
+async def test_the_claimed_beat_never_overwrites_the_executors_own(app: App, board: Board) -> None:
+    """Adopting a lease that already beat publishes nothing (no older news over newer)."""
+    from services.scheduler.watch import adopt
+
+    await workspace(app, "net", heartbeat=60)
+    run_id = await queued_run(app, "net")
+    lease = await claim(app, "net", run_id)
+    await beat(board, "net", run_id, lease, timeout=60)
+    before = await board.last(run_id, "plan")
+    assert not await adopt(board, await state(app, "net", run_id))
+    assert await board.last(run_id, "plan") == before
+
+
+async def test_two_reapers_racing_fail_each_run_exactly_once(
+    nats_server: EmbeddedNats, app: App, board: Board
+) -> None:
+    """Two replicas, each on its own connection, judge the same stale runs at once."""
+    await workspace(app, "net", heartbeat=1)
+    runs = []
+    for i in range(12):
+        ws = f"ws{i}"
+        await workspace(app, ws, heartbeat=1)
+        run_id = await queued_run(app, ws)
+        await beat(board, ws, run_id, await claim(app, ws, run_id), timeout=1)
+        runs.append((ws, run_id))
+    conns = [await nats.connect(nats_server.url) for _ in range(2)]
+    try:
+        reapers = [Reaper(c, App(EventStore(c))) for c in conns]
+        await asyncio.sleep(1.2)  # let every beat go stale (the timeout is the subject here)
+        rounds = await asyncio.gather(*(r.reap_once() for r in reapers))
+    finally:
+        for c in conns:
+            await c.close()
+    assert all(v == Verdict.FAIL_SILENT for rnd in rounds for _, v in rnd)
+    for ws, run_id in runs:
+        assert len(await failures(app, ws, run_id)) == 1, run_id
+        envs = await app.store.read(f"rp.ws.{ORG}.{ws}")
+        assert sum(isinstance(e.event, RunReleased) for e in envs) == 1
+
+
+async def test_a_run_that_moved_on_is_never_failed_by_a_stale_judgement(
+    app: App, board: Board
+) -> None:
+    """The guard re-checks the judged condition on the state the append expects."""
+    await workspace(app, "net", heartbeat=1)
+    run_id = await queued_run(app, "net")
+    lease = await claim(app, "net", run_id)
+    await beat(board, "net", run_id, lease, timeout=1)
+    entry = await board.last(run_id, "plan")
+    assert entry is not None
+    finish = R.FinishPlan(
+        actor="t", lease_id=lease, commit="c", has_changes=True, summary=R.PlanSummary(add=1)
+    )
+    await app.run_command(ORG, "net", run_id, finish)  # the plan ended just before the reaper
+    reap = R.FailRun(actor="reaper", reason="executor_unavailable")
+    with pytest.raises(IllegalTransition):
+        await app.run_command(ORG, "net", run_id, reap, guard=silent_guard(entry))
+    assert (await state(app, "net", run_id)).status == R.Status.AWAITING_APPROVAL
+
+
+async def test_a_stale_entry_of_a_run_that_moved_on_is_purged_not_failed(
+    app: App, board: Board
+) -> None:
+    await workspace(app, "net", heartbeat=1)
+    run_id = await queued_run(app, "net")
+    lease = await claim(app, "net", run_id)
+    await beat(board, "net", run_id, lease, timeout=1)
+    finish = R.FinishPlan(
+        actor="t", lease_id=lease, commit="c", has_changes=True, summary=R.PlanSummary(add=1)
+    )
+    await app.run_command(ORG, "net", run_id, finish)
+    await asyncio.sleep(1.1)  # the entry must be stale for the reaper to look at it
+    [(_, verdict)] = await Reaper(board.nc, app, board=board).reap_once()
+    assert verdict == Verdict.PURGE
+    assert await board.last(run_id, "plan") is None
+    assert (await state(app, "net", run_id)).status == R.Status.AWAITING_APPROVAL
+
+
+def _gone(board: Board, run_id: str) -> Callable[[], Awaitable[bool]]:
+    async def probe() -> bool:
+        return await board.last(run_id, "plan") is None
+
+    return probe
+
+
+async def test_the_board_lists_every_phase_once_across_pages_with_the_servers_now(
+    nc: NATS, board: Board
+) -> None:
+    """2,500 phases beaten twice each: one entry per phase (pages of 1,000 joined), the
+    clock left out, and `now` (the server's) not before any entry's server time."""
+    for _ in range(2):
+        for i in range(2500):
+            await nc.publish(subject(f"run{i:05d}", "plan"), body(lease_id=f"l{i}", timeout=60))
+    await nc.flush()
+    now, beats = await board.snapshot()
+    assert sorted(b.run_id for b in beats) == [f"run{i:05d}" for i in range(2500)]
+    assert all(b.body.lease_id == f"l{int(b.run_id[3:])}" for b in beats)
+    assert max(b.time for b in beats) <= now
