@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 from executor import process
 from executor.errors import StepFailed
@@ -66,3 +67,19 @@ async def checkout(
     if commit and sha != commit:
         raise StepFailed("checkout", f"checked out {sha}, expected {commit}")
     return sha
+
+
+class Commit(NamedTuple):
+    """A checked-out commit: its sha, author (`Name <email>`) and subject line."""
+
+    sha: str
+    author: str = ""
+    message: str = ""
+
+
+async def describe(dest: Path, sha: str, *, step_log: StepLog, grace: float = 5.0) -> Commit:
+    """Who made the checked-out commit and the first line of its message."""
+    fmt = "--format=%an <%ae>%x1f%s"  # one line: author, unit separator, subject
+    out = await _git(["log", "-1", fmt, sha], cwd=dest, step_log=step_log, grace=grace)
+    author, _, subject = out.last_line.partition("\x1f")
+    return Commit(sha, author.strip(), subject.strip())

@@ -18,7 +18,9 @@ import structlog
 
 from events.errors import DomainError
 from events.run import FinishStep, RunCommand, RunState, StartStep, Workspace
+from executor.custody import Custody
 from executor.errors import ObjectStoreError, StepFailed
+from executor.logstream import LiveStepLog, open_step_log
 from executor.objects import LOGS_BUCKET, Objects, log_object
 from executor.output import Masker
 from executor.process import StepLog
@@ -49,6 +51,7 @@ class Job:
     run: RunState
     root: Path  # fresh, removed when the phase ends
     keep_dir: Path  # where files that must not be lost go if the object store refuses them
+    custody: Custody  # secrets, managed state and sealed plans (executor/custody.py)
     grace: float = 20.0
     masker: Masker = field(default_factory=Masker)
     step: str = ""  # the step running now, for failure reasons
@@ -94,7 +97,7 @@ async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> 
     job.step = name
     started = job.now()
     await job.report(StartStep(actor=job.actor, lease_id=job.lease_id, step=name))
-    step_log = StepLog(job.root / "logs" / job.phase / f"{name}.log", job.masker)
+    step_log = open_step_log(job, name)
     log.info("step_started", step=name)
     try:
         result = await body(step_log)
@@ -116,9 +119,9 @@ async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> 
 
 
 async def _finish(
-    job: Job, name: str, started: datetime, step_log: StepLog, *, ok: bool, error: str = ""
+    job: Job, name: str, started: datetime, step_log: LiveStepLog, *, ok: bool, error: str = ""
 ) -> None:
-    step_log.close()
+    await step_log.finish()
     obj = await _store_log(job, name, step_log)
     await job.report(
         FinishStep(
@@ -129,12 +132,15 @@ async def _finish(
             started_at=started,
             log_object=obj,
             error=error,
+            metrics=step_log.metrics(),
         )
     )
     log.info("step_finished", step=name, ok=ok)
 
 
-async def _finish_interrupted(job: Job, name: str, started: datetime, step_log: StepLog) -> None:
+async def _finish_interrupted(
+    job: Job, name: str, started: datetime, step_log: LiveStepLog
+) -> None:
     """Best effort: keep the log and mark the step failed; the lease may be gone already."""
     try:
         await _finish(

@@ -37,10 +37,6 @@ def plan_object(run_id: str) -> str:
     return f"{run_id}.tfplan"
 
 
-def state_object(org: str, ws: str) -> str:
-    return f"{org}/{ws}/terraform.tfstate"
-
-
 def log_object(run_id: str, phase: str, step: str) -> str:
     """A step's finished log. The phase is part of the name: both phases have a `checkout`."""
     return f"{run_id}/{phase}/{step}.log"

@@ -31,6 +31,10 @@ class Masker:
         # Longest first so that a secret containing another is hidden whole.
         self.secrets = sorted((s for s in secrets or [] if s), key=len, reverse=True)
 
+    def add(self, secrets: list[str]) -> None:
+        """Hide these too from now on, also in the logs that already use this masker."""
+        self.secrets = sorted({*self.secrets, *(s for s in secrets if s)}, key=len, reverse=True)
+
     def __call__(self, text: str) -> str:
         text = _URL_CREDENTIALS.sub("***@", text)
         for secret in self.secrets:

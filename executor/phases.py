@@ -1,35 +1,36 @@
 """The plan and apply phases: checkout, init, then plan or apply, with state kept safe.
 
-State lives in `rp-state` as `<org>/<ws>/terraform.tfstate` and is used through
-Terraform's default local backend: downloaded into the working directory before plan or
-apply, and uploaded again after an apply, whether it succeeded or not (a half-failed apply
-has still changed real infrastructure, and its state is the only record of that).
+A plan checks out the commit the run was pinned to at admission (its snapshot), else the
+branch head. Unless the workspace brings its own backend, state is runplane's: served to
+Terraform for the whole phase by the executor's `http` backend (`executor/statebackend.py`),
+versions sealed in `rp-state`; a state Terraform could not store (`errored.tfstate`) is
+kept on this host. Plan files travel sealed (AES-GCM), checked by digest before apply.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from events.run import FailRun, FinishApply, FinishPlan, PlanSummary
+from events.values import ResourceChange
 from executor import git, process
 from executor import terraform as tf
-from executor.errors import ObjectStoreError, StepFailed
+from executor.applystate import track
+from executor.changes import plan_changes, show_plan
+from executor.custody import guarded, mask_planned_secrets, rescue_errored_state
+from executor.errors import StepFailed
 from executor.job import Job, step
-from executor.objects import (
-    PLANS_BUCKET,
-    STATE_BUCKET,
-    plan_object,
-    sha256_file,
-    state_object,
-)
-from executor.output import Masker, Output, drift_summary
+from executor.objects import PLANS_BUCKET, plan_object, sha256_file
+from executor.output import Output, drift_summary
 from executor.process import StepLog
+from executor.statebackend import write_override
+from services.infra.crypto import CryptoError, Tampered
 
 log = structlog.get_logger(__name__)
 
@@ -40,13 +41,15 @@ class PlanOutcome:
     summary: PlanSummary
     plan_object: str = ""
     plan_digest: str = ""
+    changes: tuple[ResourceChange, ...] = ()
 
 
 async def run_phase(job: Job) -> None:
     """Run the job's phase and report how it ended; its directory is removed in any case."""
     job.root.mkdir(parents=True, exist_ok=True)
     try:
-        await (_plan_phase(job) if job.phase == "plan" else _apply_phase(job))
+        async with guarded(job):  # secret variables, managed state (executor/custody.py)
+            await (_plan_phase(job) if job.phase == "plan" else _apply_phase(job))
     except StepFailed as e:
         job.finishing = True
         log.info("phase_failed", step=e.step, reason=e.reason)
@@ -58,7 +61,9 @@ async def run_phase(job: Job) -> None:
 
 
 async def _plan_phase(job: Job) -> None:
-    commit = await step(job, "checkout", lambda lg: _checkout(job, lg))
+    # At the snapshot's commit when admission took one, however far the branch has moved.
+    pinned = bool(job.run.commit)
+    commit = await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=pinned))
     await step(job, "init", lambda lg: _init(job, lg))
     outcome = await step(job, "plan", lambda lg: _plan(job, lg))
     job.finishing = True
@@ -66,12 +71,15 @@ async def _plan_phase(job: Job) -> None:
         FinishPlan(
             actor=job.actor,
             lease_id=job.lease_id,
-            commit=commit,
+            commit=commit.sha,
+            commit_author=commit.author,
+            commit_message=commit.message,
             has_changes=outcome.has_changes,
             summary=outcome.summary,
             plan_object=outcome.plan_object,
             plan_digest=outcome.plan_digest,
             require_approval=True,
+            changes=list(outcome.changes),
         )
     )
 
@@ -87,8 +95,8 @@ async def _apply_phase(job: Job) -> None:
 # ---------------------------------------------------------------- steps
 
 
-async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> str:
-    """Clone the repository: at its branch for a plan, at the planned commit (`pinned`)."""
+async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git.Commit:
+    """Clone the repository at the run's commit (`pinned`), else at its branch's head."""
     cfg = job.config
     if pinned and not job.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
@@ -106,25 +114,29 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> str
     if not workdir.is_dir():
         raise StepFailed("checkout", f"directory {cfg.directory!r} does not exist at {sha}")
     step_log.note(f"checked out {sha}")
-    return sha
+    return await git.describe(job.src, sha, step_log=step_log, grace=job.grace)
 
 
 async def _init(job: Job, step_log: StepLog) -> None:
     out = Output()
-    code = await _terraform(job, step_log, tf.init_args(), out)
+    if job.config.managed_state:
+        write_override(job.workdir)
+        step_log.note("state: runplane-managed (http backend served by this executor)")
+    code = await _terraform(job, step_log, [*tf.init_args(), "-reconfigure"], out)
     if code != 0:
         raise StepFailed("init", out.error_text() or f"terraform init failed (exit {code})")
 
 
 async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
-    await _download_state(job, step_log)
     out = Output()
     args = tf.plan_args(job.run.run_type, job.config.variables)
     code = await _terraform(job, step_log, args, out)
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
-    if job.run.run_type == "drift":
-        summary, has_changes = await _drift(job, step_log)
+    drift = job.run.run_type == "drift"
+    show = await show_plan(job) if drift or code == 2 else {}
+    if drift:
+        summary, has_changes = _drift(show, step_log)
     else:
         summary, has_changes = out.summary(), code == 2
     if not has_changes:
@@ -132,25 +144,17 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     path = job.workdir / tf.PLAN_FILE
     digest = sha256_file(path)
     name = plan_object(job.run_id)
-    await job.objects.upload(PLANS_BUCKET, name, path)
-    step_log.note(f"plan stored as {PLANS_BUCKET}/{name}, sha256 {digest}")
-    return PlanOutcome(True, summary, name, digest)
+    await job.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
+    step_log.note(f"plan stored sealed as {PLANS_BUCKET}/{name}, sha256 {digest}")
+    return PlanOutcome(True, summary, name, digest, tuple(plan_changes(show, drift=drift)))
 
 
-async def _drift(job: Job, step_log: StepLog) -> tuple[PlanSummary, bool]:
+def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
     """A refresh-only plan drifted if `show -json` lists resource drift.
 
     Not the exit code: Terraform 1.0 exits 2 on a refresh-only plan even without drift.
     """
-    show_path = job.root / "show.json"
-    show_log = StepLog(show_path, Masker())
-    try:
-        code = await _terraform(job, show_log, tf.show_args(), None)
-    finally:
-        show_log.close()
-    if code != 0:
-        raise StepFailed("plan", f"terraform show failed (exit {code})")
-    summary = drift_summary(json.loads(show_path.read_bytes()))
+    summary = drift_summary(show)
     drifted = summary.add + summary.change + summary.destroy > 0
     step_log.note(
         f"drift: {summary.add} created, {summary.change} changed, "
@@ -160,17 +164,26 @@ async def _drift(job: Job, step_log: StepLog) -> tuple[PlanSummary, bool]:
 
 
 async def _apply(job: Job, step_log: StepLog) -> PlanSummary:
-    before = await _download_state(job, step_log)
     await _download_plan(job, step_log)
-    out = Output()
-    try:
-        code = await _terraform(job, step_log, tf.apply_args(), out)
-    finally:
-        # Also after a failure or an interruption: the state records what was changed.
-        await _save_state(job, step_log, before)
+    await mask_planned_secrets(job)  # the plan's own values, which today's may not be
+    async with track(job) as out:  # per-resource states, all reported on the way out
+        try:
+            code = await _terraform(job, step_log, tf.apply_args(), out)
+        finally:
+            # Also after a failure or an interruption: a state Terraform could not store
+            # records what was changed, and must not be lost with the directory.
+            kept = rescue_errored_state(job)
     if code != 0:
-        raise StepFailed("apply", out.error_text() or f"terraform apply failed (exit {code})")
+        raise StepFailed("apply", _apply_error(job, out, code, kept))
     return out.summary()
+
+
+def _apply_error(job: Job, out: Output, code: int, kept: Path | None) -> str:
+    parts = [out.error_text() or f"terraform apply failed (exit {code})"]
+    parts.append(job.custody.problems())
+    if kept is not None:
+        parts.append(f"the new state was not stored; a copy is kept at {kept} on this host")
+    return "\n\n".join(p for p in parts if p)
 
 
 # ---------------------------------------------------------------- helpers
@@ -187,23 +200,22 @@ async def _terraform(job: Job, step_log: StepLog, args: list[str], out: Output |
     )
 
 
-async def _download_state(job: Job, step_log: StepLog) -> str:
-    """Put the workspace's state in the working directory; return its digest ("" if none)."""
-    name = state_object(job.org, job.ws)
-    path = job.workdir / tf.STATE_FILE
-    if not await job.objects.download(STATE_BUCKET, name, path):
-        step_log.note(f"no state stored at {STATE_BUCKET}/{name}: starting empty")
-        return ""
-    digest = sha256_file(path)
-    step_log.note(f"state {STATE_BUCKET}/{name} sha256 {digest}")
-    return digest
-
-
 async def _download_plan(job: Job, step_log: StepLog) -> None:
-    """Fetch the saved plan and check it is byte for byte the one that was approved."""
+    """Fetch and open the saved plan, and check it is byte for byte the approved one."""
     path = job.workdir / tf.PLAN_FILE
     name = job.run.plan_object or plan_object(job.run_id)
-    if not await job.objects.download(PLANS_BUCKET, name, path):
+    try:
+        found = await job.custody.vault.download_sealed(PLANS_BUCKET, name, path)
+    except Tampered as e:
+        raise StepFailed(
+            "apply",
+            f"the saved plan {PLANS_BUCKET}/{name} failed authentication ({e}): it was "
+            "altered after the plan; refusing to apply",
+            reason="plan_digest_mismatch",
+        ) from e
+    except CryptoError as e:
+        raise StepFailed("apply", f"the saved plan {PLANS_BUCKET}/{name}: {e}") from e
+    if not found:
         raise StepFailed("apply", f"the saved plan {PLANS_BUCKET}/{name} is missing")
     digest = sha256_file(path)
     if digest != job.run.plan_digest:
@@ -214,30 +226,3 @@ async def _download_plan(job: Job, step_log: StepLog) -> None:
             reason="plan_digest_mismatch",
         )
     step_log.note(f"plan {PLANS_BUCKET}/{name} verified, sha256 {digest}")
-
-
-async def _save_state(job: Job, step_log: StepLog, before: str) -> None:
-    """Upload the state if apply changed it; if that fails, keep a copy on this host."""
-    path = job.workdir / tf.STATE_FILE
-    if not path.exists() or sha256_file(path) == before:
-        step_log.note("state unchanged")
-        return
-    name = state_object(job.org, job.ws)
-    try:
-        await job.objects.upload(STATE_BUCKET, name, path, attempts=5)
-    except ObjectStoreError as e:
-        kept = _keep(job, path)
-        log.error("state_not_stored", object=name, kept=str(kept))
-        raise StepFailed(
-            "apply",
-            f"the new state could not be stored ({e}); a copy is kept at {kept} "
-            f"on executor {job.executor_id}",
-        ) from e
-    step_log.note(f"state stored as {STATE_BUCKET}/{name}")
-
-
-def _keep(job: Job, path: Path) -> Path:
-    job.keep_dir.mkdir(parents=True, exist_ok=True)
-    kept = job.keep_dir / f"{job.org}.{job.ws}.{job.run_id}.tfstate"
-    shutil.copy2(path, kept)
-    return kept

@@ -33,8 +33,9 @@ class StepLog:
         self.mask = masker
         self._file: BinaryIO = path.open("ab")
 
-    def write(self, text: str) -> str:
-        """Mask and append a line; return the masked text."""
+    def write(self, text: str, stream: str = "stdout") -> str:
+        """Mask and append a line; return the masked text. This plain log keeps no
+        `stream`; `executor.logstream.LiveStepLog` keeps stdout and stderr apart."""
         masked = self.mask(text)
         self._file.write(masked.encode())
         self._file.flush()
@@ -43,6 +44,9 @@ class StepLog:
     def note(self, text: str) -> None:
         """A line from runplane itself (not from the child), marked so readers can tell."""
         self.write(f"[runplane] {text}\n")
+
+    async def drain(self) -> None:
+        """Wait until the log can take more lines (a live log whose send buffer is full)."""
 
     def close(self) -> None:
         self._file.close()
@@ -57,7 +61,8 @@ async def run(
     on_line: Callable[[str], None] | None = None,
     grace: float = 20.0,
 ) -> int:
-    """Run `argv`, tee its stdout+stderr into `step_log`, return its exit code.
+    """Run `argv`, tee its stdout and stderr (separate pipes) into `step_log`, return
+    its exit code.
 
     If the calling task is cancelled, the child is interrupted with SIGINT (Terraform then
     finishes in-flight operations and writes its state), killed after `grace` seconds,
@@ -69,7 +74,7 @@ async def run(
         env=dict(env),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+        stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
         limit=_LINE_LIMIT,
     )
@@ -84,11 +89,32 @@ async def run(
 async def _pump(
     proc: asyncio.subprocess.Process, step_log: StepLog, on_line: Callable[[str], None] | None
 ) -> None:
-    assert proc.stdout is not None
-    while raw := await proc.stdout.readline():
-        masked = step_log.write(raw.decode(errors="replace"))
+    """Copy stdout and stderr, each line by line, until both end."""
+    assert proc.stdout is not None and proc.stderr is not None
+    copies = [
+        asyncio.ensure_future(_copy(proc.stdout, "stdout", step_log, on_line)),
+        asyncio.ensure_future(_copy(proc.stderr, "stderr", step_log, on_line)),
+    ]
+    try:
+        await asyncio.gather(*copies)
+    finally:
+        # Both readers must be gone before anyone reads these pipes again (`_interrupt`).
+        for copy in copies:
+            copy.cancel()
+        await asyncio.wait(copies)
+
+
+async def _copy(
+    reader: asyncio.StreamReader,
+    stream: str,
+    step_log: StepLog,
+    on_line: Callable[[str], None] | None,
+) -> None:
+    while raw := await reader.readline():
+        masked = step_log.write(raw.decode(errors="replace"), stream)
         if on_line is not None:
             on_line(masked)
+        await step_log.drain()
 
 
 async def _interrupt(

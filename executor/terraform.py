@@ -148,16 +148,33 @@ def build_mirror(mirror: Path, provider: Path | None = None) -> bool:
     return True
 
 
+def mirrored_providers(mirrors: Sequence[Path]) -> list[str]:
+    """`host/namespace/type` of each provider the mirrors hold from a host other than the
+    public registry (both mirror layouts start with those three directories)."""
+    found = {
+        "/".join(p.relative_to(m).parts)
+        for m in mirrors
+        for p in Path(m).glob("*/*/*")
+        if p.is_dir() and p.relative_to(m).parts[0] != "registry.terraform.io"
+    }
+    return sorted(found)
+
+
 def cli_config_text(mirrors: Sequence[Path]) -> str:
-    """Terraform CLI configuration: providers from the mirrors, never from the registry."""
+    """Terraform CLI configuration: providers from the mirrors, never from the registry.
+
+    A provider of another host found in a mirror is taken from the mirrors only: were it
+    also left to `direct`, Terraform would query that host and fail offline.
+    """
+    patterns = json.dumps(["registry.terraform.io/*/*", *mirrored_providers(mirrors)])
     blocks = [
         "  filesystem_mirror {\n"
         f"    path    = {json.dumps(str(m))}\n"  # JSON string escapes are valid HCL
-        '    include = ["registry.terraform.io/*/*"]\n'
+        f"    include = {patterns}\n"
         "  }\n"
         for m in mirrors
     ]
-    direct = '  direct {\n    exclude = ["registry.terraform.io/*/*"]\n  }\n'
+    direct = f"  direct {{\n    exclude = {patterns}\n  }}\n"
     return "provider_installation {\n" + "".join(blocks) + direct + "}\n"
 
 

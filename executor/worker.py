@@ -28,10 +28,13 @@ from events.codec import valid_id
 from events.errors import DomainError
 from events.run import ClaimPhase, FailRun, RunState
 from executor import terraform as tf
+from executor.custody import Custody, Vault
 from executor.job import LEASE_LOST, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
 from services.commands import App, new_id
+from services.infra.crypto import KeyRing
+from services.infra.heartbeats import beat_interval
 from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
 
 log = structlog.get_logger(__name__)
@@ -78,6 +81,8 @@ class Executor:
     `work_dir` holds the provider mirror, Terraform's CLI config, one fresh directory per
     phase (removed when it ends) and, should the object store refuse a new state, the copy
     kept so that it is not lost. `concurrency` phases run at once (default one).
+    `keyring` seals plans and state and opens secrets; every executor, api and scheduler
+    of a deployment shares it (None: a key generated once in `work_dir`, for a lone one).
 
     Stopping interrupts Terraform with SIGINT and kills it after `grace_period` seconds,
     `apply_grace_period` during an apply: an interrupted apply finishes the operations in
@@ -99,6 +104,7 @@ class Executor:
         apply_grace_period: float = 600.0,
         concurrency: int = 1,
         fetch_timeout: float = 2.0,
+        keyring: KeyRing | None = None,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -114,6 +120,7 @@ class Executor:
         self.apply_grace_period = apply_grace_period
         self.fetch_timeout = fetch_timeout
         self.objects = Objects(self.js)
+        self.vault = Vault.create(nc, keyring, self.objects, self.work_dir)
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
         self._jobs: set[Job] = set()
@@ -269,6 +276,7 @@ class Executor:
             run=run,
             root=Path(root),
             keep_dir=self.work_dir / "unsaved-state",
+            custody=Custody(self.vault),
             grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
         )
 
@@ -329,7 +337,8 @@ class Executor:
         subject = heartbeat_subject(job.run_id, job.phase)
         while True:
             await self._beat(subject, job)
-            await asyncio.sleep(self.heartbeat_interval)
+            timeout = job.config.heartbeat_timeout
+            await asyncio.sleep(beat_interval(self.heartbeat_interval, timeout))
             if await self._lease_lost(job):
                 log.warning("lease_lost", lease_id=job.lease_id)
                 job.cancel(LEASE_LOST)
@@ -340,6 +349,10 @@ class Executor:
             "lease_id": job.lease_id,
             "executor_id": self.executor_id,
             "at": job.now().isoformat(),
+            # So the reaper needs no lookup to judge the beat (services/infra/heartbeats.py).
+            "org": job.org,
+            "workspace": job.ws,
+            "timeout": job.config.heartbeat_timeout,
         }
         try:
             await self.js.publish(subject, json.dumps(body).encode())

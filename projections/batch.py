@@ -18,6 +18,7 @@ import structlog
 from events.codec import AnyEvent, decode, tag_of
 from events.run import RunCreated
 from events.workspace import WorkspaceCreated
+from projections.changes import prefetch as prefetch_changes
 from projections.ordered import Delivered
 from projections.project import (
     Meta,
@@ -98,6 +99,7 @@ async def _prefetch(db: aiosqlite.Connection, w: Working, items: list[Item]) -> 
     runs = _needed(items, "run", RunCreated)
     await _load(db, w, RUNS, "id", runs)
     await _load(db, w, STEPS, "run_id", runs)
+    await prefetch_changes(db, w, items)
     workspaces = _needed(items, "ws", WorkspaceCreated)
     for i in range(0, len(workspaces), _CHUNK):
         chunk = workspaces[i : i + _CHUNK]

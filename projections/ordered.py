@@ -47,6 +47,7 @@ class Delivered(NamedTuple):
     subject: str
     data: bytes
     time_ns: int  # when the server stored it, nanoseconds since the epoch
+    headers: dict[str, str] | None = None  # the message's own headers (live log lines)
 
 
 class OrderedReader:
@@ -124,7 +125,9 @@ class OrderedReader:
             return
         self._cseq = cseq
         self.last = int(tokens[5 + off])
-        out.append(Delivered(self.last, msg.subject, msg.data, int(tokens[7 + off])))
+        out.append(
+            Delivered(self.last, msg.subject, msg.data, int(tokens[7 + off]), msg.headers)
+        )
 
     async def _control(self, status: str, msg: Msg) -> None:
         """Answer flow control, notice stalls and gaps reported by heartbeats."""

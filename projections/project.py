@@ -32,7 +32,9 @@ from events.workspace import (
     WorkspaceCreated,
     WorkspaceEvent,
 )
+from projections.changes import project_changes
 from projections.schema import BY_NAME, Key, Row
+from projections.state_versions import project_state_version
 
 _json = msgspec.json.Encoder(order="sorted")
 _state_decoder = msgspec.json.Decoder(RunState)
@@ -242,6 +244,9 @@ def _workspace_row(event: WorkspaceCreated) -> Row:
         "created_at": iso(event.at),
         "created_by": event.actor,
         "active_run": None,
+        "heartbeat_timeout": cfg.heartbeat_timeout,
+        "dispatch_timeout": cfg.dispatch_timeout,
+        "managed_state": int(cfg.managed_state),
     }
 
 
@@ -263,6 +268,8 @@ def project_run(w: Working, meta: Meta, event: RunEvent) -> None:
     if isinstance(event, run_agg.RunFailed):
         view.error_message = _opt(event.message)
     project_steps(w, meta, before, view.state, event)
+    project_changes(w, meta, before, view.state, event)
+    project_state_version(w, meta, event)
 
 
 def finish(w: Working) -> None:
@@ -332,6 +339,7 @@ def _step_started(meta: Meta, phase: str, event: StepStarted) -> Row:
         "error": None,
         "log_object": None,
         "started_seq": meta.seq,
+        "metrics_json": None,
     }
 
 
@@ -349,6 +357,7 @@ def _step_finished(meta: Meta, phase: str, event: StepFinished, prev: Row | None
         "error": _opt(event.error),
         "log_object": _opt(event.log_object),
         "started_seq": prev["started_seq"] if prev else meta.seq,
+        "metrics_json": _json.encode(event.metrics).decode() if event.metrics else None,
     }
 
 

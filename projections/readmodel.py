@@ -17,6 +17,7 @@ from typing import Any, Self
 import aiosqlite
 import msgspec
 
+from projections import changes, state_versions
 from projections.schema import TABLES
 
 _RUN_COLS = (
@@ -27,6 +28,7 @@ _RUN_COLS = (
 )
 _WS_COLS = (
     "org, name, repository, branch, directory, variables_json, created_at, created_by, active_run"
+    ", heartbeat_timeout, dispatch_timeout, managed_state"
 )
 _ENVELOPE = ("type", "at", "actor")
 _MAX_LIMIT = 1000
@@ -130,11 +132,20 @@ class ReadModel:
     # ------------------------------------------------------------ runs
 
     async def get_run(self, org: str, run_id: str) -> dict[str, Any] | None:
-        """The run, or None if it does not exist or belongs to another organization."""
+        """The run, or None if it does not exist or belongs to another organization.
+
+        With what it is pinned to: its snapshot, its commit's author and message.
+        """
         row = await self._one(
             f"SELECT {_RUN_COLS} FROM runs WHERE id = ? AND org = ?", (run_id, org)
         )
-        return _run(row) if row else None
+        if row is None:
+            return None
+        return _run(row) | await state_versions.run_pins(self._all, run_id)
+
+    async def state_versions(self, org: str, ws: str) -> list[dict[str, Any]]:
+        """The workspace's state versions, newest first."""
+        return await state_versions.state_versions(self._all, org, ws)
 
     async def list_runs(
         self,
@@ -179,11 +190,21 @@ class ReadModel:
         """The run's steps in the order they started."""
         rows = await self._all(
             "SELECT s.phase, s.step, s.status, s.started_at, s.ended_at, s.duration_ms, "
-            "s.error, s.log_object FROM steps s JOIN runs r ON r.id = s.run_id "
+            "s.error, s.log_object, s.metrics_json FROM steps s JOIN runs r ON r.id = s.run_id "
             "WHERE s.run_id = ? AND r.org = ? ORDER BY s.started_seq, s.phase, s.step",
             (run_id, org),
         )
-        return [dict(r) for r in rows]
+        return [_step(r) for r in rows]
+
+    async def run_changes(self, org: str, run_id: str) -> dict[str, Any] | None:
+        """The run's plan changes grouped for review; None if the org has no such run."""
+        async with self._snapshot():
+            return await changes.run_changes(self._all, org, run_id)
+
+    async def run_resources(self, org: str, run_id: str) -> list[dict[str, Any]]:
+        """The apply's resources, each with its state and its stages in order."""
+        async with self._snapshot():
+            return await changes.run_resources(self._all, org, run_id)
 
     # ------------------------------------------------------------ whole model
 
@@ -196,6 +217,7 @@ class ReadModel:
 def _workspace(row: aiosqlite.Row, queue: list[str]) -> dict[str, Any]:
     out = dict(row)
     out["variables"] = msgspec.json.decode(out.pop("variables_json") or "{}")
+    out["managed_state"] = bool(out["managed_state"])
     out["queue"] = queue
     return out
 
@@ -231,6 +253,12 @@ def _run(row: aiosqlite.Row) -> dict[str, Any]:
         "executor_id": r["executor_id"],
         "seq": r["last_seq"],
     }
+
+
+def _step(row: aiosqlite.Row) -> dict[str, Any]:
+    out = dict(row)
+    out["metrics"] = msgspec.json.decode(out.pop("metrics_json") or "{}")
+    return out
 
 
 def _event(row: aiosqlite.Row) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 2
+VERSION = 3
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -72,6 +72,9 @@ WORKSPACES = Table(
     "created_at TEXT",
     "created_by TEXT",
     "active_run TEXT",
+    "heartbeat_timeout INTEGER",
+    "dispatch_timeout INTEGER",
+    "managed_state INTEGER",  # 0: the workspace brings its own backend
 )
 WS_QUEUE = Table(
     "ws_queue",
@@ -125,6 +128,44 @@ STEPS = Table(
     "error TEXT",
     "log_object TEXT",
     "started_seq INTEGER",  # start order
+    "metrics_json TEXT",  # the executor's StepFinished.metrics (duration, lines, counts)
+)
+CHANGES = Table(  # the plan's resource changes, for review (projections/changes.py)
+    "changes",
+    ("run_id", "position"),
+    "run_id TEXT NOT NULL",
+    "position INTEGER NOT NULL",  # order in the plan
+    "address TEXT NOT NULL",
+    "type TEXT",
+    "module TEXT",
+    "action TEXT",
+    "attributes_json TEXT",  # [AttributeChange], sensitive values already "(sensitive)"
+    "replace_paths_json TEXT",
+)
+RESOURCE_STATES = Table(  # each resource's stages during the apply (projections/changes.py)
+    "resource_states",
+    ("run_id", "address", "stage"),
+    "run_id TEXT NOT NULL",
+    "address TEXT NOT NULL",
+    "stage INTEGER NOT NULL",  # 0, and 1 for the second stage of a replacement
+    "action TEXT",
+    "state TEXT",
+    "error TEXT",
+    "updated_at TEXT",
+)
+STATE_VERSIONS = Table(  # run.state_version events (projections/state_versions.py)
+    "state_versions",
+    ("org", "workspace", "seq"),
+    "org TEXT NOT NULL",
+    "workspace TEXT NOT NULL",
+    "seq INTEGER NOT NULL",  # the event's stream sequence: newest last
+    "run_id TEXT",
+    "serial INTEGER",
+    "lineage TEXT",
+    "digest TEXT",
+    "object TEXT",
+    "size INTEGER",
+    "created_at TEXT",
 )
 EVENTS = Table(
     "events",
@@ -157,6 +198,9 @@ TABLES: tuple[Table, ...] = (
     WS_QUEUE,
     RUNS,
     STEPS,
+    CHANGES,
+    RESOURCE_STATES,
+    STATE_VERSIONS,
     EVENTS,
     SKIPPED,
 )

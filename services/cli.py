@@ -1,4 +1,4 @@
-"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `replay`."""
+"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `replay`, `logs`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import structlog
 
-from services import logs
+from services import logs, logs_cli
 from services.runtime import ConfigError, Options
 
 log = structlog.get_logger(__name__)
@@ -65,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
     _executor_opts(ex)
     rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
     _common(rp)
+    logs_cli.add_parser(sub)
     return root
 
 
@@ -74,6 +75,7 @@ def options(ns: argparse.Namespace) -> Options:
         nats_url=ns.nats_url,
         listen=getattr(ns, "listen", "127.0.0.1:8080"),
         admin_token=os.environ.get("RUNPLANE_ADMIN_TOKEN", ""),
+        encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
         pool=getattr(ns, "pool", "default"),
         terraform_binary=getattr(ns, "terraform_binary", ""),
         provider_mirrors=list(getattr(ns, "provider_mirrors", []) or []),
@@ -97,6 +99,8 @@ async def _dispatch(command: str, opts: Options) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
+    if ns.command == "logs":  # an API client: no NATS, no structlog
+        return logs_cli.main(ns)
     logs.configure(ns.log_format)
     try:
         opts = options(ns)

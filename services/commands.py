@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -23,8 +23,12 @@ from events import org as org_agg
 from events import run as run_agg
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
-from events.errors import Conflict, NotFound
+from events.errors import Conflict, IllegalTransition, NotFound
 from services.infra.eventstore import Append, EventStore
+from services.snapshot import SnapshotFailed
+
+# Takes a run's admission snapshot (services/snapshot.py); raises SnapshotFailed.
+SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]
 
 S = TypeVar("S")
 
@@ -66,11 +70,13 @@ class App:
         clock: Callable[[], datetime] = utcnow,
         ids: Callable[[], str] = new_id,
         attempts: int = 20,
+        snapshot: SnapshotHook | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
         self.ids = ids
         self.attempts = attempts
+        self.snapshot = snapshot
 
     # ------------------------------------------------------------ loading
 
@@ -195,14 +201,26 @@ class App:
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
 
     async def run_command(
-        self, org: str, ws: str | None, run_id: str, command: run_agg.RunCommand
+        self,
+        org: str,
+        ws: str | None,
+        run_id: str,
+        command: run_agg.RunCommand,
+        *,
+        guard: Callable[[run_agg.RunState], None] | None = None,
     ) -> Result:
-        """Apply a command to a run; a terminal outcome releases the workspace atomically."""
+        """Apply a command to a run; a terminal outcome releases the workspace atomically.
+
+        `guard` sees the very state the command is decided on (on every retry) and may
+        raise a DomainError to refuse it: a precondition the core does not know about.
+        """
 
         async def attempt() -> Result:
             r = await self.load_run(org, ws, run_id)
             if not r.state.exists:
                 raise NotFound("run does not exist")
+            if guard is not None:
+                guard(r.state)
             now = self.clock()
             evs = run_agg.decide(r.state, command, now=now, new_id=self.ids)
             new_state = run_agg.fold(evs, r.state)
@@ -220,7 +238,12 @@ class App:
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
 
     async def admit_next(self, org: str, ws: str, actor: str = "scheduler") -> str:
-        """Admit the oldest pending run of the workspace if none is active; return its id."""
+        """Admit the oldest pending run of the workspace if none is active; return its id.
+
+        With a `snapshot` hook the run is pinned to its snapshot in the same append; a run
+        whose snapshot cannot be taken fails with `checkout_failed` instead.
+        """
+        pinned: dict[str, run_agg.Snapshot] = {}  # taken once, even if the append is retried
 
         async def attempt() -> str:
             w = await self.load_ws(org, ws)
@@ -232,9 +255,11 @@ class App:
                 return ""
             run_id = ws_events[0].run_id  # type: ignore[union-attr]  # AdmitNext yields RunAdmitted
             r = await self.load_run(org, ws, run_id)
-            run_events = run_agg.decide(
-                r.state, run_agg.AdmitRun(actor=actor), now=now, new_id=self.ids
-            )
+            try:
+                admit = run_agg.AdmitRun(actor=actor, snapshot=await self._pin(r.state, pinned))
+            except SnapshotFailed as e:
+                return await self._unpinnable(org, ws, run_id, actor, e)
+            run_events = run_agg.decide(r.state, admit, now=now, new_id=self.ids)
             await self.store.append(
                 self._appends(w.subject, w.seq, list(ws_events))
                 + self._appends(r.subject, r.seq, list(run_events))
@@ -242,3 +267,23 @@ class App:
             return run_id
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # str
+
+    async def _pin(
+        self, run: run_agg.RunState, pinned: dict[str, run_agg.Snapshot]
+    ) -> run_agg.Snapshot | None:
+        if self.snapshot is None:
+            return None
+        if run.run_id not in pinned:
+            pinned[run.run_id] = await self.snapshot(run)
+        return pinned[run.run_id]
+
+    async def _unpinnable(
+        self, org: str, ws: str, run_id: str, actor: str, error: SnapshotFailed
+    ) -> str:
+        """Fail a run whose snapshot cannot be taken; it leaves the queue, the next may go."""
+        fail = run_agg.FailRun(actor=actor, reason="checkout_failed", message=str(error))
+        try:
+            await self.run_command(org, ws, run_id, fail)
+        except IllegalTransition:  # another scheduler failed it first
+            pass
+        return ""

@@ -9,6 +9,7 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client as NATS
 
+from services import trust
 from services.runtime import (
     ConfigError,
     Options,
@@ -35,7 +36,13 @@ async def _start_api(
 
     app = make_app(nc)
     projector = await stack.enter_async_context(Projector(nc, _readmodel_path(opts)))
-    web_app = build_app(app=app, projector=projector, admin_token=admin_token(opts), ready=ready)
+    web_app = build_app(
+        app=app,
+        projector=projector,
+        admin_token=admin_token(opts),
+        ready=ready,
+        secret_store=trust.secret_store(nc, opts),
+    )
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 
 
@@ -53,6 +60,7 @@ async def _start_executor(opts: Options, stack: AsyncExitStack, nc: NATS) -> Non
             mirror_root=opts.data_dir / "providers",
         ),
         executor_id=opts.executor_id or default_executor_id(),
+        keyring=trust.keyring(opts),
     )
     await stack.enter_async_context(ex)
 
@@ -60,12 +68,16 @@ async def _start_executor(opts: Options, stack: AsyncExitStack, nc: NATS) -> Non
 async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     """Start every component on one machine; return the API's base URL once all are ready."""
     from services.demo import ensure_demo
+    from services.scheduler.reaper import Reaper
     from services.scheduler.scheduler import Scheduler
 
+    trust.keyring(opts, create=True)  # made once in the data directory; all below share it
     nc = await stack.enter_async_context(nats_for(opts, stack))
     components_ready = {"v": False}
     base = await _start_api(opts, stack, nc, lambda: components_ready["v"])
-    await stack.enter_async_context(Scheduler(nc, make_app(nc), pool=opts.pool))
+    await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
+    await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
+    await stack.enter_async_context(Reaper(nc, make_app(nc)))
     await _start_executor(opts, stack, nc)
     if opts.demo:
         await ensure_demo(make_app(nc), opts.data_dir)
@@ -99,6 +111,7 @@ def _banner(base: str, token: str, org: str, ws: str) -> None:
             f"  curl -s {h} -X POST {base}/api/v1/orgs/{org}/runs/RUN_ID/approve"
             " -d '{\"acknowledged\": []}'",
             f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID/events",
+            f"  runplane logs -f RUN_ID --org {org} --url {base} --token {token}",
             "",
         ]
     lines.append("Press Ctrl-C to stop.")
@@ -108,6 +121,7 @@ def _banner(base: str, token: str, org: str, ws: str) -> None:
 async def api(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane api needs --nats-url (or RUNPLANE_NATS_URL)")
+    trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     base = await _start_api(opts, stack, nc, lambda: True)
     print(f"runplane api listening at {base}", flush=True)
@@ -115,12 +129,16 @@ async def api(opts: Options, stack: AsyncExitStack) -> None:
 
 
 async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
+    from services.scheduler.reaper import Reaper
     from services.scheduler.scheduler import Scheduler
 
     if not opts.nats_url:
         raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
+    trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
-    await stack.enter_async_context(Scheduler(nc, make_app(nc), pool=opts.pool))
+    await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
+    await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
+    await stack.enter_async_context(Reaper(nc, make_app(nc)))
     print("runplane scheduler running", flush=True)
     await wait_for_signal()
 
@@ -128,6 +146,7 @@ async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
 async def executor(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane executor needs --nats-url (or RUNPLANE_NATS_URL)")
+    trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await _start_executor(opts, stack, nc)
     print(f"runplane executor running (pool {opts.pool})", flush=True)

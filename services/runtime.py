@@ -44,6 +44,7 @@ class Options:
     provider_mirrors: list[Path] = field(default_factory=list)
     demo: bool = True
     executor_id: str = ""
+    encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")

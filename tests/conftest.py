@@ -13,6 +13,7 @@ from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
+from tests.provider import fake_provider_mirror
 
 
 @pytest.fixture
@@ -39,3 +40,10 @@ def store(nc: NATS) -> EventStore:
 @pytest.fixture
 def app(store: EventStore) -> App:
     return App(store)
+
+
+@pytest.fixture
+def fake_mirror(tmp_path: Path) -> Path:
+    """A provider mirror with the `fake` test provider (`tests/provider`), for
+    `TerraformConfig(provider_mirrors=[fake_mirror])`."""
+    return fake_provider_mirror(tmp_path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import aiohttp
 from tests.helpers import eventually
 
 RUNPLANE = [sys.executable, "-m", "services.cli"]
+TEST_KEY = base64.b64encode(bytes(range(32))).decode()  # tests only
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -31,7 +33,13 @@ class Proc:
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.args = args
         self.log = log
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            # One key for every process of a test, as one deployment shares one.
+            "RUNPLANE_ENCRYPTION_KEY": TEST_KEY,
+            **(env or {}),
+        }
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> Proc:

@@ -31,12 +31,19 @@ ORG_ENDPOINTS = [
     ("POST", "/api/v1/orgs/{org}/runs/{run}/cancel"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/events"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/steps"),
+    ("GET", "/api/v1/orgs/{org}/runs/{run}/changes"),
+    ("GET", "/api/v1/orgs/{org}/runs/{run}/resources"),
+    ("GET", "/api/v1/orgs/{org}/runs/{run}/logs"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/state-versions"),
+    ("PUT", "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}"),
+    ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
     "/api/v1/orgs/{org}/tokens": {"role": "viewer"},
     "/api/v1/orgs/{org}/workspaces": {"name": "other", "repository": "r"},
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
+    "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}": {"value": "v"},
 }
 
 
@@ -78,7 +85,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
         for org in ("acme", "beta"):
             if org == "beta" and "{run}" not in template:
                 continue  # beta's own workspaces and org are visible to it
-            path = template.format(org=org, ws="net", run=two_orgs["run"])
+            path = template.format(org=org, ws="net", run=two_orgs["run"], name="token")
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
             a.problem("not-found", 404)
@@ -116,7 +123,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
     for method, template in sorted(_routes()):
         if template == "/healthz":
             continue
-        path = template.format(org="acme", ws="net", run=RUN_ID)
+        path = template.format(org="acme", ws="net", run=RUN_ID, name="token")
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
             a = await http.call(method, path, token=None, headers=hdrs)
             a.problem("unauthorized", 401)

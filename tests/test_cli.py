@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.procs import ROOT
+from tests.procs import ROOT, TEST_KEY
 
 
 def runplane(*args: str) -> subprocess.CompletedProcess[str]:
@@ -18,7 +18,7 @@ def runplane(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         cwd=ROOT,
         timeout=60,
-        env={**os.environ, "RUNPLANE_CONNECT_TIMEOUT": "2"},
+        env={**os.environ, "RUNPLANE_CONNECT_TIMEOUT": "2", "RUNPLANE_ENCRYPTION_KEY": TEST_KEY},
     )
 
 

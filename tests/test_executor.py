@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
-from nats.js.errors import ObjectNotFoundError
 
 from events.run import (
     ApproveRun,
@@ -25,10 +24,11 @@ from events.run import (
     Workspace,
 )
 from executor import Executor
-from executor.objects import PLANS_BUCKET, STATE_BUCKET
+from executor.objects import PLANS_BUCKET
 from services.commands import App
 from services.infra.streams import DISPATCH, dispatch_subject, executor_consumer
 from tests.helpers import eventually
+from tests.state_support import current_state, opened_plan
 
 pytestmark = pytest.mark.terraform
 
@@ -176,7 +176,7 @@ async def test_plan_awaits_approval_then_apply_stores_state(
     planned = await h.reaches("net", run_id, "awaiting_approval")
     assert planned.commit == sha
     assert (planned.plan_summary.add, planned.plan_summary.destroy) == (2, 0)
-    plan_bytes = await h.get(PLANS_BUCKET, planned.plan_object)
+    plan_bytes = await opened_plan(h.nc, executor.vault.keyring, planned.plan_object)
     assert hashlib.sha256(plan_bytes).hexdigest() == planned.plan_digest
     steps = step_results(await h.events("net", run_id))
     assert [s for s, e in steps.items() if e.ok] == ["checkout", "init", "plan"]
@@ -185,7 +185,8 @@ async def test_plan_awaits_approval_then_apply_stores_state(
     await h.approve("net", run_id)
     applied = await h.reaches("net", run_id, "applied")
     assert applied.apply_summary.add == 2
-    state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
+    state = await current_state(h.nc, executor.vault.keyring, "acme", "net")
+    assert state is not None
     assert len(state["resources"][0]["instances"]) == 2
     await eventually(_empty(executor.work_dir / "jobs"), what="phase directories removed")
 
@@ -210,7 +211,8 @@ async def test_second_run_plans_against_the_stored_state(
     assert (planned.plan_summary.add, planned.plan_summary.destroy) == (3, 1)
     await h.approve("net", second)
     await h.reaches("net", second, "applied")
-    state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
+    state = await current_state(h.nc, executor.vault.keyring, "acme", "net")
+    assert state is not None
     assert len(state["resources"][0]["instances"]) == 3
 
 
@@ -287,8 +289,7 @@ async def test_tampered_plan_is_not_applied(h: Harness, repo: Path, executor: Ex
     await h.approve("net", run_id)
     failed = await h.reaches("net", run_id, "failed")
     assert failed.reason == "plan_digest_mismatch"
-    with pytest.raises(ObjectNotFoundError):
-        await h.get(STATE_BUCKET, "acme/net/terraform.tfstate")
+    assert await current_state(h.nc, executor.vault.keyring, "acme", "net") is None
 
 
 async def test_drift_run_without_drift_has_no_changes(
@@ -319,7 +320,8 @@ async def test_stop_interrupts_apply_and_keeps_the_state(
     failed = await h.reaches("net", run_id, "failed")
     assert failed.reason == "executor_stopped"
     assert "apply" in failed.error_message
-    state = json.loads(await h.get(STATE_BUCKET, "acme/net/terraform.tfstate"))
+    state = await current_state(h.nc, executor.vault.keyring, "acme", "net")
+    assert state is not None
     assert state["resources"][0]["instances"][0]["status"] == "tainted"
     apply_step = step_results(await h.events("net", run_id))["apply"]
     assert not apply_step.ok and b"Interrupt received" in await h.get(
@@ -330,7 +332,8 @@ async def test_stop_interrupts_apply_and_keeps_the_state(
 async def test_lost_lease_interrupts_terraform_and_keeps_the_state(
     h: Harness, repo: Path, app: App, executor: Executor, tmp_path: Path
 ) -> None:
-    """A run failed under a running apply (the reaper) interrupts it; its state is stored."""
+    """A run failed under a running apply (the reaper) interrupts it; the state it wrote
+    is refused by the lease fence and kept on the executor's host instead."""
     marker = tmp_path / "provisioner-started"
     commit(repo, SLOW_TF)
     await h.workspace("net", Workspace(repository=str(repo), variables={"marker": str(marker)}))
@@ -342,14 +345,11 @@ async def test_lost_lease_interrupts_terraform_and_keeps_the_state(
     reap = FailRun(actor="scheduler", reason="executor_unavailable", message="no heartbeat")
     await app.run_command("acme", "net", run_id, reap)
 
-    async def stored() -> bytes:
-        try:
-            return await h.get(STATE_BUCKET, "acme/net/terraform.tfstate")
-        except ObjectNotFoundError:
-            return b""
-
-    state = json.loads(await eventually(stored, timeout=15, what="the state stored"))
+    kept = executor.work_dir / "unsaved-state" / f"acme.net.{run_id}.tfstate"
+    await eventually(_exists(kept), timeout=15, what="the state kept on the host")
+    state = json.loads(kept.read_bytes())
     assert state["resources"][0]["instances"][0]["status"] == "tainted"
+    assert await current_state(h.nc, executor.vault.keyring, "acme", "net") is None
     await eventually(_empty(executor.work_dir / "jobs"), what="the phase directory removed")
     failed = await h.run("net", run_id)
     assert (failed.reason, failed.error_message) == ("executor_unavailable", "no heartbeat")

@@ -167,7 +167,9 @@ async def test_two_scheduler_processes_never_admit_twice_or_out_of_order(
     workspaces = [f"ws{i}" for i in range(4)]
     await app.create_org("acme", "admin")
     for ws in workspaces:
-        await app.create_workspace("acme", ws, Workspace(repository="/nowhere"), "admin")
+        # A real repository: admission resolves its branch for the run's snapshot.
+        config = Workspace(repository=str(make_demo_repo(tmp_path / "repo")))
+        await app.create_workspace("acme", ws, config, "admin")
     args = ["scheduler", "--nats-url", nats_server.url, "--data-dir"]
     scheds = [
         await Proc([*args, str(tmp_path / f"s{i}")], tmp_path / f"s{i}.log").start()

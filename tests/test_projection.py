@@ -248,6 +248,9 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         "phase": None,
         "executor_id": EXECUTOR,
         "seq": applied.seq - 1,  # the workspace release came last, in the same batch
+        "snapshot": None,  # admitted without a snapshot hook
+        "commit_author": None,
+        "commit_message": None,
     }
     steps = await read.run_steps(ORG, run_id)
     assert [(s["phase"], s["step"], s["status"]) for s in steps] == [

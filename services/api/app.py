@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import openapi, orgs, runs
+from services.api import changes, logs, openapi, orgs, runs, secrets, state
 from services.api.common import json_response
 from services.api.context import API, Api
 from services.api.middleware import MIDDLEWARES
 from services.commands import App
+from services.secrets import SecretStore
 
 if TYPE_CHECKING:
     from projections.projector import Projector
@@ -42,6 +43,9 @@ ROUTES = [
     web.post(ORG + "/workspaces", orgs.create_workspace),
     web.get(WS, orgs.get_workspace, allow_head=False),
     web.get(WS + "/runs", runs.list_workspace_runs, allow_head=False),
+    web.get(WS + "/state-versions", state.list_state_versions, allow_head=False),
+    web.put(WS + "/secret-variables/{name}", secrets.put_secret),
+    web.delete(WS + "/secret-variables/{name}", secrets.delete_secret),
     web.post(WS + "/runs", runs.create_run),
     web.get(ORG + "/runs", runs.list_runs, allow_head=False),
     web.get(RUN, runs.get_run, allow_head=False),
@@ -50,6 +54,9 @@ ROUTES = [
     web.post(RUN + "/cancel", runs.cancel_run),
     web.get(RUN + "/events", runs.run_events, allow_head=False),
     web.get(RUN + "/steps", runs.run_steps, allow_head=False),
+    web.get(RUN + "/changes", changes.run_changes, allow_head=False),
+    web.get(RUN + "/resources", changes.run_resources, allow_head=False),
+    web.get(RUN + "/logs", logs.run_logs, allow_head=False),
 ]
 
 
@@ -59,10 +66,16 @@ def build_app(
     projector: Projector,
     admin_token: str,
     ready: Callable[[], bool] | None = None,
+    secret_store: SecretStore | None = None,
 ) -> web.Application:
-    """The aiohttp application of the API over `app` (writes) and `projector` (reads)."""
+    """The aiohttp application of the API over `app` (writes) and `projector` (reads).
+
+    Without a `secret_store` (no encryption key) secret variables answer 503.
+    """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
+    if secret_store is not None:
+        web_app[secrets.SECRETS] = secret_store
     web_app[OPENAPI] = openapi.document()
     web_app.add_routes(ROUTES)
     return web_app

@@ -39,12 +39,39 @@ class CreateTokenBody(Body, frozen=True, kw_only=True):
     role: Annotated[str, Meta(description="viewer, operator, approver or admin")] = "admin"
 
 
+# Seconds; RP_HEARTBEATS keeps an entry 24 h, so a timeout must end well before that.
+MAX_TIMEOUT_S = 12 * 3600
+# Range-checked by `check_timeouts` (a 422 invalid-command), hence only documented.
+HeartbeatTimeout = Annotated[
+    int,
+    Meta(
+        description="seconds without a heartbeat before the run fails (executor_unavailable)",
+        extra_json_schema={"minimum": 1, "maximum": MAX_TIMEOUT_S},
+    ),
+]
+DispatchTimeout = Annotated[
+    int,
+    Meta(
+        description="seconds a step may wait for an executor before the run fails; 0: forever",
+        extra_json_schema={"minimum": 0, "maximum": MAX_TIMEOUT_S},
+    ),
+]
+
+
 class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
     name: Name
     repository: Annotated[NonEmpty, Meta(description="git URL or local path")]
     branch: NonEmpty = "main"
     directory: NonEmpty = "."
     variables: dict[str, str] = {}
+    heartbeat_timeout: HeartbeatTimeout = 600
+    dispatch_timeout: DispatchTimeout = 0
+    managed_state: Annotated[
+        bool, Meta(description="false: the configuration brings its own backend")
+    ] = True
+    secret_variables: Annotated[
+        dict[str, str], Meta(description="stored sealed; shown by name only, never again")
+    ] = {}
 
 
 class CreateRunBody(Body, frozen=True, kw_only=True):
@@ -88,6 +115,19 @@ async def read_body(request: web.Request, kind: type[B], *, optional: bool = Fal
         return msgspec.json.decode(raw, type=kind)
     except msgspec.DecodeError as e:
         raise Problem("invalid-body", str(e)) from e
+
+
+def check_timeouts(body: CreateWorkspaceBody) -> None:
+    """Both timeouts are whole seconds in range; a heartbeat timeout of 0 would never fire."""
+    for field, value, low in (
+        ("heartbeat_timeout", body.heartbeat_timeout, 1),
+        ("dispatch_timeout", body.dispatch_timeout, 0),
+    ):
+        if not low <= value <= MAX_TIMEOUT_S:
+            raise Problem(
+                "invalid-command",
+                f"{field} must be between {low} and {MAX_TIMEOUT_S} seconds, got {value}",
+            )
 
 
 def check_name(field: str, value: str) -> str:

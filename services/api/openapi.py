@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from services.api import changes, logs, secrets, state
 from services.api.bodies import BODIES
 from services.api.problems import CONTENT_TYPE
 from services.api.schemas import ID, INT, REF, SCHEMAS, STR, Doc, ref
@@ -39,6 +40,8 @@ PARAMETERS: dict[str, Doc] = {
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
+    **logs.PARAMETERS,
+    **secrets.PARAMETERS,
 }
 
 _ERRORS = {
@@ -254,6 +257,10 @@ PATHS: dict[str, Doc] = {
             errors=(400, 404, 422, 503),
         )
     },
+    "/api/v1/orgs/{org}/runs/{run}/logs": logs.OPENAPI,
+    **changes.PATHS,
+    **state.PATHS,
+    **secrets.PATHS,
 }
 
 
@@ -277,7 +284,13 @@ def document() -> Doc:
         "paths": PATHS,
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {**SCHEMAS, **_body_schemas()},
+            "schemas": {
+                **SCHEMAS,
+                **changes.SCHEMAS,
+                **state.SCHEMAS,
+                **secrets.SCHEMAS,
+                **_body_schemas(),
+            },
             "parameters": PARAMETERS,
             "responses": RESPONSES,
         },

@@ -5,13 +5,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from events.run import Workspace
-from services.api import render
+from services.api import render, secrets
 from services.api.auth import ADMIN, PRINCIPAL, VIEWER
 from services.api.bodies import (
     CreateOrgBody,
     CreateTokenBody,
     CreateWorkspaceBody,
     check_name,
+    check_timeouts,
     read_body,
 )
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope, written
@@ -72,17 +73,26 @@ async def create_workspace(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     body = await read_body(request, CreateWorkspaceBody)
     name = check_name("name", body.name)
+    check_timeouts(body)
+    secrets.check_secret_names(body.secret_variables, body.variables)
+    if body.secret_variables:
+        secrets.store_of(request)  # 503 now, before anything is written, if there is none
     config = Workspace(
         repository=body.repository,
         branch=body.branch,
         directory=body.directory,
         variables=dict(body.variables),
+        secret_variables=sorted(body.secret_variables),  # names only: values are sealed
+        heartbeat_timeout=body.heartbeat_timeout,
+        dispatch_timeout=body.dispatch_timeout,
+        managed_state=body.managed_state,
     )
     result = await api.app.create_workspace(org, name, config, who.user)
+    await secrets.store_all(request, org, name, body.secret_variables)
     return await written(
         api,
         result.seq,
-        lambda: api.read.get_workspace(org, name),
+        lambda: secrets.workspace_shown(request, api, org, name),
         lambda: render.workspace(result.state, who.user),
         status=201,
         location=f"{PREFIX}/orgs/{org}/workspaces/{name}",
@@ -98,7 +108,7 @@ async def list_workspaces(request: web.Request) -> web.Response:
 async def get_workspace(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     ws = path_id(request, "ws")
-    row = await api.read.get_workspace(org, ws)
+    row = await secrets.workspace_shown(request, api, org, ws)
     if row is None:
         raise Problem("not-found", f"workspace {ws} not found")
     return json_response(row)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from events.org import OrgState
 from events.run import PlanSummary, RunState
 from events.workspace import WorkspaceState
@@ -47,6 +49,9 @@ def workspace(state: WorkspaceState, actor: str) -> Row:
         "created_at": _time(state.created_at),
         "created_by": actor,
         "active_run": state.active or None,
+        "heartbeat_timeout": config.heartbeat_timeout,
+        "dispatch_timeout": config.dispatch_timeout,
+        "managed_state": config.managed_state,
         "queue": list(state.queue),
     }
 
@@ -75,4 +80,8 @@ def run(state: RunState, seq: int) -> Row:
         "phase": state.phase or None,
         "executor_id": state.executor_id or None,
         "seq": seq,
+        "snapshot": msgspec.to_builtins(state.snapshot) if state.snapshot else None,
+        # Known from the run's plan event only, which a command's result does not carry.
+        "commit_author": None,
+        "commit_message": None,
     }

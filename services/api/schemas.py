@@ -73,6 +73,14 @@ SCHEMAS: dict[str, Doc] = {
         created_at=TIME,
         created_by=STR,
         active_run=_nullable(STR),
+        heartbeat_timeout=INT,
+        dispatch_timeout=INT,
+        managed_state={**BOOL, "description": "false: the workspace brings its own backend"},
+        secret_variables={
+            "type": "object",
+            "additionalProperties": {"const": "(sensitive)"},
+            "description": "secret variables by name; their values are never shown",
+        },
         queue={"type": "array", "items": STR},
     ),
     "PlanSummary": _obj(["add", "change", "destroy"], add=INT, change=INT, destroy=INT),
@@ -99,6 +107,13 @@ SCHEMAS: dict[str, Doc] = {
         phase=_nullable(STR),
         executor_id=_nullable(STR),
         seq={**INT, "description": "stream sequence of the run's last projected event"},
+        snapshot={
+            **_nullable({"type": "object"}),
+            "description": "what admission pinned the run to: commit, variables (names and "
+            "origins, never secret values), settings; null before admission",
+        },
+        commit_author=_nullable(STR),
+        commit_message={**_nullable(STR), "description": "the first line"},
     ),
     "RunEvent": _obj(
         ["seq", "type", "at", "actor", "data"],
@@ -118,6 +133,12 @@ SCHEMAS: dict[str, Doc] = {
         duration_ms=_nullable(INT),
         error=_nullable(STR),
         log_object=_nullable(STR),
+        metrics={
+            "type": "object",
+            "additionalProperties": INT,
+            "description": "from the executor: duration_ms, stdout_lines, stderr_lines; "
+            "add, change, destroy when Terraform printed a change summary",
+        },
     ),
 }
 

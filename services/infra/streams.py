@@ -17,6 +17,8 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from services.infra.kv import declare_buckets
+
 EVENTS = "RP_EVENTS"
 DISPATCH = "RP_DISPATCH"
 HEARTBEATS = "RP_HEARTBEATS"
@@ -119,6 +121,7 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
             await js.create_object_store(
                 bucket, config=ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas)
             )
+    await declare_buckets(js, replicas=replicas)
 
 
 async def ensure_executor_consumer(js: JetStreamContext, pool: str) -> None:

@@ -29,6 +29,7 @@ from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import StoreError
 from services.infra.tasks import cancel_and_wait
+from services.scheduler import watch
 
 log = structlog.get_logger(__name__)
 
@@ -118,6 +119,8 @@ class Scheduler:
                     admitted = True
                 elif kind in _DISPATCH_TYPES:
                     await self._dispatch(org, ws, parts[4])
+                if kind in watch.WATCHED:  # the reaper's board
+                    await watch.follow(self.nc, self.app, kind, org, ws, parts[4])
                 await m.ack()
             except (StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
                 retry = getattr(e, "retryable", True)
@@ -142,6 +145,7 @@ class Scheduler:
         phase = WAITING_PHASE.get(state.status) if state.status else None
         if not phase:
             return
+        await watch.mark_dispatched(self.nc, state, phase)  # before any executor can beat
         await self.js.publish(
             streams.dispatch_subject(self.pool),
             dispatch_message(state, phase),
