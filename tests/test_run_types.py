@@ -1,0 +1,92 @@
+"""Run types and failures end to end: real Terraform, through the HTTP API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.plane_support import (  # noqa: F401  # registers the fixtures
+    Plane,
+    commit,
+    plane_fixture,
+    repo_fixture,
+)
+
+pytestmark = pytest.mark.terraform
+
+TWO = """
+resource "null_resource" "a" {}
+resource "null_resource" "b" {}
+"""
+
+# b's provisioner fails; c depends on b so it never starts; a is independent and runs first.
+PROVISIONER_FAILS = """
+resource "null_resource" "a" {}
+resource "null_resource" "b" {
+  depends_on = [null_resource.a]
+  provisioner "local-exec" { command = "echo about to fail; exit 3" }
+}
+resource "null_resource" "c" {
+  depends_on = [null_resource.b]
+}
+"""
+
+
+async def _workspace(plane: Plane, repo: Path, name: str = "net") -> None:
+    body = {"name": name, "repository": str(repo)}
+    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
+    assert a.status == 201, a.body
+
+
+async def _apply(plane: Plane, ws: str = "net", run_type: str = "apply") -> str:
+    run_id = await plane.start(ws, run_type)
+    await plane.reaches(ws, run_id, "awaiting_approval")
+    await plane.approve(run_id)
+    await plane.reaches(ws, run_id, "applied", "failed")
+    return run_id
+
+
+async def test_a_destroy_run_plans_destroy_waits_for_approval_then_destroys(
+    plane: Plane, repo: Path
+) -> None:
+    commit(repo, {"main.tf": TWO})
+    await _workspace(plane, repo)
+    await plane.executor("e1")
+    assert (await plane.run("net", await _apply(plane))).status == "applied"
+    destroy = await plane.start("net", "destroy")
+    planned = await plane.reaches("net", destroy, "awaiting_approval")
+    assert planned.plan_summary is not None
+    assert (planned.plan_summary.add, planned.plan_summary.destroy) == (0, 2)
+    changes = (await plane.http.get(f"/api/v1/orgs/acme/runs/{destroy}/changes")).body
+    assert changes["summary_text"] == "2 delete"
+    await plane.approve(destroy)
+    done = await plane.reaches("net", destroy, "applied", "failed")
+    assert done.status == "applied", done.error_message
+    assert done.apply_summary is not None and done.apply_summary.destroy == 2
+    # Nothing is left: a fresh plan would create both again.
+    again = await plane.start("net", "plan")
+    replanned = await plane.reaches("net", again, "planned", "no_changes", "failed")
+    assert replanned.plan_summary is not None and replanned.plan_summary.add == 2
+
+
+async def test_a_failing_provisioner_fails_its_resource_and_stops_what_follows(
+    plane: Plane, repo: Path
+) -> None:
+    commit(repo, {"main.tf": PROVISIONER_FAILS})
+    await _workspace(plane, repo)
+    await plane.executor("e1")
+    run_id = await _apply(plane)
+    run = await plane.run("net", run_id)
+    assert run.status == "failed"
+    assert run.reason == "apply_failed"
+    assert "null_resource.b" in run.error_message and "exit status 3" in run.error_message
+    items = (await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/resources")).body["items"]
+    states = {r["address"]: r["state"] for r in items}
+    assert states == {
+        "null_resource.a": "done",
+        "null_resource.b": "failed",
+        "null_resource.c": "not_applied",
+    }
+    failed = next(r for r in items if r["address"] == "null_resource.b")
+    assert "exit status 3" in failed["error"]
