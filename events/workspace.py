@@ -39,7 +39,13 @@ class RunReleased(Event, frozen=True, kw_only=True, tag="ws.run_released"):
     status: str
 
 
-WorkspaceEvent = WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased
+class VariablesSet(Event, frozen=True, kw_only=True, tag="ws.variables_set"):
+    """The workspace's plain variables were replaced; runs already created keep theirs."""
+
+    variables: dict[str, str]
+
+
+WorkspaceEvent = WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased | VariablesSet
 
 
 class CreateWorkspace(Command, frozen=True, kw_only=True):
@@ -61,7 +67,11 @@ class ReleaseRun(Command, frozen=True, kw_only=True):
     status: str
 
 
-WorkspaceCommand = CreateWorkspace | EnqueueRun | AdmitNext | ReleaseRun
+class SetVariables(Command, frozen=True, kw_only=True):
+    variables: dict[str, str]
+
+
+WorkspaceCommand = CreateWorkspace | EnqueueRun | AdmitNext | ReleaseRun | SetVariables
 
 
 class WorkspaceState(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,6 +107,10 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
             queue = tuple(r for r in s.queue if r != event.run_id)
             active = "" if s.active == event.run_id else s.active
             return msgspec.structs.replace(s, queue=queue, active=active)
+        case VariablesSet():
+            assert s.config is not None, "variables of a workspace that was never created"
+            config = msgspec.structs.replace(s.config, variables=dict(event.variables))
+            return msgspec.structs.replace(s, config=config)
         case _:
             assert_never(event)
 
@@ -139,5 +153,9 @@ def decide(
             if command.run_id not in state.queue and command.run_id != state.active:
                 return []
             return [RunReleased(at=now, actor=who, run_id=command.run_id, status=command.status)]
+        case SetVariables():
+            if not state.exists:
+                raise NotFound("workspace does not exist")
+            return [VariablesSet(at=now, actor=who, variables=dict(command.variables))]
         case _:
             assert_never(command)

@@ -29,6 +29,7 @@ from events.workspace import (
     RunAdmitted,
     RunEnqueued,
     RunReleased,
+    VariablesSet,
     WorkspaceCreated,
     WorkspaceEvent,
 )
@@ -157,7 +158,9 @@ def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
     w.insert("events", _event_row(meta, event, raw))
     if isinstance(event, OrgCreated | TokenIssued):
         project_org(w, meta, event)
-    elif isinstance(event, WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased):
+    elif isinstance(
+        event, WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased | VariablesSet
+    ):
         project_workspace(w, meta, event)
     else:
         project_run(w, meta, event)
@@ -209,7 +212,6 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
     ws = w.get("workspaces", key)
     if ws is None:
         raise Unprojectable(f"workspace {meta.org}/{meta.workspace} was never created")
-    queued = (meta.org, meta.workspace, event.run_id)
     match event:
         case RunEnqueued():
             w.put(
@@ -222,12 +224,14 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
                 },
             )
         case RunAdmitted():
-            w.delete("ws_queue", queued)
+            w.delete("ws_queue", (meta.org, meta.workspace, event.run_id))
             w.put("workspaces", ws | {"active_run": event.run_id})
         case RunReleased():
-            w.delete("ws_queue", queued)
+            w.delete("ws_queue", (meta.org, meta.workspace, event.run_id))
             if ws["active_run"] == event.run_id:
                 w.put("workspaces", ws | {"active_run": None})
+        case VariablesSet():
+            w.put("workspaces", ws | {"variables_json": _json.encode(event.variables).decode()})
         case _:
             assert_never(event)
 

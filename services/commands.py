@@ -166,6 +166,20 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
 
+    async def set_variables(
+        self, org: str, name: str, variables: dict[str, str], actor: str
+    ) -> Result:
+        """Replace a workspace's plain variables; runs already created keep their own."""
+
+        async def attempt() -> Result:
+            cur = await self.load_ws(org, name)
+            cmd = ws_agg.SetVariables(actor=actor, variables=variables)
+            evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
     # ------------------------------------------------------------ runs
 
     async def create_run(

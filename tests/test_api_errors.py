@@ -22,6 +22,7 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/workspaces"),
     ("POST", "/api/v1/orgs/{org}/workspaces"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}"),
+    ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
     ("GET", "/api/v1/orgs/{org}/runs"),
@@ -42,6 +43,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
     "/api/v1/orgs/{org}/tokens": {"role": "viewer"},
     "/api/v1/orgs/{org}/workspaces": {"name": "other", "repository": "r"},
+    "/api/v1/orgs/{org}/workspaces/{ws}": {"variables": {"n": "2"}},
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}": {"value": "v"},
 }

@@ -34,6 +34,7 @@ from events.workspace import (
     RunAdmitted,
     RunEnqueued,
     RunReleased,
+    VariablesSet,
     WorkspaceCreated,
     WorkspaceEvent,
 )
@@ -109,6 +110,7 @@ SAMPLES: list[Any] = [
         at=AT, actor="exec-b", reason="step_failed", message="apply: exit 1", lease_id="lease-2"
     ),
     WorkspaceCreated(at=AT, actor="alice", org="acme", name="network", config=CONFIG),
+    VariablesSet(at=AT, actor="alice", variables={"region": "eu-west-1"}),
     RunEnqueued(at=AT, actor="alice", run_id="run-1"),
     RunAdmitted(at=AT, actor="scheduler", run_id="run-1"),
     RunReleased(at=AT, actor="scheduler", run_id="run-1", status="applied"),

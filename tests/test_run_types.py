@@ -90,3 +90,38 @@ async def test_a_failing_provisioner_fails_its_resource_and_stops_what_follows(
     }
     failed = next(r for r in items if r["address"] == "null_resource.b")
     assert "exit status 3" in failed["error"]
+
+
+COUNTED = """
+variable "n" { default = "1" }
+resource "null_resource" "hello" {
+  count    = tonumber(var.n)
+  triggers = { n = var.n }
+}
+"""
+
+
+async def test_variables_changed_between_plan_and_apply_change_nothing_for_that_run(
+    plane: Plane, repo: Path
+) -> None:
+    commit(repo, {"main.tf": COUNTED})
+    body = {"name": "net", "repository": str(repo), "variables": {"n": "1"}}
+    assert (await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)).status == 201
+    await plane.executor("e1")
+    run_id = await plane.start("net")
+    await plane.reaches("net", run_id, "awaiting_approval")
+    patched = await plane.http.call(
+        "PATCH", "/api/v1/orgs/acme/workspaces/net", json={"variables": {"n": "3"}}
+    )
+    assert patched.status == 200, patched.body
+    assert patched.body["variables"] == {"n": "3"}
+    await plane.approve(run_id)
+    done = await plane.reaches("net", run_id, "applied", "failed")
+    assert done.status == "applied", done.error_message
+    assert done.apply_summary is not None and done.apply_summary.add == 1, "the plan's n=1"
+    nxt = await plane.start("net", "plan")
+    planned = await plane.reaches("net", nxt, "planned", "failed")
+    assert planned.plan_summary is not None
+    summary = planned.plan_summary
+    # n=3: hello[0] is replaced (its trigger changed) and two more are created.
+    assert (summary.add, summary.destroy) == (3, 1), "the next run plans with the new n=3"

@@ -42,6 +42,7 @@ ROUTES = [
     web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
     web.post(ORG + "/workspaces", orgs.create_workspace),
     web.get(WS, orgs.get_workspace, allow_head=False),
+    web.patch(WS, orgs.update_workspace),
     web.get(WS + "/runs", runs.list_workspace_runs, allow_head=False),
     web.get(WS + "/state-versions", state.list_state_versions, allow_head=False),
     web.put(WS + "/secret-variables/{name}", secrets.put_secret),

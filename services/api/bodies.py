@@ -74,6 +74,13 @@ class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
     ] = {}
 
 
+class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):
+    variables: Annotated[
+        dict[str, str],
+        Meta(description="replaces the plain variables; existing runs keep theirs"),
+    ]
+
+
 class CreateRunBody(Body, frozen=True, kw_only=True):
     type: Annotated[str, Meta(description="plan, apply, destroy or drift")]
     message: Annotated[str, Meta(max_length=4096)] = ""
@@ -95,6 +102,7 @@ BODIES: tuple[type[Body], ...] = (
     CreateOrgBody,
     CreateTokenBody,
     CreateWorkspaceBody,
+    UpdateWorkspaceBody,
     CreateRunBody,
     ApproveBody,
     DiscardBody,

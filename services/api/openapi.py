@@ -191,7 +191,15 @@ PATHS: dict[str, Doc] = {
             (200, "Workspace"),
             params=("org", "ws", *_READ),
             errors=(400, 404, 422, 503),
-        )
+        ),
+        "patch": _op(
+            "updateWorkspace",
+            "Replace the workspace's plain variables",
+            (200, "Workspace"),
+            params=("org", "ws"),
+            body="UpdateWorkspaceBody",
+            errors=(400, 403, 404, 422),
+        ),
     },
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {
         "get": _op(

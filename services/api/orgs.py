@@ -11,6 +11,7 @@ from services.api.bodies import (
     CreateOrgBody,
     CreateTokenBody,
     CreateWorkspaceBody,
+    UpdateWorkspaceBody,
     check_name,
     check_timeouts,
     read_body,
@@ -96,6 +97,22 @@ async def create_workspace(request: web.Request) -> web.Response:
         lambda: render.workspace(result.state, who.user),
         status=201,
         location=f"{PREFIX}/orgs/{org}/workspaces/{name}",
+    )
+
+
+async def update_workspace(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    ws = path_id(request, "ws")
+    body = await read_body(request, UpdateWorkspaceBody)
+    if await api.read.get_workspace(org, ws) is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    result = await api.app.set_variables(org, ws, dict(body.variables), who.user)
+    return await written(
+        api,
+        result.seq,
+        lambda: secrets.workspace_shown(request, api, org, ws),
+        lambda: render.workspace(result.state, who.user),
+        status=200,
     )
 
 
