@@ -33,7 +33,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from events.codec import valid_id
-from executor.output import Masker
+from executor.output import Masker, readable
 from executor.process import StepLog
 from services.infra.steplogs import STREAMS, encode_record, live_headers, log_subject
 
@@ -182,13 +182,14 @@ class LiveStepLog(StepLog):
         """Mask, number and record a line; return the masked text."""
         masked = self.mask(text)
         body = masked.removesuffix("\n").removesuffix("\r")
+        if body.startswith("{") and '"change_summary"' in body:
+            self._take_summary(body)
+        body = readable(body)
         self.lines += 1
         self.counts[stream] = self.counts.get(stream, 0) + 1
         self._file.write(encode_record(stream, self.lines, body))
         if self.live is not None:
             self.live.offer(stream, self.lines, body)
-        if body.startswith("{") and '"change_summary"' in body:
-            self._take_summary(body)
         return masked
 
     def _take_summary(self, body: str) -> None:

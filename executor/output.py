@@ -103,6 +103,24 @@ def format_diagnostic(d: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def readable(line: str) -> str:
+    """The human text of a line of Terraform's machine-readable (`-json`) output.
+
+    The step log is for people: a JSON UI record becomes its message (a diagnostic the
+    way Terraform prints it); any other line is kept as it is. Parsers get the JSON.
+    """
+    record = _json_record(line.rstrip("\r\n"))
+    if record is None or "@message" not in record:
+        return line
+    if record.get("type") == "diagnostic":
+        d = record.get("diagnostic") or {}
+        text = format_diagnostic(d)
+        if d.get("severity") == "warning":
+            text = "Warning" + text.removeprefix("Error")
+        return text
+    return str(record["@message"])
+
+
 def _json_record(line: str) -> dict[str, Any] | None:
     if not line.startswith("{"):
         return None

@@ -125,3 +125,16 @@ async def test_variables_changed_between_plan_and_apply_change_nothing_for_that_
     summary = planned.plan_summary
     # n=3: hello[0] is replaced (its trigger changed) and two more are created.
     assert (summary.add, summary.destroy) == (3, 1), "the next run plans with the new n=3"
+
+
+async def test_step_logs_are_readable_text_not_terraforms_json(plane: Plane, repo: Path) -> None:
+    commit(repo, {"main.tf": PROVISIONER_FAILS.replace("exit 3", "exit 0")})
+    await _workspace(plane, repo)
+    await plane.executor("e1")
+    run_id = await _apply(plane)
+    logs = (await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/logs")).body["items"]
+    plan = [i["text"] for i in logs if (i["phase"], i["step"]) == ("plan", "plan")]
+    apply = [i["text"] for i in logs if (i["phase"], i["step"]) == ("apply", "apply")]
+    assert "Plan: 3 to add, 0 to change, 0 to destroy." in plan
+    assert any("Creation complete" in t for t in apply)
+    assert not [t for t in plan + apply if t.startswith('{"@level"')]
