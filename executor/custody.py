@@ -141,11 +141,21 @@ async def mask_planned_secrets(job: Job) -> None:
     job.masker.add(masked_forms(planned))
 
 
+# A line of a multi-line secret shorter than this is too common to hide (`-----`, `}`).
+_MIN_LINE_SECRET = 8
+
+
 def masked_forms(values: Iterable[str]) -> list[str]:
-    """Each value as it is, and as it appears inside a JSON string (Terraform's -json)."""
+    """Each value as it is, and as it appears inside a JSON string (Terraform's -json).
+
+    Logs are masked line by line, so a multi-line secret (a PEM key) never appears whole:
+    each of its lines is hidden on its own too.
+    """
     forms = set()
     for value in values:
-        forms.update({value, json.dumps(value)[1:-1]})
+        lines = [ln.strip() for ln in value.splitlines()] if "\n" in value else []
+        for part in [value, *(ln for ln in lines if len(ln) >= _MIN_LINE_SECRET)]:
+            forms.update({part, json.dumps(part)[1:-1]})
     return [f for f in forms if f]
 
 

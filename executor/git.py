@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import asyncio
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -11,28 +11,31 @@ from executor import process
 from executor.errors import StepFailed
 from executor.output import Output
 from executor.process import StepLog
+from services.infra.childenv import git_env
 
 _SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
-def git_env() -> dict[str, str]:
-    """The host environment, with every way git could wait for a person switched off."""
-    env = dict(os.environ)
-    env["GIT_TERMINAL_PROMPT"] = "0"
-    env.setdefault("GIT_SSH_COMMAND", "ssh -oBatchMode=yes")
-    return env
+# A checkout that hangs (a silent git server) must not hold a run forever.
+GIT_TIMEOUT_S = 600.0
 
 
 async def _git(args: list[str], *, cwd: Path, step_log: StepLog, grace: float) -> Output:
     out = Output()
-    code = await process.run(
-        ["git", *args],
-        cwd=cwd,
-        env=git_env(),
-        step_log=step_log,
-        on_line=out.feed,
-        grace=grace,
-    )
+    try:
+        code = await asyncio.wait_for(
+            process.run(
+                ["git", *args],
+                cwd=cwd,
+                env=git_env(),
+                step_log=step_log,
+                on_line=out.feed,
+                grace=grace,
+            ),
+            GIT_TIMEOUT_S,
+        )
+    except TimeoutError as e:
+        raise StepFailed("checkout", f"git {args[0]} timed out after {GIT_TIMEOUT_S:g}s") from e
     if code != 0:
         raise StepFailed("checkout", f"git {args[0]} failed (exit {code}): {out.error_text()}")
     return out

@@ -22,6 +22,7 @@ from pathlib import Path
 import structlog
 
 from executor.errors import SetupError
+from services.infra.childenv import child_env
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +86,7 @@ class Terraform:
 
     def env(self) -> dict[str, str]:
         """The process environment: the host's, minus overrides, plus automation settings."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)}
+        env = {k: v for k, v in child_env().items() if not k.startswith(_SCRUBBED_ENV_PREFIXES)}
         env.update(
             TF_CLI_CONFIG_FILE=str(self.cli_config),
             TF_IN_AUTOMATION="1",

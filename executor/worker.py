@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import signal
 import socket
 import tempfile
@@ -297,6 +298,9 @@ class Executor:
                 job.cancel(STOPPED)
                 await asyncio.wait([job.task])
             self._jobs.discard(job)
+            # run_phase removes its directory, but a task cancelled before it ever ran
+            # (stop() during the claim) never reached that code.
+            shutil.rmtree(job.root, ignore_errors=True)
             await self._conclude(job)
 
     async def _conclude(self, job: Job) -> None:

@@ -9,14 +9,15 @@ settings. The plan then checks out exactly that commit, however far the branch h
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 
 from events.errors import DomainError
 from events.run import RunState, Snapshot, VariableRef, Workspace
+from services.infra.childenv import git_env, kill_group
 from services.secrets import SecretStore
 
-DEFAULT_TIMEOUT = 30.0
+# Below the scheduler consumer's ack wait (30 s), so a slow remote is not redelivered.
+DEFAULT_TIMEOUT = 20.0
 _SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _MAX_ERROR = 2000
 
@@ -25,14 +26,6 @@ class SnapshotFailed(DomainError):
     """The snapshot cannot be taken (the branch cannot be resolved); the run fails."""
 
     code = "checkout-failed"
-
-
-def git_env() -> dict[str, str]:
-    """The host environment, with every way git could wait for a person switched off."""
-    env = dict(os.environ)
-    env["GIT_TERMINAL_PROMPT"] = "0"
-    env.setdefault("GIT_SSH_COMMAND", "ssh -oBatchMode=yes")
-    return env
 
 
 async def resolve_commit(repository: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT) -> str:
@@ -49,8 +42,7 @@ async def resolve_commit(repository: str, branch: str, *, timeout: float = DEFAU
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except TimeoutError as e:
-        proc.kill()
-        await proc.wait()
+        await kill_group(proc)
         raise SnapshotFailed(f"git ls-remote {repository} timed out after {timeout:g}s") from e
     if proc.returncode == 2:
         raise SnapshotFailed(f"branch {branch!r} not found in {repository}")

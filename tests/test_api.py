@@ -191,7 +191,7 @@ async def test_runs_are_listed_and_filtered(http: Http) -> None:
     assert [r["id"] for r in first.body["items"] + rest.body["items"]] == [
         r["id"] for r in (await http.get(f"{V1}/orgs/acme/runs")).body["items"]
     ]
-    for bad in ("?status=done", "?limit=0", "?limit=x", "?limit=100000", "?colour=red"):
+    for bad in ("?status=done", "?limit=0", "?limit=x", "?limit=²", "?limit=100000", "?colour=red"):
         (await http.get(f"{V1}/orgs/acme/runs{bad}")).problem("invalid-query", 400)
     (await http.get(f"{V1}/orgs/acme/runs?workspace=No")).problem("invalid-id", 422)
 

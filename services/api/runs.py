@@ -76,7 +76,8 @@ def _statuses(raw: str) -> list[str]:
 
 
 def _limit(raw: str) -> int:
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+    # isascii: "²".isdigit() is true, but int("²") raises.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIMIT:
         raise Problem("invalid-query", f"limit must be an integer from 1 to {MAX_LIMIT}")
     return int(raw)
 

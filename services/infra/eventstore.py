@@ -160,7 +160,7 @@ class EventStore:
                 ack = await self._send(items, ids)
             except TimeoutError as e:  # the first try may have landed: look before retrying
                 last_err = e
-                landed = await self._landed(items[-1].subject, ids[-1])
+                landed = await self._landed(items, ids)
                 if landed:
                     return landed
                 continue
@@ -168,16 +168,30 @@ class EventStore:
             if err is None:
                 return ack.seq
             if err.err_code in (WRONG_LAST_SEQUENCE, BATCH_DUPLICATE_ID):
-                landed = await self._landed(items[-1].subject, ids[-1])
+                landed = await self._landed(items, ids)
                 if landed:
                     return landed
                 raise Conflict(err.description or "wrong last sequence")
             raise StoreError(f"append refused: {err.description}")
         raise StoreError("append timed out") from last_err
 
-    async def _landed(self, subject: str, msg_id: str) -> int:
-        seq, head_id = await self.last(subject)
-        return seq if head_id == msg_id else 0
+    async def _landed(self, items: list[Append], ids: list[str]) -> int:
+        """If an earlier try of this append landed, the sequence of its last event, else 0.
+
+        Look at the message right after the first item's expected sequence on its subject:
+        the expectation guarantees nothing else could be there if ours landed. (The heads
+        of the subjects may have moved on since: the scheduler reacts within milliseconds.)
+        A batch is atomic and contiguous, so the first landing means all of it did.
+        """
+        first = items[0]
+        req = {"seq": first.expected + 1, "next_by_subj": first.subject}
+        msg = await self.nc.request(
+            f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(req).encode(), timeout=self.timeout
+        )
+        hdrs = msg.headers or {}
+        if hdrs.get("Status") or hdrs.get("Nats-Msg-Id") != ids[0]:
+            return 0
+        return int(hdrs["Nats-Sequence"]) + len(items) - 1
 
     async def _send(self, items: list[Append], ids: list[str]) -> _Ack:
         if len(items) == 1:
