@@ -1,0 +1,113 @@
+"""Workspace locks: a person stops admission on a workspace, with a reason, until unlocked.
+
+While a workspace is locked its runs are still created and wait `pending`; a run already
+past `pending` carries on. Unlocking lets the scheduler admit the oldest waiting run. The
+lock's holder, reason and time show in `GET .../workspaces/{ws}` (`lock`), and every lock
+and unlock is an event (`ws.locked`, `ws.unlocked`) with its actor and time.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from aiohttp import web
+
+from services.api import render, secrets
+from services.api.auth import ADMIN, OPERATOR
+from services.api.bodies import Body, read_body
+from services.api.common import path_id, scope, written
+from services.api.schemas import INT, REF, Doc, ref
+
+
+class LockBody(Body, frozen=True, kw_only=True):
+    reason: Annotated[
+        str, msgspec.Meta(min_length=1, max_length=1024, description="why it is locked")
+    ]
+
+
+class UnlockBody(Body, frozen=True, kw_only=True):
+    """No fields: unlocking needs no reason (the lock's own is kept with the event)."""
+
+
+async def lock_workspace(request: web.Request) -> web.Response:
+    """POST .../workspaces/{ws}/lock {"reason": ...}: 409 if it is locked already."""
+    api, org, who = scope(request, OPERATOR)
+    ws = path_id(request, "ws")
+    body = await read_body(request, LockBody)
+    result = await api.app.lock_workspace(org, ws, body.reason, who.user)
+    return await written(
+        api,
+        result.seq,
+        lambda: secrets.workspace_shown(request, api, org, ws),
+        lambda: render.workspace(result.state, who.user),
+        status=200,
+    )
+
+
+async def unlock_workspace(request: web.Request) -> web.Response:
+    """POST .../workspaces/{ws}/unlock: the holder or an org admin; 409 if not locked."""
+    api, org, who = scope(request, OPERATOR)
+    ws = path_id(request, "ws")
+    await read_body(request, UnlockBody, optional=True)
+    admin = who.superuser or who.role == ADMIN
+    result = await api.app.unlock_workspace(org, ws, who.user, admin=admin)
+    return await written(
+        api,
+        result.seq,
+        lambda: secrets.workspace_shown(request, api, org, ws),
+        lambda: render.workspace(result.state, who.user),
+        status=200,
+    )
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+SCHEMAS: dict[str, Doc] = msgspec.json.schema_components((LockBody, UnlockBody), ref_template=REF)[
+    1
+]
+_PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws")]
+_SEQ: Doc = {"description": "stream sequence of the write's last event", "schema": INT}
+
+
+def _op(op_id: str, summary: str, body: str, required: bool) -> Doc:
+    return {
+        "operationId": op_id,
+        "summary": summary,
+        "parameters": _PARAMS,
+        "requestBody": {
+            "required": required,
+            "content": {"application/json": {"schema": ref(body)}},
+        },
+        "responses": {
+            "200": {
+                "description": "Workspace",
+                "headers": {"RP-Seq": _SEQ},
+                "content": {"application/json": {"schema": ref("Workspace")}},
+            },
+            **{
+                str(c): {"$ref": f"#/components/responses/{c}"}
+                for c in (400, 401, 403, 404, 409, 422, 503)
+            },
+        },
+    }
+
+
+PATHS: dict[str, Doc] = {
+    "/api/v1/orgs/{org}/workspaces/{ws}/lock": {
+        "post": _op(
+            "lockWorkspace",
+            "Lock the workspace: runs queue but none is admitted (409 if locked)",
+            "LockBody",
+            True,
+        )
+    },
+    "/api/v1/orgs/{org}/workspaces/{ws}/unlock": {
+        "post": _op(
+            "unlockWorkspace",
+            "Unlock the workspace (its holder or an org admin); the oldest run is admitted",
+            "UnlockBody",
+            False,
+        )
+    },
+}
