@@ -1,0 +1,336 @@
+"""Folders and inherited settings: organization -> folders (nested) -> workspace.
+
+Reads come from the organization and workspace aggregates themselves (a few events on two
+subjects), so they always include the caller's own writes. Every write is an admin's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from events import folder as fo
+from events import inherit
+from events import settings as st
+from events.errors import Invalid
+from events.org import OrgState
+from events.workspace import WorkspaceState
+from services.api.auth import ADMIN, VIEWER
+from services.api.bodies import CreateFolderBody, check_name, read_body
+from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
+from services.api.context import Api
+from services.api.problems import Problem
+from services.api.schemas import BOOL, INT, STR, Doc, ref
+from services.commands import Result
+
+PREFIX = "/api/v1/orgs"
+
+
+async def _org(api: Api, org: str) -> OrgState:
+    state: OrgState = (await api.app.load_org(org)).state
+    if not state.exists:
+        raise Problem("not-found", f"organization {org} not found")
+    return state
+
+
+def _folder_of(request: web.Request, state: OrgState) -> str:
+    name = path_id(request, "folder")
+    if name not in state.folders:
+        raise Problem("not-found", f"folder {name} not found")
+    return name
+
+
+async def _workspace(api: Api, org: str, ws: str) -> WorkspaceState:
+    state: WorkspaceState = (await api.app.load_ws(org, ws)).state
+    if not state.exists:
+        raise Problem("not-found", f"workspace {ws} not found")
+    return state
+
+
+async def _changes(request: web.Request) -> dict[str, Any]:
+    """The PATCH body: a JSON object of settings, each checked, every problem named."""
+    try:
+        changes = msgspec.json.decode(await request.read(), type=dict[str, Any])
+    except msgspec.DecodeError as e:
+        raise Problem("invalid-body", f"a JSON object of settings is required: {e}") from e
+    reasons = []
+    for name, value in changes.items():
+        try:
+            st.validate({name: value})
+        except Invalid as e:
+            reasons.append(str(e))
+    if reasons:
+        raise Problem("invalid-command", "; ".join(reasons), reasons=reasons)
+    return changes
+
+
+def _written(row: Row, result: Result, *, status: int = 200, location: str = "") -> web.Response:
+    headers = {SEQ_HEADER: str(result.seq)}
+    if location:
+        headers["Location"] = location
+    return json_response(row, status=status, headers=headers)
+
+
+# ---------------------------------------------------------------- folders
+
+
+def _folder_row(state: OrgState, name: str) -> Row:
+    folder = state.folders[name]
+    return {
+        "name": name,
+        "parent": folder.parent or None,
+        "path": fo.path(state.folders, name),
+        "settings": folder.settings,
+    }
+
+
+async def create_folder(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    body = await read_body(request, CreateFolderBody)
+    name = check_name("name", body.name)
+    parent = check_name("parent", body.parent) if body.parent else ""
+    await _org(api, org)
+    cmd = fo.CreateFolder(actor=who.user, name=name, parent=parent)
+    result = await api.app.org_command(org, cmd)
+    where = f"{PREFIX}/{org}/folders/{name}"
+    return _written(_folder_row(result.state, name), result, status=201, location=where)
+
+
+async def list_folders(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    state = await _org(api, org)
+    return items([_folder_row(state, name) for name in state.folders])
+
+
+# ---------------------------------------------------------------- settings
+
+
+def _org_settings(state: OrgState) -> Row:
+    return {"settings": state.settings, "effective": inherit.for_org(state)}
+
+
+def _folder_settings(state: OrgState, name: str) -> Row:
+    return {**_folder_row(state, name), "effective": inherit.for_folder(state, name)}
+
+
+async def get_org_settings(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    return json_response(_org_settings(await _org(api, org)))
+
+
+async def patch_org_settings(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    changes = await _changes(request)
+    await _org(api, org)
+    result = await api.app.org_command(org, fo.SetOrgSettings(actor=who.user, changes=changes))
+    return _written(_org_settings(result.state), result)
+
+
+async def get_folder_settings(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    state = await _org(api, org)
+    return json_response(_folder_settings(state, _folder_of(request, state)))
+
+
+async def patch_folder_settings(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    name = _folder_of(request, await _org(api, org))
+    changes = await _changes(request)
+    cmd = fo.SetFolderSettings(actor=who.user, folder=name, changes=changes)
+    result = await api.app.org_command(org, cmd)
+    return _written(_folder_settings(result.state, name), result)
+
+
+async def get_workspace_settings(request: web.Request) -> web.Response:
+    """Every setting's effective value for the workspace, with its origin."""
+    api, org, _ = scope(request, VIEWER)
+    ws = path_id(request, "ws")
+    state = await _org(api, org)
+    return json_response(inherit.for_workspace(state, await _workspace(api, org, ws)))
+
+
+async def patch_workspace_settings(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    ws = path_id(request, "ws")
+    state = await _org(api, org)
+    await _workspace(api, org, ws)
+    changes = await _changes(request)
+    result = await api.app.set_workspace_settings(org, ws, changes, who.user)
+    return _written(inherit.for_workspace(state, result.state), result)
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+_TYPES: dict[type, Doc] = {
+    bool: BOOL,
+    int: {**INT, "minimum": 0},
+    str: STR,
+    list: {"type": "array", "items": STR},
+}
+
+
+def _setting(spec: st.Spec) -> Doc:
+    return {**_TYPES[type(spec.default)], "description": spec.doc, "default": spec.default}
+
+
+_SETTINGS: Doc = {"type": "object", "properties": {n: _setting(s) for n, s in st.SPECS.items()}}
+_ORIGIN = {**STR, "description": "default, org, folder:<name> (the innermost) or workspace"}
+
+SCHEMAS: dict[str, Doc] = {
+    "Settings": {**_SETTINGS, "description": "the values one level sets itself"},
+    "SettingsPatch": {
+        "type": "object",
+        "additionalProperties": False,
+        "description": "settings to change at this level; null unsets one (422 lists "
+        "every unknown setting or bad value)",
+        "properties": {n: {"anyOf": [_setting(s), {"type": "null"}]} for n, s in st.SPECS.items()},
+    },
+    "EffectiveSettings": {
+        "type": "object",
+        "description": "every setting's effective value and where it comes from",
+        "properties": {
+            n: {
+                "type": "object",
+                "required": ["value", "origin"],
+                "properties": {"value": _setting(s), "origin": _ORIGIN},
+            }
+            for n, s in st.SPECS.items()
+        },
+    },
+    "Folder": {
+        "type": "object",
+        "required": ["name", "parent", "path", "settings"],
+        "properties": {
+            "name": STR,
+            "parent": {"anyOf": [STR, {"type": "null"}]},
+            "path": {"type": "array", "items": STR, "description": "outermost first"},
+            "settings": ref("Settings"),
+        },
+    },
+    "FolderList": {
+        "type": "object",
+        "required": ["items"],
+        "properties": {"items": {"type": "array", "items": ref("Folder")}},
+    },
+    "OrgSettings": {
+        "type": "object",
+        "required": ["settings", "effective"],
+        "properties": {"settings": ref("Settings"), "effective": ref("EffectiveSettings")},
+    },
+    "FolderSettings": {
+        "allOf": [
+            ref("Folder"),
+            {"type": "object", "properties": {"effective": ref("EffectiveSettings")}},
+        ]
+    },
+}
+
+
+def _op(
+    op_id: str,
+    summary: str,
+    answer: tuple[int, str],
+    params: tuple[str, ...],
+    body: str = "",
+    errors: tuple[int, ...] = (),
+) -> Doc:
+    code, schema = answer
+    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
+    if body:
+        ok["headers"] = {"RP-Seq": {"description": "stream sequence of the write", **INT}}
+    op: Doc = {
+        "operationId": op_id,
+        "summary": summary,
+        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
+        "responses": {
+            str(code): ok,
+            **{str(e): {"$ref": f"#/components/responses/{e}"} for e in (401, *errors, 503)},
+        },
+    }
+    if body:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref(body)}},
+        }
+    return op
+
+
+_W = (400, 403, 404, 422)
+_R = (404, 422)
+PATHS: dict[str, Doc] = {
+    "/api/v1/orgs/{org}/folders": {
+        "get": _op(
+            "listFolders", "The organization's folders", (200, "FolderList"), ("org",), errors=_R
+        ),
+        "post": _op(
+            "createFolder",
+            "Create a folder, nested in `parent` if given",
+            (201, "Folder"),
+            ("org",),
+            "CreateFolderBody",
+            (*_W, 409),
+        ),
+    },
+    "/api/v1/orgs/{org}/settings": {
+        "get": _op(
+            "getOrgSettings",
+            "The organization's settings",
+            (200, "OrgSettings"),
+            ("org",),
+            errors=_R,
+        ),
+        "patch": _op(
+            "setOrgSettings",
+            "Change the organization's settings",
+            (200, "OrgSettings"),
+            ("org",),
+            "SettingsPatch",
+            _W,
+        ),
+    },
+    "/api/v1/orgs/{org}/folders/{folder}/settings": {
+        "get": _op(
+            "getFolderSettings",
+            "A folder's settings",
+            (200, "FolderSettings"),
+            ("org", "folder"),
+            errors=_R,
+        ),
+        "patch": _op(
+            "setFolderSettings",
+            "Change a folder's settings",
+            (200, "FolderSettings"),
+            ("org", "folder"),
+            "SettingsPatch",
+            _W,
+        ),
+    },
+    "/api/v1/orgs/{org}/workspaces/{ws}/settings": {
+        "get": _op(
+            "getWorkspaceSettings",
+            "Every effective setting of the workspace, with its origin",
+            (200, "EffectiveSettings"),
+            ("org", "ws"),
+            errors=_R,
+        ),
+        "patch": _op(
+            "setWorkspaceSettings",
+            "Change the workspace's own settings",
+            (200, "EffectiveSettings"),
+            ("org", "ws"),
+            "SettingsPatch",
+            _W,
+        ),
+    },
+}
+PARAMETERS: dict[str, Doc] = {
+    "folder": {
+        "name": "folder",
+        "in": "path",
+        "required": True,
+        "description": "folder name",
+        "schema": {"type": "string"},
+    }
+}
