@@ -44,6 +44,12 @@ class StaleLease(DomainError):
     code = "stale-lease"
 
 
+class Forbidden(DomainError):
+    """The actor may not do this to the aggregate (e.g. unlock someone else's lock)."""
+
+    code = "forbidden"
+
+
 class Conflict(DomainError):
     """Someone appended to the aggregate first; reload and decide again."""
 

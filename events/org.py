@@ -1,4 +1,5 @@
-"""The organization aggregate: its existence and the tokens scoped to it.
+"""The organization aggregate: its existence, the tokens scoped to it, its folders and
+its own settings (events/folder.py holds the folder pieces).
 
 Tokens are stored as SHA-256 digests only; the clear token is shown once, to its creator.
 """
@@ -7,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import assert_never
+from typing import Any, assert_never
 
 import msgspec
 
+from events import folder as fo
+from events import settings as st
 from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
 
@@ -28,7 +31,7 @@ class TokenIssued(Event, frozen=True, kw_only=True, tag="org.token_issued"):
     role: str
 
 
-OrgEvent = OrgCreated | TokenIssued
+OrgEvent = OrgCreated | TokenIssued | fo.FolderCreated | fo.OrgSettingsSet | fo.FolderSettingsSet
 
 
 class CreateOrg(Command, frozen=True, kw_only=True):
@@ -42,13 +45,15 @@ class IssueToken(Command, frozen=True, kw_only=True):
     role: str = "admin"
 
 
-OrgCommand = CreateOrg | IssueToken
+OrgCommand = CreateOrg | IssueToken | fo.CreateFolder | fo.SetOrgSettings | fo.SetFolderSettings
 
 
 class OrgState(msgspec.Struct, frozen=True, kw_only=True):
     name: str = ""
     created_at: datetime | None = None
     tokens: tuple[str, ...] = ()
+    settings: dict[str, Any] = {}  # the organization's own, not the effective ones
+    folders: dict[str, fo.Folder] = {}  # by name, in creation order
     version: int = 0
 
     @property
@@ -66,6 +71,12 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
             return msgspec.structs.replace(s, name=event.name, created_at=event.at)
         case TokenIssued():
             return msgspec.structs.replace(s, tokens=(*s.tokens, event.token_id))
+        case fo.FolderCreated():
+            return msgspec.structs.replace(s, folders=fo.added(s.folders, event))
+        case fo.OrgSettingsSet():
+            return msgspec.structs.replace(s, settings=st.merge(s.settings, event.changes))
+        case fo.FolderSettingsSet():
+            return msgspec.structs.replace(s, folders=fo.changed(s.folders, event))
         case _:
             assert_never(event)
 
@@ -100,5 +111,25 @@ def decide(
                     role=command.role,
                 )
             ]
+        case fo.CreateFolder() | fo.SetOrgSettings() | fo.SetFolderSettings():
+            if not state.exists:
+                raise NotFound("organization does not exist")
+            return _decide_folders(state, command, now)
+        case _:
+            assert_never(command)
+
+
+def _decide_folders(
+    state: OrgState,
+    command: fo.CreateFolder | fo.SetOrgSettings | fo.SetFolderSettings,
+    now: datetime,
+) -> list[OrgEvent]:
+    match command:
+        case fo.CreateFolder():
+            return [fo.create(state.folders, command, now)]
+        case fo.SetOrgSettings():
+            return list(fo.set_org(command, now))
+        case fo.SetFolderSettings():
+            return list(fo.set_folder(state.folders, command, now))
         case _:
             assert_never(command)

@@ -23,6 +23,7 @@ from events.values import (
     Snapshot,
     VariableRef,
     Workspace,
+    pinned_config,
 )
 
 
@@ -367,6 +368,7 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
                 status=Status.QUEUED,
                 phase="",
                 snapshot=snap,
+                config=pinned_config(s.config, snap),
                 commit=snap.commit if snap and snap.commit else s.commit,
             )
         case PhaseStarted():

@@ -75,3 +75,21 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     commit: str = ""
     variables: list[VariableRef] = []
     settings: dict[str, Any] = {}
+
+
+# Settings the run's executor and reaper read from its workspace configuration.
+PINNED_TIMEOUTS = ("heartbeat_timeout", "dispatch_timeout")
+
+
+def pinned_config(config: Workspace | None, snapshot: Snapshot | None) -> Workspace | None:
+    """The configuration a run executes under: the timeouts its snapshot's effective
+    settings resolved (`{"value", "origin"}` entries; older snapshots held bare values)."""
+    if config is None or snapshot is None:
+        return config
+    found: dict[str, int] = {}
+    for name in PINNED_TIMEOUTS:
+        entry = snapshot.settings.get(name)
+        value = entry.get("value") if isinstance(entry, dict) else entry
+        if isinstance(value, int) and not isinstance(value, bool):
+            found[name] = value
+    return msgspec.structs.replace(config, **found) if found else config

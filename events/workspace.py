@@ -9,19 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import assert_never
+from typing import Any, assert_never
 
 import msgspec
 
 from events.base import Command, Event
-from events.errors import AlreadyExists, Invalid, NotFound
+from events.errors import AlreadyExists, Forbidden, IllegalTransition, Invalid, NotFound
+from events.folder import checked
 from events.run import Workspace
+from events.settings import merge
 
 
 class WorkspaceCreated(Event, frozen=True, kw_only=True, tag="ws.created"):
     org: str
     name: str
     config: Workspace
+    folder: str = ""  # the folder it inherits settings from; "" for the organization
 
 
 class RunEnqueued(Event, frozen=True, kw_only=True, tag="ws.run_enqueued"):
@@ -45,13 +48,42 @@ class VariablesSet(Event, frozen=True, kw_only=True, tag="ws.variables_set"):
     variables: dict[str, str]
 
 
-WorkspaceEvent = WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased | VariablesSet
+class SettingsSet(Event, frozen=True, kw_only=True, tag="ws.settings_set"):
+    """The workspace's own settings changed: a name to its new value, null where unset."""
+
+    changes: dict[str, Any]
+
+
+class WorkspaceLocked(Event, frozen=True, kw_only=True, tag="ws.locked"):
+    """A person (the actor) locked the workspace: runs still queue, none is admitted."""
+
+    reason: str
+
+
+class WorkspaceUnlocked(Event, frozen=True, kw_only=True, tag="ws.unlocked"):
+    """The lock was lifted by the actor: its holder, or an org admin breaking it."""
+
+    holder: str = ""  # whose lock it was
+    reason: str = ""  # the lock's reason, kept with the unlock for the history
+
+
+WorkspaceEvent = (
+    WorkspaceCreated
+    | RunEnqueued
+    | RunAdmitted
+    | RunReleased
+    | VariablesSet
+    | SettingsSet
+    | WorkspaceLocked
+    | WorkspaceUnlocked
+)
 
 
 class CreateWorkspace(Command, frozen=True, kw_only=True):
     org: str
     name: str
     config: Workspace
+    folder: str = ""
 
 
 class EnqueueRun(Command, frozen=True, kw_only=True):
@@ -71,7 +103,36 @@ class SetVariables(Command, frozen=True, kw_only=True):
     variables: dict[str, str]
 
 
-WorkspaceCommand = CreateWorkspace | EnqueueRun | AdmitNext | ReleaseRun | SetVariables
+class SetSettings(Command, frozen=True, kw_only=True):
+    changes: dict[str, Any]
+
+
+class LockWorkspace(Command, frozen=True, kw_only=True):
+    reason: str
+
+
+class UnlockWorkspace(Command, frozen=True, kw_only=True):
+    admin: bool = False  # an org admin may lift anyone's lock; others only their own
+
+
+WorkspaceCommand = (
+    CreateWorkspace
+    | EnqueueRun
+    | AdmitNext
+    | ReleaseRun
+    | SetVariables
+    | SetSettings
+    | LockWorkspace
+    | UnlockWorkspace
+)
+
+
+class Lock(msgspec.Struct, frozen=True, kw_only=True):
+    """Who holds a workspace's lock, why, and since when."""
+
+    holder: str
+    reason: str
+    locked_at: datetime
 
 
 class WorkspaceState(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +142,9 @@ class WorkspaceState(msgspec.Struct, frozen=True, kw_only=True):
     created_at: datetime | None = None
     queue: tuple[str, ...] = ()
     active: str = ""
+    lock: Lock | None = None  # while set, no run is admitted
+    folder: str = ""
+    settings: dict[str, Any] = {}  # its own settings (events/inherit.py resolves them)
     version: int = 0
 
     @property
@@ -96,7 +160,12 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
     match event:
         case WorkspaceCreated():
             return msgspec.structs.replace(
-                s, org=event.org, name=event.name, config=event.config, created_at=event.at
+                s,
+                org=event.org,
+                name=event.name,
+                config=event.config,
+                created_at=event.at,
+                folder=event.folder,
             )
         case RunEnqueued():
             return msgspec.structs.replace(s, queue=(*s.queue, event.run_id))
@@ -111,6 +180,13 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
             assert s.config is not None, "variables of a workspace that was never created"
             config = msgspec.structs.replace(s.config, variables=dict(event.variables))
             return msgspec.structs.replace(s, config=config)
+        case SettingsSet():
+            return msgspec.structs.replace(s, settings=merge(s.settings, event.changes))
+        case WorkspaceLocked():
+            lock = Lock(holder=event.actor, reason=event.reason, locked_at=event.at)
+            return msgspec.structs.replace(s, lock=lock)
+        case WorkspaceUnlocked():
+            return msgspec.structs.replace(s, lock=None)
         case _:
             assert_never(event)
 
@@ -128,7 +204,8 @@ def decide(
     now: datetime,
     new_id: Callable[[], str],
 ) -> list[WorkspaceEvent]:
-    """Decide the workspace events of a command. AdmitNext may decide nothing."""
+    """Decide the workspace events of a command. AdmitNext may decide nothing (a run is
+    active, the queue is empty, or the workspace is locked)."""
     who = command.actor
     match command:
         case CreateWorkspace():
@@ -136,7 +213,12 @@ def decide(
                 raise AlreadyExists(f"workspace {command.name} already exists")
             return [
                 WorkspaceCreated(
-                    at=now, actor=who, org=command.org, name=command.name, config=command.config
+                    at=now,
+                    actor=who,
+                    org=command.org,
+                    name=command.name,
+                    config=command.config,
+                    folder=command.folder,
                 )
             ]
         case EnqueueRun():
@@ -146,7 +228,7 @@ def decide(
                 raise Invalid(f"run {command.run_id} is already queued")
             return [RunEnqueued(at=now, actor=who, run_id=command.run_id)]
         case AdmitNext():
-            if state.active or not state.queue:
+            if state.active or not state.queue or state.lock is not None:
                 return []
             return [RunAdmitted(at=now, actor=who, run_id=state.queue[0])]
         case ReleaseRun():
@@ -157,5 +239,41 @@ def decide(
             if not state.exists:
                 raise NotFound("workspace does not exist")
             return [VariablesSet(at=now, actor=who, variables=dict(command.variables))]
+        case SetSettings():
+            if not state.exists:
+                raise NotFound("workspace does not exist")
+            return [SettingsSet(at=now, actor=who, changes=checked(command.changes))]
+        case LockWorkspace():
+            return [_lock(state, command, now)]
+        case UnlockWorkspace():
+            return [_unlock(state, command, now)]
         case _:
             assert_never(command)
+
+
+def _lock(state: WorkspaceState, command: LockWorkspace, now: datetime) -> WorkspaceLocked:
+    if not state.exists:
+        raise NotFound("workspace does not exist")
+    if not command.reason.strip():
+        raise Invalid("a lock needs a reason")
+    if state.lock is not None:
+        raise IllegalTransition(
+            f"workspace {state.name} is already locked by {state.lock.holder} "
+            f"since {state.lock.locked_at.isoformat()}: {state.lock.reason}",
+            status="locked",
+        )
+    return WorkspaceLocked(at=now, actor=command.actor, reason=command.reason)
+
+
+def _unlock(state: WorkspaceState, command: UnlockWorkspace, now: datetime) -> WorkspaceUnlocked:
+    if not state.exists:
+        raise NotFound("workspace does not exist")
+    lock = state.lock
+    if lock is None:
+        raise IllegalTransition(f"workspace {state.name} is not locked", status="unlocked")
+    if command.actor != lock.holder and not command.admin:
+        raise Forbidden(
+            f"workspace {state.name} is locked by {lock.holder}: only they or an "
+            "organization admin may unlock it"
+        )
+    return WorkspaceUnlocked(at=now, actor=command.actor, holder=lock.holder, reason=lock.reason)

@@ -23,15 +23,19 @@ import msgspec
 
 from events import run as run_agg
 from events.codec import AnyEvent, tag_of
+from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
 from events.run import RunEvent, RunState, StepFinished, StepStarted
 from events.workspace import (
     RunAdmitted,
     RunEnqueued,
     RunReleased,
+    SettingsSet,
     VariablesSet,
     WorkspaceCreated,
     WorkspaceEvent,
+    WorkspaceLocked,
+    WorkspaceUnlocked,
 )
 from projections.changes import project_changes
 from projections.schema import BY_NAME, Key, Row
@@ -156,10 +160,20 @@ class RunView(msgspec.Struct):
 def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
     """Record the event in the audit history, then fold it into its aggregate's rows."""
     w.insert("events", _event_row(meta, event, raw))
-    if isinstance(event, OrgCreated | TokenIssued):
+    if isinstance(
+        event, OrgCreated | TokenIssued | FolderCreated | OrgSettingsSet | FolderSettingsSet
+    ):
         project_org(w, meta, event)
     elif isinstance(
-        event, WorkspaceCreated | RunEnqueued | RunAdmitted | RunReleased | VariablesSet
+        event,
+        WorkspaceCreated
+        | RunEnqueued
+        | RunAdmitted
+        | RunReleased
+        | VariablesSet
+        | SettingsSet
+        | WorkspaceLocked
+        | WorkspaceUnlocked,
     ):
         project_workspace(w, meta, event)
     else:
@@ -199,6 +213,8 @@ def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
                     "created_at": iso(event.at),
                 },
             )
+        case FolderCreated() | OrgSettingsSet() | FolderSettingsSet():
+            pass  # read from the organization aggregate itself (services/api/settings.py)
         case _:
             assert_never(event)
 
@@ -232,6 +248,13 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
                 w.put("workspaces", ws | {"active_run": None})
         case VariablesSet():
             w.put("workspaces", ws | {"variables_json": _json.encode(event.variables).decode()})
+        case WorkspaceLocked():
+            lock = {"holder": event.actor, "reason": event.reason, "locked_at": iso(event.at)}
+            w.put("workspaces", ws | {"lock_json": _json.encode(lock).decode()})
+        case WorkspaceUnlocked():
+            w.put("workspaces", ws | {"lock_json": None})
+        case SettingsSet():
+            pass  # read from the workspace aggregate itself (services/api/settings.py)
         case _:
             assert_never(event)
 
@@ -251,6 +274,7 @@ def _workspace_row(event: WorkspaceCreated) -> Row:
         "heartbeat_timeout": cfg.heartbeat_timeout,
         "dispatch_timeout": cfg.dispatch_timeout,
         "managed_state": int(cfg.managed_state),
+        "lock_json": None,
     }
 
 

@@ -28,7 +28,7 @@ _RUN_COLS = (
 )
 _WS_COLS = (
     "org, name, repository, branch, directory, variables_json, created_at, created_by, active_run"
-    ", heartbeat_timeout, dispatch_timeout, managed_state"
+    ", heartbeat_timeout, dispatch_timeout, managed_state, lock_json"
 )
 _ENVELOPE = ("type", "at", "actor")
 _MAX_LIMIT = 1000
@@ -218,6 +218,8 @@ def _workspace(row: aiosqlite.Row, queue: list[str]) -> dict[str, Any]:
     out = dict(row)
     out["variables"] = msgspec.json.decode(out.pop("variables_json") or "{}")
     out["managed_state"] = bool(out["managed_state"])
+    lock = out.pop("lock_json")
+    out["lock"] = msgspec.json.decode(lock) if lock else None
     out["queue"] = queue
     return out
 

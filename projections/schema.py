@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 3
+VERSION = 4
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -75,6 +75,7 @@ WORKSPACES = Table(
     "heartbeat_timeout INTEGER",
     "dispatch_timeout INTEGER",
     "managed_state INTEGER",  # 0: the workspace brings its own backend
+    "lock_json TEXT",  # {"holder", "reason", "locked_at"} while locked, else NULL
 )
 WS_QUEUE = Table(
     "ws_queue",

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 from ulid import ULID
 
+from events import inherit
 from events import org as org_agg
 from events import run as run_agg
 from events import workspace as ws_agg
@@ -152,14 +153,21 @@ class App:
     # ------------------------------------------------------------ workspaces
 
     async def create_workspace(
-        self, org: str, name: str, config: run_agg.Workspace, actor: str
+        self, org: str, name: str, config: run_agg.Workspace, actor: str, *, folder: str = ""
     ) -> Result:
+        """Create a workspace, in `folder` of the organization if given (it must exist:
+        folders are never removed, so checking first is enough)."""
+
         async def attempt() -> Result:
             o = await self.load_org(org)
             if not o.state.exists:
                 raise NotFound("organization does not exist")
+            if folder and folder not in o.state.folders:
+                raise NotFound(f"folder {folder} does not exist")
             cur = await self.load_ws(org, name)
-            cmd = ws_agg.CreateWorkspace(actor=actor, org=org, name=name, config=config)
+            cmd = ws_agg.CreateWorkspace(
+                actor=actor, org=org, name=name, config=config, folder=folder
+            )
             evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
             seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
             return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
@@ -174,6 +182,27 @@ class App:
         async def attempt() -> Result:
             cur = await self.load_ws(org, name)
             cmd = ws_agg.SetVariables(actor=actor, variables=variables)
+            evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    async def lock_workspace(self, org: str, name: str, reason: str, actor: str) -> Result:
+        """Lock a workspace: runs still queue, none is admitted until it is unlocked."""
+        return await self._workspace_command(
+            org, name, ws_agg.LockWorkspace(actor=actor, reason=reason)
+        )
+
+    async def unlock_workspace(self, org: str, name: str, actor: str, *, admin: bool) -> Result:
+        """Lift a workspace's lock (its holder, or an org admin); the scheduler then admits."""
+        return await self._workspace_command(
+            org, name, ws_agg.UnlockWorkspace(actor=actor, admin=admin)
+        )
+
+    async def _workspace_command(self, org: str, name: str, cmd: ws_agg.WorkspaceCommand) -> Result:
+        async def attempt() -> Result:
+            cur = await self.load_ws(org, name)
             evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
             seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
             return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
@@ -285,11 +314,48 @@ class App:
     async def _pin(
         self, run: run_agg.RunState, pinned: dict[str, run_agg.Snapshot]
     ) -> run_agg.Snapshot | None:
+        """The hook's snapshot, its settings the effective ones (value and origin) now."""
         if self.snapshot is None:
             return None
         if run.run_id not in pinned:
-            pinned[run.run_id] = await self.snapshot(run)
+            snap = await self.snapshot(run)
+            resolved = await self.effective_settings(run.org, run.workspace)
+            settings = {**snap.settings, **resolved}
+            pinned[run.run_id] = msgspec.structs.replace(snap, settings=settings)
         return pinned[run.run_id]
+
+    # ------------------------------------------------------------ settings and folders
+
+    async def org_command(self, org: str, command: org_agg.OrgCommand) -> Result:
+        """Decide and append an organization command (folders, settings, tokens)."""
+
+        async def attempt() -> Result:
+            cur = await self.load_org(org)
+            evs = org_agg.decide(cur.state, command, now=self.clock(), new_id=self.ids)
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=org_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    async def set_workspace_settings(
+        self, org: str, name: str, changes: dict[str, Any], actor: str
+    ) -> Result:
+        """Change a workspace's own settings (null unsets one); runs admitted keep theirs."""
+
+        async def attempt() -> Result:
+            cur = await self.load_ws(org, name)
+            cmd = ws_agg.SetSettings(actor=actor, changes=changes)
+            evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
+            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+
+    async def effective_settings(self, org: str, ws: str) -> inherit.Resolved:
+        """Every setting's effective value for a workspace, with its origin, read from
+        the organization and workspace aggregates (no read model needed)."""
+        o, w = await asyncio.gather(self.load_org(org), self.load_ws(org, ws))
+        return inherit.for_workspace(o.state, w.state)
 
     async def _unpinnable(
         self, org: str, ws: str, run_id: str, actor: str, error: SnapshotFailed

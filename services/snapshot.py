@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Any
 
 from events.errors import DomainError
+from events.inherit import config_settings
 from events.run import RunState, Snapshot, VariableRef, Workspace
+from events.settings import effective
 from services.infra.childenv import git_env, kill_group
 from services.secrets import SecretStore
 
@@ -67,13 +70,13 @@ def variables(config: Workspace, secret_names: list[str]) -> list[VariableRef]:
     return plain + hidden
 
 
-def settings(config: Workspace) -> dict[str, object]:
-    """The effective settings the run executes under."""
+def settings(config: Workspace) -> dict[str, Any]:
+    """The settings the run executes under, each `{"value", "origin"}`, as far as the
+    workspace's configuration knows them. The scheduler's `App` overlays the effective
+    settings resolved along organization -> folders -> workspace (services/commands.py)."""
     return {
-        "heartbeat_timeout": config.heartbeat_timeout,
-        "dispatch_timeout": config.dispatch_timeout,
-        "managed_state": config.managed_state,
-        "require_approval": True,
+        **effective([("workspace", config_settings(config))]),
+        "managed_state": {"value": config.managed_state, "origin": "workspace"},
     }
 
 

@@ -25,6 +25,8 @@ ORG_ENDPOINTS = [
     ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/lock"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/unlock"),
     ("GET", "/api/v1/orgs/{org}/runs"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}"),
     ("POST", "/api/v1/orgs/{org}/runs/{run}/approve"),
@@ -38,6 +40,14 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/state-versions"),
     ("PUT", "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}"),
     ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}"),
+    ("GET", "/api/v1/orgs/{org}/folders"),
+    ("POST", "/api/v1/orgs/{org}/folders"),
+    ("GET", "/api/v1/orgs/{org}/settings"),
+    ("PATCH", "/api/v1/orgs/{org}/settings"),
+    ("GET", "/api/v1/orgs/{org}/folders/{folder}/settings"),
+    ("PATCH", "/api/v1/orgs/{org}/folders/{folder}/settings"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/settings"),
+    ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}/settings"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
@@ -45,7 +55,12 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/workspaces": {"name": "other", "repository": "r"},
     "/api/v1/orgs/{org}/workspaces/{ws}": {"variables": {"n": "2"}},
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
+    "/api/v1/orgs/{org}/workspaces/{ws}/lock": {"reason": "maintenance"},
     "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}": {"value": "v"},
+    "/api/v1/orgs/{org}/folders": {"name": "platform"},
+    "/api/v1/orgs/{org}/settings": {"four_eyes": True},
+    "/api/v1/orgs/{org}/folders/{folder}/settings": {"run_timeout": 60},
+    "/api/v1/orgs/{org}/workspaces/{ws}/settings": {"require_approval": False},
 }
 
 
@@ -87,7 +102,9 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
         for org in ("acme", "beta"):
             if org == "beta" and "{run}" not in template:
                 continue  # beta's own workspaces and org are visible to it
-            path = template.format(org=org, ws="net", run=two_orgs["run"], name="token")
+            path = template.format(
+                org=org, ws="net", run=two_orgs["run"], name="token", folder="platform"
+            )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
             a.problem("not-found", 404)
@@ -125,7 +142,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
     for method, template in sorted(_routes()):
         if template == "/healthz":
             continue
-        path = template.format(org="acme", ws="net", run=RUN_ID, name="token")
+        path = template.format(org="acme", ws="net", run=RUN_ID, name="token", folder="f")
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
             a = await http.call(method, path, token=None, headers=hdrs)
             a.problem("unauthorized", 401)

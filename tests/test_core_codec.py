@@ -11,6 +11,7 @@ import pytest
 
 from events import codec
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
+from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
 from events.run import (
     ApplyFinished,
@@ -34,9 +35,12 @@ from events.workspace import (
     RunAdmitted,
     RunEnqueued,
     RunReleased,
+    SettingsSet,
     VariablesSet,
     WorkspaceCreated,
     WorkspaceEvent,
+    WorkspaceLocked,
+    WorkspaceUnlocked,
 )
 
 AT = datetime(2025, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
@@ -114,7 +118,13 @@ SAMPLES: list[Any] = [
     RunEnqueued(at=AT, actor="alice", run_id="run-1"),
     RunAdmitted(at=AT, actor="scheduler", run_id="run-1"),
     RunReleased(at=AT, actor="scheduler", run_id="run-1", status="applied"),
+    WorkspaceLocked(at=AT, actor="alice", reason="provider upgrade"),
+    WorkspaceUnlocked(at=AT, actor="bob", holder="alice", reason="provider upgrade"),
     OrgCreated(at=AT, actor="alice", name="acme"),
+    FolderCreated(at=AT, actor="alice", name="network", parent="platform"),
+    OrgSettingsSet(at=AT, actor="alice", changes={"confirm_destructive": True}),
+    FolderSettingsSet(at=AT, actor="alice", folder="network", changes={"run_timeout": None}),
+    SettingsSet(at=AT, actor="alice", changes={"approvers": ["bob", "group:sre"]}),
     TokenIssued(
         at=AT, actor="alice", token_id="tok-1", token_hash="sha256:feed", user="bob", role="admin"
     ),
@@ -165,6 +175,35 @@ def test_a_datetime_in_another_offset_decodes_to_the_same_instant() -> None:
 # change broke old events (rename, retype, removal) and needs a new tag plus an upcaster.
 
 GOLDEN: list[tuple[bytes, Any]] = [
+    (
+        b'{"type":"org.folder_created","at":"2026-11-29T19:00:00Z","actor":"alice",'
+        b'"name":"network","parent":"platform"}',
+        FolderCreated(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC),
+            actor="alice",
+            name="network",
+            parent="platform",
+        ),
+    ),
+    (
+        b'{"type":"org.folder_settings_set","at":"2026-11-29T19:00:00Z","actor":"alice",'
+        b'"folder":"network","changes":{"run_timeout":1800,"four_eyes":null}}',
+        FolderSettingsSet(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC),
+            actor="alice",
+            folder="network",
+            changes={"run_timeout": 1800, "four_eyes": None},
+        ),
+    ),
+    (
+        b'{"type":"ws.settings_set","at":"2026-11-29T19:00:00Z","actor":"alice",'
+        b'"changes":{"require_approval":false}}',
+        SettingsSet(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC),
+            actor="alice",
+            changes={"require_approval": False},
+        ),
+    ),
     (
         b'{"type":"run.created","at":"2025-01-02T03:04:05Z","actor":"alice","run_id":"run-1",'
         b'"org":"acme","workspace":"network","run_type":"plan","config":{"repository":'
@@ -246,6 +285,18 @@ GOLDEN: list[tuple[bytes, Any]] = [
             user="bob",
             role="approver",
         ),
+    ),
+    (
+        b'{"type":"ws.locked","at":"2026-11-29T19:00:00Z","actor":"alice",'
+        b'"reason":"provider upgrade"}',
+        WorkspaceLocked(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC), actor="alice", reason="provider upgrade"
+        ),
+    ),
+    (
+        # an unlock without the lock it lifted: holder and reason default to ""
+        b'{"type":"ws.unlocked","at":"2026-11-29T19:05:00Z","actor":"alice"}',
+        WorkspaceUnlocked(at=datetime(2026, 11, 29, 19, 5, tzinfo=UTC), actor="alice"),
     ),
 ]
 

@@ -5,11 +5,13 @@ that commit. Real nats-server, real git, real Terraform."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from events.codec import tag_of
 from events.run import PlanFinished, RunFailed
+from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -56,12 +58,10 @@ async def test_the_snapshot_is_recorded_before_any_executor_sees_the_run(
         ("n", "workspace", False),
         ("token", "workspace", True),
     ]
-    assert snap.settings == {
-        "heartbeat_timeout": 300,
-        "dispatch_timeout": 0,
-        "managed_state": True,
-        "require_approval": True,
-    }
+    assert snap.settings["heartbeat_timeout"] == {"value": 300, "origin": "workspace"}
+    assert snap.settings["dispatch_timeout"] == {"value": 0, "origin": "default"}
+    assert snap.settings["managed_state"] == {"value": True, "origin": "workspace"}
+    assert snap.settings["require_approval"] == {"value": True, "origin": "default"}
 
     await plane.executor("ex1")
     await plane.reaches("net", run_id, "planned")
@@ -72,7 +72,12 @@ async def test_the_snapshot_is_recorded_before_any_executor_sees_the_run(
     assert (planned.commit, planned.commit_message) == (sha, "one null resource")
     assert planned.commit_author == "t <t@example.com>"
 
-    got = (await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}")).body
+    async def projected() -> dict[str, Any]:  # the read model may lag the event log
+        body = (await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}")).body
+        assert body["status"] == "planned", body["status"]
+        return body  # type: ignore[no-any-return]  # JSON object
+
+    got = await eventually(projected, timeout=10, what="the planned run in the read model")
     assert got["snapshot"]["commit"] == sha
     assert got["snapshot"]["variables"][1] == {
         "name": "token",

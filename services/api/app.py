@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import changes, logs, openapi, orgs, runs, secrets, state
+from services.api import changes, locks, logs, openapi, orgs, runs, secrets, state
+from services.api import settings as settings_api
 from services.api.common import json_response
 from services.api.context import API, Api
 from services.api.middleware import MIDDLEWARES
@@ -40,6 +41,14 @@ ROUTES = [
     web.get(ORG, orgs.get_org, allow_head=False),
     web.post(ORG + "/tokens", orgs.create_token),
     web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
+    web.get(ORG + "/folders", settings_api.list_folders, allow_head=False),
+    web.post(ORG + "/folders", settings_api.create_folder),
+    web.get(ORG + "/settings", settings_api.get_org_settings, allow_head=False),
+    web.patch(ORG + "/settings", settings_api.patch_org_settings),
+    web.get(ORG + "/folders/{folder}/settings", settings_api.get_folder_settings, allow_head=False),
+    web.patch(ORG + "/folders/{folder}/settings", settings_api.patch_folder_settings),
+    web.get(WS + "/settings", settings_api.get_workspace_settings, allow_head=False),
+    web.patch(WS + "/settings", settings_api.patch_workspace_settings),
     web.post(ORG + "/workspaces", orgs.create_workspace),
     web.get(WS, orgs.get_workspace, allow_head=False),
     web.patch(WS, orgs.update_workspace),
@@ -48,6 +57,8 @@ ROUTES = [
     web.put(WS + "/secret-variables/{name}", secrets.put_secret),
     web.delete(WS + "/secret-variables/{name}", secrets.delete_secret),
     web.post(WS + "/runs", runs.create_run),
+    web.post(WS + "/lock", locks.lock_workspace),
+    web.post(WS + "/unlock", locks.unlock_workspace),
     web.get(ORG + "/runs", runs.list_runs, allow_head=False),
     web.get(RUN, runs.get_run, allow_head=False),
     web.post(RUN + "/approve", runs.approve_run),

@@ -72,6 +72,9 @@ class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
     secret_variables: Annotated[
         dict[str, str], Meta(description="stored sealed; shown by name only, never again")
     ] = {}
+    folder: Annotated[
+        str, Meta(description="the folder it inherits settings from (it must exist)")
+    ] = ""
 
 
 class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):
@@ -79,6 +82,13 @@ class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):
         dict[str, str],
         Meta(description="replaces the plain variables; existing runs keep theirs"),
     ]
+
+
+class CreateFolderBody(Body, frozen=True, kw_only=True):
+    name: Name
+    parent: Annotated[
+        Name | None, Meta(description="the enclosing folder (it must exist); null: none")
+    ] = None
 
 
 class CreateRunBody(Body, frozen=True, kw_only=True):
@@ -103,6 +113,7 @@ BODIES: tuple[type[Body], ...] = (
     CreateTokenBody,
     CreateWorkspaceBody,
     UpdateWorkspaceBody,
+    CreateFolderBody,
     CreateRunBody,
     ApproveBody,
     DiscardBody,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from services.api import changes, logs, secrets, state
+from services.api import changes, locks, logs, secrets, state
+from services.api import settings as settings_api
 from services.api.bodies import BODIES
 from services.api.problems import CONTENT_TYPE
 from services.api.schemas import ID, INT, REF, SCHEMAS, STR, Doc, ref
@@ -42,6 +43,7 @@ PARAMETERS: dict[str, Doc] = {
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
     **logs.PARAMETERS,
     **secrets.PARAMETERS,
+    **settings_api.PARAMETERS,
 }
 
 _ERRORS = {
@@ -269,6 +271,8 @@ PATHS: dict[str, Doc] = {
     **changes.PATHS,
     **state.PATHS,
     **secrets.PATHS,
+    **settings_api.PATHS,
+    **locks.PATHS,
 }
 
 
@@ -297,6 +301,8 @@ def document() -> Doc:
                 **changes.SCHEMAS,
                 **state.SCHEMAS,
                 **secrets.SCHEMAS,
+                **settings_api.SCHEMAS,
+                **locks.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

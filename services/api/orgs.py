@@ -88,7 +88,8 @@ async def create_workspace(request: web.Request) -> web.Response:
         dispatch_timeout=body.dispatch_timeout,
         managed_state=body.managed_state,
     )
-    result = await api.app.create_workspace(org, name, config, who.user)
+    folder = check_name("folder", body.folder) if body.folder else ""
+    result = await api.app.create_workspace(org, name, config, who.user, folder=folder)
     await secrets.store_all(request, org, name, body.secret_variables)
     return await written(
         api,

@@ -16,6 +16,7 @@ from events.errors import (
     AlreadyExists,
     Conflict,
     DomainError,
+    Forbidden,
     IllegalTransition,
     Invalid,
     NotFound,
@@ -102,6 +103,8 @@ def from_domain(error: DomainError) -> Problem:
             return Problem("not-found", detail)
         case Invalid():
             return Problem("invalid-command", detail)
+        case Forbidden():
+            return Problem("forbidden", detail)
         case Conflict():
             # Optimistic retries ran out: heavy contention on one aggregate.
             return Problem("unavailable", detail, headers={"Retry-After": "1"})

@@ -15,7 +15,7 @@ import msgspec
 
 from events.org import OrgState
 from events.run import PlanSummary, RunState
-from events.workspace import WorkspaceState
+from events.workspace import Lock, WorkspaceState
 
 Row = dict[str, Any]
 
@@ -52,8 +52,15 @@ def workspace(state: WorkspaceState, actor: str) -> Row:
         "heartbeat_timeout": config.heartbeat_timeout,
         "dispatch_timeout": config.dispatch_timeout,
         "managed_state": config.managed_state,
+        "lock": _lock(state.lock),
         "queue": list(state.queue),
     }
+
+
+def _lock(lock: Lock | None) -> Row | None:
+    if lock is None:
+        return None
+    return {"holder": lock.holder, "reason": lock.reason, "locked_at": _time(lock.locked_at)}
 
 
 def run(state: RunState, seq: int) -> Row:

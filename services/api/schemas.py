@@ -46,6 +46,11 @@ SCHEMAS: dict[str, Doc] = {
             status=INT,
             detail=STR,
             current_status={**STR, "description": "with a `conflict`: the run's status"},
+            reasons={
+                "type": "array",
+                "items": STR,
+                "description": "with an `invalid-command` of a settings patch: each problem",
+            },
         ),
         "description": "RFC 9457 problem details; `type` is "
         + BASE
@@ -76,6 +81,12 @@ SCHEMAS: dict[str, Doc] = {
         heartbeat_timeout=INT,
         dispatch_timeout=INT,
         managed_state={**BOOL, "description": "false: the workspace brings its own backend"},
+        lock={
+            **_nullable(
+                _obj(["holder", "reason", "locked_at"], holder=STR, reason=STR, locked_at=TIME)
+            ),
+            "description": "while locked runs queue but none is admitted; null when unlocked",
+        },
         secret_variables={
             "type": "object",
             "additionalProperties": {"const": "(sensitive)"},

@@ -34,7 +34,7 @@ from services.scheduler import watch
 log = structlog.get_logger(__name__)
 
 # Events after which a workspace may admit its next run.
-_ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released"})
+_ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released", "ws.unlocked"})
 # Events after which a run may have a phase waiting for an executor.
 _DISPATCH_TYPES = frozenset({"run.queued", "run.approved", "run.plan_finished"})
 
