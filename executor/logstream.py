@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import deque
 from itertools import islice
@@ -163,6 +164,13 @@ class LivePublisher:
         return True
 
 
+# Terraform's http backend client logs every request to the executor's own loopback
+# backend on stderr; to a person reading the step it is noise.
+_OWN_BACKEND_CHATTER = re.compile(
+    r"^\d{4}/\d\d/\d\d \d\d:\d\d:\d\d \[DEBUG\] [A-Z]+ http://127\.0\.0\.1:\d+/"
+)
+
+
 class LiveStepLog(StepLog):
     """A step's log: masked lines numbered per step, to the file and the live stream.
 
@@ -184,6 +192,8 @@ class LiveStepLog(StepLog):
         body = masked.removesuffix("\n").removesuffix("\r")
         if body.startswith("{") and '"change_summary"' in body:
             self._take_summary(body)
+        if _OWN_BACKEND_CHATTER.match(body):
+            return masked  # Terraform's http client logging our loopback state backend
         body = readable(body)
         self.lines += 1
         self.counts[stream] = self.counts.get(stream, 0) + 1

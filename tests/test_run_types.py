@@ -138,3 +138,5 @@ async def test_step_logs_are_readable_text_not_terraforms_json(plane: Plane, rep
     assert "Plan: 3 to add, 0 to change, 0 to destroy." in plan
     assert any("Creation complete" in t for t in apply)
     assert not [t for t in plan + apply if t.startswith('{"@level"')]
+    everything = [i["text"] for i in logs]
+    assert not [t for t in everything if "[DEBUG]" in t and "127.0.0.1" in t], "backend chatter"
