@@ -1,0 +1,162 @@
+"""Groups of users in an organization, named in the `approvers` setting as `group:<name>`.
+
+Users are the `user` of the organization's tokens. Groups live in the organization
+aggregate (`org.group_set`) and are read from it, so a change shows at once. Writes are
+an admin's.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from aiohttp import web
+
+from events import groups as gr
+from events.org import OrgState
+from services.api.auth import ADMIN, VIEWER
+from services.api.bodies import Body, Name, check_name, read_body
+from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
+from services.api.context import Api
+from services.api.problems import Problem
+from services.api.schemas import INT, REF, STR, Doc, ref
+from services.commands import Result
+
+PREFIX = "/api/v1/orgs"
+Members = Annotated[
+    list[Annotated[str, msgspec.Meta(min_length=1, max_length=gr.MAX_USER)]],
+    msgspec.Meta(max_length=gr.MAX_MEMBERS, description="user names (each token's `user`)"),
+]
+
+
+class CreateGroupBody(Body, frozen=True, kw_only=True):
+    name: Name
+    members: Members = []
+
+
+class GroupMembersBody(Body, frozen=True, kw_only=True):
+    members: Members
+
+
+async def _org(api: Api, org: str) -> OrgState:
+    state: OrgState = (await api.app.load_org(org)).state
+    if not state.exists:
+        raise Problem("not-found", f"organization {org} not found")
+    return state
+
+
+def _row(state: OrgState, name: str) -> Row:
+    return {"name": name, "members": list(state.groups[name])}
+
+
+def _written(row: Row, result: Result, *, status: int = 200, location: str = "") -> web.Response:
+    headers = {SEQ_HEADER: str(result.seq)}
+    if location:
+        headers["Location"] = location
+    return json_response(row, status=status, headers=headers)
+
+
+async def create_group(request: web.Request) -> web.Response:
+    """POST .../groups {"name", "members"}: 409 if the group exists."""
+    api, org, who = scope(request, ADMIN)
+    body = await read_body(request, CreateGroupBody)
+    name = check_name("name", body.name)
+    await _org(api, org)
+    cmd = gr.CreateGroup(actor=who.user, name=name, members=list(body.members))
+    result = await api.app.org_command(org, cmd)
+    where = f"{PREFIX}/{org}/groups/{name}"
+    return _written(_row(result.state, name), result, status=201, location=where)
+
+
+async def set_group_members(request: web.Request) -> web.Response:
+    """PUT .../groups/{group}/members {"members"}: replaces every member."""
+    api, org, who = scope(request, ADMIN)
+    name = path_id(request, "group")
+    body = await read_body(request, GroupMembersBody)
+    await _org(api, org)
+    cmd = gr.SetGroupMembers(actor=who.user, name=name, members=list(body.members))
+    result = await api.app.org_command(org, cmd)
+    return _written(_row(result.state, name), result)
+
+
+async def list_groups(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    state = await _org(api, org)
+    return items([_row(state, name) for name in state.groups])
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+_GROUP: Doc = {
+    "type": "object",
+    "required": ["name", "members"],
+    "properties": {"name": STR, "members": {"type": "array", "items": STR}},
+}
+SCHEMAS: dict[str, Doc] = {
+    **msgspec.json.schema_components((CreateGroupBody, GroupMembersBody), ref_template=REF)[1],
+    "Group": _GROUP,
+    "GroupList": {
+        "type": "object",
+        "required": ["items"],
+        "properties": {"items": {"type": "array", "items": ref("Group")}},
+    },
+}
+PARAMETERS: dict[str, Doc] = {
+    "group": {
+        "name": "group",
+        "in": "path",
+        "required": True,
+        "description": "group name",
+        "schema": {"type": "string"},
+    }
+}
+_SEQ: Doc = {"description": "stream sequence of the write", **INT}
+
+
+def _op(
+    op_id: str, summary: str, answer: tuple[int, str], params: tuple[str, ...], body: str = ""
+) -> Doc:
+    code, schema = answer
+    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
+    errors: tuple[int, ...] = (404, 422)
+    if body:
+        ok["headers"] = {"RP-Seq": _SEQ}
+        errors = (400, 403, 404, 409, 422)
+    op: Doc = {
+        "operationId": op_id,
+        "summary": summary,
+        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
+        "responses": {
+            str(code): ok,
+            **{str(e): {"$ref": f"#/components/responses/{e}"} for e in (401, *errors, 503)},
+        },
+    }
+    if body:
+        op["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": ref(body)}},
+        }
+    return op
+
+
+PATHS: dict[str, Doc] = {
+    "/api/v1/orgs/{org}/groups": {
+        "get": _op("listGroups", "The organization's groups", (200, "GroupList"), ("org",)),
+        "post": _op(
+            "createGroup",
+            "Create a group of users (409 if it exists)",
+            (201, "Group"),
+            ("org",),
+            "CreateGroupBody",
+        ),
+    },
+    "/api/v1/orgs/{org}/groups/{group}/members": {
+        "put": _op(
+            "setGroupMembers",
+            "Replace the group's members",
+            (200, "Group"),
+            ("org", "group"),
+            "GroupMembersBody",
+        ),
+    },
+}
