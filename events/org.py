@@ -1,5 +1,6 @@
-"""The organization aggregate: its existence, the tokens scoped to it, its folders and
-its own settings (events/folder.py holds the folder pieces).
+"""The organization aggregate: its existence, the tokens scoped to it, its folders, its
+own settings and its groups of users (events/folder.py and events/groups.py hold those
+pieces).
 
 Tokens are stored as SHA-256 digests only; the clear token is shown once, to its creator.
 """
@@ -13,6 +14,7 @@ from typing import Any, assert_never
 import msgspec
 
 from events import folder as fo
+from events import groups as gr
 from events import settings as st
 from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
@@ -31,7 +33,14 @@ class TokenIssued(Event, frozen=True, kw_only=True, tag="org.token_issued"):
     role: str
 
 
-OrgEvent = OrgCreated | TokenIssued | fo.FolderCreated | fo.OrgSettingsSet | fo.FolderSettingsSet
+OrgEvent = (
+    OrgCreated
+    | TokenIssued
+    | fo.FolderCreated
+    | fo.OrgSettingsSet
+    | fo.FolderSettingsSet
+    | gr.GroupSet
+)
 
 
 class CreateOrg(Command, frozen=True, kw_only=True):
@@ -45,7 +54,15 @@ class IssueToken(Command, frozen=True, kw_only=True):
     role: str = "admin"
 
 
-OrgCommand = CreateOrg | IssueToken | fo.CreateFolder | fo.SetOrgSettings | fo.SetFolderSettings
+OrgCommand = (
+    CreateOrg
+    | IssueToken
+    | fo.CreateFolder
+    | fo.SetOrgSettings
+    | fo.SetFolderSettings
+    | gr.CreateGroup
+    | gr.SetGroupMembers
+)
 
 
 class OrgState(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +71,7 @@ class OrgState(msgspec.Struct, frozen=True, kw_only=True):
     tokens: tuple[str, ...] = ()
     settings: dict[str, Any] = {}  # the organization's own, not the effective ones
     folders: dict[str, fo.Folder] = {}  # by name, in creation order
+    groups: dict[str, tuple[str, ...]] = {}  # members by group name
     version: int = 0
 
     @property
@@ -77,6 +95,8 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
             return msgspec.structs.replace(s, settings=st.merge(s.settings, event.changes))
         case fo.FolderSettingsSet():
             return msgspec.structs.replace(s, folders=fo.changed(s.folders, event))
+        case gr.GroupSet():
+            return msgspec.structs.replace(s, groups=gr.applied(s.groups, event))
         case _:
             assert_never(event)
 
@@ -115,8 +135,19 @@ def decide(
             if not state.exists:
                 raise NotFound("organization does not exist")
             return _decide_folders(state, command, now)
+        case gr.CreateGroup():
+            _exists(state)
+            return [gr.create(state.groups, command, now)]
+        case gr.SetGroupMembers():
+            _exists(state)
+            return [gr.set_members(state.groups, command, now)]
         case _:
             assert_never(command)
+
+
+def _exists(state: OrgState) -> None:
+    if not state.exists:
+        raise NotFound("organization does not exist")
 
 
 def _decide_folders(

@@ -56,6 +56,8 @@ TERMINAL = frozenset(
     }
 )
 CANCELABLE = frozenset({Status.PENDING, Status.QUEUED, Status.APPLY_QUEUED})
+# A run in one of these is stopped: its executor interrupts Terraform, then cancels it.
+STOPPABLE = frozenset({Status.PLANNING, Status.RUNNING})
 RUN_TYPES = ("plan", "apply", "destroy", "drift")
 
 # Which phase a status waits for or runs; the executor claims a phase.
@@ -159,6 +161,19 @@ class RunCanceled(Event, frozen=True, kw_only=True, tag="run.canceled"):
     reason: str = ""
 
 
+class RunStopRequested(Event, frozen=True, kw_only=True, tag="run.stop_requested"):
+    """Someone asked to stop a running phase; its executor interrupts it and cancels."""
+
+    reason: str = ""
+
+
+class RunLimitExceeded(Event, frozen=True, kw_only=True, tag="run.limit_exceeded"):
+    """A limit passed while the run could not be stopped (an apply): recorded, not acted on."""
+
+    limit: str
+    message: str = ""
+
+
 class RunFailed(Event, frozen=True, kw_only=True, tag="run.failed"):
     reason: str
     message: str = ""
@@ -179,6 +194,8 @@ RunEvent = (
     | RunDiscarded
     | RunCanceled
     | RunFailed
+    | RunStopRequested
+    | RunLimitExceeded
 )
 
 
@@ -263,7 +280,18 @@ class DiscardRun(Command, frozen=True, kw_only=True):
 
 
 class CancelRun(Command, frozen=True, kw_only=True):
+    """Cancel a waiting run, or ask a planning one to stop. With a lease_id it is the
+    executor's report that it stopped the phase, and is fenced."""
+
     reason: str = ""
+    lease_id: str = ""
+
+
+class ExceedLimit(Command, frozen=True, kw_only=True):
+    """Record that a limit passed during an apply, which no limit interrupts (once)."""
+
+    limit: str
+    message: str = ""
 
 
 class FailRun(Command, frozen=True, kw_only=True):
@@ -288,6 +316,7 @@ RunCommand = (
     | DiscardRun
     | CancelRun
     | FailRun
+    | ExceedLimit
 )
 
 
@@ -319,6 +348,9 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     message: str = ""
     error_message: str = ""
+    stop_requested_by: str = ""
+    stop_reason: str = ""
+    limit_exceeded: str = ""
     version: int = 0
 
     @property
@@ -408,7 +440,15 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
         case RunDiscarded():
             return msgspec.structs.replace(s, status=Status.DISCARDED, reason=event.reason)
         case RunCanceled():
-            return msgspec.structs.replace(s, status=Status.CANCELED, reason=event.reason)
+            return msgspec.structs.replace(
+                s, status=Status.CANCELED, reason=event.reason, lease_id=""
+            )
+        case RunStopRequested():
+            return msgspec.structs.replace(
+                s, stop_requested_by=event.actor, stop_reason=event.reason
+            )
+        case RunLimitExceeded():
+            return msgspec.structs.replace(s, limit_exceeded=event.limit)
         case RunFailed():
             return msgspec.structs.replace(
                 s,
@@ -481,6 +521,23 @@ def _check_cancel(state: RunState) -> None:
     _require(state, CANCELABLE, "cancel")
 
 
+def _cancel(state: RunState, command: CancelRun, now: datetime) -> list[RunEvent]:
+    """Cancel a waiting run; ask a planning one to stop (once); fenced: the executor's
+    report that it stopped the phase it was asked to stop."""
+    if command.lease_id:
+        _fence(state, command.lease_id)
+        if not state.stop_requested_by or state.status not in STOPPABLE:
+            raise IllegalTransition("no stop was requested", status=str(state.status))
+        reason = command.reason or state.stop_reason or "stopped"
+        return [_record(RunCanceled, command, now, reason=reason)]
+    if state.exists and state.status in STOPPABLE:
+        if state.stop_requested_by:
+            return []
+        return [_record(RunStopRequested, command, now)]
+    _check_cancel(state)
+    return [_record(RunCanceled, command, now, reason=command.reason or "canceled")]
+
+
 def _check_finish(state: RunState, lease_id: str, status: Status, what: str) -> None:
     _fence(state, lease_id)
     if state.status != status:
@@ -533,8 +590,12 @@ def decide(
             _require(state, {Status.AWAITING_APPROVAL}, "discard")
             return [_record(RunDiscarded, command, now, reason=command.reason or "discarded")]
         case CancelRun():
-            _check_cancel(state)
-            return [_record(RunCanceled, command, now, reason=command.reason or "canceled")]
+            return _cancel(state, command, now)
+        case ExceedLimit():
+            _require(state, {Status.APPLYING}, "mark a limit on")
+            if state.limit_exceeded:
+                return []
+            return [_record(RunLimitExceeded, command, now)]
         case FailRun():
             if command.lease_id:
                 _fence(state, command.lease_id)

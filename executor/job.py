@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 STOPPED = "executor_stopped"
 LEASE_LOST = "lease_lost"
+STOP_REQUESTED = "stop_requested"  # someone asked to stop the phase (run.stop_requested)
 
 
 @dataclass(kw_only=True, eq=False)  # identity: jobs are kept in a set

@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from events import approval
 from events.run import FailRun, FinishApply, FinishPlan, PlanSummary
 from events.values import ResourceChange
 from executor import git, process
@@ -78,7 +79,7 @@ async def _plan_phase(job: Job) -> None:
             summary=outcome.summary,
             plan_object=outcome.plan_object,
             plan_digest=outcome.plan_digest,
-            require_approval=True,
+            require_approval=bool(approval.setting(job.run.snapshot, "require_approval")),
             changes=list(outcome.changes),
         )
     )

@@ -27,10 +27,10 @@ from nats.js import JetStreamContext
 
 from events.codec import valid_id
 from events.errors import DomainError
-from events.run import ClaimPhase, FailRun, RunState
+from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
 from executor import terraform as tf
 from executor.custody import Custody, Vault
-from executor.job import LEASE_LOST, STOPPED, Job
+from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
 from services.commands import App, new_id
@@ -307,7 +307,9 @@ class Executor:
         """Log how the phase ended; report `executor_stopped` if we interrupted it."""
         assert job.task is not None
         if job.task.cancelled():
-            if job.cancel_reason == STOPPED:
+            if job.cancel_reason == STOP_REQUESTED:
+                await self._cancel(job)
+            elif job.cancel_reason == STOPPED:
                 await self._fail(
                     job,
                     "executor_stopped",
@@ -336,16 +338,29 @@ class Executor:
         except Exception:
             log.exception("phase_failure_not_reported", reason=reason)
 
+    async def _cancel(self, job: Job) -> None:
+        """Report the stopped phase: the run ends `canceled` (fenced by the lease)."""
+        cmd = CancelRun(actor=job.actor, lease_id=job.lease_id)
+        try:
+            await job.report(cmd)
+            log.info("phase_stopped")
+        except DomainError as e:
+            log.info("phase_stop_not_reported", why=str(e))
+        except Exception:
+            log.exception("phase_stop_not_reported")
+
     async def _heartbeat(self, job: Job) -> None:
-        """Beat every interval; interrupt the phase once the run's lease is no longer ours."""
+        """Beat every interval; interrupt the phase once the run's lease is no longer ours,
+        or once someone asked to stop it (checked on every beat)."""
         subject = heartbeat_subject(job.run_id, job.phase)
         while True:
             await self._beat(subject, job)
             timeout = job.config.heartbeat_timeout
             await asyncio.sleep(beat_interval(self.heartbeat_interval, timeout))
-            if await self._lease_lost(job):
-                log.warning("lease_lost", lease_id=job.lease_id)
-                job.cancel(LEASE_LOST)
+            why = await self._interruption(job)
+            if why:
+                log.warning(why, lease_id=job.lease_id)
+                job.cancel(why)
                 return
 
     async def _beat(self, subject: str, job: Job) -> None:
@@ -363,15 +378,21 @@ class Executor:
         except Exception as e:  # a missed beat is survivable; the next one may land
             log.warning("heartbeat_failed", error=repr(e))
 
-    async def _lease_lost(self, job: Job) -> bool:
+    async def _interruption(self, job: Job) -> str:
+        """Why the phase must stop now (LEASE_LOST, STOP_REQUESTED), or ""."""
         if job.finishing:
-            return False
+            return ""
         try:
             loaded = await self.app.load_run(job.org, job.ws, job.run_id)
         except Exception as e:
             log.warning("lease_check_failed", error=repr(e))
-            return False
-        return bool(loaded.state.lease_id != job.lease_id)
+            return ""
+        run: RunState = loaded.state
+        if run.lease_id != job.lease_id:
+            return LEASE_LOST
+        if run.stop_requested_by and run.status in STOPPABLE:
+            return STOP_REQUESTED
+        return ""
 
 
 async def _ack(msg: Msg) -> None:

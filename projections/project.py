@@ -24,6 +24,7 @@ import msgspec
 from events import run as run_agg
 from events.codec import AnyEvent, tag_of
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
+from events.groups import GroupSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
 from events.run import RunEvent, RunState, StepFinished, StepStarted
 from events.workspace import (
@@ -161,7 +162,8 @@ def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
     """Record the event in the audit history, then fold it into its aggregate's rows."""
     w.insert("events", _event_row(meta, event, raw))
     if isinstance(
-        event, OrgCreated | TokenIssued | FolderCreated | OrgSettingsSet | FolderSettingsSet
+        event,
+        OrgCreated | TokenIssued | FolderCreated | OrgSettingsSet | FolderSettingsSet | GroupSet,
     ):
         project_org(w, meta, event)
     elif isinstance(
@@ -213,7 +215,7 @@ def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
                     "created_at": iso(event.at),
                 },
             )
-        case FolderCreated() | OrgSettingsSet() | FolderSettingsSet():
+        case FolderCreated() | OrgSettingsSet() | FolderSettingsSet() | GroupSet():
             pass  # read from the organization aggregate itself (services/api/settings.py)
         case _:
             assert_never(event)

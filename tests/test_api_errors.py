@@ -48,6 +48,9 @@ ORG_ENDPOINTS = [
     ("PATCH", "/api/v1/orgs/{org}/folders/{folder}/settings"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/settings"),
     ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}/settings"),
+    ("GET", "/api/v1/orgs/{org}/groups"),
+    ("POST", "/api/v1/orgs/{org}/groups"),
+    ("PUT", "/api/v1/orgs/{org}/groups/{group}/members"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
@@ -61,6 +64,8 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/settings": {"four_eyes": True},
     "/api/v1/orgs/{org}/folders/{folder}/settings": {"run_timeout": 60},
     "/api/v1/orgs/{org}/workspaces/{ws}/settings": {"require_approval": False},
+    "/api/v1/orgs/{org}/groups": {"name": "ops", "members": ["alice"]},
+    "/api/v1/orgs/{org}/groups/{group}/members": {"members": ["bob"]},
 }
 
 
@@ -103,7 +108,12 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
             if org == "beta" and "{run}" not in template:
                 continue  # beta's own workspaces and org are visible to it
             path = template.format(
-                org=org, ws="net", run=two_orgs["run"], name="token", folder="platform"
+                org=org,
+                ws="net",
+                run=two_orgs["run"],
+                name="token",
+                folder="platform",
+                group="ops",
             )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
@@ -142,7 +152,9 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
     for method, template in sorted(_routes()):
         if template == "/healthz":
             continue
-        path = template.format(org="acme", ws="net", run=RUN_ID, name="token", folder="f")
+        path = template.format(
+            org="acme", ws="net", run=RUN_ID, name="token", folder="f", group="g"
+        )
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
             a = await http.call(method, path, token=None, headers=hdrs)
             a.problem("unauthorized", 401)

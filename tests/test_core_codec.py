@@ -12,6 +12,7 @@ import pytest
 from events import codec
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
+from events.groups import GroupSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
 from events.run import (
     ApplyFinished,
@@ -25,7 +26,9 @@ from events.run import (
     RunDiscarded,
     RunEvent,
     RunFailed,
+    RunLimitExceeded,
     RunQueued,
+    RunStopRequested,
     StateVersionCreated,
     StepFinished,
     StepStarted,
@@ -110,6 +113,8 @@ SAMPLES: list[Any] = [
     ),
     RunDiscarded(at=AT, actor="bob", reason="wrong region"),
     RunCanceled(at=AT, actor="alice", reason="not today"),
+    RunStopRequested(at=AT, actor="alice", reason="wrong branch"),
+    RunLimitExceeded(at=AT, actor="reaper", limit="run_timeout", message="open 60s"),
     RunFailed(
         at=AT, actor="exec-b", reason="step_failed", message="apply: exit 1", lease_id="lease-2"
     ),
@@ -128,6 +133,7 @@ SAMPLES: list[Any] = [
     TokenIssued(
         at=AT, actor="alice", token_id="tok-1", token_hash="sha256:feed", user="bob", role="admin"
     ),
+    GroupSet(at=AT, actor="alice", name="sre", members=["bob", "carol"]),
 ]
 
 EVENT_TYPES = [*get_args(RunEvent), *get_args(WorkspaceEvent), *get_args(OrgEvent)]
@@ -284,6 +290,25 @@ GOLDEN: list[tuple[bytes, Any]] = [
             token_hash="sha256:feed",
             user="bob",
             role="approver",
+        ),
+    ),
+    (
+        b'{"type":"org.group_set","at":"2026-11-29T19:00:00Z","actor":"admin",'
+        b'"name":"ops","members":["alice","bob"]}',
+        GroupSet(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC),
+            actor="admin",
+            name="ops",
+            members=["alice", "bob"],
+        ),
+    ),
+    (
+        b'{"type":"run.approved","at":"2026-11-29T19:00:00Z","actor":"alice",'
+        b'"acknowledged":["null_resource.a","null_resource.b"]}',
+        RunApproved(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC),
+            actor="alice",
+            acknowledged=["null_resource.a", "null_resource.b"],
         ),
     ),
     (

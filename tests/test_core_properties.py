@@ -37,6 +37,7 @@ from events.run import (
     PlanSummary,
     RunFailed,
     RunState,
+    RunStopRequested,
     StartStep,
     StepFinished,
     StepStarted,
@@ -58,6 +59,7 @@ _BEFORE_PLAN = {
     ("queued", "failed"),
     ("planning", "no_changes"),
     ("planning", "failed"),
+    ("planning", "canceled"),  # stopped: a stop request, then the executor's cancel
 }
 _APPROVE_AND_APPLY = {
     ("planning", "awaiting_approval"),
@@ -134,8 +136,8 @@ class Move:
                 return ApproveRun(actor="bob")
             case "discard":
                 return DiscardRun(actor="bob")
-            case "cancel":
-                return CancelRun(actor="alice")
+            case "cancel":  # with a lease: the executor's report that it stopped a phase
+                return CancelRun(actor="alice", lease_id=lease)
             case "fail":
                 return FailRun(actor="exec", reason="boom", lease_id=lease)
             case "next":
@@ -199,7 +201,7 @@ def check_event(before: RunState, event: Any, after: RunState) -> None:
     """One event moved `before` to `after`: it must be a legal step of the lifecycle."""
     assert before.status not in TERMINAL, f"{type(event).__name__} after terminal {before.status}"
     assert after.version == before.version + 1
-    if isinstance(event, StepStarted | StepFinished):
+    if isinstance(event, StepStarted | StepFinished | RunStopRequested):
         assert before.status in STEP_STATUSES
         assert after.status == before.status
     else:
@@ -273,7 +275,8 @@ def every_move() -> list[Move]:
                 for f in (True, False)
                 for g in (True, False)
             ]
-    out += [Move(kind) for kind in ["admit", "approve", "discard", "cancel"]]
+    out += [Move(kind) for kind in ["admit", "approve", "discard"]]
+    out += [Move("cancel", lease=lease) for lease in [CURRENT, *LEASES]]
     return out
 
 
@@ -283,7 +286,7 @@ def test_every_command_in_every_reachable_state_takes_exactly_the_architecture_t
     """Exhaustive: explore every state the run aggregate can reach (by run type, status and
     lease) with every command; every step is checked as in the property above, and the
     transitions taken are exactly the legal ones, none missing."""
-    key = lambda s: (s.run_type, s.status, s.lease_id, s.phase)  # noqa: E731  # a short key
+    key = lambda s: (s.run_type, s.status, s.lease_id, s.phase, s.stop_requested_by)  # noqa: E731  # a short key
     frontier, known = [run.INITIAL], {key(run.INITIAL)}
     taken: dict[str, set[tuple[str | None, str]]] = {t: set() for t in run.RUN_TYPES}
     while frontier:

@@ -565,8 +565,8 @@ def test_cancel_of_an_applying_run_is_refused_carrying_its_status() -> None:
     assert err.status == "applying"
 
 
-@pytest.mark.parametrize("status", [Status.PLANNING, *TERMINAL])
-def test_cancel_is_refused_while_planning_and_once_terminal(status: Status) -> None:
+@pytest.mark.parametrize("status", TERMINAL)
+def test_cancel_is_refused_once_terminal(status: Status) -> None:
     err = in_status(status).when(CancelRun(actor="alice")).then_error(IllegalTransition)
     assert err.status == status
 

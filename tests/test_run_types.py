@@ -58,7 +58,9 @@ async def test_a_destroy_run_plans_destroy_waits_for_approval_then_destroys(
     planned = await plane.reaches("net", destroy, "awaiting_approval")
     assert planned.plan_summary is not None
     assert (planned.plan_summary.add, planned.plan_summary.destroy) == (0, 2)
-    changes = (await plane.http.get(f"/api/v1/orgs/acme/runs/{destroy}/changes")).body
+    seq = str(await plane.app.store.last_seq())  # read once the projection holds the plan
+    path = f"/api/v1/orgs/acme/runs/{destroy}/changes"
+    changes = (await plane.http.get(path, headers={"RP-Min-Seq": seq})).body
     assert changes["summary_text"] == "2 delete"
     await plane.approve(destroy)
     done = await plane.reaches("net", destroy, "applied", "failed")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import changes, locks, logs, openapi, orgs, runs, secrets, state
+from services.api import changes, groups, locks, logs, openapi, orgs, runs, secrets, state
 from services.api import settings as settings_api
 from services.api.common import json_response
 from services.api.context import API, Api
@@ -43,6 +43,9 @@ ROUTES = [
     web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
     web.get(ORG + "/folders", settings_api.list_folders, allow_head=False),
     web.post(ORG + "/folders", settings_api.create_folder),
+    web.get(ORG + "/groups", groups.list_groups, allow_head=False),
+    web.post(ORG + "/groups", groups.create_group),
+    web.put(ORG + "/groups/{group}/members", groups.set_group_members),
     web.get(ORG + "/settings", settings_api.get_org_settings, allow_head=False),
     web.patch(ORG + "/settings", settings_api.patch_org_settings),
     web.get(ORG + "/folders/{folder}/settings", settings_api.get_folder_settings, allow_head=False),

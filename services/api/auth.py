@@ -2,9 +2,10 @@
 
 The admin token (given at start) may do everything in every organization. Any other token
 is scoped to one organization with one role; roles are ordered, each adding to the last:
-viewer (read), operator (+ create and cancel runs), approver (+ approve and discard),
-admin (+ workspaces and tokens). Another organization's things are invisible: a request
-for them is answered 404, never 403, so a token cannot probe what exists elsewhere.
+viewer (read), operator (+ create and cancel runs), approver (+ approve and discard, where
+the workspace names no approvers: events/approval.py), admin (+ workspaces and tokens).
+Another organization's things are invisible: a request for them is answered 404, never
+403, so a token cannot probe what exists elsewhere.
 """
 
 from __future__ import annotations

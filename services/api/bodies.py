@@ -97,7 +97,10 @@ class CreateRunBody(Body, frozen=True, kw_only=True):
 
 
 class ApproveBody(Body, frozen=True, kw_only=True):
-    acknowledged: list[str] = []
+    acknowledged: Annotated[
+        list[str],
+        Meta(description="addresses confirmed; with confirm_destructive, every delete/replace"),
+    ] = []
 
 
 class DiscardBody(Body, frozen=True, kw_only=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.api import changes, locks, logs, secrets, state
+from services.api import changes, groups, locks, logs, secrets, state
 from services.api import settings as settings_api
 from services.api.bodies import BODIES
 from services.api.problems import CONTENT_TYPE
@@ -44,6 +44,7 @@ PARAMETERS: dict[str, Doc] = {
     **logs.PARAMETERS,
     **secrets.PARAMETERS,
     **settings_api.PARAMETERS,
+    **groups.PARAMETERS,
 }
 
 _ERRORS = {
@@ -239,10 +240,22 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/approve": {
-        "post": _run_command("approveRun", "Approve a run awaiting approval", "ApproveBody", ())
+        "post": _run_command(
+            "approveRun",
+            "Approve a run awaiting approval: 403 (with the reason) unless an approver "
+            "(four_eyes: not its creator); 409 with `missing` unless `acknowledged` lists "
+            "every deletion and replacement when confirm_destructive is on",
+            "ApproveBody",
+            (),
+        )
     },
     "/api/v1/orgs/{org}/runs/{run}/discard": {
-        "post": _run_command("discardRun", "Discard a run awaiting approval", "DiscardBody", ())
+        "post": _run_command(
+            "discardRun",
+            "Discard a run awaiting approval (the workspace's approvers; 403 with the reason)",
+            "DiscardBody",
+            (),
+        )
     },
     "/api/v1/orgs/{org}/runs/{run}/cancel": {
         "post": _run_command(
@@ -273,6 +286,7 @@ PATHS: dict[str, Doc] = {
     **secrets.PATHS,
     **settings_api.PATHS,
     **locks.PATHS,
+    **groups.PATHS,
 }
 
 
@@ -303,6 +317,7 @@ def document() -> Doc:
                 **secrets.SCHEMAS,
                 **settings_api.SCHEMAS,
                 **locks.SCHEMAS,
+                **groups.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

@@ -7,9 +7,9 @@ from typing import Any
 
 from aiohttp import web
 
-from events.run import ApproveRun, CancelRun, DiscardRun, RunCommand, Status
-from services.api import render
-from services.api.auth import APPROVER, OPERATOR, VIEWER, Principal
+from events.run import TERMINAL, ApproveRun, CancelRun, DiscardRun, RunCommand, Status
+from services.api import approvals, render
+from services.api.auth import OPERATOR, VIEWER, Principal
 from services.api.bodies import (
     ApproveBody,
     Body,
@@ -21,8 +21,10 @@ from services.api.bodies import (
 )
 from services.api.common import Row, items, json_response, path_id, scope, written
 from services.api.context import Api
+from services.api.liveness import liveness
 from services.api.problems import Problem
 from services.commands import Result
+from services.infra.heartbeats import Board
 
 PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
@@ -44,7 +46,7 @@ async def _answer(api: Api, org: str, result: Result, *, status: int) -> web.Res
     return await written(
         api,
         result.seq,
-        lambda: api.read.get_run(org, run_id),
+        lambda: _live_run(api, org, run_id),
         lambda: render.run(result.state, result.seq),
         status=status,
         location=f"{PREFIX}/orgs/{org}/runs/{run_id}" if status == 201 else "",
@@ -60,8 +62,23 @@ async def create_run(request: web.Request) -> web.Response:
 
 
 async def get_run(request: web.Request) -> web.Response:
+    """The run, with its live `owner` or its `deadline` (services/api/liveness.py)."""
     api, org, _ = scope(request, VIEWER)
-    return json_response(await _existing_run(api, org, path_id(request, "run")))
+    run_id = path_id(request, "run")
+    row = await _live_run(api, org, run_id)
+    if row is None:
+        raise Problem("not-found", f"run {run_id} not found")
+    return json_response(row)
+
+
+async def _live_run(api: Api, org: str, run_id: str) -> Row | None:
+    """The projected run with its `owner` and `deadline` from the heartbeat board."""
+    row = await api.read.get_run(org, run_id)
+    if row is None:
+        return None
+    if row["status"] in {str(s) for s in TERMINAL}:
+        return row | {"owner": None, "deadline": None}
+    return row | await liveness(Board(api.app.store.nc), row)
 
 
 # ------------------------------------------------------------ listing
@@ -141,21 +158,27 @@ async def _command(
 
 
 async def approve_run(request: web.Request) -> web.Response:
-    return await _command(
-        request,
-        APPROVER,
-        ApproveBody,
-        lambda who, body: ApproveRun(actor=who.user, acknowledged=list(body.acknowledged)),
-    )
+    """Approve: the approval rule (events/approval.py) decides who, on the run's own
+    recorded settings; operators pass the role check so that approvers may name them."""
+    api, org, who = scope(request, OPERATOR)
+    run_id = path_id(request, "run")
+    body = await read_body(request, ApproveBody, optional=True)
+    acked = list(body.acknowledged)
+    guard = await approvals.guard(api, org, run_id, who, "approve", acked)
+    command = ApproveRun(actor=who.user, acknowledged=acked)
+    result = await api.app.run_command(org, None, run_id, command, guard=guard)
+    return await _answer(api, org, result, status=200)
 
 
 async def discard_run(request: web.Request) -> web.Response:
-    return await _command(
-        request,
-        APPROVER,
-        DiscardBody,
-        lambda who, body: DiscardRun(actor=who.user, reason=body.reason),
-    )
+    """Discard: the same approvers rule as approve (four-eyes aside)."""
+    api, org, who = scope(request, OPERATOR)
+    run_id = path_id(request, "run")
+    body = await read_body(request, DiscardBody, optional=True)
+    guard = await approvals.guard(api, org, run_id, who, "discard")
+    command = DiscardRun(actor=who.user, reason=body.reason)
+    result = await api.app.run_command(org, None, run_id, command, guard=guard)
+    return await _answer(api, org, result, status=200)
 
 
 async def cancel_run(request: web.Request) -> web.Response:

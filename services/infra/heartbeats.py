@@ -28,6 +28,8 @@ from nats.aio.msg import Msg
 from services.infra.streams import HEARTBEATS
 
 PHASES = ("plan", "apply")
+# `rp.hb.<run>.deadline`: when the run's limits pass (services/scheduler/limits.py).
+DEADLINE = "deadline"
 CLOCK_SUBJECT = "rp.hb._clock.now"
 WRONG_LAST_SEQUENCE = 10071
 DISPATCHED = "dispatched"
@@ -50,6 +52,10 @@ class Body(msgspec.Struct, frozen=True, kw_only=True):
     org: str = ""
     workspace: str = ""
     timeout: int = -1  # seconds of silence before the entry is stale; -1: not said
+    # Deadline markers only: when the limits pass (server time) and the run version seen.
+    run_deadline: datetime | None = None
+    approval_deadline: datetime | None = None
+    version: int = 0
 
 
 class Beat(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,7 +100,7 @@ def parse(hdrs: dict[str, str], data: bytes) -> Beat | None:
     """A board message as a Beat; None for the clock and anything not `rp.hb.<run>.<phase>`."""
     subj = hdrs["Nats-Subject"]
     parts = subj.split(".")
-    if len(parts) != 4 or parts[3] not in PHASES or parts[2].startswith("_"):
+    if len(parts) != 4 or parts[3] not in (*PHASES, DEADLINE) or parts[2].startswith("_"):
         return None
     try:
         decoded = _decoder.decode(data) if data else Body()

@@ -35,8 +35,9 @@ from events.errors import DomainError, IllegalTransition
 from events.run import RUNNING_STATUS, WAITING_PHASE, FailRun, RunState
 from services.commands import App
 from services.infra.eventstore import StoreError
-from services.infra.heartbeats import Beat, Board, BoardError
+from services.infra.heartbeats import DEADLINE, Beat, Board, BoardError
 from services.infra.tasks import cancel_and_wait
+from services.scheduler import limits
 from services.scheduler.watch import adopt
 
 log = structlog.get_logger(__name__)
@@ -148,7 +149,12 @@ class Reaper:
 
     async def reap_once(self) -> list[tuple[Beat, Verdict]]:
         """One round: judge every stale entry; return what was decided (for tests)."""
-        now, beats = await self.board.snapshot()
+        now, board = await self.board.snapshot()
+        beats = [b for b in board if b.phase != DEADLINE]
+        markers = [b for b in board if b.phase == DEADLINE]
+        await self._limits([b for b in markers if limits.due(b, now)], now)
+        for marker in (b for b in markers if limits.stale(b, now)):
+            await limits.refresh(self.board, marker)
         known = self._timeouts
         self._timeouts = {k: known[k] for b in beats if (k := _key(b)) in known}
         stale = [b for b in beats if await self._stale(b, now)]
@@ -160,6 +166,18 @@ class Reaper:
             else:
                 done.append((beat, result))
         return done
+
+    async def _limits(self, due: list[Beat], now: datetime) -> None:
+        """Enforce the run limits whose deadlines passed (services/scheduler/limits.py)."""
+
+        async def one(beat: Beat) -> None:
+            async with self._slots:
+                try:
+                    await limits.enforce(self.app, self.board, beat, now)
+                except (BoardError, StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
+                    log.warning("limit_failed", run_id=beat.run_id, error=repr(e))
+
+        await asyncio.gather(*(one(b) for b in due))
 
     async def _stale(self, beat: Beat, now: datetime) -> bool:
         timeout = await self._timeout(beat)

@@ -28,8 +28,9 @@ from events.run import WAITING_PHASE, RunState
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import StoreError
+from services.infra.heartbeats import Board
 from services.infra.tasks import cancel_and_wait
-from services.scheduler import watch
+from services.scheduler import limits, watch
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +38,19 @@ log = structlog.get_logger(__name__)
 _ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released", "ws.unlocked"})
 # Events after which a run may have a phase waiting for an executor.
 _DISPATCH_TYPES = frozenset({"run.queued", "run.approved", "run.plan_finished"})
+# Events after which a run's deadlines (services/scheduler/limits.py) may have moved.
+_LIMIT_TYPES = frozenset(
+    {
+        "run.created",
+        "run.queued",
+        "run.plan_finished",
+        "run.approved",
+        "run.apply_finished",
+        "run.discarded",
+        "run.canceled",
+        "run.failed",
+    }
+)
 
 
 def dispatch_message(state: RunState, phase: str) -> bytes:
@@ -121,6 +135,8 @@ class Scheduler:
                     await self._dispatch(org, ws, parts[4])
                 if kind in watch.WATCHED:  # the reaper's board
                     await watch.follow(self.nc, self.app, kind, org, ws, parts[4])
+                if kind in _LIMIT_TYPES:  # the run's deadline marker, on the same board
+                    await limits.follow(self.app, Board(self.nc), org, ws, parts[4])
                 await m.ack()
             except (StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
                 retry = getattr(e, "retryable", True)
