@@ -25,7 +25,8 @@ from events.settings import SPECS
 from events.values import ResourceChange, Snapshot
 
 Action = Literal["approve", "discard"]
-DEFAULT_ROLE = "approver"  # the least role that may approve when no approvers are set
+# With no approvers set, any operator of the organization may approve (issue 4).
+DEFAULT_ROLE = "operator"
 DESTRUCTIVE = frozenset({"delete", "replace"})
 
 
@@ -78,7 +79,7 @@ def check(
     if _rank(caller.role) < _rank(DEFAULT_ROLE):
         raise Forbidden(
             f"role {caller.role} may not {action}: with no approvers set it needs "
-            f"{DEFAULT_ROLE} or admin"
+            f"{DEFAULT_ROLE} or above"
         )
 
 

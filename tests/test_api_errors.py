@@ -131,8 +131,8 @@ async def test_a_role_without_the_permission_is_forbidden(
     denied = [
         ("viewer", "POST", f"{V1}/orgs/acme/workspaces/net/runs", {"type": "plan"}),
         ("viewer", "POST", f"{run}/cancel", None),
-        ("operator", "POST", f"{run}/approve", None),
-        ("operator", "POST", f"{run}/discard", None),
+        ("viewer", "POST", f"{run}/approve", None),
+        ("viewer", "POST", f"{run}/discard", None),
         ("approver", "POST", f"{V1}/orgs/acme/workspaces", {"name": "x", "repository": "r"}),
         ("approver", "POST", f"{V1}/orgs/acme/tokens", None),
     ]
@@ -141,6 +141,7 @@ async def test_a_role_without_the_permission_is_forbidden(
         (await http.call(method, path, token=t[role], **kw)).problem("forbidden", 403)
     # the same calls with enough rank pass the role check (and reach the domain)
     assert (await http.post(f"{run}/approve", token=t["approver"])).status == 409
+    assert (await http.post(f"{run}/approve", token=t["operator"])).status == 409
     assert (await http.post(f"{run}/cancel", token=t["operator"])).status == 200
     assert (await http.get(f"{V1}/orgs/acme/workspaces", token=t["viewer"])).status == 200
 

@@ -29,15 +29,15 @@ def check(caller: Caller, snapshot: Snapshot | None, action: Any = "approve") ->
     approval.check(action, caller, creator="carol", snapshot=snapshot, groups=GROUPS)
 
 
-@pytest.mark.parametrize("role", ["approver", "admin"])
-def test_with_no_approvers_set_approver_roles_may_approve(role: str) -> None:
+@pytest.mark.parametrize("role", ["operator", "approver", "admin"])
+def test_with_no_approvers_set_any_operator_or_above_may_approve(role: str) -> None:
     check(Caller(user="zed", role=role), None)
     check(Caller(user="zed", role=role), snap(approvers=[]), "discard")
 
 
-def test_with_no_approvers_set_an_operator_is_refused_with_the_role_it_needs() -> None:
-    with pytest.raises(Forbidden, match=r"role operator may not discard.*needs approver"):
-        check(Caller(user="zed", role="operator"), None, "discard")
+def test_with_no_approvers_set_a_viewer_is_refused_with_the_role_it_needs() -> None:
+    with pytest.raises(Forbidden, match=r"role viewer may not discard.*needs operator"):
+        check(Caller(user="zed", role="viewer"), None, "discard")
 
 
 @pytest.mark.parametrize("user", ["alice", "bob"])
