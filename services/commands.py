@@ -121,34 +121,15 @@ class App:
     # ------------------------------------------------------------ organizations
 
     async def create_org(self, name: str, actor: str) -> Result:
-        async def attempt() -> Result:
-            cur = await self.load_org(name)
-            evs = org_agg.decide(
-                cur.state,
-                org_agg.CreateOrg(actor=actor, name=name),
-                now=self.clock(),
-                new_id=self.ids,
-            )
-            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
-            return Result(state=org_agg.fold(evs, cur.state), seq=seq, events=list(evs))
-
-        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+        return await self.org_command(name, org_agg.CreateOrg(actor=actor, name=name))
 
     async def issue_token(self, org: str, user: str, role: str, actor: str) -> tuple[str, Result]:
         """Issue a token scoped to the organization; only its hash is stored."""
         token = f"rp_{secrets.token_urlsafe(32)}"
-        token_id = self.ids()
-
-        async def attempt() -> Result:
-            cur = await self.load_org(org)
-            cmd = org_agg.IssueToken(
-                actor=actor, token_id=token_id, token_hash=hash_token(token), user=user, role=role
-            )
-            evs = org_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
-            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
-            return Result(state=org_agg.fold(evs, cur.state), seq=seq, events=list(evs))
-
-        return token, await self._retrying(attempt)
+        cmd = org_agg.IssueToken(
+            actor=actor, token_id=self.ids(), token_hash=hash_token(token), user=user, role=role
+        )
+        return token, await self.org_command(org, cmd)
 
     # ------------------------------------------------------------ workspaces
 
@@ -178,15 +159,8 @@ class App:
         self, org: str, name: str, variables: dict[str, str], actor: str
     ) -> Result:
         """Replace a workspace's plain variables; runs already created keep their own."""
-
-        async def attempt() -> Result:
-            cur = await self.load_ws(org, name)
-            cmd = ws_agg.SetVariables(actor=actor, variables=variables)
-            evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
-            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
-            return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
-
-        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+        cmd = ws_agg.SetVariables(actor=actor, variables=variables)
+        return await self._workspace_command(org, name, cmd)
 
     async def lock_workspace(self, org: str, name: str, reason: str, actor: str) -> Result:
         """Lock a workspace: runs still queue, none is admitted until it is unlocked."""
@@ -341,15 +315,8 @@ class App:
         self, org: str, name: str, changes: dict[str, Any], actor: str
     ) -> Result:
         """Change a workspace's own settings (null unsets one); runs admitted keep theirs."""
-
-        async def attempt() -> Result:
-            cur = await self.load_ws(org, name)
-            cmd = ws_agg.SetSettings(actor=actor, changes=changes)
-            evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
-            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
-            return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
-
-        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+        cmd = ws_agg.SetSettings(actor=actor, changes=changes)
+        return await self._workspace_command(org, name, cmd)
 
     async def effective_settings(self, org: str, ws: str) -> inherit.Resolved:
         """Every setting's effective value for a workspace, with its origin, read from
