@@ -13,10 +13,10 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
-from services.api import render, secrets
+from services.api import secrets
 from services.api.auth import ADMIN, OPERATOR
 from services.api.bodies import Body, read_body
-from services.api.common import path_id, scope, written
+from services.api.common import path_id, scope
 from services.api.schemas import INT, REF, Doc, ref
 
 
@@ -36,13 +36,7 @@ async def lock_workspace(request: web.Request) -> web.Response:
     ws = path_id(request, "ws")
     body = await read_body(request, LockBody)
     result = await api.app.lock_workspace(org, ws, body.reason, who.user)
-    return await written(
-        api,
-        result.seq,
-        lambda: secrets.workspace_shown(request, api, org, ws),
-        lambda: render.workspace(result.state, who.user),
-        status=200,
-    )
+    return await secrets.workspace_written(request, api, org, ws, result, who.user)
 
 
 async def unlock_workspace(request: web.Request) -> web.Response:
@@ -52,13 +46,7 @@ async def unlock_workspace(request: web.Request) -> web.Response:
     await read_body(request, UnlockBody, optional=True)
     admin = who.superuser or who.role == ADMIN
     result = await api.app.unlock_workspace(org, ws, who.user, admin=admin)
-    return await written(
-        api,
-        result.seq,
-        lambda: secrets.workspace_shown(request, api, org, ws),
-        lambda: render.workspace(result.state, who.user),
-        status=200,
-    )
+    return await secrets.workspace_written(request, api, org, ws, result, who.user)
 
 
 # ---------------------------------------------------------------- OpenAPI

@@ -91,11 +91,13 @@ async def create_workspace(request: web.Request) -> web.Response:
     folder = check_name("folder", body.folder) if body.folder else ""
     result = await api.app.create_workspace(org, name, config, who.user, folder=folder)
     await secrets.store_all(request, org, name, body.secret_variables)
-    return await written(
+    return await secrets.workspace_written(
+        request,
         api,
-        result.seq,
-        lambda: secrets.workspace_shown(request, api, org, name),
-        lambda: render.workspace(result.state, who.user),
+        org,
+        name,
+        result,
+        who.user,
         status=201,
         location=f"{PREFIX}/orgs/{org}/workspaces/{name}",
     )
@@ -108,13 +110,7 @@ async def update_workspace(request: web.Request) -> web.Response:
     if await api.read.get_workspace(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     result = await api.app.set_variables(org, ws, dict(body.variables), who.user)
-    return await written(
-        api,
-        result.seq,
-        lambda: secrets.workspace_shown(request, api, org, ws),
-        lambda: render.workspace(result.state, who.user),
-        status=200,
-    )
+    return await secrets.workspace_written(request, api, org, ws, result, who.user)
 
 
 async def list_workspaces(request: web.Request) -> web.Response:

@@ -13,12 +13,14 @@ import msgspec
 from aiohttp import web
 
 from events.values import SENSITIVE
+from services.api import render
 from services.api.auth import ADMIN
 from services.api.bodies import Body, read_body
-from services.api.common import Row, json_response, path_id, scope
+from services.api.common import Row, json_response, path_id, scope, written
 from services.api.context import Api
 from services.api.problems import Problem
 from services.api.schemas import REF, STR, Doc, ref
+from services.commands import Result
 from services.secrets import MAX_VALUE, NAME_RE, SecretStore, valid_name
 
 SECRETS: web.AppKey[SecretStore] = web.AppKey("runplane.secrets", SecretStore)
@@ -71,6 +73,28 @@ async def workspace_shown(request: web.Request, api: Api, org: str, ws: str) -> 
 async def _existing_workspace(api: Api, org: str, ws: str) -> None:
     if not (await api.app.load_ws(org, ws)).state.exists:
         raise Problem("not-found", f"workspace {ws} not found")
+
+
+async def workspace_written(
+    request: web.Request,
+    api: Api,
+    org: str,
+    ws: str,
+    result: Result,
+    user: str,
+    *,
+    status: int = 200,
+    location: str = "",
+) -> web.Response:
+    """Answer a workspace command with the workspace as shown (secret names included)."""
+    return await written(
+        api,
+        result.seq,
+        lambda: workspace_shown(request, api, org, ws),
+        lambda: render.workspace(result.state, user),
+        status=status,
+        location=location,
+    )
 
 
 def _name(request: web.Request) -> str:
