@@ -30,8 +30,9 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from events.codec import run_subject
 from events.errors import DomainError
-from events.run import RecordStateVersion, RunCommand, RunState
+from events.run import RecordStateVersion, RunCommand, RunState, StateVersionCreated
 from executor.statestore import (
     Head,
     HeadMoved,
@@ -171,8 +172,38 @@ class StateBackend:
 
     # ------------------------------------------------------------ state
 
+    async def _current(self) -> tuple[Head | None, int]:
+        """The head, after promoting a pending version its run recorded (a writer that
+        died between recording a version and moving the head left it behind)."""
+        org, ws = self.job.org, self.job.ws
+        head, revision = await self.store.head(org, ws)
+        pending = await self.store.pending(org, ws)
+        if pending is None or (head is not None and head.object == pending.object):
+            return head, revision
+        newer = head is None or (pending.lineage == head.lineage and pending.serial > head.serial)
+        if not newer or not await self._recorded(pending):
+            return head, revision  # an older entry, or a write still in flight: not ours
+        try:
+            revision = await self.store.move_head(org, ws, pending, revision)
+        except HeadMoved:
+            return await self.store.head(org, ws)
+        log.warning("state_head_recovered", object=pending.object, run_id=pending.run_id)
+        await self.store.clear_pending(org, ws)
+        return pending, revision
+
+    async def _recorded(self, version: Head) -> bool:
+        """Whether the version's run recorded it (`run.state_version`)."""
+        if not version.run_id:
+            return False
+        subject = run_subject(self.job.org, self.job.ws, version.run_id)
+        for envelope in await self.job.app.store.read(subject):
+            event = envelope.event
+            if isinstance(event, StateVersionCreated) and event.object == version.object:
+                return True
+        return False
+
     async def _get(self, request: web.Request) -> web.Response:
-        self._head, self._revision = await self.store.head(self.job.org, self.job.ws)
+        self._head, self._revision = await self._current()
         self._read = True
         if self._head is None:
             data = initial_state(self.job.org, self.job.ws)
@@ -186,7 +217,7 @@ class StateBackend:
         if not self._holds(holder, request.query.get("ID", "")):
             return self._refuse(409, "refusing a state write from a step that holds no lock")
         if not self._read:
-            self._head, self._revision = await self.store.head(self.job.org, self.job.ws)
+            self._head, self._revision = await self._current()
         if self._head is not None and hashlib.sha256(data).hexdigest() == self._head.digest:
             return _text(200, "unchanged")
         try:
@@ -196,8 +227,10 @@ class StateBackend:
         return await self._record(head)
 
     async def _record(self, head: Head) -> web.Response:
-        """Record the version on the run (fenced), then move the head."""
+        """Record the version on the run (fenced), then move the head; pending between
+        the two, so a crash there is repaired by the next reader (`_current`)."""
         job = self.job
+        await self.store.mark_pending(job.org, job.ws, head)
         try:
             await job.report(
                 RecordStateVersion(
@@ -219,6 +252,7 @@ class StateBackend:
             log.error("state_head_moved", object=head.object)
             return self._refuse(409, str(e))
         self._head = head
+        await self.store.clear_pending(job.org, job.ws)
         log.info("state_version_stored", serial=head.serial, object=head.object)
         return _text(200, "stored")
 

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -28,6 +29,8 @@ from executor.errors import ExecutorError
 from services.infra.crypto import CryptoError, KeyRing
 from services.infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
 from services.infra.streams import STATE_BUCKET
+
+log = structlog.get_logger(__name__)
 
 WRONG_LAST_SEQUENCE = 10071
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
@@ -70,6 +73,11 @@ class LockRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 def ws_key(org: str, ws: str) -> str:
     return f"{org}.{ws}"
+
+
+def pending_key(org: str, ws: str) -> str:
+    """Three tokens, so it never collides with a head key (two)."""
+    return f"pending.{org}.{ws}"
 
 
 def version_object(org: str, ws: str, serial: int, digest: str) -> str:
@@ -171,6 +179,37 @@ class StateStore:
             size=len(data),
             run_id=run_id,
         )
+
+    # A version between being recorded on its run and becoming the head is "pending": a
+    # writer that dies in that window leaves the head one version behind, and the next
+    # reader promotes the pending version if, and only if, its run recorded it.
+
+    async def mark_pending(self, org: str, ws: str, head: Head) -> None:
+        kv = await self._kv(STATE_HEAD_BUCKET)
+        try:
+            await kv.put(pending_key(org, ws), msgspec.json.encode(head))
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"marking a pending state of {org}/{ws}: {e!r}") from e
+
+    async def pending(self, org: str, ws: str) -> Head | None:
+        kv = await self._kv(STATE_HEAD_BUCKET)
+        try:
+            entry = await kv.get(pending_key(org, ws))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"reading the pending state of {org}/{ws}: {e!r}") from e
+        if not entry.value:  # deleted
+            return None
+        return msgspec.json.decode(entry.value, type=Head)
+
+    async def clear_pending(self, org: str, ws: str) -> None:
+        """Best effort: a stale pending entry is ignored by readers anyway."""
+        try:
+            kv = await self._kv(STATE_HEAD_BUCKET)
+            await kv.delete(pending_key(org, ws))
+        except (*_NATS_ERRORS, StateStoreError):
+            log.warning("state_pending_not_cleared", org=org, ws=ws)
 
     async def drop_version(self, name: str) -> None:
         """Best effort: remove a version that never became the head."""

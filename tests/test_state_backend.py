@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events.run import FailRun, PhaseStarted, StateVersionCreated, Workspace
-from executor.statestore import StateStore
+from executor.statestore import StateStore, StateStoreError
 from services.commands import App
 from services.infra.crypto import KeyRing, encode_key
 from services.infra.natsserver import EmbeddedNats
@@ -234,3 +234,41 @@ async def test_a_second_locker_gets_423_with_the_holders_info_until_the_holder_e
         await app.run_command("acme", "net", a.job.run_id, reap)
         assert (await b.call("LOCK", {"ID": "lock-b", "Who": "bob@b"})).status == 200
         assert (await a.post({"serial": 2, "lineage": "l"}, "lock-a")).status == 409
+
+
+async def test_a_version_recorded_but_not_yet_the_head_is_promoted_by_the_next_reader(
+    plane: Plane, repo: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor records a state version on its run, then moves the head. Dying in
+    between (simulated: moving the head fails once) must not leave the next plan on the
+    older state: the version is pending, and the next reader promotes it because its run
+    recorded it. The next plan of the same configuration then finds nothing to change."""
+    await plane.executor("exec-a")
+    commit(repo, counted(2))
+    await _workspace(plane, repo)
+    await _apply(plane)
+    real_move = StateStore.move_head
+    crashed: list[str] = []
+
+    async def crashing(self: StateStore, org: str, ws: str, head: Any, last: int) -> int:
+        if run2_open:  # every attempt of run 2's executor "dies" right there
+            crashed.append(head.object)
+            raise StateStoreError("simulated crash between recording and moving the head")
+        return await real_move(self, org, ws, head, last)
+
+    run2_open = True
+    monkeypatch.setattr(StateStore, "move_head", crashing)
+    commit(repo, counted(3))
+    run2 = await plane.start("net")
+    await plane.reaches("net", run2, "awaiting_approval")
+    await plane.approve(run2)
+    await plane.reaches("net", run2, "applied", "failed")
+    run2_open = False
+    recorded = [e for e in await plane.events("net", run2) if isinstance(e, StateVersionCreated)]
+    assert crashed and crashed[0] in {e.object for e in recorded}
+
+    run3 = await plane.start("net")
+    done = await plane.reaches("net", run3, "no_changes", "awaiting_approval", "failed")
+    assert done.status == "no_changes", done
+    state = await current_state(plane.nc, plane.keyring, "acme", "net")
+    assert state is not None and len(state["resources"][0]["instances"]) == 3
