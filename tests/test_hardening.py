@@ -48,6 +48,22 @@ async def test_a_real_conflict_is_still_a_conflict(store: EventStore) -> None:
         await store.append([_enqueue("rp.ws.a.x", 0, "r2", "m2")])
 
 
+async def test_a_batch_may_hold_two_events_of_one_subject(store: EventStore) -> None:
+    """A plan that fails a hard-mandatory policy appends run.plan_finished and run.failed
+    (and the workspace's release) at once: only a subject's first event carries the
+    expectation, which still guards the subject."""
+    await store.append([_enqueue("rp.ws.a.x", 0, "r1", "m1")])
+    await store.append([_enqueue("rp.ws.a.other", 0, "r1", "m2")])  # the stream moves on
+    two = [_enqueue("rp.ws.a.x", 1, "r1", "m3"), _enqueue("rp.ws.a.x", 2, "r1", "m4")]
+    assert await store.append([*two, _enqueue("rp.ws.a.y", 0, "r1", "m5")]) == 5
+    assert [e.msg_id for e in await store.read("rp.ws.a.x")] == ["m1", "m3", "m4"]
+    with pytest.raises(Conflict):  # a stale first expectation refuses the whole batch
+        await store.append(
+            [_enqueue("rp.ws.a.x", 1, "r2", "m6"), _enqueue("rp.ws.a.x", 0, "r2", "m7")]
+        )
+    assert await store.append(two) == 4, "a retry that landed is still recognised"
+
+
 def test_children_never_inherit_runplanes_own_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RUNPLANE_ADMIN_TOKEN", "adm")
     monkeypatch.setenv("RUNPLANE_ENCRYPTION_KEY", "key")

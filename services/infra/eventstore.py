@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from collections import OrderedDict
 from datetime import datetime
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
@@ -21,6 +23,8 @@ from services.infra.streams import EVENTS
 
 _BATCH = 1000
 WRONG_LAST_SEQUENCE = 10071
+# Envelopes kept by each EventStore (whole subject histories, least recently read dropped).
+CACHE_EVENTS = 50_000
 BATCH_DUPLICATE_ID = 10201
 
 
@@ -65,29 +69,75 @@ class Append(msgspec.Struct, frozen=True, kw_only=True):
     msg_id: str = ""
 
 
-def _headers(item: Append, msg_id: str, extra: dict[str, str]) -> dict[str, str]:
-    return {
-        "Nats-Expected-Last-Subject-Sequence": str(item.expected),
-        "Nats-Msg-Id": msg_id,
-        "Rp-Type": tag_of(item.event),
-        **extra,
-    }
+def _headers(
+    item: Append, msg_id: str, extra: dict[str, str], *, check: bool = True
+) -> dict[str, str]:
+    headers = {"Nats-Msg-Id": msg_id, "Rp-Type": tag_of(item.event), **extra}
+    if check:
+        headers["Nats-Expected-Last-Subject-Sequence"] = str(item.expected)
+    return headers
 
 
 class EventStore:
     """Read and append events of the RP_EVENTS stream."""
 
-    def __init__(self, nc: NATS, *, stream: str = EVENTS, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        stream: str = EVENTS,
+        timeout: float = 5.0,
+        cache_events: int = CACHE_EVENTS,
+    ) -> None:
         self.nc = nc
         self.stream = stream
         self.timeout = timeout
+        self.cache_events = cache_events  # 0: read every history whole, every time
+        self._cache: OrderedDict[str, list[Envelope]] = OrderedDict()
+        self._cached = 0  # envelopes in the cache
 
     # ------------------------------------------------------------ reading
 
     async def read(self, subject: str, after: int = 0) -> list[Envelope]:
-        """Every event on `subject` (wildcards allowed) with a sequence above `after`."""
+        """Every event on `subject` (wildcards allowed) with a sequence above `after`.
+
+        A subject's events read before are kept (the stream denies delete and purge, so
+        what a subject held up to a sequence never changes) and only newer ones are
+        fetched: a run or workspace reloaded for every command costs one round trip for
+        what is new, not a re-read and re-decode of its whole history.
+        """
+        known = self._cache.get(subject)
+        if known is None or after > known[-1].seq:
+            fresh = await self._fetch(subject, after + 1)
+            if after == 0:
+                self._remember(subject, list(fresh))  # the caller may change its own list
+            return fresh
+        self._cache.move_to_end(subject)
+        fresh = await self._fetch(subject, known[-1].seq + 1)
+        if fresh:
+            self._remember(subject, known + fresh)
+        kept = [e for e in known if e.seq > after] if after else known
+        return kept + fresh
+
+    def _remember(self, subject: str, envs: list[Envelope]) -> None:
+        """Keep a subject's whole history, least recently read dropped first."""
+        if not envs or ">" in subject or len(envs) > self.cache_events // 4:
+            return
+        old = self._cache.pop(subject, None)
+        self._cached += len(envs) - (len(old) if old else 0)
+        self._cache[subject] = envs
+        while self._cached > self.cache_events:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached -= len(dropped)
+
+    def forget(self, subject: str) -> None:
+        """Drop what is kept of a subject (after a conflict: read it whole next time)."""
+        old = self._cache.pop(subject, None)
+        if old:
+            self._cached -= len(old)
+
+    async def _fetch(self, subject: str, start: int) -> list[Envelope]:
         out: list[Envelope] = []
-        start = after + 1
         while True:
             page = await self._direct_batch(subject, start)
             out.extend(page)
@@ -96,22 +146,23 @@ class EventStore:
             start = page[-1].seq + 1
 
     async def _direct_batch(self, subject: str, start: int) -> list[Envelope]:
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
-        try:
-            req = {"seq": start, "next_by_subj": subject, "batch": _BATCH}
-            await self.nc.publish(
-                f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(req).encode(), reply=inbox
-            )
-            page: list[Envelope] = []
-            while True:
-                msg = await sub.next_msg(timeout=self.timeout)
-                hdrs = msg.headers or {}
-                status = hdrs.get("Status")
-                if status:
-                    if status in ("204", "404"):
-                        return page
-                    raise StoreError(f"direct get failed: {status} {hdrs.get('Description')}")
+        # Collected by the subscription's callback: no task and no timer per message.
+        page: list[Envelope] = []
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def received(msg: Msg) -> None:
+            if done.done():
+                return
+            hdrs = msg.headers or {}
+            status = hdrs.get("Status")
+            if status:
+                if status in ("204", "404"):
+                    done.set_result(None)
+                else:
+                    err = f"direct get failed: {status} {hdrs.get('Description')}"
+                    done.set_exception(StoreError(err))
+                return
+            try:
                 page.append(
                     Envelope(
                         seq=int(hdrs["Nats-Sequence"]),
@@ -121,6 +172,18 @@ class EventStore:
                         event=decode(msg.data),
                     )
                 )
+            except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
+                done.set_exception(e)
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, cb=received)
+        try:
+            req = {"seq": start, "next_by_subj": subject, "batch": _BATCH}
+            await self.nc.publish(
+                f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(req).encode(), reply=inbox
+            )
+            await asyncio.wait_for(done, self.timeout)
+            return page
         except TimeoutError as e:
             raise StoreError(f"reading {subject} timed out") from e
         finally:
@@ -171,6 +234,8 @@ class EventStore:
                 landed = await self._landed(items, ids)
                 if landed:
                     return landed
+                for it in items:  # reread whole next time (what we kept may be what is wrong)
+                    self.forget(it.subject)
                 raise Conflict(err.description or "wrong last sequence")
             raise StoreError(f"append refused: {err.description}")
         raise StoreError("append timed out") from last_err
@@ -205,18 +270,22 @@ class EventStore:
             return _ack_decoder.decode(msg.data)
         batch = uuid.uuid4().hex
         n = len(items)
+        # Within a batch only a subject's first event may carry the expected sequence (the
+        # server refuses one on a later event of the same subject, whatever its value);
+        # the batch is atomic, so that first check guards the subject's other events.
+        seen: set[str] = set()
         for i, (it, mid) in enumerate(zip(items, ids, strict=True), 1):
             extra = {"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)}
+            headers = _headers(it, mid, extra, check=it.subject not in seen)
+            seen.add(it.subject)
             if i < n:
-                await self.nc.publish(
-                    it.subject, encode(it.event), headers=_headers(it, mid, extra)
-                )
+                await self.nc.publish(it.subject, encode(it.event), headers=headers)
                 continue
-            extra["Nats-Batch-Commit"] = "1"
+            headers["Nats-Batch-Commit"] = "1"
             msg = await self.nc.request(
                 it.subject,
                 encode(it.event),
-                headers=_headers(it, mid, extra),
+                headers=headers,
                 timeout=self.timeout,
             )
             return _ack_decoder.decode(msg.data)
