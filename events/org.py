@@ -15,7 +15,9 @@ import msgspec
 
 from events import folder as fo
 from events import groups as gr
+from events import policies as po
 from events import settings as st
+from events import templates as te
 from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
 
@@ -40,6 +42,10 @@ OrgEvent = (
     | fo.OrgSettingsSet
     | fo.FolderSettingsSet
     | gr.GroupSet
+    | te.TemplateSaved
+    | te.TemplateDeleted
+    | po.PolicySaved
+    | po.PolicyDeleted
 )
 
 
@@ -62,6 +68,10 @@ OrgCommand = (
     | fo.SetFolderSettings
     | gr.CreateGroup
     | gr.SetGroupMembers
+    | te.SaveTemplate
+    | te.DeleteTemplate
+    | po.SavePolicy
+    | po.DeletePolicy
 )
 
 
@@ -72,6 +82,8 @@ class OrgState(msgspec.Struct, frozen=True, kw_only=True):
     settings: dict[str, Any] = {}  # the organization's own, not the effective ones
     folders: dict[str, fo.Folder] = {}  # by name, in creation order
     groups: dict[str, tuple[str, ...]] = {}  # members by group name
+    templates: dict[str, te.Template] = {}  # the organization's own, by name
+    policies: dict[str, po.PolicySet] = {}  # by name, each with its scope
     version: int = 0
 
     @property
@@ -97,6 +109,10 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
             return msgspec.structs.replace(s, folders=fo.changed(s.folders, event))
         case gr.GroupSet():
             return msgspec.structs.replace(s, groups=gr.applied(s.groups, event))
+        case te.TemplateSaved() | te.TemplateDeleted():
+            return msgspec.structs.replace(s, templates=te.applied(s.templates, event))
+        case po.PolicySaved() | po.PolicyDeleted():
+            return msgspec.structs.replace(s, policies=po.applied(s.policies, event))
         case _:
             assert_never(event)
 
@@ -141,6 +157,18 @@ def decide(
         case gr.SetGroupMembers():
             _exists(state)
             return [gr.set_members(state.groups, command, now)]
+        case te.SaveTemplate():
+            _exists(state)
+            return list(te.save(state.templates, command, now))
+        case te.DeleteTemplate():
+            _exists(state)
+            return list(te.delete(state.templates, command, now))
+        case po.SavePolicy():
+            _exists(state)
+            return list(po.save(state.policies, command, state.folders, now))
+        case po.DeletePolicy():
+            _exists(state)
+            return list(po.delete(state.policies, command, now))
         case _:
             assert_never(command)
 

@@ -13,6 +13,8 @@ from typing import TypeVar, assert_never
 
 import msgspec
 
+from events import policies as po
+from events import templates as te
 from events.base import Command, Event
 from events.errors import AlreadyExists, IllegalTransition, Invalid, NotFound, StaleLease
 from events.values import (
@@ -60,9 +62,15 @@ CANCELABLE = frozenset({Status.PENDING, Status.QUEUED, Status.APPLY_QUEUED})
 STOPPABLE = frozenset({Status.PLANNING, Status.RUNNING})
 RUN_TYPES = ("plan", "apply", "destroy", "drift")
 
-# Which phase a status waits for or runs; the executor claims a phase.
-WAITING_PHASE = {Status.QUEUED: "plan", Status.APPLY_QUEUED: "apply"}
+# The statuses in which the run's current step waits for an executor to claim its phase
+# (plan, apply or custom-<number>: events/templates.py `phase_of`).
+WAITING = frozenset({Status.QUEUED, Status.APPLY_QUEUED})
 RUNNING_STATUS = {"plan": Status.PLANNING, "apply": Status.APPLYING}
+
+
+def running_status(phase: str) -> Status:
+    """The status of a run while an executor runs `phase`."""
+    return RUNNING_STATUS.get(phase, Status.RUNNING)
 
 
 # ---------------------------------------------------------------- events
@@ -75,6 +83,8 @@ class RunCreated(Event, frozen=True, kw_only=True, tag="run.created"):
     run_type: str
     config: Workspace
     message: str = ""
+    speculative: bool = False  # a plan-only run outside the workspace queue
+    template: te.Template | None = None  # None: the built-in of the run type (older runs)
 
 
 class RunQueued(Event, frozen=True, kw_only=True, tag="run.queued"):
@@ -118,10 +128,19 @@ class PlanFinished(Event, frozen=True, kw_only=True, tag="run.plan_finished"):
     commit_author: str = ""
     commit_message: str = ""
     changes: list[ResourceChange] = []
+    policies: list[po.PolicyResult] = []
 
 
 class RunApproved(Event, frozen=True, kw_only=True, tag="run.approved"):
     acknowledged: list[str] = []
+    overridden: list[str] = []  # soft-mandatory policies that failed and were overridden
+
+
+class CustomStepFinished(Event, frozen=True, kw_only=True, tag="run.custom_finished"):
+    """A custom step's command exited 0 (a failing one fails the run)."""
+
+    lease_id: str
+    number: int
 
 
 class ApplyFinished(Event, frozen=True, kw_only=True, tag="run.apply_finished"):
@@ -196,6 +215,7 @@ RunEvent = (
     | RunFailed
     | RunStopRequested
     | RunLimitExceeded
+    | CustomStepFinished
 )
 
 
@@ -209,6 +229,8 @@ class CreateRun(Command, frozen=True, kw_only=True):
     run_type: str
     config: Workspace
     message: str = ""
+    speculative: bool = False
+    template: te.Template | None = None
 
 
 class AdmitRun(Command, frozen=True, kw_only=True):
@@ -247,6 +269,7 @@ class FinishPlan(Command, frozen=True, kw_only=True):
     commit_author: str = ""
     commit_message: str = ""
     changes: list[ResourceChange] = []
+    policies: list[po.PolicyResult] = []
 
 
 class FinishApply(Command, frozen=True, kw_only=True):
@@ -273,6 +296,11 @@ class RecordStateVersion(Command, frozen=True, kw_only=True):
 
 class ApproveRun(Command, frozen=True, kw_only=True):
     acknowledged: list[str] = []
+
+
+class FinishCustomStep(Command, frozen=True, kw_only=True):
+    lease_id: str
+    number: int
 
 
 class DiscardRun(Command, frozen=True, kw_only=True):
@@ -317,6 +345,7 @@ RunCommand = (
     | CancelRun
     | FailRun
     | ExceedLimit
+    | FinishCustomStep
 )
 
 
@@ -351,6 +380,14 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     stop_requested_by: str = ""
     stop_reason: str = ""
     limit_exceeded: str = ""
+    speculative: bool = False
+    template: te.Template | None = None
+    step_at: int = -1  # index of the current step in `steps`; -1 before admission
+    planned: bool = False  # the plan step has run
+    apply_done: bool = False  # the apply (or destroy) step has run
+    needs_approval: bool = False  # require_approval, or a soft-mandatory policy failed
+    policies: list[po.PolicyResult] = []
+    overridden: list[str] = []
     version: int = 0
 
     @property
@@ -361,19 +398,58 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     def terminal(self) -> bool:
         return self.status in TERMINAL
 
+    @property
+    def steps(self) -> list[te.TemplateStep]:
+        """The run's steps: its recorded template's, else its run type's built-in."""
+        if self.template is not None:
+            return self.template.steps
+        return te.with_policy(te.BUILTIN.get(self.run_type, te.BUILTIN["apply"])).steps
+
+    @property
+    def current_step(self) -> te.TemplateStep | None:
+        steps = self.steps
+        return steps[self.step_at] if 0 <= self.step_at < len(steps) else None
+
+    @property
+    def waiting_phase(self) -> str:
+        """The phase the run waits for an executor to claim, or ""."""
+        step = self.current_step
+        if self.status not in WAITING or step is None:
+            return ""
+        return te.phase_of(step)
+
 
 INITIAL = RunState()
 
 
-def status_after_plan(state: RunState, event: PlanFinished) -> Status:
-    """Where a finished plan leads, by run type and approval rule."""
-    if not event.has_changes:
+def final_status(state: RunState) -> Status:
+    """How a run whose steps are all done ended, by its plan and run type."""
+    if state.planned and not state.has_changes:
         return Status.NO_CHANGES
     if state.run_type == "plan":
         return Status.PLANNED
     if state.run_type == "drift":
         return Status.DRIFTED
-    return Status.AWAITING_APPROVAL if event.require_approval else Status.APPLY_QUEUED
+    return Status.APPLIED
+
+
+def advance(state: RunState, start: int) -> RunState:
+    """Move to the first step from index `start` that has something to do: a plan or a
+    custom step waits for an executor (queued), an apply or destroy too (apply_queued),
+    an approval waits for a person when one is needed. Policy steps ran with the plan;
+    approval and changes steps are skipped when the plan found nothing to change. Past
+    the last step the run ends (`final_status`)."""
+    steps = state.steps
+    nothing = state.planned and not state.has_changes
+    for i in range(max(start, 0), len(steps)):
+        kind = steps[i].kind
+        if kind in ("plan", "custom"):
+            return msgspec.structs.replace(state, status=Status.QUEUED, step_at=i)
+        if kind == "approval" and state.needs_approval and not nothing:
+            return msgspec.structs.replace(state, status=Status.AWAITING_APPROVAL, step_at=i)
+        if kind in te.CHANGES and not nothing:
+            return msgspec.structs.replace(state, status=Status.APPLY_QUEUED, step_at=i)
+    return msgspec.structs.replace(state, status=final_status(state), step_at=len(steps))
 
 
 def evolve(state: RunState, event: RunEvent) -> RunState:
@@ -392,21 +468,23 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
                 created_by=event.actor,
                 created_at=event.at,
                 message=event.message,
+                speculative=event.speculative,
+                template=event.template,
             )
         case RunQueued():
             snap = event.snapshot
-            return msgspec.structs.replace(
+            queued = msgspec.structs.replace(
                 s,
-                status=Status.QUEUED,
                 phase="",
                 snapshot=snap,
                 config=pinned_config(s.config, snap),
                 commit=snap.commit if snap and snap.commit else s.commit,
             )
+            return advance(queued, 0)
         case PhaseStarted():
             return msgspec.structs.replace(
                 s,
-                status=RUNNING_STATUS[event.phase],
+                status=running_status(event.phase),
                 phase=event.phase,
                 lease_id=event.lease_id,
                 executor_id=event.executor_id,
@@ -414,29 +492,35 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
         case StepStarted() | StepFinished() | ResourceStateChanged() | StateVersionCreated():
             return s
         case PlanFinished():
-            nxt = status_after_plan(state, event)
-            return msgspec.structs.replace(
+            planned = msgspec.structs.replace(
                 s,
-                status=nxt,
                 phase="",
                 lease_id="",
+                planned=True,
                 commit=event.commit,
                 has_changes=event.has_changes,
                 plan_summary=event.summary,
                 plan_object=event.plan_object,
                 plan_digest=event.plan_digest,
+                policies=list(event.policies),
+                needs_approval=event.require_approval or bool(po.soft_failures(event.policies)),
             )
+            return advance(planned, s.step_at + 1)
         case RunApproved():
-            return msgspec.structs.replace(
+            approved = msgspec.structs.replace(
                 s,
-                status=Status.APPLY_QUEUED,
                 approved_by=event.actor,
                 acknowledged=list(event.acknowledged),
+                overridden=list(event.overridden),
             )
+            return advance(approved, s.step_at + 1)
         case ApplyFinished():
-            return msgspec.structs.replace(
-                s, status=Status.APPLIED, phase="", lease_id="", apply_summary=event.summary
+            done = msgspec.structs.replace(
+                s, phase="", lease_id="", apply_summary=event.summary, apply_done=True
             )
+            return advance(done, s.step_at + 1)
+        case CustomStepFinished():
+            return advance(msgspec.structs.replace(s, phase="", lease_id=""), s.step_at + 1)
         case RunDiscarded():
             return msgspec.structs.replace(s, status=Status.DISCARDED, reason=event.reason)
         case RunCanceled():
@@ -497,8 +581,8 @@ def _record(event_type: type[E], command: Command, now: datetime, **overrides: o
 
 
 def _check_claim(state: RunState, command: ClaimPhase) -> None:
-    _require(state, set(WAITING_PHASE), "claim")
-    waiting = WAITING_PHASE[state.status]  # type: ignore[index]  # _require narrowed status
+    _require(state, WAITING, "claim")
+    waiting = state.waiting_phase
     if waiting != command.phase:
         raise IllegalTransition(
             f"the run waits for its {waiting} phase, not {command.phase}",
@@ -518,6 +602,10 @@ def _check_cancel(state: RunState) -> None:
             "an applying run cannot be canceled: interrupting an apply can corrupt state",
             status=str(state.status),
         )
+    if state.apply_done and not state.terminal:
+        raise IllegalTransition(
+            "the apply has run: the steps after it cannot be canceled", status=str(state.status)
+        )
     _require(state, CANCELABLE, "cancel")
 
 
@@ -530,7 +618,7 @@ def _cancel(state: RunState, command: CancelRun, now: datetime) -> list[RunEvent
             raise IllegalTransition("no stop was requested", status=str(state.status))
         reason = command.reason or state.stop_reason or "stopped"
         return [_record(RunCanceled, command, now, reason=reason)]
-    if state.exists and state.status in STOPPABLE:
+    if state.exists and state.status in STOPPABLE and not state.apply_done:
         if state.stop_requested_by:
             return []
         return [_record(RunStopRequested, command, now)]
@@ -556,6 +644,12 @@ def decide(
                 raise AlreadyExists(f"run {command.run_id} already exists")
             if command.run_type not in RUN_TYPES:
                 raise Invalid(f"unknown run type {command.run_type!r}")
+            if command.speculative and command.run_type != "plan":
+                raise Invalid("only plan runs can be speculative")
+            if command.template is not None:
+                problem = te.compatible(command.template, command.run_type)
+                if problem:
+                    raise Invalid(problem)
             return [_record(RunCreated, command, now)]
         case AdmitRun():
             _require(state, {Status.PENDING}, "admit")
@@ -571,7 +665,22 @@ def decide(
             return [_record(StepFinished, command, now)]
         case FinishPlan():
             _check_finish(state, command.lease_id, Status.PLANNING, "a plan")
-            return [_record(PlanFinished, command, now)]
+            finished: list[RunEvent] = [_record(PlanFinished, command, now)]
+            hard = po.hard_failures(command.policies)
+            if hard:  # in the same batch: no reader sees the plan go on
+                message = po.failure_message(hard)
+                failed = _record(RunFailed, command, now, reason="policy_failed", message=message)
+                finished.append(failed)
+            return finished
+        case FinishCustomStep():
+            step = state.current_step
+            _check_finish(state, command.lease_id, Status.RUNNING, "a custom step")
+            if step is None or step.kind != "custom" or step.number != command.number:
+                raise IllegalTransition(
+                    f"the run's current step is not custom step {command.number}",
+                    status=str(state.status),
+                )
+            return [_record(CustomStepFinished, command, now)]
         case FinishApply():
             _check_finish(state, command.lease_id, Status.APPLYING, "an apply")
             return [_record(ApplyFinished, command, now)]
@@ -585,7 +694,16 @@ def decide(
             return [_record(StateVersionCreated, command, now)]
         case ApproveRun():
             _require(state, {Status.AWAITING_APPROVAL}, "approve")
-            return [_record(RunApproved, command, now, acknowledged=list(command.acknowledged))]
+            overridden = [r.name for r in po.soft_failures(state.policies)]
+            return [
+                _record(
+                    RunApproved,
+                    command,
+                    now,
+                    acknowledged=list(command.acknowledged),
+                    overridden=overridden,
+                )
+            ]
         case DiscardRun():
             _require(state, {Status.AWAITING_APPROVAL}, "discard")
             return [_record(RunDiscarded, command, now, reason=command.reason or "discarded")]

@@ -34,6 +34,18 @@ def _path(v: Any) -> str:
     return "" if isinstance(v, str) and len(v) <= 4096 and "\0" not in v else "must be a path"
 
 
+def _templates(v: Any) -> str:
+    """A default template per run type: {"apply": "with-lint", "plan": "quick"}."""
+    if not isinstance(v, dict):
+        return "must be an object of run type to template name"
+    for key, name in v.items():
+        if key not in ("plan", "apply", "destroy", "drift"):
+            return f"has an unknown run type {key!r} (plan, apply, destroy or drift)"
+        if _name(name):
+            return f"names an invalid template {name!r}"
+    return ""
+
+
 def _principals(v: Any) -> str:
     """People are plain user names; groups are written `group:<name>`."""
     if not isinstance(v, list) or len(v) > 1000:
@@ -63,6 +75,7 @@ SPECS: dict[str, Spec] = {
     "executor_pool": Spec("default", _name, "the executor pool that runs the steps"),
     "terraform_binary": Spec("", _path, "terraform or tofu binary (empty: executor's)"),
     "speculative_plans": Spec(False, _bool, "plan-only runs bypass the workspace queue"),
+    "templates": Spec({}, _templates, "default template per run type (empty: built-in)"),
 }
 
 DEFAULT_ORIGIN = "default"

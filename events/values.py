@@ -6,6 +6,8 @@ from typing import Any
 
 import msgspec
 
+from events.policies import PolicySet
+
 SENSITIVE = "(sensitive)"
 
 # The order the change review lists groups in, and each group's heading.
@@ -75,6 +77,7 @@ class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
     commit: str = ""
     variables: list[VariableRef] = []
     settings: dict[str, Any] = {}
+    policies: list[PolicySet] = []  # the policy sets the plan is checked against
 
 
 # Settings the run's executor and reaper read from its workspace configuration.

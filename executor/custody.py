@@ -96,7 +96,8 @@ async def guarded(job: Job) -> AsyncIterator[None]:
     """
     custody = job.custody
     await _take_secrets(job)
-    if not job.config.managed_state:
+    # A custom step's command (executor/custom.py) runs no Terraform of runplane's: no state.
+    if not job.config.managed_state or job.phase not in ("plan", "apply"):
         yield
         return
     async with StateBackend(job, custody.vault.state) as backend:
@@ -110,7 +111,8 @@ def _add_env(job: Job, env: dict[str, str]) -> None:
 
 
 async def _take_secrets(job: Job) -> None:
-    """Fetch the run's secret values: masked everywhere, TF_VAR_* for the plan only.
+    """Fetch the run's secret values: masked everywhere, TF_VAR_* for the plan (and a
+    custom step's command) only.
 
     The apply phase applies the saved plan, which carries the values it was planned with;
     it fetches them only so that its logs are masked too.
@@ -126,7 +128,7 @@ async def _take_secrets(job: Job) -> None:
         lease_id=job.lease_id,
     )
     job.masker.add(masked_forms(values.values()))
-    if job.phase == "plan":
+    if job.phase != "apply":  # the plan's Terraform, or a custom step's command
         _add_env(job, secret_vars.terraform_env(values))
     log.info("secret_variables_received", count=len(values))
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from events import approval
+from events.policies import PolicyResult
 from events.run import FailRun, FinishApply, FinishPlan, PlanSummary
 from events.values import ResourceChange
 from executor import git, process
@@ -25,15 +26,19 @@ from executor import terraform as tf
 from executor.applystate import track
 from executor.changes import plan_changes, show_plan
 from executor.custody import guarded, mask_planned_secrets, rescue_errored_state
+from executor.custom import custom_phase
 from executor.errors import StepFailed
 from executor.job import Job, step
 from executor.objects import PLANS_BUCKET, plan_object, sha256_file
 from executor.output import Output, drift_summary
+from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
 from executor.statebackend import write_override
 from services.infra.crypto import CryptoError, Tampered
 
 log = structlog.get_logger(__name__)
+
+BINARY_NOT_FOUND = "terraform_binary_not_found"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class PlanOutcome:
     plan_object: str = ""
     plan_digest: str = ""
     changes: tuple[ResourceChange, ...] = ()
+    show: dict[str, Any] = field(default_factory=dict, repr=False)  # the JSON plan, if read
 
 
 async def run_phase(job: Job) -> None:
@@ -50,7 +56,12 @@ async def run_phase(job: Job) -> None:
     job.root.mkdir(parents=True, exist_ok=True)
     try:
         async with guarded(job):  # secret variables, managed state (executor/custody.py)
-            await (_plan_phase(job) if job.phase == "plan" else _apply_phase(job))
+            if job.phase == "plan":
+                await _plan_phase(job)
+            elif job.phase == "apply":
+                await _apply_phase(job)
+            else:  # custom-<number>: a template's command step (executor/custom.py)
+                await custom_phase(job, _checkout)
     except StepFailed as e:
         job.finishing = True
         log.info("phase_failed", step=e.step, reason=e.reason)
@@ -67,6 +78,10 @@ async def _plan_phase(job: Job) -> None:
     commit = await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=pinned))
     await step(job, "init", lambda lg: _init(job, lg))
     outcome = await step(job, "plan", lambda lg: _plan(job, lg))
+    # The run's pinned policy sets checked on the plan (executor/policy.py); none: no step.
+    policies: list[PolicyResult] = []
+    if pinned_policies(job):
+        policies = await step(job, "policy", lambda lg: check_policies(job, lg, outcome.show))
     job.finishing = True
     await job.report(
         FinishPlan(
@@ -81,6 +96,7 @@ async def _plan_phase(job: Job) -> None:
             plan_digest=outcome.plan_digest,
             require_approval=bool(approval.setting(job.run.snapshot, "require_approval")),
             changes=list(outcome.changes),
+            policies=policies,
         )
     )
 
@@ -119,6 +135,7 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
 
 
 async def _init(job: Job, step_log: StepLog) -> None:
+    _use_binary(job, step_log)
     out = Output()
     if job.config.managed_state:
         write_override(job.workdir)
@@ -130,24 +147,28 @@ async def _init(job: Job, step_log: StepLog) -> None:
 
 async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     out = Output()
-    args = tf.plan_args(job.run.run_type, job.config.variables)
+    # A speculative plan takes no state lock: it must not contend with an apply's.
+    args = tf.plan_args(job.run.run_type, job.config.variables, lock=not job.run.speculative)
     code = await _terraform(job, step_log, args, out)
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
     drift = job.run.run_type == "drift"
-    show = await show_plan(job) if drift or code == 2 else {}
+    # Policies check the JSON plan, also one with nothing to change.
+    needed = drift or code == 2 or bool(pinned_policies(job))
+    show = await show_plan(job) if needed else {}
     if drift:
         summary, has_changes = _drift(show, step_log)
     else:
         summary, has_changes = out.summary(), code == 2
     if not has_changes:
-        return PlanOutcome(has_changes=False, summary=summary)
+        return PlanOutcome(has_changes=False, summary=summary, show=show)
     path = job.workdir / tf.PLAN_FILE
     digest = sha256_file(path)
     name = plan_object(job.run_id)
     await job.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
     step_log.note(f"plan stored sealed as {PLANS_BUCKET}/{name}, sha256 {digest}")
-    return PlanOutcome(True, summary, name, digest, tuple(plan_changes(show, drift=drift)))
+    changes = tuple(plan_changes(show, drift=drift))
+    return PlanOutcome(True, summary, name, digest, changes, show=show)
 
 
 def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
@@ -188,6 +209,27 @@ def _apply_error(job: Job, out: Output, code: int, kept: Path | None) -> str:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _use_binary(job: Job, step_log: StepLog) -> None:
+    """Run the phase with the binary the run's `terraform_binary` setting names, if any
+    (pinned at admission; empty: the executor's own). A binary this executor cannot find
+    or run fails the step with `terraform_binary_not_found`."""
+    wanted = str(approval.setting(job.run.snapshot, "terraform_binary") or "")
+    if not wanted:
+        return
+    entry = job.run.snapshot.settings.get("terraform_binary") if job.run.snapshot else None
+    origin = entry.get("origin", "") if isinstance(entry, dict) else ""
+    source = f"setting terraform_binary{f' (from {origin})' if origin else ''}"
+    found, why = tf.resolve_binary(wanted, job.terraform.env().get("PATH"))
+    if found is None:
+        raise StepFailed(
+            "init",
+            f"terraform binary {wanted!r} of the {source} cannot be run: {why}",
+            reason=BINARY_NOT_FOUND,
+        )
+    job.terraform = replace(job.terraform, binary=found)
+    step_log.note(f"terraform binary: {found} ({source})")
 
 
 async def _terraform(job: Job, step_log: StepLog, args: list[str], out: Output | None) -> int:

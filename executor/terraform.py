@@ -14,6 +14,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -128,6 +129,29 @@ def prepare(config: TerraformConfig, data_dir: Path) -> Terraform:
     )
 
 
+def resolve_binary(wanted: str, search_path: str | None) -> tuple[Path | None, str]:
+    """The binary a run's `terraform_binary` setting names: an absolute path, or a name
+    looked up on `search_path` (the executor's PATH). `(path, "")`, or `(None, why)`.
+
+    A relative path is refused: it would depend on the executor's working directory, or
+    run a file of the checked-out repository."""
+    if "/" not in wanted:
+        found = shutil.which(wanted, path=search_path)
+        if found is None:
+            return None, f"no executable {wanted!r} on the executor's PATH"
+        return Path(found), ""
+    path = Path(wanted)
+    if not path.is_absolute():
+        return None, f"{wanted!r} is neither an absolute path nor a name looked up on PATH"
+    if not path.exists():
+        return None, f"{wanted} does not exist on this executor"
+    if not path.is_file():
+        return None, f"{wanted} is not a file"
+    if not os.access(path, os.X_OK):
+        return None, f"{wanted} is not executable"
+    return path, ""
+
+
 def build_mirror(mirror: Path, provider: Path | None = None) -> bool:
     """Link the bundled null provider into `mirror` (unpacked layout); False if absent.
 
@@ -193,12 +217,17 @@ def init_args() -> list[str]:
     return ["init", "-input=false", "-no-color"]
 
 
-def plan_args(run_type: str, variables: Mapping[str, str]) -> list[str]:
-    """`terraform plan` for a run type: -destroy for destroy, -refresh-only for drift."""
+def plan_args(run_type: str, variables: Mapping[str, str], *, lock: bool = True) -> list[str]:
+    """`terraform plan` for a run type: -destroy for destroy, -refresh-only for drift.
+
+    `lock=False` (a speculative plan) takes no state lock, so it never contends with the
+    workspace's apply for it."""
     if run_type not in _PLAN_MODE:
         raise ValueError(f"unknown run type {run_type!r}")
     args = ["plan", "-input=false", "-no-color", f"-out={PLAN_FILE}", "-json"]
     args.append("-detailed-exitcode")
+    if not lock:
+        args.append("-lock=false")
     args += _PLAN_MODE[run_type]
     for name, value in variables.items():
         args += ["-var", f"{name}={value}"]

@@ -28,8 +28,10 @@ from nats.js import JetStreamContext
 from events.codec import valid_id
 from events.errors import DomainError
 from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
+from events.templates import valid_phase
 from executor import terraform as tf
 from executor.custody import Custody, Vault
+from executor.custom import is_custom
 from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
@@ -41,8 +43,6 @@ from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_
 log = structlog.get_logger(__name__)
 
 TerraformSettings = tf.TerraformConfig  # the name the composition root uses
-
-PHASES = ("plan", "apply")
 
 
 class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -62,7 +62,7 @@ def parse_dispatch(data: bytes) -> Dispatch:
         raise ValueError(f"not a dispatch message: {e}") from e
     if not all(valid_id(x) for x in (d.org, d.workspace, d.run_id)):
         raise ValueError("dispatch ids are not subject-safe tokens")
-    if d.phase not in PHASES:
+    if not valid_phase(d.phase):
         raise ValueError(f"unknown phase {d.phase!r}")
     return d
 
@@ -325,7 +325,8 @@ class Executor:
             log.warning("phase_abandoned", why=str(exc), code=exc.code)
         else:
             log.error("phase_crashed", exc_info=exc)
-            await self._fail(job, f"{job.step or job.phase}_failed", f"executor error: {exc!r}")
+            reason = "step_failed" if is_custom(job.phase) else f"{job.step or job.phase}_failed"
+            await self._fail(job, reason, f"executor error: {exc!r}")
 
     async def _fail(self, job: Job, reason: str, message: str) -> None:
         """Best effort: the lease may be gone (StaleLease) or NATS unreachable."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta
-from typing import Any, assert_never
+from functools import lru_cache
+from typing import Any, assert_never, get_args
 
 import msgspec
 
@@ -26,7 +27,9 @@ from events.codec import AnyEvent, tag_of
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
+from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted
+from events.templates import TemplateDeleted, TemplateSaved
 from events.workspace import (
     RunAdmitted,
     RunEnqueued,
@@ -66,7 +69,8 @@ class Meta(msgspec.Struct, frozen=True):
 
 def meta_of(seq: int, subject: str, time_ns: int) -> Meta:
     """Parse `rp.run.<org>.<ws>.<run>`, `rp.ws.<org>.<ws>` or `rp.org.<org>`."""
-    stored = iso(_EPOCH + timedelta(microseconds=time_ns // 1000))
+    us = time_ns // 1000
+    stored = f"{_iso_second(us // 1_000_000)}.{us % 1_000_000:06d}Z"
     parts = subject.split(".")
     match parts:
         case ["rp", "run", org, ws, run]:
@@ -79,8 +83,17 @@ def meta_of(seq: int, subject: str, time_ns: int) -> Meta:
             return Meta(seq, subject, stored)
 
 
+@lru_cache(maxsize=256)
+def _iso_second(second: int) -> str:
+    """`iso` of a whole second since the epoch, without its fraction and Z (replays format
+    hundreds of thousands of server timestamps, nearly all in a few distinct seconds)."""
+    return (_EPOCH + timedelta(seconds=second)).replace(tzinfo=None).isoformat()
+
+
 def iso(dt: datetime) -> str:
     """ISO 8601 UTC with microseconds and a Z: fixed width, so text order is time order."""
+    if dt.tzinfo is UTC:  # the usual case (decoded "Z" times): no conversion to make
+        return dt.isoformat(timespec="microseconds")[:-6] + "Z"
     if dt.utcoffset() != _ZERO:
         dt = dt.astimezone(UTC)
     return dt.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
@@ -158,28 +171,19 @@ class RunView(msgspec.Struct):
 # ---------------------------------------------------------------- folds
 
 
+_ORG_EVENTS = get_args(OrgEvent)
+_WS_EVENTS = get_args(WorkspaceEvent)
+
+
 def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
     """Record the event in the audit history, then fold it into its aggregate's rows."""
     w.insert("events", _event_row(meta, event, raw))
-    if isinstance(
-        event,
-        OrgCreated | TokenIssued | FolderCreated | OrgSettingsSet | FolderSettingsSet | GroupSet,
-    ):
+    if isinstance(event, _ORG_EVENTS):
         project_org(w, meta, event)
-    elif isinstance(
-        event,
-        WorkspaceCreated
-        | RunEnqueued
-        | RunAdmitted
-        | RunReleased
-        | VariablesSet
-        | SettingsSet
-        | WorkspaceLocked
-        | WorkspaceUnlocked,
-    ):
+    elif isinstance(event, _WS_EVENTS):
         project_workspace(w, meta, event)
     else:
-        project_run(w, meta, event)
+        project_run(w, meta, event)  # type: ignore[arg-type]  # the rest are run events
 
 
 def _event_row(meta: Meta, event: AnyEvent, raw: bytes) -> Row:
@@ -215,7 +219,16 @@ def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
                     "created_at": iso(event.at),
                 },
             )
-        case FolderCreated() | OrgSettingsSet() | FolderSettingsSet() | GroupSet():
+        case (
+            FolderCreated()
+            | OrgSettingsSet()
+            | FolderSettingsSet()
+            | GroupSet()
+            | TemplateSaved()
+            | TemplateDeleted()
+            | PolicySaved()
+            | PolicyDeleted()
+        ):
             pass  # read from the organization aggregate itself (services/api/settings.py)
         case _:
             assert_never(event)
@@ -335,7 +348,7 @@ def run_row(view: RunView) -> Row:
         "acknowledged_json": _json.encode(s.acknowledged).decode(),
         "reason": _opt(s.reason),
         "error_message": view.error_message,
-        "phase": _opt(s.phase),
+        "phase": _opt(s.phase or s.waiting_phase),  # the phase running, or waiting
         "lease_id": _opt(s.lease_id),
         "executor_id": _opt(s.executor_id),
         "last_seq": view.last_seq,

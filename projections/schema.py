@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 4
+VERSION = 5
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]

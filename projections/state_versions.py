@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import aiosqlite
 import msgspec
 
+from events import runsteps
 from events.run import PlanFinished, RunState, StateVersionCreated
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 
 _state = msgspec.json.Decoder(RunState)
 _plan = msgspec.json.Decoder(PlanFinished)
+_NO_STEPS: dict[str, Any] = {"template": None, "steps": [], "current_step": None}
 _COLUMNS = "serial, lineage, digest, object, size, run_id, created_at"
 
 
@@ -64,17 +66,25 @@ async def state_versions(query: Query, org: str, ws: str) -> list[dict[str, Any]
 
 
 async def run_pins(query: Query, run_id: str) -> dict[str, Any]:
-    """The run's snapshot (null before admission) and its commit's author and message."""
+    """The run's snapshot (null before admission), whether it is a speculative plan, and
+    its commit's author and message."""
     runs = await query("SELECT state_json FROM runs WHERE id = ?", (run_id,))
     plans = await query(
         "SELECT data_json FROM events WHERE run_id = ? AND type = 'run.plan_finished' "
         "ORDER BY seq DESC LIMIT 1",
         (run_id,),
     )
-    snapshot = _state.decode(runs[0]["state_json"]).snapshot if runs else None
+    state = _state.decode(runs[0]["state_json"]) if runs else None
+    snapshot = state.snapshot if state is not None else None
     plan = _plan.decode(plans[0]["data_json"]) if plans else None
     return {
         "snapshot": msgspec.to_builtins(snapshot) if snapshot is not None else None,
+        "speculative": state.speculative if state is not None else False,
+        # Each policy set's result on the plan, and the soft failures an approval overrode.
+        "policies": msgspec.to_builtins(state.policies) if state is not None else [],
+        "overridden": list(state.overridden) if state is not None else [],
+        # The template's steps, each with its status (events/runsteps.py).
+        **(runsteps.view(state) if state is not None else _NO_STEPS),
         "commit_author": plan.commit_author or None if plan else None,
         "commit_message": plan.commit_message or None if plan else None,
     }

@@ -3,7 +3,9 @@
 Every writer (api, scheduler, executor) goes through here, so the rules that span two
 aggregates live in one place: a new run is enqueued on its workspace in the same atomic
 batch, admission moves the workspace and the run together, and a run that reaches a
-terminal status gives its workspace back in the same batch.
+terminal status gives its workspace back in the same batch. A speculative plan (setting
+`speculative_plans`) is the exception: never enqueued, admitted on its own, it holds and
+releases nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any, TypeVar
 import msgspec
 from ulid import ULID
 
+from events import folder as fo
 from events import inherit
 from events import org as org_agg
+from events import policies as po
 from events import run as run_agg
+from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
 from events.errors import Conflict, IllegalTransition, NotFound
@@ -78,6 +83,7 @@ class App:
         self.ids = ids
         self.attempts = attempts
         self.snapshot = snapshot
+        self._enqueue_locks: dict[str, asyncio.Lock] = {}  # per workspace subject
 
     # ------------------------------------------------------------ loading
 
@@ -186,15 +192,30 @@ class App:
     # ------------------------------------------------------------ runs
 
     async def create_run(
-        self, org: str, ws: str, run_type: str, actor: str, message: str = ""
+        self,
+        org: str,
+        ws: str,
+        run_type: str,
+        actor: str,
+        message: str = "",
+        template: str = "",
     ) -> Result:
-        """Record a pending run and enqueue it on its workspace, in one atomic batch."""
+        """Record a pending run and enqueue it on its workspace, in one atomic batch.
+
+        The run records its template's steps (`events.templates.resolve`): the one named,
+        else the workspace's default for the run type (setting `templates`), else the
+        built-in; Invalid if that template does not exist or does not suit the run type."""
         run_id = self.ids()
 
         async def attempt() -> Result:
-            w = await self.load_ws(org, ws)
+            w, o = await asyncio.gather(self.load_ws(org, ws), self.load_org(org))
             if not w.state.exists:
                 raise NotFound("workspace does not exist")
+            effective = inherit.for_workspace(o.state, w.state)
+            steps = None
+            if run_type in run_agg.RUN_TYPES:  # else decide refuses the run type
+                defaults = effective["templates"]["value"] or {}
+                steps = te.resolve(run_type, template, o.state.templates, defaults)
             now = self.clock()
             create = run_agg.CreateRun(
                 actor=actor,
@@ -204,10 +225,16 @@ class App:
                 run_type=run_type,
                 config=w.state.config,
                 message=message,
+                speculative=run_type == "plan" and bool(effective["speculative_plans"]["value"]),
+                template=steps,
             )
             run_events = run_agg.decide(run_agg.INITIAL, create, now=now, new_id=self.ids)
-            ws_events = ws_agg.decide(
-                w.state, ws_agg.EnqueueRun(actor=actor, run_id=run_id), now=now, new_id=self.ids
+            enqueue = ws_agg.EnqueueRun(actor=actor, run_id=run_id)
+            # A speculative plan is not enqueued: the scheduler admits it on run.created.
+            ws_events = (
+                []
+                if create.speculative
+                else ws_agg.decide(w.state, enqueue, now=now, new_id=self.ids)
             )
             seq = await self.store.append(
                 self._appends(run_subject(org, ws, run_id), 0, list(run_events))
@@ -215,7 +242,10 @@ class App:
             )
             return Result(state=run_agg.fold(run_events), seq=seq, events=list(run_events))
 
-        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+        # Creates on one workspace enqueue one at a time within a process: racing, they
+        # would all reload, all but one conflict, and a burst would exhaust its retries.
+        async with self._enqueue_locks.setdefault(ws_subject(org, ws), asyncio.Lock()):
+            return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
 
     async def run_command(
         self,
@@ -242,7 +272,8 @@ class App:
             evs = run_agg.decide(r.state, command, now=now, new_id=self.ids)
             new_state = run_agg.fold(evs, r.state)
             appends = self._appends(r.subject, r.seq, list(evs))
-            if new_state.terminal and not r.state.terminal:
+            # A speculative plan never held its workspace: there is nothing to release.
+            if new_state.terminal and not r.state.terminal and not new_state.speculative:
                 w = await self.load_ws(org, new_state.workspace)
                 release = ws_agg.ReleaseRun(
                     actor=command.actor, run_id=run_id, status=str(new_state.status)
@@ -285,17 +316,49 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # str
 
+    async def admit_speculative(
+        self, org: str, ws: str, run_id: str, actor: str = "scheduler"
+    ) -> bool:
+        """Admit a pending speculative plan at once, pinned like any run (`_pin`) but with
+        no workspace event: it neither waits for its workspace nor holds it, and a locked
+        workspace does not stop it (it changes nothing). False if there was nothing to
+        admit: not speculative, or admitted already (by another scheduler)."""
+        pinned: dict[str, run_agg.Snapshot] = {}
+
+        async def attempt() -> bool:
+            r = await self.load_run(org, ws, run_id)
+            if not r.state.speculative or r.state.status != run_agg.Status.PENDING:
+                return False
+            try:
+                admit = run_agg.AdmitRun(actor=actor, snapshot=await self._pin(r.state, pinned))
+            except SnapshotFailed as e:
+                await self._unpinnable(org, ws, run_id, actor, e)
+                return False
+            evs = run_agg.decide(r.state, admit, now=self.clock(), new_id=self.ids)
+            await self.store.append(self._appends(r.subject, r.seq, list(evs)))
+            return True
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
+
     async def _pin(
         self, run: run_agg.RunState, pinned: dict[str, run_agg.Snapshot]
     ) -> run_agg.Snapshot | None:
-        """The hook's snapshot, its settings the effective ones (value and origin) now."""
+        """The hook's snapshot, its settings the effective ones (value and origin) now,
+        and the policy sets of the workspace's organization, folders and its own."""
         if self.snapshot is None:
             return None
         if run.run_id not in pinned:
             snap = await self.snapshot(run)
-            resolved = await self.effective_settings(run.org, run.workspace)
-            settings = {**snap.settings, **resolved}
-            pinned[run.run_id] = msgspec.structs.replace(snap, settings=settings)
+            o, w = await asyncio.gather(
+                self.load_org(run.org), self.load_ws(run.org, run.workspace)
+            )
+            settings = {**snap.settings, **inherit.for_workspace(o.state, w.state)}
+            # The policy sets the plan will be checked against, as they are now.
+            folders = fo.path(o.state.folders, w.state.folder)
+            policies = po.for_workspace(o.state.policies, folders, run.workspace)
+            pinned[run.run_id] = msgspec.structs.replace(
+                snap, settings=settings, policies=policies
+            )
         return pinned[run.run_id]
 
     # ------------------------------------------------------------ settings and folders
@@ -306,7 +369,8 @@ class App:
         async def attempt() -> Result:
             cur = await self.load_org(org)
             evs = org_agg.decide(cur.state, command, now=self.clock(), new_id=self.ids)
-            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            appends = self._appends(cur.subject, cur.seq, list(evs))
+            seq = await self.store.append(appends) if appends else cur.seq  # none: no change
             return Result(state=org_agg.fold(evs, cur.state), seq=seq, events=list(evs))
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
@@ -317,6 +381,11 @@ class App:
         """Change a workspace's own settings (null unsets one); runs admitted keep theirs."""
         cmd = ws_agg.SetSettings(actor=actor, changes=changes)
         return await self._workspace_command(org, name, cmd)
+
+    async def _speculative_plans(self, org: str, ws: ws_agg.WorkspaceState) -> bool:
+        """Whether the workspace's effective `speculative_plans` is on (org aggregate)."""
+        o = await self.load_org(org)
+        return bool(inherit.for_workspace(o.state, ws)["speculative_plans"]["value"])
 
     async def effective_settings(self, org: str, ws: str) -> inherit.Resolved:
         """Every setting's effective value for a workspace, with its origin, read from

@@ -42,10 +42,11 @@ class Plane:
     stack: AsyncExitStack
     executors: dict[str, Executor] = field(default_factory=dict)
 
-    async def executor(self, name: str) -> Executor:
+    async def executor(self, name: str, pool: str = "default") -> Executor:
         ex = Executor(
             self.nc,
             self.app,
+            pool=pool,
             work_dir=self.root / name,
             executor_id=name,
             heartbeat_interval=0.2,

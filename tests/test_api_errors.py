@@ -51,6 +51,14 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/groups"),
     ("POST", "/api/v1/orgs/{org}/groups"),
     ("PUT", "/api/v1/orgs/{org}/groups/{group}/members"),
+    ("GET", "/api/v1/orgs/{org}/policies"),
+    ("GET", "/api/v1/orgs/{org}/policies/{policy}"),
+    ("PUT", "/api/v1/orgs/{org}/policies/{policy}"),
+    ("DELETE", "/api/v1/orgs/{org}/policies/{policy}"),
+    ("GET", "/api/v1/orgs/{org}/templates"),
+    ("GET", "/api/v1/orgs/{org}/templates/{template}"),
+    ("PUT", "/api/v1/orgs/{org}/templates/{template}"),
+    ("DELETE", "/api/v1/orgs/{org}/templates/{template}"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
@@ -66,6 +74,10 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/settings": {"require_approval": False},
     "/api/v1/orgs/{org}/groups": {"name": "ops", "members": ["alice"]},
     "/api/v1/orgs/{org}/groups/{group}/members": {"members": ["bob"]},
+    "/api/v1/orgs/{org}/policies/{policy}": {
+        "enforcement": "advisory",
+        "source": "package p\ndeny contains m if { m := input.x }\n",
+    },
 }
 
 
@@ -114,6 +126,8 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 name="token",
                 folder="platform",
                 group="ops",
+                policy="p",
+                template="t",
             )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
@@ -154,7 +168,14 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
         if template == "/healthz":
             continue
         path = template.format(
-            org="acme", ws="net", run=RUN_ID, name="token", folder="f", group="g"
+            org="acme",
+            ws="net",
+            run=RUN_ID,
+            name="token",
+            folder="f",
+            group="g",
+            policy="p",
+            template="t",
         )
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
             a = await http.call(method, path, token=None, headers=hdrs)

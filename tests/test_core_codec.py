@@ -14,8 +14,10 @@ from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
+from events.policies import PolicyDeleted, PolicySaved, PolicySet
 from events.run import (
     ApplyFinished,
+    CustomStepFinished,
     PhaseStarted,
     PlanFinished,
     PlanSummary,
@@ -34,6 +36,7 @@ from events.run import (
     StepStarted,
     Workspace,
 )
+from events.templates import Template, TemplateDeleted, TemplateSaved, TemplateStep
 from events.workspace import (
     RunAdmitted,
     RunEnqueued,
@@ -134,6 +137,30 @@ SAMPLES: list[Any] = [
         at=AT, actor="alice", token_id="tok-1", token_hash="sha256:feed", user="bob", role="admin"
     ),
     GroupSet(at=AT, actor="alice", name="sre", members=["bob", "carol"]),
+    CustomStepFinished(at=AT, actor="exec-a", lease_id="lease-1", number=300),
+    TemplateSaved(
+        at=AT,
+        actor="alice",
+        template=Template(
+            name="lint",
+            steps=[
+                TemplateStep(number=50, kind="custom", name="tflint", command="tflint"),
+                TemplateStep(number=100, kind="plan"),
+            ],
+        ),
+    ),
+    TemplateDeleted(at=AT, actor="alice", name="lint"),
+    PolicySaved(
+        at=AT,
+        actor="alice",
+        policy=PolicySet(
+            name="no-deletes",
+            enforcement="hard-mandatory",
+            source="package p\ndeny contains m if { false; m := 1 }",
+            scope="folder:platform",
+        ),
+    ),
+    PolicyDeleted(at=AT, actor="alice", name="no-deletes"),
 ]
 
 EVENT_TYPES = [*get_args(RunEvent), *get_args(WorkspaceEvent), *get_args(OrgEvent)]

@@ -249,9 +249,21 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         "executor_id": EXECUTOR,
         "seq": applied.seq - 1,  # the workspace release came last, in the same batch
         "snapshot": None,  # admitted without a snapshot hook
+        "speculative": False,
         "commit_author": None,
         "commit_message": None,
+        "policies": [],
+        "overridden": [],
+        "template": "apply",
+        "current_step": None,
+        "steps": run["steps"],  # checked below
     }
+    assert [(s["number"], s["kind"], s["status"]) for s in run["steps"]] == [
+        (100, "plan", "done"),
+        (125, "policy", "done"),
+        (150, "approval", "done"),
+        (200, "apply", "done"),
+    ]
     steps = await read.run_steps(ORG, run_id)
     assert [(s["phase"], s["step"], s["status"]) for s in steps] == [
         ("plan", "checkout", "ok"),

@@ -158,6 +158,49 @@ async def test_a_busy_workspace_does_not_block_another(nc: NATS, app: App) -> No
         assert await status("busy", second.state.run_id) == "pending"
 
 
+async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
+    nc: NATS, store: EventStore
+) -> None:
+    """The snapshot (`git ls-remote`) of one workspace hangs; the scheduler keeps
+    admitting and dispatching the others meanwhile, and admits the slow one when its
+    snapshot comes."""
+    release = asyncio.Event()
+
+    async def snapshot(run: R.RunState) -> R.Snapshot:
+        if run.workspace == "slow":
+            await release.wait()
+        return R.Snapshot(commit="0" * 40)
+
+    app = App(store, snapshot=snapshot)
+    await _setup(app, ["slow", "fast"])
+    async with Scheduler(nc, app, batch=8):
+        slow = await app.create_run("acme", "slow", "apply", "alice")
+        fast = [await app.create_run("acme", "fast", "plan", "alice") for _ in range(3)]
+
+        async def status(ws: str, run: str) -> str:
+            return str((await app.load_run("acme", ws, run)).state.status)
+
+        async def fast_admitted() -> bool:
+            return await status("fast", fast[0].state.run_id) == "queued"
+
+        await eventually(fast_admitted, timeout=10, what="the fast workspace admitted")
+        assert await status("slow", slow.state.run_id) == "pending"
+        # the fast workspace goes on: its first run ends, the next one is admitted
+        await app.run_command("acme", "fast", fast[0].state.run_id, R.CancelRun(actor="alice"))
+
+        async def next_admitted() -> bool:
+            return await status("fast", fast[1].state.run_id) == "queued"
+
+        await eventually(next_admitted, timeout=10, what="the next fast run admitted")
+        assert await status("slow", slow.state.run_id) == "pending"
+        release.set()
+
+        async def slow_admitted() -> bool:
+            return await status("slow", slow.state.run_id) == "queued"
+
+        await eventually(slow_admitted, timeout=10, what="the slow workspace admitted")
+
+
 async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
     nc: NATS, app: App
 ) -> None:

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from services.api import changes, groups, locks, logs, openapi, orgs, runs, secrets, state
+from services.api import policies as policies_api
 from services.api import settings as settings_api
+from services.api import templates as templates_api
 from services.api.common import json_response
 from services.api.context import API, Api
 from services.api.middleware import MIDDLEWARES
@@ -46,6 +48,14 @@ ROUTES = [
     web.get(ORG + "/groups", groups.list_groups, allow_head=False),
     web.post(ORG + "/groups", groups.create_group),
     web.put(ORG + "/groups/{group}/members", groups.set_group_members),
+    web.get(ORG + "/templates", templates_api.list_templates, allow_head=False),
+    web.get(ORG + "/templates/{template}", templates_api.get_template, allow_head=False),
+    web.put(ORG + "/templates/{template}", templates_api.put_template),
+    web.delete(ORG + "/templates/{template}", templates_api.delete_template),
+    web.get(ORG + "/policies", policies_api.list_policies, allow_head=False),
+    web.get(ORG + "/policies/{policy}", policies_api.get_policy, allow_head=False),
+    web.put(ORG + "/policies/{policy}", policies_api.put_policy),
+    web.delete(ORG + "/policies/{policy}", policies_api.delete_policy),
     web.get(ORG + "/settings", settings_api.get_org_settings, allow_head=False),
     web.patch(ORG + "/settings", settings_api.patch_org_settings),
     web.get(ORG + "/folders/{folder}/settings", settings_api.get_folder_settings, allow_head=False),

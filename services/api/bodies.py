@@ -94,6 +94,14 @@ class CreateFolderBody(Body, frozen=True, kw_only=True):
 class CreateRunBody(Body, frozen=True, kw_only=True):
     type: Annotated[str, Meta(description="plan, apply, destroy or drift")]
     message: Annotated[str, Meta(max_length=4096)] = ""
+    template: Annotated[
+        str,
+        Meta(
+            max_length=63,
+            description="the template to run (GET .../templates); empty: the workspace's "
+            "default for the run type (setting `templates`), else the built-in",
+        ),
+    ] = ""
 
 
 class ApproveBody(Body, frozen=True, kw_only=True):

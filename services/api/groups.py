@@ -19,7 +19,7 @@ from services.api.bodies import Body, Name, check_name, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import INT, REF, STR, Doc, ref
+from services.api.schemas import INT, REF, STR, Doc, path_param, ref
 from services.commands import Result
 
 PREFIX = "/api/v1/orgs"
@@ -102,13 +102,7 @@ SCHEMAS: dict[str, Doc] = {
     },
 }
 PARAMETERS: dict[str, Doc] = {
-    "group": {
-        "name": "group",
-        "in": "path",
-        "required": True,
-        "description": "group name",
-        "schema": {"type": "string"},
-    }
+    "group": path_param("group", "group name")
 }
 _SEQ: Doc = {"description": "stream sequence of the write", **INT}
 

@@ -15,8 +15,8 @@ from services.api.render import _time
 from services.infra.heartbeats import DEADLINE, Beat, Board
 
 Row = dict[str, Any]
-_RUNNING = {"planning": "plan", "applying": "apply"}
-_WAITING = {"queued": "plan", "apply_queued": "apply"}
+_RUNNING = frozenset({"planning", "applying", "running"})
+_WAITING = frozenset({"queued", "apply_queued"})
 
 
 async def liveness(board: Board, run: Row) -> Row:
@@ -24,7 +24,8 @@ async def liveness(board: Board, run: Row) -> Row:
     status, run_id = run["status"], run["id"]
     owner = None
     deadlines: list[tuple[datetime, str]] = []
-    if phase := _RUNNING.get(status):
+    phase = run.get("phase") or ""  # the phase running, or waiting for an executor
+    if phase and status in _RUNNING:
         beat = await board.last(run_id, phase)
         if beat is not None and beat.lease_id:
             owner = {
@@ -32,7 +33,7 @@ async def liveness(board: Board, run: Row) -> Row:
                 "lease_id": beat.lease_id,
                 "last_beat_at": _time(beat.time),
             }
-    if phase := _WAITING.get(status):
+    if phase and status in _WAITING:
         beat = await board.last(run_id, phase)
         if beat is not None and not beat.lease_id and beat.body.timeout > 0:
             deadlines.append((beat.time + timedelta(seconds=beat.body.timeout), "dispatch_timeout"))

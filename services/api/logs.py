@@ -17,17 +17,19 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from events.run import TERMINAL
+from events.templates import valid_phase
 from services.api.auth import VIEWER
 from services.api.bodies import check_name
 from services.api.common import json_response, path_id, scope
 from services.api.problems import Problem
 from services.api.runlog import Follower, Out, Target, encode_sse, snapshot
 from services.api.schemas import INT, STR, Doc
-from services.infra.steplogs import PHASES, STREAMS, LogError
+from services.infra.steplogs import STREAMS, LogError
 
 log = structlog.get_logger("runplane.api")
 
 _PARAMS = frozenset({"follow", "phase", "step"})
+PHASE_SCHEMA = {"type": "string", "pattern": "^(plan|apply|custom-[1-9][0-9]{0,4})$"}
 _FOLLOW = {"1": True, "true": True, "0": False, "false": False, "": False}
 
 
@@ -41,8 +43,10 @@ def _query(request: web.Request) -> tuple[bool, str | None, str | None]:
     if follow not in _FOLLOW:
         raise Problem("invalid-query", "follow must be 1 or 0")
     phase = query.get("phase")
-    if phase is not None and phase not in PHASES:
-        raise Problem("invalid-query", f"phase must be one of {', '.join(PHASES)}")
+    if phase is not None and not valid_phase(phase):
+        raise Problem(
+            "invalid-query", "phase must be plan, apply or custom-<number> (a custom step)"
+        )
     step = query.get("step")
     return _FOLLOW[follow], phase, None if step is None else check_name("step", step)
 
@@ -97,14 +101,14 @@ PARAMETERS: dict[str, Doc] = {
     "log_follow": _param(
         "follow", "1: server-sent events until the run ends", {"enum": ["0", "1", "false", "true"]}
     ),
-    "log_phase": _param("phase", "only this phase", {"enum": list(PHASES)}),
+    "log_phase": _param("phase", "only this phase", PHASE_SCHEMA),
     "log_step": _param("step", "only this step", STR),
 }
 _LINE: Doc = {
     "type": "object",
     "required": ["phase", "step", "stream", "line", "text"],
     "properties": {
-        "phase": {"enum": list(PHASES)},
+        "phase": PHASE_SCHEMA,
         "step": STR,
         "stream": {"enum": list(STREAMS)},
         "line": {**INT, "description": "1, 2, ... per step, across both streams"},

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
+from events.run import Status
 from services.api import changes, groups, locks, logs, secrets, state
+from services.api import policies as policies_api
 from services.api import settings as settings_api
+from services.api import templates as templates_api
 from services.api.bodies import BODIES
 from services.api.problems import CONTENT_TYPE
 from services.api.schemas import ID, INT, REF, SCHEMAS, STR, Doc, ref
@@ -19,6 +22,11 @@ from services.api.schemas import ID, INT, REF, SCHEMAS, STR, Doc, ref
 
 def _path(name: str, what: str) -> Doc:
     return {"name": name, "in": "path", "required": True, "description": what, "schema": ID}
+
+
+_ONE_STATUS = "|".join(s.value for s in Status)
+_ITEM = rf"\s*({_ONE_STATUS})?\s*"
+_STATUS_LIST: Doc = {**STR, "pattern": f"^{_ITEM}(,{_ITEM})*$"}
 
 
 def _query(name: str, what: str, schema: Doc) -> Doc:
@@ -37,7 +45,7 @@ PARAMETERS: dict[str, Doc] = {
         "(the RP-Seq of the caller's last write); 503 stale-read if it cannot within ~5 s",
         "schema": {**INT, "minimum": 0},
     },
-    "status": _query("status", "comma-separated run statuses", STR),
+    "status": _query("status", "comma-separated run statuses", _STATUS_LIST),
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
@@ -45,6 +53,8 @@ PARAMETERS: dict[str, Doc] = {
     **secrets.PARAMETERS,
     **settings_api.PARAMETERS,
     **groups.PARAMETERS,
+    **templates_api.PARAMETERS,
+    **policies_api.PARAMETERS,
 }
 
 _ERRORS = {
@@ -53,7 +63,7 @@ _ERRORS = {
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
     "409": "conflict (with current_status) or already-exists",
-    "422": "invalid-id or invalid-command",
+    "422": "invalid-id, invalid-command or invalid-policy",
     "503": "unavailable or stale-read",
 }
 
@@ -287,6 +297,8 @@ PATHS: dict[str, Doc] = {
     **settings_api.PATHS,
     **locks.PATHS,
     **groups.PATHS,
+    **templates_api.PATHS,
+    **policies_api.PATHS,
 }
 
 
@@ -318,6 +330,8 @@ def document() -> Doc:
                 **settings_api.SCHEMAS,
                 **locks.SCHEMAS,
                 **groups.SCHEMAS,
+                **templates_api.SCHEMAS,
+                **policies_api.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

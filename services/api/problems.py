@@ -39,6 +39,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "body-too-large": (413, "The request body is too large"),
     "invalid-id": (422, "An identifier is invalid"),
     "invalid-command": (422, "The command is invalid"),
+    "invalid-policy": (422, "The policy does not compile"),
     "internal-error": (500, "Internal server error"),
     "unavailable": (503, "Temporarily unavailable"),
     "stale-read": (503, "The read model has not caught up"),

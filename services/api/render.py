@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from events import runsteps
 from events.org import OrgState
 from events.run import PlanSummary, RunState
 from events.workspace import Lock, WorkspaceState
@@ -84,10 +85,14 @@ def run(state: RunState, seq: int) -> Row:
         "acknowledged": list(state.acknowledged),
         "reason": state.reason or None,
         "error_message": state.error_message or None,
-        "phase": state.phase or None,
+        "phase": state.phase or state.waiting_phase or None,  # running, or waiting
         "executor_id": state.executor_id or None,
         "seq": seq,
         "snapshot": msgspec.to_builtins(state.snapshot) if state.snapshot else None,
+        "speculative": state.speculative,
+        "policies": msgspec.to_builtins(state.policies),
+        "overridden": list(state.overridden),
+        **runsteps.view(state),  # template, steps (each with its status), current_step
         # Known from the run's plan event only, which a command's result does not carry.
         "commit_author": None,
         "commit_message": None,

@@ -57,7 +57,9 @@ async def create_run(request: web.Request) -> web.Response:
     api, org, who = scope(request, OPERATOR)
     ws = path_id(request, "ws")
     body = await read_body(request, CreateRunBody)
-    result = await api.app.create_run(org, ws, body.type, who.user, body.message)
+    result = await api.app.create_run(
+        org, ws, body.type, who.user, body.message, template=body.template
+    )
     return await _answer(api, org, result, status=201)
 
 

@@ -35,6 +35,11 @@ BOOL: Doc = {"type": "boolean"}
 TIME: Doc = {"type": "string", "format": "date-time"}
 ID: Doc = {"type": "string", "pattern": ID_RE.pattern}
 
+
+def path_param(name: str, what: str) -> Doc:
+    """A path parameter that is a name: a subject-safe token."""
+    return {"name": name, "in": "path", "required": True, "description": what, "schema": ID}
+
 # ------------------------------------------------------------ schemas of answers
 
 SCHEMAS: dict[str, Doc] = {
@@ -94,6 +99,22 @@ SCHEMAS: dict[str, Doc] = {
         },
         queue={"type": "array", "items": STR},
     ),
+    "RunTemplateStep": _obj(
+        ["number", "kind", "name", "status"],
+        number=INT,
+        kind={"enum": ["plan", "policy", "approval", "apply", "destroy", "custom"]},
+        name=STR,
+        command={**_nullable(STR), "description": "custom steps: the shell line"},
+        phase={
+            **_nullable(STR),
+            "description": "the phase an executor runs it in: plan, apply or custom-<number>",
+        },
+        status={
+            "enum": ["done", "skipped", "current", "pending", "failed", "canceled", "discarded"],
+            "description": "skipped: passed over (no approval needed, no changes) or never "
+            "reached; failed/canceled/discarded: the step the run ended at",
+        },
+    ),
     "PlanSummary": _obj(["add", "change", "destroy"], add=INT, change=INT, destroy=INT),
     "Run": _obj(
         ["id", "org", "workspace", "type", "status"],
@@ -125,6 +146,58 @@ SCHEMAS: dict[str, Doc] = {
         },
         commit_author=_nullable(STR),
         commit_message={**_nullable(STR), "description": "the first line"},
+        template={**_nullable(STR), "description": "the name of the template the run executes"},
+        steps={
+            "type": "array",
+            "items": ref("RunTemplateStep"),
+            "description": "the template's steps as recorded when the run was created",
+        },
+        current_step={
+            **_nullable(ref("RunTemplateStep")),
+            "description": "the step the run is at (waiting or running); null once it ended",
+        },
+        speculative={
+            **BOOL,
+            "description": "a plan-only run of a workspace with `speculative_plans` on: "
+            "admitted at once, outside the workspace's queue, planned without a state lock",
+        },
+        policies={
+            "type": "array",
+            "items": ref("PolicyResult"),
+            "description": "each pinned policy set's result on the plan (empty before the "
+            "plan, or with no policy sets); a failed hard-mandatory one fails the run "
+            "`policy_failed`, a failed soft-mandatory one needs an approval",
+        },
+        overridden={
+            "type": "array",
+            "items": STR,
+            "description": "the failed soft-mandatory policy sets the approval overrode "
+            "(`approved_by` is who; `run.approved` in the events records when)",
+        },
+        owner={
+            **_nullable(
+                _obj(
+                    ["executor_id", "lease_id", "last_beat_at"],
+                    executor_id=_nullable(STR),
+                    lease_id=STR,
+                    last_beat_at=TIME,
+                )
+            ),
+            "description": "while a phase runs: the executor whose heartbeats hold its "
+            "lease, and its last beat (server time); null otherwise and once the run ended",
+        },
+        deadline={
+            **_nullable(
+                _obj(
+                    ["kind", "at"],
+                    kind={"enum": ["run_timeout", "approval_timeout", "dispatch_timeout"]},
+                    at=TIME,
+                )
+            ),
+            "description": "the earliest limit that will close the run if nothing moves it: "
+            "`run_timeout`, `approval_timeout` (awaiting approval) or `dispatch_timeout` (a "
+            "phase waiting for an executor); null when none applies and once the run ended",
+        },
     ),
     "RunEvent": _obj(
         ["seq", "type", "at", "actor", "data"],
@@ -136,7 +209,7 @@ SCHEMAS: dict[str, Doc] = {
     ),
     "Step": _obj(
         ["phase", "step", "status"],
-        phase={"enum": ["plan", "apply"]},
+        phase={"type": "string", "pattern": "^(plan|apply|custom-[1-9][0-9]{0,4})$"},
         step={**STR, "examples": ["checkout", "init", "plan", "apply"]},
         status={"enum": ["running", "ok", "failed"]},
         started_at=_nullable(TIME),

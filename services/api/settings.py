@@ -22,7 +22,7 @@ from services.api.bodies import CreateFolderBody, check_name, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import BOOL, INT, STR, Doc, ref
+from services.api.schemas import BOOL, INT, STR, Doc, path_param, ref
 from services.commands import Result
 
 PREFIX = "/api/v1/orgs"
@@ -168,6 +168,7 @@ _TYPES: dict[type, Doc] = {
     int: {**INT, "minimum": 0},
     str: STR,
     list: {"type": "array", "items": STR},
+    dict: {"type": "object", "additionalProperties": STR},
 }
 
 
@@ -326,11 +327,5 @@ PATHS: dict[str, Doc] = {
     },
 }
 PARAMETERS: dict[str, Doc] = {
-    "folder": {
-        "name": "folder",
-        "in": "path",
-        "required": True,
-        "description": "folder name",
-        "schema": {"type": "string"},
-    }
+    "folder": path_param("folder", "folder name")
 }

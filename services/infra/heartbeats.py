@@ -25,6 +25,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from events.templates import valid_phase
 from services.infra.streams import HEARTBEATS
 
 PHASES = ("plan", "apply")
@@ -100,7 +101,9 @@ def parse(hdrs: dict[str, str], data: bytes) -> Beat | None:
     """A board message as a Beat; None for the clock and anything not `rp.hb.<run>.<phase>`."""
     subj = hdrs["Nats-Subject"]
     parts = subj.split(".")
-    if len(parts) != 4 or parts[3] not in (*PHASES, DEADLINE) or parts[2].startswith("_"):
+    if len(parts) != 4 or parts[2].startswith("_"):
+        return None
+    if parts[3] != DEADLINE and not valid_phase(parts[3]):
         return None
     try:
         decoded = _decoder.decode(data) if data else Body()

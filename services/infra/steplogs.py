@@ -31,7 +31,7 @@ from services.infra.streams import LOGS, LOGS_BUCKET
 STREAM_HEADER = "Rp-Stream"
 LINE_HEADER = "Rp-Line"
 STREAMS = ("stdout", "stderr")
-PHASES = ("plan", "apply")
+PHASES = ("plan", "apply")  # and custom-<number>: events/templates.py valid_phase
 
 _BATCH = 1000
 _SPOOL = 8 * 1024 * 1024  # a log object larger than this is spooled to disk while read

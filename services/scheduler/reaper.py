@@ -32,7 +32,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from events.errors import DomainError, IllegalTransition
-from events.run import RUNNING_STATUS, WAITING_PHASE, FailRun, RunState
+from events.run import FailRun, RunState, running_status
 from services.commands import App
 from services.infra.eventstore import StoreError
 from services.infra.heartbeats import DEADLINE, Beat, Board, BoardError
@@ -57,7 +57,7 @@ class Verdict(StrEnum):
 
 
 def running(run: RunState, phase: str) -> bool:
-    return run.phase == phase and run.status == RUNNING_STATUS.get(phase)
+    return run.phase == phase and run.status == running_status(phase)
 
 
 def judge(beat: Beat, run: RunState) -> Verdict:
@@ -66,7 +66,7 @@ def judge(beat: Beat, run: RunState) -> Verdict:
         return Verdict.PURGE
     if running(run, beat.phase):
         return Verdict.FAIL_SILENT if beat.lease_id == run.lease_id else Verdict.ADOPT
-    if run.status is not None and WAITING_PHASE.get(run.status) == beat.phase:
+    if run.waiting_phase == beat.phase:
         return Verdict.KEEP if beat.lease_id else Verdict.FAIL_UNCLAIMED
     return Verdict.PURGE
 
@@ -85,7 +85,7 @@ def unclaimed_guard(beat: Beat) -> Guard:
     """Fail only while the run still waits for that phase."""
 
     def guard(run: RunState) -> None:
-        if run.status is None or WAITING_PHASE.get(run.status) != beat.phase:
+        if run.waiting_phase != beat.phase:
             raise IllegalTransition(
                 "the phase was claimed since it was judged", status=str(run.status)
             )

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections import defaultdict
 from types import TracebackType
 
+import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from events.codec import decode, valid_id
 from events.errors import DomainError
-from events.run import WAITING_PHASE, RunState
+from events.run import RunState
+from events.settings import DEFAULT_ORIGIN
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import StoreError
@@ -37,7 +39,15 @@ log = structlog.get_logger(__name__)
 # Events after which a workspace may admit its next run.
 _ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released", "ws.unlocked"})
 # Events after which a run may have a phase waiting for an executor.
-_DISPATCH_TYPES = frozenset({"run.queued", "run.approved", "run.plan_finished"})
+_DISPATCH_TYPES = frozenset(
+    {
+        "run.queued",
+        "run.approved",
+        "run.plan_finished",
+        "run.apply_finished",
+        "run.custom_finished",
+    }
+)
 # Events after which a run's deadlines (services/scheduler/limits.py) may have moved.
 _LIMIT_TYPES = frozenset(
     {
@@ -46,6 +56,7 @@ _LIMIT_TYPES = frozenset(
         "run.plan_finished",
         "run.approved",
         "run.apply_finished",
+        "run.custom_finished",
         "run.discarded",
         "run.canceled",
         "run.failed",
@@ -59,8 +70,31 @@ def dispatch_message(state: RunState, phase: str) -> bytes:
     ).encode()
 
 
+def pool_of(state: RunState, default: str) -> str:
+    """The executor pool a run's phases go to: the `executor_pool` its snapshot pinned,
+    unless that is only the setting's default; then `default` (the scheduler's pool)."""
+    entry = state.snapshot.settings.get("executor_pool") if state.snapshot else None
+    value = entry.get("value") if isinstance(entry, dict) else entry
+    origin = entry.get("origin") if isinstance(entry, dict) else ""
+    if isinstance(value, str) and valid_id(value) and origin != DEFAULT_ORIGIN:
+        return value
+    return default
+
+
+def _speculative(data: bytes) -> bool:
+    """Whether a `run.created` message records a speculative plan."""
+    try:
+        return bool(getattr(decode(data), "speculative", False))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
 class Scheduler:
-    """Admission and dispatch; run as many replicas as you like."""
+    """Admission and dispatch; run as many replicas as you like.
+
+    `pool` is where phases go of runs whose workspace leaves `executor_pool` at its
+    default; a run whose effective setting names a pool is dispatched to that pool.
+    """
 
     def __init__(self, nc: NATS, app: App, *, batch: int = 256, pool: str = "default") -> None:
         self.nc = nc
@@ -71,6 +105,11 @@ class Scheduler:
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.ready = asyncio.Event()
+        # One lane per workspace: its messages in order, other workspaces never wait for
+        # it (a slow `git ls-remote` at admission holds only its own workspace).
+        self._lanes: dict[str, list[Msg]] = {}
+        self._lane_tasks: dict[str, asyncio.Task[None]] = {}
+        self._in_flight = asyncio.Semaphore(max(4 * batch, 64))
 
     async def __aenter__(self) -> Scheduler:
         await streams.ensure_scheduler_consumer(self.js)
@@ -89,6 +128,10 @@ class Scheduler:
         self._stopping.set()
         await cancel_and_wait(self._task)
         self._task = None
+        for task in list(self._lane_tasks.values()):
+            await cancel_and_wait(task)  # unacked messages are redelivered
+        self._lane_tasks.clear()
+        self._lanes.clear()
 
     async def run(self) -> None:
         sub = await self.js.pull_subscribe_bind(
@@ -111,11 +154,34 @@ class Scheduler:
             await self._handle_batch(msgs)
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
-        """Handle a batch: workspaces in parallel, each workspace's messages in order."""
-        groups: dict[str, list[Msg]] = defaultdict(list)
+        """Hand a batch to the workspaces' lanes and return without waiting for them
+        (only for room: at most `4 * batch` messages are in hand at once)."""
         for m in msgs:
-            groups[".".join(m.subject.split(".")[2:4])].append(m)
-        await asyncio.gather(*(self._handle_group(g) for g in groups.values()))
+            await self._in_flight.acquire()
+            key = ".".join(m.subject.split(".")[2:4])
+            self._lanes.setdefault(key, []).append(m)
+            if key not in self._lane_tasks:
+                self._lane_tasks[key] = asyncio.create_task(self._lane(key), name=f"lane-{key}")
+
+    async def drain(self) -> None:
+        """Wait until every message in hand is handled (tests and benchmarks)."""
+        while self._lane_tasks:
+            await asyncio.gather(*list(self._lane_tasks.values()), return_exceptions=True)
+
+    async def _lane(self, key: str) -> None:
+        """Handle a workspace's messages in order, in chunks of what arrived meanwhile."""
+        try:
+            while msgs := self._lanes.pop(key, []):
+                try:
+                    await self._handle_group(msgs)
+                finally:
+                    for _ in msgs:
+                        self._in_flight.release()
+        finally:
+            self._lane_tasks.pop(key, None)
+            leftover = self._lanes.pop(key, [])  # only if cancelled: redelivered later
+            for _ in leftover:
+                self._in_flight.release()
 
     async def _handle_group(self, msgs: list[Msg]) -> None:
         admitted = False
@@ -133,6 +199,8 @@ class Scheduler:
                     admitted = True
                 elif kind in _DISPATCH_TYPES:
                     await self._dispatch(org, ws, parts[4])
+                elif kind == "run.created" and _speculative(m.data):
+                    await self._admit_speculative(org, ws, parts[4])
                 if kind in watch.WATCHED:  # the reaper's board
                     await watch.follow(self.nc, self.app, kind, org, ws, parts[4])
                 if kind in _LIMIT_TYPES:  # the run's deadline marker, on the same board
@@ -155,15 +223,20 @@ class Scheduler:
         if run_id:
             log.info("run_admitted", org=org, workspace=ws, run_id=run_id)
 
+    async def _admit_speculative(self, org: str, ws: str, run_id: str) -> None:
+        """A speculative plan is admitted at once, outside its workspace's queue."""
+        if await self.app.admit_speculative(org, ws, run_id):
+            log.info("run_admitted", org=org, workspace=ws, run_id=run_id, speculative=True)
+
     async def _dispatch(self, org: str, ws: str, run_id: str) -> None:
         loaded = await self.app.load_run(org, ws, run_id)
         state: RunState = loaded.state
-        phase = WAITING_PHASE.get(state.status) if state.status else None
+        phase = state.waiting_phase
         if not phase:
             return
         await watch.mark_dispatched(self.nc, state, phase)  # before any executor can beat
         await self.js.publish(
-            streams.dispatch_subject(self.pool),
+            streams.dispatch_subject(pool_of(state, self.pool)),
             dispatch_message(state, phase),
             headers={"Nats-Msg-Id": f"{run_id}:{phase}"},
         )

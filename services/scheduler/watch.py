@@ -15,6 +15,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from events.run import RunState
+from events.templates import phase_of
 from services.commands import App
 from services.infra.heartbeats import CLAIMED, DISPATCHED, PHASES, Board, body, subject
 
@@ -27,7 +28,9 @@ _ENDS = {
     "run.failed": PHASES,
     "run.canceled": PHASES,
 }
-WATCHED = frozenset({"run.phase_started", *_ENDS})
+# Event types after which a custom step's phase (`custom-<number>`) may have ended.
+_CUSTOM_ENDS = frozenset({"run.custom_finished", "run.failed", "run.canceled"})
+WATCHED = frozenset({"run.phase_started", *_ENDS, *_CUSTOM_ENDS})
 
 
 async def mark_dispatched(nc: NATS, run: RunState, phase: str) -> None:
@@ -72,7 +75,19 @@ async def follow(nc: NATS, app: App, kind: str, org: str, ws: str, run_id: str) 
     if kind != "run.phase_started":
         for phase in _ENDS.get(kind, ()):
             await board.purge(subject(run_id, phase))
+        if kind in _CUSTOM_ENDS:
+            await _purge_custom(board, app, org, ws, run_id)
         return
     run: RunState = (await app.load_run(org, ws, run_id)).state
     if run.lease_id and run.phase:  # still running: it may have ended already
         await adopt(board, run)
+
+
+async def _purge_custom(board: Board, app: App, org: str, ws: str, run_id: str) -> None:
+    """Purge the entries of the run's custom steps that ran, but the one live now."""
+    run: RunState = (await app.load_run(org, ws, run_id)).state
+    live = set() if run.terminal else {run.phase, run.waiting_phase}
+    for s in run.steps[: run.step_at + 1]:
+        phase = phase_of(s)
+        if s.kind == "custom" and phase not in live:
+            await board.purge(subject(run_id, phase))

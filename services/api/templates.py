@@ -1,0 +1,213 @@
+"""Run templates (`events/templates.py`): the built-ins and the organization's own.
+
+`PUT .../templates/{name}` `{"steps": [{"number", "kind", "name"?, "command"?}, ...]}`
+saves one (admin; a rule it breaks is 422 `invalid-command` with the reason), `GET
+.../templates` lists the built-ins (`builtin: true`) then the organization's own, `GET
+.../templates/{name}` answers one, `DELETE` removes one of the organization's (a built-in
+cannot be deleted). Read from the organization aggregate, not the read model. A run
+records the steps it was created with, so changing or deleting a template changes no run.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from aiohttp import web
+
+from events import templates as te
+from events.org import OrgState
+from services.api.auth import ADMIN, VIEWER
+from services.api.bodies import Body, read_body
+from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
+from services.api.context import Api
+from services.api.problems import Problem
+from services.api.schemas import BOOL, INT, REF, STR, Doc, path_param, ref
+
+PREFIX = "/api/v1/orgs"
+
+_STEP_DOC: Doc = {
+    "type": "object",
+    "required": ["number", "kind"],
+    "additionalProperties": False,
+    "properties": {
+        "number": {**INT, "minimum": 1, "maximum": 99999, "description": "steps run in order"},
+        "kind": {"enum": list(te.KINDS)},
+        "name": {**STR, "maxLength": 100, "description": "shown in the run (default: kind)"},
+        "command": {
+            **STR,
+            "maxLength": te.MAX_COMMAND,
+            "description": "custom steps only: one shell line run with /bin/sh -c in the "
+            "workspace's directory of the checkout",
+        },
+    },
+}
+
+
+class TemplateBody(Body, frozen=True, kw_only=True):
+    steps: Annotated[
+        list[Any],
+        msgspec.Meta(
+            description="the steps, numbered (plan 100, policy 125, approval 150, apply 200)",
+            extra_json_schema={"items": _STEP_DOC, "minItems": 1, "maxItems": te.MAX_STEPS},
+        ),
+    ]
+
+
+async def _org(api: Api, org: str) -> OrgState:
+    state: OrgState = (await api.app.load_org(org)).state
+    if not state.exists:
+        raise Problem("not-found", f"organization {org} not found")
+    return state
+
+
+def row(template: te.Template) -> Row:
+    return {
+        "name": template.name,
+        "builtin": template.builtin,
+        "steps": [
+            {"number": s.number, "kind": s.kind, "name": s.label, "command": s.command or None}
+            for s in template.steps
+        ],
+    }
+
+
+def _find(state: OrgState, name: str) -> te.Template:
+    template = te.BUILTIN.get(name) or state.templates.get(name)
+    if template is None:
+        raise Problem("not-found", f"template {name} not found")
+    return template
+
+
+async def list_templates(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    state = await _org(api, org)
+    return items([row(t) for t in (*te.BUILTIN.values(), *state.templates.values())])
+
+
+async def get_template(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    name = path_id(request, "template")
+    return json_response(row(_find(await _org(api, org), name)))
+
+
+async def put_template(request: web.Request) -> web.Response:
+    """Create or replace one of the organization's templates: 201 if new, else 200."""
+    api, org, who = scope(request, ADMIN)
+    name = path_id(request, "template")
+    body = await read_body(request, TemplateBody)
+    before = await _org(api, org)
+    steps = te.parse_steps(body.steps)  # Invalid (422) with the reason
+    result = await api.app.org_command(org, te.SaveTemplate(actor=who.user, name=name, steps=steps))
+    new = name not in before.templates
+    headers = {SEQ_HEADER: str(result.seq)}
+    if new:
+        headers["Location"] = f"{PREFIX}/{org}/templates/{name}"
+    return json_response(
+        row(result.state.templates[name]), status=201 if new else 200, headers=headers
+    )
+
+
+async def delete_template(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    name = path_id(request, "template")
+    await _org(api, org)
+    if name in te.BUILTIN:
+        raise Problem("invalid-command", f"{name!r} is a built-in template: it cannot be deleted")
+    result = await api.app.org_command(org, te.DeleteTemplate(actor=who.user, name=name))
+    return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+_TEMPLATE: Doc = {
+    "type": "object",
+    "required": ["name", "builtin", "steps"],
+    "properties": {
+        "name": STR,
+        "builtin": {**BOOL, "description": "one of runplane's (cannot be changed)"},
+        "steps": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["number", "kind", "name", "command"],
+                "properties": {
+                    "number": INT,
+                    "kind": {"enum": list(te.KINDS)},
+                    "name": STR,
+                    "command": {"type": ["string", "null"]},
+                },
+            },
+        },
+    },
+}
+SCHEMAS: dict[str, Doc] = {
+    **msgspec.json.schema_components((TemplateBody,), ref_template=REF)[1],
+    "Template": _TEMPLATE,
+    "TemplateList": {
+        "type": "object",
+        "required": ["items"],
+        "properties": {"items": {"type": "array", "items": ref("Template")}},
+    },
+}
+PARAMETERS: dict[str, Doc] = {
+    "template": path_param("template", "template name")
+}
+_SEQ: Doc = {"description": "stream sequence of the write", **INT}
+_PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "template")]
+
+
+def _errors(*codes: int) -> dict[str, Doc]:
+    return {str(c): {"$ref": f"#/components/responses/{c}"} for c in (401, *codes, 503)}
+
+
+def _ok(schema: str, *, seq: bool = False) -> Doc:
+    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
+    if seq:
+        ok["headers"] = {"RP-Seq": _SEQ}
+    return ok
+
+
+PATHS: dict[str, Doc] = {
+    "/api/v1/orgs/{org}/templates": {
+        "get": {
+            "operationId": "listTemplates",
+            "summary": "The built-in templates, then the organization's own",
+            "parameters": _PARAMS[:1],
+            "responses": {"200": _ok("TemplateList"), **_errors(404, 422)},
+        },
+    },
+    "/api/v1/orgs/{org}/templates/{template}": {
+        "get": {
+            "operationId": "getTemplate",
+            "summary": "A template, built-in or the organization's",
+            "parameters": _PARAMS,
+            "responses": {"200": _ok("Template"), **_errors(404, 422)},
+        },
+        "put": {
+            "operationId": "putTemplate",
+            "summary": "Create (201) or replace (200) a template; a broken rule is 422 "
+            "with the reason",
+            "parameters": _PARAMS,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": ref("TemplateBody")}},
+            },
+            "responses": {
+                "200": _ok("Template", seq=True),
+                "201": _ok("Template", seq=True),
+                **_errors(400, 403, 404, 422),
+            },
+        },
+        "delete": {
+            "operationId": "deleteTemplate",
+            "summary": "Delete one of the organization's templates (not a built-in); runs "
+            "keep the steps they recorded",
+            "parameters": _PARAMS,
+            "responses": {
+                "204": {"description": "deleted", "headers": {"RP-Seq": _SEQ}},
+                **_errors(403, 404, 422),
+            },
+        },
+    },
+}

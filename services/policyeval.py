@@ -1,0 +1,337 @@
+"""Compiling and evaluating policy sets (OPA Rego, `events/policies.py`) in-process with
+regopy (rego-cpp). The only module that imports regopy.
+
+A policy set is one Rego module with a `package` and a `deny` rule; its verdict on a plan
+is the value of `data.<package>.deny` with the plan's JSON (`terraform show -json`) as
+`input`: a set of messages (`deny contains msg if {...}`), a partial object whose keys are
+the messages (the Rego v0 form `deny[msg] {...}`), a boolean or a single string. It
+passes when `deny` is undefined or empty; an evaluation error is a failure whose message
+says so.
+
+Both functions are CPU work on one thread: callers in an event loop run them with
+`asyncio.to_thread`. Each set gets its own interpreter, so one set's rules never see
+another's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from regopy import (  # type: ignore[import-untyped]  # no stubs
+    Input,
+    Interpreter,
+    LogLevel,
+    Node,
+    NodeKind,
+    RegoError,
+)
+from regopy.rego_shared import (  # type: ignore[import-untyped]  # no stubs
+    rego_free_output,
+    rego_node_get,
+    rego_node_size,
+    rego_node_type,
+    rego_node_value,
+    rego_output_node,
+    rego_output_ok,
+    rego_output_string,
+    rego_query,
+)
+
+from events.errors import Invalid
+from events.policies import PolicyResult, PolicySet
+
+MAX_MESSAGES = 50  # per set and plan: the plan's event stays small
+MAX_MESSAGE = 1000  # characters of one message
+_PACKAGE = re.compile(r"^[ \t]*package[ \t]+([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)[ \t]*(?:#.*)?$", re.M)
+_DENY = re.compile(r"^[ \t]*(?:default[ \t]+)?deny\b", re.M)
+_INT64 = (-(2**63), 2**63 - 1)
+_ERROR = re.compile(rb"\(error(?![a-z])(?:[ \t]+(\d+):)?")
+_ERRORMSG = re.compile(rb"\(errormsg (\d+):")
+_LOCATION = re.compile(rb"\|(\d+)\|(\d+)")
+
+
+class InvalidPolicy(Invalid):
+    """A policy set that cannot be used: it does not compile, or lacks `package` or
+    `deny`. The message is the compiler's."""
+
+    code = "invalid-policy"
+
+
+def package_of(source: str) -> str:
+    """The module's package (`package terraform.deletes` -> `terraform.deletes`)."""
+    m = _PACKAGE.search(source)
+    return m.group(1) if m else ""
+
+
+def compile_check(name: str, source: str) -> None:
+    """InvalidPolicy unless `source` parses and compiles, declares a package, has a
+    `deny` rule, and evaluates on an empty input without an error."""
+    package = package_of(source)
+    if not package:
+        raise InvalidPolicy("the policy has no `package` declaration (e.g. `package terraform`)")
+    if not _DENY.search(source):
+        raise InvalidPolicy(
+            f"the policy has no `deny` rule: runplane evaluates data.{package}.deny, "
+            "a set of messages (e.g. `deny contains msg if { ... }`)"
+        )
+    module = f"{name}.rego"
+    rego = _interpreter()
+    try:
+        rego.add_module(module, source)
+    except RegoError as e:
+        message = compiler_message(str(e), source)
+        raise InvalidPolicy(f"the policy does not compile: {message}") from None
+    rego.set_input_term("{}")
+    try:
+        _deny(rego, package, source)
+    except _EvalError as e:
+        raise InvalidPolicy(f"the policy fails on an empty plan: {e}") from None
+    except RegoError as e:
+        message = compiler_message(str(e), source)
+        raise InvalidPolicy(f"the policy fails on an empty plan: {message}") from None
+
+
+def evaluate(policies: Sequence[PolicySet], plan_json: dict[str, Any]) -> list[PolicyResult]:
+    """Each set's verdict on the plan, in the order given."""
+    if not policies:
+        return []
+    # Built once, set into each set's interpreter: converting the plan is most of the
+    # cost on a large plan, and this beats rego-cpp parsing the JSON text each time.
+    plan: Input | str
+    try:
+        if not _converts(plan_json):
+            raise ValueError("an integer past 64 bits")  # Input would wrap it silently
+        plan = Input(plan_json)
+    except Exception:  # noqa: BLE001  # regopy cannot convert it: rego-cpp parses the JSON
+        plan = json.dumps(plan_json, separators=(",", ":"))
+    return [_evaluate_one(p, plan) for p in policies]
+
+
+def _converts(value: Any) -> bool:
+    """Whether regopy's Input keeps every value: its integers are 64-bit."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
+            return False
+    return True
+
+
+def _evaluate_one(policy: PolicySet, plan: Input | str) -> PolicyResult:
+    def result(passed: bool, messages: list[str]) -> PolicyResult:
+        return PolicyResult(
+            name=policy.name,
+            enforcement=policy.enforcement,
+            scope=policy.scope,
+            passed=passed,
+            messages=_bounded(messages),
+        )
+
+    package = package_of(policy.source)
+    if not package:
+        return result(False, ["policy error: the policy has no `package` declaration"])
+    rego = _interpreter()
+    try:
+        rego.add_module(f"{policy.name}.rego", policy.source)
+        if isinstance(plan, str):
+            rego.set_input_term(plan)
+        else:
+            rego.set_input(plan)
+        messages = _deny(rego, package, policy.source)
+    except RegoError as e:
+        detail = compiler_message(str(e), policy.source)
+        return result(False, [f"policy error: the policy could not be evaluated: {detail}"])
+    except _EvalError as e:
+        return result(False, [f"policy error: evaluating the policy failed: {e}"])
+    except Exception as e:  # noqa: BLE001  # an answer regopy could not read: still a verdict
+        what = f"{type(e).__name__}: {e}"
+        return result(False, [f"policy error: evaluating the policy failed: {what}"])
+    return result(not messages, messages)
+
+
+# ---------------------------------------------------------------- regopy
+
+
+class _EvalError(Exception):
+    """The query answered with errors instead of a value."""
+
+
+def _interpreter() -> Interpreter:
+    rego = Interpreter()
+    rego.log_level = LogLevel.NONE  # else rego-cpp prints compile errors to stdout
+    return rego
+
+
+def _deny(rego: Interpreter, package: str, source: str) -> list[str]:
+    """The messages of `data.<package>.deny`; _EvalError with the errors if it failed."""
+    # Not `Interpreter.query`: its Output parses the answer as JSON, which an error
+    # answer (an s-expression) is not.
+    out = rego_query(rego._impl, f"data.{package}.deny")
+    try:
+        return _answer(out, source)
+    finally:
+        rego_free_output(out)
+
+
+def _answer(out: Any, source: str) -> list[str]:
+    text = rego_output_string(out) if rego_output_ok(out) else ""
+    if text == "undefined":
+        return []
+    if text and not text.startswith("("):  # an error answer is an s-expression
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            # rego-cpp writes some computed strings unescaped (`sprintf("%s", [concat(..)])`
+            # gives `"1 "xy""`): read the value from its nodes instead.
+            return _messages(_first_term(rego_output_node(out)))
+        if isinstance(answer, dict):
+            expressions = answer.get("expressions") or [None]
+            return _messages(expressions[0])
+    raise _EvalError(_error_text(out, text, source))
+
+
+def _first_term(root: Any) -> Any:
+    """The value of the first expression of the first result (Results > Result > Terms)."""
+    node = root
+    for kind in (NodeKind.Results, NodeKind.Result, NodeKind.Terms):
+        if rego_node_type(node) != kind or rego_node_size(node) == 0:
+            return None
+        node = rego_node_get(node, 0)
+    return _value(node, 0)
+
+
+def _value(node: Any, depth: int) -> Any:
+    """A rego-cpp node as a Python value."""
+    kind = rego_node_type(node)
+    if depth > 64:
+        return None
+    if kind in (NodeKind.Term, NodeKind.Scalar):
+        return _value(rego_node_get(node, 0), depth + 1)
+    children = [rego_node_get(node, i) for i in range(rego_node_size(node))]
+    if kind in (NodeKind.Array, NodeKind.Set):
+        return [_value(c, depth + 1) for c in children]
+    if kind == NodeKind.Object:  # children are ObjectItems: key, value
+        pairs = [(rego_node_get(c, 0), rego_node_get(c, 1)) for c in children]
+        return {_text(_value(k, depth + 1)): _value(v, depth + 1) for k, v in pairs}
+    if kind == NodeKind.String:
+        return _string(rego_node_value(node))
+    if kind == NodeKind.Int:
+        return int(rego_node_value(node))
+    if kind == NodeKind.Float:
+        return float(rego_node_value(node))
+    if kind == NodeKind.Boolean:
+        return rego_node_value(node) == "true"
+    return None
+
+
+def _string(raw: str) -> str:
+    """A string node's value: rego-cpp keeps some as their JSON literal, some bare."""
+    if len(raw) >= 2 and raw[0] == raw[-1] == '"':
+        try:
+            decoded = json.loads(raw)
+        except ValueError:
+            return raw
+        if isinstance(decoded, str):
+            return decoded
+    return raw
+
+
+def _messages(value: Any) -> list[str]:
+    match value:
+        case None | False:
+            return []
+        case True:
+            return ["denied"]
+        case str():
+            return [value]
+        case list():
+            return [_text(v) for v in value]
+        case dict():
+            return [k for k, v in value.items() if v not in (False, None)]
+        case _:
+            return [_text(value)]
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def _bounded(messages: list[str]) -> list[str]:
+    kept = [m if len(m) <= MAX_MESSAGE else m[: MAX_MESSAGE - 1] + "…" for m in messages]
+    if len(kept) > MAX_MESSAGES:
+        extra = len(kept) - MAX_MESSAGES
+        kept = [*kept[:MAX_MESSAGES], f"... and {extra} more"]
+    return kept
+
+
+def _error_text(out: Any, text: str, source: str) -> str:
+    """The messages (and codes) of an error answer."""
+    found: list[str] = []
+
+    def walk(node: Any, depth: int = 0) -> None:
+        if depth > 8:
+            return
+        if node.kind in (NodeKind.ErrorMessage, NodeKind.ErrorCode):
+            try:
+                value = rego_node_value(node._impl)
+            except RegoError:
+                value = ""
+            if value:
+                found.append(value if node.kind == NodeKind.ErrorMessage else f"({value})")
+            return
+        if node.kind in (NodeKind.ErrorSeq, NodeKind.Error):
+            for i in range(len(node)):
+                walk(node.at(i), depth + 1)
+
+    try:
+        walk(Node(rego_output_node(out)))
+    except (RegoError, ValueError):
+        pass
+    if found:
+        return " ".join(found)
+    if text:
+        return compiler_message(text, source)
+    return "the interpreter reported an error"
+
+
+def compiler_message(raw: str, source: str) -> str:
+    """rego-cpp's error sequence (`(error 8:p.rego|31|2 (errormsg 16:this is unclosed)
+    ...)`) as `p.rego:2:22: this is unclosed` lines; the raw text if it has none."""
+    data, src = raw.encode(), source.encode()
+    lines: list[str] = []
+    pos = 0
+    while m := _ERROR.search(data, pos):
+        pos = m.end()
+        where = ""
+        if m.group(1):
+            n = int(m.group(1))
+            module = data[pos : pos + n].decode(errors="replace")
+            pos += n
+            loc = _LOCATION.match(data, pos)
+            if loc:
+                where = f"{module}:{_line_col(src, int(loc.group(1)))}: "
+                pos = loc.end()
+        msg = _ERRORMSG.search(data, pos)
+        if msg is None:
+            break
+        n = int(msg.group(1))
+        text = data[msg.end() : msg.end() + n].decode(errors="replace")
+        pos = msg.end() + n
+        line = where + text
+        if line not in lines:
+            lines.append(line)
+    return "\n".join(lines) if lines else raw.strip()
+
+
+def _line_col(src: bytes, offset: int) -> str:
+    offset = max(0, min(offset, len(src)))
+    line = src.count(b"\n", 0, offset) + 1
+    col = offset - (src.rfind(b"\n", 0, offset) + 1) + 1
+    return f"{line}:{col}"
