@@ -7,10 +7,8 @@ import hashlib
 import secrets
 from pathlib import Path
 
-import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
 
 from events.run import ClaimPhase, FailRun, Workspace
 from executor import secrets as executor_secrets
@@ -20,6 +18,7 @@ from services.infra.crypto import KeyRing
 from services.infra.kv import SECRETS_BUCKET
 from services.infra.streams import LOGS_BUCKET
 from services.secrets import SecretsResponder, SecretStore
+from tests.canary_support import assert_no_file_holds, assert_no_stream_holds
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -148,8 +147,8 @@ async def test_a_secret_canary_is_used_by_terraform_and_found_nowhere_in_clear(
     assert b"leak-***" in apply_log
 
     needles = [first.encode(), second.encode()]
-    await _assert_no_stream_holds(plane.nc.jetstream(), needles)
-    _assert_no_file_holds(tmp_path, needles)
+    await assert_no_stream_holds(plane.nc.jetstream(), needles)
+    assert_no_file_holds(tmp_path, needles)
     logs = capfd.readouterr()
     for needle in (first, second):
         assert needle not in logs.out and needle not in logs.err, "a log line holds the secret"
@@ -159,32 +158,3 @@ async def _step_log(plane: Plane, run_id: str, step: str) -> bytes:
     a = await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/steps")
     obj = next(s["log_object"] for s in a.body["items"] if s["step"] == step)
     return await sealed_object(plane.nc, LOGS_BUCKET, obj)
-
-
-async def _assert_no_stream_holds(js: JetStreamContext, needles: list[bytes]) -> None:
-    """Read every message of every stream, KV_* and OBJ_* included."""
-    streams = await js.streams_info()
-    names = {s.config.name for s in streams}
-    assert {"RP_EVENTS", "KV_rp-secrets", "OBJ_rp-state", "OBJ_rp-plans"} <= names
-    for info in streams:
-        name, state = str(info.config.name), info.state
-        for seq in range(state.first_seq, state.last_seq + 1):
-            try:
-                msg = await js.get_msg(name, seq)
-            except nats.js.errors.NotFoundError:
-                continue
-            raw = (msg.data or b"") + repr(msg.headers).encode()
-            for needle in needles:
-                assert needle not in raw, f"{name} message {seq} holds a secret in clear"
-
-
-def _assert_no_file_holds(root: Path, needles: list[bytes]) -> None:
-    """Every file under the test's directories: SQLite read models (and their WAL), the
-    nats-server store, executor work directories, key files."""
-    sqlite = [p for p in root.rglob("*.sqlite*") if p.is_file()]
-    assert sqlite, "the read model's SQLite files are scanned"
-    for path in root.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            data = path.read_bytes()
-            for needle in needles:
-                assert needle not in data, f"{path} holds a secret in clear"

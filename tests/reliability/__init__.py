@@ -1,0 +1,1 @@
+"""Reliability suite (issue 5): chaos, concurrency, fuzzing, stateful and canary tests."""
