@@ -1,0 +1,309 @@
+"""runplane's benchmark suite: raw JetStream limits and runplane side by side, as ratios.
+
+    ./dev bench                  full sizes (1,000,000-event replay, 10,000 workspaces, ...)
+    ./dev bench --quick          small sizes, a few minutes
+    ./dev bench --only replay    some benchmarks only (names: see --help)
+    ./dev bench --out FILE       JSON elsewhere (default bench/results.json)
+
+Every benchmark starts its own nats-server (port 0, temporary store). See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: `python bench/run.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "bench"
+
+from bench import rp
+from bench.common import Result, Sizes, machine
+
+NAMES = ("append", "replay", "lifecycle", "latency", "admission", "reads")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
+    """The table's lines from the measured figures."""
+    out: list[Result] = []
+    sync = raw_figs["sync_publish"]
+    pipe = raw_figs["pipelined_publish"]["msgs_per_s"]
+    out.append(
+        Result(
+            "raw: sync js.publish",
+            sync["msgs_per_s"],
+            "msg/s",
+            note=(f"p50 {sync['p50_ms']:.3f} ms, p99 {sync['p99_ms']:.3f} ms"),
+        )
+    )
+    out.append(
+        Result(
+            "raw: pipelined checked publish",
+            pipe,
+            "msg/s",
+            note=(f"{raw_figs['pipelined_publish']['subjects']} subjects in parallel"),
+        )
+    )
+    if bat := raw_figs.get("pipelined_atomic_batches"):
+        out.append(
+            Result(
+                "raw: pipelined 2-msg atomic batch",
+                bat["msgs_per_s"],
+                "msg/s",
+                note=(
+                    f"{bat['batches_per_s']:,.0f} batches/s; one alone: p50 "
+                    f"{bat['sync_p50_ms']:.2f} ms, p99 {bat['sync_p99_ms']:.2f} ms"
+                ),
+            )
+        )
+
+    def fail(name: str, key: str) -> Result | None:
+        f = figs.get(key)
+        if isinstance(f, dict) and "error" in f:
+            err = str(f["error"])
+            note = err if err.startswith("not run") else f"error: {err}"
+            return Result(name, None, "", note=note)
+        if f is None:
+            return Result(name, None, "", note="not run: left out (--only)")
+        return None
+
+    if r := fail("1. append (load+decide+OCC)", "append"):
+        out.append(r)
+    else:
+        a = figs["append"]["events_per_s"]
+        ratio = _ratio(a, pipe)
+        out.append(
+            Result(
+                "1. append (load+decide+OCC)",
+                a,
+                "events/s",
+                pipe,
+                "pipelined",
+                ratio,
+                ">= 0.5",
+                ratio is not None and ratio >= 0.5,
+                note=f"{figs['append']['concurrency']} runs in parallel",
+            )
+        )
+    if r := fail("2. replay into SQLite", "replay"):
+        out.append(r)
+    else:
+        f = figs["replay"]
+        rawr = f["raw_push_replay"]["msgs_per_s"]
+        raws = len([x for x in out if x.name.startswith("raw")])
+        out.insert(
+            raws,
+            Result(
+                "raw: ordered replay + msgspec",
+                rawr,
+                "msg/s",
+                note=(
+                    f"{f['events_in_stream']:,} events; nats-py ordered_consumer "
+                    f"{f['raw_nats_py_ordered_replay']['msgs_per_s']:,.0f}/s"
+                ),
+            ),
+        )
+        ratio = _ratio(f["events_per_s"], rawr)
+        out.append(
+            Result(
+                "2. replay into SQLite",
+                f["events_per_s"],
+                "events/s",
+                rawr,
+                "raw replay",
+                ratio,
+                ">= 0.4",
+                ratio is not None and ratio >= 0.4,
+                note=f"{f['applied']:,} events",
+            )
+        )
+    if r := fail("3. lifecycle (template `true`)", "lifecycle"):
+        out.append(r)
+    else:
+        f = figs["lifecycle"]
+        ratio = _ratio(f["events_per_s"], pipe)
+        out.append(
+            Result(
+                "3. lifecycle (template `true`)",
+                f["events_per_s"],
+                "events/s",
+                pipe,
+                "pipelined",
+                ratio,
+                ">= 0.25",
+                ratio is not None and ratio >= 0.25,
+                note=f"{f['runs']} runs over {f['workspaces']} workspaces",
+            )
+        )
+    if r := fail("4. create->queued p99 @50/s", "latency"):
+        out.append(r)
+    else:
+        f = figs["latency"]
+        ratio = _ratio(f["p99_ms"], sync["p99_ms"])
+        ok = ratio is not None and ratio <= 20 and f["all_queued"]
+        out.append(
+            Result(
+                "4. create->queued p99 @50/s",
+                f["p99_ms"],
+                "ms",
+                sync["p99_ms"],
+                "sync p99",
+                ratio,
+                "<= 20x",
+                ok,
+                note=f"p50 {f['p50_ms']:.2f} ms",
+            )
+        )
+    if r := fail("5. admission", "admission"):
+        out.append(r)
+    else:
+        f = figs["admission"]["by_workspaces"]
+        counts = sorted(f, key=int)
+        low = f[counts[0]]["admitted_per_s"]
+        for c in counts:
+            g = f[c]
+            last = c == counts[-1]
+            ratio = _ratio(g["admitted_per_s"], low)
+            out.append(
+                Result(
+                    f"5. admission @{int(c):,} ws",
+                    g["admitted_per_s"],
+                    "runs/s",
+                    low,
+                    f"@{int(counts[0]):,} ws",
+                    ratio,
+                    ">= 0.8" if last else "",
+                    (ratio is not None and ratio >= 0.8 and g["all_admitted"]) if last else None,
+                    note=(
+                        f"scheduler RSS {g['rss_mb']:.0f} MB (peak {g['peak_rss_mb']:.0f}); "
+                        f"to last queued {g.get('queued_per_s', 0):,.0f}/s"
+                    ),
+                )
+            )
+    if r := fail("6. GET run p99", "reads"):
+        out.append(r)
+    else:
+        f = figs["reads"]
+        ok = f["p99_ms"] <= 5 and set(f["statuses"]) == {"200"}
+        out.append(
+            Result(
+                "6. GET run p99",
+                f["p99_ms"],
+                "ms",
+                None,
+                "",
+                None,
+                "<= 5 ms",
+                ok,
+                note=(
+                    f"p50 {f['p50_ms']:.2f} ms, {f['requests_per_s']:,.0f} req/s, "
+                    f"{f['runs']:,} runs"
+                ),
+            )
+        )
+    return out
+
+
+def fmt(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    if unit == "ms" or abs(v) < 10:
+        return f"{v:,.3f}" if abs(v) < 1 else f"{v:,.2f}"
+    return f"{v:,.0f}"
+
+
+def table(rows: list[Result]) -> str:
+    head = ("benchmark", "figure", "unit", "raw ref", "ratio", "target", "pass", "note")
+    lines = [
+        (
+            r.name,
+            fmt(r.figure, r.unit),
+            r.unit,
+            fmt(r.raw, r.unit) + (f" ({r.raw_name})" if r.raw_name else ""),
+            "-" if r.ratio is None else f"{r.ratio:.2f}",
+            r.target or "-",
+            {True: "PASS", False: "FAIL", None: "-"}[r.passed],
+            r.note,
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(x[i]) for x in lines)) for i, h in enumerate(head)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(x, widths, strict=True)) for x in lines]
+    return "\n".join(out)
+
+
+async def measure(sizes: Sizes, only: set[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    runners = {
+        "append": rp.append,
+        "replay": rp.rebuild,
+        "lifecycle": rp.lifecycle,
+        "latency": rp.latency,
+        "admission": rp.admission,
+        "reads": rp.reads,
+    }
+    print("raw limits ...", file=sys.stderr, flush=True)
+    raw_figs = await rp.raw_limits(sizes)
+    figs: dict[str, Any] = {}
+    for name in NAMES:
+        if name not in only:
+            continue
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        t = time.perf_counter()
+        try:
+            figs[name] = await runners[name](sizes)
+        except rp.NotRun as e:
+            figs[name] = {"error": f"not run: {e}"}
+        except Exception as e:  # noqa: BLE001 - one broken benchmark must not hide the others
+            traceback.print_exc()
+            figs[name] = {"error": f"{type(e).__name__}: {e}"}
+        figs[name]["wall_seconds"] = time.perf_counter() - t
+    return raw_figs, figs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (minutes)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (seconds): for the test")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results.json")
+    p.add_argument("--only", action="append", choices=NAMES, help="repeatable")
+    args = p.parse_args(argv)
+    sizes = Sizes.smoke() if args.smoke else Sizes.quick() if args.quick else Sizes()
+    only = set(args.only or NAMES)
+
+    from services import logs
+
+    logs.configure("console", "error")
+    started = time.perf_counter()
+    raw_figs, figs = asyncio.run(measure(sizes, only))
+    rows = results(raw_figs, figs)
+    print(table(rows))
+    doc = {
+        "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
+        "machine": machine(),
+        "sizes": asdict(sizes),
+        "seconds": time.perf_counter() - started,
+        "raw": raw_figs,
+        "benchmarks": figs,
+        "table": [asdict(r) for r in rows],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
