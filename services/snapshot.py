@@ -86,12 +86,26 @@ class Snapshotter:
     def __init__(self, secrets: SecretStore | None = None, *, timeout: float = DEFAULT_TIMEOUT):
         self.secrets = secrets
         self.timeout = timeout
+        # One `git ls-remote` per repository and branch at a time: admissions that ask
+        # while one runs share its answer (the branch head as of at most one query ago;
+        # at 10,000 workspaces the spawns were half the scheduler's time: bench/README.md).
+        self._resolving: dict[tuple[str, str], asyncio.Future[str]] = {}
+
+    async def _commit(self, repository: str, branch: str) -> str:
+        key = (repository, branch)
+        running = self._resolving.get(key)
+        if running is None:
+            query = resolve_commit(repository, branch, timeout=self.timeout)
+            running = asyncio.ensure_future(query)
+            self._resolving[key] = running
+            running.add_done_callback(lambda _: self._resolving.pop(key, None))
+        return await asyncio.shield(running)
 
     async def __call__(self, run: RunState) -> Snapshot:
         config = run.config
         if config is None:
             raise SnapshotFailed("the run has no workspace configuration")
-        commit = await resolve_commit(config.repository, config.branch, timeout=self.timeout)
+        commit = await self._commit(config.repository, config.branch)
         return Snapshot(
             commit=commit,
             variables=variables(config, await self._secret_names(run, config)),

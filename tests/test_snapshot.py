@@ -4,13 +4,15 @@ that commit. Real nats-server, real git, real Terraform."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from events.codec import tag_of
-from events.run import PlanFinished, RunFailed
+from events.run import PlanFinished, RunFailed, RunState, Workspace
+from services import snapshot
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -121,3 +123,33 @@ async def test_a_branch_that_cannot_be_resolved_fails_the_run_before_dispatch(
     assert isinstance(events[-1], RunFailed)
     ws = (await plane.app.load_ws("acme", "net")).state
     assert (ws.active, ws.queue) == ("", ())
+
+
+async def test_admissions_of_one_repository_share_a_running_ls_remote(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ten workspaces of one repository admitted at once spawn one `git ls-remote`, not
+    ten; another branch gets its own; a query that ended is not reused."""
+    calls: list[tuple[str, str]] = []
+    gate = asyncio.Event()
+
+    async def fake(repository: str, branch: str, *, timeout: float) -> str:
+        calls.append((repository, branch))
+        await gate.wait()
+        return ("a" if branch == "main" else "b") * 40
+
+    monkeypatch.setattr(snapshot, "resolve_commit", fake)
+    taker = snapshot.Snapshotter()
+
+    def run(branch: str) -> RunState:
+        return RunState(run_id="r", config=Workspace(repository="/repo", branch=branch))
+
+    pending = [asyncio.create_task(taker(run("main"))) for _ in range(10)]
+    pending.append(asyncio.create_task(taker(run("prod"))))
+    await asyncio.sleep(0.05)
+    gate.set()
+    snaps = await asyncio.gather(*pending)
+    assert sorted(calls) == [("/repo", "main"), ("/repo", "prod")]
+    assert [s.commit for s in snaps] == ["a" * 40] * 10 + ["b" * 40]
+    await taker(run("main"))
+    assert len(calls) == 3
