@@ -6,11 +6,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
+import structlog
 from aiohttp import web
 
 from services.api.auth import PRINCIPAL, Principal
 from services.api.bodies import check_name
 from services.api.context import API, Api
+
+log = structlog.get_logger("runplane.api")
 
 SEQ_HEADER = "RP-Seq"
 Row = dict[str, Any]
@@ -60,7 +63,13 @@ async def written(
     when the projection lags beyond the bound (the write stands: answering an error would
     invite a retry that writes twice).
     """
-    body = await fresh() if await api.after_write(seq) else None
+    body = None
+    if await api.after_write(seq):
+        try:
+            body = await fresh()
+        except Exception as e:  # noqa: BLE001 - e.g. NATS gone right after the append
+            # The write stands whatever failed while reading it back: answer it anyway.
+            log.warning("written_answer_fallback", seq=seq, error=repr(e))
     headers = {SEQ_HEADER: str(seq)}
     if location:
         headers["Location"] = location

@@ -16,6 +16,7 @@ from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
 from services.infra.eventstore import StoreError
+from services.infra.heartbeats import BoardError
 
 log = structlog.get_logger("runplane.api")
 
@@ -57,7 +58,7 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         if e.status < 400:
             raise
         return from_http(e, request.method, request.path).response()
-    except (StoreError, nats.errors.Error) as e:
+    except (StoreError, BoardError, nats.errors.Error) as e:
         log.warning("event_store_unavailable", error=str(e))
         return Problem("unavailable", "the event store is unavailable; try again").response()
     except Exception:

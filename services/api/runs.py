@@ -7,6 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
+from events.codec import run_subject
 from events.run import TERMINAL, ApproveRun, CancelRun, DiscardRun, RunCommand, Status
 from services.api import approvals, render
 from services.api.auth import OPERATOR, VIEWER, Principal
@@ -30,6 +31,7 @@ PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 _STATUSES = frozenset(s.value for s in Status)
+_OWNED = frozenset({"planning", "applying", "running"})  # a phase runs: it has an owner
 _LIST_PARAMS = frozenset({"status", "workspace", "limit", "before"})
 
 
@@ -76,11 +78,28 @@ async def get_run(request: web.Request) -> web.Response:
 async def _live_run(api: Api, org: str, run_id: str) -> Row | None:
     """The projected run with its `owner` and `deadline` from the heartbeat board."""
     row = await api.read.get_run(org, run_id)
-    if row is None:
-        return None
-    if row["status"] in {str(s) for s in TERMINAL}:
-        return row | {"owner": None, "deadline": None}
-    return row | await liveness(Board(api.app.store.nc), row)
+    if row is None or _ended(row):
+        return _ended_row(row)
+    live = await liveness(Board(api.app.store.nc), row)
+    if live["owner"] is None and live["deadline"] is None and row["status"] in _OWNED:
+        # The board runs ahead of this replica's projection: a phase that just ended is
+        # purged from it while the row may still say it runs (no owner, no deadline: an
+        # orphan, it seems). Catch up on the run's own events, then answer from them.
+        last, _ = await api.app.store.last(run_subject(org, row["workspace"], run_id))
+        if last > row["seq"] and await api.reached(last, api.read_wait):
+            row = await api.read.get_run(org, run_id) or row
+            if _ended(row):
+                return _ended_row(row)
+            live = await liveness(Board(api.app.store.nc), row)
+    return row | live
+
+
+def _ended(row: Row) -> bool:
+    return row["status"] in {str(s) for s in TERMINAL}
+
+
+def _ended_row(row: Row | None) -> Row | None:
+    return None if row is None else row | {"owner": None, "deadline": None}
 
 
 # ------------------------------------------------------------ listing
