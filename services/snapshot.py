@@ -19,7 +19,7 @@ from events.settings import effective
 from services.infra.childenv import git_env, kill_group
 from services.secrets import SecretStore
 
-# Below the scheduler consumer's ack wait (30 s), so a slow remote is not redelivered.
+# A slow remote holds only its workspace's lane, marked in progress while it waits.
 DEFAULT_TIMEOUT = 20.0
 _SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _MAX_ERROR = 2000

@@ -109,6 +109,34 @@ async def test_a_silent_executor_fails_its_run_after_the_heartbeat_timeout(
     await eventually(_gone(board, run_id), what="the board entry purged")
 
 
+async def test_silence_while_the_reaper_could_not_see_nats_does_not_count(
+    nc: NATS, app: App, board: Board
+) -> None:
+    """After a round that could not read the board (NATS away: executors could not beat
+    either), an entry's silence counts from the first round back, not from its last beat;
+    a reaper that never lost sight judges by the beat alone."""
+    await workspace(app, "net", heartbeat=1)
+    run_id = await queued_run(app, "net")
+    lease = await claim(app, "net", run_id)
+    await beat(board, "net", run_id, lease, timeout=1)
+    await asyncio.sleep(1.3)  # the beat is now older than its timeout
+    blind = Reaper(nc, app)
+    blind.lost_sight()
+    assert await blind.reap_once() == []  # silence restarts now
+    assert (await state(app, "net", run_id)).status == R.Status.PLANNING
+    await asyncio.sleep(1.2)
+    [(_, verdict)] = await blind.reap_once()
+    assert verdict == Verdict.FAIL_SILENT
+    await reaches(app, "net", run_id, "failed")
+
+    run2 = await queued_run(app, "net")
+    lease2 = await claim(app, "net", run2)
+    await beat(board, "net", run2, lease2, timeout=1)
+    await asyncio.sleep(1.3)
+    [(_, verdict)] = await Reaper(nc, app).reap_once()  # never blind: judged at once
+    assert verdict == Verdict.FAIL_SILENT
+
+
 async def test_beats_keep_a_run_alive_and_only_the_servers_clock_counts(
     nc: NATS, store: EventStore, board: Board
 ) -> None:

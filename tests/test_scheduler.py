@@ -201,6 +201,30 @@ async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
         await eventually(slow_admitted, timeout=10, what="the slow workspace admitted")
 
 
+async def test_what_a_killed_scheduler_held_is_handled_by_another_within_seconds(
+    nc: NATS, app: App
+) -> None:
+    """A scheduler that fetched the event log and died (kill -9: nothing acked) holds its
+    messages only for the consumer's short ack wait, not half a minute."""
+    await _setup(app, ["net"])
+    js = nc.jetstream()
+    await streams.ensure_scheduler_consumer(js)
+    created = await app.create_run("acme", "net", "apply", "alice")
+    dead = await js.pull_subscribe_bind(durable=streams.SCHEDULER_CONSUMER, stream=streams.EVENTS)
+    held = await dead.fetch(100, timeout=2)
+    assert held, "the dead scheduler took the backlog"
+    await dead.unsubscribe()
+    started = asyncio.get_running_loop().time()
+    async with Scheduler(nc, app):
+
+        async def admitted() -> bool:
+            run = (await app.load_run("acme", "net", created.state.run_id)).state
+            return run.status == R.Status.QUEUED
+
+        await eventually(admitted, timeout=20, what="the run admitted by the live scheduler")
+    assert asyncio.get_running_loop().time() - started < streams.SCHEDULER_ACK_WAIT + 5
+
+
 async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
     nc: NATS, app: App
 ) -> None:

@@ -29,6 +29,7 @@ LOGS_BUCKET = "rp-logs"
 STATE_BUCKET = "rp-state"
 
 SCHEDULER_CONSUMER = "rp-scheduler"
+SCHEDULER_ACK_WAIT = 6  # seconds; the scheduler marks what it holds in progress every 2 s
 DUPLICATE_WINDOW_S = 120
 
 
@@ -148,7 +149,9 @@ async def ensure_scheduler_consumer(js: JetStreamContext) -> None:
             durable_name=SCHEDULER_CONSUMER,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
-            ack_wait=30,
+            # Short, so a killed scheduler's messages come back within seconds; a live one
+            # marks what it holds in progress (services/scheduler/scheduler.py).
+            ack_wait=SCHEDULER_ACK_WAIT,
             max_deliver=-1,
             max_ack_pending=20_000,
         ),

@@ -113,6 +113,12 @@ class Reaper:
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Silence is counted only from when this reaper could see the board: after it lost
+        # sight of NATS (a failed round, or the server's clock jumping past a round), no
+        # executor could beat either, so their silence restarts at the first round back.
+        self._watching_since: datetime | None = None
+        self._last_round: datetime | None = None
+        self._blind = False
 
     async def __aenter__(self) -> Reaper:
         self._task = asyncio.create_task(self.run(), name="reaper")
@@ -139,17 +145,32 @@ class Reaper:
                 await self.reap_once()
             except (BoardError, StoreError, nats.errors.Error, TimeoutError) as e:
                 log.warning("reaper_retry", error=str(e))
+                self.lost_sight()
             except Exception:  # one bad round must not stop reaping
                 log.exception("reaper_round_failed")
+                self.lost_sight()
             pause = max(self.interval, 2 * (loop.time() - started))
             try:
                 await asyncio.wait_for(self._stopping.wait(), pause)
             except TimeoutError:
                 pass
 
+    def lost_sight(self) -> None:
+        """The board could not be read: NATS may be away, and executors' beats with it."""
+        self._blind = True
+
+    def _observe(self, now: datetime) -> None:
+        gap = max(10.0, 5 * self.interval)
+        jumped = self._last_round is not None and (now - self._last_round).total_seconds() > gap
+        if self._blind or jumped:
+            self._watching_since = now
+            log.info("reaper_sight_regained", at=now.isoformat())
+        self._blind, self._last_round = False, now
+
     async def reap_once(self) -> list[tuple[Beat, Verdict]]:
         """One round: judge every stale entry; return what was decided (for tests)."""
         now, board = await self.board.snapshot()
+        self._observe(now)
         beats = [b for b in board if b.phase != DEADLINE]
         markers = [b for b in board if b.phase == DEADLINE]
         await self._limits([b for b in markers if limits.due(b, now)], now)
@@ -181,7 +202,8 @@ class Reaper:
 
     async def _stale(self, beat: Beat, now: datetime) -> bool:
         timeout = await self._timeout(beat)
-        return timeout > 0 and (now - beat.time).total_seconds() > timeout
+        since = max(beat.time, self._watching_since) if self._watching_since else beat.time
+        return timeout > 0 and (now - since).total_seconds() > timeout
 
     async def _timeout(self, beat: Beat) -> int:
         """The entry's timeout: as it says, else from the run's configuration (cached)."""

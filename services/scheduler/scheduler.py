@@ -22,6 +22,7 @@ import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from events.codec import decode, valid_id
 from events.errors import DomainError
@@ -35,6 +36,8 @@ from services.infra.tasks import cancel_and_wait
 from services.scheduler import limits, watch
 
 log = structlog.get_logger(__name__)
+
+PROGRESS_EVERY = 2.0  # well inside streams.SCHEDULER_ACK_WAIT
 
 # Events after which a workspace may admit its next run.
 _ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released", "ws.unlocked"})
@@ -110,6 +113,9 @@ class Scheduler:
         self._lanes: dict[str, list[Msg]] = {}
         self._lane_tasks: dict[str, asyncio.Task[None]] = {}
         self._in_flight = asyncio.Semaphore(max(4 * batch, 64))
+        # Messages fetched and not yet handled: told "in progress" every PROGRESS_EVERY
+        # seconds, so the consumer's short ack wait redelivers only a dead scheduler's.
+        self._in_hand: dict[int, Msg] = {}  # by id(): a Msg is an unhashable dataclass
 
     async def __aenter__(self) -> Scheduler:
         await streams.ensure_scheduler_consumer(self.js)
@@ -139,6 +145,22 @@ class Scheduler:
         )
         self.ready.set()
         log.info("scheduler_started")
+        progress = asyncio.create_task(self._progress(), name="scheduler-progress")
+        try:
+            await self._fetching(sub)
+        finally:
+            await cancel_and_wait(progress)
+
+    async def _progress(self) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY)
+            for m in list(self._in_hand.values()):
+                try:
+                    await m.in_progress()
+                except (nats.errors.Error, OSError):  # reconnecting: redelivered if it lasts
+                    pass
+
+    async def _fetching(self, sub: JetStreamContext.PullSubscription) -> None:
         while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.batch, timeout=1.0)
@@ -151,13 +173,17 @@ class Scheduler:
                 log.exception("scheduler_fetch_failed")
                 await asyncio.sleep(0.5)
                 continue
-            await self._handle_batch(msgs)
+            try:
+                await self._handle_batch(msgs)
+            except Exception:  # unhandled ones are redelivered after the ack wait
+                log.exception("scheduler_batch_failed")
 
     async def _handle_batch(self, msgs: list[Msg]) -> None:
         """Hand a batch to the workspaces' lanes and return without waiting for them
         (only for room: at most `4 * batch` messages are in hand at once)."""
         for m in msgs:
             await self._in_flight.acquire()
+            self._in_hand[id(m)] = m
             key = ".".join(m.subject.split(".")[2:4])
             self._lanes.setdefault(key, []).append(m)
             if key not in self._lane_tasks:
@@ -175,12 +201,14 @@ class Scheduler:
                 try:
                     await self._handle_group(msgs)
                 finally:
-                    for _ in msgs:
+                    for m in msgs:
+                        self._in_hand.pop(id(m), None)
                         self._in_flight.release()
         finally:
             self._lane_tasks.pop(key, None)
             leftover = self._lanes.pop(key, [])  # only if cancelled: redelivered later
-            for _ in leftover:
+            for m in leftover:
+                self._in_hand.pop(id(m), None)
                 self._in_flight.release()
 
     async def _handle_group(self, msgs: list[Msg]) -> None:
