@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ from events.codec import valid_id
 from events.errors import DomainError
 from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
 from events.templates import valid_phase
+from executor import sweep
 from executor import terraform as tf
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
@@ -128,6 +130,7 @@ class Executor:
         self._task: asyncio.Task[None] | None = None
         self._terraform: tf.Terraform | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
+        self._hold: int | None = None  # the work directory's shared lock (executor/sweep.py)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -135,6 +138,8 @@ class Executor:
         """Prepare Terraform, bind the pool's consumer and start taking work."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
         (self.work_dir / "jobs").mkdir(exist_ok=True)
+        # What a killed executor left here (providers still running, job directories).
+        self._hold = await asyncio.to_thread(sweep.hold, self.work_dir)
         self._terraform = await asyncio.to_thread(
             tf.prepare, self.terraform_config, self.work_dir / "terraform"
         )
@@ -161,6 +166,9 @@ class Executor:
             if self._sub is not None:
                 await self._sub.unsubscribe()
                 self._sub = None
+            if self._hold is not None:
+                os.close(self._hold)
+                self._hold = None
 
     def stop(self) -> None:
         """Stop taking work; interrupt running phases, which fail with `executor_stopped`."""
