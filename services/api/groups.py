@@ -19,7 +19,7 @@ from services.api.bodies import Body, Name, check_name, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import INT, REF, STR, Doc, path_param, ref
+from services.api.schemas import REF, STR, Doc, operation, path_param, ref
 from services.commands import Result
 
 PREFIX = "/api/v1/orgs"
@@ -104,33 +104,13 @@ SCHEMAS: dict[str, Doc] = {
 PARAMETERS: dict[str, Doc] = {
     "group": path_param("group", "group name")
 }
-_SEQ: Doc = {"description": "stream sequence of the write", **INT}
 
 
 def _op(
     op_id: str, summary: str, answer: tuple[int, str], params: tuple[str, ...], body: str = ""
 ) -> Doc:
-    code, schema = answer
-    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
-    errors: tuple[int, ...] = (404, 422)
-    if body:
-        ok["headers"] = {"RP-Seq": _SEQ}
-        errors = (400, 403, 404, 409, 422)
-    op: Doc = {
-        "operationId": op_id,
-        "summary": summary,
-        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
-        "responses": {
-            str(code): ok,
-            **{str(e): {"$ref": f"#/components/responses/{e}"} for e in (401, *errors, 503)},
-        },
-    }
-    if body:
-        op["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": ref(body)}},
-        }
-    return op
+    errors = (400, 403, 404, 409, 422) if body else (404, 422)
+    return operation(op_id, summary, answer, params=params, body=body, errors=errors)
 
 
 PATHS: dict[str, Doc] = {

@@ -17,7 +17,7 @@ from services.api import secrets
 from services.api.auth import ADMIN, OPERATOR
 from services.api.bodies import Body, read_body
 from services.api.common import path_id, scope
-from services.api.schemas import INT, REF, Doc, ref
+from services.api.schemas import REF, Doc, operation
 
 
 class LockBody(Body, frozen=True, kw_only=True):
@@ -54,32 +54,16 @@ async def unlock_workspace(request: web.Request) -> web.Response:
 SCHEMAS: dict[str, Doc] = msgspec.json.schema_components((LockBody, UnlockBody), ref_template=REF)[
     1
 ]
-_PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws")]
-_SEQ: Doc = {"description": "stream sequence of the write's last event", "schema": INT}
-
-
 def _op(op_id: str, summary: str, body: str, required: bool) -> Doc:
-    return {
-        "operationId": op_id,
-        "summary": summary,
-        "parameters": _PARAMS,
-        "requestBody": {
-            "required": required,
-            "content": {"application/json": {"schema": ref(body)}},
-        },
-        "responses": {
-            "200": {
-                "description": "Workspace",
-                "headers": {"RP-Seq": _SEQ},
-                "content": {"application/json": {"schema": ref("Workspace")}},
-            },
-            **{
-                str(c): {"$ref": f"#/components/responses/{c}"}
-                for c in (400, 401, 403, 404, 409, 422, 503)
-            },
-        },
-    }
-
+    return operation(
+        op_id,
+        summary,
+        (200, "Workspace"),
+        params=("org", "ws"),
+        body=body,
+        body_required=required,
+        errors=(400, 403, 404, 409, 422),
+    )
 
 PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/lock": {

@@ -17,7 +17,17 @@ from services.api import settings as settings_api
 from services.api import templates as templates_api
 from services.api.bodies import BODIES
 from services.api.problems import CONTENT_TYPE
-from services.api.schemas import ID, INT, REF, SCHEMAS, STR, Doc, ref
+from services.api.schemas import (
+    ID,
+    INT,
+    REF,
+    SCHEMAS,
+    STR,
+    Doc,
+    json_content,
+    operation,
+    ref,
+)
 
 
 def _path(name: str, what: str) -> Doc:
@@ -73,52 +83,13 @@ def _problem(what: str) -> Doc:
 
 
 RESPONSES: dict[str, Doc] = {code: _problem(what) for code, what in _ERRORS.items()}
-SEQ_HEADER: Doc = {
-    "description": "stream sequence of the write's last event; send it as RP-Min-Seq",
-    "schema": INT,
-}
-
-
-def _json(schema: str) -> Doc:
-    return {"application/json": {"schema": ref(schema)}}
-
-
-def _op(
-    op_id: str,
-    summary: str,
-    answer: tuple[int, str],
-    *,
-    params: tuple[str, ...] = (),
-    body: str = "",
-    body_required: bool = True,
-    errors: tuple[int, ...] = (),
-) -> Doc:
-    """One operation; a body makes it a command, which answers with RP-Seq."""
-    code, schema = answer
-    ok: Doc = {"description": schema, "content": _json(schema)}
-    if body:
-        ok["headers"] = {"RP-Seq": SEQ_HEADER}
-    op: Doc = {
-        "operationId": op_id,
-        "summary": summary,
-        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
-        "responses": {
-            str(code): ok,
-            **{str(e): {"$ref": f"#/components/responses/{e}"} for e in (401, *errors, 503)},
-        },
-    }
-    if body:
-        op["requestBody"] = {"required": body_required, "content": _json(body)}
-    return op
-
-
 _READ = ("min_seq",)
 _LIST = ("status", "limit", "before", "min_seq")
 _RUN = ("org", "run")
 
 
 def _run_command(op_id: str, summary: str, body: str, errors: tuple[int, ...]) -> Doc:
-    return _op(
+    return operation(
         op_id,
         summary,
         (200, "Run"),
@@ -136,7 +107,7 @@ PATHS: dict[str, Doc] = {
             "summary": "Liveness and readiness",
             "security": [],
             "responses": {
-                "200": {"description": "ready", "content": _json("Health")},
+                "200": {"description": "ready", "content": json_content("Health")},
                 "503": _problem("not-ready"),
             },
         }
@@ -152,7 +123,7 @@ PATHS: dict[str, Doc] = {
         }
     },
     "/api/v1/orgs": {
-        "post": _op(
+        "post": operation(
             "createOrg",
             "Create an organization (admin token only)",
             (201, "Org"),
@@ -161,7 +132,7 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}": {
-        "get": _op(
+        "get": operation(
             "getOrg",
             "An organization",
             (200, "Org"),
@@ -170,7 +141,7 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/tokens": {
-        "post": _op(
+        "post": operation(
             "createToken",
             "Issue a token scoped to the organization",
             (201, "Token"),
@@ -181,14 +152,14 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/workspaces": {
-        "get": _op(
+        "get": operation(
             "listWorkspaces",
             "The organization's workspaces",
             (200, "WorkspaceList"),
             params=("org", *_READ),
             errors=(400, 404, 422, 503),
         ),
-        "post": _op(
+        "post": operation(
             "createWorkspace",
             "Create a workspace",
             (201, "Workspace"),
@@ -198,14 +169,14 @@ PATHS: dict[str, Doc] = {
         ),
     },
     "/api/v1/orgs/{org}/workspaces/{ws}": {
-        "get": _op(
+        "get": operation(
             "getWorkspace",
             "A workspace",
             (200, "Workspace"),
             params=("org", "ws", *_READ),
             errors=(400, 404, 422, 503),
         ),
-        "patch": _op(
+        "patch": operation(
             "updateWorkspace",
             "Replace the workspace's plain variables",
             (200, "Workspace"),
@@ -215,14 +186,14 @@ PATHS: dict[str, Doc] = {
         ),
     },
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {
-        "get": _op(
+        "get": operation(
             "listWorkspaceRuns",
             "The workspace's runs, newest first",
             (200, "RunList"),
             params=("org", "ws", *_LIST),
             errors=(400, 404, 422, 503),
         ),
-        "post": _op(
+        "post": operation(
             "createRun",
             "Queue a run on the workspace",
             (201, "Run"),
@@ -232,7 +203,7 @@ PATHS: dict[str, Doc] = {
         ),
     },
     "/api/v1/orgs/{org}/runs": {
-        "get": _op(
+        "get": operation(
             "listRuns",
             "The organization's runs, newest first",
             (200, "RunList"),
@@ -241,7 +212,7 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/runs/{run}": {
-        "get": _op(
+        "get": operation(
             "getRun",
             "A run",
             (200, "Run"),
@@ -273,7 +244,7 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/events": {
-        "get": _op(
+        "get": operation(
             "runEvents",
             "The run's audit history, oldest first",
             (200, "RunEventList"),
@@ -282,7 +253,7 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/steps": {
-        "get": _op(
+        "get": operation(
             "runSteps",
             "The run's steps",
             (200, "StepList"),

@@ -27,7 +27,7 @@ from services.api.bodies import Body, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import REF, STR, Doc, path_param, ref
+from services.api.schemas import REF, SEQ_DOC, STR, Doc, ok, path_param, problems, ref
 
 PREFIX = "/api/v1/orgs"
 _SCOPE_DOC = "org, folder:<folder> or workspace:<workspace>"
@@ -194,19 +194,9 @@ PARAMETERS: dict[str, Doc] = {
         "schema": STR,
     },
 }
-_SEQ: Doc = {"description": "stream sequence of the write", "type": "integer"}
 _PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "policy")]
 
 
-def _errors(*codes: int) -> dict[str, Doc]:
-    return {str(c): {"$ref": f"#/components/responses/{c}"} for c in (401, *codes, 503)}
-
-
-def _ok(schema: str, *, seq: bool = False) -> Doc:
-    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
-    if seq:
-        ok["headers"] = {"RP-Seq": _SEQ}
-    return ok
 
 
 PATHS: dict[str, Doc] = {
@@ -218,7 +208,7 @@ PATHS: dict[str, Doc] = {
                 _PARAMS[0],
                 {"$ref": "#/components/parameters/policy_scope"},
             ],
-            "responses": {"200": _ok("PolicySetList"), **_errors(400, 404, 422)},
+            "responses": {"200": ok("PolicySetList"), **problems(400, 404, 422)},
         },
     },
     "/api/v1/orgs/{org}/policies/{policy}": {
@@ -226,7 +216,7 @@ PATHS: dict[str, Doc] = {
             "operationId": "getPolicy",
             "summary": "A policy set",
             "parameters": _PARAMS,
-            "responses": {"200": _ok("PolicySet"), **_errors(404, 422)},
+            "responses": {"200": ok("PolicySet"), **problems(404, 422)},
         },
         "put": {
             "operationId": "putPolicy",
@@ -239,9 +229,9 @@ PATHS: dict[str, Doc] = {
                 "content": {"application/json": {"schema": ref("PolicyBody")}},
             },
             "responses": {
-                "200": _ok("PolicySet", seq=True),
-                "201": _ok("PolicySet", seq=True),
-                **_errors(400, 403, 404, 422),
+                "200": ok("PolicySet", seq=True),
+                "201": ok("PolicySet", seq=True),
+                **problems(400, 403, 404, 422),
             },
         },
         "delete": {
@@ -249,8 +239,8 @@ PATHS: dict[str, Doc] = {
             "summary": "Delete a policy set; runs already admitted keep the sets they pinned",
             "parameters": _PARAMS,
             "responses": {
-                "204": {"description": "deleted", "headers": {"RP-Seq": _SEQ}},
-                **_errors(403, 404, 422),
+                "204": {"description": "deleted", "headers": {"RP-Seq": SEQ_DOC}},
+                **problems(403, 404, 422),
             },
         },
     },

@@ -36,6 +36,52 @@ TIME: Doc = {"type": "string", "format": "date-time"}
 ID: Doc = {"type": "string", "pattern": ID_RE.pattern}
 
 
+SEQ_DOC: Doc = {
+    "description": "stream sequence of the write's last event; send it as RP-Min-Seq",
+    "schema": INT,
+}
+
+
+def json_content(schema: str) -> Doc:
+    return {"application/json": {"schema": ref(schema)}}
+
+
+def problems(*codes: int) -> dict[str, Doc]:
+    """References to the problem responses of `codes`, with 401 and 503 every route has."""
+    return {str(c): {"$ref": f"#/components/responses/{c}"} for c in (401, *codes, 503)}
+
+
+def ok(schema: str, *, seq: bool = False) -> Doc:
+    """A JSON answer; a command's carries the RP-Seq header."""
+    answer: Doc = {"description": schema, "content": json_content(schema)}
+    if seq:
+        answer["headers"] = {"RP-Seq": SEQ_DOC}
+    return answer
+
+
+def operation(
+    op_id: str,
+    summary: str,
+    answer: tuple[int, str],
+    *,
+    params: tuple[str, ...] = (),
+    body: str = "",
+    body_required: bool = True,
+    errors: tuple[int, ...] = (),
+) -> Doc:
+    """One operation; a body makes it a command, which answers with RP-Seq."""
+    code, schema = answer
+    op: Doc = {
+        "operationId": op_id,
+        "summary": summary,
+        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
+        "responses": {str(code): ok(schema, seq=bool(body)), **problems(*errors)},
+    }
+    if body:
+        op["requestBody"] = {"required": body_required, "content": json_content(body)}
+    return op
+
+
 def path_param(name: str, what: str) -> Doc:
     """A path parameter that is a name: a subject-safe token."""
     return {"name": name, "in": "path", "required": True, "description": what, "schema": ID}

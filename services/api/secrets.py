@@ -19,7 +19,7 @@ from services.api.bodies import Body, read_body
 from services.api.common import Row, json_response, path_id, scope, written
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import REF, STR, Doc, ref
+from services.api.schemas import REF, STR, Doc, problems, ref
 from services.commands import Result
 from services.secrets import MAX_VALUE, NAME_RE, SecretStore, valid_name
 
@@ -141,7 +141,7 @@ PARAMETERS: dict[str, Doc] = {
     },
 }
 _PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "name")]
-_ERR = {str(c): {"$ref": f"#/components/responses/{c}"} for c in (401, 403, 404, 422, 503)}
+_ERR = problems(403, 404, 422)
 SCHEMAS: dict[str, Doc] = {
     "SecretVariable": {
         "type": "object",

@@ -22,7 +22,7 @@ from services.api.bodies import CreateFolderBody, check_name, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import BOOL, INT, STR, Doc, path_param, ref
+from services.api.schemas import BOOL, INT, STR, Doc, operation, path_param, ref
 from services.commands import Result
 
 PREFIX = "/api/v1/orgs"
@@ -237,25 +237,7 @@ def _op(
     body: str = "",
     errors: tuple[int, ...] = (),
 ) -> Doc:
-    code, schema = answer
-    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
-    if body:
-        ok["headers"] = {"RP-Seq": {"description": "stream sequence of the write", **INT}}
-    op: Doc = {
-        "operationId": op_id,
-        "summary": summary,
-        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
-        "responses": {
-            str(code): ok,
-            **{str(e): {"$ref": f"#/components/responses/{e}"} for e in (401, *errors, 503)},
-        },
-    }
-    if body:
-        op["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": ref(body)}},
-        }
-    return op
+    return operation(op_id, summary, answer, params=params, body=body, errors=errors)
 
 
 _W = (400, 403, 404, 422)

@@ -22,7 +22,7 @@ from services.api.bodies import Body, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import BOOL, INT, REF, STR, Doc, path_param, ref
+from services.api.schemas import BOOL, INT, REF, SEQ_DOC, STR, Doc, ok, path_param, problems, ref
 
 PREFIX = "/api/v1/orgs"
 
@@ -153,19 +153,9 @@ SCHEMAS: dict[str, Doc] = {
 PARAMETERS: dict[str, Doc] = {
     "template": path_param("template", "template name")
 }
-_SEQ: Doc = {"description": "stream sequence of the write", **INT}
 _PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "template")]
 
 
-def _errors(*codes: int) -> dict[str, Doc]:
-    return {str(c): {"$ref": f"#/components/responses/{c}"} for c in (401, *codes, 503)}
-
-
-def _ok(schema: str, *, seq: bool = False) -> Doc:
-    ok: Doc = {"description": schema, "content": {"application/json": {"schema": ref(schema)}}}
-    if seq:
-        ok["headers"] = {"RP-Seq": _SEQ}
-    return ok
 
 
 PATHS: dict[str, Doc] = {
@@ -174,7 +164,7 @@ PATHS: dict[str, Doc] = {
             "operationId": "listTemplates",
             "summary": "The built-in templates, then the organization's own",
             "parameters": _PARAMS[:1],
-            "responses": {"200": _ok("TemplateList"), **_errors(404, 422)},
+            "responses": {"200": ok("TemplateList"), **problems(404, 422)},
         },
     },
     "/api/v1/orgs/{org}/templates/{template}": {
@@ -182,7 +172,7 @@ PATHS: dict[str, Doc] = {
             "operationId": "getTemplate",
             "summary": "A template, built-in or the organization's",
             "parameters": _PARAMS,
-            "responses": {"200": _ok("Template"), **_errors(404, 422)},
+            "responses": {"200": ok("Template"), **problems(404, 422)},
         },
         "put": {
             "operationId": "putTemplate",
@@ -194,9 +184,9 @@ PATHS: dict[str, Doc] = {
                 "content": {"application/json": {"schema": ref("TemplateBody")}},
             },
             "responses": {
-                "200": _ok("Template", seq=True),
-                "201": _ok("Template", seq=True),
-                **_errors(400, 403, 404, 422),
+                "200": ok("Template", seq=True),
+                "201": ok("Template", seq=True),
+                **problems(400, 403, 404, 422),
             },
         },
         "delete": {
@@ -205,8 +195,8 @@ PATHS: dict[str, Doc] = {
             "keep the steps they recorded",
             "parameters": _PARAMS,
             "responses": {
-                "204": {"description": "deleted", "headers": {"RP-Seq": _SEQ}},
-                **_errors(403, 404, 422),
+                "204": {"description": "deleted", "headers": {"RP-Seq": SEQ_DOC}},
+                **problems(403, 404, 422),
             },
         },
     },
