@@ -382,11 +382,6 @@ class App:
         cmd = ws_agg.SetSettings(actor=actor, changes=changes)
         return await self._workspace_command(org, name, cmd)
 
-    async def _speculative_plans(self, org: str, ws: ws_agg.WorkspaceState) -> bool:
-        """Whether the workspace's effective `speculative_plans` is on (org aggregate)."""
-        o = await self.load_org(org)
-        return bool(inherit.for_workspace(o.state, ws)["speculative_plans"]["value"])
-
     async def effective_settings(self, org: str, ws: str) -> inherit.Resolved:
         """Every setting's effective value for a workspace, with its origin, read from
         the organization and workspace aggregates (no read model needed)."""
