@@ -403,7 +403,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
         """The run's steps: its recorded template's, else its run type's built-in."""
         if self.template is not None:
             return self.template.steps
-        return te.with_policy(te.BUILTIN.get(self.run_type, te.BUILTIN["apply"])).steps
+        return _BUILTIN_STEPS.get(self.run_type, _BUILTIN_STEPS["apply"])
 
     @property
     def current_step(self) -> te.TemplateStep | None:
@@ -420,6 +420,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
 
 
 INITIAL = RunState()
+# The steps of runs recorded before templates (no `template`): their type's built-in.
+_BUILTIN_STEPS = {name: te.with_policy(t).steps for name, t in te.BUILTIN.items()}
 
 
 def final_status(state: RunState) -> Status:
