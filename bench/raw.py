@@ -110,6 +110,30 @@ async def pipelined_publish(nc: NATS, subjects: int, n: int) -> dict[str, float]
     return {"msgs": total, "subjects": subjects, "msgs_per_s": total / elapsed}
 
 
+async def _checked_batch(
+    nc: NATS, subjects: tuple[str, str], last: list[int], data: bytes
+) -> list[int]:
+    """One atomic batch of one message per subject, each expecting its subject's `last`
+    sequence; the subjects' new last sequences."""
+    batch = uuid.uuid4().hex
+    for i, subject in enumerate(subjects):
+        headers = {
+            "Nats-Batch-Id": batch,
+            "Nats-Batch-Sequence": str(i + 1),
+            "Nats-Expected-Last-Subject-Sequence": str(last[i]),
+            "Nats-Msg-Id": uuid.uuid4().hex,
+        }
+        if i == 0:
+            await nc.publish(subject, data, headers=headers)
+            continue
+        headers["Nats-Batch-Commit"] = "1"
+        ack = _ack.decode((await nc.request(subject, data, timeout=10, headers=headers)).data)
+        if ack.error:
+            raise RuntimeError(f"raw batch refused: {ack.error}")
+        return [ack.seq - 1, ack.seq]
+    raise AssertionError("unreachable")
+
+
 async def pipelined_batches(nc: NATS, chains: int, batches: int) -> dict[str, float]:
     """Checked two-message atomic batches (one message on a run subject, one on a workspace
     subject, as runplane's create, admission and release are), many chains at once."""
@@ -121,54 +145,18 @@ async def pipelined_batches(nc: NATS, chains: int, batches: int) -> dict[str, fl
         subjects = (f"rp.run.bench.b{prefix}.r{k}", f"rp.ws.bench.b{prefix}x{k}")
         last = [0, 0]
         for _ in range(per):
-            batch = uuid.uuid4().hex
-            for i, subject in enumerate(subjects):
-                headers = {
-                    "Nats-Batch-Id": batch,
-                    "Nats-Batch-Sequence": str(i + 1),
-                    "Nats-Expected-Last-Subject-Sequence": str(last[i]),
-                    "Nats-Msg-Id": uuid.uuid4().hex,
-                }
-                if i == 0:
-                    await nc.publish(subject, data, headers=headers)
-                    continue
-                headers["Nats-Batch-Commit"] = "1"
-                msg = await nc.request(subject, data, timeout=10, headers=headers)
-                ack = _ack.decode(msg.data)
-                if ack.error:
-                    raise RuntimeError(f"raw batch refused: {ack.error}")
-                last = [ack.seq - 1, ack.seq]
+            last = await _checked_batch(nc, subjects, last, data)
 
     lat: list[float] = []
-    one = sync_chain = 200
+    one = 200
 
-    async def timed(k: int) -> None:
+    async def timed(k: int) -> None:  # one batch at a time, each awaited alone
+        subjects = (f"rp.run.bench.s{prefix}.r{k}", f"rp.ws.bench.s{prefix}x{k}")
+        last = [0, 0]
         for _ in range(one):
             t = time.perf_counter()
-            await chain_once(k)
+            last = await _checked_batch(nc, subjects, last, data)
             lat.append(time.perf_counter() - t)
-
-    heads: dict[int, list[int]] = {}
-
-    async def chain_once(k: int) -> None:  # one batch of chain k, awaited alone
-        subjects = (f"rp.run.bench.s{prefix}.r{k}", f"rp.ws.bench.s{prefix}x{k}")
-        last = heads.setdefault(k, [0, 0])
-        batch = uuid.uuid4().hex
-        for i, subject in enumerate(subjects):
-            headers = {
-                "Nats-Batch-Id": batch,
-                "Nats-Batch-Sequence": str(i + 1),
-                "Nats-Expected-Last-Subject-Sequence": str(last[i]),
-                "Nats-Msg-Id": uuid.uuid4().hex,
-            }
-            if i == 0:
-                await nc.publish(subject, data, headers=headers)
-                continue
-            headers["Nats-Batch-Commit"] = "1"
-            ack = _ack.decode((await nc.request(subject, data, timeout=10, headers=headers)).data)
-            if ack.error:
-                raise RuntimeError(f"raw batch refused: {ack.error}")
-            heads[k] = [ack.seq - 1, ack.seq]
 
     await timed(0)  # one at a time: the latency of one atomic batch
     start = time.perf_counter()
@@ -180,7 +168,7 @@ async def pipelined_batches(nc: NATS, chains: int, batches: int) -> dict[str, fl
         "chains": chains,
         "batches_per_s": total / elapsed,
         "msgs_per_s": 2 * total / elapsed,
-        "sync_batches": sync_chain,
+        "sync_batches": one,
         "sync_p50_ms": percentile(lat, 50) * 1000,
         "sync_p99_ms": percentile(lat, 99) * 1000,
     }
