@@ -34,6 +34,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _at_least(
+    name: str, figure: float, ref: float | None, ref_name: str, target: float, note: str
+) -> Result:
+    """A throughput line: events/s, its ratio to a raw figure, and whether it makes target."""
+    ratio = _ratio(figure, ref)
+    ok = ratio is not None and ratio >= target
+    return Result(name, figure, "events/s", ref, ref_name, ratio, f">= {target}", ok, note=note)
+
+
 def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
     """The table's lines from the measured figures."""
     out: list[Result] = []
@@ -82,18 +91,14 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
         out.append(r)
     else:
         a = figs["append"]["events_per_s"]
-        ratio = _ratio(a, pipe)
         out.append(
-            Result(
+            _at_least(
                 "1. append (load+decide+OCC)",
                 a,
-                "events/s",
                 pipe,
                 "pipelined",
-                ratio,
-                ">= 0.5",
-                ratio is not None and ratio >= 0.5,
-                note=f"{figs['append']['concurrency']} runs in parallel",
+                0.5,
+                f"{figs['append']['concurrency']} runs in parallel",
             )
         )
     if r := fail("2. replay into SQLite", "replay"):
@@ -114,36 +119,28 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
                 ),
             ),
         )
-        ratio = _ratio(f["events_per_s"], rawr)
         out.append(
-            Result(
+            _at_least(
                 "2. replay into SQLite",
                 f["events_per_s"],
-                "events/s",
                 rawr,
                 "raw replay",
-                ratio,
-                ">= 0.4",
-                ratio is not None and ratio >= 0.4,
-                note=f"{f['applied']:,} events",
+                0.4,
+                f"{f['applied']:,} events",
             )
         )
     if r := fail("3. lifecycle (template `true`)", "lifecycle"):
         out.append(r)
     else:
         f = figs["lifecycle"]
-        ratio = _ratio(f["events_per_s"], pipe)
         out.append(
-            Result(
+            _at_least(
                 "3. lifecycle (template `true`)",
                 f["events_per_s"],
-                "events/s",
                 pipe,
                 "pipelined",
-                ratio,
-                ">= 0.25",
-                ratio is not None and ratio >= 0.25,
-                note=f"{f['runs']} runs over {f['workspaces']} workspaces",
+                0.25,
+                f"{f['runs']} runs over {f['workspaces']} workspaces",
             )
         )
     if r := fail("4. create->queued p99 @50/s", "latency"):
