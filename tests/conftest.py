@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from executor import Executor
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import EventStore
@@ -47,3 +49,28 @@ def fake_mirror(tmp_path: Path) -> Path:
     """A provider mirror with the `fake` test provider (`tests/provider`), for
     `TerraformConfig(provider_mirrors=[fake_mirror])`."""
     return fake_provider_mirror(tmp_path)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """An empty git repository on branch main."""
+    path = tmp_path / "repo"
+    path.mkdir()
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=path, check=True)
+    return path
+
+
+@pytest.fixture
+async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
+    """A running executor with quick heartbeats, short polls and a short stop grace."""
+    ex = Executor(
+        nc,
+        app,
+        work_dir=tmp_path / "exec",
+        executor_id="test-exec",
+        heartbeat_interval=0.2,
+        grace_period=5.0,
+        fetch_timeout=0.2,
+    )
+    async with ex:
+        yield ex

@@ -5,7 +5,7 @@ Named with `name=` so that a test module imports them without shadowing its para
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -13,9 +13,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from events.run import Workspace
-from executor import Executor
 from services.commands import App
-from tests.test_executor import Harness, commit, git
+from tests.test_executor import Harness, commit
 
 # Prints on stdout and stderr (local-exec merges both into Terraform's output), a URL with
 # credentials, then waits for the gate file before its last line: a test that creates the
@@ -41,30 +40,6 @@ resource "null_resource" "talk" {
 @pytest.fixture(name="h")
 def harness_fixture(nc: NATS, app: App) -> Harness:
     return Harness(nc, app)
-
-
-@pytest.fixture(name="repo")
-def repo_fixture(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    return path
-
-
-@pytest.fixture(name="executor")
-async def executor_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
-    """A running executor with quick heartbeats, short polls and a short stop grace."""
-    ex = Executor(
-        nc,
-        app,
-        work_dir=tmp_path / "exec",
-        executor_id="test-exec",
-        heartbeat_interval=0.2,
-        grace_period=5.0,
-        fetch_timeout=0.2,
-    )
-    async with ex:
-        yield ex
 
 
 class Collected:

@@ -106,14 +106,6 @@ async def plane_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Pla
         yield Plane(http, app, nc, keyring, secrets, tmp_path, stack)
 
 
-@pytest.fixture(name="repo")
-def repo_fixture(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    return path
-
-
 def commit(repo: Path, files: dict[str, str], message: str = "change") -> str:
     """Write files, commit them on the current branch, return the commit sha."""
     for name, text in files.items():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import secrets
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -94,14 +93,6 @@ def commit_files(repo: Path, files: dict[str, str]) -> str:
     git(repo, "add", "-A")
     git(repo, "commit", "-q", "-m", "change")
     return git(repo, "rev-parse", "HEAD")
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    path.mkdir()
-    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=path, check=True)
-    return path
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import io
 import json
 import os
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +77,6 @@ def commit(repo: Path, main_tf: str) -> str:
     return git(repo, "rev-parse", "HEAD")
 
 
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    return path
-
-
 class Harness:
     """Drives runs the way the scheduler would: create, admit, dispatch, approve."""
 
@@ -143,22 +135,6 @@ class Harness:
 @pytest.fixture
 def h(nc: NATS, app: App) -> Harness:
     return Harness(nc, app)
-
-
-@pytest.fixture
-async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
-    """A running executor with quick heartbeats, short polls and a short stop grace."""
-    ex = Executor(
-        nc,
-        app,
-        work_dir=tmp_path / "exec",
-        executor_id="test-exec",
-        heartbeat_interval=0.2,
-        grace_period=5.0,
-        fetch_timeout=0.2,
-    )
-    async with ex:
-        yield ex
 
 
 def step_results(events: list[Any]) -> dict[str, StepFinished]:

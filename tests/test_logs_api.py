@@ -22,9 +22,7 @@ from services.infra.streams import LOGS
 from services.logs_cli import sse_events
 from tests.helpers import eventually
 from tests.logs_support import (  # noqa: F401  # registers the fixtures
-    executor_fixture,
     harness_fixture,
-    repo_fixture,
     talking_run,
 )
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture

@@ -12,7 +12,7 @@ import pytest
 
 from services.infra.natsserver import EmbeddedNats
 from tests.helpers import eventually
-from tests.logs_support import SECRET, TALKING_TF, repo_fixture  # noqa: F401  # fixture
+from tests.logs_support import SECRET, TALKING_TF
 from tests.procs import ROOT, RUNPLANE, Client, Proc, free_port, wait_healthy
 from tests.test_executor import commit
 

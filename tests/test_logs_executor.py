@@ -30,9 +30,7 @@ from tests.helpers import eventually
 from tests.logs_support import (  # noqa: F401  # registers the fixtures
     SECRET,
     Collected,
-    executor_fixture,
     harness_fixture,
-    repo_fixture,
     talking_run,
 )
 from tests.test_executor import Harness, step_results

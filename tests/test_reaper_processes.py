@@ -28,7 +28,7 @@ from services.scheduler.reaper import Reaper
 from services.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.procs import Proc
-from tests.test_executor import MAIN_TF, commit, git
+from tests.test_executor import MAIN_TF, commit
 from tests.test_reaper import ORG, reaches, state
 
 pytestmark = pytest.mark.terraform
@@ -54,14 +54,6 @@ resource "null_resource" "gated" {
 KEY = base64.b64encode(os.urandom(32)).decode()
 
 # ---------------------------------------------------------------- helpers
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    path = tmp_path / "repo"
-    path.mkdir()
-    git(path, "init", "-q", "-b", "main")
-    return path
 
 
 @asynccontextmanager

@@ -21,7 +21,6 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
-    repo_fixture,
 )
 
 pytestmark = pytest.mark.terraform

@@ -23,7 +23,6 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
-    repo_fixture,
 )
 from tests.state_support import current_state, sealed_object
 

@@ -15,7 +15,6 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
-    repo_fixture,
 )
 from tests.test_api_support import Answer, Http, http_fixture  # noqa: F401  # the fixture
 

@@ -27,7 +27,6 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
-    repo_fixture,
 )
 from tests.procs import Proc
 from tests.state_support import current_state, opened_plan, sealed_object

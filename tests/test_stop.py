@@ -13,7 +13,6 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
-    repo_fixture,
 )
 from tests.test_reaper_processes import GATED_PLAN_TF, descendants
 
