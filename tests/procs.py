@@ -135,3 +135,21 @@ def pids_alive(pids: list[int]) -> list[int]:
 
 
 __all__ = ["Client", "Proc", "free_port", "pids_alive", "signal", "wait_healthy"]
+
+
+def descendants(pid: int) -> list[int]:
+    """The process and everything it started (Terraform runs in sessions of its own)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found

@@ -27,7 +27,7 @@ from services.infra.streams import DISPATCH, dispatch_subject, executor_consumer
 from services.scheduler.reaper import Reaper
 from services.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
-from tests.procs import Proc
+from tests.procs import Proc, descendants
 from tests.test_executor import MAIN_TF, commit
 from tests.test_reaper import ORG, reaches, state
 
@@ -77,24 +77,6 @@ async def _says(proc: Proc, text: str) -> bool:
     if proc.proc.returncode is not None and text not in proc.output():
         raise RuntimeError(f"exited {proc.proc.returncode}: {proc.output()[-2000:]}")
     return text in proc.output()
-
-
-def descendants(pid: int) -> list[int]:
-    """The process and everything it started (Terraform runs in sessions of its own)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
 
 
 def signal_tree(proc: Proc, sig: signal.Signals) -> None:

@@ -28,7 +28,7 @@ import nats
 from projections.readmodel import ReadModel
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import _die_with_parent, server_binary
-from tests.procs import Proc, free_port
+from tests.procs import Proc, descendants, free_port
 from tests.test_executor import commit, git
 
 ORG = "chaos"
@@ -48,24 +48,6 @@ resource "null_resource" "chaos" {
 }
 """
 _RUN_IN_PATH = re.compile(r"/jobs/([0-9A-Za-z]+)-apply-")
-
-
-def descendants(pid: int) -> list[int]:
-    """The process and everything it started (Terraform runs in sessions of its own)."""
-    children: dict[int, list[int]] = defaultdict(list)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children[ppid].append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo.extend(children.get(p, []))
-    return found
 
 
 def now() -> float:
