@@ -159,15 +159,18 @@ class RunLifecycle(RuleBasedStateMachine):
             w.active = expected
             self.model[expected].status = S.QUEUED
 
-    @rule(run=runs)
-    def claim_plan(self, run: Run) -> None:
+    def _claim(self, run: Run, phase: str, waiting: S, running: S) -> None:
         lease = new_id()
-        cmd = R.ClaimPhase(actor="ex", phase="plan", lease_id=lease, executor_id="ex")
-        if run.status == S.QUEUED:
+        cmd = R.ClaimPhase(actor="ex", phase=phase, lease_id=lease, executor_id="ex")
+        if run.status == waiting:
             self.command(run, cmd, None)
-            run.status, run.lease = S.PLANNING, lease
+            run.status, run.lease = running, lease
         else:
             self.command(run, cmd, IllegalTransition)
+
+    @rule(run=runs)
+    def claim_plan(self, run: Run) -> None:
+        self._claim(run, "plan", S.QUEUED, S.PLANNING)
 
     @rule(run=runs, has_changes=st.booleans(), stale=st.booleans())
     def finish_plan(self, run: Run, has_changes: bool, stale: bool) -> None:
@@ -211,13 +214,7 @@ class RunLifecycle(RuleBasedStateMachine):
 
     @rule(run=runs)
     def claim_apply(self, run: Run) -> None:
-        lease = new_id()
-        cmd = R.ClaimPhase(actor="ex", phase="apply", lease_id=lease, executor_id="ex")
-        if run.status == S.APPLY_QUEUED:
-            self.command(run, cmd, None)
-            run.status, run.lease = S.APPLYING, lease
-        else:
-            self.command(run, cmd, IllegalTransition)
+        self._claim(run, "apply", S.APPLY_QUEUED, S.APPLYING)
 
     @rule(run=runs, stale=st.booleans())
     def finish_apply(self, run: Run, stale: bool) -> None:
