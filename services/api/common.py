@@ -9,9 +9,11 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from events.org import OrgState
 from services.api.auth import PRINCIPAL, Principal
 from services.api.bodies import check_name
 from services.api.context import API, Api
+from services.api.problems import Problem
 
 log = structlog.get_logger("runplane.api")
 
@@ -46,6 +48,23 @@ def scope(request: web.Request, role: str) -> tuple[Api, str, Principal]:
     who = request[PRINCIPAL]
     who.require(org, role)
     return request.app[API], org, who
+
+
+async def org_state(api: Api, org: str) -> OrgState:
+    """The organization's aggregate (folders, groups, settings, templates, policies):
+    404 if it does not exist."""
+    state: OrgState = (await api.app.load_org(org)).state
+    if not state.exists:
+        raise Problem("not-found", f"organization {org} not found")
+    return state
+
+
+def command_answer(row: Row, seq: int, *, status: int = 200, location: str = "") -> web.Response:
+    """A command's answer from its own result: the row, RP-Seq, and a Location if given."""
+    headers = {SEQ_HEADER: str(seq)}
+    if location:
+        headers["Location"] = location
+    return json_response(row, status=status, headers=headers)
 
 
 async def written(

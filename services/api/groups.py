@@ -16,11 +16,15 @@ from events import groups as gr
 from events.org import OrgState
 from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import Body, Name, check_name, read_body
-from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
-from services.api.context import Api
-from services.api.problems import Problem
+from services.api.common import (
+    Row,
+    command_answer,
+    items,
+    org_state,
+    path_id,
+    scope,
+)
 from services.api.schemas import REF, STR, Doc, operation, path_param, ref
-from services.commands import Result
 
 PREFIX = "/api/v1/orgs"
 Members = Annotated[
@@ -38,22 +42,8 @@ class GroupMembersBody(Body, frozen=True, kw_only=True):
     members: Members
 
 
-async def _org(api: Api, org: str) -> OrgState:
-    state: OrgState = (await api.app.load_org(org)).state
-    if not state.exists:
-        raise Problem("not-found", f"organization {org} not found")
-    return state
-
-
 def _row(state: OrgState, name: str) -> Row:
     return {"name": name, "members": list(state.groups[name])}
-
-
-def _written(row: Row, result: Result, *, status: int = 200, location: str = "") -> web.Response:
-    headers = {SEQ_HEADER: str(result.seq)}
-    if location:
-        headers["Location"] = location
-    return json_response(row, status=status, headers=headers)
 
 
 async def create_group(request: web.Request) -> web.Response:
@@ -61,11 +51,11 @@ async def create_group(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     body = await read_body(request, CreateGroupBody)
     name = check_name("name", body.name)
-    await _org(api, org)
+    await org_state(api, org)
     cmd = gr.CreateGroup(actor=who.user, name=name, members=list(body.members))
     result = await api.app.org_command(org, cmd)
     where = f"{PREFIX}/{org}/groups/{name}"
-    return _written(_row(result.state, name), result, status=201, location=where)
+    return command_answer(_row(result.state, name), result.seq, status=201, location=where)
 
 
 async def set_group_members(request: web.Request) -> web.Response:
@@ -73,15 +63,15 @@ async def set_group_members(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     name = path_id(request, "group")
     body = await read_body(request, GroupMembersBody)
-    await _org(api, org)
+    await org_state(api, org)
     cmd = gr.SetGroupMembers(actor=who.user, name=name, members=list(body.members))
     result = await api.app.org_command(org, cmd)
-    return _written(_row(result.state, name), result)
+    return command_answer(_row(result.state, name), result.seq)
 
 
 async def list_groups(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    state = await _org(api, org)
+    state = await org_state(api, org)
     return items([_row(state, name) for name in state.groups])
 
 
@@ -101,9 +91,7 @@ SCHEMAS: dict[str, Doc] = {
         "properties": {"items": {"type": "array", "items": ref("Group")}},
     },
 }
-PARAMETERS: dict[str, Doc] = {
-    "group": path_param("group", "group name")
-}
+PARAMETERS: dict[str, Doc] = {"group": path_param("group", "group name")}
 
 
 def _op(

@@ -19,13 +19,20 @@ import msgspec
 from aiohttp import web
 
 from events import policies as po
-from events.org import OrgState
 from events.workspace import WorkspaceState
 from services import policyeval
 from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import Body, read_body
-from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
-from services.api.context import Api
+from services.api.common import (
+    SEQ_HEADER,
+    Row,
+    command_answer,
+    items,
+    json_response,
+    org_state,
+    path_id,
+    scope,
+)
 from services.api.problems import Problem
 from services.api.schemas import REF, SEQ_DOC, STR, Doc, ok, path_param, problems, ref
 
@@ -57,13 +64,6 @@ class PolicyBody(Body, frozen=True, kw_only=True):
     ] = "org"
 
 
-async def _org(api: Api, org: str) -> OrgState:
-    state: OrgState = (await api.app.load_org(org)).state
-    if not state.exists:
-        raise Problem("not-found", f"organization {org} not found")
-    return state
-
-
 def row(policy: po.PolicySet) -> Row:
     return {
         "name": policy.name,
@@ -87,7 +87,7 @@ async def list_policies(request: web.Request) -> web.Response:
     if unknown:
         raise Problem("invalid-query", f"unknown query parameter {', '.join(unknown)}")
     wanted = request.query.get("scope")
-    state = await _org(api, org)
+    state = await org_state(api, org)
     chosen = [p for p in state.policies.values() if wanted is None or p.scope == wanted]
     return items([row(p) for p in sorted(chosen, key=_order)])
 
@@ -95,7 +95,7 @@ async def list_policies(request: web.Request) -> web.Response:
 async def get_policy(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     name = path_id(request, "policy")
-    policy = (await _org(api, org)).policies.get(name)
+    policy = (await org_state(api, org)).policies.get(name)
     if policy is None:
         raise Problem("not-found", f"policy {name} not found")
     return json_response(row(policy))
@@ -106,7 +106,7 @@ async def put_policy(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     name = path_id(request, "policy")
     body = await read_body(request, PolicyBody)
-    before = await _org(api, org)
+    before = await org_state(api, org)
     policy = po.PolicySet(
         name=name,
         enforcement=body.enforcement,
@@ -126,18 +126,15 @@ async def put_policy(request: web.Request) -> web.Response:
         raise Problem("invalid-policy", str(e)) from e
     result = await api.app.org_command(org, po.SavePolicy(actor=who.user, policy=policy))
     new = name not in before.policies
-    headers = {SEQ_HEADER: str(result.seq)}
-    if new:
-        headers["Location"] = f"{PREFIX}/{org}/policies/{name}"
-    return json_response(
-        row(result.state.policies[name]), status=201 if new else 200, headers=headers
-    )
+    answer = row(result.state.policies[name])
+    where = f"{PREFIX}/{org}/policies/{name}" if new else ""
+    return command_answer(answer, result.seq, status=201 if new else 200, location=where)
 
 
 async def delete_policy(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     name = path_id(request, "policy")
-    await _org(api, org)
+    await org_state(api, org)
     result = await api.app.org_command(org, po.DeletePolicy(actor=who.user, name=name))
     return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
 
@@ -195,8 +192,6 @@ PARAMETERS: dict[str, Doc] = {
     },
 }
 _PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "policy")]
-
-
 
 
 PATHS: dict[str, Doc] = {

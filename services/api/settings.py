@@ -19,20 +19,20 @@ from events.org import OrgState
 from events.workspace import WorkspaceState
 from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import CreateFolderBody, check_name, read_body
-from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
+from services.api.common import (
+    Row,
+    command_answer,
+    items,
+    json_response,
+    org_state,
+    path_id,
+    scope,
+)
 from services.api.context import Api
 from services.api.problems import Problem
 from services.api.schemas import BOOL, INT, STR, Doc, operation, path_param, ref
-from services.commands import Result
 
 PREFIX = "/api/v1/orgs"
-
-
-async def _org(api: Api, org: str) -> OrgState:
-    state: OrgState = (await api.app.load_org(org)).state
-    if not state.exists:
-        raise Problem("not-found", f"organization {org} not found")
-    return state
 
 
 def _folder_of(request: web.Request, state: OrgState) -> str:
@@ -66,13 +66,6 @@ async def _changes(request: web.Request) -> dict[str, Any]:
     return changes
 
 
-def _written(row: Row, result: Result, *, status: int = 200, location: str = "") -> web.Response:
-    headers = {SEQ_HEADER: str(result.seq)}
-    if location:
-        headers["Location"] = location
-    return json_response(row, status=status, headers=headers)
-
-
 # ---------------------------------------------------------------- folders
 
 
@@ -91,16 +84,16 @@ async def create_folder(request: web.Request) -> web.Response:
     body = await read_body(request, CreateFolderBody)
     name = check_name("name", body.name)
     parent = check_name("parent", body.parent) if body.parent else ""
-    await _org(api, org)
+    await org_state(api, org)
     cmd = fo.CreateFolder(actor=who.user, name=name, parent=parent)
     result = await api.app.org_command(org, cmd)
     where = f"{PREFIX}/{org}/folders/{name}"
-    return _written(_folder_row(result.state, name), result, status=201, location=where)
+    return command_answer(_folder_row(result.state, name), result.seq, status=201, location=where)
 
 
 async def list_folders(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    state = await _org(api, org)
+    state = await org_state(api, org)
     return items([_folder_row(state, name) for name in state.folders])
 
 
@@ -117,48 +110,48 @@ def _folder_settings(state: OrgState, name: str) -> Row:
 
 async def get_org_settings(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    return json_response(_org_settings(await _org(api, org)))
+    return json_response(_org_settings(await org_state(api, org)))
 
 
 async def patch_org_settings(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     changes = await _changes(request)
-    await _org(api, org)
+    await org_state(api, org)
     result = await api.app.org_command(org, fo.SetOrgSettings(actor=who.user, changes=changes))
-    return _written(_org_settings(result.state), result)
+    return command_answer(_org_settings(result.state), result.seq)
 
 
 async def get_folder_settings(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    state = await _org(api, org)
+    state = await org_state(api, org)
     return json_response(_folder_settings(state, _folder_of(request, state)))
 
 
 async def patch_folder_settings(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
-    name = _folder_of(request, await _org(api, org))
+    name = _folder_of(request, await org_state(api, org))
     changes = await _changes(request)
     cmd = fo.SetFolderSettings(actor=who.user, folder=name, changes=changes)
     result = await api.app.org_command(org, cmd)
-    return _written(_folder_settings(result.state, name), result)
+    return command_answer(_folder_settings(result.state, name), result.seq)
 
 
 async def get_workspace_settings(request: web.Request) -> web.Response:
     """Every setting's effective value for the workspace, with its origin."""
     api, org, _ = scope(request, VIEWER)
     ws = path_id(request, "ws")
-    state = await _org(api, org)
+    state = await org_state(api, org)
     return json_response(inherit.for_workspace(state, await _workspace(api, org, ws)))
 
 
 async def patch_workspace_settings(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     ws = path_id(request, "ws")
-    state = await _org(api, org)
+    state = await org_state(api, org)
     await _workspace(api, org, ws)
     changes = await _changes(request)
     result = await api.app.set_workspace_settings(org, ws, changes, who.user)
-    return _written(inherit.for_workspace(state, result.state), result)
+    return command_answer(inherit.for_workspace(state, result.state), result.seq)
 
 
 # ---------------------------------------------------------------- OpenAPI
@@ -308,6 +301,4 @@ PATHS: dict[str, Doc] = {
         ),
     },
 }
-PARAMETERS: dict[str, Doc] = {
-    "folder": path_param("folder", "folder name")
-}
+PARAMETERS: dict[str, Doc] = {"folder": path_param("folder", "folder name")}

@@ -19,8 +19,16 @@ from events import templates as te
 from events.org import OrgState
 from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import Body, read_body
-from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope
-from services.api.context import Api
+from services.api.common import (
+    SEQ_HEADER,
+    Row,
+    command_answer,
+    items,
+    json_response,
+    org_state,
+    path_id,
+    scope,
+)
 from services.api.problems import Problem
 from services.api.schemas import BOOL, INT, REF, SEQ_DOC, STR, Doc, ok, path_param, problems, ref
 
@@ -54,13 +62,6 @@ class TemplateBody(Body, frozen=True, kw_only=True):
     ]
 
 
-async def _org(api: Api, org: str) -> OrgState:
-    state: OrgState = (await api.app.load_org(org)).state
-    if not state.exists:
-        raise Problem("not-found", f"organization {org} not found")
-    return state
-
-
 def row(template: te.Template) -> Row:
     return {
         "name": template.name,
@@ -81,14 +82,14 @@ def _find(state: OrgState, name: str) -> te.Template:
 
 async def list_templates(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    state = await _org(api, org)
+    state = await org_state(api, org)
     return items([row(t) for t in (*te.BUILTIN.values(), *state.templates.values())])
 
 
 async def get_template(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     name = path_id(request, "template")
-    return json_response(row(_find(await _org(api, org), name)))
+    return json_response(row(_find(await org_state(api, org), name)))
 
 
 async def put_template(request: web.Request) -> web.Response:
@@ -96,22 +97,19 @@ async def put_template(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     name = path_id(request, "template")
     body = await read_body(request, TemplateBody)
-    before = await _org(api, org)
+    before = await org_state(api, org)
     steps = te.parse_steps(body.steps)  # Invalid (422) with the reason
     result = await api.app.org_command(org, te.SaveTemplate(actor=who.user, name=name, steps=steps))
     new = name not in before.templates
-    headers = {SEQ_HEADER: str(result.seq)}
-    if new:
-        headers["Location"] = f"{PREFIX}/{org}/templates/{name}"
-    return json_response(
-        row(result.state.templates[name]), status=201 if new else 200, headers=headers
-    )
+    answer = row(result.state.templates[name])
+    where = f"{PREFIX}/{org}/templates/{name}" if new else ""
+    return command_answer(answer, result.seq, status=201 if new else 200, location=where)
 
 
 async def delete_template(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
     name = path_id(request, "template")
-    await _org(api, org)
+    await org_state(api, org)
     if name in te.BUILTIN:
         raise Problem("invalid-command", f"{name!r} is a built-in template: it cannot be deleted")
     result = await api.app.org_command(org, te.DeleteTemplate(actor=who.user, name=name))
@@ -150,12 +148,8 @@ SCHEMAS: dict[str, Doc] = {
         "properties": {"items": {"type": "array", "items": ref("Template")}},
     },
 }
-PARAMETERS: dict[str, Doc] = {
-    "template": path_param("template", "template name")
-}
+PARAMETERS: dict[str, Doc] = {"template": path_param("template", "template name")}
 _PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "template")]
-
-
 
 
 PATHS: dict[str, Doc] = {
