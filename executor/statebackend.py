@@ -245,6 +245,7 @@ class StateBackend:
             )
         except DomainError as e:
             await self.store.drop_version(head.object)
+            await self.store.clear_pending(job.org, job.ws)  # never recorded: not a version
             return self._refuse(409, f"state version not recorded: {e}")
         try:
             self._revision = await self.store.move_head(job.org, job.ws, head, self._revision)
