@@ -1,13 +1,16 @@
 """The event store on JetStream: read a subject's events, append with optimistic concurrency.
 
 Reads use batched direct gets (one request, many replies) on the subject index, so loading a
-run costs one round trip. Appends carry `Nats-Expected-Last-Subject-Sequence` and
-`Nats-Msg-Id`; several events of one decision go in one atomic batch (server 2.12+).
+run costs one round trip; the replies of every read come to one wildcard inbox subscription
+per store, routed by the reply subject's last token. Appends carry
+`Nats-Expected-Last-Subject-Sequence` and `Nats-Msg-Id`; several events of one decision go in
+one atomic batch (server 2.12+).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import uuid
 from collections import OrderedDict
@@ -16,6 +19,7 @@ from datetime import datetime
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
@@ -78,6 +82,20 @@ def _headers(
     return headers
 
 
+class _Read:
+    """A read in flight: the page its replies fill, done at the end of the batch."""
+
+    __slots__ = ("done", "page")
+
+    def __init__(self, done: asyncio.Future[None]) -> None:
+        self.done = done
+        self.page: list[Envelope] = []
+
+    def time_out(self) -> None:
+        if not self.done.done():
+            self.done.set_exception(TimeoutError())
+
+
 class EventStore:
     """Read and append events of the RP_EVENTS stream."""
 
@@ -95,6 +113,13 @@ class EventStore:
         self.cache_events = cache_events  # 0: read every history whole, every time
         self._cache: OrderedDict[str, list[Envelope]] = OrderedDict()
         self._cached = 0  # envelopes in the cache
+        self._api = f"$JS.API.DIRECT.GET.{stream}"
+        # Reads in flight by the last token of their reply subject (see `_direct_batch`).
+        self._reads: dict[str, _Read] = {}
+        self._tokens = itertools.count(1)
+        self._sub: Subscription | None = None
+        self._prefix = ""
+        self._subscribing = asyncio.Lock()
 
     # ------------------------------------------------------------ reading
 
@@ -146,48 +171,71 @@ class EventStore:
             start = page[-1].seq + 1
 
     async def _direct_batch(self, subject: str, start: int) -> list[Envelope]:
-        # Collected by the subscription's callback: no task and no timer per message.
-        page: list[Envelope] = []
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        async def received(msg: Msg) -> None:
-            if done.done():
-                return
-            hdrs = msg.headers or {}
-            status = hdrs.get("Status")
-            if status:
-                if status in ("204", "404"):
-                    done.set_result(None)
-                else:
-                    err = f"direct get failed: {status} {hdrs.get('Description')}"
-                    done.set_exception(StoreError(err))
-                return
-            try:
-                page.append(
-                    Envelope(
-                        seq=int(hdrs["Nats-Sequence"]),
-                        subject=hdrs["Nats-Subject"],
-                        msg_id=hdrs.get("Nats-Msg-Id", ""),
-                        time=_parse_time(hdrs.get("Nats-Time-Stamp")),
-                        event=decode(msg.data),
-                    )
-                )
-            except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
-                done.set_exception(e)
-
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=received)
+        # The replies come to this store's one wildcard inbox subscription, to a token of
+        # this read: no SUB, UNSUB, subscription object or task per read.
+        prefix = await self._inbox()
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        read = _Read(loop.create_future())
+        self._reads[token] = read
+        timer = loop.call_later(self.timeout, read.time_out)
         try:
-            req = {"seq": start, "next_by_subj": subject, "batch": _BATCH}
-            await self.nc.publish(
-                f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(req).encode(), reply=inbox
-            )
-            await asyncio.wait_for(done, self.timeout)
-            return page
+            req = msgspec.json.encode({"seq": start, "next_by_subj": subject, "batch": _BATCH})
+            await self.nc.publish(self._api, req, reply=prefix + token)
+            await read.done
+            return read.page
         except TimeoutError as e:
             raise StoreError(f"reading {subject} timed out") from e
         finally:
-            await sub.unsubscribe()
+            timer.cancel()
+            del self._reads[token]
+
+    async def _inbox(self) -> str:
+        """The prefix of this store's reply subjects, subscribed once (again if lost)."""
+        sub = self._sub
+        if sub is not None and self.nc._subs.get(sub._id) is sub:
+            return self._prefix
+        async with self._subscribing:  # many first reads at once: one subscription
+            sub = self._sub
+            if sub is None or self.nc._subs.get(sub._id) is not sub:
+                # (A connection that reconnects keeps its subscriptions; one closed and
+                # connected again has lost them.) Unbounded pending limits: a reply
+                # dropped as a slow consumer would leave a hole in a history.
+                self._prefix = self.nc.new_inbox() + "."
+                self._sub = await self.nc.subscribe(
+                    self._prefix + "*",
+                    cb=self._received,
+                    pending_msgs_limit=0,
+                    pending_bytes_limit=0,
+                )
+            return self._prefix
+
+    async def _received(self, msg: Msg) -> None:
+        """Hand a reply to the read its subject's last token names (late ones: dropped)."""
+        read = self._reads.get(msg.subject[len(self._prefix) :])
+        if read is None or read.done.done():
+            return
+        hdrs = msg.headers or {}
+        status = hdrs.get("Status")
+        if status:
+            if status in ("204", "404"):
+                read.done.set_result(None)
+            else:
+                err = f"direct get failed: {status} {hdrs.get('Description')}"
+                read.done.set_exception(StoreError(err))
+            return
+        try:
+            read.page.append(
+                Envelope(
+                    seq=int(hdrs["Nats-Sequence"]),
+                    subject=hdrs["Nats-Subject"],
+                    msg_id=hdrs.get("Nats-Msg-Id", ""),
+                    time=_parse_time(hdrs.get("Nats-Time-Stamp")),
+                    event=decode(msg.data),
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
+            read.done.set_exception(e)
 
     async def last(self, subject: str) -> tuple[int, str]:
         """The sequence and msg id of the last message on an exact subject (0, "" if none)."""
