@@ -88,10 +88,19 @@ class RunCreated(Event, frozen=True, kw_only=True, tag="run.created"):
 
 
 class RunQueued(Event, frozen=True, kw_only=True, tag="run.queued"):
-    """Admitted: the plan phase now waits for an executor, pinned to its snapshot."""
+    """Admitted: the first step now waits for an executor, pinned to its snapshot; with
+    `pinning` the snapshot is still to come (`run.pinned`) and no executor may claim the
+    run before it has come."""
 
     phase: str = "plan"
     snapshot: Snapshot | None = None
+    pinning: bool = False
+
+
+class RunPinned(Event, frozen=True, kw_only=True, tag="run.pinned"):
+    """The admitted run's snapshot: what it will plan and apply, whatever moves later."""
+
+    snapshot: Snapshot
 
 
 class PhaseStarted(Event, frozen=True, kw_only=True, tag="run.phase_started"):
@@ -202,6 +211,7 @@ class RunFailed(Event, frozen=True, kw_only=True, tag="run.failed"):
 RunEvent = (
     RunCreated
     | RunQueued
+    | RunPinned
     | PhaseStarted
     | StepStarted
     | StepFinished
@@ -235,6 +245,11 @@ class CreateRun(Command, frozen=True, kw_only=True):
 
 class AdmitRun(Command, frozen=True, kw_only=True):
     snapshot: Snapshot | None = None
+    pinning: bool = False  # the snapshot follows (PinRun)
+
+
+class PinRun(Command, frozen=True, kw_only=True):
+    snapshot: Snapshot
 
 
 class ClaimPhase(Command, frozen=True, kw_only=True):
@@ -333,6 +348,7 @@ class FailRun(Command, frozen=True, kw_only=True):
 RunCommand = (
     CreateRun
     | AdmitRun
+    | PinRun
     | ClaimPhase
     | StartStep
     | FinishStep
@@ -367,6 +383,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     executor_id: str = ""
     commit: str = ""
     snapshot: Snapshot | None = None
+    pinning: bool = False  # admitted, its snapshot still to come: no executor may claim it
     has_changes: bool = False
     plan_summary: PlanSummary | None = None
     apply_summary: PlanSummary | None = None
@@ -414,7 +431,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     def waiting_phase(self) -> str:
         """The phase the run waits for an executor to claim, or ""."""
         step = self.current_step
-        if self.status not in WAITING or step is None:
+        if self.status not in WAITING or step is None or self.pinning:
             return ""
         return te.phase_of(step)
 
@@ -481,8 +498,18 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
                 snapshot=snap,
                 config=pinned_config(s.config, snap),
                 commit=snap.commit if snap and snap.commit else s.commit,
+                pinning=event.pinning,
             )
             return advance(queued, 0)
+        case RunPinned():
+            snap = event.snapshot
+            return msgspec.structs.replace(
+                s,
+                snapshot=snap,
+                config=pinned_config(s.config, snap),
+                commit=snap.commit or s.commit,
+                pinning=False,
+            )
         case PhaseStarted():
             return msgspec.structs.replace(
                 s,
@@ -584,6 +611,8 @@ def _record(event_type: type[E], command: Command, now: datetime, **overrides: o
 
 def _check_claim(state: RunState, command: ClaimPhase) -> None:
     _require(state, WAITING, "claim")
+    if state.pinning:
+        raise IllegalTransition("the run waits for its snapshot", status=str(state.status))
     waiting = state.waiting_phase
     if waiting != command.phase:
         raise IllegalTransition(
@@ -655,7 +684,15 @@ def decide(
             return [_record(RunCreated, command, now)]
         case AdmitRun():
             _require(state, {Status.PENDING}, "admit")
+            if command.pinning and command.snapshot is not None:
+                raise Invalid("a run is admitted with its snapshot or pinning, not both")
             return [_record(RunQueued, command, now, phase="plan")]
+        case PinRun():
+            if state.terminal or state.status == Status.PENDING or not state.exists:
+                _require(state, set(Status) - TERMINAL - {Status.PENDING}, "pin")
+            if not state.pinning:
+                return []  # pinned already (another scheduler), or admitted with its snapshot
+            return [_record(RunPinned, command, now)]
         case ClaimPhase():
             _check_claim(state, command)
             return [_record(PhaseStarted, command, now)]

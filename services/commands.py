@@ -1,11 +1,21 @@
-"""Application service: load aggregates, run the pure `decide`, append atomically.
+"""Application service: load aggregates, run the pure `decide`, append.
 
 Every writer (api, scheduler, executor) goes through here, so the rules that span two
-aggregates live in one place: a new run is enqueued on its workspace in the same atomic
-batch, admission moves the workspace and the run together, and a run that reaches a
-terminal status gives its workspace back in the same batch. A speculative plan (setting
-`speculative_plans`) is the exception: never enqueued, admitted on its own, it holds and
-releases nothing.
+aggregates live in one place. Each append touches one aggregate (atomic batches cost the
+server ~2 ms each, ten plain appends' worth), and every step that spans two is ordered
+so that a crash between its appends leaves a state the scheduler finishes or heals:
+
+- create: `run.created`, then `ws.run_enqueued`. A run created but never enqueued (its
+  writer died) is enqueued by the scheduler when `run.created` comes round again.
+- admission: `ws.run_admitted` (the decision: who holds the workspace, an optimistic
+  append), then `run.queued`. A workspace whose active run is still pending has its
+  admission finished by the next admission attempt (`admit_next`).
+- a terminal run: its terminal event, then `ws.run_released`. A workspace holding a
+  terminal run (or with one at the head of its queue) is released by the next admission
+  attempt, which the scheduler makes on every terminal run event.
+
+A speculative plan (setting `speculative_plans`) is never enqueued: admitted on its own,
+it holds and releases nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import msgspec
+import structlog
 from ulid import ULID
 
 from events import folder as fo
@@ -30,13 +41,15 @@ from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
 from events.errors import Conflict, IllegalTransition, NotFound
-from services.infra.eventstore import Append, EventStore
+from services.infra.eventstore import Append, EventStore, StoreError
 from services.snapshot import SnapshotFailed
 
 # Takes a run's admission snapshot (services/snapshot.py); raises SnapshotFailed.
 SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]
 
 S = TypeVar("S")
+
+log = structlog.get_logger(__name__)
 
 
 def utcnow() -> datetime:
@@ -200,11 +213,13 @@ class App:
         message: str = "",
         template: str = "",
     ) -> Result:
-        """Record a pending run and enqueue it on its workspace, in one atomic batch.
+        """Record a pending run, then enqueue it on its workspace (`enqueue_run`).
 
         The run records its template's steps (`events.templates.resolve`): the one named,
         else the workspace's default for the run type (setting `templates`), else the
-        built-in; Invalid if that template does not exist or does not suit the run type."""
+        built-in; Invalid if that template does not exist or does not suit the run type.
+        Once `run.created` has landed the create has succeeded: should the enqueue fail,
+        the scheduler enqueues the run when it sees `run.created`."""
         run_id = self.ids()
 
         async def attempt() -> Result:
@@ -216,7 +231,6 @@ class App:
             if run_type in run_agg.RUN_TYPES:  # else decide refuses the run type
                 defaults = effective["templates"]["value"] or {}
                 steps = te.resolve(run_type, template, o.state.templates, defaults)
-            now = self.clock()
             create = run_agg.CreateRun(
                 actor=actor,
                 run_id=run_id,
@@ -228,24 +242,62 @@ class App:
                 speculative=run_type == "plan" and bool(effective["speculative_plans"]["value"]),
                 template=steps,
             )
-            run_events = run_agg.decide(run_agg.INITIAL, create, now=now, new_id=self.ids)
-            enqueue = ws_agg.EnqueueRun(actor=actor, run_id=run_id)
-            # A speculative plan is not enqueued: the scheduler admits it on run.created.
-            ws_events = (
-                []
-                if create.speculative
-                else ws_agg.decide(w.state, enqueue, now=now, new_id=self.ids)
-            )
-            seq = await self.store.append(
-                self._appends(run_subject(org, ws, run_id), 0, list(run_events))
-                + self._appends(w.subject, w.seq, list(ws_events))
-            )
+            run_events = run_agg.decide(run_agg.INITIAL, create, now=self.clock(), new_id=self.ids)
+            appends = self._appends(run_subject(org, ws, run_id), 0, list(run_events))
+            seq = await self.store.append(appends)
+            loaded.append(w)
             return Result(state=run_agg.fold(run_events), seq=seq, events=list(run_events))
+
+        loaded: list[Loaded] = []  # the workspace as the create saw it
+        created: Result = await self._retrying(attempt)
+        if created.state.speculative:  # the scheduler admits it on run.created
+            return created
+        try:
+            await self.enqueue_run(org, ws, run_id, actor, seen=loaded[-1])
+        except (Conflict, StoreError) as e:  # the scheduler enqueues it (see the docstring)
+            log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=str(e))
+        return created
+
+    async def enqueue_run(
+        self, org: str, ws: str, run_id: str, actor: str, *, seen: Loaded | None = None
+    ) -> bool:
+        """Put a pending run at the back of its workspace's queue, unless it is there (or
+        holds the workspace) already; True if this call enqueued it. `seen`: the
+        workspace as loaded just before, tried first (a conflict reloads it).
+
+        A run that is no longer pending is left alone; should it be canceled between the
+        check and the append, admission finds it terminal at the head and releases it."""
+        first = [seen] if seen is not None else []
+
+        async def attempt() -> bool:
+            w = first.pop() if first else await self.load_ws(org, ws)
+            if run_id in w.state.queue or run_id == w.state.active:
+                return False
+            enqueue = ws_agg.EnqueueRun(actor=actor, run_id=run_id)
+            evs = ws_agg.decide(w.state, enqueue, now=self.clock(), new_id=self.ids)
+            await self.store.append(self._appends(w.subject, w.seq, list(evs)))
+            return True
 
         # Creates on one workspace enqueue one at a time within a process: racing, they
         # would all reload, all but one conflict, and a burst would exhaust its retries.
-        async with self._enqueue_locks.setdefault(ws_subject(org, ws), asyncio.Lock()):
-            return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+        lock = self._enqueue_locks.setdefault(ws_subject(org, ws), asyncio.Lock())
+        if lock.locked():  # another enqueue goes first: what we saw will be stale
+            first.clear()
+        async with lock:
+            return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
+
+    async def ensure_enqueued(self, org: str, ws: str, run_id: str, actor: str) -> bool:
+        """The scheduler's repair of a create whose writer died between its two appends:
+        enqueue the run if it is pending, not speculative, and not on its workspace."""
+        r = await self.load_run(org, ws, run_id)
+        if not r.state.exists or r.state.speculative or r.state.status != run_agg.Status.PENDING:
+            return False
+        return await self.enqueue_run(org, ws, run_id, actor)
+
+    async def is_enqueued(self, org: str, ws: str, run_id: str) -> bool:
+        """Whether the run is on its workspace: queued there or holding it."""
+        w = await self.load_ws(org, ws)
+        return run_id in w.state.queue or run_id == w.state.active
 
     async def run_command(
         self,
@@ -256,110 +308,146 @@ class App:
         *,
         guard: Callable[[run_agg.RunState], None] | None = None,
     ) -> Result:
-        """Apply a command to a run; a terminal outcome releases the workspace atomically.
+        """Apply a command to a run; a run it ends gives its workspace back (`release`).
 
         `guard` sees the very state the command is decided on (on every retry) and may
         raise a DomainError to refuse it: a precondition the core does not know about.
         """
 
-        async def attempt() -> Result:
+        async def attempt() -> tuple[Result, bool]:
             r = await self.load_run(org, ws, run_id)
             if not r.state.exists:
                 raise NotFound("run does not exist")
             if guard is not None:
                 guard(r.state)
-            now = self.clock()
-            evs = run_agg.decide(r.state, command, now=now, new_id=self.ids)
+            evs = run_agg.decide(r.state, command, now=self.clock(), new_id=self.ids)
             new_state = run_agg.fold(evs, r.state)
             appends = self._appends(r.subject, r.seq, list(evs))
-            # A speculative plan never held its workspace: there is nothing to release.
-            if new_state.terminal and not r.state.terminal and not new_state.speculative:
-                w = await self.load_ws(org, new_state.workspace)
-                release = ws_agg.ReleaseRun(
-                    actor=command.actor, run_id=run_id, status=str(new_state.status)
-                )
-                ws_events = ws_agg.decide(w.state, release, now=now, new_id=self.ids)
-                appends += self._appends(w.subject, w.seq, list(ws_events))
             seq = await self.store.append(appends) if appends else r.seq
-            return Result(state=new_state, seq=seq, events=list(evs))
+            ended = new_state.terminal and not r.state.terminal
+            return Result(state=new_state, seq=seq, events=list(evs)), ended
 
-        return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
+        result, ended = await self._retrying(attempt)
+        # A speculative plan never held its workspace: there is nothing to release.
+        if ended and not result.state.speculative:
+            try:
+                await self.release(result.state, command.actor)
+            except (Conflict, StoreError) as e:  # the scheduler releases it (module docstring)
+                log.warning("run_release_deferred", run_id=run_id, error=str(e))
+        return result  # type: ignore[no-any-return]  # Result
+
+    async def release(self, run: run_agg.RunState, actor: str) -> bool:
+        """Give a terminal run's place back: off its workspace's queue, or the workspace
+        itself if it held it. True if this call released it."""
+
+        async def attempt() -> bool:
+            w = await self.load_ws(run.org, run.workspace)
+            cmd = ws_agg.ReleaseRun(actor=actor, run_id=run.run_id, status=str(run.status))
+            evs = ws_agg.decide(w.state, cmd, now=self.clock(), new_id=self.ids)
+            if not evs:
+                return False
+            await self.store.append(self._appends(w.subject, w.seq, list(evs)))
+            return True
+
+        return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
     async def admit_next(self, org: str, ws: str, actor: str = "scheduler") -> str:
         """Admit the oldest pending run of the workspace if none is active; return its id.
 
-        With a `snapshot` hook the run is pinned to its snapshot in the same append; a run
-        whose snapshot cannot be taken fails with `checkout_failed` instead.
+        Admission is `ws.run_admitted`, then `run.queued`; with a `snapshot` hook the run
+        is queued `pinning`, and its snapshot follows (`pin_run`, the scheduler's next
+        step): no `git` on the way to `queued`. It also finishes what a writer that died
+        left half done: an admitted run still pending is queued, and a terminal run
+        holding the workspace or at the head of its queue is released before the next
+        goes.
         """
-        pinned: dict[str, run_agg.Snapshot] = {}  # taken once, even if the append is retried
 
         async def attempt() -> str:
             w = await self.load_ws(org, ws)
-            now = self.clock()
+            if w.state.active:
+                r = await self.load_run(org, ws, w.state.active)
+                if r.state.terminal:
+                    await self.release(r.state, actor)
+                    raise Conflict("released a terminal run: admit the next")
+                if r.state.status != run_agg.Status.PENDING:
+                    return ""  # busy
+                return await queue(r)  # admitted, and its writer died before run.queued
             ws_events = ws_agg.decide(
-                w.state, ws_agg.AdmitNext(actor=actor), now=now, new_id=self.ids
+                w.state, ws_agg.AdmitNext(actor=actor), now=self.clock(), new_id=self.ids
             )
             if not ws_events:
                 return ""
             run_id = ws_events[0].run_id  # type: ignore[union-attr]  # AdmitNext yields RunAdmitted
             r = await self.load_run(org, ws, run_id)
-            try:
-                admit = run_agg.AdmitRun(actor=actor, snapshot=await self._pin(r.state, pinned))
-            except SnapshotFailed as e:
-                return await self._unpinnable(org, ws, run_id, actor, e)
-            run_events = run_agg.decide(r.state, admit, now=now, new_id=self.ids)
-            await self.store.append(
-                self._appends(w.subject, w.seq, list(ws_events))
-                + self._appends(r.subject, r.seq, list(run_events))
-            )
-            return run_id
+            if not r.state.exists:  # the stream has every run before its enqueue
+                raise StoreError(f"run {run_id} of the queue of {ws} is not in the stream")
+            if r.state.terminal:  # canceled as it was being enqueued
+                await self.release(r.state, actor)
+                raise Conflict("released a terminal run: admit the next")
+            if r.state.status != run_agg.Status.PENDING:  # another scheduler admitted it
+                raise Conflict("the workspace moved on: reload it")
+            await self.store.append(self._appends(w.subject, w.seq, list(ws_events)))
+            return await queue(r)
+
+        async def queue(r: Loaded) -> str:
+            state: run_agg.RunState = r.state
+            admit = run_agg.AdmitRun(actor=actor, pinning=self.snapshot is not None)
+            run_events = run_agg.decide(state, admit, now=self.clock(), new_id=self.ids)
+            await self.store.append(self._appends(r.subject, r.seq, list(run_events)))
+            return state.run_id
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # str
 
     async def admit_speculative(
         self, org: str, ws: str, run_id: str, actor: str = "scheduler"
     ) -> bool:
-        """Admit a pending speculative plan at once, pinned like any run (`_pin`) but with
-        no workspace event: it neither waits for its workspace nor holds it, and a locked
-        workspace does not stop it (it changes nothing). False if there was nothing to
-        admit: not speculative, or admitted already (by another scheduler)."""
-        pinned: dict[str, run_agg.Snapshot] = {}
+        """Admit a pending speculative plan at once, pinned like any run (`pin_run`) but
+        with no workspace event: it neither waits for its workspace nor holds it, and a
+        locked workspace does not stop it (it changes nothing). False if there was nothing
+        to admit: not speculative, or admitted already (by another scheduler)."""
 
         async def attempt() -> bool:
             r = await self.load_run(org, ws, run_id)
             if not r.state.speculative or r.state.status != run_agg.Status.PENDING:
                 return False
-            try:
-                admit = run_agg.AdmitRun(actor=actor, snapshot=await self._pin(r.state, pinned))
-            except SnapshotFailed as e:
-                await self._unpinnable(org, ws, run_id, actor, e)
-                return False
+            admit = run_agg.AdmitRun(actor=actor, pinning=self.snapshot is not None)
             evs = run_agg.decide(r.state, admit, now=self.clock(), new_id=self.ids)
             await self.store.append(self._appends(r.subject, r.seq, list(evs)))
             return True
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
-    async def _pin(
-        self, run: run_agg.RunState, pinned: dict[str, run_agg.Snapshot]
-    ) -> run_agg.Snapshot | None:
+    async def pin_run(self, org: str, ws: str, run_id: str, actor: str = "scheduler") -> bool:
+        """Take and record the snapshot of an admitted run that waits for it (`run.pinned`,
+        before any executor may claim it); a run whose snapshot cannot be taken fails with
+        `checkout_failed`. False if there was nothing to pin (pinned already, by another
+        scheduler; or the run ended meanwhile)."""
+        r = await self.load_run(org, ws, run_id)
+        if self.snapshot is None or not r.state.pinning:
+            return False
+        try:
+            snap = await self._snapshot_of(r.state)
+        except SnapshotFailed as e:
+            await self._unpinnable(org, ws, run_id, actor, e)
+            return False
+        pin = run_agg.PinRun(actor=actor, snapshot=snap)
+        try:
+            done = await self.run_command(org, ws, run_id, pin)
+        except IllegalTransition:  # canceled while its snapshot was taken
+            return False
+        return bool(done.events)
+
+    async def _snapshot_of(self, run: run_agg.RunState) -> run_agg.Snapshot:
         """The hook's snapshot, its settings the effective ones (value and origin) now,
         and the policy sets of the workspace's organization, folders and its own."""
-        if self.snapshot is None:
-            return None
-        if run.run_id not in pinned:
-            snap = await self.snapshot(run)
-            o, w = await asyncio.gather(
-                self.load_org(run.org), self.load_ws(run.org, run.workspace)
-            )
-            settings = {**snap.settings, **inherit.for_workspace(o.state, w.state)}
-            # The policy sets the plan will be checked against, as they are now.
-            folders = fo.path(o.state.folders, w.state.folder)
-            policies = po.for_workspace(o.state.policies, folders, run.workspace)
-            pinned[run.run_id] = msgspec.structs.replace(
-                snap, settings=settings, policies=policies
-            )
-        return pinned[run.run_id]
+        assert self.snapshot is not None
+        snap = await self.snapshot(run)
+        o, w = await asyncio.gather(self.load_org(run.org), self.load_ws(run.org, run.workspace))
+        settings = {**snap.settings, **inherit.for_workspace(o.state, w.state)}
+        # The policy sets the plan will be checked against, as they are now.
+        folders = fo.path(o.state.folders, w.state.folder)
+        policies = po.for_workspace(o.state.policies, folders, run.workspace)
+        return msgspec.structs.replace(snap, settings=settings, policies=policies)
 
     # ------------------------------------------------------------ settings and folders
 
@@ -391,7 +479,7 @@ class App:
     async def _unpinnable(
         self, org: str, ws: str, run_id: str, actor: str, error: SnapshotFailed
     ) -> str:
-        """Fail a run whose snapshot cannot be taken; it leaves the queue, the next may go."""
+        """Fail a run whose snapshot cannot be taken; it gives its workspace back."""
         fail = run_agg.FailRun(actor=actor, reason="checkout_failed", message=str(error))
         try:
             await self.run_command(org, ws, run_id, fail)

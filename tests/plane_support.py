@@ -70,6 +70,16 @@ class Plane:
 
         return await eventually(probe, timeout=60, what=f"run {run_id} {status}")
 
+    async def pinned(self, ws: str, run_id: str, org: str = "acme") -> RunState:
+        """Wait until the run is admitted and pinned to its snapshot (`run.pinned`)."""
+
+        async def probe() -> RunState:
+            state = await self.run(ws, run_id, org)
+            assert state.snapshot is not None and not state.pinning, f"{state.status}"
+            return state
+
+        return await eventually(probe, timeout=60, what=f"run {run_id} pinned")
+
     async def events(self, ws: str, run_id: str, org: str = "acme") -> list[Any]:
         envs = await self.app.store.read(f"rp.run.{org}.{ws}.{run_id}")
         return [e.event for e in envs]

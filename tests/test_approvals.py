@@ -159,6 +159,6 @@ async def test_without_require_approval_the_apply_goes_straight_through(
     assert "run.approved" not in types
     (plan,) = [e for e in history if e["type"] == "run.plan_finished"]
     assert plan["data"]["require_approval"] is False
-    queued = next(e for e in history if e["type"] == "run.queued")
-    recorded = queued["data"]["snapshot"]["settings"]["require_approval"]
+    pinned = next(e for e in history if e["type"] == "run.pinned")
+    recorded = pinned["data"]["snapshot"]["settings"]["require_approval"]
     assert recorded == {"value": False, "origin": "workspace"}

@@ -29,8 +29,10 @@ from events.run import (
     RunEvent,
     RunFailed,
     RunLimitExceeded,
+    RunPinned,
     RunQueued,
     RunStopRequested,
+    Snapshot,
     StateVersionCreated,
     StepFinished,
     StepStarted,
@@ -69,7 +71,8 @@ SAMPLES: list[Any] = [
         config=CONFIG,
         message="bump vpc",
     ),
-    RunQueued(at=AT, actor="scheduler", phase="plan"),
+    RunQueued(at=AT, actor="scheduler", phase="plan", pinning=True),
+    RunPinned(at=AT, actor="scheduler", snapshot=Snapshot(commit="c0ffee")),
     PhaseStarted(at=AT, actor="exec-a", phase="plan", lease_id="lease-1", executor_id="exec-a"),
     StepStarted(at=AT, actor="exec-a", lease_id="lease-1", step="init"),
     StepFinished(
@@ -191,7 +194,7 @@ def test_event_tags_are_unique_across_aggregates() -> None:
 
 
 def test_datetimes_come_back_timezone_aware_utc() -> None:
-    back = decode(encode(SAMPLES[4]))
+    back = decode(encode(next(s for s in SAMPLES if isinstance(s, StepFinished))))
     assert isinstance(back, StepFinished)
     assert back.at.utcoffset() == timedelta(0)
     assert back.started_at.utcoffset() == timedelta(0)

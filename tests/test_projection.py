@@ -247,7 +247,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         "error_message": None,
         "phase": None,
         "executor_id": EXECUTOR,
-        "seq": applied.seq - 1,  # the workspace release came last, in the same batch
+        "seq": applied.seq,  # the run's own last event (its workspace is released after it)
         "snapshot": None,  # admitted without a snapshot hook
         "speculative": False,
         "commit_author": None,

@@ -105,7 +105,7 @@ async def test_a_silent_executor_fails_its_run_after_the_heartbeat_timeout(
     [event] = await failures(app, "net", run_id)
     assert (event.actor, event.lease_id) == ("reaper", "")
     ws = (await app.load_ws(ORG, "net")).state
-    assert not ws.active, "the workspace was released in the same batch"
+    assert not ws.active, "the workspace was released with the failure"
     await eventually(_gone(board, run_id), what="the board entry purged")
 
 

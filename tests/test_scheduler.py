@@ -10,9 +10,12 @@ from collections import defaultdict
 from contextlib import AsyncExitStack
 
 import nats
+import nats.errors
+import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
+from events.errors import IllegalTransition
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased
 from services.commands import App, new_id
 from services.infra import streams
@@ -161,9 +164,10 @@ async def test_a_busy_workspace_does_not_block_another(nc: NATS, app: App) -> No
 async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
     nc: NATS, store: EventStore
 ) -> None:
-    """The snapshot (`git ls-remote`) of one workspace hangs; the scheduler keeps
-    admitting and dispatching the others meanwhile, and admits the slow one when its
-    snapshot comes."""
+    """The snapshot (`git ls-remote`) of one workspace hangs: its run is queued at once
+    but waits, unclaimable and undispatched, for its snapshot; the scheduler keeps
+    admitting and dispatching the other workspaces meanwhile, and dispatches the slow
+    one, pinned, when its snapshot comes."""
     release = asyncio.Event()
 
     async def snapshot(run: R.RunState) -> R.Snapshot:
@@ -173,32 +177,51 @@ async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
 
     app = App(store, snapshot=snapshot)
     await _setup(app, ["slow", "fast"])
+    js = nc.jetstream()
+    await streams.ensure_executor_consumer(js, "default")
+    work = await js.pull_subscribe_bind(
+        durable=streams.executor_consumer("default"), stream=streams.DISPATCH
+    )
+    dispatched: list[str] = []
+
+    async def take() -> None:
+        try:
+            for m in await work.fetch(10, timeout=0.2):
+                dispatched.append(json.loads(m.data)["run_id"])
+                await m.ack()
+        except (TimeoutError, nats.errors.TimeoutError):
+            pass
+
     async with Scheduler(nc, app, batch=8):
         slow = await app.create_run("acme", "slow", "apply", "alice")
         fast = [await app.create_run("acme", "fast", "plan", "alice") for _ in range(3)]
 
-        async def status(ws: str, run: str) -> str:
-            return str((await app.load_run("acme", ws, run)).state.status)
+        async def state(ws: str, run: str) -> R.RunState:
+            return (await app.load_run("acme", ws, run)).state  # type: ignore[no-any-return]
 
-        async def fast_admitted() -> bool:
-            return await status("fast", fast[0].state.run_id) == "queued"
+        async def fast_dispatched(i: int) -> bool:
+            await take()
+            return fast[i].state.run_id in dispatched
 
-        await eventually(fast_admitted, timeout=10, what="the fast workspace admitted")
-        assert await status("slow", slow.state.run_id) == "pending"
-        # the fast workspace goes on: its first run ends, the next one is admitted
+        await eventually(lambda: fast_dispatched(0), timeout=10, what="the fast run dispatched")
+        held = await state("slow", slow.state.run_id)
+        assert (held.status, held.pinning, held.snapshot) == ("queued", True, None)
+        claim = R.ClaimPhase(actor="x", phase="plan", lease_id="l", executor_id="x")
+        with pytest.raises(IllegalTransition, match="snapshot"):
+            await app.run_command("acme", "slow", slow.state.run_id, claim)
+        # the fast workspace goes on: its first run ends, the next one is dispatched
         await app.run_command("acme", "fast", fast[0].state.run_id, R.CancelRun(actor="alice"))
-
-        async def next_admitted() -> bool:
-            return await status("fast", fast[1].state.run_id) == "queued"
-
-        await eventually(next_admitted, timeout=10, what="the next fast run admitted")
-        assert await status("slow", slow.state.run_id) == "pending"
+        await eventually(lambda: fast_dispatched(1), timeout=10, what="the next fast run")
+        assert slow.state.run_id not in dispatched
         release.set()
 
-        async def slow_admitted() -> bool:
-            return await status("slow", slow.state.run_id) == "queued"
+        async def slow_dispatched() -> bool:
+            await take()
+            return slow.state.run_id in dispatched
 
-        await eventually(slow_admitted, timeout=10, what="the slow workspace admitted")
+        await eventually(slow_dispatched, timeout=10, what="the slow run dispatched")
+        pinned = await state("slow", slow.state.run_id)
+        assert (pinned.pinning, pinned.commit) == (False, "0" * 40)
 
 
 async def test_what_a_killed_scheduler_held_is_handled_by_another_within_seconds(

@@ -97,7 +97,7 @@ async def test_a_branch_moved_after_admission_does_not_change_what_is_planned(
     pinned = commit(repo, {"main.tf": MAIN_TF})
     await _workspace(plane, repo)
     run_id = await plane.start("net", "plan")
-    await plane.reaches("net", run_id, "queued")
+    await plane.pinned("net", run_id)
     moved = commit(repo, {"main.tf": MAIN_TF.replace('"1"', '"5"')}, "five")
 
     await plane.executor("ex1")
@@ -118,7 +118,7 @@ async def test_a_branch_that_cannot_be_resolved_fails_the_run_before_dispatch(
     assert failed.reason == "checkout_failed"
     assert "nope" in failed.error_message and str(repo) in failed.error_message
     events = await plane.events("net", run_id)
-    assert [tag_of(e) for e in events] == ["run.created", "run.failed"]
+    assert [tag_of(e) for e in events] == ["run.created", "run.queued", "run.failed"]
     assert isinstance(events[-1], RunFailed)
     ws = (await plane.app.load_ws("acme", "net")).state
     assert (ws.active, ws.queue) == ("", ())

@@ -6,6 +6,9 @@ crash, or two replicas) changes nothing:
 
 - admission is one optimistic append on the workspace subject (`App.admit_next`): of two
   schedulers racing, one wins and the other finds the workspace busy;
+- it finishes what a writer that died left half done (services/commands.py): a run
+  created and never enqueued is enqueued, and every terminal run event is followed by an
+  admission attempt, which releases a workspace still held by a terminal run;
 - dispatch publishes the waiting phase to the work queue with `Nats-Msg-Id =
   <run>:<phase>` (deduplicated by the server), and an executor's claim is itself an
   optimistic append, so a phase is never run twice.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import UTC, datetime
 from types import TracebackType
 
 import msgspec
@@ -41,10 +45,25 @@ PROGRESS_EVERY = 2.0  # well inside streams.SCHEDULER_ACK_WAIT
 
 # Events after which a workspace may admit its next run.
 _ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released", "ws.unlocked"})
+# Run events that may end a run: its workspace may have to be released, then admit.
+_RELEASE_TYPES = frozenset(
+    {
+        "run.plan_finished",
+        "run.apply_finished",
+        "run.custom_finished",
+        "run.discarded",
+        "run.canceled",
+        "run.failed",
+    }
+)
+# How long a run may sit created and not enqueued before the scheduler enqueues it (its
+# creator enqueues it right after `run.created`; this is for a creator that died).
+ENQUEUE_GRACE = 1.0
 # Events after which a run may have a phase waiting for an executor.
 _DISPATCH_TYPES = frozenset(
     {
         "run.queued",
+        "run.pinned",
         "run.approved",
         "run.plan_finished",
         "run.apply_finished",
@@ -56,6 +75,7 @@ _LIMIT_TYPES = frozenset(
     {
         "run.created",
         "run.queued",
+        "run.pinned",
         "run.plan_finished",
         "run.approved",
         "run.apply_finished",
@@ -227,8 +247,14 @@ class Scheduler:
                     admitted = True
                 elif kind in _DISPATCH_TYPES:
                     await self._dispatch(org, ws, parts[4])
-                elif kind == "run.created" and _speculative(m.data):
-                    await self._admit_speculative(org, ws, parts[4])
+                elif kind == "run.created":
+                    if _speculative(m.data):
+                        await self._admit_speculative(org, ws, parts[4])
+                    elif not await self._enqueued(m, org, ws, parts[4]):
+                        continue  # told to come back later
+                if kind in _RELEASE_TYPES and not admitted:
+                    await self._admit(org, ws)  # releases a terminal run still holding
+                    admitted = True
                 if kind in watch.WATCHED:  # the reaper's board
                     await watch.follow(self.nc, self.app, kind, org, ws, parts[4])
                 if kind in _LIMIT_TYPES:  # the run's deadline marker, on the same board
@@ -251,6 +277,22 @@ class Scheduler:
         if run_id:
             log.info("run_admitted", org=org, workspace=ws, run_id=run_id)
 
+    async def _enqueued(self, m: Msg, org: str, ws: str, run_id: str) -> bool:
+        """Make sure a created run is on its workspace. Its creator enqueues it right
+        after `run.created`, so a fresh `run.created` is put back to come again once it is
+        ENQUEUE_GRACE old (its deadline marker waits as long): off the way of the
+        admission its `ws.run_enqueued` triggers. Then, if it is still not on its
+        workspace (its creator died), it is enqueued here. False: put back."""
+        age = (datetime.now(UTC) - m.metadata.timestamp).total_seconds()
+        if age < ENQUEUE_GRACE and m.metadata.num_delivered <= 1:
+            await m.nak(delay=ENQUEUE_GRACE - max(age, 0.0) + 0.05)
+            return False
+        if await self.app.is_enqueued(org, ws, run_id):
+            return True
+        if await self.app.ensure_enqueued(org, ws, run_id, "scheduler"):
+            log.info("run_enqueued", org=org, workspace=ws, run_id=run_id, repaired=True)
+        return True
+
     async def _admit_speculative(self, org: str, ws: str, run_id: str) -> None:
         """A speculative plan is admitted at once, outside its workspace's queue."""
         if await self.app.admit_speculative(org, ws, run_id):
@@ -259,6 +301,10 @@ class Scheduler:
     async def _dispatch(self, org: str, ws: str, run_id: str) -> None:
         loaded = await self.app.load_run(org, ws, run_id)
         state: RunState = loaded.state
+        if state.pinning:  # its snapshot first; `run.pinned` comes back here to dispatch
+            if await self.app.pin_run(org, ws, run_id):
+                log.info("run_pinned", org=org, workspace=ws, run_id=run_id)
+            return
         phase = state.waiting_phase
         if not phase:
             return

@@ -90,7 +90,7 @@ def replay(envs: Iterable[Any]) -> Replay:
         if after.speculative:
             continue  # a speculative plan neither waits for its workspace nor holds it
         if before.status == R.Status.PENDING and after.status == R.Status.QUEUED:
-            # admitted: the run's queue event came in the same atomic batch, just before
+            # admitted: its workspace admitted it just before (`ws.run_admitted`, then this)
             assert out.admitted[key] and out.admitted[key][-1] == run_id, (
                 f"seq {env.seq}: {run_id} queued without being admitted on {key}"
             )
