@@ -235,7 +235,8 @@ async def rebuild(sizes: Sizes) -> dict[str, Any]:
 async def latency(sizes: Sizes) -> dict[str, Any]:
     """Open loop: creates sent on a fixed clock at `latency_rate` per second, each on its
     own workspace; the time from the create request to its run's `run.queued`, which the
-    scheduler (its own process, as deployed, with the git snapshot) appends."""
+    scheduler (its own process, as deployed, with the git snapshot) appends, and to its
+    `run.pinned` (the snapshot taken: the scheduler dispatches the plan right after)."""
     n = max(2, int(sizes.latency_rate * sizes.latency_seconds))
     with tempfile.TemporaryDirectory(prefix="rpbench-lat-") as tmp:
         repo = make_repo(Path(tmp))
@@ -252,6 +253,7 @@ async def latency(sizes: Sizes) -> dict[str, Any]:
                     "scheduler", server.url, Path(tmp) / "sched", "scheduler running", env
                 ),
                 Watch(nc, "run.queued") as watch,
+                Watch(nc, "run.pinned") as pins,
             ):
                 await asyncio.sleep(1.0)  # let it read the workspaces' history first
                 starts: dict[str, float] = {}
@@ -268,7 +270,9 @@ async def latency(sizes: Sizes) -> dict[str, Any]:
 
                 await asyncio.gather(*(one(i) for i in range(n)))
                 ok = await watch.until(n, set(starts), timeout=60)
+                await pins.until(n, set(starts), timeout=60)
             lat = [watch.seen[r] - t for r, t in starts.items() if r in watch.seen]
+            pin = [pins.seen[r] - t for r, t in starts.items() if r in pins.seen]
     return {
         "runs": n,
         "rate_per_s": sizes.latency_rate,
@@ -277,6 +281,8 @@ async def latency(sizes: Sizes) -> dict[str, Any]:
         "p50_ms": percentile(lat, 50) * 1000,
         "p99_ms": percentile(lat, 99) * 1000,
         "max_ms": max(lat, default=0.0) * 1000,
+        "pinned_p50_ms": percentile(pin, 50) * 1000,
+        "pinned_p99_ms": percentile(pin, 99) * 1000,
         "create_call_p50_ms": percentile(create_lat, 50) * 1000,
         "create_call_p99_ms": percentile(create_lat, 99) * 1000,
     }

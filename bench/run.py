@@ -159,7 +159,10 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
                 ratio,
                 "<= 20x",
                 ok,
-                note=f"p50 {f['p50_ms']:.2f} ms",
+                note=(
+                    f"p50 {f['p50_ms']:.2f} ms; to run.pinned (snapshot taken) "
+                    f"p50 {f.get('pinned_p50_ms', 0):.2f}, p99 {f.get('pinned_p99_ms', 0):.2f} ms"
+                ),
             )
         )
     if r := fail("5. admission", "admission"):
