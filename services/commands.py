@@ -24,6 +24,7 @@ import asyncio
 import hashlib
 import random
 import secrets
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -40,7 +41,7 @@ from events import run as run_agg
 from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
-from events.errors import Conflict, IllegalTransition, NotFound
+from events.errors import Conflict, DomainError, IllegalTransition, NotFound
 from services.infra.eventstore import Append, EventStore, StoreError
 from services.snapshot import SnapshotFailed
 
@@ -48,6 +49,7 @@ from services.snapshot import SnapshotFailed
 SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]
 
 S = TypeVar("S")
+KNOWN_RUNS = 4096  # runs each App remembers as it last wrote them
 
 log = structlog.get_logger(__name__)
 
@@ -97,6 +99,15 @@ class App:
         self.attempts = attempts
         self.snapshot = snapshot
         self._enqueue_locks: dict[str, asyncio.Lock] = {}  # per workspace subject
+        # Runs as this App last wrote them: tried first by run_command, checked by the append.
+        self._known: OrderedDict[str, Loaded] = OrderedDict()
+
+    def remember(self, subject: str, seq: int, state: Any) -> None:
+        """Note a run as this App just wrote it (least recently written dropped first)."""
+        self._known[subject] = Loaded(subject=subject, seq=seq, state=state)
+        self._known.move_to_end(subject)
+        while len(self._known) > KNOWN_RUNS:
+            self._known.popitem(last=False)
 
     # ------------------------------------------------------------ loading
 
@@ -245,6 +256,7 @@ class App:
             run_events = run_agg.decide(run_agg.INITIAL, create, now=self.clock(), new_id=self.ids)
             appends = self._appends(run_subject(org, ws, run_id), 0, list(run_events))
             seq = await self.store.append(appends)
+            self.remember(appends[-1].subject, seq, run_agg.fold(run_events))
             loaded.append(w)
             return Result(state=run_agg.fold(run_events), seq=seq, events=list(run_events))
 
@@ -312,18 +324,38 @@ class App:
 
         `guard` sees the very state the command is decided on (on every retry) and may
         raise a DomainError to refuse it: a precondition the core does not know about.
+
+        The run as this App last wrote it (`_known`) is tried first, with no read: the
+        append's expected sequence proves it current, and a conflict reloads. Only an
+        append can prove it, so a refusal or a decision of nothing on it is made again on
+        a fresh load before it counts.
         """
+        known = self._known.get(run_subject(org, ws, run_id)) if ws else None
+        first = [known] if known is not None else []
 
         async def attempt() -> tuple[Result, bool]:
-            r = await self.load_run(org, ws, run_id)
-            if not r.state.exists:
-                raise NotFound("run does not exist")
-            if guard is not None:
-                guard(r.state)
-            evs = run_agg.decide(r.state, command, now=self.clock(), new_id=self.ids)
+            trusted = not first
+            r = first.pop() if first else await self.load_run(org, ws, run_id)
+            try:
+                if not r.state.exists:
+                    raise NotFound("run does not exist")
+                if guard is not None:
+                    guard(r.state)
+                evs = run_agg.decide(r.state, command, now=self.clock(), new_id=self.ids)
+            except DomainError:
+                if trusted:
+                    raise
+                return await attempt()  # on a fresh load
+            if not evs and not trusted:
+                return await attempt()
             new_state = run_agg.fold(evs, r.state)
             appends = self._appends(r.subject, r.seq, list(evs))
-            seq = await self.store.append(appends) if appends else r.seq
+            try:
+                seq = await self.store.append(appends, forget=trusted) if appends else r.seq
+            except Conflict:
+                self._known.pop(r.subject, None)
+                raise
+            self.remember(r.subject, seq, new_state)
             ended = new_state.terminal and not r.state.terminal
             return Result(state=new_state, seq=seq, events=list(evs)), ended
 
@@ -393,7 +425,8 @@ class App:
             state: run_agg.RunState = r.state
             admit = run_agg.AdmitRun(actor=actor, pinning=self.snapshot is not None)
             run_events = run_agg.decide(state, admit, now=self.clock(), new_id=self.ids)
-            await self.store.append(self._appends(r.subject, r.seq, list(run_events)))
+            seq = await self.store.append(self._appends(r.subject, r.seq, list(run_events)))
+            self.remember(r.subject, seq, run_agg.fold(run_events, state))
             return state.run_id
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # str

@@ -255,12 +255,14 @@ class EventStore:
 
     # ------------------------------------------------------------ appending
 
-    async def append(self, items: list[Append], *, attempts: int = 3) -> int:
+    async def append(self, items: list[Append], *, attempts: int = 3, forget: bool = True) -> int:
         """Append all items atomically; return the sequence of the last one.
 
-        Raises Conflict when another writer moved one of the subjects first. A retry after
-        a lost acknowledgement re-sends the same msg ids; if the first try landed, the
-        head of the subject carries our msg id and the append counts as done.
+        Raises Conflict when another writer moved one of the subjects first (and forgets
+        what is kept of them, unless `forget` is false: the caller expected a sequence it
+        did not read here). A retry after a lost acknowledgement re-sends the same msg ids;
+        if the first try landed, the head of the subject carries our msg id and the append
+        counts as done.
         """
         if not items:
             raise ValueError("nothing to append")
@@ -282,8 +284,8 @@ class EventStore:
                 landed = await self._landed(items, ids)
                 if landed:
                     return landed
-                for it in items:  # reread whole next time (what we kept may be what is wrong)
-                    self.forget(it.subject)
+                for it in items if forget else ():  # reread whole next time (what we kept
+                    self.forget(it.subject)  # may be what is wrong)
                 raise Conflict(err.description or "wrong last sequence")
             raise StoreError(f"append refused: {err.description}")
         raise StoreError("append timed out") from last_err
