@@ -20,6 +20,7 @@ from events.errors import DomainError
 from events.run import FinishStep, RunCommand, RunState, StartStep, Workspace
 from executor.custody import Custody
 from executor.errors import ObjectStoreError, StepFailed
+from executor.git import GitCache
 from executor.logstream import LiveStepLog, open_step_log
 from executor.objects import LOGS_BUCKET, Objects, log_object
 from executor.output import Masker
@@ -54,6 +55,7 @@ class Job:
     keep_dir: Path  # where files that must not be lost go if the object store refuses them
     custody: Custody  # secrets, managed state and sealed plans (executor/custody.py)
     grace: float = 20.0
+    git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
     masker: Masker = field(default_factory=Masker)
     step: str = ""  # the step running now, for failure reasons
     finishing: bool = False  # the phase's final report is under way: do not cancel it
@@ -122,8 +124,8 @@ async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> 
 async def _finish(
     job: Job, name: str, started: datetime, step_log: LiveStepLog, *, ok: bool, error: str = ""
 ) -> None:
-    await step_log.finish()
-    obj = await _store_log(job, name, step_log)
+    step_log.close()  # the file is whole: store it while the live stream's last lines go
+    _, obj = await asyncio.gather(step_log.finish(), _store_log(job, name, step_log))
     await job.report(
         FinishStep(
             actor=job.actor,
@@ -162,7 +164,9 @@ async def _store_log(job: Job, name: str, step_log: StepLog) -> str:
     """Upload the step's log; a log that cannot be stored must not lose the step's report."""
     obj = log_object(job.run_id, job.phase, name)
     try:
-        await job.objects.upload(LOGS_BUCKET, obj, step_log.path)
+        # Fresh: the name is the run's, phase's and step's, and a step runs once. (Were it
+        # not, the older object's chunks would stay in the bucket, unread, not misread.)
+        await job.objects.upload(LOGS_BUCKET, obj, step_log.path, fresh=True)
     except ObjectStoreError:
         log.exception("log_not_stored", step=name, object=obj)
         return ""

@@ -241,7 +241,7 @@ class LiveStepLog(StepLog):
 
 def open_step_log(job: Job, step: str) -> LiveStepLog:
     """The log of one step of a job, published live on `rp.log.<run>.<phase>.<step>`."""
-    path = job.root / "logs" / job.phase / f"{step}.log"
+    path = job.root / "logs" / f"{step}.log"  # a job directory is one phase's
     live: LivePublisher | None = None
     if valid_id(step):
         live = LivePublisher(_connection(job), log_subject(job.run_id, job.phase, step))

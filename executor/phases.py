@@ -9,8 +9,6 @@ kept on this host. Plan files travel sealed (AES-GCM), checked by digest before 
 
 from __future__ import annotations
 
-import asyncio
-import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,7 +50,8 @@ class PlanOutcome:
 
 
 async def run_phase(job: Job) -> None:
-    """Run the job's phase and report how it ended; its directory is removed in any case."""
+    """Run the job's phase and report how it ended. Its directory is the caller's to
+    remove (executor/worker.py removes it once the phase's task is over)."""
     job.root.mkdir(parents=True, exist_ok=True)
     try:
         async with guarded(job):  # secret variables, managed state (executor/custody.py)
@@ -68,8 +67,6 @@ async def run_phase(job: Job) -> None:
         await job.report(
             FailRun(actor=job.actor, lease_id=job.lease_id, reason=e.reason, message=e.message)
         )
-    finally:
-        await asyncio.to_thread(shutil.rmtree, job.root, ignore_errors=True)
 
 
 async def _plan_phase(job: Job) -> None:
@@ -117,7 +114,8 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
     cfg = job.config
     if pinned and not job.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
-    sha = await git.checkout(
+    clone = job.git_cache.checkout if job.git_cache is not None else git.checkout
+    found = await clone(
         cfg.repository,
         job.src,
         branch=cfg.branch,
@@ -129,9 +127,9 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
     if not workdir.is_relative_to(job.src.resolve()):
         raise StepFailed("checkout", f"directory {cfg.directory!r} is outside the repository")
     if not workdir.is_dir():
-        raise StepFailed("checkout", f"directory {cfg.directory!r} does not exist at {sha}")
-    step_log.note(f"checked out {sha}")
-    return await git.describe(job.src, sha, step_log=step_log, grace=job.grace)
+        raise StepFailed("checkout", f"directory {cfg.directory!r} does not exist at {found.sha}")
+    step_log.note(f"checked out {found.sha}")
+    return found
 
 
 async def _init(job: Job, step_log: StepLog) -> None:

@@ -34,6 +34,7 @@ from executor import sweep
 from executor import terraform as tf
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
+from executor.git import GitCache
 from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
@@ -45,6 +46,7 @@ from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_
 log = structlog.get_logger(__name__)
 
 TerraformSettings = tf.TerraformConfig  # the name the composition root uses
+MAX_REMOVALS = 4  # finished phases' directories removed in the background at once
 
 
 class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,7 +83,8 @@ def default_executor_id() -> str:
 class Executor:
     """Runs the phases dispatched to one pool until `stop()`; an async context manager.
 
-    `work_dir` holds the provider mirror, Terraform's CLI config, one fresh directory per
+    `work_dir` holds the provider mirror, Terraform's CLI config, a mirror of each
+    repository checked out (`git/`, see executor/git.py), one fresh directory per
     phase (removed when it ends) and, should the object store refuse a new state, the copy
     kept so that it is not lost. `concurrency` phases run at once (default one).
     `keyring` seals plans and state and opens secrets; every executor, api and scheduler
@@ -123,6 +126,7 @@ class Executor:
         self.apply_grace_period = apply_grace_period
         self.fetch_timeout = fetch_timeout
         self.objects = Objects(self.js)
+        self.git_cache = GitCache(self.work_dir / "git")  # shared with siblings on work_dir
         self.vault = Vault.create(nc, keyring, self.objects, self.work_dir)
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
@@ -131,6 +135,7 @@ class Executor:
         self._terraform: tf.Terraform | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
         self._hold: int | None = None  # the work directory's shared lock (executor/sweep.py)
+        self._removals: set[asyncio.Future[None]] = set()  # phase directories being removed
 
     # ------------------------------------------------------------ lifecycle
 
@@ -162,6 +167,7 @@ class Executor:
         self.stop()
         try:
             await self.run()
+            await self._removed(0)
         finally:
             if self._sub is not None:
                 await self._sub.unsubscribe()
@@ -241,7 +247,10 @@ class Executor:
         except Exception:
             log.exception("dispatch_handling_failed")
         finally:
-            self._slots.release()
+            try:  # a slot per phase still being removed beyond the first few: disk bounded
+                await self._removed(MAX_REMOVALS)
+            finally:
+                self._slots.release()
 
     async def _claim(self, msg: Msg, d: Dispatch) -> Job | None:
         """Claim the phase under a fresh lease; ack the message whatever the claim decided."""
@@ -287,6 +296,7 @@ class Executor:
             keep_dir=self.work_dir / "unsaved-state",
             custody=Custody(self.vault),
             grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
+            git_cache=self.git_cache,
         )
 
     # ------------------------------------------------------------ running a phase
@@ -306,10 +316,20 @@ class Executor:
                 job.cancel(STOPPED)
                 await asyncio.wait([job.task])
             self._jobs.discard(job)
-            # run_phase removes its directory, but a task cancelled before it ever ran
-            # (stop() during the claim) never reached that code.
-            shutil.rmtree(job.root, ignore_errors=True)
+            self._remove(job.root)  # beside the final report, not before it
             await self._conclude(job)
+
+    def _remove(self, root: Path) -> None:
+        """Remove a finished phase's directory in the background: deleting a Terraform
+        directory takes a while, and neither the run's report nor the next phase waits."""
+        task = asyncio.create_task(asyncio.to_thread(shutil.rmtree, root, ignore_errors=True))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def _removed(self, most: int) -> None:
+        """Wait until at most `most` directories are still being removed."""
+        while len(self._removals) > most:
+            await asyncio.wait(self._removals, return_when=asyncio.FIRST_COMPLETED)
 
     async def _conclude(self, job: Job) -> None:
         """Log how the phase ended; report `executor_stopped` if we interrupted it."""

@@ -110,7 +110,7 @@ async def test_logs_f_follows_a_run_to_its_end_and_exits_0(
     assert await asyncio.wait_for(task, 60) == 0, cli.err
     out, err = "\n".join(cli.out), "\n".join(cli.err)
     assert "==> plan/checkout <==" in out and "==> apply/apply <==" in out and "end-42" in out
-    assert "Cloning into" in err and "Cloning into" not in out
+    assert "From " in err and "\nFrom " not in out
     assert SECRET not in out + err and "Traceback" not in err
 
     again = Cli(run_id, "--org", "acme", "--url", stack.base, env={"RUNPLANE_TOKEN": TOKEN})

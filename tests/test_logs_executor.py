@@ -69,17 +69,18 @@ async def test_lines_arrive_live_while_the_step_runs_and_match_the_stored_log(
 async def test_stdout_and_stderr_stay_apart_live_and_stored(
     h: Harness, repo: Path, nc: NATS, executor: Executor, tmp_path: Path
 ) -> None:
-    """git writes `Cloning into` on stderr, runplane's notes are stdout: both the live
-    headers and the stored records say which stream each line came from."""
+    """git writes what it fetched (`From <repository>`) on stderr, runplane's notes are
+    stdout: both the live headers and the stored records say which stream each line came
+    from."""
     gate = tmp_path / "gate"
     gate.touch()
     run_id = await talking_run(h, repo, gate)
     stored = await _stored(h, run_id, "checkout")
-    streams = {r.stream for r in stored if "Cloning into" in r.text}
+    streams = {r.stream for r in stored if r.text.startswith("From ")}
     assert streams == {"stderr"}
     assert any(r.stream == "stdout" and r.text.startswith("[runplane] checked out") for r in stored)
     kept = await read_live(nc, log_subject(run_id, "plan", "checkout"))
-    assert {x.stream for x in kept if "Cloning into" in x.text} == {"stderr"}
+    assert {x.stream for x in kept if x.text.startswith("From ")} == {"stderr"}
     metrics = step_results(await h.events("net", run_id))["checkout"].metrics
     assert metrics["stderr_lines"] >= 1 and metrics["stdout_lines"] >= 1
 
