@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import nats
 import pytest
@@ -19,6 +20,7 @@ from events import run as R
 from events.errors import IllegalTransition
 from events.workspace import RunReleased
 from services.commands import App, new_id
+from services.infra import heartbeats
 from services.infra.eventstore import EventStore
 from services.infra.heartbeats import Board, body, subject
 from services.infra.natsserver import EmbeddedNats
@@ -271,8 +273,8 @@ def _gone(board: Board, run_id: str) -> Callable[[], Awaitable[bool]]:
 async def test_the_board_lists_every_phase_once_across_pages_with_the_servers_now(
     nc: NATS, board: Board
 ) -> None:
-    """2,500 phases beaten twice each: one entry per phase (pages of 1,000 joined), the
-    clock left out, and `now` (the server's) not before any entry's server time."""
+    """2,500 phases beaten twice each: one entry per phase (pages joined), the clock left
+    out, and `now` (the server's) not before any entry's server time."""
     for _ in range(2):
         for i in range(2500):
             await nc.publish(subject(f"run{i:05d}", "plan"), body(lease_id=f"l{i}", timeout=60))
@@ -281,3 +283,37 @@ async def test_the_board_lists_every_phase_once_across_pages_with_the_servers_no
     assert sorted(b.run_id for b in beats) == [f"run{i:05d}" for i in range(2500)]
     assert all(b.body.lease_id == f"l{int(b.run_id[3:])}" for b in beats)
     assert max(b.time for b in beats) <= now
+
+
+async def test_reading_a_big_board_leaves_room_for_the_other_work_of_the_process(
+    nc: NATS, board: Board, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper shares the scheduler's event loop: a 5,000-entry board is parsed in
+    slices of 50 with the loop's other tasks run between them, not a page at a time."""
+    for i in range(5000):
+        await nc.publish(subject(f"run{i:05d}", "plan"), body(lease_id=f"l{i}", timeout=60))
+    await nc.flush()
+    turns = 0  # how often another task got the loop
+    seen: list[int] = []  # `turns` as each entry was parsed
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            await asyncio.sleep(0)
+            turns += 1
+
+    real = heartbeats.parse
+
+    def parse(hdrs: dict[str, str], data: bytes) -> Any:
+        seen.append(turns)
+        return real(hdrs, data)
+
+    monkeypatch.setattr(heartbeats, "parse", parse)
+    tick = asyncio.create_task(ticker())
+    try:
+        _, beats = await board.snapshot()
+    finally:
+        tick.cancel()
+    assert len(beats) == 5000
+    slices = [seen[i : i + 50] for i in range(0, len(seen), 50)]
+    assert len(set(seen)) >= len(slices)  # the loop turned between every two slices
