@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import secrets
 import signal
@@ -127,7 +128,13 @@ def make_app(nc: NATS) -> App:
 
 
 async def wait_for_signal() -> None:
-    """Return on SIGINT or SIGTERM."""
+    """Return on SIGINT or SIGTERM. Called once a process has started everything: what it
+    allocated to start (modules, configuration, connections) is moved out of the garbage
+    collector's sight (`gc.freeze`), so the full collections that come every so often
+    while it runs traverse only what it made since, and hold its event loop that much
+    shorter (they reached 30 ms in the scheduler)."""
+    gc.collect()
+    gc.freeze()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
