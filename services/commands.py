@@ -383,7 +383,9 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
-    async def admit_next(self, org: str, ws: str, actor: str = "scheduler") -> str:
+    async def admit_next(
+        self, org: str, ws: str, actor: str = "scheduler", *, hint: str = ""
+    ) -> str:
         """Admit the oldest pending run of the workspace if none is active; return its id.
 
         Admission is `ws.run_admitted`, then `run.queued`; with a `snapshot` hook the run
@@ -391,11 +393,17 @@ class App:
         step): no `git` on the way to `queued`. It also finishes what a writer that died
         left half done: an admitted run still pending is queued, and a terminal run
         holding the workspace or at the head of its queue is released before the next
-        goes.
+        goes. `hint`: a run likely at the head (just enqueued), loaded beside the
+        workspace rather than after it.
         """
 
         async def attempt() -> str:
-            w = await self.load_ws(org, ws)
+            if hint:
+                w, hinted = await asyncio.gather(
+                    self.load_ws(org, ws), self.load_run(org, ws, hint)
+                )
+            else:
+                w, hinted = await self.load_ws(org, ws), None
             if w.state.active:
                 r = await self.load_run(org, ws, w.state.active)
                 if r.state.terminal:
@@ -410,7 +418,10 @@ class App:
             if not ws_events:
                 return ""
             run_id = ws_events[0].run_id  # type: ignore[union-attr]  # AdmitNext yields RunAdmitted
-            r = await self.load_run(org, ws, run_id)
+            if hinted is not None and hinted.state.run_id == run_id:
+                r = hinted
+            else:
+                r = await self.load_run(org, ws, run_id)
             if not r.state.exists:  # the stream has every run before its enqueue
                 raise StoreError(f"run {run_id} of the queue of {ws} is not in the stream")
             if r.state.terminal:  # canceled as it was being enqueued

@@ -104,6 +104,16 @@ def pool_of(state: RunState, default: str) -> str:
     return default
 
 
+def _enqueued_run(kind: str, data: bytes) -> str:
+    """The run a `ws.run_enqueued` message enqueued ("" for other messages)."""
+    if kind != "ws.run_enqueued":
+        return ""
+    try:
+        return str(getattr(decode(data), "run_id", ""))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return ""
+
+
 def _speculative(data: bytes) -> bool:
     """Whether a `run.created` message records a speculative plan."""
     try:
@@ -243,7 +253,7 @@ class Scheduler:
                 org, ws = parts[2], parts[3]
                 if kind in _ADMISSION_TYPES and not admitted:
                     # One admission attempt per workspace per batch is enough: it reloads.
-                    await self._admit(org, ws)
+                    await self._admit(org, ws, _enqueued_run(kind, m.data))
                     admitted = True
                 elif kind in _DISPATCH_TYPES:
                     await self._dispatch(org, ws, parts[4])
@@ -272,8 +282,8 @@ class Scheduler:
                 log.exception("scheduler_handler_failed", subject=m.subject)
                 await m.nak(delay=2)
 
-    async def _admit(self, org: str, ws: str) -> None:
-        run_id = await self.app.admit_next(org, ws)
+    async def _admit(self, org: str, ws: str, hint: str = "") -> None:
+        run_id = await self.app.admit_next(org, ws, hint=hint)
         if run_id:
             log.info("run_admitted", org=org, workspace=ws, run_id=run_id)
 
