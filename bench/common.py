@@ -243,6 +243,13 @@ def rss_kb(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of its children it has waited for (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RUNPLANE_", "NATS_"))}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

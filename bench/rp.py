@@ -35,6 +35,7 @@ from .common import (
     Sizes,
     child_env,
     connected,
+    cpu_seconds,
     last_seq,
     percentile,
     private_server,
@@ -494,18 +495,30 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
             sub = await nc.subscribe("rp.ws.>", cb=on_release)
             env = {"RUNPLANE_ENCRYPTION_KEY": new_key()}
             async with AsyncExitStack() as stack:
-                await stack.enter_async_context(
+                sched, _ = await stack.enter_async_context(
                     runplane_process(
                         "scheduler", server.url, Path(tmp) / "sched", "scheduler running", env
                     )
                 )
+                executors = []
                 for k in range(sizes.lifecycle_executors):
-                    await stack.enter_async_context(
+                    proc, _ = await stack.enter_async_context(
                         runplane_process(
                             "executor", server.url, Path(tmp) / f"ex{k}", "executor running", env
                         )
                     )
+                    executors.append(proc.pid)
+                # CPU by component: who spends the two cores (children: git, sh, ...).
+                pids = {"scheduler": [sched.pid], "executors": executors, "nats-server": []}
+                if server.pid:
+                    pids["nats-server"] = [server.pid]
+                pids["bench (creates, watch)"] = [os.getpid()]
+
+                def cpu() -> dict[str, float]:
+                    return {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
+
                 first = await last_seq(nc)
+                cpu0 = cpu()
                 t0 = time.perf_counter()
                 created = await gather_limited(
                     n,
@@ -520,6 +533,7 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), 1.0)
                 t_end = max((released[r][0] for r in runs if r in released), default=t0)
+                cpu1 = cpu()
                 await asyncio.sleep(0.5)
                 events = await last_seq(nc) - first
             await sub.unsubscribe()
@@ -541,4 +555,5 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
         "create_seconds": create_s,
         "events_per_s": events / span if span > 0 else 0.0,
         "runs_per_s": len(done) / span if span > 0 else 0.0,
+        "cpu_ms_per_run": {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in cpu0},
     }

@@ -140,7 +140,9 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
                 pipe,
                 "pipelined",
                 0.25,
-                f"{f['runs']} runs over {f['workspaces']} workspaces",
+                f"{f['runs']} runs over {f['workspaces']} workspaces, "
+                f"{f['runs_per_s']:.0f} runs/s; CPU ms/run: "
+                + ", ".join(f"{k} {v:.1f}" for k, v in f.get("cpu_ms_per_run", {}).items()),
             )
         )
     if r := fail("4. create->queued p99 @50/s", "latency"):

@@ -74,6 +74,11 @@ class EmbeddedNats:
         self._proc: asyncio.subprocess.Process | None = None
         self._drain: asyncio.Task[None] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server process's id while it runs."""
+        return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+
     def _config(self) -> Path:
         store = self.data_dir / "jetstream"
         store.mkdir(parents=True, exist_ok=True)
