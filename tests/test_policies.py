@@ -279,7 +279,7 @@ async def test_a_run_keeps_the_policy_sets_it_pinned_at_admission(plane: Plane, 
     await _workspace(plane, repo, settings={"require_approval": False})
     await _policy(plane, "gate", "advisory", NO_CREATES)
     run_id = await plane.start("net")
-    queued = await plane.reaches("net", run_id, "queued")
+    queued = await plane.pinned("net", run_id)
     assert queued.snapshot is not None
     assert [p.name for p in queued.snapshot.policies] == ["gate"]
     await _policy(plane, "gate", "hard-mandatory", NO_CREATES)

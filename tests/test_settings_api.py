@@ -174,7 +174,7 @@ async def test_an_admitted_run_records_the_effective_settings_it_runs_under(
     ):
         assert (await _patch(http, path, patch)).status == 200
     run_id = await plane.start("net", "plan")
-    queued = await plane.reaches("net", run_id, "queued")  # no executor runs
+    queued = await plane.pinned("net", run_id)  # queued; no executor runs
     assert queued.config is not None and queued.config.heartbeat_timeout == 120
 
     async def snapshot() -> dict[str, Any]:

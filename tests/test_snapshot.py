@@ -52,7 +52,7 @@ async def test_the_snapshot_is_recorded_before_any_executor_sees_the_run(
         heartbeat_timeout=300,
     )
     run_id = await plane.start("net", "plan")
-    queued = await plane.reaches("net", run_id, "queued")  # no executor runs yet
+    queued = await plane.pinned("net", run_id)  # queued; no executor runs yet
     snap = queued.snapshot
     assert snap is not None and snap.commit == sha == queued.commit
     assert [(v.name, v.origin, v.sensitive) for v in snap.variables] == [
