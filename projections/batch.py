@@ -28,7 +28,7 @@ from projections.project import (
     meta_of,
     project_event,
 )
-from projections.schema import RUNS, STEPS, TABLES, WORKSPACES, Table
+from projections.schema import EVENTS, RUNS, STEPS, TABLES, WORKSPACES, Key, Table
 
 log = structlog.get_logger(__name__)
 
@@ -54,14 +54,14 @@ async def apply_batch(
     db: aiosqlite.Connection, msgs: Sequence[Delivered], *, after: int
 ) -> Applied:
     """Fold every message above sequence `after` and move the checkpoint, atomically."""
-    items = [_decode(m) for m in msgs if m.seq > after]
+    items = [decode_item(m) for m in msgs if m.seq > after]
     if not items:
         return Applied(after, 0, 0)
     w = Working()
     await db.execute("BEGIN IMMEDIATE")
     try:
         await _prefetch(db, w, items)
-        skipped = _fold(w, items)
+        skipped = fold(w, items)
         finish(w)
         last = items[-1].meta.seq
         await _flush(db, w, last)
@@ -73,7 +73,7 @@ async def apply_batch(
     return Applied(last, len(items) - skipped, skipped)
 
 
-def _decode(m: Delivered) -> Item:
+def decode_item(m: Delivered) -> Item:
     meta = meta_of(m.seq, m.subject, m.time_ns)
     try:
         return Item(meta, decode(m.data), m.data)
@@ -84,7 +84,7 @@ def _decode(m: Delivered) -> Item:
 # ---------------------------------------------------------------- prefetch
 
 
-def _needed(items: Iterable[Item], kind: str, creator: type) -> list[Any]:
+def needed(items: Iterable[Item], kind: str, creator: type) -> list[Any]:
     """Aggregates whose first event in the batch is not their creation: they may exist."""
     first: dict[Any, bool] = {}
     for it in items:
@@ -96,11 +96,11 @@ def _needed(items: Iterable[Item], kind: str, creator: type) -> list[Any]:
 
 
 async def _prefetch(db: aiosqlite.Connection, w: Working, items: list[Item]) -> None:
-    runs = _needed(items, "run", RunCreated)
+    runs = needed(items, "run", RunCreated)
     await _load(db, w, RUNS, "id", runs)
     await _load(db, w, STEPS, "run_id", runs)
     await prefetch_changes(db, w, items)
-    workspaces = _needed(items, "ws", WorkspaceCreated)
+    workspaces = needed(items, "ws", WorkspaceCreated)
     for i in range(0, len(workspaces), _CHUNK):
         chunk = workspaces[i : i + _CHUNK]
         values = ", ".join("(?, ?)" for _ in chunk)
@@ -129,7 +129,7 @@ async def _load_rows(
 # ---------------------------------------------------------------- fold and flush
 
 
-def _fold(w: Working, items: list[Item]) -> int:
+def fold(w: Working, items: list[Item]) -> int:
     """Fold each item; record what cannot be folded instead of stalling. Returns skips."""
     skipped = 0
     for it in items:
@@ -157,14 +157,26 @@ def _skip(w: Working, it: Item, reason: str) -> None:
 
 
 async def _flush(db: aiosqlite.Connection, w: Working, seq: int) -> None:
-    for table in TABLES:
-        dirty = w.dirty.get(table.name)
-        if not dirty:
-            continue
-        deletes = [k for k, r in dirty.items() if r is None]
-        upserts = [table.values(r) for r in dirty.values() if r is not None]
+    for table, deletes, upserts in changed(w):
         if deletes:
             await db.executemany(table.delete, deletes)
         if upserts:
             await db.executemany(table.upsert, upserts)
     await db.execute("UPDATE checkpoint SET seq = ? WHERE id = 1", (seq,))
+
+
+def changed(w: Working) -> list[tuple[Table, list[Key], list[tuple[Any, ...]]]]:
+    """Per table, in table order: the keys the batch deleted and the rows it wrote (value
+    tuples in column order). Deletes go first: no key is both."""
+    out = []
+    for table in TABLES:
+        dirty = w.dirty.get(table.name)
+        audit = w.audit if table is EVENTS else None
+        if not dirty and not audit:
+            continue
+        deletes = [k for k, r in dirty.items() if r is None] if dirty else []
+        upserts = [table.values(r) for r in dirty.values() if r is not None] if dirty else []
+        if audit:
+            upserts += audit
+        out.append((table, deletes, upserts))
+    return out

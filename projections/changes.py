@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiosqlite
 import msgspec
@@ -153,11 +153,17 @@ def _close_stages(w: Working, run_id: str, at: datetime, run: RunState) -> None:
 # ---------------------------------------------------------------- prefetch
 
 
-async def prefetch(
-    db: aiosqlite.Connection, w: Working, items: Iterable[tuple[Meta, AnyEvent | None, Any, Any]]
-) -> None:
-    """Load the rows the batch's folds read: a run's changes where it may become
-    apply_queued, all its stages where it may end, a resource's stages where it moved."""
+class Wanted(NamedTuple):
+    """Which rows of `changes` and `resource_states` a batch's folds may read."""
+
+    plans: list[str]  # runs whose changes are read (they may become apply_queued)
+    ends: list[str]  # runs all of whose stages are read (they may end)
+    moved: list[tuple[str, str]]  # (run, address) whose stages are read, runs not in ends
+
+
+def wanted(items: Iterable[tuple[Meta, AnyEvent | None, Any, Any]]) -> Wanted:
+    """A run's changes where it may become apply_queued, all its stages where it may end,
+    a resource's stages where it moved."""
     plans: set[str] = set()
     ends: set[str] = set()
     moved: set[tuple[str, str]] = set()
@@ -170,9 +176,17 @@ async def prefetch(
             ends.add(meta.run_id)
         elif isinstance(event, ResourceStateChanged):
             moved.add((meta.run_id, event.address))
-    await _load_runs(db, w, CHANGES, sorted(plans))
-    await _load_runs(db, w, RESOURCE_STATES, sorted(ends))
-    await _load_resources(db, w, sorted(p for p in moved if p[0] not in ends))
+    return Wanted(sorted(plans), sorted(ends), sorted(p for p in moved if p[0] not in ends))
+
+
+async def prefetch(
+    db: aiosqlite.Connection, w: Working, items: Iterable[tuple[Meta, AnyEvent | None, Any, Any]]
+) -> None:
+    """Load the rows the batch's folds read (`wanted`)."""
+    want = wanted(items)
+    await _load_runs(db, w, CHANGES, want.plans)
+    await _load_runs(db, w, RESOURCE_STATES, want.ends)
+    await _load_resources(db, w, want.moved)
 
 
 async def _load_runs(db: aiosqlite.Connection, w: Working, table: Table, runs: list[str]) -> None:

@@ -16,14 +16,15 @@ metadata, never the clock, so a replay writes the same bytes.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, assert_never, get_args
 
 import msgspec
 
 from events import run as run_agg
-from events.codec import AnyEvent, tag_of
+from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
 from events.org import OrgCreated, OrgEvent, TokenIssued
@@ -71,16 +72,22 @@ def meta_of(seq: int, subject: str, time_ns: int) -> Meta:
     """Parse `rp.run.<org>.<ws>.<run>`, `rp.ws.<org>.<ws>` or `rp.org.<org>`."""
     us = time_ns // 1000
     stored = f"{_iso_second(us // 1_000_000)}.{us % 1_000_000:06d}Z"
-    parts = subject.split(".")
-    match parts:
+    return Meta(seq, subject, stored, *_aggregate_of(subject))
+
+
+@lru_cache(maxsize=4096)
+def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None]:
+    """(kind, org, workspace, run) of a subject: a run's events share one (replays parse
+    hundreds of thousands of subjects, each a few dozen times)."""
+    match subject.split("."):
         case ["rp", "run", org, ws, run]:
-            return Meta(seq, subject, stored, "run", org, ws, run)
+            return ("run", org, ws, run)
         case ["rp", "ws", org, ws]:
-            return Meta(seq, subject, stored, "ws", org, ws)
+            return ("ws", org, ws, None)
         case ["rp", "org", org]:
-            return Meta(seq, subject, stored, "org", org)
+            return ("org", org, None, None)
         case _:
-            return Meta(seq, subject, stored)
+            return ("", None, None, None)
 
 
 @lru_cache(maxsize=256)
@@ -119,6 +126,9 @@ class Working:
         self.dirty: dict[str, dict[Key, Row | None]] = defaultdict(dict)
         self._groups: dict[str, dict[Any, set[Key]]] = defaultdict(lambda: defaultdict(set))
         self.runs: dict[str, RunView] = {}  # runs folded in this batch, by id
+        # The batch's audit rows (`events`), as tuples in column order: one per event, none
+        # read back, so they skip the dicts of `dirty`.
+        self.audit: list[tuple[Any, ...]] = []
 
     def load(self, table: str, row: Row) -> None:
         key = BY_NAME[table].key(row)
@@ -129,8 +139,10 @@ class Working:
         return self.rows[table].get(key)
 
     def put(self, table: str, row: Row) -> None:
-        self.load(table, row)
-        self.dirty[table][BY_NAME[table].key(row)] = row
+        key = BY_NAME[table].key(row)
+        self.rows[table][key] = row
+        self._groups[table][key[0]].add(key)
+        self.dirty[table][key] = row
 
     def insert(self, table: str, row: Row) -> None:
         """Write a row no fold will read back in this batch (audit, tokens, ...)."""
@@ -177,8 +189,11 @@ _WS_EVENTS = get_args(WorkspaceEvent)
 
 def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
     """Record the event in the audit history, then fold it into its aggregate's rows."""
-    w.insert("events", _event_row(meta, event, raw))
-    if isinstance(event, _ORG_EVENTS):
+    w.audit.append(_event_row(meta, event, raw))
+    fold = _FOLDS.get(type(event))
+    if fold is not None:
+        fold(w, meta, event)
+    elif isinstance(event, _ORG_EVENTS):
         project_org(w, meta, event)
     elif isinstance(event, _WS_EVENTS):
         project_workspace(w, meta, event)
@@ -186,19 +201,40 @@ def project_event(w: Working, meta: Meta, event: AnyEvent, raw: bytes) -> None:
         project_run(w, meta, event)  # type: ignore[arg-type]  # the rest are run events
 
 
-def _event_row(meta: Meta, event: AnyEvent, raw: bytes) -> Row:
-    return {
-        "seq": meta.seq,
-        "subject": meta.subject,
-        "org": meta.org,
-        "workspace": meta.workspace,
-        "run_id": meta.run_id,
-        "type": tag_of(event),
-        "at": iso(event.at),
-        "actor": event.actor,
-        "data_json": raw.decode(),
-        "stored_at": meta.stored_at,
-    }
+_AUDIT_COLUMNS = (
+    "seq",
+    "subject",
+    "org",
+    "workspace",
+    "run_id",
+    "type",
+    "at",
+    "actor",
+    "data_json",
+    "stored_at",
+)
+assert BY_NAME["events"].names == _AUDIT_COLUMNS, "_event_row builds rows in this order"
+
+
+def _event_row(meta: Meta, event: AnyEvent, raw: bytes) -> tuple[Any, ...]:
+    """The audit row, in the column order of `schema.EVENTS` (`_AUDIT_COLUMNS`)."""
+    return (
+        meta.seq,
+        meta.subject,
+        meta.org,
+        meta.workspace,
+        meta.run_id,
+        _tag_of(type(event)),
+        iso(event.at),
+        event.actor,
+        raw.decode(),  # the event exactly as stored, unknown fields included
+        meta.stored_at,
+    )
+
+
+@cache
+def _tag_of(cls: type) -> str:
+    return str(cls.__struct_config__.tag)  # type: ignore[attr-defined]  # a tagged Struct
 
 
 def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
@@ -425,3 +461,12 @@ def _close_running_steps(
 def _ms_between(started_iso: str, ended: datetime) -> int:
     delta = ended - datetime.fromisoformat(started_iso)
     return delta // timedelta(milliseconds=1)
+
+
+# The fold of each event type, looked up by exact type (project_event falls back to
+# isinstance for anything else).
+_FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
+    **{t: project_org for t in _ORG_EVENTS},
+    **{t: project_workspace for t in _WS_EVENTS},
+    **{t: project_run for t in get_args(RunEvent)},
+}

@@ -4,6 +4,9 @@ The rebuild goes into a scratch file next to the target (same filesystem, so the
 `os.replace` is atomic) with no journal and no fsync until the end: if anything fails the
 scratch file is deleted and the old database is untouched. Stop the projector that uses
 the target first; a database still open elsewhere is refused, not replaced.
+
+The batches are folded on the event loop while a thread writes the previous ones
+(`projections/fill.py`), instead of `apply_batch`'s read, fold, write, commit per batch.
 """
 
 from __future__ import annotations
@@ -16,12 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiosqlite
 import structlog
 from nats.aio.client import Client as NATS
 
 from projections import schema
-from projections.batch import apply_batch
+from projections.fill import Writer, create_indexes, fill, replay_runtime
 from projections.ordered import OrderedReader
 from services.infra.streams import EVENTS
 
@@ -55,11 +57,8 @@ async def replay(
     started = time.perf_counter()
     try:
         db = await schema.connect(scratch, fast_unsafe=True)
-        try:
-            applied = await _fill(nc, db, stream, target, batch_size, idle_timeout)
-            await schema.create_indexes(db)
-        finally:
-            await db.close()
+        await db.close()
+        applied = await _fill(nc, scratch, stream, target, batch_size, idle_timeout)
         await asyncio.to_thread(_swap, scratch, db_path)
     except BaseException:
         scratch.unlink(missing_ok=True)
@@ -70,23 +69,23 @@ async def replay(
 
 
 async def _fill(
-    nc: NATS,
-    db: aiosqlite.Connection,
-    stream: str,
-    target: int,
-    batch_size: int,
-    idle_timeout: float,
+    nc: NATS, scratch: Path, stream: str, target: int, batch_size: int, idle_timeout: float
 ) -> int:
-    """Apply batches until the target sequence is in; each batch is one transaction."""
-    seq = applied = 0
-    if target == 0:
-        return 0
-    async with OrderedReader(nc, stream, start_seq=1) as reader:
-        while seq < target:
-            batch = await reader.next_batch(batch_size, timeout=idle_timeout)
-            result = await apply_batch(db, batch, after=seq)
-            seq = result.last_seq
-            applied += result.events
+    """Apply batches until the target sequence is in (each batch one transaction), then
+    build the indexes; return the number of events applied."""
+    writer = Writer(scratch)
+    try:
+        await writer.open()
+        applied = 0
+        if target > 0:
+            with replay_runtime():
+                async with OrderedReader(nc, stream, start_seq=1) as reader:
+                    applied = await fill(
+                        reader, writer, target, batch_size=batch_size, idle_timeout=idle_timeout
+                    )
+        await writer.call(create_indexes)
+    finally:
+        await writer.close()
     return applied
 
 
