@@ -127,6 +127,9 @@ def make_app(nc: NATS) -> App:
     return App(EventStore(nc))
 
 
+GC_THRESHOLDS = (50_000, 50, 1000)
+
+
 async def wait_for_signal() -> None:
     """Return on SIGINT or SIGTERM. Called once a process has started everything: what it
     allocated to start (modules, configuration, connections) is moved out of the garbage
@@ -135,6 +138,11 @@ async def wait_for_signal() -> None:
     shorter (they reached 30 ms in the scheduler)."""
     gc.collect()
     gc.freeze()
+    # Young collections every 50,000 allocations rather than 700: a scheduler holding
+    # caches of tens of thousands of events spent a quarter of its time collecting
+    # (admission at 10,000 workspaces: 287 runs/s, 382 with these thresholds, 397 with no
+    # collector at all).
+    gc.set_threshold(*GC_THRESHOLDS)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
