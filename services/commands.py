@@ -461,12 +461,21 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
-    async def pin_run(self, org: str, ws: str, run_id: str, actor: str = "scheduler") -> bool:
+    async def pin_run(
+        self,
+        org: str,
+        ws: str,
+        run_id: str,
+        actor: str = "scheduler",
+        *,
+        loaded: Loaded | None = None,
+    ) -> bool:
         """Take and record the snapshot of an admitted run that waits for it (`run.pinned`,
         before any executor may claim it); a run whose snapshot cannot be taken fails with
         `checkout_failed`. False if there was nothing to pin (pinned already, by another
-        scheduler; or the run ended meanwhile)."""
-        r = await self.load_run(org, ws, run_id)
+        scheduler; or the run ended meanwhile). `loaded`: the run as just read (the pin's
+        append checks it is still current)."""
+        r = loaded if loaded is not None else await self.load_run(org, ws, run_id)
         if self.snapshot is None or not r.state.pinning:
             return False
         try:

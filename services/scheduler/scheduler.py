@@ -114,6 +114,14 @@ def _enqueued_run(kind: str, data: bytes) -> str:
         return ""
 
 
+def _pinning(data: bytes) -> bool:
+    """Whether a `run.queued` message says its snapshot is still to come."""
+    try:
+        return bool(getattr(decode(data), "pinning", False))
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
+
+
 def _speculative(data: bytes) -> bool:
     """Whether a `run.created` message records a speculative plan."""
     try:
@@ -267,7 +275,9 @@ class Scheduler:
                     admitted = True
                 if kind in watch.WATCHED:  # the reaper's board
                     await watch.follow(self.nc, self.app, kind, org, ws, parts[4])
-                if kind in _LIMIT_TYPES:  # the run's deadline marker, on the same board
+                if kind in _LIMIT_TYPES and not (kind == "run.queued" and _pinning(m.data)):
+                    # the run's deadline marker, on the same board (a run queued pinning
+                    # has it brought up to date by the `run.pinned` that follows)
                     await limits.follow(self.app, Board(self.nc), org, ws, parts[4])
                 await m.ack()
             except (StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
@@ -312,7 +322,7 @@ class Scheduler:
         loaded = await self.app.load_run(org, ws, run_id)
         state: RunState = loaded.state
         if state.pinning:  # its snapshot first; `run.pinned` comes back here to dispatch
-            if await self.app.pin_run(org, ws, run_id):
+            if await self.app.pin_run(org, ws, run_id, loaded=loaded):
                 log.info("run_pinned", org=org, workspace=ws, run_id=run_id)
             return
         phase = state.waiting_phase
