@@ -337,6 +337,8 @@ async def admission_at(workspaces: int) -> dict[str, Any]:
                 await scheduler_idle(nc)
                 backlog_s = time.perf_counter() - t
                 idle_rss, _ = rss_kb(proc.pid)
+                server_pid = server.pid or proc.pid
+                cpu0 = cpu_seconds(proc.pid), cpu_seconds(server_pid)
                 t_start = time.perf_counter()
                 async with Firehose(nc) as hose:
                     for j in range(workspaces):
@@ -346,6 +348,7 @@ async def admission_at(workspaces: int) -> dict[str, Any]:
                 ok = await watch.until(workspaces, runs, timeout=900)
                 await scheduler_idle(nc)  # its dispatches and deadline markers too
                 t_idle = time.perf_counter()
+                cpu1 = cpu_seconds(proc.pid), cpu_seconds(server_pid)
                 rss, hwm = rss_kb(proc.pid)
             times = sorted(watch.seen[r] for r in runs if r in watch.seen)
     span = (times[-1] - t_start) if times else 0.0
@@ -363,6 +366,8 @@ async def admission_at(workspaces: int) -> dict[str, Any]:
         "seconds_publishing_unlocks": unlock_s,
         "seconds_until_idle": t_idle - t_start,
         "backlog_seconds": backlog_s,
+        "scheduler_cpu_ms_per_run": (cpu1[0] - cpu0[0]) * 1000 / workspaces,
+        "server_cpu_ms_per_run": (cpu1[1] - cpu0[1]) * 1000 / workspaces,
         "rss_mb_idle_before": idle_rss / 1024,
         "rss_mb": rss / 1024,
         "peak_rss_mb": hwm / 1024,
