@@ -29,21 +29,7 @@ from services.commands import App
 from services.infra.streams import declare, dispatch_subject
 from services.snapshot import Snapshotter
 from tests.helpers import eventually
-
-_ENV = {
-    **os.environ,
-    "GIT_AUTHOR_NAME": "Ann",
-    "GIT_AUTHOR_EMAIL": "ann@example.com",
-    "GIT_COMMITTER_NAME": "Ann",
-    "GIT_COMMITTER_EMAIL": "ann@example.com",
-}
-
-
-def sh(repo: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", *args], cwd=repo, env=_ENV, check=True, capture_output=True, text=True
-    )
-    return done.stdout.strip()
+from tests.test_executor import git as sh
 
 
 def commit(repo: Path, files: dict[str, str | None], message: str = "change") -> str:
@@ -158,7 +144,7 @@ async def test_the_commit_is_described_from_the_cache(
     sha = commit(repo, {"main.tf": "x\n"}, "add the network\n\nbody")
     dest, lg = dirs.new()
     found = await cache.checkout(str(repo), dest, branch="main", commit=sha, step_log=lg)
-    assert found == git.Commit(sha, "Ann <ann@example.com>", "add the network")
+    assert found == git.Commit(sha, "t <t@example.com>", "add the network")
     dest, lg = dirs.new()
     assert await cache.checkout(str(repo), dest, branch="main", commit=sha, step_log=lg) == found
 

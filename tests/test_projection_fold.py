@@ -55,9 +55,10 @@ class Stream:
         return row
 
 
-def decide_all(commands: list[RunCommand]) -> list[run_agg.RunEvent]:
-    """Run commands through the core in order, dropping the ones it refuses."""
-    state, events, ticks = run_agg.INITIAL, [], count()
+def decide_all(commands: list[RunCommand], start: int = 0) -> list[run_agg.RunEvent]:
+    """Run commands through the core in order, dropping the ones it refuses; the first at
+    `start` seconds after T0, the next a second later, and so on."""
+    state, events, ticks = run_agg.INITIAL, [], count(start)
     for command in commands:
         now = T0 + timedelta(seconds=next(ticks))
         try:

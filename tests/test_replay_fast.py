@@ -8,7 +8,7 @@ import gc
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from itertools import count, zip_longest
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,6 @@ from nats.aio.client import Client as NATS
 
 from events import run as run_agg
 from events.codec import AnyEvent, encode, run_subject, ws_subject
-from events.errors import DomainError
 from events.org import OrgCreated
 from events.run import (
     AdmitRun,
@@ -55,10 +54,11 @@ from projections.project import Working
 from projections.readmodel import ReadModel
 from projections.schema import BY_NAME, EVENTS, TABLES, connect
 from services.infra.eventstore import EventStore
+from tests.test_projection_fold import T0, decide_all
 
 ORG = "acme"
 CONFIG = Workspace(repository="/repo")
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
 PLAN = [
     ResourceChange(address="t.a", type="t", action="create"),
     ResourceChange(address="t.rep", type="t", action="replace", replace_paths=["name"]),
@@ -67,19 +67,6 @@ PLAN = [
 ]
 
 
-def _decide(commands: list[RunCommand], start: int) -> list[run_agg.RunEvent]:
-    """Run commands through the core in order, dropping the ones it refuses."""
-    state, ticks = run_agg.INITIAL, count(start)
-    events: list[run_agg.RunEvent] = []
-    for command in commands:
-        now = T0 + timedelta(seconds=next(ticks))
-        try:
-            new = run_agg.decide(state, command, now=now, new_id=lambda: "id")
-        except DomainError:
-            continue
-        state = run_agg.fold(new, state)
-        events.extend(new)
-    return events
 
 
 def _run_commands(run_id: str, ws: str, ending: str) -> list[RunCommand]:
@@ -164,7 +151,7 @@ def _interleaved_history(recreate: bool = False) -> Iterator[tuple[str, AnyEvent
             (ws_subject(ORG, ws), RunAdmitted(at=at, actor="s", run_id=run_id)),
         ]
         ending = "open" if i == 9 else endings[i % 3]
-        lane += [(subject, e) for e in _decide(_run_commands(run_id, ws, ending), i * 60)]
+        lane += [(subject, e) for e in decide_all(_run_commands(run_id, ws, ending), i * 60)]
         lane.append(
             (ws_subject(ORG, ws), RunReleased(at=at, actor="x", run_id=run_id, status="applied"))
         )
