@@ -266,8 +266,9 @@ class App:
             return created
         try:
             await self.enqueue_run(org, ws, run_id, actor, seen=loaded[-1])
-        except (Conflict, StoreError) as e:  # the scheduler enqueues it (see the docstring)
-            log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=str(e))
+        except Exception as e:  # noqa: BLE001 - created it is: the scheduler enqueues it
+            # (module docstring); an error here would have the caller create it again.
+            log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=repr(e))
         return created
 
     async def enqueue_run(
@@ -364,8 +365,9 @@ class App:
         if ended and not result.state.speculative:
             try:
                 await self.release(result.state, command.actor)
-            except (Conflict, StoreError) as e:  # the scheduler releases it (module docstring)
-                log.warning("run_release_deferred", run_id=run_id, error=str(e))
+            except Exception as e:  # noqa: BLE001 - the command landed: the scheduler
+                # releases the workspace (module docstring); the caller must not retry it.
+                log.warning("run_release_deferred", run_id=run_id, error=repr(e))
         return result  # type: ignore[no-any-return]  # Result
 
     async def release(self, run: run_agg.RunState, actor: str) -> bool:
@@ -532,10 +534,16 @@ class App:
     async def _unpinnable(
         self, org: str, ws: str, run_id: str, actor: str, error: SnapshotFailed
     ) -> str:
-        """Fail a run whose snapshot cannot be taken; it gives its workspace back."""
+        """Fail a run whose snapshot cannot be taken, if it still waits for it (another
+        scheduler may have pinned it meanwhile); it gives its workspace back."""
         fail = run_agg.FailRun(actor=actor, reason="checkout_failed", message=str(error))
+
+        def still_pinning(run: run_agg.RunState) -> None:
+            if not run.pinning:
+                raise IllegalTransition("the run was pinned meanwhile", status=str(run.status))
+
         try:
-            await self.run_command(org, ws, run_id, fail)
-        except IllegalTransition:  # another scheduler failed it first
+            await self.run_command(org, ws, run_id, fail, guard=still_pinning)
+        except IllegalTransition:  # pinned, or failed, by another scheduler first
             pass
         return ""

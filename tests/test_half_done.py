@@ -4,6 +4,7 @@ lost, stuck or admitted twice (services/commands.py, module docstring)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -16,11 +17,13 @@ from events import run as R
 from events import workspace as W
 from events.codec import tag_of
 from events.errors import IllegalTransition
+from events.templates import SaveTemplate, TemplateStep
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import Append, EventStore, StoreError
 from services.scheduler import scheduler as sched
 from services.scheduler.scheduler import Scheduler
+from services.snapshot import SnapshotFailed
 from tests.helpers import eventually
 
 ORG = "acme"
@@ -32,11 +35,11 @@ async def _setup(app: App, *workspaces: str) -> None:
         await app.create_workspace(ORG, ws, R.Workspace(repository="/nowhere"), "admin")
 
 
-def _dies(app: App, name: str) -> None:
+def _dies(app: App, name: str, error: Exception | None = None) -> None:
     """The app's writer dies just before this step (the step's append never happens)."""
 
     async def died(*args: Any, **kwargs: Any) -> Any:
-        raise StoreError(f"{name}: the writer died")
+        raise error or StoreError(f"{name}: the writer died")
 
     setattr(app, name, died)
 
@@ -60,6 +63,12 @@ def _is(app: App, ws: str, run: str, status: str) -> Callable[[], Any]:
     return probe
 
 
+async def _scheduler_idle(nc: NATS) -> bool:
+    """The scheduler has handled every event so far (so what follows is news to it)."""
+    info = await nc.jetstream().consumer_info(streams.EVENTS, streams.SCHEDULER_CONSUMER)
+    return info.num_pending == 0 and info.num_ack_pending == 0
+
+
 @pytest.fixture(name="fast_grace")
 def fast_grace_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sched, "ENQUEUE_GRACE", 0.2)
@@ -70,7 +79,7 @@ async def test_a_run_whose_creator_died_before_enqueueing_it_is_enqueued_by_the_
 ) -> None:
     creator, scheduler_app = App(EventStore(nc)), App(EventStore(nc))
     await _setup(creator, "net")
-    _dies(creator, "enqueue_run")
+    _dies(creator, "enqueue_run", nats.errors.NoRespondersError())  # not a StoreError
     created = await creator.create_run(ORG, "net", "apply", "alice")  # answered: it landed
     run_id = created.state.run_id
     assert (await _ws(creator, "net")).queue == ()
@@ -84,21 +93,23 @@ async def test_a_run_whose_creator_died_before_enqueueing_it_is_enqueued_by_the_
     assert (await _ws(creator, "net")).active == run_id
 
 
-async def test_a_fresh_run_created_message_waits_for_its_creator_before_any_repair(
-    nc: NATS, fast_grace: None
+async def test_the_scheduler_leaves_a_fresh_run_to_its_creator_for_the_grace_period(
+    nc: NATS, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The creator enqueues right after `run.created`: the scheduler leaves that to it
-    (no race, no second enqueue), and the run is admitted once."""
-    app = App(EventStore(nc))
-    await _setup(app, "net")
+    """Its creator enqueues a run right after `run.created`: the scheduler, seeing a fresh
+    `run.created` of a run on no queue, waits ENQUEUE_GRACE before it enqueues the run
+    itself (no race with the creator), then does."""
+    monkeypatch.setattr(sched, "ENQUEUE_GRACE", 2.0)
+    creator = App(EventStore(nc))
+    await _setup(creator, "net")
+    _dies(creator, "enqueue_run")
     async with Scheduler(nc, App(EventStore(nc))):
-        runs = [(await app.create_run(ORG, "net", "plan", "alice")).state.run_id for _ in range(5)]
-        await eventually(_is(app, "net", runs[0], "queued"), timeout=10, what="first queued")
-        await app.run_command(ORG, "net", runs[0], R.CancelRun(actor="alice"))
-        await eventually(_is(app, "net", runs[1], "queued"), timeout=10, what="second queued")
-    ws_events = await _types(app, f"rp.ws.{ORG}.net")
-    assert ws_events.count("ws.run_enqueued") == 5
-    assert ws_events.count("ws.run_admitted") == 2
+        run_id = (await creator.create_run(ORG, "net", "apply", "alice")).state.run_id
+        await asyncio.sleep(0.8)  # the scheduler has seen run.created by now
+        assert (await _ws(creator, "net")).queue == ()
+        assert await _status(creator, "net", run_id) == "pending"
+        await eventually(_is(creator, "net", run_id, "queued"), timeout=10, what="queued")
+    assert (await _types(creator, f"rp.ws.{ORG}.net")).count("ws.run_enqueued") == 1
 
 
 async def test_an_admission_whose_scheduler_died_before_run_queued_is_finished(
@@ -127,7 +138,7 @@ async def test_a_run_that_ended_without_releasing_its_workspace_is_released_and_
         first = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
         await eventually(_is(app, "net", first, "queued"), timeout=10, what="first queued")
         dying = App(store)
-        _dies(dying, "release")
+        _dies(dying, "release", nats.errors.TimeoutError())  # not a StoreError
         await dying.run_command(ORG, "net", first, R.CancelRun(actor="alice"))  # it landed
 
         async def released() -> bool:
@@ -205,3 +216,65 @@ async def test_an_admitted_run_is_claimable_only_once_pinned_and_a_lost_pin_is_t
     assert (state.pinning, state.commit, taken) == (False, "c" * 40, [run_id])
     assert (await _types(app, f"rp.run.{ORG}.net.{run_id}")).count("run.pinned") == 1
     await app.run_command(ORG, "net", run_id, claim)  # now it may be claimed
+
+
+async def test_a_run_ended_by_its_approval_is_released_even_if_its_approver_died(
+    nc: NATS, store: EventStore
+) -> None:
+    """A template whose last step is the approval: `run.approved` ends the run, and the
+    scheduler releases the workspace when its approver's App died before the release."""
+    app = App(store)
+    await _setup(app, "net")
+    steps = [TemplateStep(number=10, kind="plan"), TemplateStep(number=20, kind="approval")]
+    await app.org_command(ORG, SaveTemplate(actor="admin", name="review", steps=steps))
+    await app.set_workspace_settings(ORG, "net", {"require_approval": True}, "admin")
+    async with Scheduler(nc, App(EventStore(nc))):
+        created = await app.create_run(ORG, "net", "apply", "alice", template="review")
+        run_id = created.state.run_id
+        await eventually(_is(app, "net", run_id, "queued"), timeout=10, what="queued")
+        lease = "l1"
+        claim = R.ClaimPhase(actor="ex", phase="plan", lease_id=lease, executor_id="ex")
+        await app.run_command(ORG, "net", run_id, claim)
+        plan = R.FinishPlan(
+            actor="ex",
+            lease_id=lease,
+            commit="c",
+            has_changes=True,
+            summary=R.PlanSummary(add=1),
+            require_approval=True,
+        )
+        await app.run_command(ORG, "net", run_id, plan)
+        assert await _status(app, "net", run_id) == "awaiting_approval"
+        await eventually(lambda: _scheduler_idle(nc), timeout=10, what="the scheduler idle")
+        approver = App(store)
+        _dies(approver, "release")
+        ended = await approver.run_command(ORG, "net", run_id, R.ApproveRun(actor="bob"))
+        assert ended.state.terminal
+
+        async def released() -> bool:
+            return (await _ws(app, "net")).active == ""
+
+        await eventually(released, timeout=10, what="the workspace released")
+
+
+async def test_a_snapshot_that_fails_late_does_not_fail_a_run_another_scheduler_pinned(
+    store: EventStore,
+) -> None:
+    """Two schedulers took the same `run.queued`: one pinned the run; the other's snapshot
+    then failed. The run stays pinned and queued, not failed `checkout_failed`."""
+
+    async def good(run: R.RunState) -> R.Snapshot:
+        return R.Snapshot(commit="c" * 40)
+
+    async def gone(run: R.RunState) -> R.Snapshot:
+        raise SnapshotFailed("git ls-remote: the repository is gone")
+
+    fast, slow = App(store, snapshot=good), App(store, snapshot=gone)
+    await _setup(fast, "net")
+    run_id = (await fast.create_run(ORG, "net", "apply", "alice")).state.run_id
+    assert await fast.admit_next(ORG, "net") == run_id
+    seen_by_slow = await slow.load_run(ORG, "net", run_id)  # pinning, as it read it
+    assert await fast.pin_run(ORG, "net", run_id)
+    assert await slow.pin_run(ORG, "net", run_id, loaded=seen_by_slow) is False
+    state = (await fast.load_run(ORG, "net", run_id)).state
+    assert (state.status, state.pinning, state.commit) == ("queued", False, "c" * 40)

@@ -49,6 +49,7 @@ _ADMISSION_TYPES = frozenset({"ws.created", "ws.run_enqueued", "ws.run_released"
 _RELEASE_TYPES = frozenset(
     {
         "run.plan_finished",
+        "run.approved",  # a template whose last step is the approval ends there
         "run.apply_finished",
         "run.custom_finished",
         "run.discarded",
