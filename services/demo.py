@@ -67,8 +67,10 @@ def make_demo_repo(path: Path) -> Path:
 
 
 async def ensure_demo(app: App, data_dir: Path) -> None:
-    """Create the demo org and workspace unless they exist already."""
-    repo = make_demo_repo(data_dir / "demo-repo")
+    """Create the demo org and workspace unless they exist already. The repository is
+    recorded by its absolute path: git runs in other directories (an executor's job
+    directory), where a path relative to the data directory's parent means nothing."""
+    repo = make_demo_repo((data_dir / "demo-repo").resolve())
     try:
         await app.create_org(DEMO_ORG, "admin")
     except AlreadyExists:

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from events.run import Workspace
 from projections.readmodel import ReadModel
 from services.commands import App
-from services.demo import make_demo_repo
+from services.demo import DEMO_ORG, DEMO_WS, ensure_demo, make_demo_repo
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
 from tests.helpers import eventually
@@ -218,3 +218,16 @@ async def test_runplane_up_killed_with_sigkill_leaves_no_nats_server_behind(
         return not nats_servers_using(data)
 
     await eventually(gone, timeout=15, what="the embedded nats-server to exit with runplane")
+
+
+async def test_the_demo_workspace_records_its_repository_by_absolute_path(
+    app: App, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`runplane up` with its default data directory (`.runplane`, relative): the demo
+    repository must still be found by an executor running git in its job directory."""
+    monkeypatch.chdir(tmp_path)
+    await ensure_demo(app, Path(".runplane"))
+    config = (await app.load_ws(DEMO_ORG, DEMO_WS)).state.config
+    assert config is not None
+    assert Path(config.repository).is_absolute()
+    assert (Path(config.repository) / ".git").is_dir()
