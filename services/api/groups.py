@@ -24,7 +24,7 @@ from services.api.common import (
     path_id,
     scope,
 )
-from services.api.schemas import REF, STR, Doc, operation, path_param, ref
+from services.api.schemas import REF, STR, Doc, list_of, operation, path_param
 
 PREFIX = "/api/v1/orgs"
 Members = Annotated[
@@ -85,11 +85,7 @@ _GROUP: Doc = {
 SCHEMAS: dict[str, Doc] = {
     **msgspec.json.schema_components((CreateGroupBody, GroupMembersBody), ref_template=REF)[1],
     "Group": _GROUP,
-    "GroupList": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {"items": {"type": "array", "items": ref("Group")}},
-    },
+    "GroupList": list_of("Group"),
 }
 PARAMETERS: dict[str, Doc] = {"group": path_param("group", "group name")}
 

@@ -34,7 +34,7 @@ from services.api.common import (
     scope,
 )
 from services.api.problems import Problem
-from services.api.schemas import REF, SEQ_DOC, STR, Doc, ok, path_param, problems, ref
+from services.api.schemas import REF, SEQ_DOC, STR, Doc, list_of, ok, path_param, problems, ref
 
 PREFIX = "/api/v1/orgs"
 _SCOPE_DOC = "org, folder:<folder> or workspace:<workspace>"
@@ -159,11 +159,7 @@ _POLICY: Doc = {
 SCHEMAS: dict[str, Doc] = {
     **msgspec.json.schema_components((PolicyBody,), ref_template=REF)[1],
     "PolicySet": _POLICY,
-    "PolicySetList": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {"items": {"type": "array", "items": ref("PolicySet")}},
-    },
+    "PolicySetList": list_of("PolicySet"),
     "PolicyResult": {
         "type": "object",
         "required": ["name", "enforcement", "scope", "passed", "messages"],

@@ -273,13 +273,14 @@ SCHEMAS: dict[str, Doc] = {
 }
 
 
-def _list_of(name: str) -> Doc:
+def list_of(name: str) -> Doc:
+    """A list answer: `{"items": [<name>, ...]}`."""
     return _obj(["items"], items={"type": "array", "items": ref(name)})
 
 
 for _name in ("Workspace", "RunEvent", "Step"):
-    SCHEMAS[f"{_name}List"] = _list_of(_name)
-SCHEMAS["RunList"] = _list_of("Run")
+    SCHEMAS[f"{_name}List"] = list_of(_name)
+SCHEMAS["RunList"] = list_of("Run")
 SCHEMAS["RunList"]["properties"]["next"] = {
     **_nullable(ID),
     "description": "on a full page: pass as `before` for the next page",

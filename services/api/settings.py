@@ -30,7 +30,7 @@ from services.api.common import (
 )
 from services.api.context import Api
 from services.api.problems import Problem
-from services.api.schemas import BOOL, INT, STR, Doc, operation, path_param, ref
+from services.api.schemas import BOOL, INT, STR, Doc, list_of, operation, path_param, ref
 
 PREFIX = "/api/v1/orgs"
 
@@ -203,11 +203,7 @@ SCHEMAS: dict[str, Doc] = {
             "settings": ref("Settings"),
         },
     },
-    "FolderList": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {"items": {"type": "array", "items": ref("Folder")}},
-    },
+    "FolderList": list_of("Folder"),
     "OrgSettings": {
         "type": "object",
         "required": ["settings", "effective"],

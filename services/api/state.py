@@ -11,7 +11,7 @@ from aiohttp import web
 from services.api.auth import VIEWER
 from services.api.common import items, path_id, scope
 from services.api.problems import Problem
-from services.api.schemas import INT, STR, TIME, Doc, ref
+from services.api.schemas import INT, STR, TIME, Doc, list_of, ref
 
 
 async def list_state_versions(request: web.Request) -> web.Response:
@@ -39,11 +39,7 @@ SCHEMAS: dict[str, Doc] = {
         },
     },
 }
-SCHEMAS["StateVersionList"] = {
-    "type": "object",
-    "required": ["items"],
-    "properties": {"items": {"type": "array", "items": ref("StateVersion")}},
-}
+SCHEMAS["StateVersionList"] = list_of("StateVersion")
 PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/state-versions": {
         "get": {

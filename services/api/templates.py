@@ -30,7 +30,19 @@ from services.api.common import (
     scope,
 )
 from services.api.problems import Problem
-from services.api.schemas import BOOL, INT, REF, SEQ_DOC, STR, Doc, ok, path_param, problems, ref
+from services.api.schemas import (
+    BOOL,
+    INT,
+    REF,
+    SEQ_DOC,
+    STR,
+    Doc,
+    list_of,
+    ok,
+    path_param,
+    problems,
+    ref,
+)
 
 PREFIX = "/api/v1/orgs"
 
@@ -142,11 +154,7 @@ _TEMPLATE: Doc = {
 SCHEMAS: dict[str, Doc] = {
     **msgspec.json.schema_components((TemplateBody,), ref_template=REF)[1],
     "Template": _TEMPLATE,
-    "TemplateList": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {"items": {"type": "array", "items": ref("Template")}},
-    },
+    "TemplateList": list_of("Template"),
 }
 PARAMETERS: dict[str, Doc] = {"template": path_param("template", "template name")}
 _PARAMS = [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "template")]
