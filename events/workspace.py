@@ -151,6 +151,10 @@ class WorkspaceState(msgspec.Struct, frozen=True, kw_only=True):
     def exists(self) -> bool:
         return self.config is not None
 
+    def holds(self, run_id: str) -> bool:
+        """Whether the run is on this workspace: waiting in its queue, or active."""
+        return run_id in self.queue or run_id == self.active
+
 
 INITIAL = WorkspaceState()
 
@@ -224,7 +228,7 @@ def decide(
         case EnqueueRun():
             if not state.exists:
                 raise NotFound("workspace does not exist")
-            if command.run_id in state.queue or command.run_id == state.active:
+            if state.holds(command.run_id):
                 raise Invalid(f"run {command.run_id} is already queued")
             return [RunEnqueued(at=now, actor=who, run_id=command.run_id)]
         case AdmitNext():
@@ -232,7 +236,7 @@ def decide(
                 return []
             return [RunAdmitted(at=now, actor=who, run_id=state.queue[0])]
         case ReleaseRun():
-            if command.run_id not in state.queue and command.run_id != state.active:
+            if not state.holds(command.run_id):
                 return []
             return [RunReleased(at=now, actor=who, run_id=command.run_id, status=command.status)]
         case SetVariables():

@@ -233,7 +233,7 @@ class App:
         the scheduler enqueues the run when it sees `run.created`."""
         run_id = self.ids()
 
-        async def attempt() -> Result:
+        async def attempt() -> tuple[Result, Loaded]:
             w, o = await asyncio.gather(self.load_ws(org, ws), self.load_org(org))
             if not w.state.exists:
                 raise NotFound("workspace does not exist")
@@ -256,20 +256,20 @@ class App:
             run_events = run_agg.decide(run_agg.INITIAL, create, now=self.clock(), new_id=self.ids)
             appends = self._appends(run_subject(org, ws, run_id), 0, list(run_events))
             seq = await self.store.append(appends)
-            self.remember(appends[-1].subject, seq, run_agg.fold(run_events))
-            loaded.append(w)
-            return Result(state=run_agg.fold(run_events), seq=seq, events=list(run_events))
+            state = run_agg.fold(run_events)
+            self.remember(appends[-1].subject, seq, state)
+            return Result(state=state, seq=seq, events=list(run_events)), w
 
-        loaded: list[Loaded] = []  # the workspace as the create saw it
-        created: Result = await self._retrying(attempt)
+        # `seen`: the workspace as the create saw it
+        created, seen = await self._retrying(attempt)
         if created.state.speculative:  # the scheduler admits it on run.created
-            return created
+            return created  # type: ignore[no-any-return]  # Result
         try:
-            await self.enqueue_run(org, ws, run_id, actor, seen=loaded[-1])
+            await self.enqueue_run(org, ws, run_id, actor, seen=seen)
         except Exception as e:  # noqa: BLE001 - created it is: the scheduler enqueues it
             # (module docstring); an error here would have the caller create it again.
             log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=repr(e))
-        return created
+        return created  # type: ignore[no-any-return]  # Result
 
     async def enqueue_run(
         self, org: str, ws: str, run_id: str, actor: str, *, seen: Loaded | None = None
@@ -284,7 +284,7 @@ class App:
 
         async def attempt() -> bool:
             w = first.pop() if first else await self.load_ws(org, ws)
-            if run_id in w.state.queue or run_id == w.state.active:
+            if w.state.holds(run_id):
                 return False
             enqueue = ws_agg.EnqueueRun(actor=actor, run_id=run_id)
             evs = ws_agg.decide(w.state, enqueue, now=self.clock(), new_id=self.ids)
@@ -310,7 +310,7 @@ class App:
     async def is_enqueued(self, org: str, ws: str, run_id: str) -> bool:
         """Whether the run is on its workspace: queued there or holding it."""
         w = await self.load_ws(org, ws)
-        return run_id in w.state.queue or run_id == w.state.active
+        return w.state.holds(run_id)  # type: ignore[no-any-return]
 
     async def run_command(
         self,
