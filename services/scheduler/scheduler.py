@@ -20,6 +20,7 @@ import asyncio
 import json
 from datetime import UTC, datetime
 from types import TracebackType
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -105,30 +106,12 @@ def pool_of(state: RunState, default: str) -> str:
     return default
 
 
-def _enqueued_run(kind: str, data: bytes) -> str:
-    """The run a `ws.run_enqueued` message enqueued ("" for other messages)."""
-    if kind != "ws.run_enqueued":
-        return ""
+def _field(data: bytes, name: str) -> Any:
+    """A field of the event a message carries; None if it has none or does not decode."""
     try:
-        return str(getattr(decode(data), "run_id", ""))
+        return getattr(decode(data), name, None)
     except (msgspec.DecodeError, msgspec.ValidationError):
-        return ""
-
-
-def _pinning(data: bytes) -> bool:
-    """Whether a `run.queued` message says its snapshot is still to come."""
-    try:
-        return bool(getattr(decode(data), "pinning", False))
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
-
-
-def _speculative(data: bytes) -> bool:
-    """Whether a `run.created` message records a speculative plan."""
-    try:
-        return bool(getattr(decode(data), "speculative", False))
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return False
+        return None
 
 
 class Scheduler:
@@ -262,12 +245,13 @@ class Scheduler:
                 org, ws = parts[2], parts[3]
                 if kind in _ADMISSION_TYPES and not admitted:
                     # One admission attempt per workspace per batch is enough: it reloads.
-                    await self._admit(org, ws, _enqueued_run(kind, m.data))
+                    hint = _field(m.data, "run_id") if kind == "ws.run_enqueued" else ""
+                    await self._admit(org, ws, str(hint or ""))
                     admitted = True
                 elif kind in _DISPATCH_TYPES:
                     await self._dispatch(org, ws, parts[4])
                 elif kind == "run.created":
-                    if _speculative(m.data):
+                    if _field(m.data, "speculative"):
                         await self._admit_speculative(org, ws, parts[4])
                     elif not await self._enqueued(m, org, ws, parts[4]):
                         continue  # told to come back later
@@ -276,9 +260,10 @@ class Scheduler:
                     admitted = True
                 if kind in watch.WATCHED:  # the reaper's board
                     await watch.follow(self.nc, self.app, kind, org, ws, parts[4])
-                if kind in _LIMIT_TYPES and not (kind == "run.queued" and _pinning(m.data)):
-                    # the run's deadline marker, on the same board (a run queued pinning
-                    # has it brought up to date by the `run.pinned` that follows)
+                # the run's deadline marker, on the same board (a run queued pinning has
+                # it brought up to date by the `run.pinned` that follows)
+                pinning = kind == "run.queued" and _field(m.data, "pinning")
+                if kind in _LIMIT_TYPES and not pinning:
                     await limits.follow(self.app, Board(self.nc), org, ws, parts[4])
                 await m.ack()
             except (StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
