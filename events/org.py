@@ -3,12 +3,15 @@ own settings and its groups of users (events/folder.py and events/groups.py hold
 pieces).
 
 Tokens are stored as SHA-256 digests only; the clear token is shown once, to its creator.
+A token may carry an expiry (checked by the api against its clock, never here), is revoked
+by an event, and its use is recorded at most once per `USE_EVERY` per api replica
+(`org.token_used`): enough for "last used" without an event per request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, assert_never
 
 import msgspec
@@ -22,6 +25,9 @@ from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
 
 ROLES = ("viewer", "operator", "approver", "admin")
+# How stale a token's "last used" may be: a replica records a use only when the last one it
+# knows of (its own, or the read model's) is older than this.
+USE_EVERY = timedelta(minutes=5)
 
 
 class OrgCreated(Event, frozen=True, kw_only=True, tag="org.created"):
@@ -33,11 +39,24 @@ class TokenIssued(Event, frozen=True, kw_only=True, tag="org.token_issued"):
     token_hash: str
     user: str
     role: str
+    expires_at: datetime | None = None  # None: never expires
+
+
+class TokenRevoked(Event, frozen=True, kw_only=True, tag="org.token_revoked"):
+    token_id: str
+
+
+class TokenUsed(Event, frozen=True, kw_only=True, tag="org.token_used"):
+    """The token authenticated a request at `at` (its `actor` is the token's user)."""
+
+    token_id: str
 
 
 OrgEvent = (
     OrgCreated
     | TokenIssued
+    | TokenRevoked
+    | TokenUsed
     | fo.FolderCreated
     | fo.OrgSettingsSet
     | fo.FolderSettingsSet
@@ -58,11 +77,22 @@ class IssueToken(Command, frozen=True, kw_only=True):
     token_hash: str
     user: str
     role: str = "admin"
+    expires_at: datetime | None = None
+
+
+class RevokeToken(Command, frozen=True, kw_only=True):
+    token_id: str
+
+
+class RecordTokenUse(Command, frozen=True, kw_only=True):
+    token_id: str
 
 
 OrgCommand = (
     CreateOrg
     | IssueToken
+    | RevokeToken
+    | RecordTokenUse
     | fo.CreateFolder
     | fo.SetOrgSettings
     | fo.SetFolderSettings
@@ -78,7 +108,8 @@ OrgCommand = (
 class OrgState(msgspec.Struct, frozen=True, kw_only=True):
     name: str = ""
     created_at: datetime | None = None
-    tokens: tuple[str, ...] = ()
+    tokens: tuple[str, ...] = ()  # ids of every token issued, in issue order
+    revoked: frozenset[str] = frozenset()  # ids of the revoked ones
     settings: dict[str, Any] = {}  # the organization's own, not the effective ones
     folders: dict[str, fo.Folder] = {}  # by name, in creation order
     groups: dict[str, tuple[str, ...]] = {}  # members by group name
@@ -101,6 +132,10 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
             return msgspec.structs.replace(s, name=event.name, created_at=event.at)
         case TokenIssued():
             return msgspec.structs.replace(s, tokens=(*s.tokens, event.token_id))
+        case TokenRevoked():
+            return msgspec.structs.replace(s, revoked=s.revoked | {event.token_id})
+        case TokenUsed():
+            return s
         case fo.FolderCreated():
             return msgspec.structs.replace(s, folders=fo.added(s.folders, event))
         case fo.OrgSettingsSet():
@@ -132,21 +167,9 @@ def decide(
             if state.exists:
                 raise AlreadyExists(f"organization {command.name} already exists")
             return [OrgCreated(at=now, actor=who, name=command.name)]
-        case IssueToken():
-            if not state.exists:
-                raise NotFound("organization does not exist")
-            if command.role not in ROLES:
-                raise Invalid(f"unknown role {command.role!r}; one of {', '.join(ROLES)}")
-            return [
-                TokenIssued(
-                    at=now,
-                    actor=who,
-                    token_id=command.token_id,
-                    token_hash=command.token_hash,
-                    user=command.user,
-                    role=command.role,
-                )
-            ]
+        case IssueToken() | RevokeToken() | RecordTokenUse():
+            _exists(state)
+            return _decide_tokens(state, command, now)
         case fo.CreateFolder() | fo.SetOrgSettings() | fo.SetFolderSettings():
             if not state.exists:
                 raise NotFound("organization does not exist")
@@ -176,6 +199,49 @@ def decide(
 def _exists(state: OrgState) -> None:
     if not state.exists:
         raise NotFound("organization does not exist")
+
+
+def _decide_tokens(
+    state: OrgState, command: IssueToken | RevokeToken | RecordTokenUse, now: datetime
+) -> list[OrgEvent]:
+    who = command.actor
+    match command:
+        case IssueToken():
+            return [_issue(command, now)]
+        case RevokeToken():
+            _known_token(state, command.token_id)
+            if command.token_id in state.revoked:
+                return []  # revoked already: a retried DELETE changes nothing
+            return [TokenRevoked(at=now, actor=who, token_id=command.token_id)]
+        case RecordTokenUse():
+            _known_token(state, command.token_id)
+            if command.token_id in state.revoked:
+                raise Invalid(f"token {command.token_id} is revoked")
+            return [TokenUsed(at=now, actor=who, token_id=command.token_id)]
+        case _:
+            assert_never(command)
+
+
+def _issue(command: IssueToken, now: datetime) -> TokenIssued:
+    if command.role not in ROLES:
+        raise Invalid(f"unknown role {command.role!r}; one of {', '.join(ROLES)}")
+    if command.expires_at is not None and command.expires_at <= now:
+        raise Invalid(f"expires_at {command.expires_at.isoformat()} is not in the future")
+    return TokenIssued(
+        at=now,
+        actor=command.actor,
+        token_id=command.token_id,
+        token_hash=command.token_hash,
+        user=command.user,
+        role=command.role,
+        expires_at=command.expires_at,
+    )
+
+
+def _known_token(state: OrgState, token_id: str) -> None:
+    """Tokens of another organization, and the admin token, are not found here."""
+    if token_id not in state.tokens:
+        raise NotFound(f"token {token_id} not found")
 
 
 def _decide_folders(

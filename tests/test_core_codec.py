@@ -13,7 +13,7 @@ from events import codec
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
-from events.org import OrgCreated, OrgEvent, TokenIssued
+from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved, PolicySet
 from events.run import (
     ApplyFinished,
@@ -137,8 +137,16 @@ SAMPLES: list[Any] = [
     FolderSettingsSet(at=AT, actor="alice", folder="network", changes={"run_timeout": None}),
     SettingsSet(at=AT, actor="alice", changes={"approvers": ["bob", "group:sre"]}),
     TokenIssued(
-        at=AT, actor="alice", token_id="tok-1", token_hash="sha256:feed", user="bob", role="admin"
+        at=AT,
+        actor="alice",
+        token_id="tok-1",
+        token_hash="sha256:feed",
+        user="bob",
+        role="admin",
+        expires_at=AT,
     ),
+    TokenRevoked(at=AT, actor="alice", token_id="tok-1"),
+    TokenUsed(at=AT, actor="bob", token_id="tok-1"),
     GroupSet(at=AT, actor="alice", name="sre", members=["bob", "carol"]),
     CustomStepFinished(at=AT, actor="exec-a", lease_id="lease-1", number=300),
     TemplateSaved(
