@@ -27,7 +27,7 @@ from events import run as run_agg
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
-from events.org import OrgCreated, OrgEvent, TokenIssued
+from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted
 from events.templates import TemplateDeleted, TemplateSaved
@@ -253,8 +253,15 @@ def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
                     "user": event.user,
                     "role": event.role,
                     "created_at": iso(event.at),
+                    "created_by": event.actor,
+                    "expires_at": iso(event.expires_at) if event.expires_at else None,
                 },
             )
+        case TokenRevoked():
+            row = {"org": meta.org, "revoked_at": iso(event.at), "revoked_by": event.actor}
+            w.insert("token_revocations", {"token_id": event.token_id, **row})
+        case TokenUsed():
+            w.insert("token_uses", {"token_id": event.token_id, "last_used_at": iso(event.at)})
         case (
             FolderCreated()
             | OrgSettingsSet()

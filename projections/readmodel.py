@@ -30,6 +30,15 @@ _WS_COLS = (
     "org, name, repository, branch, directory, variables_json, created_at, created_by, active_run"
     ", heartbeat_timeout, dispatch_timeout, managed_state, lock_json"
 )
+# A token's row with its revocation and last use (each apart: projections/schema.py).
+_TOKEN_COLS = (
+    "t.token_id, t.user, t.role, t.created_at, t.created_by, t.expires_at, u.last_used_at"
+    ", r.revoked_at"
+)
+_TOKEN_JOIN = (
+    "tokens t LEFT JOIN token_revocations r ON r.token_id = t.token_id"
+    " LEFT JOIN token_uses u ON u.token_id = t.token_id"
+)
 _ENVELOPE = ("type", "at", "actor")
 _MAX_LIMIT = 1000
 
@@ -93,11 +102,22 @@ class ReadModel:
         return dict(row) if row else None
 
     async def token(self, token_hash: str) -> dict[str, Any] | None:
-        """Who a token (given by its SHA-256 hex digest) belongs to."""
+        """Who a token (given by its SHA-256 hex digest) belongs to, with its lifecycle:
+        `revoked_at`, `expires_at` and `last_used_at` (each null if not so)."""
         row = await self._one(
-            "SELECT org, user, role, token_id FROM tokens WHERE token_hash = ?", (token_hash,)
+            f"SELECT t.org, {_TOKEN_COLS} FROM {_TOKEN_JOIN} WHERE t.token_hash = ?",
+            (token_hash,),
         )
         return dict(row) if row else None
+
+    async def list_tokens(self, org: str) -> list[dict[str, Any]]:
+        """The organization's tokens not revoked, oldest first: never a hash."""
+        rows = await self._all(
+            f"SELECT {_TOKEN_COLS} FROM {_TOKEN_JOIN} WHERE t.org = ? AND r.token_id IS NULL"
+            " ORDER BY t.created_at, t.token_id",
+            (org,),
+        )
+        return [{k: row[k] for k in row.keys() if k != "revoked_at"} for row in rows]
 
     # ------------------------------------------------------------ workspaces
 

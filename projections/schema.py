@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 5
+VERSION = 6
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -59,6 +59,24 @@ TOKENS = Table(
     "user TEXT",
     "role TEXT",
     "created_at TEXT",
+    "created_by TEXT",
+    "expires_at TEXT",  # NULL: never expires
+)
+# Apart from `tokens` (keyed by hash), so that folding a revocation or a use (which name
+# the token by id) writes a row without reading one back.
+TOKEN_REVOCATIONS = Table(
+    "token_revocations",
+    ("token_id",),
+    "token_id TEXT NOT NULL",
+    "org TEXT",
+    "revoked_at TEXT",
+    "revoked_by TEXT",
+)
+TOKEN_USES = Table(  # the last org.token_used of each token
+    "token_uses",
+    ("token_id",),
+    "token_id TEXT NOT NULL",
+    "last_used_at TEXT",
 )
 WORKSPACES = Table(
     "workspaces",
@@ -195,6 +213,8 @@ TABLES: tuple[Table, ...] = (
     CHECKPOINT,
     ORGS,
     TOKENS,
+    TOKEN_REVOCATIONS,
+    TOKEN_USES,
     WORKSPACES,
     WS_QUEUE,
     RUNS,
@@ -212,6 +232,7 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS runs_by_ws ON runs (org, workspace, created_at DESC, id DESC)",
     "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq)",
     "CREATE INDEX IF NOT EXISTS ws_queue_order ON ws_queue (org, workspace, position)",
+    "CREATE INDEX IF NOT EXISTS tokens_by_org ON tokens (org, created_at)",
 )
 
 
