@@ -153,11 +153,18 @@ class App:
     async def create_org(self, name: str, actor: str) -> Result:
         return await self.org_command(name, org_agg.CreateOrg(actor=actor, name=name))
 
-    async def issue_token(self, org: str, user: str, role: str, actor: str) -> tuple[str, Result]:
+    async def issue_token(
+        self, org: str, user: str, role: str, actor: str, *, expires_at: datetime | None = None
+    ) -> tuple[str, Result]:
         """Issue a token scoped to the organization; only its hash is stored."""
         token = f"rp_{secrets.token_urlsafe(32)}"
         cmd = org_agg.IssueToken(
-            actor=actor, token_id=self.ids(), token_hash=hash_token(token), user=user, role=role
+            actor=actor,
+            token_id=self.ids(),
+            token_hash=hash_token(token),
+            user=user,
+            role=role,
+            expires_at=expires_at,
         )
         return token, await self.org_command(org, cmd)
 

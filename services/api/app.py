@@ -42,6 +42,8 @@ ROUTES = [
     web.post(V1 + "/orgs", orgs.create_org),
     web.get(ORG, orgs.get_org, allow_head=False),
     web.post(ORG + "/tokens", orgs.create_token),
+    web.get(ORG + "/tokens", orgs.list_tokens, allow_head=False),
+    web.delete(ORG + "/tokens/{token}", orgs.revoke_token),
     web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
     web.get(ORG + "/folders", settings_api.list_folders, allow_head=False),
     web.post(ORG + "/folders", settings_api.create_folder),

@@ -6,6 +6,7 @@ the enforced shape cannot drift apart.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -34,9 +35,28 @@ class CreateOrgBody(Body, frozen=True, kw_only=True):
     name: Name
 
 
+# Ten years: a bound that keeps the arithmetic sane; "never" is saying no expiry at all.
+MAX_TOKEN_LIFETIME_S = 10 * 366 * 86400
+
+
 class CreateTokenBody(Body, frozen=True, kw_only=True):
     user: Annotated[str, Meta(min_length=1, max_length=200)] = "admin"
     role: Annotated[str, Meta(description="viewer, operator, approver or admin")] = "admin"
+    # Range-checked by `orgs.token_expiry` (a 422 invalid-command), hence only documented.
+    expires_in: Annotated[
+        int | None,
+        Meta(
+            description="seconds from now until the token expires; at most one of "
+            "expires_in and expires_at; neither: the token never expires",
+            extra_json_schema={"minimum": 1, "maximum": MAX_TOKEN_LIFETIME_S},
+        ),
+    ] = None
+    expires_at: (
+        Annotated[
+            datetime, Meta(tz=True, description="when the token expires (RFC 3339, with an offset)")
+        ]
+        | None
+    ) = None
 
 
 # Seconds; RP_HEARTBEATS keeps an entry 24 h, so a timeout must end well before that.

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
+from events.org import USE_EVERY
 from services.commands import App
 
 if TYPE_CHECKING:
@@ -44,6 +46,8 @@ class Api:
         self.write_wait = WRITE_WAIT_S
         self.read_wait = READ_WAIT_S
         self.token_wait = TOKEN_WAIT_S
+        self.token_use_every = USE_EVERY  # how stale a token's "last used" may be
+        self.token_uses: dict[str, datetime] = {}  # token id: when this replica last recorded
 
     @property
     def read(self) -> ReadModel:

@@ -22,10 +22,12 @@ from services.api.schemas import (
     INT,
     REF,
     SCHEMAS,
+    SEQ_DOC,
     STR,
     Doc,
     json_content,
     operation,
+    problems,
     ref,
 )
 
@@ -47,6 +49,7 @@ PARAMETERS: dict[str, Doc] = {
     "org": _path("org", "organization name"),
     "ws": _path("ws", "workspace name"),
     "run": _path("run", "run id"),
+    "token": _path("token", "token id (the token_id of its creation, not the token)"),
     "min_seq": {
         "name": "RP-Min-Seq",
         "in": "header",
@@ -69,7 +72,7 @@ PARAMETERS: dict[str, Doc] = {
 
 _ERRORS = {
     "400": "invalid-body, invalid-query or invalid-header",
-    "401": "unauthorized: no token or an unknown token",
+    "401": "unauthorized (no token, an unknown or a revoked one) or token-expired",
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
     "409": "conflict (with current_status) or already-exists",
@@ -141,15 +144,35 @@ PATHS: dict[str, Doc] = {
         )
     },
     "/api/v1/orgs/{org}/tokens": {
+        "get": operation(
+            "listTokens",
+            "The organization's tokens not revoked (admin): never a secret nor its hash",
+            (200, "TokenInfoList"),
+            params=("org", *_READ),
+            errors=(400, 403, 404, 422),
+        ),
         "post": operation(
             "createToken",
-            "Issue a token scoped to the organization",
+            "Issue a token scoped to the organization, optionally expiring (expires_in or "
+            "expires_at); an expired token is answered 401 token-expired",
             (201, "Token"),
             params=("org",),
             body="CreateTokenBody",
             body_required=False,
             errors=(400, 403, 404, 422),
-        )
+        ),
+    },
+    "/api/v1/orgs/{org}/tokens/{token}": {
+        "delete": {
+            "operationId": "revokeToken",
+            "summary": "Revoke a token (admin): every replica answers its next request 401; "
+            "revoking it again changes nothing; the admin token is not an org token (404)",
+            "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in ("org", "token")],
+            "responses": {
+                "204": {"description": "revoked", "headers": {"RP-Seq": SEQ_DOC}},
+                **problems(403, 404, 422),
+            },
+        }
     },
     "/api/v1/orgs/{org}/workspaces": {
         "get": operation(

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
+
 from aiohttp import web
 
+from events.org import RevokeToken
 from events.run import Workspace
+from projections.project import iso
 from services.api import render, secrets
 from services.api.auth import ADMIN, PRINCIPAL, VIEWER
 from services.api.bodies import (
+    MAX_TOKEN_LIFETIME_S,
     CreateOrgBody,
     CreateTokenBody,
     CreateWorkspaceBody,
@@ -21,6 +26,7 @@ from services.api.context import API, Api
 from services.api.problems import Problem
 
 PREFIX = "/api/v1"
+MAX_TOKEN_LIFETIME = timedelta(seconds=MAX_TOKEN_LIFETIME_S)
 
 
 async def _existing_org(api: Api, org: str) -> Row:
@@ -57,7 +63,10 @@ async def create_token(request: web.Request) -> web.Response:
     """POST /orgs/{org}/tokens: the only answer that ever shows the clear token."""
     api, org, who = scope(request, ADMIN)
     body = await read_body(request, CreateTokenBody, optional=True)
-    token, result = await api.app.issue_token(org, body.user, body.role, who.user)
+    expires_at = token_expiry(body, api.app.clock())
+    token, result = await api.app.issue_token(
+        org, body.user, body.role, who.user, expires_at=expires_at
+    )
     await api.after_write(result.seq)  # so the token works here at once
     issued = result.events[-1]
     answer = {
@@ -66,8 +75,47 @@ async def create_token(request: web.Request) -> web.Response:
         "user": issued.user,
         "role": issued.role,
         "org": org,
+        "expires_at": iso(issued.expires_at) if issued.expires_at else None,
     }
     return json_response(answer, status=201, headers={SEQ_HEADER: str(result.seq)})
+
+
+def token_expiry(body: CreateTokenBody, now: datetime) -> datetime | None:
+    """When a new token expires: `expires_in` seconds from now, or `expires_at`."""
+    if body.expires_in is not None and body.expires_at is not None:
+        raise Problem("invalid-command", "give expires_in or expires_at, not both")
+    if body.expires_in is not None:
+        if not 1 <= body.expires_in <= MAX_TOKEN_LIFETIME_S:
+            raise Problem(
+                "invalid-command",
+                f"expires_in must be between 1 and {MAX_TOKEN_LIFETIME_S} seconds, "
+                f"got {body.expires_in}",
+            )
+        return now + timedelta(seconds=body.expires_in)
+    if body.expires_at is not None and body.expires_at > now + MAX_TOKEN_LIFETIME:
+        raise Problem("invalid-command", f"expires_at is more than {MAX_TOKEN_LIFETIME} away")
+    return body.expires_at  # one in the past is refused by the core (events/org.py)
+
+
+async def list_tokens(request: web.Request) -> web.Response:
+    """GET /orgs/{org}/tokens: the tokens not revoked, never their secret nor its hash."""
+    api, org, _ = scope(request, ADMIN)
+    await _existing_org(api, org)
+    now = iso(api.app.clock())
+    rows = await api.read.list_tokens(org)
+    return items(
+        [r | {"expired": r["expires_at"] is not None and r["expires_at"] <= now} for r in rows]
+    )
+
+
+async def revoke_token(request: web.Request) -> web.Response:
+    """DELETE /orgs/{org}/tokens/{token}: from the answer on, the token is refused on
+    every replica (services/api/auth.py); revoking it again changes nothing."""
+    api, org, who = scope(request, ADMIN)
+    token_id = path_id(request, "token")
+    result = await api.app.org_command(org, RevokeToken(actor=who.user, token_id=token_id))
+    await api.after_write(result.seq)
+    return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
 
 
 async def create_workspace(request: web.Request) -> web.Response:

@@ -31,6 +31,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "invalid-query": (400, "A query parameter is invalid"),
     "invalid-header": (400, "A request header is invalid"),
     "unauthorized": (401, "Authentication is required"),
+    "token-expired": (401, "The token has expired"),
     "forbidden": (403, "The token's role does not allow this"),
     "not-found": (404, "Not found"),
     "method-not-allowed": (405, "Method not allowed"),
@@ -85,11 +86,13 @@ class Problem(Exception):
         )
 
 
-def unauthorized(detail: str, *, invalid_token: bool = False) -> Problem:
+def unauthorized(
+    detail: str, *, invalid_token: bool = False, slug: str = "unauthorized", **extra: Any
+) -> Problem:
     challenge = 'Bearer realm="runplane"'
     if invalid_token:
         challenge += ', error="invalid_token"'
-    return Problem("unauthorized", detail, headers={"WWW-Authenticate": challenge})
+    return Problem(slug, detail, headers={"WWW-Authenticate": challenge}, **extra)
 
 
 def from_domain(error: DomainError) -> Problem:

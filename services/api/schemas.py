@@ -86,6 +86,7 @@ def path_param(name: str, what: str) -> Doc:
     """A path parameter that is a name: a subject-safe token."""
     return {"name": name, "in": "path", "required": True, "description": what, "schema": ID}
 
+
 # ------------------------------------------------------------ schemas of answers
 
 SCHEMAS: dict[str, Doc] = {
@@ -117,6 +118,21 @@ SCHEMAS: dict[str, Doc] = {
         user=STR,
         role={"enum": list(ROLES)},
         org=ID,
+        expires_at={**_nullable(TIME), "description": "null: never expires"},
+    ),
+    "TokenInfo": _obj(
+        ["token_id", "user", "role", "created_at", "expires_at", "last_used_at", "expired"],
+        token_id=ID,
+        user=STR,
+        role={"enum": list(ROLES)},
+        created_at=TIME,
+        created_by=STR,
+        expires_at={**_nullable(TIME), "description": "null: never expires"},
+        last_used_at={
+            **_nullable(TIME),
+            "description": "recorded at most once per 5 minutes: exact to within that",
+        },
+        expired=BOOL,
     ),
     "Workspace": _obj(
         ["org", "name", "repository", "branch", "directory", "variables"],
@@ -278,7 +294,7 @@ def list_of(name: str) -> Doc:
     return _obj(["items"], items={"type": "array", "items": ref(name)})
 
 
-for _name in ("Workspace", "RunEvent", "Step"):
+for _name in ("Workspace", "RunEvent", "Step", "TokenInfo"):
     SCHEMAS[f"{_name}List"] = list_of(_name)
 SCHEMAS["RunList"] = list_of("Run")
 SCHEMAS["RunList"]["properties"]["next"] = {

@@ -30,6 +30,7 @@ WRONG_LAST_SEQUENCE = 10071
 # Envelopes kept by each EventStore (whole subject histories, least recently read dropped).
 CACHE_EVENTS = 50_000
 BATCH_DUPLICATE_ID = 10201
+NO_MESSAGE_FOUND = 10037
 
 
 class StoreError(RuntimeError):
@@ -245,6 +246,22 @@ class EventStore:
         if hdrs.get("Status"):
             return 0, ""
         return int(hdrs["Nats-Sequence"]), hdrs.get("Nats-Msg-Id", "")
+
+    async def last_seq_of(self, subject: str) -> int:
+        """The sequence of the last message on an exact subject (0 if none), as the stream's
+        leader has it: at or past every acknowledged append. (`last` is a direct get, which
+        any replica may answer, maybe one that is behind.)"""
+        req = json.dumps({"last_by_subj": subject}).encode()
+        resp = await self.nc.request(
+            f"$JS.API.STREAM.MSG.GET.{self.stream}", req, timeout=self.timeout
+        )
+        body = json.loads(resp.data)
+        error = body.get("error")
+        if error is None:
+            return int(body["message"]["seq"])
+        if error.get("err_code") == NO_MESSAGE_FOUND:
+            return 0
+        raise StoreError(f"message get failed: {error.get('description')}")
 
     async def last_seq(self) -> int:
         """The stream's last sequence: what a fully caught-up reader has seen."""
