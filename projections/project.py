@@ -84,7 +84,7 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
             return ("run", org, ws, run)
         case ["rp", "ws", org, ws]:
             return ("ws", org, ws, None)
-        case ["rp", "org", org]:
+        case ["rp", "org", org] | ["rp", "org", org, "uses", _]:  # a token's uses: events/org.py
             return ("org", org, None, None)
         case _:
             return ("", None, None, None)

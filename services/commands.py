@@ -168,6 +168,16 @@ class App:
         )
         return token, await self.org_command(org, cmd)
 
+    async def record_token_use(self, org: str, token_id: str, user: str) -> int:
+        """Record that a token was used now, on its own uses subject: a fact the api saw
+        (the token authenticated a request), so there is nothing to decide. Raises
+        Conflict if another replica recorded one at the same moment: that one will do."""
+        subject = org_agg.uses_subject(org, token_id)
+        seq, _ = await self.store.last(subject)
+        event = org_agg.TokenUsed(at=self.clock(), actor=user, token_id=token_id)
+        append = Append(subject=subject, event=event, expected=seq, msg_id=self.ids())
+        return await self.store.append([append])
+
     # ------------------------------------------------------------ workspaces
 
     async def create_workspace(

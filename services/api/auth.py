@@ -16,10 +16,11 @@ event lives) and reads the token only from a projection at or past it, waiting a
 behind a revocation. That costs one JetStream API round trip per such request; the admin
 token needs none.
 
-Uses are recorded as `org.token_used` at most once per `Api.token_use_every` (5 minutes)
-per token per replica, skipped while the read model already shows a use that recent: "last
-used" is exact to within that period, and the log grows by at most one event per token,
-replica and period, however busy the token.
+Uses are recorded as `org.token_used` (on the token's own uses subject, so the
+organization's aggregate does not grow with them) at most once per `Api.token_use_every`
+(15 minutes) per token per replica, and not while the read model already shows a use that
+recent: "last used" is exact to within that period, and the log grows by about one event
+per token in use and period, however busy the token.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from aiohttp import web
 
 from events.codec import org_subject
 from events.errors import DomainError
-from events.org import ROLES, RecordTokenUse
+from events.org import ROLES
 from services.api.context import Api
 from services.api.problems import Problem, unauthorized
 from services.infra.eventstore import StoreError
@@ -147,8 +148,7 @@ async def _record_use(api: Api, row: dict[str, Any], now: datetime) -> None:
     if len(api.token_uses) >= USES_KEPT:
         api.token_uses.clear()  # at worst one more event per token
     api.token_uses[token_id] = now  # before the append: concurrent requests record once
-    use = RecordTokenUse(actor=row["user"], token_id=token_id)
     try:
-        await api.app.org_command(row["org"], use)
+        await api.app.record_token_use(row["org"], token_id, row["user"])
     except (DomainError, StoreError, nats.errors.Error) as e:
         log.warning("token_use_not_recorded", token_id=token_id, error=str(e))

@@ -130,7 +130,7 @@ SCHEMAS: dict[str, Doc] = {
         expires_at={**_nullable(TIME), "description": "null: never expires"},
         last_used_at={
             **_nullable(TIME),
-            "description": "recorded at most once per 5 minutes: exact to within that",
+            "description": "recorded at most once per 15 minutes: exact to within that",
         },
         expired=BOOL,
     ),
