@@ -10,8 +10,8 @@ Another organization's things are invisible: a request for them is answered 404,
 An organization's token may expire (`expires_at`, compared with the App's clock: 401
 `token-expired`) and be revoked (`org.token_revoked`: 401). Revocation holds on every
 replica from the moment it is acknowledged: each request authenticated by an org token asks
-the stream's leader for the last sequence on its organization's subject (where every token
-event lives) and reads the token only from a projection at or past it, waiting a bounded
+the stream's leader for the last sequence on its organization's subject (where tokens are
+issued and revoked) and reads the token only from a projection at or past it, waiting a bounded
 `token_wait` and answering 503 `stale-read` rather than trusting a read model that may be
 behind a revocation. That costs one JetStream API round trip per such request; the admin
 token needs none.
