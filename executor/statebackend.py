@@ -42,6 +42,7 @@ from executor.statestore import (
     initial_state,
 )
 from services.commands import App
+from services.infra.eventstore import LATEST
 
 log = structlog.get_logger(__name__)
 
@@ -196,7 +197,7 @@ class StateBackend:
         if not version.run_id:
             return False
         subject = run_subject(self.job.org, self.job.ws, version.run_id)
-        for envelope in await self.job.app.store.read(subject):
+        for envelope in await self.job.app.store.read(subject, min_seq=LATEST):
             event = envelope.event
             if isinstance(event, StateVersionCreated) and event.object == version.object:
                 return True
@@ -299,7 +300,8 @@ class StateBackend:
 
     async def _dead(self, holder: LockRecord) -> bool:
         """A lock is dead once its run has ended, or the same run moved to a later lease."""
-        loaded = await self.job.app.load_run(holder.org, holder.ws, holder.run_id)
+        app = self.job.app  # as the leader has it: a follower behind keeps a dead lock alive
+        loaded = await app.load_run(holder.org, holder.ws, holder.run_id, min_seq=LATEST)
         run: RunState = loaded.state
         if not run.exists or run.terminal:
             return True

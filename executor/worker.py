@@ -40,6 +40,7 @@ from executor.objects import Objects
 from executor.phases import run_phase
 from services.commands import App, new_id
 from services.infra.crypto import KeyRing
+from services.infra.eventstore import LATEST
 from services.infra.heartbeats import beat_interval
 from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
 
@@ -417,11 +418,19 @@ class Executor:
             log.warning("lease_check_failed", error=repr(e))
             return ""
         run: RunState = loaded.state
-        if run.lease_id != job.lease_id:
-            return LEASE_LOST
+        if run.lease_id != job.lease_id:  # or a follower is behind our claim: ask the leader
+            return await self._lease_lost(job)
         if run.stop_requested_by and run.status in STOPPABLE:
             return STOP_REQUESTED
         return ""
+
+    async def _lease_lost(self, job: Job) -> str:
+        try:
+            loaded = await self.app.load_run(job.org, job.ws, job.run_id, min_seq=LATEST)
+        except Exception as e:
+            log.warning("lease_check_failed", error=repr(e))
+            return ""
+        return LEASE_LOST if loaded.state.lease_id != job.lease_id else ""
 
 
 async def _ack(msg: Msg) -> None:

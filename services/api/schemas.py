@@ -86,6 +86,7 @@ def path_param(name: str, what: str) -> Doc:
     """A path parameter that is a name: a subject-safe token."""
     return {"name": name, "in": "path", "required": True, "description": what, "schema": ID}
 
+
 # ------------------------------------------------------------ schemas of answers
 
 SCHEMAS: dict[str, Doc] = {
