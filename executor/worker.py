@@ -30,7 +30,7 @@ from events.codec import valid_id
 from events.errors import DomainError
 from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
 from events.templates import valid_phase
-from executor import sweep
+from executor import recovery, sweep
 from executor import terraform as tf
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
@@ -41,7 +41,7 @@ from executor.phases import run_phase
 from services.commands import App, new_id
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import LATEST
-from services.infra.heartbeats import beat_interval
+from services.infra.heartbeats import Board, beat_interval
 from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
 
 log = structlog.get_logger(__name__)
@@ -136,6 +136,7 @@ class Executor:
         self._terraform: tf.Terraform | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
         self._hold: int | None = None  # the work directory's shared lock (executor/sweep.py)
+        self._life: recovery.Incarnation | None = None  # this life's incarnation file
         self._removals: set[asyncio.Future[None]] = set()  # phase directories being removed
 
     # ------------------------------------------------------------ lifecycle
@@ -146,6 +147,16 @@ class Executor:
         (self.work_dir / "jobs").mkdir(exist_ok=True)
         # What a killed executor left here (providers still running, job directories).
         self._hold = await asyncio.to_thread(sweep.hold, self.work_dir)
+        # A restart tells the truth (executor/recovery.py): a dead life's leases fail and
+        # the state it left is recorded, before this one takes any work.
+        self._life = recovery.Incarnation(self.work_dir, self.executor_id)
+        await recovery.restart(
+            self.app,
+            Board(self.nc),
+            self.vault.state,
+            self.work_dir,
+            f"executor:{self.executor_id}",
+        )
         self._terraform = await asyncio.to_thread(
             tf.prepare, self.terraform_config, self.work_dir / "terraform"
         )
@@ -176,6 +187,9 @@ class Executor:
             if self._hold is not None:
                 os.close(self._hold)
                 self._hold = None
+            if self._life is not None:
+                self._life.close()
+                self._life = None
 
     def stop(self) -> None:
         """Stop taking work; interrupt running phases, which fail with `executor_stopped`."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 5
+VERSION = 6
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -167,6 +167,7 @@ STATE_VERSIONS = Table(  # run.state_version events (projections/state_versions.
     "object TEXT",
     "size INTEGER",
     "created_at TEXT",
+    "recovered INTEGER DEFAULT 0",  # left on disk by a dead executor, recorded at restart
 )
 EVENTS = Table(
     "events",
