@@ -179,6 +179,10 @@ class StateVersionCreated(Event, frozen=True, kw_only=True, tag="run.state_versi
     digest: str
     object: str
     size: int = 0
+    # Left on disk by an executor that died before recording it, and recorded by the next
+    # start on its work directory (`lease_id` empty); `message` says what happened.
+    recovered: bool = False
+    message: str = ""
 
 
 class RunDiscarded(Event, frozen=True, kw_only=True, tag="run.discarded"):
@@ -309,6 +313,17 @@ class RecordStateVersion(Command, frozen=True, kw_only=True):
     size: int = 0
 
 
+class RecoverStateVersion(Command, frozen=True, kw_only=True):
+    """Record a state version a dead executor left on disk: on any run, even ended."""
+
+    serial: int
+    lineage: str = ""
+    digest: str
+    object: str
+    size: int = 0
+    message: str = ""
+
+
 class ApproveRun(Command, frozen=True, kw_only=True):
     acknowledged: list[str] = []
 
@@ -356,6 +371,7 @@ RunCommand = (
     | FinishApply
     | ReportResource
     | RecordStateVersion
+    | RecoverStateVersion
     | ApproveRun
     | DiscardRun
     | CancelRun
@@ -731,6 +747,10 @@ def decide(
         case RecordStateVersion():
             _fence(state, command.lease_id)
             return [_record(StateVersionCreated, command, now)]
+        case RecoverStateVersion():
+            if not state.exists:
+                raise NotFound("run does not exist")
+            return [_record(StateVersionCreated, command, now, lease_id="", recovered=True)]
         case ApproveRun():
             _require(state, {Status.AWAITING_APPROVAL}, "approve")
             overridden = [r.name for r in po.soft_failures(state.policies)]

@@ -18,14 +18,17 @@ other local processes out.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import json
+import os
 import secrets
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from aiohttp import web
@@ -40,8 +43,10 @@ from executor.statestore import (
     StateStore,
     StateStoreError,
     initial_state,
+    parse_state,
 )
 from services.commands import App
+from services.infra.eventstore import LATEST, StoreError
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +63,10 @@ terraform {
 USER = "runplane"
 MAX_STATE = 512 * 1024 * 1024  # aiohttp's default (1 MiB) is far below real state files
 ERRORED_STATE = "errored.tfstate"
+# Pauses between tries to record a new state while NATS is away (about 30 s in all):
+# Terraform waits on its POST meanwhile; after that it keeps `errored.tfstate`.
+RECORD_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0)
+T = TypeVar("T")
 
 
 class Lessee(Protocol):
@@ -85,6 +94,20 @@ def write_override(workdir: Path) -> Path:
 
 def _text(status: int, message: str) -> web.Response:
     return web.Response(status=status, text=message + "\n")
+
+
+async def _retrying(attempt: Callable[[], Awaitable[T]]) -> T:
+    """Try a step of storing a new state until it lands while NATS is away (bounded:
+    `RECORD_BACKOFF`); a refusal (not retryable) is raised at once."""
+    for pause in RECORD_BACKOFF:
+        try:
+            return await attempt()
+        except (StateStoreError, StoreError) as e:
+            if not e.retryable:
+                raise
+            log.warning("state_version_retry", error=str(e), pause=pause)
+            await asyncio.sleep(pause)
+    return await attempt()
 
 
 class StateBackend:
@@ -196,7 +219,7 @@ class StateBackend:
         if not version.run_id:
             return False
         subject = run_subject(self.job.org, self.job.ws, version.run_id)
-        for envelope in await self.job.app.store.read(subject):
+        for envelope in await self.job.app.store.read(subject, min_seq=LATEST):
             event = envelope.event
             if isinstance(event, StateVersionCreated) and event.object == version.object:
                 return True
@@ -221,28 +244,48 @@ class StateBackend:
         if self._head is not None and hashlib.sha256(data).hexdigest() == self._head.digest:
             return _text(200, "unchanged")
         try:
-            head = await self.store.put_version(self.job.org, self.job.ws, data, self.job.run_id)
+            parse_state(data)
         except ValueError as e:
             return self._refuse(400, f"not a Terraform state: {e}")
-        return await self._record(head)
+        kept = self._keep(data)  # on disk until recorded: a restart records what we could not
+        job = self.job
+        head = await _retrying(lambda: self.store.put_version(job.org, job.ws, data, job.run_id))
+        response = await self._record(head)
+        if response.status == 200 and kept is not None:
+            kept.unlink(missing_ok=True)
+        return response
+
+    def _keep(self, data: bytes) -> Path | None:
+        """Write a state received to `<work>/unsaved-state/` (0600) until it is recorded."""
+        keep: Path | None = getattr(self.job, "keep_dir", None)
+        if keep is None:
+            return None
+        keep.mkdir(parents=True, exist_ok=True)
+        serial, _ = parse_state(data)
+        path = keep / f"{self.job.org}.{self.job.ws}.{self.job.run_id}.{serial}.tfstate"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        return path
 
     async def _record(self, head: Head) -> web.Response:
         """Record the version on the run (fenced), then move the head; pending between
         the two, so a crash there is repaired by the next reader (`_current`)."""
         job = self.job
-        await self.store.mark_pending(job.org, job.ws, head)
+        await _retrying(lambda: self.store.mark_pending(job.org, job.ws, head))
+        record = RecordStateVersion(
+            actor=job.actor,
+            lease_id=job.lease_id,
+            serial=head.serial,
+            lineage=head.lineage,
+            digest=head.digest,
+            object=head.object,
+            size=head.size,
+        )
         try:
-            await job.report(
-                RecordStateVersion(
-                    actor=job.actor,
-                    lease_id=job.lease_id,
-                    serial=head.serial,
-                    lineage=head.lineage,
-                    digest=head.digest,
-                    object=head.object,
-                    size=head.size,
-                )
-            )
+            await _retrying(lambda: job.report(record))
         except DomainError as e:
             await self.store.drop_version(head.object)
             await self.store.clear_pending(job.org, job.ws)  # never recorded: not a version
@@ -299,7 +342,8 @@ class StateBackend:
 
     async def _dead(self, holder: LockRecord) -> bool:
         """A lock is dead once its run has ended, or the same run moved to a later lease."""
-        loaded = await self.job.app.load_run(holder.org, holder.ws, holder.run_id)
+        app = self.job.app  # as the leader has it: a follower behind keeps a dead lock alive
+        loaded = await app.load_run(holder.org, holder.ws, holder.run_id, min_seq=LATEST)
         run: RunState = loaded.state
         if not run.exists or run.terminal:
             return True

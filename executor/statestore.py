@@ -8,6 +8,10 @@
   (`LockRecord`), taken with `create` so there is at most one holder.
 
 Executors need nothing else: no shared disk, no database.
+
+Head, pending and lock are read from each bucket's stream leader (`$JS.API.STREAM.MSG.GET`),
+not by direct get: on a cluster a follower that is behind would serve Terraform an older
+state to plan on, or hide a lock that exists.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from executor.errors import ExecutorError
 from services.infra.crypto import CryptoError, KeyRing
@@ -131,18 +135,29 @@ class StateStore:
         except _NATS_ERRORS as e:
             raise StateStoreError(f"opening {bucket}: {e!r}") from e
 
+    async def _entry(self, bucket: str, key: str, what: str) -> tuple[bytes | None, int]:
+        """A key's value (None: no such key, or deleted) and revision, from the leader."""
+        try:
+            raw = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+        except nats.js.errors.NotFoundError:
+            return None, 0
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"reading {what}: {e!r}") from e
+        revision = int(raw.seq or 0)
+        if (raw.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE):
+            return None, revision
+        return raw.data or b"", revision
+
     # ------------------------------------------------------------ versions and head
 
     async def head(self, org: str, ws: str) -> tuple[Head | None, int]:
         """The current version and the head's revision (0: the workspace has no state)."""
-        kv = await self._kv(STATE_HEAD_BUCKET)
-        try:
-            entry = await kv.get(ws_key(org, ws))
-        except nats.js.errors.KeyNotFoundError:
+        data, revision = await self._entry(
+            STATE_HEAD_BUCKET, ws_key(org, ws), f"the state head of {org}/{ws}"
+        )
+        if data is None:
             return None, 0
-        except _NATS_ERRORS as e:
-            raise StateStoreError(f"reading the state head of {org}/{ws}: {e!r}") from e
-        return msgspec.json.decode(entry.value or b"", type=Head), int(entry.revision or 0)
+        return msgspec.json.decode(data, type=Head), revision
 
     async def read(self, head: Head) -> bytes:
         """The clear state of a version, checked against its digest."""
@@ -192,16 +207,12 @@ class StateStore:
             raise StateStoreError(f"marking a pending state of {org}/{ws}: {e!r}") from e
 
     async def pending(self, org: str, ws: str) -> Head | None:
-        kv = await self._kv(STATE_HEAD_BUCKET)
-        try:
-            entry = await kv.get(pending_key(org, ws))
-        except nats.js.errors.KeyNotFoundError:
+        data, _ = await self._entry(
+            STATE_HEAD_BUCKET, pending_key(org, ws), f"the pending state of {org}/{ws}"
+        )
+        if not data:  # none, or deleted
             return None
-        except _NATS_ERRORS as e:
-            raise StateStoreError(f"reading the pending state of {org}/{ws}: {e!r}") from e
-        if not entry.value:  # deleted
-            return None
-        return msgspec.json.decode(entry.value, type=Head)
+        return msgspec.json.decode(data, type=Head)
 
     async def clear_pending(self, org: str, ws: str) -> None:
         """Best effort: a stale pending entry is ignored by readers anyway."""
@@ -248,15 +259,12 @@ class StateStore:
         raise StateStoreError(f"the state lock of {record.org}/{record.ws} keeps changing hands")
 
     async def holder(self, org: str, ws: str) -> tuple[LockRecord | None, int]:
-        kv = await self._kv(STATE_LOCKS_BUCKET)
-        try:
-            entry = await kv.get(ws_key(org, ws))
-        except nats.js.errors.KeyNotFoundError:
+        data, revision = await self._entry(
+            STATE_LOCKS_BUCKET, ws_key(org, ws), f"the state lock of {org}/{ws}"
+        )
+        if data is None:
             return None, 0
-        except _NATS_ERRORS as e:
-            raise StateStoreError(f"reading the state lock of {org}/{ws}: {e!r}") from e
-        record = msgspec.json.decode(entry.value or b"", type=LockRecord)
-        return record, int(entry.revision or 0)
+        return msgspec.json.decode(data, type=LockRecord), revision
 
     async def take_over(self, record: LockRecord, last: int) -> bool:
         """Replace a dead holder's lock if it is still at revision `last`."""

@@ -30,7 +30,7 @@ from events.codec import valid_id
 from events.errors import DomainError
 from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
 from events.templates import valid_phase
-from executor import sweep
+from executor import recovery, sweep
 from executor import terraform as tf
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
@@ -40,7 +40,8 @@ from executor.objects import Objects
 from executor.phases import run_phase
 from services.commands import App, new_id
 from services.infra.crypto import KeyRing
-from services.infra.heartbeats import beat_interval
+from services.infra.eventstore import LATEST
+from services.infra.heartbeats import Board, beat_interval
 from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
 
 log = structlog.get_logger(__name__)
@@ -135,6 +136,7 @@ class Executor:
         self._terraform: tf.Terraform | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
         self._hold: int | None = None  # the work directory's shared lock (executor/sweep.py)
+        self._life: recovery.Incarnation | None = None  # this life's incarnation file
         self._removals: set[asyncio.Future[None]] = set()  # phase directories being removed
 
     # ------------------------------------------------------------ lifecycle
@@ -145,6 +147,16 @@ class Executor:
         (self.work_dir / "jobs").mkdir(exist_ok=True)
         # What a killed executor left here (providers still running, job directories).
         self._hold = await asyncio.to_thread(sweep.hold, self.work_dir)
+        # A restart tells the truth (executor/recovery.py): a dead life's leases fail and
+        # the state it left is recorded, before this one takes any work.
+        self._life = recovery.Incarnation(self.work_dir, self.executor_id)
+        await recovery.restart(
+            self.app,
+            Board(self.nc),
+            self.vault.state,
+            self.work_dir,
+            f"executor:{self.executor_id}",
+        )
         self._terraform = await asyncio.to_thread(
             tf.prepare, self.terraform_config, self.work_dir / "terraform"
         )
@@ -175,6 +187,9 @@ class Executor:
             if self._hold is not None:
                 os.close(self._hold)
                 self._hold = None
+            if self._life is not None:
+                self._life.close()
+                self._life = None
 
     def stop(self) -> None:
         """Stop taking work; interrupt running phases, which fail with `executor_stopped`."""
@@ -417,11 +432,19 @@ class Executor:
             log.warning("lease_check_failed", error=repr(e))
             return ""
         run: RunState = loaded.state
-        if run.lease_id != job.lease_id:
-            return LEASE_LOST
+        if run.lease_id != job.lease_id:  # or a follower is behind our claim: ask the leader
+            return await self._lease_lost(job)
         if run.stop_requested_by and run.status in STOPPABLE:
             return STOP_REQUESTED
         return ""
+
+    async def _lease_lost(self, job: Job) -> str:
+        try:
+            loaded = await self.app.load_run(job.org, job.ws, job.run_id, min_seq=LATEST)
+        except Exception as e:
+            log.warning("lease_check_failed", error=repr(e))
+            return ""
+        return LEASE_LOST if loaded.state.lease_id != job.lease_id else ""
 
 
 async def _ack(msg: Msg) -> None:

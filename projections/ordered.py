@@ -132,9 +132,7 @@ class OrderedReader:
             return
         self._cseq = cseq
         self.last = int(tokens[5 + off])
-        out.append(
-            Delivered(self.last, msg.subject, msg.data, int(tokens[7 + off]), msg.headers)
-        )
+        out.append(Delivered(self.last, msg.subject, msg.data, int(tokens[7 + off]), msg.headers))
 
     async def _control(self, status: str, msg: Msg) -> None:
         """Answer flow control, notice stalls and gaps reported by heartbeats."""

@@ -185,6 +185,7 @@ STATE_VERSIONS = Table(  # run.state_version events (projections/state_versions.
     "object TEXT",
     "size INTEGER",
     "created_at TEXT",
+    "recovered INTEGER DEFAULT 0",  # left on disk by a dead executor, recorded at restart
 )
 EVENTS = Table(
     "events",

@@ -27,7 +27,7 @@ Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 _state = msgspec.json.Decoder(RunState)
 _plan = msgspec.json.Decoder(PlanFinished)
 _NO_STEPS: dict[str, Any] = {"template": None, "steps": [], "current_step": None}
-_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at"
+_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at, recovered"
 
 
 def _iso(dt: datetime) -> str:
@@ -52,6 +52,7 @@ def project_state_version(w: Working, meta: Meta, event: object) -> None:
             "object": event.object,
             "size": event.size,
             "created_at": _iso(event.at),
+            "recovered": int(event.recovered),
         },
     )
 
@@ -62,7 +63,7 @@ async def state_versions(query: Query, org: str, ws: str) -> list[dict[str, Any]
         f"SELECT {_COLUMNS} FROM state_versions WHERE org = ? AND workspace = ? ORDER BY seq DESC",
         (org, ws),
     )
-    return [dict(r) for r in rows]
+    return [{**dict(r), "recovered": bool(r["recovered"])} for r in rows]
 
 
 async def run_pins(query: Query, run_id: str) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
 from events.errors import Conflict, DomainError, IllegalTransition, NotFound
-from services.infra.eventstore import Append, EventStore, StoreError
+from services.infra.eventstore import LATEST, Append, EventStore, StoreError
 from services.snapshot import SnapshotFailed
 
 # Takes a run's admission snapshot (services/snapshot.py); raises SnapshotFailed.
@@ -111,15 +111,19 @@ class App:
 
     # ------------------------------------------------------------ loading
 
-    async def _load(self, subject: str, fold: Callable[[list[Any]], S]) -> tuple[S, int, str]:
-        envs = await self.store.read(subject)
+    async def _load(
+        self, subject: str, fold: Callable[[list[Any]], S], min_seq: int = 0
+    ) -> tuple[S, int, str]:
+        envs = await self.store.read(subject, min_seq=min_seq)
         real = envs[-1].subject if envs else subject
         return fold([e.event for e in envs]), (envs[-1].seq if envs else 0), real
 
-    async def load_run(self, org: str, ws: str | None, run: str) -> Loaded:
-        """Load a run; with `ws` unknown the subject is found by wildcard."""
+    async def load_run(self, org: str, ws: str | None, run: str, *, min_seq: int = 0) -> Loaded:
+        """Load a run; with `ws` unknown the subject is found by wildcard. `min_seq`: the
+        stream sequence the read must be at least as new as (`eventstore.LATEST`: as the
+        stream's leader has it now)."""
         subject = run_subject(org, ws or "*", run)
-        state, seq, real = await self._load(subject, run_agg.fold)
+        state, seq, real = await self._load(subject, run_agg.fold, min_seq)
         return Loaded(subject=real, seq=seq, state=state)
 
     async def load_ws(self, org: str, ws: str) -> Loaded:
@@ -345,15 +349,22 @@ class App:
 
         The run as this App last wrote it (`_known`) is tried first, with no read: the
         append's expected sequence proves it current, and a conflict reloads. Only an
-        append can prove it, so a refusal or a decision of nothing on it is made again on
-        a fresh load before it counts.
+        append can prove it, so a refusal or a decision of nothing is made again before it
+        counts, on a load the stream's leader confirms (a follower that is behind may
+        have answered the first).
         """
         known = self._known.get(run_subject(org, ws, run_id)) if ws else None
         first = [known] if known is not None else []
+        reads = [0]  # loads so far: a refusal counts on a second one, which the leader confirms
 
         async def attempt() -> tuple[Result, bool]:
-            trusted = not first
-            r = first.pop() if first else await self.load_run(org, ws, run_id)
+            trusted = not first  # read here (else as last written)
+            if first:
+                r = first.pop()
+            else:
+                reads[0] += 1
+                r = await self.load_run(org, ws, run_id, min_seq=LATEST if reads[0] > 1 else 0)
+            proven = trusted and reads[0] > 1
             try:
                 if not r.state.exists:
                     raise NotFound("run does not exist")
@@ -361,10 +372,10 @@ class App:
                     guard(r.state)
                 evs = run_agg.decide(r.state, command, now=self.clock(), new_id=self.ids)
             except DomainError:
-                if trusted:
+                if proven:
                     raise
-                return await attempt()  # on a fresh load
-            if not evs and not trusted:
+                return await attempt()  # on a fresh load (a follower may have been behind)
+            if not evs and not proven:
                 return await attempt()
             new_state = run_agg.fold(evs, r.state)
             appends = self._appends(r.subject, r.seq, list(evs))

@@ -54,6 +54,8 @@ async def unlock_workspace(request: web.Request) -> web.Response:
 SCHEMAS: dict[str, Doc] = msgspec.json.schema_components((LockBody, UnlockBody), ref_template=REF)[
     1
 ]
+
+
 def _op(op_id: str, summary: str, body: str, required: bool) -> Doc:
     return operation(
         op_id,
@@ -64,6 +66,7 @@ def _op(op_id: str, summary: str, body: str, required: bool) -> Doc:
         body_required=required,
         errors=(400, 403, 404, 409, 422),
     )
+
 
 PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/lock": {

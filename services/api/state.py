@@ -11,7 +11,7 @@ from aiohttp import web
 from services.api.auth import VIEWER
 from services.api.common import items, path_id, scope
 from services.api.problems import Problem
-from services.api.schemas import INT, STR, TIME, Doc, list_of, ref
+from services.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, ref
 
 
 async def list_state_versions(request: web.Request) -> web.Response:
@@ -36,6 +36,7 @@ SCHEMAS: dict[str, Doc] = {
             "size": {**INT, "description": "bytes of the clear state"},
             "run_id": STR,
             "created_at": TIME,
+            "recovered": {**BOOL, "description": "left by a dead executor, recorded at restart"},
         },
     },
 }

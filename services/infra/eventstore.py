@@ -5,11 +5,20 @@ run costs one round trip; the replies of every read come to one wildcard inbox s
 per store, routed by the reply subject's last token. Appends carry
 `Nats-Expected-Last-Subject-Sequence` and `Nats-Msg-Id`; several events of one decision go in
 one atomic batch (server 2.12+).
+
+On a cluster a direct get may be answered by a follower that is behind (the server in the
+wheel, 2.15, has no `min_last_seq` on direct gets: it ignores the field). A read a
+decision is made on therefore names the sequence it must be at least as new as (`floor`,
+set per message or round by its caller, or `min_seq`): a read whose last event is at or
+past it is proven fresh; any other is finished by the stream's leader
+(`$JS.API.STREAM.MSG.GET`, which only the leader answers), which adds what the follower
+did not have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import uuid
@@ -17,9 +26,11 @@ from collections import OrderedDict
 from datetime import datetime
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import NotFoundError
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
@@ -31,6 +42,11 @@ WRONG_LAST_SEQUENCE = 10071
 CACHE_EVENTS = 50_000
 BATCH_DUPLICATE_ID = 10201
 NO_MESSAGE_FOUND = 10037
+# A `min_seq` no read proves by itself: the leader is asked whether anything is newer.
+LATEST = 2**63 - 1
+# The stream sequence a decision's reads must be at least as new as: the event that woke
+# the scheduler, the round of the reaper, the dispatch an executor claims. Per task.
+floor: contextvars.ContextVar[int] = contextvars.ContextVar("eventstore_floor", default=0)
 
 
 class StoreError(RuntimeError):
@@ -124,26 +140,64 @@ class EventStore:
 
     # ------------------------------------------------------------ reading
 
-    async def read(self, subject: str, after: int = 0) -> list[Envelope]:
-        """Every event on `subject` (wildcards allowed) with a sequence above `after`.
+    async def read(self, subject: str, after: int = 0, *, min_seq: int = 0) -> list[Envelope]:
+        """Every event on `subject` (wildcards allowed) with a sequence above `after`, as
+        of a stream at least at `min_seq` (or the task's `floor`, whichever is higher).
 
         A subject's events read before are kept (the stream denies delete and purge, so
         what a subject held up to a sequence never changes) and only newer ones are
         fetched: a run or workspace reloaded for every command costs one round trip for
         what is new, not a re-read and re-decode of its whole history.
         """
+        need = max(min_seq, floor.get())
         known = self._cache.get(subject)
         if known is None or after > known[-1].seq:
-            fresh = await self._fetch(subject, after + 1)
+            fresh = await self._fetch(subject, after + 1, need)
             if after == 0:
                 self._remember(subject, list(fresh))  # the caller may change its own list
             return fresh
         self._cache.move_to_end(subject)
-        fresh = await self._fetch(subject, known[-1].seq + 1)
+        # (what is kept may prove the floor already: the stream never loses a message)
+        fresh = await self._fetch(subject, known[-1].seq + 1, 0 if known[-1].seq >= need else need)
         if fresh:
             self._remember(subject, known + fresh)
         kept = [e for e in known if e.seq > after] if after else known
         return kept + fresh
+
+    async def _fetch(self, subject: str, start: int, need: int) -> list[Envelope]:
+        """The events from `start` on, by direct gets; finished by the leader unless the
+        last one read proves the answering replica was at `need` (module docstring)."""
+        out = await self._direct(subject, start)
+        if need and (not out or out[-1].seq < need):
+            out.extend(await self._leader_tail(subject, out[-1].seq + 1 if out else start))
+        return out
+
+    async def _leader_tail(self, subject: str, start: int, most: int = 0) -> list[Envelope]:
+        """What the stream's leader has on `subject` from `start` on (usually nothing:
+        one round trip proves a follower's answer complete)."""
+        js = self.nc.jetstream(timeout=self.timeout)
+        out: list[Envelope] = []
+        while True:
+            try:
+                raw = await js.get_msg(self.stream, seq=start, subject=subject, next=True)
+            except NotFoundError:
+                return out
+            except (TimeoutError, nats.errors.Error) as e:
+                raise StoreError(f"reading {subject} from the stream leader: {e!r}") from e
+            hdrs = raw.headers or {}
+            seq = int(raw.seq or 0)
+            out.append(
+                Envelope(
+                    seq=seq,
+                    subject=str(raw.subject),
+                    msg_id=hdrs.get("Nats-Msg-Id", ""),
+                    time=_leader_time(raw.time),
+                    event=decode(raw.data or b""),
+                )
+            )
+            if len(out) == most:
+                return out
+            start = seq + 1
 
     def _remember(self, subject: str, envs: list[Envelope]) -> None:
         """Keep a subject's whole history, least recently read dropped first."""
@@ -162,7 +216,7 @@ class EventStore:
         if old:
             self._cached -= len(old)
 
-    async def _fetch(self, subject: str, start: int) -> list[Envelope]:
+    async def _direct(self, subject: str, start: int) -> list[Envelope]:
         out: list[Envelope] = []
         while True:
             page = await self._direct_batch(subject, start)
@@ -314,16 +368,14 @@ class EventStore:
         the expectation guarantees nothing else could be there if ours landed. (The heads
         of the subjects may have moved on since: the scheduler reacts within milliseconds.)
         A batch is atomic and contiguous, so the first landing means all of it did.
+        Asked of the stream's leader: a follower behind would say "not landed" and have
+        the caller decide again on top of its own event.
         """
         first = items[0]
-        req = {"seq": first.expected + 1, "next_by_subj": first.subject}
-        msg = await self.nc.request(
-            f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(req).encode(), timeout=self.timeout
-        )
-        hdrs = msg.headers or {}
-        if hdrs.get("Status") or hdrs.get("Nats-Msg-Id") != ids[0]:
+        tail = await self._leader_tail(first.subject, first.expected + 1, most=1)
+        if not tail or tail[0].msg_id != ids[0]:
             return 0
-        return int(hdrs["Nats-Sequence"]) + len(items) - 1
+        return tail[0].seq + len(items) - 1
 
     async def _send(self, items: list[Append], ids: list[str]) -> _Ack:
         if len(items) == 1:
@@ -357,6 +409,12 @@ class EventStore:
             )
             return _ack_decoder.decode(msg.data)
         raise AssertionError("unreachable")
+
+
+def _leader_time(value: object) -> datetime | None:
+    if isinstance(value, datetime):
+        return value
+    return _parse_time(str(value)) if value else None
 
 
 def _parse_time(value: str | None) -> datetime | None:

@@ -22,8 +22,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from events.templates import valid_phase
 from services.infra.streams import HEARTBEATS
@@ -40,6 +42,7 @@ CLAIMED = "claimed"
 # about 25 us per entry, a 1,000-entry page parsed at once held it for 25 ms).
 _PAGE = 200
 _YIELD_EVERY = 50
+_READS = 5  # board reads per snapshot before giving up on finding the clock message
 
 
 class BoardError(RuntimeError):
@@ -132,8 +135,22 @@ class Board:
         self.timeout = timeout
 
     async def snapshot(self) -> tuple[datetime, list[Beat]]:
-        """The server's time now and every phase's last message."""
+        """The server's time now and every phase's last message.
+
+        The clock message, published first, is read back last: a board read without it
+        was answered (in part) by a follower that is behind, and is read again. (Pages
+        may still come from different replicas: a verdict is checked against the
+        leader's copy of its entry before it is acted on, `last(..., leader=True)`.)
+        """
         await self.put(CLOCK_SUBJECT, b"")
+        for _ in range(_READS):
+            try:
+                return await self._read_board()
+            except BoardError as e:
+                error = e
+        raise error
+
+    async def _read_board(self) -> tuple[datetime, list[Beat]]:
         now: datetime | None = None
         beats: list[Beat] = []
         start = 1
@@ -187,8 +204,11 @@ class Board:
     def _direct(self) -> str:
         return f"$JS.API.DIRECT.GET.{self.stream}"
 
-    async def last(self, run_id: str, phase: str) -> Beat | None:
-        """The last message on one phase's subject, if any."""
+    async def last(self, run_id: str, phase: str, *, leader: bool = False) -> Beat | None:
+        """The last message on one phase's subject, if any; with `leader`, as the stream's
+        leader has it (a direct get may be answered by a follower that is behind)."""
+        if leader:
+            return await self._leader_last(subject(run_id, phase))
         req = json.dumps({"last_by_subj": subject(run_id, phase)}).encode()
         try:
             msg = await self.nc.request(self._direct, req, timeout=self.timeout)
@@ -198,6 +218,22 @@ class Board:
         if hdrs.get("Status"):
             return None
         return parse(hdrs, msg.data)
+
+    async def _leader_last(self, subj: str) -> Beat | None:
+        js = self.nc.jetstream(timeout=self.timeout)
+        try:
+            raw = await js.get_msg(self.stream, subject=subj)
+        except NotFoundError:
+            return None
+        except (TimeoutError, nats.errors.Error) as e:
+            raise BoardError(f"reading {subj} from the stream leader: {e!r}") from e
+        at = raw.time if isinstance(raw.time, datetime) else server_time(str(raw.time))
+        hdrs = {
+            "Nats-Subject": str(raw.subject),
+            "Nats-Sequence": str(raw.seq),
+            "Nats-Time-Stamp": at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        }
+        return parse(hdrs, raw.data or b"")
 
     async def put(self, subj: str, data: bytes, *, expected: int | None = None) -> bool:
         """Publish; with `expected`, only if the subject's last sequence is still that one

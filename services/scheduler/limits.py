@@ -139,8 +139,8 @@ async def follow(app: App, board: Board, org: str, ws: str, run_id: str) -> None
 async def _publish(
     board: Board, subj: str, run: RunState, run_at: datetime | None, approval_at: datetime | None
 ) -> None:
-    for _ in range(3):
-        last = await board.last(run.run_id, DEADLINE)
+    for i in range(3):  # after a refused put, from the leader (a follower may be behind)
+        last = await board.last(run.run_id, DEADLINE, leader=i > 0)
         if last is not None and last.body.version >= run.version:
             return
         if run_at is None and approval_at is None:

@@ -34,7 +34,7 @@ from nats.aio.client import Client as NATS
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RunState, running_status
 from services.commands import App
-from services.infra.eventstore import StoreError
+from services.infra.eventstore import StoreError, floor
 from services.infra.heartbeats import DEADLINE, Beat, Board, BoardError
 from services.infra.tasks import cancel_and_wait
 from services.scheduler import limits
@@ -170,6 +170,10 @@ class Reaper:
     async def reap_once(self) -> list[tuple[Beat, Verdict]]:
         """One round: judge every stale entry; return what was decided (for tests)."""
         now, board = await self.board.snapshot()
+        # Every run judged below is read at least as new as the stream was after the board
+        # (from its leader): a beat is published after the claim it beats for, so no
+        # follower that is behind can show a live run as one that moved on.
+        floor.set(await self.app.store.last_seq())
         self._observe(now)
         beats = [b for b in board if b.phase != DEADLINE]
         markers = [b for b in board if b.phase == DEADLINE]
@@ -229,6 +233,8 @@ class Reaper:
     async def _reap_one(self, beat: Beat, now: datetime) -> Verdict:
         run = await self._load(beat)
         verdict = judge(beat, run)
+        if verdict != Verdict.KEEP and not await self._current(beat):
+            return Verdict.KEEP  # the entry changed since the board was read: next round
         with structlog.contextvars.bound_contextvars(
             run_id=beat.run_id, phase=beat.phase, lease_id=beat.lease_id
         ):
@@ -243,6 +249,12 @@ class Reaper:
                 case Verdict.KEEP:
                     pass
         return verdict
+
+    async def _current(self, beat: Beat) -> bool:
+        """Whether the entry is still the subject's last, as the stream's leader has it
+        (a page of the board may have come from a follower that is behind)."""
+        last = await self.board.last(beat.run_id, beat.phase, leader=True)
+        return last is not None and last.seq == beat.seq
 
     async def _fail(self, beat: Beat, run: RunState, verdict: Verdict, silence: float) -> None:
         silent = verdict == Verdict.FAIL_SILENT

@@ -12,6 +12,9 @@ crash, or two replicas) changes nothing:
 - dispatch publishes the waiting phase to the work queue with `Nats-Msg-Id =
   <run>:<phase>` (deduplicated by the server), and an executor's claim is itself an
   optimistic append, so a phase is never run twice.
+
+Every read a reaction decides on is at least as new as the message that caused it (the
+event store's `floor`), so a follower that is behind never makes it decide nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from events.run import RunState
 from events.settings import DEFAULT_ORIGIN
 from services.commands import App
 from services.infra import streams
-from services.infra.eventstore import StoreError
+from services.infra.eventstore import StoreError, floor
 from services.infra.heartbeats import Board
 from services.infra.tasks import cancel_and_wait
 from services.scheduler import limits, watch
@@ -236,6 +239,10 @@ class Scheduler:
     async def _handle_group(self, msgs: list[Msg]) -> None:
         admitted = False
         for m in msgs:
+            # Every read for this message is at least as new as the message itself: on a
+            # cluster a follower that is behind would show the run before the event that
+            # woke us, and we would decide nothing (services/infra/eventstore.py).
+            floor.set(max(floor.get(), m.metadata.sequence.stream))
             try:
                 kind = (m.headers or {}).get("Rp-Type", "")
                 parts = m.subject.split(".")

@@ -54,9 +54,6 @@ async def adopt(board: Board, run: RunState) -> bool:
     Conditional on the subject's last sequence, so a beat the executor sends meanwhile
     is never overwritten by this older news. True if the beat was published.
     """
-    last = await board.last(run.run_id, run.phase)
-    if last is not None and last.lease_id == run.lease_id:
-        return False
     beat = body(
         lease_id=run.lease_id,
         executor_id=run.executor_id,
@@ -66,7 +63,13 @@ async def adopt(board: Board, run: RunState) -> bool:
         timeout=run.config.heartbeat_timeout if run.config else -1,
     )
     subj = subject(run.run_id, run.phase)
-    return await board.put(subj, beat, expected=last.seq if last else 0)
+    for leader in (False, True):  # a refused put may mean a follower was behind: ask the leader
+        last = await board.last(run.run_id, run.phase, leader=leader)
+        if last is not None and last.lease_id == run.lease_id:
+            return False
+        if await board.put(subj, beat, expected=last.seq if last else 0):
+            return True
+    return False
 
 
 async def follow(nc: NATS, app: App, kind: str, org: str, ws: str, run_id: str) -> None:
