@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.infra import streams
+from services.infra.natsclient import NatsAuth, client_env
 from services.infra.natsserver import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,17 +108,30 @@ def ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
+# The credentials of each private server by URL: it takes no connection without them.
+_AUTH: dict[str, NatsAuth] = {}
+
+
+def nats_env(url: str) -> dict[str, str]:
+    """What a runplane process needs in its environment to authenticate to `url`."""
+    return client_env(_AUTH.get(url, NatsAuth()))
+
+
 @asynccontextmanager
 async def private_server(tag: str) -> AsyncIterator[EmbeddedNats]:
     """A nats-server of its own (port 0, temporary store), as runplane embeds it."""
     with tempfile.TemporaryDirectory(prefix=f"rpbench-{tag}-") as tmp:
         async with EmbeddedNats(Path(tmp) / "nats") as server:
+            _AUTH[server.url] = server.auth
             yield server
 
 
 @asynccontextmanager
 async def connected(url: str, *, declare: bool = True) -> AsyncIterator[NATS]:
-    nc = await nats.connect(url, pending_size=64 * 1024 * 1024, max_reconnect_attempts=2)
+    auth = _AUTH.get(url, NatsAuth()).connect_options()
+    nc = await nats.connect(
+        url, pending_size=64 * 1024 * 1024, max_reconnect_attempts=2, **auth
+    )
     try:
         if declare:
             await streams.declare(nc, nc.jetstream())

@@ -37,6 +37,7 @@ from .common import (
     connected,
     cpu_seconds,
     last_seq,
+    nats_env,
     percentile,
     private_server,
     rss_kb,
@@ -129,7 +130,7 @@ async def runplane_process(
         "--log-format",
         "json",
         *extra,
-        env=child_env(**env),
+        env=child_env(**nats_env(url), **env),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
     )

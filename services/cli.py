@@ -1,4 +1,5 @@
-"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `replay`, `logs`."""
+"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `replay`, `logs`,
+`nats status`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import structlog
 
 from services import logs, logs_cli
-from services.runtime import ConfigError, Options
+from services.infra.natsclient import NatsAuth
+from services.runtime import ConfigError, Options, prepare_data_dir, private_files
 
 log = structlog.get_logger(__name__)
 
@@ -21,14 +23,62 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
     p.add_argument(
         "--data-dir", type=Path, default=Path(os.environ.get("RUNPLANE_DATA_DIR", ".runplane"))
     )
-    p.add_argument(
-        "--nats-url",
-        default=os.environ.get("RUNPLANE_NATS_URL", ""),
-        help="use this NATS server or cluster instead of starting one",
-    )
+    _nats_opts(p)
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
+
+
+class _RefuseSecret(argparse.Action):
+    """`--nats-password VALUE` would put the secret in argv (and, being a prefix of
+    `--nats-password-file`, argparse would read it as a file name and print it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> None:
+        env = self.option_strings[0].removeprefix("--").upper().replace("-", "_")
+        parser.error(
+            f"{self.option_strings[0]} would put the secret on the command line: "
+            f"set RUNPLANE_{env} or use {self.option_strings[0]}-file"
+        )
+
+
+def _nats_opts(p: argparse.ArgumentParser) -> None:
+    """Where NATS is and how to authenticate. Secrets are never taken on the command line
+    (any local user can read argv in /proc): a password or token comes from the
+    environment or from a file named here."""
+    g = p.add_argument_group("NATS (each flag also RUNPLANE_NATS_*; secrets: env or file)")
+    g.add_argument(
+        "--nats-url",
+        action="append",
+        dest="nats_urls",
+        metavar="URL[,URL...]",
+        help="use these NATS servers (repeatable, or comma separated) instead of starting one",
+    )
+    g.add_argument("--nats-user", default="", help="user (password: RUNPLANE_NATS_PASSWORD)")
+    for secret in ("--nats-password", "--nats-token"):
+        g.add_argument(secret, nargs="?", action=_RefuseSecret, help=argparse.SUPPRESS)
+    g.add_argument("--nats-password-file", default="", metavar="PATH", help="file with a password")
+    g.add_argument("--nats-token-file", default="", metavar="PATH", help="file with a token")
+    g.add_argument("--nats-nkey", default="", metavar="PATH", help="nkey seed file")
+    g.add_argument("--nats-creds", default="", metavar="PATH", help="credentials (.creds) file")
+    g.add_argument("--nats-tls-ca", default="", metavar="PATH", help="CA to verify servers")
+    g.add_argument("--nats-tls-cert", default="", metavar="PATH", help="client certificate")
+    g.add_argument("--nats-tls-key", default="", metavar="PATH", help="client certificate key")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_REPLICAS", "0") or 0),
+        help="replicas of every stream, bucket and consumer (default: 1 alone, 3 on a "
+        "cluster); existing ones are never lowered",
+    )
+
+
+_NATS_FLAGS: tuple[str, ...] = ("user", "password_file", "token_file", "nkey", "creds")
+_NATS_FLAGS += ("tls_ca", "tls_cert", "tls_key")
+
+
+def _nats_auth(ns: argparse.Namespace) -> NatsAuth:
+    flags = {name: getattr(ns, f"nats_{name}", "") for name in _NATS_FLAGS}
+    return NatsAuth.from_env(os.environ, **flags)
 
 
 def _executor_opts(p: argparse.ArgumentParser) -> None:
@@ -66,13 +116,30 @@ def parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
     _common(rp)
     logs_cli.add_parser(sub)
+    nats_cmd = sub.add_parser("nats", help="inspect runplane's streams, buckets and consumers")
+    nats_sub = nats_cmd.add_subparsers(dest="nats_command", required=True)
+    status = nats_sub.add_parser(
+        "status", help="replicas, leader, lag and messages of everything runplane declares"
+    )
+    _common(status)
+    status.add_argument(
+        "--repair", action="store_true", help="raise what has fewer replicas than the setting"
+    )
     return root
+
+
+def _nats_url(ns: argparse.Namespace) -> str:
+    """Flags, else RUNPLANE_NATS_URL: each may hold several comma-separated servers."""
+    given = ns.nats_urls or [os.environ.get("RUNPLANE_NATS_URL", "")]
+    return ",".join(u for u in given if u)
 
 
 def options(ns: argparse.Namespace) -> Options:
     return Options(
         data_dir=ns.data_dir,
-        nats_url=ns.nats_url,
+        nats_url=_nats_url(ns),
+        nats_auth=_nats_auth(ns),
+        replicas=ns.replicas,
         listen=getattr(ns, "listen", "127.0.0.1:8080"),
         admin_token=os.environ.get("RUNPLANE_ADMIN_TOKEN", ""),
         encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
@@ -93,18 +160,29 @@ async def _dispatch(command: str, opts: Options) -> None:
         "executor": processes.executor,
         "replay": processes.replay,
     }
+    prepare_data_dir(opts.data_dir)
     async with AsyncExitStack() as stack:
         await runners[command](opts, stack)
+
+
+async def _nats_command(ns: argparse.Namespace, opts: Options) -> int:
+    from services import natsstatus
+
+    async with AsyncExitStack() as stack:
+        return await natsstatus.status(opts, stack, repair=ns.repair, out=sys.stdout)
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     if ns.command == "logs":  # an API client: no NATS, no structlog
         return logs_cli.main(ns)
+    private_files()  # before anything is written into the data directory
     logs.configure(ns.log_format)
     try:
         opts = options(ns)
-        opts.host_port()
+        opts.check()
+        if ns.command == "nats":
+            return asyncio.run(_nats_command(ns, opts))
         asyncio.run(_dispatch(ns.command, opts))
     except ConfigError as e:
         print(f"runplane: {e}", file=sys.stderr)

@@ -17,6 +17,7 @@ from services.runtime import (
     http_site,
     make_app,
     nats_for,
+    prepare_data_dir,
     wait_for_signal,
 )
 
@@ -24,7 +25,7 @@ log = structlog.get_logger(__name__)
 
 
 def _readmodel_path(opts: Options) -> Path:
-    opts.data_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(opts.data_dir)  # 0700: the read model holds every organization's data
     return opts.data_dir / "readmodel.sqlite"
 
 

@@ -12,16 +12,17 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import nats
-import nats.errors
+import nats.js.errors
 import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from services.commands import App
-from services.infra import streams
+from services.infra import natsclient, streams
 from services.infra.eventstore import EventStore, wait_for_stream
+from services.infra.natsclient import NatsAuth
 from services.infra.natsserver import EmbeddedNats
+from services.infra.replicas import MAX_REPLICAS, ReplicationError
 
 log = structlog.get_logger(__name__)
 
@@ -37,7 +38,9 @@ class ConfigError(Exception):
 @dataclass
 class Options:
     data_dir: Path = Path(".runplane")
-    nats_url: str = ""
+    nats_url: str = ""  # one server or several, comma separated; empty: the embedded one
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
+    replicas: int = 0  # of every stream, bucket and consumer; 0: 1 alone, 3 on a cluster
     listen: str = "127.0.0.1:8080"
     admin_token: str = ""
     pool: str = "default"
@@ -46,6 +49,20 @@ class Options:
     demo: bool = True
     executor_id: str = ""
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
+
+    def nats_servers(self) -> list[str]:
+        """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
+        try:
+            return natsclient.server_list([self.nats_url])
+        except natsclient.NatsSettingError as e:
+            raise ConfigError(str(e)) from e
+
+    def check(self) -> None:
+        """Settings that can be judged before anything starts."""
+        self.host_port()
+        self.nats_servers()
+        if not 0 <= self.replicas <= MAX_REPLICAS:
+            raise ConfigError(f"--replicas wants 1 to {MAX_REPLICAS}, got {self.replicas}")
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")
@@ -61,7 +78,7 @@ def admin_token(opts: Options) -> str:
     path = opts.data_dir / "admin-token"
     if path.exists():
         return path.read_text().strip()
-    opts.data_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data_dir(opts.data_dir)
     token = f"rp_admin_{secrets.token_urlsafe(32)}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -69,42 +86,80 @@ def admin_token(opts: Options) -> str:
     return token
 
 
+PRIVATE_UMASK = 0o077
+
+
+def private_files() -> None:
+    """From now on, what this process (and nats-server, git, terraform under it) creates
+    is its owner's alone: files 0600, directories 0700. The data directory holds the
+    keys, the NATS credentials and store, the read model (and SQLite's -wal and -shm,
+    made with the database's mode) and the job directories."""
+    os.umask(PRIVATE_UMASK)
+
+
+def prepare_data_dir(path: Path) -> None:
+    """Create the data directory 0700, and take group and other access away from one
+    made before (by an older runplane under a wider umask)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+
+
 @asynccontextmanager
-async def nats_connection(url: str) -> AsyncIterator[NATS]:
-    """A connection that keeps reconnecting, with every stream declared."""
+async def connected(
+    servers: list[str], auth: NatsAuth, *, timeout: float | None = None
+) -> AsyncIterator[NATS]:
+    """A connection that keeps reconnecting across `servers`, declaring nothing; not
+    made within `timeout` (default `CONNECT_TIMEOUT_S`): one `ConfigError` line."""
 
     async def on_error(e: Exception) -> None:
         log.warning("nats_error", error=str(e))
 
     try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                url,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                error_cb=on_error,
-                name="runplane",
-            ),
-            CONNECT_TIMEOUT_S,
+        nc = await natsclient.connect(
+            servers,
+            auth,
+            timeout=CONNECT_TIMEOUT_S if timeout is None else timeout,
+            error_cb=on_error,
+            name="runplane",
         )
-    except (TimeoutError, OSError, nats.errors.Error) as e:
-        raise ConfigError(f"cannot reach NATS at {url} ({type(e).__name__})") from e
+    except (natsclient.NatsUnreachableError, natsclient.NatsSettingError) as e:
+        raise ConfigError(str(e)) from e
     try:
-        await streams.declare(nc, nc.jetstream())
-        await wait_for_stream(nc)
         yield nc
     finally:
         await nc.close()
 
 
 @asynccontextmanager
+async def nats_connection(
+    servers: list[str], auth: NatsAuth, *, replicas: int = 0
+) -> AsyncIterator[NATS]:
+    """A connection that keeps reconnecting, with every stream declared."""
+    async with connected(servers, auth) as nc:
+        try:
+            await streams.declare(nc, nc.jetstream(), replicas=replicas)
+        except (ReplicationError, nats.js.errors.APIError) as e:
+            raise ConfigError(f"declaring runplane's streams: {e}") from e
+        await wait_for_stream(nc)
+        yield nc
+
+
+async def embedded_or_given(opts: Options, stack: AsyncExitStack) -> tuple[list[str], NatsAuth]:
+    """The given servers and credentials, or the embedded server started on the data
+    directory with its own."""
+    if opts.nats_url:
+        return opts.nats_servers(), opts.nats_auth
+    prepare_data_dir(opts.data_dir)
+    server = await stack.enter_async_context(EmbeddedNats(opts.data_dir / "nats"))
+    return [server.url], server.auth
+
+
+@asynccontextmanager
 async def nats_for(opts: Options, stack: AsyncExitStack) -> AsyncIterator[NATS]:
-    """Use the given server, or start the embedded one on the data directory."""
-    url = opts.nats_url
-    if not url:
-        server = await stack.enter_async_context(EmbeddedNats(opts.data_dir / "nats"))
-        url = server.url
-    async with nats_connection(url) as nc:
+    """Use the given servers, or start the embedded one on the data directory."""
+    servers, auth = await embedded_or_given(opts, stack)
+    async with nats_connection(servers, auth, replicas=opts.replicas) as nc:
         yield nc
 
 

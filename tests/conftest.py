@@ -6,7 +6,6 @@ import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -14,21 +13,29 @@ from executor import Executor
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import EventStore
+from services.infra.natsclient import client_env
 from services.infra.natsserver import EmbeddedNats
 from tests.provider import fake_provider_mirror
 
 
 @pytest.fixture
-async def nats_server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
-    """A fresh nats-server with JetStream on a random port and a temporary store."""
+async def nats_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[EmbeddedNats]:
+    """A fresh nats-server with JetStream on a random port and a temporary store; it
+    takes only its own credentials (`server.connect()`). They are put in this test's
+    environment as a deployment would (`RUNPLANE_NATS_USER`/`_PASSWORD`), so a runplane
+    process the test starts with `--nats-url server.url` authenticates as well."""
     async with EmbeddedNats(tmp_path / "nats") as server:
+        for name, value in client_env(server.auth).items():
+            monkeypatch.setenv(name, value)
         yield server
 
 
 @pytest.fixture
 async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
     """A connection with every runplane stream declared."""
-    conn = await nats.connect(nats_server.url)
+    conn = await nats_server.connect()
     await streams.declare(conn, conn.jetstream())
     yield conn
     await conn.close()

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -492,7 +491,7 @@ async def test_a_checkpoint_past_the_end_of_the_stream_rebuilds_the_model(
         await setup_org(app, "net", "app")
         await settle(projector, store)
     async with EmbeddedNats(tmp_path / "fresh-nats") as other:
-        conn = await nats.connect(other.url)
+        conn = await other.connect()
         try:
             await streams.declare(conn, conn.jetstream())
             await App(EventStore(conn)).create_org("newco", "admin")

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -210,7 +209,7 @@ async def test_two_reapers_racing_fail_each_run_exactly_once(
         run_id = await queued_run(app, ws)
         await beat(board, ws, run_id, await claim(app, ws, run_id), timeout=1)
         runs.append((ws, run_id))
-    conns = [await nats.connect(nats_server.url) for _ in range(2)]
+    conns = [await nats_server.connect() for _ in range(2)]
     try:
         reapers = [Reaper(c, App(EventStore(c))) for c in conns]
         await asyncio.sleep(1.2)  # let every beat go stale (the timeout is the subject here)

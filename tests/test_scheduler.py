@@ -119,7 +119,7 @@ async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
     await _setup(app, workspaces)
     async with AsyncExitStack() as stack:
         for _ in range(2):  # two schedulers, each with its own connection, as two processes
-            conn = await nats.connect(nats_server.url)
+            conn = await nats_server.connect()
             stack.push_async_callback(conn.close)
             await stack.enter_async_context(Scheduler(conn, App(EventStore(conn))))
         fake = await stack.enter_async_context(FakeExecutor(nc, app))

@@ -17,6 +17,8 @@ from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from services.infra import replicas as rep
+
 STATE_HEAD_BUCKET = "rp-state-head"
 STATE_LOCKS_BUCKET = "rp-state-locks"
 SECRETS_BUCKET = "rp-secrets"
@@ -30,8 +32,9 @@ class KvError(RuntimeError):
     retryable = True
 
 
-async def declare_buckets(js: JetStreamContext, *, replicas: int = 1) -> None:
-    """Create the buckets unless they exist (safe from every process at every start)."""
+async def declare_buckets(nc: NATS, js: JetStreamContext, *, replicas: int) -> None:
+    """Create the buckets unless they exist, and raise an existing one to `replicas`
+    (never lower it). Safe from every process at every start."""
     for bucket in BUCKETS:
         try:
             await js.key_value(bucket)
@@ -45,6 +48,8 @@ async def declare_buckets(js: JetStreamContext, *, replicas: int = 1) -> None:
                     direct=True,
                 )
             )
+        else:
+            await rep.raise_stream(nc, f"KV_{bucket}", replicas)
 
 
 async def last_values(

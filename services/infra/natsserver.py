@@ -4,16 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
 import sysconfig
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
+import nats
 import structlog
+from nats.aio.client import Client as NATS
+
+from services.infra.natsclient import NatsAuth
 
 log = structlog.get_logger(__name__)
 
@@ -48,11 +55,44 @@ def _die_with_parent() -> None:
 
 _LISTEN_RE = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
 
+CREDENTIALS_FILE = "credentials.json"
+URL_FILE = "url"
+SERVER_USER = "runplane"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner may read (0600), whatever the process's umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
+def server_credentials(data_dir: Path) -> NatsAuth:
+    """The embedded server's client credentials: generated once into its data directory
+    (0600) and reused at every start, so a restarted server takes the connections back."""
+    path = Path(data_dir) / CREDENTIALS_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        return NatsAuth(user=saved["user"], password=saved["password"])
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    auth = NatsAuth(user=SERVER_USER, password=secrets.token_urlsafe(32))
+    write_private(path, json.dumps({"user": auth.user, "password": auth.password}) + "\n")
+    return auth
+
+
+def _quoted(value: str) -> str:
+    """A nats-server configuration string (JSON's escaping is a subset of what it reads)."""
+    return json.dumps(value)
+
 
 class EmbeddedNats:
     """Run nats-server with JetStream on a data directory for as long as the context lasts.
 
-    `port=0` picks a free port; `url` is known once the server said where it listens.
+    `port=0` picks a free port; `url` is known once the server said where it listens (it
+    carries no credentials). Clients authenticate with `auth` (generated once into the
+    data directory, see `server_credentials`): a CONNECT without them is refused, so a
+    job that finds the port finds nothing it can use.
     JetStream flushes to disk every `sync_interval` (default here: 1s, tighter than the
     server's 2 minutes) so that an OS crash loses at most about a second of acknowledged
     events on a single server; a killed process loses nothing either way.
@@ -71,6 +111,7 @@ class EmbeddedNats:
         self.port = port
         self.sync_interval = sync_interval
         self.url = ""
+        self.auth = server_credentials(self.data_dir)
         self._proc: asyncio.subprocess.Process | None = None
         self._drain: asyncio.Task[None] | None = None
 
@@ -79,18 +120,27 @@ class EmbeddedNats:
         """The server process's id while it runs."""
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
 
+    async def connect(self, **kwargs: Any) -> NATS:
+        """A client connection with the server's credentials (for tests and tools)."""
+        return await nats.connect(self.url, **self.auth.connect_options(), **kwargs)
+
     def _config(self) -> Path:
         store = self.data_dir / "jetstream"
-        store.mkdir(parents=True, exist_ok=True)
+        store.mkdir(mode=0o700, parents=True, exist_ok=True)
         conf = self.data_dir / "nats-server.conf"
-        conf.write_text(
-            f'host: "{self.host}"\n'
+        write_private(
+            conf,
+            f"host: {_quoted(self.host)}\n"
             f"port: {self.port if self.port else -1}\n"
             "max_payload: 8MB\n"
-            "jetstream {\n"
-            f'  store_dir: "{store}"\n'
-            f"  sync_interval: {self.sync_interval}\n"
+            "authorization {\n"
+            f"  user: {_quoted(self.auth.user)}\n"
+            f"  password: {_quoted(self.auth.password)}\n"
             "}\n"
+            "jetstream {\n"
+            f"  store_dir: {_quoted(str(store))}\n"
+            f"  sync_interval: {self.sync_interval}\n"
+            "}\n",
         )
         return conf
 
@@ -112,6 +162,7 @@ class EmbeddedNats:
             await self.stop()
             raise
         self._drain = asyncio.create_task(self._drain_stderr())
+        write_private(self.data_dir / URL_FILE, self.url + "\n")  # for `runplane nats status`
         log.info("nats_started", url=self.url, store=str(self.data_dir))
         return self
 

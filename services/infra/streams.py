@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import nats.js.errors
@@ -12,11 +11,13 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
 
+from services.infra import replicas as rep
 from services.infra.kv import declare_buckets
 
 EVENTS = "RP_EVENTS"
@@ -27,6 +28,7 @@ LOGS = "RP_LOGS"
 PLANS_BUCKET = "rp-plans"
 LOGS_BUCKET = "rp-logs"
 STATE_BUCKET = "rp-state"
+OBJECT_BUCKETS = (PLANS_BUCKET, LOGS_BUCKET, STATE_BUCKET)
 
 SCHEDULER_CONSUMER = "rp-scheduler"
 SCHEDULER_ACK_WAIT = 6  # seconds; the scheduler marks what it holds in progress every 2 s
@@ -41,26 +43,31 @@ def executor_consumer(pool: str) -> str:
     return f"rp-exec-{pool}"
 
 
-async def _ensure_stream(nc: NATS, js: JetStreamContext, config: dict[str, Any]) -> None:
-    """Create or update a stream from raw config (nats-py lacks some newer fields)."""
+async def _ensure_stream(nc: NATS, config: dict[str, Any]) -> None:
+    """Create or update a stream from raw config (nats-py lacks some newer fields),
+    keeping the replicas it has if it has more than `config` asks for."""
     name = config["name"]
-    try:
-        await js.stream_info(name)
-        api = f"$JS.API.STREAM.UPDATE.{name}"
-    except nats.js.errors.NotFoundError:
-        api = f"$JS.API.STREAM.CREATE.{name}"
-    resp = await nc.request(api, json.dumps(config).encode(), timeout=10)
-    body = json.loads(resp.data)
+    existing = await rep.stream_config(nc, name)
+    config["num_replicas"] = rep.kept(existing, config["num_replicas"])
+    verb = "CREATE" if existing is None else "UPDATE"
+    body = await rep.api(nc, f"$JS.API.STREAM.{verb}.{name}", config)
     if "error" in body:
-        raise RuntimeError(f"declaring stream {name}: {body['error'].get('description')}")
+        raise rep.ReplicationError(
+            f"declaring stream {name} ({config['num_replicas']} replicas): "
+            f"{body['error'].get('description')}"
+        )
 
 
-async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
-    """Declare streams and buckets. Safe to call from every process at every start."""
+async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 0) -> None:
+    """Declare streams and buckets. Safe to call from every process at every start.
+
+    `replicas` is the setting (0: the default for this server, `replicas.wanted`); what
+    exists with more replicas keeps them.
+    """
+    replicas = rep.wanted(nc, replicas)
     window = DUPLICATE_WINDOW_S * 1_000_000_000
     await _ensure_stream(
         nc,
-        js,
         {
             "name": EVENTS,
             "subjects": ["rp.run.>", "rp.ws.>", "rp.org.>"],
@@ -76,7 +83,6 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
     )
     await _ensure_stream(
         nc,
-        js,
         {
             "name": DISPATCH,
             "subjects": ["rp.dispatch.>"],
@@ -88,7 +94,6 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
     )
     await _ensure_stream(
         nc,
-        js,
         {
             "name": HEARTBEATS,
             "subjects": ["rp.hb.>"],
@@ -102,7 +107,6 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
     )
     await _ensure_stream(
         nc,
-        js,
         {
             "name": LOGS,
             "subjects": ["rp.log.>"],
@@ -113,16 +117,20 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 1) -> None:
             "allow_direct": True,
         },
     )
-    for bucket in (PLANS_BUCKET, LOGS_BUCKET, STATE_BUCKET):
+    for bucket in OBJECT_BUCKETS:
         try:
             await js.object_store(bucket)
         except nats.js.errors.BucketNotFoundError:
-            from nats.js.api import ObjectStoreConfig
-
             await js.create_object_store(
                 bucket, config=ObjectStoreConfig(storage=StorageType.FILE, replicas=replicas)
             )
-    await declare_buckets(js, replicas=replicas)
+        else:
+            await rep.raise_stream(nc, f"OBJ_{bucket}", replicas)
+    await declare_buckets(nc, js, replicas=replicas)
+
+
+# The durable consumers below leave `num_replicas` unset: they have as many replicas as
+# their stream, and follow it when the stream is raised (`replicas.raise_stream`).
 
 
 async def ensure_executor_consumer(js: JetStreamContext, pool: str) -> None:

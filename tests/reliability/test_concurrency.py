@@ -14,7 +14,6 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -208,7 +207,7 @@ async def _race(
     started = time.monotonic()
     async with AsyncExitStack() as stack:
         for _ in range(2):  # two schedulers, each with its own connection, as two processes
-            conn = await nats.connect(nats_server.url)
+            conn = await nats_server.connect()
             stack.push_async_callback(conn.close)
             await stack.enter_async_context(Scheduler(conn, App(EventStore(conn))))
         await stack.enter_async_context(RandomExecutor(nc, app, rng, tally))

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 import requests
 import schemathesis
@@ -59,7 +58,7 @@ class LiveApi(ThreadLoop):
     async def _start(self, root: Path) -> None:
         self.server = EmbeddedNats(root / "nats")
         await self.server.__aenter__()
-        self.nc = await nats.connect(self.server.url)
+        self.nc = await self.server.connect()
         await streams.declare(self.nc, self.nc.jetstream())
         app = App(EventStore(self.nc))
         self.projector = Projector(self.nc, root / "rm.sqlite")

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import nats
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -58,7 +57,7 @@ class Broker(ThreadLoop):
         self.dir = tempfile.TemporaryDirectory()
         self.server = EmbeddedNats(Path(self.dir.name))
         self.run(self.server.__aenter__())
-        self.nc = self.run(nats.connect(self.server.url))
+        self.nc = self.run(self.server.connect())
         self.run(streams.declare(self.nc, self.nc.jetstream()))
         self.app = App(EventStore(self.nc))
         self.steps = 0
