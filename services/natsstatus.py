@@ -1,7 +1,8 @@
 """`runplane nats status [--repair]`: the replication of everything runplane declares.
 
-One line per stream, bucket and consumer: replicas (have/wanted), leader, the other
-replicas (current, or how far behind) and messages (consumers: pending and unacked).
+One line per stream, bucket and consumer: replicas (configured/wanted), leader, the
+other replicas (current, or how far behind: a raised stream catches up in the
+background) and messages (consumers: pending and unacked).
 `--repair` raises what is below the setting (`--replicas`, or the server's default) the
 way a process start does, without restarting anything. Exit 1 while something stays
 below the setting, so a check in a script sees it.
@@ -60,8 +61,10 @@ def _peers(cluster: dict[str, Any]) -> str:
     out = []
     for peer in cluster.get("replicas") or []:
         state = "offline" if peer.get("offline") else None
-        if state is None:
-            state = "current" if peer.get("current") else f"lag {peer.get('lag', '?')}"
+        if state is None and peer.get("current"):
+            state = "current"
+        elif state is None:
+            state = f"lag {peer['lag']}" if peer.get("lag") else "catching up"
         out.append(f"{peer.get('name', '?')} {state}")
     return ", ".join(out) or "-"
 
@@ -75,20 +78,23 @@ async def _stream_rows(nc: NATS, kind: str, stream: str) -> list[Row]:
     if "error" in info:
         return [Row(kind, _label(kind, stream), 0, "-", "missing", "-")]
     cluster = info.get("cluster") or {}
+    have = int(info["config"].get("num_replicas") or 1)
     rows = [
         Row(
             kind,
             _label(kind, stream),
-            int(info["config"].get("num_replicas") or 1),
+            have,
             cluster.get("leader") or "-",
             _peers(cluster),
             str(info["state"].get("messages", 0)),
         )
     ]
-    return rows + await _consumer_rows(nc, stream)
+    return rows + await _consumer_rows(nc, stream, have)
 
 
-async def _consumer_rows(nc: NATS, stream: str) -> list[Row]:
+async def _consumer_rows(nc: NATS, stream: str, stream_replicas: int) -> list[Row]:
+    """The stream's consumers; one that does not pin its replicas has the stream's (what
+    JetStream is asked to keep: the other replicas column shows how far it got)."""
     rows, offset = [], 0
     while True:
         page = await rep.api(nc, f"$JS.API.CONSUMER.LIST.{stream}", {"offset": offset})
@@ -100,7 +106,7 @@ async def _consumer_rows(nc: NATS, stream: str) -> list[Row]:
                 Row(
                     "consumer",
                     f"{stream} > {c['name']}",
-                    len(cluster.get("replicas") or []) + 1,
+                    int(config.get("num_replicas") or stream_replicas),
                     cluster.get("leader") or "-",
                     _peers(cluster),
                     f"pending {c.get('num_pending', 0)}, unacked {c.get('num_ack_pending', 0)}",

@@ -180,6 +180,8 @@ class NatsCluster:
                 try:
                     answer = json.loads((await nc.request("$JS.API.INFO", b"", timeout=2)).data)
                     urls = nc._server_info.get("connect_urls") or []
+                except nats.errors.Error:  # no JetStream yet (no meta leader)
+                    return False
                 finally:
                     await nc.close()
                 if "error" in answer or len(urls) < sum(x.alive() for x in self.nodes):
