@@ -129,9 +129,7 @@ async def private_server(tag: str) -> AsyncIterator[EmbeddedNats]:
 @asynccontextmanager
 async def connected(url: str, *, declare: bool = True) -> AsyncIterator[NATS]:
     auth = _AUTH.get(url, NatsAuth()).connect_options()
-    nc = await nats.connect(
-        url, pending_size=64 * 1024 * 1024, max_reconnect_attempts=2, **auth
-    )
+    nc = await nats.connect(url, pending_size=64 * 1024 * 1024, max_reconnect_attempts=2, **auth)
     try:
         if declare:
             await streams.declare(nc, nc.jetstream())
