@@ -12,7 +12,6 @@ from typing import Any
 
 import aiosqlite
 import msgspec
-import nats
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -206,7 +205,7 @@ async def test_a_replica_whose_read_model_is_behind_the_revocation_does_not_acce
     once it has caught up."""
     await http.org("acme")
     leaked = await _issue(http)
-    nc_b = await nats.connect(nats_server.url)
+    nc_b = await nats_server.connect()
     try:
         async with Projector(nc_b, tmp_path / "rm-b.sqlite") as projector_b:
             web_b = build_app(app=App(EventStore(nc_b)), projector=projector_b, admin_token="b")

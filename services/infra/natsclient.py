@@ -206,7 +206,7 @@ async def _why(url: str, options: dict[str, Any]) -> str:
                 servers=[url],
                 allow_reconnect=False,
                 max_reconnect_attempts=1,
-                reconnect_time_wait=0.1,
+                reconnect_time_wait=0.1,  # type: ignore[arg-type]  # seconds, a float works
                 connect_timeout=2,
                 error_cb=record,
                 **options,
