@@ -7,6 +7,7 @@ events on the subject *is* the FIFO order.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, assert_never
@@ -195,6 +196,22 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
             assert_never(event)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_REMOTE_HELPER = re.compile(r"[A-Za-z0-9][A-Za-z0-9+.-]*::")
+
+
+def repository_problem(repository: str) -> tuple[str, str]:
+    """`(rule, why)` if no deployment may take `repository`, else `("", "")`: control
+    characters, a leading `-` (an option to git), or git's `transport::address` form,
+    which runs a remote helper (`ext::` runs any command). Which sources a deployment
+    allows is the shell's to check (services/repositories.py)."""
+    if not repository or _CONTROL.search(repository) or repository.startswith("-"):
+        return "malformed", f"repository {repository!r} is not a git URL or path"
+    if _REMOTE_HELPER.match(repository):
+        return "remote-helper", f"repository {repository!r} names a git remote helper"
+    return "", ""
+
+
 def fold(events: Sequence[WorkspaceEvent], state: WorkspaceState = INITIAL) -> WorkspaceState:
     for e in events:
         state = evolve(state, e)
@@ -215,6 +232,9 @@ def decide(
         case CreateWorkspace():
             if state.exists:
                 raise AlreadyExists(f"workspace {command.name} already exists")
+            rule, why = repository_problem(command.config.repository)
+            if rule:
+                raise Invalid(f"{why} (rule: {rule})")
             return [
                 WorkspaceCreated(
                     at=now,

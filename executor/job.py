@@ -27,6 +27,7 @@ from executor.output import Masker
 from executor.process import StepLog
 from executor.terraform import Terraform
 from services.commands import App
+from services.repositories import Sources
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +57,7 @@ class Job:
     custody: Custody  # secrets, managed state and sealed plans (executor/custody.py)
     grace: float = 20.0
     git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
+    sources: Sources = field(default_factory=Sources)  # repositories it may check out
     masker: Masker = field(default_factory=Masker)
     step: str = ""  # the step running now, for failure reasons
     finishing: bool = False  # the phase's final report is under way: do not cancel it

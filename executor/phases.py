@@ -9,6 +9,8 @@ kept on this host. Plan files travel sealed (AES-GCM), checked by digest before 
 
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from events import approval
 from events.policies import PolicyResult
 from events.run import FailRun, FinishApply, FinishPlan, PlanSummary
 from events.values import ResourceChange
-from executor import git, process
+from executor import git, linksafe, process
 from executor import terraform as tf
 from executor.applystate import track
 from executor.changes import plan_changes, show_plan
@@ -33,10 +35,12 @@ from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
 from executor.statebackend import write_override
 from services.infra.crypto import CryptoError, Tampered
+from services.repositories import RepositoryRefused
 
 log = structlog.get_logger(__name__)
 
 BINARY_NOT_FOUND = "terraform_binary_not_found"
+REPOSITORY_REFUSED = "repository_not_allowed"
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
     cfg = job.config
     if pinned and not job.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
+    _allowed(job, cfg.repository)
     clone = job.git_cache.checkout if job.git_cache is not None else git.checkout
     found = await clone(
         cfg.repository,
@@ -123,6 +128,8 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
         step_log=step_log,
         grace=job.grace,
     )
+    # Before anything reads the checkout: no link in it may lead out (executor/linksafe.py).
+    await asyncio.to_thread(linksafe.check_checkout, job.src)
     workdir = job.workdir.resolve()
     if not workdir.is_relative_to(job.src.resolve()):
         raise StepFailed("checkout", f"directory {cfg.directory!r} is outside the repository")
@@ -132,11 +139,21 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
     return found
 
 
+def _allowed(job: Job, repository: str) -> None:
+    """Refuse a repository the deployment does not take, or one inside this executor's
+    own directories (services/repositories.py), before git touches it."""
+    sources = job.sources.guarding(job.root.parent, "the executor's job directories")
+    try:
+        sources.check(repository)
+    except RepositoryRefused as e:
+        raise StepFailed("checkout", str(e), reason=REPOSITORY_REFUSED) from e
+
+
 async def _init(job: Job, step_log: StepLog) -> None:
     _use_binary(job, step_log)
     out = Output()
     if job.config.managed_state:
-        write_override(job.workdir)
+        write_override(job.workdir, within=job.src)
         step_log.note("state: runplane-managed (http backend served by this executor)")
     code = await _terraform(job, step_log, [*tf.init_args(), "-reconfigure"], out)
     if code != 0:
@@ -145,8 +162,9 @@ async def _init(job: Job, step_log: StepLog) -> None:
 
 async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     out = Output()
+    _write_variables(job, step_log)
     # A speculative plan takes no state lock: it must not contend with an apply's.
-    args = tf.plan_args(job.run.run_type, job.config.variables, lock=not job.run.speculative)
+    args = tf.plan_args(job.run.run_type, lock=not job.run.speculative)
     code = await _terraform(job, step_log, args, out)
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
@@ -160,10 +178,15 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
         summary, has_changes = out.summary(), code == 2
     if not has_changes:
         return PlanOutcome(has_changes=False, summary=summary, show=show)
-    path = job.workdir / tf.PLAN_FILE
-    digest = sha256_file(path)
     name = plan_object(job.run_id)
-    await job.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
+    with linksafe.scratch_dir(job.root) as scratch:
+        # Sealed from a copy of ours: Terraform's file is read once, never through a link.
+        path = scratch / tf.PLAN_FILE
+        await asyncio.to_thread(
+            linksafe.copy_out, job.workdir / tf.PLAN_FILE, path, within=job.src, step="plan"
+        )
+        digest = sha256_file(path)
+        await job.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
     step_log.note(f"plan stored sealed as {PLANS_BUCKET}/{name}, sha256 {digest}")
     changes = tuple(plan_changes(show, drift=drift))
     return PlanOutcome(True, summary, name, digest, changes, show=show)
@@ -241,9 +264,44 @@ async def _terraform(job: Job, step_log: StepLog, args: list[str], out: Output |
     )
 
 
+def _write_variables(job: Job, step_log: StepLog) -> None:
+    """The plain variables, as `VARS_FILE` (0600) in the working directory: never argv.
+
+    Always written, also with no variables: the name is runplane's, and a repository's
+    file of that name is replaced (not written through, executor/linksafe.py), so that
+    nothing of the repository passes for the workspace's variables. JSON strings are
+    taken literally by Terraform (no `${...}` templates are evaluated in them)."""
+    path = job.workdir / tf.VARS_FILE
+    replaced = path.exists() or path.is_symlink()
+    data = json.dumps(dict(job.config.variables), ensure_ascii=False).encode()
+    linksafe.write_new(path, data, within=job.src, step="plan", mode=0o600)
+    if replaced:
+        step_log.note(f"the repository's {tf.VARS_FILE} was replaced by the workspace's")
+
+
 async def _download_plan(job: Job, step_log: StepLog) -> None:
-    """Fetch and open the saved plan, and check it is byte for byte the approved one."""
-    path = job.workdir / tf.PLAN_FILE
+    """Fetch and open the saved plan, and check it is byte for byte the approved one.
+
+    It is opened in a directory of ours and renamed into the working directory once
+    checked: a `plan.tfplan` of the repository (a link) is replaced, never written
+    through."""
+    with linksafe.scratch_dir(job.root) as scratch:
+        path = scratch / tf.PLAN_FILE
+        await _fetch_plan(job, path)
+        digest = sha256_file(path)
+        if digest != job.run.plan_digest:
+            raise StepFailed(
+                "apply",
+                f"the saved plan's sha256 {digest} differs from the approved plan's "
+                f"{job.run.plan_digest}: refusing to apply",
+                reason="plan_digest_mismatch",
+            )
+        linksafe.move_in(path, job.workdir / tf.PLAN_FILE, within=job.src, step="apply")
+    name = job.run.plan_object or plan_object(job.run_id)
+    step_log.note(f"plan {PLANS_BUCKET}/{name} verified, sha256 {digest}")
+
+
+async def _fetch_plan(job: Job, path: Path) -> None:
     name = job.run.plan_object or plan_object(job.run_id)
     try:
         found = await job.custody.vault.download_sealed(PLANS_BUCKET, name, path)
@@ -258,12 +316,3 @@ async def _download_plan(job: Job, step_log: StepLog) -> None:
         raise StepFailed("apply", f"the saved plan {PLANS_BUCKET}/{name}: {e}") from e
     if not found:
         raise StepFailed("apply", f"the saved plan {PLANS_BUCKET}/{name} is missing")
-    digest = sha256_file(path)
-    if digest != job.run.plan_digest:
-        raise StepFailed(
-            "apply",
-            f"the saved plan's sha256 {digest} differs from the approved plan's "
-            f"{job.run.plan_digest}: refusing to apply",
-            reason="plan_digest_mismatch",
-        )
-    step_log.note(f"plan {PLANS_BUCKET}/{name} verified, sha256 {digest}")

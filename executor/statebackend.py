@@ -36,6 +36,7 @@ from aiohttp import web
 from events.codec import run_subject
 from events.errors import DomainError
 from events.run import RecordStateVersion, RunCommand, RunState, StateVersionCreated
+from executor.linksafe import write_new
 from executor.statestore import (
     Head,
     HeadMoved,
@@ -85,11 +86,13 @@ class Lessee(Protocol):
     async def report(self, command: RunCommand) -> None: ...
 
 
-def write_override(workdir: Path) -> Path:
-    """Point the configuration at the http backend (replacing any backend it declares)."""
+def write_override(workdir: Path, *, within: Path | None = None) -> Path:
+    """Point the configuration at the http backend (replacing any backend it declares).
+
+    A repository's own file of that name is replaced, never written through: it may be a
+    link to anywhere (executor/linksafe.py). `within`: the checkout `workdir` must be in."""
     path = workdir / OVERRIDE_FILE
-    path.write_text(OVERRIDE)
-    return path
+    return write_new(path, OVERRIDE.encode(), within=within or workdir, step="init", mode=0o644)
 
 
 def _text(status: int, message: str) -> web.Response:

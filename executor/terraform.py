@@ -31,6 +31,7 @@ NULL_PROVIDER_VERSION = "2.1.2"
 NULL_PROVIDER_FILE = f"terraform-provider-null_v{NULL_PROVIDER_VERSION}_x4"
 PLATFORM = "linux_amd64"
 PLAN_FILE = "plan.tfplan"
+VARS_FILE = "runplane.auto.tfvars.json"  # the plain variables (plan_args)
 STATE_FILE = "terraform.tfstate"
 
 # Settings on the executor host that would silently change every command we run.
@@ -217,11 +218,15 @@ def init_args() -> list[str]:
     return ["init", "-input=false", "-no-color"]
 
 
-def plan_args(run_type: str, variables: Mapping[str, str], *, lock: bool = True) -> list[str]:
+def plan_args(run_type: str, *, lock: bool = True) -> list[str]:
     """`terraform plan` for a run type: -destroy for destroy, -refresh-only for drift.
 
-    `lock=False` (a speculative plan) takes no state lock, so it never contends with the
-    workspace's apply for it."""
+    The plain variables are in `VARS_FILE`, written by the executor into the working
+    directory: never on the command line, which every process of the host may read
+    (`/proc/*/cmdline`) and which the kernel bounds (a 300 KB value would not start).
+    Named again by `-var-file` so that they keep the precedence `-var` had over the
+    repository's own `*.tfvars` files. `lock=False` (a speculative plan) takes no state
+    lock, so it never contends with the workspace's apply for it."""
     if run_type not in _PLAN_MODE:
         raise ValueError(f"unknown run type {run_type!r}")
     args = ["plan", "-input=false", "-no-color", f"-out={PLAN_FILE}", "-json"]
@@ -229,8 +234,7 @@ def plan_args(run_type: str, variables: Mapping[str, str], *, lock: bool = True)
     if not lock:
         args.append("-lock=false")
     args += _PLAN_MODE[run_type]
-    for name, value in variables.items():
-        args += ["-var", f"{name}={value}"]
+    args.append(f"-var-file={VARS_FILE}")
     return args
 
 

@@ -43,6 +43,7 @@ from services.infra.crypto import KeyRing
 from services.infra.eventstore import LATEST
 from services.infra.heartbeats import Board, beat_interval
 from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
+from services.repositories import Sources
 
 log = structlog.get_logger(__name__)
 
@@ -112,6 +113,7 @@ class Executor:
         concurrency: int = 1,
         fetch_timeout: float = 2.0,
         keyring: KeyRing | None = None,
+        repositories: Sources | None = None,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -128,6 +130,10 @@ class Executor:
         self.fetch_timeout = fetch_timeout
         self.objects = Objects(self.js)
         self.git_cache = GitCache(self.work_dir / "git")  # shared with siblings on work_dir
+        # The repositories it checks out: never one of its own directories (its mirrors).
+        self.sources = (repositories or Sources()).guarding(
+            self.work_dir, "the executor's work directory"
+        )
         self.vault = Vault.create(nc, keyring, self.objects, self.work_dir)
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
@@ -312,6 +318,7 @@ class Executor:
             custody=Custody(self.vault),
             grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
             git_cache=self.git_cache,
+            sources=self.sources,
         )
 
     # ------------------------------------------------------------ running a phase

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from services import logs, logs_cli
+from services import logs, logs_cli, repositories
 from services.infra.natsclient import NatsAuth
 from services.runtime import ConfigError, Options, prepare_data_dir, private_files
 
@@ -25,6 +25,12 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
     )
     _nats_opts(p)
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument(
+        "--allowed-repos",
+        default=os.environ.get("RUNPLANE_ALLOWED_REPOS", ""),
+        help="comma-separated repository sources workspaces may name: schemes (https://), "
+        "hosts, path prefixes (/srv/git/); default: remote URLs only (up: local paths too)",
+    )
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
 
@@ -135,7 +141,14 @@ def _nats_url(ns: argparse.Namespace) -> str:
 
 
 def options(ns: argparse.Namespace) -> Options:
+    """The process's options; ConfigError for a setting that cannot be used."""
+    allowed = ns.allowed_repos or repositories.DEFAULTS.get(ns.command, repositories.API_DEFAULT)
+    try:
+        repositories.Sources.parse(allowed)
+    except ValueError as e:
+        raise ConfigError(f"--allowed-repos: {e}") from e
     return Options(
+        allowed_repos=allowed,
         data_dir=ns.data_dir,
         nats_url=_nats_url(ns),
         nats_auth=_nats_auth(ns),

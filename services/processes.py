@@ -10,6 +10,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from services import trust
+from services.repositories import deployment_sources
 from services.runtime import (
     ConfigError,
     Options,
@@ -43,6 +44,7 @@ async def _start_api(
         admin_token=admin_token(opts),
         ready=ready,
         secret_store=trust.secret_store(nc, opts),
+        repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
     )
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 
@@ -62,6 +64,7 @@ async def _start_executor(opts: Options, stack: AsyncExitStack, nc: NATS) -> Non
         ),
         executor_id=opts.executor_id or default_executor_id(),
         keyring=trust.keyring(opts),
+        repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
     )
     await stack.enter_async_context(ex)
 

@@ -49,6 +49,7 @@ class Options:
     demo: bool = True
     executor_id: str = ""
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
+    allowed_repos: str = "https://,ssh://"  # repository sources (services/repositories.py)
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""

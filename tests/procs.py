@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ class Proc:
             "PYTHONPATH": str(ROOT),
             # One key for every process of a test, as one deployment shares one.
             "RUNPLANE_ENCRYPTION_KEY": TEST_KEY,
+            # Tests keep their repositories in local temporary directories.
+            "RUNPLANE_ALLOWED_REPOS": f"https://,ssh://,{tempfile.gettempdir()}/",
             **(env or {}),
         }
         self.proc: asyncio.subprocess.Process | None = None

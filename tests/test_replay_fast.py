@@ -67,8 +67,6 @@ PLAN = [
 ]
 
 
-
-
 def _run_commands(run_id: str, ws: str, ending: str) -> list[RunCommand]:
     """A run through plan, approval and apply with resource reports, ending as told."""
     plan_lease, apply_lease = f"{run_id}-p", f"{run_id}-a"

@@ -321,5 +321,5 @@ async def test_with_speculative_plans_off_a_plan_queues_behind_the_apply(
 
 
 def test_a_speculative_plan_takes_no_state_lock() -> None:
-    assert "-lock=false" not in tf.plan_args("plan", {})
-    assert "-lock=false" in tf.plan_args("plan", {}, lock=False)
+    assert "-lock=false" not in tf.plan_args("plan")
+    assert "-lock=false" in tf.plan_args("plan", lock=False)

@@ -9,6 +9,7 @@ from aiohttp import web
 from events.org import RevokeToken
 from events.run import Workspace
 from projections.project import iso
+from services import repositories
 from services.api import render, secrets
 from services.api.auth import ADMIN, PRINCIPAL, VIEWER
 from services.api.bodies import (
@@ -27,6 +28,8 @@ from services.api.problems import Problem
 
 PREFIX = "/api/v1"
 MAX_TOKEN_LIFETIME = timedelta(seconds=MAX_TOKEN_LIFETIME_S)
+# The repository sources this API takes (services/repositories.py); absent: any.
+SOURCES: web.AppKey[repositories.Sources] = web.AppKey("runplane.sources", repositories.Sources)
 
 
 async def _existing_org(api: Api, org: str) -> Row:
@@ -123,6 +126,7 @@ async def create_workspace(request: web.Request) -> web.Response:
     body = await read_body(request, CreateWorkspaceBody)
     name = check_name("name", body.name)
     check_timeouts(body)
+    check_repository(request, body.repository)
     secrets.check_secret_names(body.secret_variables, body.variables)
     if body.secret_variables:
         secrets.store_of(request)  # 503 now, before anything is written, if there is none
@@ -149,6 +153,18 @@ async def create_workspace(request: web.Request) -> web.Response:
         status=201,
         location=f"{PREFIX}/orgs/{org}/workspaces/{name}",
     )
+
+
+def check_repository(request: web.Request, repository: str) -> None:
+    """422 `repository-not-allowed`, naming the rule, for a repository the deployment
+    does not take or one inside runplane's own directories."""
+    sources = request.app.get(SOURCES)
+    if sources is None:
+        return
+    try:
+        sources.check(repository)
+    except repositories.RepositoryRefused as e:
+        raise Problem("repository-not-allowed", str(e), rule=e.rule) from e
 
 
 async def update_workspace(request: web.Request) -> web.Response:

@@ -41,6 +41,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "invalid-id": (422, "An identifier is invalid"),
     "invalid-command": (422, "The command is invalid"),
     "invalid-policy": (422, "The policy does not compile"),
+    "repository-not-allowed": (422, "The repository is not one this deployment allows"),
     "internal-error": (500, "Internal server error"),
     "unavailable": (503, "Temporarily unavailable"),
     "stale-read": (503, "The read model has not caught up"),
