@@ -23,6 +23,7 @@ from nats.aio.client import Client as NATS
 
 from executor import secrets as secret_vars
 from executor.changes import show_plan
+from executor.linksafe import open_regular
 from executor.objects import Objects
 from executor.statebackend import ERRORED_STATE, StateBackend
 from executor.statestore import StateStore
@@ -162,14 +163,17 @@ def masked_forms(values: Iterable[str]) -> list[str]:
 
 
 def rescue_errored_state(job: Job) -> Path | None:
-    """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600)."""
-    errored = job.workdir / ERRORED_STATE
-    if not errored.exists():
+    """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600).
+
+    Read only as a regular file, never through a link (executor/linksafe.py)."""
+    try:
+        src = open_regular(job.workdir / ERRORED_STATE, within=job.src, step="apply")
+    except FileNotFoundError:
         return None
     job.keep_dir.mkdir(parents=True, exist_ok=True)
     kept = job.keep_dir / f"{job.org}.{job.ws}.{job.run_id}.tfstate"
     fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out, errored.open("rb") as src:
+    with os.fdopen(fd, "wb") as out, src:
         shutil.copyfileobj(src, out)
     log.error("state_not_stored", kept=str(kept))
     return kept
