@@ -142,7 +142,8 @@ def _nats_url(ns: argparse.Namespace) -> str:
 
 def options(ns: argparse.Namespace) -> Options:
     """The process's options; ConfigError for a setting that cannot be used."""
-    allowed = ns.allowed_repos or repositories.DEFAULTS.get(ns.command, repositories.API_DEFAULT)
+    default = repositories.DEFAULTS.get(ns.command, repositories.API_DEFAULT)
+    allowed = getattr(ns, "allowed_repos", "") or default
     try:
         repositories.Sources.parse(allowed)
     except ValueError as e:
