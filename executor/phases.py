@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -273,10 +274,32 @@ def _write_variables(job: Job, step_log: StepLog) -> None:
     taken literally by Terraform (no `${...}` templates are evaluated in them)."""
     path = job.workdir / tf.VARS_FILE
     replaced = path.exists() or path.is_symlink()
-    data = json.dumps(dict(job.config.variables), ensure_ascii=False).encode()
+    plain, expressions = split_variables(job.config.variables)
+    data = json.dumps(plain, ensure_ascii=False).encode()
     linksafe.write_new(path, data, within=job.src, step="plan", mode=0o600)
     if replaced:
         step_log.note(f"the repository's {tf.VARS_FILE} was replaced by the workspace's")
+    if expressions:
+        env = {f"TF_VAR_{name}": value for name, value in expressions.items()}
+        job.terraform = replace(job.terraform, extra_env={**job.terraform.extra_env, **env})
+        step_log.note(f"variables given as list or object values: {', '.join(sorted(expressions))}")
+
+
+def split_variables(variables: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(literal strings for `VARS_FILE`, values for `TF_VAR_<name>`).
+
+    A value that opens with `[` or `{` may be meant for a `list`, `map` or `object`
+    variable: Terraform parses a `-var` or `TF_VAR_` value as an expression when the
+    variable's declared type is a collection and takes it literally otherwise, while a
+    JSON tfvars string is always a string ("list of string required"). Such values go
+    through the environment (never argv), which keeps `-var`'s reading whatever the
+    declared type; every other value is a literal string in the file."""
+    plain: dict[str, str] = {}
+    expressions: dict[str, str] = {}
+    for name, value in variables.items():
+        target = expressions if value.lstrip()[:1] in ("[", "{") else plain
+        target[name] = value
+    return plain, expressions
 
 
 async def _download_plan(job: Job, step_log: StepLog) -> None:

@@ -211,6 +211,36 @@ async def test_a_300_kb_variable_plans_and_no_value_is_on_any_command_line(
     await h.reaches("net", run_id, "applied")  # the saved plan carries the variables
 
 
+async def test_list_and_map_variables_keep_their_minus_var_reading(
+    h: Harness, repo: Path, executor: Executor
+) -> None:
+    """A value written for a `list` or `map` variable plans as one (a JSON tfvars string
+    would be refused with "list of string required"), and the same text given to a
+    `string` variable stays that text, as with `-var`."""
+    main = 'variable "names" { type = list(string) }\n'
+    main += 'variable "tags" { type = map(string) }\nvariable "text" { type = string }\n'
+    main += 'resource "null_resource" "each" {\n  for_each = toset(var.names)\n'
+    main += "  triggers = { tag = var.tags[each.key], text = var.text }\n}\n"
+    commit_tree(repo, {"main.tf": main}, {})
+    variables = {
+        "names": '["a", "b"]',
+        "tags": '{ a = "x", b = "y" }',
+        "text": '["kept as text"]',
+    }
+    await h.workspace("net", Workspace(repository=str(repo), variables=variables))
+    run_id = await h.start_run("net")
+    state = await h.reaches("net", run_id, "awaiting_approval")
+    assert state.plan_summary is not None and state.plan_summary.add == 2
+
+
+def test_only_values_opening_a_collection_go_through_the_environment() -> None:
+    from executor.phases import split_variables
+
+    plain, exprs = split_variables({"a": "x", "b": " [1]", "c": "{}", "d": "not [a] list"})
+    assert plain == {"a": "x", "d": "not [a] list"}
+    assert exprs == {"b": " [1]", "c": "{}"}
+
+
 # ---------------------------------------------------------------- repository sources
 
 
