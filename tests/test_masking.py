@@ -23,7 +23,7 @@ from events.values import AttributeChange, ResourceChange
 from executor import process
 from executor.output import Masker, masked_command
 from executor.process import StepLog
-from tests.canary_support import assert_no_file_holds, assert_no_stream_holds
+from tests.canary_support import assert_no_file_holds, assert_no_stream_holds, tricky_canary
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -34,11 +34,7 @@ from tests.state_support import current_state
 V1 = "/api/v1/orgs/acme"
 
 
-def canary() -> tuple[str, list[str]]:
-    """A two-line secret and the random core of each line."""
-    cores = [secrets.token_hex(8), secrets.token_hex(8)]
-    value = f"cnry-{cores[0]}-<>&\"\\'é✓\u2028$" + "\n" + f"cnry-{cores[1]}-${{x}}%{{y}}\t!"
-    return value, cores
+canary = tricky_canary
 
 
 def _clean(masked: str, cores: list[str]) -> bool:
