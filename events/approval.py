@@ -5,8 +5,11 @@ The rule reads the settings the run recorded at admission (its snapshot: `{"valu
 groups:
 
 - `four_eyes`: the run's creator may not approve it (discarding one's own run is fine).
-- `approvers` (user names and `group:<name>` entries): only they may approve or discard.
-  With none set, the organization's approvers and admins (role approver or higher) may.
+- `approvers` (user names and `group:<name>` entries): only they may approve or discard,
+  whatever their role (the route still needs operator). With none set (the default),
+  any token of the organization of role operator or higher (operator, approver, admin)
+  may: the rule of the seed. Role approver adds nothing over operator then; it matters
+  only as a name to hand out, and the `approvers` setting is how to narrow who approves.
 - The admin token (`superuser`) passes the approvers rule, never four-eyes.
 - `confirm_destructive`: the approval lists in `acknowledged` every address the plan
   deletes or replaces.

@@ -30,8 +30,20 @@ def _name(v: Any) -> str:
     return "" if ok else "must be a lowercase name of letters, digits and dashes"
 
 
-def _path(v: Any) -> str:
-    return "" if isinstance(v, str) and len(v) <= 4096 and "\0" not in v else "must be a path"
+def _binary(v: Any) -> str:
+    """An absolute path, or a bare name looked up on the executor's PATH (empty: the
+    executor's own). A relative path would depend on the executor's working directory
+    or run a file of the checked-out repository (the executor refuses it at run time
+    too: executor/terraform.py `resolve_binary`)."""
+    if not isinstance(v, str) or len(v) > 4096 or not v.isprintable():
+        return "must be an absolute path or a bare name"
+    if not v or ("/" not in v and v not in (".", "..")):
+        return ""
+    if not v.startswith("/"):
+        return f"must be an absolute path or a bare name, not the relative path {v!r}"
+    if ".." in v.split("/"):
+        return f"must be an absolute path without '..' components, not {v!r}"
+    return ""
 
 
 def _templates(v: Any) -> str:
@@ -73,7 +85,12 @@ SPECS: dict[str, Spec] = {
     "approval_timeout": Spec(0, _seconds, "seconds a run may await approval (0: no limit)"),
     "run_timeout": Spec(0, _seconds, "seconds a run may stay open (0: no limit)"),
     "executor_pool": Spec("default", _name, "the executor pool that runs the steps"),
-    "terraform_binary": Spec("", _path, "terraform or tofu binary (empty: executor's)"),
+    "terraform_binary": Spec(
+        "",
+        _binary,
+        "terraform or tofu binary: an absolute path or a name on the executor's "
+        "PATH (empty: the executor's own)",
+    ),
     "speculative_plans": Spec(False, _bool, "plan-only runs bypass the workspace queue"),
     "templates": Spec({}, _templates, "default template per run type (empty: built-in)"),
 }

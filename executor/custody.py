@@ -9,10 +9,9 @@ loopback (`executor/statebackend.py`) until the phase ends. Plan files travel se
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -128,7 +127,7 @@ async def _take_secrets(job: Job) -> None:
         run_id=job.run_id,
         lease_id=job.lease_id,
     )
-    job.masker.add(masked_forms(values.values()))
+    job.masker.add(values.values())  # in every form it may be printed
     if job.phase != "apply":  # the plan's Terraform, or a custom step's command
         _add_env(job, secret_vars.terraform_env(values))
     log.info("secret_variables_received", count=len(values))
@@ -141,25 +140,7 @@ async def mask_planned_secrets(job: Job) -> None:
         return
     variables = (await show_plan(job)).get("variables") or {}
     planned = [str((variables.get(n) or {}).get("value", "")) for n in names]
-    job.masker.add(masked_forms(planned))
-
-
-# A line of a multi-line secret shorter than this is too common to hide (`-----`, `}`).
-_MIN_LINE_SECRET = 8
-
-
-def masked_forms(values: Iterable[str]) -> list[str]:
-    """Each value as it is, and as it appears inside a JSON string (Terraform's -json).
-
-    Logs are masked line by line, so a multi-line secret (a PEM key) never appears whole:
-    each of its lines is hidden on its own too.
-    """
-    forms = set()
-    for value in values:
-        lines = [ln.strip() for ln in value.splitlines()] if "\n" in value else []
-        for part in [value, *(ln for ln in lines if len(ln) >= _MIN_LINE_SECRET)]:
-            forms.update({part, json.dumps(part)[1:-1]})
-    return [f for f in forms if f]
+    job.masker.add(planned)
 
 
 def rescue_errored_state(job: Job) -> Path | None:

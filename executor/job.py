@@ -23,7 +23,7 @@ from executor.errors import ObjectStoreError, StepFailed
 from executor.git import GitCache
 from executor.logstream import LiveStepLog, open_step_log
 from executor.objects import LOGS_BUCKET, Objects, log_object
-from executor.output import Masker
+from executor.output import Masker, masked_command
 from executor.process import StepLog
 from executor.terraform import Terraform
 from services.commands import App
@@ -86,8 +86,13 @@ class Job:
         return self.app.clock()
 
     async def report(self, command: RunCommand) -> None:
-        """Append a command to the run; raises StaleLease once the lease is not current."""
-        await self.app.run_command(self.org, self.ws, self.run_id, command)
+        """Append a command to the run; raises StaleLease once the lease is not current.
+
+        Its free text is masked on the way (`executor.output.masked_command`): every
+        report of the executor goes through here, so nothing reaches an event unmasked."""
+        await self.app.run_command(
+            self.org, self.ws, self.run_id, masked_command(self.masker, command)
+        )
 
     def cancel(self, reason: str) -> None:
         """Interrupt the phase (its Terraform gets SIGINT), unless it is already reporting."""

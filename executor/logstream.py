@@ -194,7 +194,7 @@ class LiveStepLog(StepLog):
             self._take_summary(body)
         if _OWN_BACKEND_CHATTER.match(body):
             return masked  # Terraform's http client logging our loopback state backend
-        body = readable(body)
+        body = self.mask(readable(body))  # again: decoding a JSON record may unescape
         self.lines += 1
         self.counts[stream] = self.counts.get(stream, 0) + 1
         self._file.write(encode_record(stream, self.lines, body))

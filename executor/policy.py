@@ -20,8 +20,6 @@ import msgspec
 
 from events import policies as po
 from events.policies import PolicyResult
-from executor.custody import masked_forms
-from executor.output import Masker
 from executor.process import StepLog
 from services import policyeval
 
@@ -43,7 +41,7 @@ async def check_policies(job: Job, step_log: StepLog, show: dict[str, Any]) -> l
     started = time.perf_counter()
     results = await asyncio.to_thread(policyeval.evaluate, sets, show)
     took = time.perf_counter() - started
-    mask = Masker([*job.masker.secrets, *masked_forms(sensitive_strings(show))])
+    mask = job.masker.with_values(sensitive_strings(show))
     results = [msgspec.structs.replace(r, messages=[mask(m) for m in r.messages]) for r in results]
     for r in results:
         verdict = "passed" if r.passed else "failed"

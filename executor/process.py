@@ -110,11 +110,35 @@ async def _copy(
     step_log: StepLog,
     on_line: Callable[[str], None] | None,
 ) -> None:
-    while raw := await reader.readline():
+    while raw := await _readline(reader, step_log):
         masked = step_log.write(raw.decode(errors="replace"), stream)
         if on_line is not None:
             on_line(masked)
         await step_log.drain()
+
+
+async def _readline(reader: asyncio.StreamReader, step_log: StepLog) -> bytes:
+    """The next line (b"" at the end); a line over `_LINE_LIMIT` is left out whole.
+
+    `StreamReader.readline` would drop such a line's first part and hand its rest over as
+    a line of its own: a secret cut in two there would be masked in neither half.
+    """
+    skipping = False
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.IncompleteReadError as e:
+            line = e.partial  # the last line, without its newline
+        except asyncio.LimitOverrunError as e:
+            await reader.read(e.consumed)  # the line's start; its end is read next
+            skipping = True
+            continue
+        if not skipping:
+            return line
+        step_log.note(f"a line over {_LINE_LIMIT} bytes was left out")
+        skipping = False
+        if not line.endswith(b"\n"):
+            return b""
 
 
 async def _interrupt(

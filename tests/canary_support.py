@@ -1,13 +1,42 @@
 """Scanning for a canary secret in clear: every message of every JetStream stream (KV and
 object store buckets are streams too) and every file under a directory (SQLite read
-models and their WAL, the nats-server store, executor work directories). Holds no tests."""
+models and their WAL, the nats-server store, executor work directories); and the canary
+values with the characters encoders treat specially, in each encoding. Holds no tests."""
 
 from __future__ import annotations
 
+import json
+import secrets
 from pathlib import Path
 
 import nats.js.errors
 from nats.js import JetStreamContext
+
+
+def tricky_canary() -> tuple[str, list[str]]:
+    """A two-line secret with every character an encoder treats specially (`<>&"\\`, a
+    quote, non-ASCII, U+2028, `${`, `%{`, a tab), and the random core of each line: no
+    encoding changes a core, so a core found anywhere is a leak, whatever the encoding."""
+    cores = [secrets.token_hex(8), secrets.token_hex(8)]
+    value = f"cnry-{cores[0]}-<>&\"\\'é✓\u2028$" + "\n" + f"cnry-{cores[1]}-${{x}}%{{y}}\t!"
+    return value, cores
+
+
+def encodings(value: str) -> list[bytes]:
+    """`value` and each of its lines as they are, and as a JSON string would hold them:
+    Python's json (ASCII-only or not) and Go's (`<>&` as `\\u003c...`, U+2028 escaped)."""
+    out: set[str] = set()
+    for text in {value, *value.split("\n")}:
+        go = json.dumps(text, ensure_ascii=False)[1:-1]
+        for ch, esc in (
+            ("<", "\\u003c"),
+            (">", "\\u003e"),
+            ("&", "\\u0026"),
+            ("\u2028", "\\u2028"),
+        ):
+            go = go.replace(ch, esc)
+        out |= {text, json.dumps(text)[1:-1], json.dumps(text, ensure_ascii=False)[1:-1], go}
+    return sorted(o.encode() for o in out if o)
 
 
 async def assert_no_stream_holds(

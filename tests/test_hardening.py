@@ -76,7 +76,6 @@ def test_children_never_inherit_runplanes_own_secrets(monkeypatch: pytest.Monkey
 
 
 def test_every_line_of_a_multi_line_secret_is_masked() -> None:
-    from executor.custody import masked_forms
     from executor.output import Masker
 
     pem = "\n".join(
@@ -87,7 +86,7 @@ def test_every_line_of_a_multi_line_secret_is_masked() -> None:
             "-----END KEY-----",
         ]
     )
-    mask = Masker(masked_forms([pem]))
+    mask = Masker([pem])
     assert "MIIEvQ" not in mask("key line: MIIEvQIBADANBgkqhkiG9w0BAQEFAASC")
     assert "BKcwgg" not in mask('{"@message":"out: BKcwggSjAgEAAoIBAQC7"}')
     assert mask("}") == "}", "short common lines are left alone"

@@ -216,7 +216,11 @@ async def test_the_workspace_default_comes_from_the_templates_setting(
     await plane.reaches("net", builtin, "awaiting_approval")
     assert (await _read(plane, f"{V1}/runs/{builtin}"))["template"] == "apply"
     a = await plane.http.call("PATCH", f"{V1}/settings", json={"templates": {"apply": "gone"}})
+    assert "'gone'" in a.problem("invalid-command", 422)["detail"], "named, it must exist"
+    assert (await _put(plane, "gone", NOOP)).status == 201
+    a = await plane.http.call("PATCH", f"{V1}/settings", json={"templates": {"apply": "gone"}})
     assert a.status == 200, a.body
+    assert (await plane.http.call("DELETE", f"{V1}/templates/gone")).status == 204
     a = await plane.http.post(f"{V1}/workspaces/net/runs", json={"type": "apply"})
     assert "'gone'" in a.problem("invalid-command", 422)["detail"]
 

@@ -2,8 +2,10 @@
 
 The admin token (given at start) may do everything in every organization. Any other token
 is scoped to one organization with one role; roles are ordered, each adding to the last:
-viewer (read), operator (+ create and cancel runs), approver (+ approve and discard, where
-the workspace names no approvers: events/approval.py), admin (+ workspaces and tokens).
+viewer (read), operator (+ create and cancel runs, and approve and discard them where the
+workspace names no approvers: events/approval.py), approver (the same rights as operator
+today; the `approvers` setting, not the role, narrows who approves), admin (+ workspaces
+and tokens).
 Another organization's things are invisible: a request for them is answered 404, never
 403, so a token cannot probe what exists elsewhere.
 

@@ -246,8 +246,9 @@ PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/runs/{run}/approve": {
         "post": _run_command(
             "approveRun",
-            "Approve a run awaiting approval: 403 (with the reason) unless an approver "
-            "(four_eyes: not its creator); 409 with `missing` unless `acknowledged` lists "
+            "Approve a run awaiting approval: 403 (with the reason) unless one of the "
+            "workspace's `approvers`, or with none set any operator or above (four_eyes: "
+            "not its creator); 409 with `missing` unless `acknowledged` lists "
             "every deletion and replacement when confirm_destructive is on",
             "ApproveBody",
             (),
@@ -256,7 +257,8 @@ PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/runs/{run}/discard": {
         "post": _run_command(
             "discardRun",
-            "Discard a run awaiting approval (the workspace's approvers; 403 with the reason)",
+            "Discard a run awaiting approval (the workspace's approvers, or with none set any "
+            "operator or above; 403 with the reason)",
             "DiscardBody",
             (),
         )

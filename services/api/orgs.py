@@ -173,6 +173,7 @@ async def update_workspace(request: web.Request) -> web.Response:
     body = await read_body(request, UpdateWorkspaceBody)
     if await api.read.get_workspace(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
+    await secrets.check_plain_names(request, org, ws, body.variables)
     result = await api.app.set_variables(org, ws, dict(body.variables), who.user)
     return await secrets.workspace_written(request, api, org, ws, result, who.user)
 

@@ -12,6 +12,7 @@ from typing import Annotated
 import msgspec
 from aiohttp import web
 
+from events.run import Workspace
 from events.values import SENSITIVE
 from services.api import render
 from services.api.auth import ADMIN
@@ -41,7 +42,26 @@ def check_secret_names(names: Mapping[str, str], plain: Mapping[str, str]) -> No
                 f"secret variable name {name!r} is not a Terraform variable name",
             )
         if name in plain:
-            raise Problem("invalid-command", f"{name!r} is both a variable and a secret variable")
+            raise _conflict(f"{name!r} is both a variable and a secret variable")
+
+
+def _conflict(detail: str) -> Problem:
+    """A plain variable would shadow a secret one (Terraform takes `-var` / tfvars over
+    `TF_VAR_*`, so the secret would silently not be used), or the other way round."""
+    return Problem("invalid-command", detail)  # the type it always had on create
+
+
+async def check_plain_names(
+    request: web.Request, org: str, ws: str, plain: Mapping[str, str]
+) -> None:
+    """No plain variable may take the name of one of the workspace's secret variables."""
+    store = request.app.get(SECRETS)
+    if store is None or not plain:
+        return  # without the sealed store there are no secret variables
+    clash = sorted(set(plain) & set(await store.names(org, ws)))
+    if clash:
+        names = ", ".join(repr(n) for n in clash)
+        raise _conflict(f"{names}: a secret variable of workspace {ws} already has that name")
 
 
 def store_of(request: web.Request) -> SecretStore:
@@ -70,9 +90,11 @@ async def workspace_shown(request: web.Request, api: Api, org: str, ws: str) -> 
     return {**row, "secret_variables": dict.fromkeys(names, SENSITIVE)}
 
 
-async def _existing_workspace(api: Api, org: str, ws: str) -> None:
-    if not (await api.app.load_ws(org, ws)).state.exists:
+async def _existing_workspace(api: Api, org: str, ws: str) -> Workspace:
+    config: Workspace | None = (await api.app.load_ws(org, ws)).state.config
+    if config is None:
         raise Problem("not-found", f"workspace {ws} not found")
+    return config
 
 
 async def workspace_written(
@@ -110,10 +132,9 @@ async def put_secret(request: web.Request) -> web.Response:
     ws, name = path_id(request, "ws"), _name(request)
     body = await read_body(request, SetSecretBody)
     store = store_of(request)
-    await _existing_workspace(api, org, ws)
-    read = await api.read.get_workspace(org, ws)
-    if read is not None and name in read["variables"]:
-        raise Problem("invalid-command", f"{name!r} is a plain variable of workspace {ws}")
+    config = await _existing_workspace(api, org, ws)
+    if name in config.variables:  # the aggregate, not the read model: it may lag a PATCH
+        raise _conflict(f"{name!r} is a plain variable of workspace {ws}")
     await store.put(org, ws, name, body.value)
     return json_response({"name": name, "value": SENSITIVE})
 

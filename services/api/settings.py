@@ -14,6 +14,7 @@ from aiohttp import web
 from events import folder as fo
 from events import inherit
 from events import settings as st
+from events import templates as te
 from events.errors import Invalid
 from events.org import OrgState
 from events.workspace import WorkspaceState
@@ -49,8 +50,10 @@ async def _workspace(api: Api, org: str, ws: str) -> WorkspaceState:
     return state
 
 
-async def _changes(request: web.Request) -> dict[str, Any]:
-    """The PATCH body: a JSON object of settings, each checked, every problem named."""
+async def _changes(request: web.Request, org: OrgState) -> dict[str, Any]:
+    """The PATCH body: a JSON object of settings, each checked, every problem named; the
+    templates the `templates` setting names exist in the organization (or are built in)
+    and suit their run type."""
     try:
         changes = msgspec.json.decode(await request.read(), type=dict[str, Any])
     except msgspec.DecodeError as e:
@@ -63,7 +66,22 @@ async def _changes(request: web.Request) -> dict[str, Any]:
             reasons.append(str(e))
     if reasons:
         raise Problem("invalid-command", "; ".join(reasons), reasons=reasons)
+    reasons = _template_problems(changes.get("templates"), org)
+    if reasons:
+        raise Problem("invalid-command", "; ".join(reasons), reasons=reasons)
     return changes
+
+
+def _template_problems(chosen: Any, org: OrgState) -> list[str]:
+    """What is wrong with the templates a (valid) `templates` setting names."""
+    reasons = []
+    for run_type, name in (chosen or {}).items():
+        template = te.BUILTIN.get(name) or org.templates.get(name)
+        if template is None:
+            reasons.append(f"templates: no template {name!r} (for {run_type} runs) exists")
+        elif problem := te.compatible(template, run_type):
+            reasons.append(f"templates: {problem}")
+    return reasons
 
 
 # ---------------------------------------------------------------- folders
@@ -115,8 +133,7 @@ async def get_org_settings(request: web.Request) -> web.Response:
 
 async def patch_org_settings(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
-    changes = await _changes(request)
-    await org_state(api, org)
+    changes = await _changes(request, await org_state(api, org))
     result = await api.app.org_command(org, fo.SetOrgSettings(actor=who.user, changes=changes))
     return command_answer(_org_settings(result.state), result.seq)
 
@@ -129,8 +146,9 @@ async def get_folder_settings(request: web.Request) -> web.Response:
 
 async def patch_folder_settings(request: web.Request) -> web.Response:
     api, org, who = scope(request, ADMIN)
-    name = _folder_of(request, await org_state(api, org))
-    changes = await _changes(request)
+    state = await org_state(api, org)
+    name = _folder_of(request, state)
+    changes = await _changes(request, state)
     cmd = fo.SetFolderSettings(actor=who.user, folder=name, changes=changes)
     result = await api.app.org_command(org, cmd)
     return command_answer(_folder_settings(result.state, name), result.seq)
@@ -149,7 +167,7 @@ async def patch_workspace_settings(request: web.Request) -> web.Response:
     ws = path_id(request, "ws")
     state = await org_state(api, org)
     await _workspace(api, org, ws)
-    changes = await _changes(request)
+    changes = await _changes(request, state)
     result = await api.app.set_workspace_settings(org, ws, changes, who.user)
     return command_answer(inherit.for_workspace(state, result.state), result.seq)
 

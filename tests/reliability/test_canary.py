@@ -1,8 +1,11 @@
 """A canary secret, configured as secret variables of two workspaces, used by real
 Terraform (null provider) through a full apply, a destroy and an apply that fails with
-the secret in its command, is found in clear nowhere afterwards: not in any message of
-any stream (RP_EVENTS, RP_LOGS, dispatch, heartbeats, every KV and object store bucket:
-plans, state versions, step logs), not in any file (SQLite read models and WAL, the
+the secret in its command, is found in clear nowhere afterwards (as it is, each line of
+it, JSON-escaped the Go and the Python way; one value holds `<>&"\\`, unicode and a line
+break, and is not declared sensitive, so Terraform prints it in clear in the plan, its
+outputs, a provisioner's output and an error): not in any message of any stream
+(RP_EVENTS, RP_LOGS, dispatch, heartbeats, every KV and object store bucket: plans,
+state versions, step logs), not in any file (SQLite read models and WAL, the
 nats-server store, executor work directories), not in any answer of the API about the
 runs, and not in this process's output (every log line of api, scheduler, projector and
 executor). As a positive control, the sealed state version does hold it once opened.
@@ -18,7 +21,12 @@ from typing import Any
 
 import pytest
 
-from tests.canary_support import assert_no_file_holds, assert_no_stream_holds
+from tests.canary_support import (
+    assert_no_file_holds,
+    assert_no_stream_holds,
+    encodings,
+    tricky_canary,
+)
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -38,10 +46,14 @@ variable "quoted" {
   type      = string
   sensitive = true
 }
+# Not declared sensitive: Terraform shows it in clear in the plan, its -json output (Go's
+# HTML-safe escaping) and the provisioner's output, line by line.
+variable "tricky" { type = string }
 resource "null_resource" "t" {
-  triggers = { h = sha256(var.token), q = sha256(var.quoted) }
+  triggers = { h = sha256(var.token), q = sha256(var.quoted), t = var.tricky }
   provisioner "local-exec" {
-    command = "echo leak-${nonsensitive(var.token)}"
+    command = "echo leak-${nonsensitive(var.token)}; printf '%s\\\\n' \\"$T\\""
+    environment = { T = var.tricky }
   }
 }
 output "token" {
@@ -52,6 +64,7 @@ output "quoted" {
   value     = var.quoted
   sensitive = true
 }
+output "tricky" { value = var.tricky }
 """
 
 # Fails its apply with the secret in the command Terraform quotes in its error.
@@ -60,9 +73,11 @@ variable "token" {
   type      = string
   sensitive = true
 }
+variable "tricky" { type = string }
 resource "null_resource" "boom" {
   provisioner "local-exec" {
-    command = "echo boom-${nonsensitive(var.token)} >&2; exit 3"
+    command     = "echo boom-${nonsensitive(var.token)} >&2; printf '%s\\\\n' \\"$T\\" >&2; exit 3"
+    environment = { T = var.tricky }
   }
 }
 """
@@ -70,12 +85,12 @@ resource "null_resource" "boom" {
 RUN_PATHS = ("", "/events", "/steps", "/changes", "/resources", "/logs")
 
 
-def _needles(*values: str) -> list[bytes]:
-    """Each value as it is, and as JSON would escape it inside a string."""
-    out = []
-    for v in values:
-        out += [v.encode(), json.dumps(v)[1:-1].encode()]
-    return sorted(set(out))
+def _needles(*values: str, cores: list[str]) -> list[bytes]:
+    """Each value and each of its lines as it is and as JSON strings hold it (Go's and
+    Python's escaping), and the random cores of the tricky value's lines (in any
+    encoding, a core in clear is a leak)."""
+    out = [n for v in values for n in encodings(v)]
+    return sorted({*out, *(c.encode() for c in cores)})
 
 
 async def _answers(plane: Plane, runs: dict[str, str]) -> list[tuple[str, bytes]]:
@@ -107,11 +122,12 @@ async def _full_lifecycle(
 ) -> tuple[list[bytes], dict[str, str]]:
     token = f"canary-{secrets.token_hex(12)}"
     quoted = f'canary-"{secrets.token_hex(6)}\\{secrets.token_hex(6)}'
+    tricky, cores = tricky_canary()
     commit(repo, {"main.tf": TF})
     commit(bad_repo, {"main.tf": FAILING_TF})
     for name, path, values in (
-        ("net", repo, {"token": token, "quoted": quoted}),
-        ("bad", bad_repo, {"token": token}),
+        ("net", repo, {"token": token, "quoted": quoted, "tricky": tricky}),
+        ("bad", bad_repo, {"token": token, "tricky": tricky}),
     ):
         body = {"name": name, "repository": str(path), "secret_variables": values}
         created = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
@@ -130,9 +146,11 @@ async def _full_lifecycle(
     assert state is not None
     assert state["outputs"]["token"]["value"] == token, "positive control: sealed, not gone"
     assert state["outputs"]["quoted"]["value"] == quoted
+    assert state["outputs"]["tricky"]["value"] == tricky
     lines = await _logs(plane, applied)
     apply_text = [i["text"] for i in lines if i["phase"] == "apply"]
     assert apply_text and any("leak-***" in t for t in apply_text), "the apply log is masked"
+    assert sum(t.endswith("(local-exec): ***") for t in apply_text) == 2, "line by line"
 
     # 2. destroy: a second plan, approval and state version
     destroyed = await plane.start("net", "destroy")
@@ -152,7 +170,7 @@ async def _full_lifecycle(
 
     versions = (await plane.http.get("/api/v1/orgs/acme/workspaces/net/state-versions")).body
     assert len(versions["items"]) >= 2, "state versions of the apply and of the destroy"
-    return _needles(token, quoted), runs
+    return _needles(token, quoted, tricky, cores=cores), runs
 
 
 async def test_a_canary_secret_is_found_nowhere_after_full_runs(
