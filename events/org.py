@@ -24,6 +24,7 @@ from events import settings as st
 from events import templates as te
 from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
+from events.users import check_user
 
 ROLES = ("viewer", "operator", "approver", "admin")
 # How stale a token's "last used" may be: a replica records a use only when the last one it
@@ -220,6 +221,7 @@ def _decide_tokens(
 
 
 def _issue(command: IssueToken, now: datetime) -> TokenIssued:
+    check_user(command.user)
     if command.role not in ROLES:
         raise Invalid(f"unknown role {command.role!r}; one of {', '.join(ROLES)}")
     if command.expires_at is not None and command.expires_at <= now:

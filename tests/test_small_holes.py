@@ -141,3 +141,11 @@ async def test_group_members_with_unprintable_names_are_refused(plane: Plane, na
     assert ok.status == 201, ok.body
     put = await plane.http.call("PUT", f"{V1}/groups/ops/members", json={"members": [name]})
     put.problem("invalid-command", 422)
+
+
+@pytest.mark.parametrize("name", UNPRINTABLE)
+async def test_a_token_for_an_unprintable_user_name_is_refused(plane: Plane, name: str) -> None:
+    a = await plane.http.post(f"{V1}/tokens", json={"user": name, "role": "viewer"})
+    assert a.status == (400 if name == "" else 422), a.body  # "": refused by the body's schema
+    ok = await plane.http.post(f"{V1}/tokens", json={"user": "Alice Smith", "role": "viewer"})
+    assert ok.status == 201, ok.body
