@@ -36,7 +36,7 @@ def statuses(state: RunState) -> list[str]:
     steps = state.steps
     at = state.step_at
     ended = _ENDED_AT.get(state.status, "") if state.status is not None else ""
-    if ended and state.reason == "policy_failed":
+    if ended and state.reason in ("policy_failed", "policy_limit_exceeded"):
         kinds = [s.kind for s in steps]
         at = kinds.index("policy") if "policy" in kinds else at
     out = []

@@ -27,6 +27,7 @@ from executor.output import Masker, masked_command
 from executor.process import StepLog
 from executor.terraform import Terraform
 from services.commands import App
+from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 
 log = structlog.get_logger(__name__)
@@ -58,6 +59,7 @@ class Job:
     grace: float = 20.0
     git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
     sources: Sources = field(default_factory=Sources)  # repositories it may check out
+    policy_sandbox: PolicySandbox = field(default_factory=PolicySandbox)  # executor/policy.py
     masker: Masker = field(default_factory=Masker)
     step: str = ""  # the step running now, for failure reasons
     finishing: bool = False  # the phase's final report is under way: do not cancel it

@@ -3,7 +3,10 @@ against the plan's JSON (`terraform show -json`), each result written to the ste
 
 The verdict is the core's (events/run.py on `FinishPlan.policies`): a hard-mandatory
 failure fails the run `policy_failed`, a soft-mandatory one makes it wait for approval.
-The step itself fails only if the policies could not be checked at all.
+The step itself fails only if the policies could not be checked at all: the sets run in
+the policy sandbox (services/policysandbox.py), and one that passes its memory or time cap
+fails the run `policy_limit_exceeded`, naming the set and the cap, whatever its
+enforcement (the plan was not checked).
 
 Policy messages may quote the plan, which carries sensitive values in clear: before they
 leave the executor (log and event) they are masked like every log line, and also hide the
@@ -12,7 +15,6 @@ values the plan marks sensitive.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,13 +22,15 @@ import msgspec
 
 from events import policies as po
 from events.policies import PolicyResult
+from executor.errors import StepFailed
 from executor.process import StepLog
-from services import policyeval
+from services.policysandbox import PolicyLimitExceeded, SandboxError
 
 if TYPE_CHECKING:
     from executor.job import Job
 
 _MIN_SENSITIVE = 4  # shorter sensitive strings ("true", "1") would hide too much
+LIMIT_EXCEEDED = "policy_limit_exceeded"
 
 
 def pinned_policies(job: Job) -> list[po.PolicySet]:
@@ -39,9 +43,15 @@ async def check_policies(job: Job, step_log: StepLog, show: dict[str, Any]) -> l
     names = ", ".join(f"{p.name} ({p.enforcement}, {p.scope})" for p in sets)
     step_log.note(f"checking the plan against {len(sets)} policy set(s): {names}")
     started = time.perf_counter()
-    results = await asyncio.to_thread(policyeval.evaluate, sets, show)
-    took = time.perf_counter() - started
     mask = job.masker.with_values(sensitive_strings(show))
+    try:
+        results = await job.policy_sandbox.evaluate(sets, show)
+    except SandboxError as e:
+        message = mask(str(e))  # the names are the tenant's, not secret; masked all the same
+        step_log.note(f"the policies could not be checked: {message}")
+        reason = LIMIT_EXCEEDED if isinstance(e, PolicyLimitExceeded) else ""
+        raise StepFailed("policy", message, reason=reason) from e
+    took = time.perf_counter() - started
     results = [msgspec.structs.replace(r, messages=[mask(m) for m in r.messages]) for r in results]
     for r in results:
         verdict = "passed" if r.passed else "failed"

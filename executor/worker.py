@@ -43,6 +43,7 @@ from services.infra.crypto import KeyRing
 from services.infra.eventstore import LATEST
 from services.infra.heartbeats import Board, beat_interval
 from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
+from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 
 log = structlog.get_logger(__name__)
@@ -114,6 +115,7 @@ class Executor:
         fetch_timeout: float = 2.0,
         keyring: KeyRing | None = None,
         repositories: Sources | None = None,
+        policy_sandbox: PolicySandbox | None = None,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -135,6 +137,7 @@ class Executor:
             self.work_dir, "the executor's work directory"
         )
         self.vault = Vault.create(nc, keyring, self.objects, self.work_dir)
+        self.policy_sandbox = policy_sandbox or PolicySandbox()  # the deployment's caps
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
         self._jobs: set[Job] = set()
@@ -319,6 +322,7 @@ class Executor:
             grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
             git_cache=self.git_cache,
             sources=self.sources,
+            policy_sandbox=self.policy_sandbox,
         )
 
     # ------------------------------------------------------------ running a phase

@@ -1,5 +1,7 @@
-"""Compiling and evaluating policy sets (OPA Rego, `events/policies.py`) in-process with
-regopy (rego-cpp). The only module that imports regopy.
+"""The policy sandbox's child (started by services/policysandbox.py): compiling and
+evaluating policy sets (OPA Rego, `events/policies.py`) with regopy (rego-cpp). The only
+module that imports regopy, and nothing but that child imports it: a policy runs natively,
+with the environment, memory and time of the process that evaluates it.
 
 A policy set is one Rego module with a `package` and a `deny` rule; its verdict on a plan
 is the value of `data.<package>.deny` with the plan's JSON (`terraform show -json`) as
@@ -8,18 +10,20 @@ the messages (the Rego v0 form `deny[msg] {...}`), a boolean or a single string.
 passes when `deny` is undefined or empty; an evaluation error is a failure whose message
 says so.
 
-Both functions are CPU work on one thread: callers in an event loop run them with
-`asyncio.to_thread`. Each set gets its own interpreter, so one set's rules never see
-another's.
+Each set gets its own interpreter, so one set's rules never see another's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Sequence
+import resource
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 from regopy import (  # type: ignore[import-untyped]  # no stubs
     Input,
     Interpreter,
@@ -40,30 +44,24 @@ from regopy.rego_shared import (  # type: ignore[import-untyped]  # no stubs
     rego_query,
 )
 
-from events.errors import Invalid
 from events.policies import PolicyResult, PolicySet
+from services.policywire import (
+    EXIT_MEMORY,
+    READY,
+    Checked,
+    InvalidPolicy,
+    Verdict,
+    bounded,
+    package_of,
+)
 
-MAX_MESSAGES = 50  # per set and plan: the plan's event stays small
-MAX_MESSAGE = 1000  # characters of one message
-_PACKAGE = re.compile(r"^[ \t]*package[ \t]+([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)[ \t]*(?:#.*)?$", re.M)
 _DENY = re.compile(r"^[ \t]*(?:default[ \t]+)?deny\b", re.M)
 _INT64 = (-(2**63), 2**63 - 1)
 _ERROR = re.compile(rb"\(error(?![a-z])(?:[ \t]+(\d+):)?")
 _ERRORMSG = re.compile(rb"\(errormsg (\d+):")
 _LOCATION = re.compile(rb"\|(\d+)\|(\d+)")
 
-
-class InvalidPolicy(Invalid):
-    """A policy set that cannot be used: it does not compile, or lacks `package` or
-    `deny`. The message is the compiler's."""
-
-    code = "invalid-policy"
-
-
-def package_of(source: str) -> str:
-    """The module's package (`package terraform.deletes` -> `terraform.deletes`)."""
-    m = _PACKAGE.search(source)
-    return m.group(1) if m else ""
+__all__ = ["InvalidPolicy", "child_main", "compile_check", "evaluate", "package_of"]
 
 
 def compile_check(name: str, source: str) -> None:
@@ -96,8 +94,15 @@ def compile_check(name: str, source: str) -> None:
 
 def evaluate(policies: Sequence[PolicySet], plan_json: dict[str, Any]) -> list[PolicyResult]:
     """Each set's verdict on the plan, in the order given."""
+    return list(evaluate_each(policies, plan_json))
+
+
+def evaluate_each(
+    policies: Sequence[PolicySet], plan_json: dict[str, Any]
+) -> Iterator[PolicyResult]:
+    """Each set's verdict on the plan as soon as it is known, in the order given."""
     if not policies:
-        return []
+        return
     # Built once, set into each set's interpreter: converting the plan is most of the
     # cost on a large plan, and this beats rego-cpp parsing the JSON text each time.
     plan: Input | str
@@ -107,7 +112,8 @@ def evaluate(policies: Sequence[PolicySet], plan_json: dict[str, Any]) -> list[P
         plan = Input(plan_json)
     except Exception:  # noqa: BLE001  # regopy cannot convert it: rego-cpp parses the JSON
         plan = json.dumps(plan_json, separators=(",", ":"))
-    return [_evaluate_one(p, plan) for p in policies]
+    for policy in policies:
+        yield _evaluate_one(policy, plan)
 
 
 def _converts(value: Any) -> bool:
@@ -131,7 +137,7 @@ def _evaluate_one(policy: PolicySet, plan: Input | str) -> PolicyResult:
             enforcement=policy.enforcement,
             scope=policy.scope,
             passed=passed,
-            messages=_bounded(messages),
+            messages=bounded(messages),
         )
 
     package = package_of(policy.source)
@@ -154,6 +160,84 @@ def _evaluate_one(policy: PolicySet, plan: Input | str) -> PolicyResult:
         what = f"{type(e).__name__}: {e}"
         return result(False, [f"policy error: evaluating the policy failed: {what}"])
     return result(not messages, messages)
+
+
+# ---------------------------------------------------------------- the child
+
+
+def child_main() -> None:
+    """The child (`python -I -c ... <memory bytes> <cpu s> <uid> <gid>`): warm regopy up,
+    confine itself, then answer the request on stdin, one line per answer. Exits
+    EXIT_MEMORY on a MemoryError."""
+    memory, cpu, uid, gid = (int(a) for a in sys.argv[1:5])
+    # Before the confinement: rego-cpp's allocator maps its arena when it loads, and
+    # nothing it loads lazily may be left to a user who cannot read the interpreter.
+    warm_up()
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a policy's print() writes to fd 1
+    os.environ.clear()  # unsetenv: rego-cpp reads `environ` itself (opa.runtime().env)
+    _confine(memory, cpu, uid, gid)
+    answers.write(READY + b"\n")
+    answers.flush()
+    try:
+        request = json.loads(sys.stdin.buffer.read())
+        for answer in _answers(request):
+            answers.write(msgspec.json.encode(answer) + b"\n")
+            answers.flush()
+    except MemoryError:
+        os._exit(EXIT_MEMORY)
+
+
+def warm_up() -> None:
+    """Run a check and an evaluation once, so that everything they load is loaded."""
+    compile_check("warm", 'package warm\ndeny contains "x" if { input.x == 1 }\n')
+    evaluate([PolicySet(name="warm", enforcement="advisory", source="package w\ndeny := 1\n")], {})
+
+
+def _confine(memory: int, cpu: int, uid: int, gid: int) -> None:
+    """Caps, then (as root) an unprivileged identity; never goes on as root."""
+    limits = {
+        resource.RLIMIT_AS: _mapped_bytes() + memory,
+        resource.RLIMIT_CPU: cpu,
+        resource.RLIMIT_FSIZE: 0,
+        resource.RLIMIT_CORE: 0,
+        resource.RLIMIT_NOFILE: 16,
+    }
+    for which, value in limits.items():
+        hard = value + 1 if which == resource.RLIMIT_CPU else value  # SIGXCPU, then SIGKILL
+        resource.setrlimit(which, (value, hard))
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+    if 0 in (*os.getresuid(), *os.getresgid()):
+        raise SystemExit("the policy evaluator refuses to run policies as root")
+
+
+def _mapped_bytes() -> int:
+    """The address space mapped now (VmSize): what the memory cap is added to."""
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def _answers(request: dict[str, Any]) -> Iterator[Checked | Verdict]:
+    if request["op"] == "check":
+        try:
+            compile_check(request["name"], request["source"])
+        except InvalidPolicy as e:
+            yield Checked(invalid=str(e))
+        else:
+            yield Checked()
+        return
+    sets = [
+        PolicySet(name=p["name"], enforcement="advisory", source=p["source"])
+        for p in request["policies"]
+    ]
+    for result in evaluate_each(sets, request["plan"]):
+        yield Verdict(passed=result.passed, messages=result.messages)
 
 
 # ---------------------------------------------------------------- regopy
@@ -261,14 +345,6 @@ def _messages(value: Any) -> list[str]:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-
-
-def _bounded(messages: list[str]) -> list[str]:
-    kept = [m if len(m) <= MAX_MESSAGE else m[: MAX_MESSAGE - 1] + "…" for m in messages]
-    if len(kept) > MAX_MESSAGES:
-        extra = len(kept) - MAX_MESSAGES
-        kept = [*kept[:MAX_MESSAGES], f"... and {extra} more"]
-    return kept
 
 
 def _error_text(out: Any, text: str, source: str) -> str:

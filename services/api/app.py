@@ -19,6 +19,7 @@ from services.api.common import json_response
 from services.api.context import API, Api
 from services.api.middleware import MIDDLEWARES
 from services.commands import App
+from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 from services.secrets import SecretStore
 
@@ -96,12 +97,14 @@ def build_app(
     ready: Callable[[], bool] | None = None,
     secret_store: SecretStore | None = None,
     repositories: Sources | None = None,
+    policy_sandbox: PolicySandbox | None = None,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
     Without a `secret_store` (no encryption key) secret variables answer 503. Without
     `repositories` a workspace may name any repository (the processes pass the
-    deployment's, services/repositories.py).
+    deployment's, services/repositories.py). Without a `policy_sandbox`, policies are
+    checked with the deployment's caps (environment).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -109,6 +112,7 @@ def build_app(
         web_app[secrets.SECRETS] = secret_store
     if repositories is not None:
         web_app[orgs.SOURCES] = repositories
+    web_app[policies_api.SANDBOX] = policy_sandbox or PolicySandbox()
     web_app[OPENAPI] = openapi.document()
     web_app.add_routes(ROUTES)
     return web_app

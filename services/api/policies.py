@@ -4,7 +4,9 @@ One flat collection per organization, each set with its `scope`: `org`, `folder:
 or `workspace:<name>`. `PUT .../policies/{policy}` `{"enforcement", "source",
 "description"?, "scope"?}` saves one (admin): the source is compiled first, and one that
 does not compile (or has no `package` or `deny` rule) is 422 `invalid-policy` with the
-compiler's message; a folder or workspace scope must name an existing one (404). `GET
+compiler's message; a folder or workspace scope must name an existing one (404). The check
+runs in the policy sandbox (services/policysandbox.py): one that passes its memory or time
+cap is 422 `policy-limit-exceeded`, saying which. `GET
 .../policies` lists them (`?scope=` filters), `GET .../policies/{policy}` answers one,
 `DELETE` removes one. Read from the organization aggregate, not the read model. A run
 pins its workspace's sets at admission, so a change reaches only runs admitted later.
@@ -12,7 +14,6 @@ pins its workspace's sets at admission, so a change reaches only runs admitted l
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 import msgspec
@@ -20,7 +21,6 @@ from aiohttp import web
 
 from events import policies as po
 from events.workspace import WorkspaceState
-from services import policyeval
 from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import Body, read_body
 from services.api.common import (
@@ -35,9 +35,19 @@ from services.api.common import (
 )
 from services.api.problems import Problem
 from services.api.schemas import REF, SEQ_DOC, STR, Doc, list_of, ok, path_param, problems, ref
+from services.policysandbox import (
+    InvalidPolicy,
+    PolicyCrashed,
+    PolicyLimitExceeded,
+    PolicySandbox,
+    SandboxUnavailable,
+)
+from services.policywire import package_of
 
 PREFIX = "/api/v1/orgs"
 _SCOPE_DOC = "org, folder:<folder> or workspace:<workspace>"
+# Where the save-time check runs; build_app sets it (the deployment's caps by default).
+SANDBOX: web.AppKey[PolicySandbox] = web.AppKey("runplane.policy_sandbox", PolicySandbox)
 
 
 class PolicyBody(Body, frozen=True, kw_only=True):
@@ -70,7 +80,7 @@ def row(policy: po.PolicySet) -> Row:
         "enforcement": policy.enforcement,
         "scope": policy.scope,
         "description": policy.description,
-        "package": policyeval.package_of(policy.source),
+        "package": package_of(policy.source),
         "source": policy.source,
     }
 
@@ -120,15 +130,27 @@ async def put_policy(request: web.Request) -> web.Response:
         ws: WorkspaceState = (await api.app.load_ws(org, target)).state
         if not ws.exists:
             raise Problem("not-found", f"workspace {target} not found")
-    try:  # compiling is CPU work: off the event loop
-        await asyncio.to_thread(policyeval.compile_check, name, policy.source)
-    except policyeval.InvalidPolicy as e:
-        raise Problem("invalid-policy", str(e)) from e
+    await _check(request.app[SANDBOX], name, policy.source)
     result = await api.app.org_command(org, po.SavePolicy(actor=who.user, policy=policy))
     new = name not in before.policies
     answer = row(result.state.policies[name])
     where = f"{PREFIX}/{org}/policies/{name}" if new else ""
     return command_answer(answer, result.seq, status=201 if new else 200, location=where)
+
+
+async def _check(sandbox: PolicySandbox, name: str, source: str) -> None:
+    """The sandbox's compile check as problems: 422 for the policy's own failures."""
+    try:
+        await sandbox.compile_check(name, source)
+    except InvalidPolicy as e:
+        raise Problem("invalid-policy", str(e)) from e
+    except PolicyLimitExceeded as e:
+        detail = f"the policy {e.what} (the deployment's {e.limit} cap for a policy)"
+        raise Problem("policy-limit-exceeded", detail, limit=e.limit) from e
+    except PolicyCrashed as e:
+        raise Problem("invalid-policy", f"the policy stopped the evaluator: {e.why}") from e
+    except SandboxUnavailable as e:
+        raise Problem("unavailable", str(e), headers={"Retry-After": "1"}) from e
 
 
 async def delete_policy(request: web.Request) -> web.Response:
@@ -212,8 +234,9 @@ PATHS: dict[str, Doc] = {
         "put": {
             "operationId": "putPolicy",
             "summary": "Create (201) or replace (200) a policy set; a source that does not "
-            "compile is 422 invalid-policy with the compiler's message; runs already "
-            "admitted keep the sets they pinned",
+            "compile is 422 invalid-policy with the compiler's message, one whose check "
+            "passes the deployment's memory or time cap 422 policy-limit-exceeded (with "
+            "`limit`: memory or time); runs already admitted keep the sets they pinned",
             "parameters": _PARAMS,
             "requestBody": {
                 "required": True,
