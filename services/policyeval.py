@@ -57,6 +57,7 @@ from services.policywire import (
 
 _DENY = re.compile(r"^[ \t]*(?:default[ \t]+)?deny\b", re.M)
 _INT64 = (-(2**63), 2**63 - 1)
+_POLICY_ERROR = "policy error: "
 _ERROR = re.compile(rb"\(error(?![a-z])(?:[ \t]+(\d+):)?")
 _ERRORMSG = re.compile(rb"\(errormsg (\d+):")
 _LOCATION = re.compile(rb"\|(\d+)\|(\d+)")
@@ -142,7 +143,7 @@ def _evaluate_one(policy: PolicySet, plan: Input | str) -> PolicyResult:
 
     package = package_of(policy.source)
     if not package:
-        return result(False, ["policy error: the policy has no `package` declaration"])
+        return result(False, [_POLICY_ERROR + "the policy has no `package` declaration"])
     rego = _interpreter()
     try:
         rego.add_module(f"{policy.name}.rego", policy.source)
@@ -153,12 +154,12 @@ def _evaluate_one(policy: PolicySet, plan: Input | str) -> PolicyResult:
         messages = _deny(rego, package, policy.source)
     except RegoError as e:
         detail = compiler_message(str(e), policy.source)
-        return result(False, [f"policy error: the policy could not be evaluated: {detail}"])
+        return result(False, [f"{_POLICY_ERROR}the policy could not be evaluated: {detail}"])
     except _EvalError as e:
-        return result(False, [f"policy error: evaluating the policy failed: {e}"])
+        return result(False, [f"{_POLICY_ERROR}evaluating the policy failed: {e}"])
     except Exception as e:  # noqa: BLE001  # an answer regopy could not read: still a verdict
         what = f"{type(e).__name__}: {e}"
-        return result(False, [f"policy error: evaluating the policy failed: {what}"])
+        return result(False, [f"{_POLICY_ERROR}evaluating the policy failed: {what}"])
     return result(not messages, messages)
 
 
@@ -224,10 +225,12 @@ def _mapped_bytes() -> int:
 
 
 def _answers(request: dict[str, Any]) -> Iterator[Checked | Verdict]:
+    """The answers to a request; MemoryError where rego-cpp ran out of memory."""
     if request["op"] == "check":
         try:
             compile_check(request["name"], request["source"])
         except InvalidPolicy as e:
+            _raise_if_out_of_memory(str(e))
             yield Checked(invalid=str(e))
         else:
             yield Checked()
@@ -237,7 +240,17 @@ def _answers(request: dict[str, Any]) -> Iterator[Checked | Verdict]:
         for p in request["policies"]
     ]
     for result in evaluate_each(sets, request["plan"]):
+        for message in result.messages if not result.passed else []:
+            if message.startswith(_POLICY_ERROR):
+                _raise_if_out_of_memory(message)
         yield Verdict(passed=result.passed, messages=result.messages)
+
+
+def _raise_if_out_of_memory(error: str) -> None:
+    """rego-cpp answers some failed allocations as an error of the query, not an abort:
+    that is the memory cap too."""
+    if "std::bad_alloc" in error:
+        raise MemoryError(error)
 
 
 # ---------------------------------------------------------------- regopy

@@ -17,8 +17,9 @@ time. So the API's save-time check and the executor's evaluation both go through
 - reads the request (JSON) on stdin and answers one JSON line per set on a private copy
   of stdout (a policy's `print()` writes to fd 1, which is /dev/null by then).
 
-The parent kills it after `timeout_s` of wall clock, reads at most one bounded line per
-set, and re-bounds every message: nothing the child says is trusted. The caps are
+The parent kills it when one set runs longer than `timeout_s` of wall clock (each set has
+its own; RLIMIT_CPU is their sum, a backstop), reads at most one bounded line per set, and
+re-bounds every message: nothing the child says is trusted. The caps are
 deployment settings, RUNPLANE_POLICY_MEMORY_MB (default 512) and
 RUNPLANE_POLICY_TIMEOUT_S (default 10), or constructor arguments.
 
@@ -220,7 +221,7 @@ class PolicySandbox:
                     "-I",
                     "-c",
                     _BOOT,
-                    *self._argv(),
+                    *self._argv(len(names)),
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE,
@@ -236,8 +237,8 @@ class PolicySandbox:
             finally:
                 await kill_group(proc)
 
-    def _argv(self) -> list[str]:
-        cpu = math.ceil(self.timeout_s) + 1  # the wall clock's kill comes first
+    def _argv(self, sets: int) -> list[str]:
+        cpu = math.ceil(self.timeout_s * sets) + 1  # the wall clock's kill comes first
         return [str(self.memory_mb << 20), str(cpu), str(self.uid), str(self.gid)]
 
     async def _talk(
@@ -260,10 +261,14 @@ class PolicySandbox:
                 raise SandboxUnavailable(
                     f"the policy evaluator did not start ({_status(proc.returncode)})"
                 )
-            try:
+            try:  # each set has its own timeout_s
+                while len(lines) < len(names):
+                    async with asyncio.timeout(self.timeout_s):
+                        line = await _line(proc.stdout)
+                    if not line:
+                        break
+                    lines.append(line)
                 async with asyncio.timeout(self.timeout_s):
-                    while len(lines) < len(names) and (line := await _line(proc.stdout)):
-                        lines.append(line)
                     await proc.wait()
             except TimeoutError:
                 raise PolicyLimitExceeded("time", _at(names, lines), self.time_text()) from None
