@@ -15,6 +15,7 @@ Each set gets its own interpreter, so one set's rules never see another's.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -47,6 +48,7 @@ from regopy.rego_shared import (  # type: ignore[import-untyped]  # no stubs
 from events.policies import PolicyResult, PolicySet
 from services.policywire import (
     EXIT_MEMORY,
+    MAX_ERROR,
     READY,
     Checked,
     InvalidPolicy,
@@ -58,6 +60,7 @@ from services.policywire import (
 _DENY = re.compile(r"^[ \t]*(?:default[ \t]+)?deny\b", re.M)
 _INT64 = (-(2**63), 2**63 - 1)
 _POLICY_ERROR = "policy error: "
+_PR_SET_DUMPABLE = 4  # prctl(2)
 _ERROR = re.compile(rb"\(error(?![a-z])(?:[ \t]+(\d+):)?")
 _ERRORMSG = re.compile(rb"\(errormsg (\d+):")
 _LOCATION = re.compile(rb"\|(\d+)\|(\d+)")
@@ -211,6 +214,9 @@ def _confine(memory: int, cpu: int, uid: int, gid: int) -> None:
         os.setgroups([])
         os.setresgid(gid, gid, gid)
         os.setresuid(uid, uid, uid)
+    # Not dumpable: no other process of that uid may ptrace it or read its /proc files.
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise SystemExit("the policy evaluator cannot make itself non-dumpable")
     if 0 in (*os.getresuid(), *os.getresgid()):
         raise SystemExit("the policy evaluator refuses to run policies as root")
 
@@ -231,7 +237,7 @@ def _answers(request: dict[str, Any]) -> Iterator[Checked | Verdict]:
             compile_check(request["name"], request["source"])
         except InvalidPolicy as e:
             _raise_if_out_of_memory(str(e))
-            yield Checked(invalid=str(e))
+            yield Checked(invalid=str(e)[:MAX_ERROR])
         else:
             yield Checked()
         return

@@ -45,7 +45,7 @@ from events.policies import PolicyResult, PolicySet
 from services.infra.childenv import kill_group
 from services.policywire import (
     EXIT_MEMORY,
-    MAX_MESSAGE,
+    MAX_ERROR,
     READY,
     Checked,
     InvalidPolicy,
@@ -64,6 +64,7 @@ __all__ = [
 
 MEMORY_ENV = "RUNPLANE_POLICY_MEMORY_MB"
 TIMEOUT_ENV = "RUNPLANE_POLICY_TIMEOUT_S"
+UID_ENV, GID_ENV = "RUNPLANE_POLICY_UID", "RUNPLANE_POLICY_GID"
 DEFAULT_MEMORY_MB = 512
 DEFAULT_TIMEOUT_S = 10.0
 NOBODY = 65534  # uid and gid of `nobody` / `nogroup` on Debian
@@ -136,9 +137,11 @@ class PolicySandbox:
     """Runs compile checks and evaluations in a confined child; see the module's text.
 
     `memory_mb` and `timeout_s` default to the deployment's settings (environment), else
-    512 MB and 10 s. `uid`/`gid` is who the child becomes when we are root (default
-    nobody). At most `concurrency` children run at once, so that a burst of saves or
-    runs costs at most that many times the memory cap.
+    512 MB and 10 s. `uid`/`gid` is who the child becomes when we are root: the
+    deployment's RUNPLANE_POLICY_UID / RUNPLANE_POLICY_GID, else nobody (a uid of its
+    own is better: whatever else runs as nobody may signal the child). At most
+    `concurrency` children run at once, so that a burst of saves or runs costs at most
+    that many times the memory cap.
     """
 
     def __init__(
@@ -159,6 +162,10 @@ class PolicySandbox:
         self.memory_mb, self.timeout_s = int(memory_mb), float(timeout_s)
         if self.memory_mb <= 0 or self.timeout_s <= 0:
             raise ValueError("the policy sandbox's caps must be positive")
+        if uid is None and env.get(UID_ENV, "").strip():
+            uid = int(_setting(env, UID_ENV, NOBODY))
+        if gid is None and env.get(GID_ENV, "").strip():
+            gid = int(_setting(env, GID_ENV, NOBODY))
         root = os.geteuid() == 0
         if not root and uid not in (None, os.getuid()):
             raise ValueError(f"the policy sandbox cannot become uid {uid}: not running as root")
@@ -182,7 +189,7 @@ class PolicySandbox:
         [line] = await self._run(json.dumps(request).encode(), [name])
         answer = _decode(line, Checked, name)
         if answer.invalid is not None:
-            raise InvalidPolicy(answer.invalid[: 8 * MAX_MESSAGE])
+            raise InvalidPolicy(answer.invalid[:MAX_ERROR])
 
     async def evaluate(
         self, policies: Sequence[PolicySet], plan_json: dict[str, Any]
@@ -249,31 +256,8 @@ class PolicySandbox:
         feed = asyncio.create_task(_feed(proc.stdin, request))
         lines: list[bytes] = []
         try:
-            try:
-                async with asyncio.timeout(STARTUP_S):
-                    ready = await _line(proc.stdout)
-            except TimeoutError:
-                raise SandboxUnavailable(
-                    f"the policy evaluator did not start in {STARTUP_S:g} s"
-                ) from None
-            if ready != READY:
-                await proc.wait()
-                raise SandboxUnavailable(
-                    f"the policy evaluator did not start ({_status(proc.returncode)})"
-                )
-            try:  # each set has its own timeout_s
-                while len(lines) < len(names):
-                    async with asyncio.timeout(self.timeout_s):
-                        line = await _line(proc.stdout)
-                    if not line:
-                        break
-                    lines.append(line)
-                async with asyncio.timeout(self.timeout_s):
-                    await proc.wait()
-            except TimeoutError:
-                raise PolicyLimitExceeded("time", _at(names, lines), self.time_text()) from None
-            except ValueError:  # a line longer than _LINE_LIMIT: not our child's answer
-                raise PolicyCrashed(_at(names, lines), "its answer is too long") from None
+            await _ready(proc, proc.stdout)
+            await self._read_answers(proc, proc.stdout, names, lines)
         finally:
             feed.cancel()
             if proc.returncode is None:
@@ -281,6 +265,28 @@ class PolicySandbox:
             stderr = await errors
         self._verdict(proc.returncode, stderr, names, lines)
         return lines
+
+    async def _read_answers(
+        self,
+        proc: asyncio.subprocess.Process,
+        stdout: asyncio.StreamReader,
+        names: list[str],
+        lines: list[bytes],
+    ) -> None:
+        """Into `lines`, one answer per set, each within timeout_s; then the child's end."""
+        try:
+            while len(lines) < len(names):
+                async with asyncio.timeout(self.timeout_s):
+                    line = await _line(stdout)
+                if not line:
+                    return
+                lines.append(line)
+            async with asyncio.timeout(self.timeout_s):
+                await proc.wait()
+        except TimeoutError:
+            raise PolicyLimitExceeded("time", _at(names, lines), self.time_text()) from None
+        except ValueError:  # a line longer than _LINE_LIMIT: not our child's answer
+            raise PolicyCrashed(_at(names, lines), "its answer is too long") from None
 
     def _verdict(self, rc: int | None, stderr: bytes, names: list[str], lines: list[bytes]) -> None:
         """Nothing if the child answered for every set and ended well, else why not."""
@@ -294,6 +300,18 @@ class PolicySandbox:
             raise PolicyCrashed(policy, _status(rc))
         if len(lines) != len(names):
             raise PolicyCrashed(policy, f"it answered {len(lines)} of {len(names)} sets")
+
+
+async def _ready(proc: asyncio.subprocess.Process, stdout: asyncio.StreamReader) -> None:
+    """SandboxUnavailable unless the child says it is confined and reading the request."""
+    try:
+        async with asyncio.timeout(STARTUP_S):
+            ready = await _line(stdout)
+    except TimeoutError:
+        raise SandboxUnavailable(f"the policy evaluator did not start in {STARTUP_S:g} s") from None
+    if ready != READY:
+        await proc.wait()
+        raise SandboxUnavailable(f"the policy evaluator did not start ({_status(proc.returncode)})")
 
 
 async def _feed(stdin: asyncio.StreamWriter, data: bytes) -> None:

@@ -15,6 +15,7 @@ from events.errors import Invalid
 
 MAX_MESSAGES = 50  # per set and plan: the plan's event stays small
 MAX_MESSAGE = 1000  # characters of one message
+MAX_ERROR = 8000  # characters of a compiler's message (a save's 422)
 READY = b"ready"  # the child's first line: confined, now reading the request
 EXIT_MEMORY = 3  # the child's exit status for a MemoryError raised in Python
 _PACKAGE = re.compile(r"^[ \t]*package[ \t]+([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)[ \t]*(?:#.*)?$", re.M)

@@ -8,7 +8,7 @@ real Terraform through the HTTP API (services/policysandbox.py).
   without bound; a busy loop held it for ever.
 
 The deployment's caps are set the way a deployment sets them, in the environment (the
-time cap lowered to 2 s to keep the suite quick, the memory cap left at its default). A
+time cap lowered to 4 s to keep the suite quick, the memory cap left at its default). A
 guard process kills this test's own processes if one passes 2 GB of RSS, so that a
 sandbox that does not hold never hurts the machine. The sandbox's module is imported
 only by the tests that call it directly: the others are the attacks themselves and run
@@ -43,7 +43,7 @@ from tests.test_api_support import ADMIN_TOKEN
 V1 = "/api/v1/orgs/acme"
 TWO = 'resource "null_resource" "a" {}\nresource "null_resource" "b" {}\n'
 NATS_SECRET = "nats-password-of-the-deployment"
-TIME_CAP_S = 2
+TIME_CAP_S = 4  # the runaway reaches 512 MB in about 1 s
 GUARD_MB = 2048
 
 RUNTIME = """package runtime
@@ -353,7 +353,9 @@ async def test_the_child_is_confined_and_its_caps_are_the_callers() -> None:
     if os.geteuid() == 0:
         assert status["Uid"].split() == ["65534"] * 4 and status["Gid"].split() == ["65534"] * 4
         assert status["Groups"].strip() == ""
-    assert Path(f"/proc/{pid}/environ").read_bytes() == b""
+    environ = Path(f"/proc/{pid}/environ")
+    assert environ.read_bytes() == b""
+    assert environ.stat().st_uid == 0  # not dumpable: its /proc files stay root's
     limits = {
         line[:26].strip(): line[26:].split()[:2]
         for line in Path(f"/proc/{pid}/limits").read_text().splitlines()[1:]
@@ -392,7 +394,7 @@ async def test_a_policy_that_prints_cannot_forge_its_answer() -> None:
 async def test_the_memory_cap_is_the_callers(condition: str, memory_mb: int) -> None:
     from services.policysandbox import PolicyLimitExceeded, PolicySandbox
 
-    sandbox = PolicySandbox(memory_mb=memory_mb)
+    sandbox = PolicySandbox(memory_mb=memory_mb, timeout_s=30)
     with pytest.raises(PolicyLimitExceeded) as caught:
         await sandbox.compile_check("huge", _policy("huge", condition))
     assert caught.value.limit == "memory"
@@ -400,7 +402,7 @@ async def test_the_memory_cap_is_the_callers(condition: str, memory_mb: int) -> 
     await sandbox.compile_check("small", _policy("small", "input.x == 1"))  # within it
 
 
-def test_the_caps_are_deployment_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_caps_and_identity_are_deployment_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     from services.policysandbox import PolicySandbox
 
     monkeypatch.setenv("RUNPLANE_POLICY_MEMORY_MB", "300")
@@ -410,6 +412,12 @@ def test_the_caps_are_deployment_settings(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("RUNPLANE_POLICY_MEMORY_MB")
     monkeypatch.delenv("RUNPLANE_POLICY_TIMEOUT_S")
     assert (PolicySandbox().memory_mb, PolicySandbox().timeout_s) == (512, 10.0)
+    if os.geteuid() == 0:
+        monkeypatch.setenv("RUNPLANE_POLICY_UID", "4242")
+        assert (PolicySandbox().uid, PolicySandbox().gid) == (4242, 65534)
+        assert PolicySandbox(uid=4343, gid=4343).gid == 4343
+        with pytest.raises(ValueError, match="not run policies as root"):
+            PolicySandbox(uid=0)
     for bad in ("0", "-1", "lots", "nan"):
         monkeypatch.setenv("RUNPLANE_POLICY_MEMORY_MB", bad)
         with pytest.raises(ValueError, match="RUNPLANE_POLICY_MEMORY_MB must be a positive"):
