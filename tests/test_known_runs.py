@@ -25,9 +25,9 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch, store: EventStore) -> list[str
     reads: list[str] = []
     real = store.read
 
-    async def read(subject: str, after: int = 0) -> Any:
+    async def read(subject: str, after: int = 0, **floor: Any) -> Any:
         reads.append(subject)
-        return await real(subject, after)
+        return await real(subject, after, **floor)
 
     monkeypatch.setattr(store, "read", read)
     return reads

@@ -105,8 +105,11 @@ async def test_a_silent_executor_fails_its_run_after_the_heartbeat_timeout(
     assert "heartbeat timeout 1s" in failed.error_message
     [event] = await failures(app, "net", run_id)
     assert (event.actor, event.lease_id) == ("reaper", "")
-    ws = (await app.load_ws(ORG, "net")).state
-    assert not ws.active, "the workspace was released with the failure"
+
+    async def released() -> bool:  # the release is the append after the failure's
+        return not (await app.load_ws(ORG, "net")).state.active
+
+    await eventually(released, timeout=10, what="the workspace released with the failure")
     await eventually(_gone(board, run_id), what="the board entry purged")
 
 
