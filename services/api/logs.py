@@ -1,7 +1,10 @@
 """`GET .../runs/{run}/logs`: a run's log lines as JSON, or followed as server-sent events.
 
 Without `follow`: `{"items": [{"phase", "step", "stream", "line", "text"}, ...]}`, step
-after step in start order. With `follow=1`: `text/event-stream` of `event: line` (data:
+after step in start order, written as it is read (a 200,000-line log is never whole in
+the server's memory). With `offset` and/or `limit` (in lines of that answer, from 0) it
+is one page, and the answer has `next_offset`: the offset of the next page, or null once
+the run has ended and nothing is left. With `follow=1`: `text/event-stream` of `event: line` (data:
 one item as above), `event: step` (a step started or ended: phase, step, status, and at
 the end error and metrics), and finally `event: end` (data: the run's terminal status and
 reason), after which the server closes the stream. A comment line is sent every 15
@@ -11,7 +14,9 @@ seconds of silence so that proxies keep the connection open.
 from __future__ import annotations
 
 import contextlib
+import re
 
+import msgspec
 import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
@@ -20,21 +25,40 @@ from events.run import TERMINAL
 from events.templates import valid_phase
 from services.api.auth import VIEWER
 from services.api.bodies import check_name
-from services.api.common import json_response, path_id, scope
+from services.api.common import path_id, scope
+from services.api.follow import Follower
 from services.api.problems import Problem
-from services.api.runlog import Follower, Out, Target, encode_sse, snapshot
+from services.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.api.schemas import INT, STR, Doc
-from services.infra.steplogs import STREAMS, LogError
+from services.infra.steplogs import STREAMS, LogError, LogLine
 
 log = structlog.get_logger("runplane.api")
+_encoder = msgspec.json.Encoder()
 
-_PARAMS = frozenset({"follow", "phase", "step"})
+_PARAMS = frozenset({"follow", "phase", "step", "offset", "limit"})
+MAX_LIMIT = 10_000  # lines of one page
+_NUMBER = re.compile(r"^[0-9]{1,12}$")
 PHASE_SCHEMA = {"type": "string", "pattern": "^(plan|apply|custom-[1-9][0-9]{0,4})$"}
 _FOLLOW = {"1": True, "true": True, "0": False, "false": False, "": False}
 
 
+def _page(request: web.Request, follow: bool) -> Page | None:
+    """`offset` and `limit`, if either is given (not with `follow`)."""
+    query = request.query
+    if "offset" not in query and "limit" not in query:
+        return None
+    if follow:
+        raise Problem("invalid-query", "offset and limit page a log that is not followed")
+    offset, limit = query.get("offset", "0"), query.get("limit", str(MAX_LIMIT))
+    if not _NUMBER.match(offset):
+        raise Problem("invalid-query", "offset must be a whole number of lines, from 0")
+    if not _NUMBER.match(limit) or not 1 <= int(limit) <= MAX_LIMIT:
+        raise Problem("invalid-query", f"limit must be a whole number from 1 to {MAX_LIMIT}")
+    return Page(int(offset), int(limit))
+
+
 def _query(request: web.Request) -> tuple[bool, str | None, str | None]:
-    """`follow`, `phase` and `step` of the query string; anything else is refused."""
+    """`follow`, `phase` and `step` of the query string; anything unknown is refused."""
     query = request.query
     unknown = sorted(set(query) - _PARAMS)
     if unknown:
@@ -55,6 +79,7 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
     api, org, _ = scope(request, VIEWER)
     run_id = path_id(request, "run")
     follow, phase, step = _query(request)
+    page = _page(request, follow)
     run = await api.read.get_run(org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
@@ -62,11 +87,44 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
     nc = api.app.store.nc
     if follow:
         return await _follow_stream(request, nc, target)
+    lines = Lines(nc, api.read, target, ended=run["status"] in TERMINAL)
+    return await _lines_stream(request, lines, page)
+
+
+async def _lines_stream(
+    request: web.Request, lines: Lines, page: Page | None
+) -> web.StreamResponse:
+    """The JSON answer, written batch by batch. A failure before the first batch is a 503
+    problem; after it, the answer is cut short (the client sees an incomplete body)."""
+    batches = aiter(lines.batches(page or Page()))
     try:
-        lines = await snapshot(nc, api.read, target, ended=run["status"] in TERMINAL)
+        first = await anext(batches, None)
     except LogError as e:
         raise Problem("unavailable", f"the log store is unavailable: {e}") from e
-    return json_response({"items": lines})
+    resp = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+    resp.content_type = "application/json"
+    await resp.prepare(request)
+    await resp.write(b'{"items":[' + _items(first or []))
+    wrote = bool(first)
+    try:
+        async for batch in batches:
+            if batch:
+                await resp.write(b"," + _items(batch) if wrote else _items(batch))
+                wrote = True
+    except LogError as e:
+        log.warning("log_read_failed", error=str(e))
+        raise ConnectionResetError("the log store failed while answering") from e
+    tail = b"]"
+    if page is not None:
+        done = lines.ended and not lines.more
+        tail += b',"next_offset":' + (b"null" if done else str(page.offset + lines.count).encode())
+    await resp.write(tail + b"}")
+    await resp.write_eof()
+    return resp
+
+
+def _items(batch: list[LogLine]) -> bytes:
+    return _encoder.encode(batch)[1:-1]
 
 
 async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.StreamResponse:

@@ -1,44 +1,42 @@
-"""A run's log: all of it at once, or followed live until the run ends.
+"""A run's log read whole or a page at a time, in batches (followed: services/api/follow.py).
 
 A finished step's log is read from its object in `rp-logs` (complete, and kept after the
-live lines aged out); a running step's from RP_LOGS. Following runs two ordered readers
-into one loop: the run's events (`rp.run.<org>.<ws>.<run>`, from its first) and its live
-lines (`rp.log.<run>.>`, from the oldest RP_LOGS still holds). Each step's lines go out in
-order and once, after the step's `step` (running) event and before its end: a
-`StepCursor` holds back lines past a gap or ahead of the step's start, and when the
-step's `run.step_finished` arrives the rest comes from the stored object. Steps follow
-each other in the order of the run's events. Once the run is terminal, steps that never
-finished are completed from RP_LOGS, and `end` is sent.
+live lines aged out), a chunk at a time; a running step's from RP_LOGS, a batch of direct
+gets at a time. The answer is written as it is read, so what a reader holds on the
+server is one batch, whatever the log's size. A page is `offset` and `limit` in lines
+of the answer (step after step in start order): lines before a page are read and
+skipped, which for a finished run gives every reader the same numbering.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable, Iterable
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 
-from events import run as run_agg
-from events.codec import AnyEvent, decode, run_subject
-from events.run import RunEvent, RunState, StepFinished, StepStarted
-from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
-from services.infra.steplogs import LogLine, log_subject, parse_live, read_live, read_object
-from services.infra.streams import EVENTS, LOGS
+from services.api.runfeed import hub
+from services.infra.steplogs import (
+    LogError,
+    LogLine,
+    StoredLog,
+    direct_batch,
+    iter_live,
+    log_subject,
+)
+from services.infra.streams import LOGS
 
 Key = tuple[str, str]  # (phase, step)
 Out = tuple[str, Any]  # (server-sent event name, its data)
-Send = Callable[[list[Out]], Awaitable[None]]
 
 # Lines held per step while following (past a gap, or ahead of the step's start event);
 # beyond, they are skipped live and come from the stored log when the step ends.
 HOLD_LIMIT = 2_000
-_BATCH = 500
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,12 +83,40 @@ class StepCursor:
     def complete(self, lines: Iterable[LogLine]) -> list[LogLine]:
         """The step ended and `lines` is all there is: what is still owed, in order, once
         (past a gap too: nothing will fill it now)."""
-        out = self.start()
-        owed = self.held | {line.line: line for line in lines if line.line >= self.next}
-        out += [owed[n] for n in sorted(owed)]
-        self.next = max(owed, default=self.next - 1) + 1
+        return self.start() + self.take(sorted(lines, key=lambda line: line.line)) + self.finish()
+
+    def take(self, lines: Iterable[LogLine]) -> list[LogLine]:
+        """Part of the step's whole log, in line order: what is owed of it, held lines
+        at their place. A whole log is read this way in batches, then `finish`."""
+        self.started = True
+        out: list[LogLine] = []
+        low = min(self.held, default=None)
+        for line in lines:
+            if line.line < self.next:
+                continue
+            if low is not None and low <= line.line:  # pops one held line at least
+                out += self._held_below(line.line)
+                self.held.pop(line.line, None)
+                low = min(self.held, default=None)
+            out.append(line)
+            self.next = line.line + 1
+        return out
+
+    def finish(self) -> list[LogLine]:
+        """The whole log has been taken: the held lines past its end, and nothing more."""
+        out = [self.held[n] for n in sorted(self.held) if n >= self.next]
+        self.next = max(self.next, out[-1].line + 1) if out else self.next
         self.held.clear()
         self.done = True
+        return out
+
+    def _held_below(self, number: int) -> list[LogLine]:
+        out: list[LogLine] = []
+        for n in sorted(n for n in self.held if n < number):
+            held = self.held.pop(n)
+            if n >= self.next:
+                out.append(held)
+                self.next = n + 1
         return out
 
     def _release(self) -> list[LogLine]:
@@ -104,180 +130,99 @@ class StepCursor:
 # ---------------------------------------------------------------- all at once
 
 
-async def snapshot(nc: NATS, read: ReadModel, target: Target, *, ended: bool) -> list[LogLine]:
-    """Every line of the run's steps, step after step in start order.
+@dataclass(frozen=True)
+class Page:
+    """Lines `offset` (0: the first of the answer) to `offset + limit - 1`."""
 
-    While the run goes on, RP_LOGS is read once for all its steps (it also has the steps
-    the read model has not seen start yet); once it `ended`, only for a step whose log
-    was not stored.
+    offset: int = 0
+    limit: int | None = None
+
+
+class Lines:
+    """The run's lines, step after step in start order, as batches for a streamed answer.
+
+    A finished step's come from its object (a chunk at a time), a running step's from
+    RP_LOGS (a batch of direct gets at a time). `page` skips and stops; `count` is how
+    many went out, and `more` whether a line was left after the page's last.
     """
-    live: dict[Key, list[LogLine]] = {}
-    for line in [] if ended else await read_live(nc, target.live_subject):
-        live.setdefault((line.phase, line.step), []).append(line)
-    out: list[LogLine] = []
-    for step in await read.run_steps(target.org, target.run_id):
-        key = (step["phase"], step["step"])
-        if not target.wants(key):
-            continue
-        stored = None
-        if step["status"] != "running" and step["log_object"]:
-            stored = await _stored(nc, key, step["log_object"])
-        if stored is None:
-            lines = (
-                await read_live(nc, log_subject(target.run_id, *key))
-                if ended
-                else live.get(key, [])
-            )
-            stored = StepCursor().complete(lines)
-        out += stored
-        live.pop(key, None)
-    for lines in live.values():
-        out += StepCursor().complete(lines)
-    return out
 
-
-async def _stored(nc: NATS, key: Key, name: str) -> list[LogLine] | None:
-    records = await read_object(nc, name)
-    if records is None:
-        return None
-    return [LogLine(key[0], key[1], r.stream, r.line, r.text) for r in records]
-
-
-# ---------------------------------------------------------------- followed
-
-
-class Follower:
-    """Sends a run's log as it grows (through `send`) until the run is terminal."""
-
-    def __init__(self, nc: NATS, target: Target, send: Send, *, keepalive: float = 15.0) -> None:
+    def __init__(self, nc: NATS, read: ReadModel, target: Target, *, ended: bool) -> None:
         self.nc = nc
+        self.read = read
         self.target = target
-        self.send = send
-        self.keepalive = keepalive
-        self.state: RunState = run_agg.INITIAL
-        self.cursors: dict[Key, StepCursor] = {}
-        self.ended = False
+        self.ended = ended
+        self.count = 0
+        self.more = False
 
-    async def run(self) -> None:
-        """Follow until `end` has been sent; an empty batch sent is a keep-alive."""
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=4)
+    async def batches(self, page: Page = Page()) -> AsyncIterator[list[LogLine]]:
+        skip, room = page.offset, page.limit
+        async for batch in self._all():
+            if room == 0:  # the page is full: this batch only says there is more
+                self.more = self.more or bool(batch)
+                if self.more:
+                    return
+                continue
+            if skip >= len(batch):
+                skip -= len(batch)
+                continue
+            batch, skip = batch[skip:], 0
+            if room is not None:
+                self.more = len(batch) > room
+                batch = batch[:room]
+                room -= len(batch)
+            self.count += len(batch)
+            yield batch
+            if self.more:
+                return
+
+    async def _all(self) -> AsyncIterator[list[LogLine]]:
         t = self.target
-        async with AsyncExitStack() as stack:
-            runs = OrderedReader(self.nc, EVENTS, filter_subject=run_subject(t.org, t.ws, t.run_id))
-            lines = OrderedReader(self.nc, LOGS, filter_subject=t.live_subject)
-            feeders = [
-                asyncio.create_task(_feed(await stack.enter_async_context(r), kind, queue))
-                for r, kind in ((runs, "run"), (lines, "log"))
-            ]
-            stack.push_async_callback(_cancel, feeders)
-            while not self.ended:
-                batch = await self._next(queue)
-                if batch is None or batch:  # None: silent for a while, keep the line alive
-                    await self.send(batch or [])
-
-    async def _next(self, queue: asyncio.Queue[tuple[str, Any]]) -> list[Out] | None:
-        try:
-            async with asyncio.timeout(self.keepalive):
-                kind, batch = await queue.get()
-        except TimeoutError:
-            return None
-        if kind == "error":
-            raise batch
-        return await (self._on_events(batch) if kind == "run" else self._on_lines(batch))
-
-    def _cursor(self, key: Key) -> StepCursor:
-        return self.cursors.setdefault(key, StepCursor())
-
-    def _announce(self, key: Key) -> list[Out]:
-        """`step` running, once, then the lines that waited for it."""
-        cursor = self._cursor(key)
-        if cursor.started:
-            return []
-        announced: list[Out] = [("step", {"phase": key[0], "step": key[1], "status": "running"})]
-        return announced + [("line", line) for line in cursor.start()]
-
-    # ------------------------------------------------------------ live lines
-
-    async def _on_lines(self, batch: list[Delivered]) -> list[Out]:
-        """Lines of started steps go out in order; others wait for their `step` event."""
-        out: list[Out] = []
-        for d in batch:
-            line = parse_live(d.subject, d.headers, d.data)
-            if line is not None:
-                cursor = self._cursor((line.phase, line.step))
-                out += [("line", sent) for sent in cursor.offer(line)]
-        return out
-
-    # ------------------------------------------------------------ the run's events
-
-    async def _on_events(self, batch: list[Delivered]) -> list[Out]:
-        out: list[Out] = []
-        for d in batch:
-            event = _decode(d.data)
-            if self.ended or not isinstance(event, RunEvent):
-                continue
-            phase = self.state.phase
-            self.state = run_agg.evolve(self.state, event)
-            if isinstance(event, StepStarted) and self.target.wants((phase, event.step)):
-                out += self._announce((phase, event.step))
-            elif isinstance(event, StepFinished) and self.target.wants((phase, event.step)):
-                out += await self._step_finished(phase, event)
-            if self.state.terminal:
-                out += await self._end()
-        return out
-
-    async def _step_finished(self, phase: str, event: StepFinished) -> list[Out]:
-        key = (phase, event.step)
-        out = self._announce(key)
-        stored = await _stored(self.nc, key, event.log_object) if event.log_object else None
-        if stored is None:  # never stored: what the live stream still has is all there is
-            stored = await read_live(self.nc, log_subject(self.target.run_id, *key))
-        out += [("line", line) for line in self._cursor(key).complete(stored)]
-        info = {"status": "ok" if event.ok else "failed", "error": event.error or None}
-        out.append(("step", {"phase": phase, "step": event.step, **info, "metrics": event.metrics}))
-        return out
-
-    async def _end(self) -> list[Out]:
-        """The run is over: finish the steps it left running, then `end`."""
-        out: list[Out] = []
-        s = self.state
-        error = f"run {s.status}" + (f": {s.reason}" if s.reason else "")
-        for key, cursor in list(self.cursors.items()):
-            if cursor.done:
-                continue
-            out += self._announce(key)
-            remaining = await read_live(self.nc, log_subject(self.target.run_id, *key))
-            out += [("line", line) for line in cursor.complete(remaining)]
-            out.append(
-                ("step", {"phase": key[0], "step": key[1], "status": "failed", "error": error})
-            )
-        out.append(("end", {"status": str(s.status), "reason": s.reason or None}))
-        self.ended = True
-        return out
+        seen: set[Key] = set()
+        for step in await self.read.run_steps(t.org, t.run_id):
+            key = (step["phase"], step["step"])
+            seen.add(key)
+            if t.wants(key):
+                stored = (step["status"] != "running" and step["log_object"]) or ""
+                async for batch in step_lines(self.nc, t.run_id, key, stored):
+                    yield batch
+        if self.ended:
+            return
+        for key in await live_steps(self.nc, t.live_subject):  # not projected as started yet
+            if key not in seen and t.wants(key):
+                async for batch in step_lines(self.nc, t.run_id, key, ""):
+                    yield batch
 
 
-def _decode(data: bytes) -> AnyEvent | None:
+async def step_lines(
+    nc: NATS, run_id: str, key: Key, stored: str, *, cursor: StepCursor | None = None
+) -> AsyncIterator[list[LogLine]]:
+    """A step's lines: its object's if `stored` names one that exists, else what RP_LOGS
+    has; each line once and in order (from `cursor.next` on, if given)."""
+    cursor = cursor or StepCursor()
+    obj = await StoredLog.open(nc, stored, hub(nc).gate) if stored else None
+    if obj is not None:
+        async for records in obj.records():
+            yield cursor.take([LogLine(*key, r.stream, r.line, r.text) for r in records])
+    else:
+        async for lines in iter_live(nc, log_subject(run_id, *key)):
+            yield cursor.take(lines)
+    if rest := cursor.finish():
+        yield rest
+
+
+async def live_steps(nc: NATS, subject: str) -> list[Key]:
+    """The steps RP_LOGS holds lines of on `subject`, in the order their first line came."""
     try:
-        return decode(data)
-    except msgspec.DecodeError:  # the projection records it as skipped; a log skips it too
-        return None
-
-
-async def _feed(reader: OrderedReader, kind: str, queue: asyncio.Queue[tuple[str, Any]]) -> None:
-    try:
-        while True:
-            await queue.put((kind, await reader.next_batch(_BATCH)))
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # noqa: BLE001 - handed to the loop, which ends the follow with it
-        await queue.put(("error", e))
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.gather(*tasks, return_exceptions=True)
+        info = await nc.jetstream().stream_info(LOGS, subjects_filter=subject)
+        firsts: list[tuple[int, Key]] = []
+        for name in info.state.subjects or {}:
+            page, _ = await direct_batch(nc, LOGS, name, 1, batch=1)
+            parts = name.split(".")
+            if page and len(parts) == 5:
+                firsts.append((page[0].seq, (parts[3], parts[4])))
+    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as e:
+        raise LogError(f"listing {subject}: {e!r}") from e
+    return [key for _, key in sorted(firsts)]
 
 
 _encoder = msgspec.json.Encoder()

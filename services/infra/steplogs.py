@@ -10,21 +10,25 @@ JSON lines `{"stream": "stdout", "line": 1, "text": "..."}` with the same number
 the object continues the live stream exactly. An object that is not JSON lines (written
 before this format) reads as stdout, one record per line.
 
-Readers here do I/O (a direct get over RP_LOGS, an object download) and return whole
-lists: a step log is read once per request, and live lines are age-limited.
+Readers here do I/O (batched direct gets over RP_LOGS, an object read chunk by chunk)
+and hand out batches, so that what a reader holds is bounded whatever the log's size.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
 import json
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, NamedTuple
 
 import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from services.infra.streams import LOGS, LOGS_BUCKET
 
@@ -34,7 +38,8 @@ STREAMS = ("stdout", "stderr")
 PHASES = ("plan", "apply")  # and custom-<number>: events/templates.py valid_phase
 
 _BATCH = 1000
-_SPOOL = 8 * 1024 * 1024  # a log object larger than this is spooled to disk while read
+_TIMEOUT = 5.0
+_OBJ_API = "$JS.API.DIRECT.GET." + OBJ_STREAM_TEMPLATE.format(bucket=LOGS_BUCKET)
 
 
 class LogError(RuntimeError):
@@ -75,9 +80,14 @@ def encode_record(stream: str, line: int, text: str) -> bytes:
     return _record_encoder.encode(Record(stream, line, text)) + b"\n"
 
 
-def decode_records(lines: Iterable[bytes]) -> Iterator[Record]:
-    """The records of a stored log; a line that is not a record is stdout text."""
-    for n, raw in enumerate(lines, 1):
+def decode_records(lines: Iterable[bytes], *, first: int = 1) -> Iterator[Record]:
+    """The records of a stored log (blank lines skipped); a line that is not a record is
+    stdout text, numbered by its place (`first` for the first)."""
+    n = first - 1
+    for raw in lines:
+        if not raw.strip():
+            continue
+        n += 1
         try:
             yield _record_decoder.decode(raw)
         except msgspec.DecodeError:
@@ -102,53 +112,169 @@ def parse_live(subject: str, headers: dict[str, str] | None, data: bytes) -> Log
 # ---------------------------------------------------------------- reading
 
 
-async def read_object(nc: NATS, name: str) -> list[Record] | None:
-    """The records of a stored log, or None if there is no such object."""
-    with tempfile.SpooledTemporaryFile(max_size=_SPOOL) as buf:
-        try:
-            store = await nc.jetstream().object_store(LOGS_BUCKET)
-            await store.get(name, writeinto=buf)  # type: ignore[arg-type]  # a binary file
-        except nats.js.errors.ObjectNotFoundError:
+class StoredLog:
+    """A stored step log, read chunk by chunk: at most one chunk (128 KiB) in flight and
+    in memory per reader, however large the object.
+
+    nats-py's `ObjectStore.get` is no way to serve readers: each call creates a push
+    consumer that the server fills as fast as it can, so a few hundred concurrent
+    downloads put hundreds of megabytes in flight on the API's one connection; its other
+    requests (stream info, the object's meta, consumer creation) then wait behind them
+    past their 5 s timeout (answered 503), and past the server's max pending the
+    connection is closed as a slow consumer. Here each chunk is one direct get, asked
+    for only when the previous one has been written out (the caller's backpressure), and
+    `gate` bounds the chunk requests in flight in the whole process.
+    """
+
+    def __init__(self, nc: NATS, name: str, info: dict[str, Any], gate: asyncio.Semaphore) -> None:
+        self.nc = nc
+        self.name = name
+        self.nuid = str(info["nuid"])
+        self.size = int(info.get("size") or 0)
+        self.chunks = int(info.get("chunks") or 0)
+        self.digest = str(info.get("digest") or "")
+        self.gate = gate
+
+    @classmethod
+    async def open(
+        cls, nc: NATS, name: str, gate: asyncio.Semaphore, *, timeout: float = _TIMEOUT
+    ) -> StoredLog | None:
+        """The object's meta (one direct get), or None if there is no such object."""
+        meta = OBJ_META_PRE_TEMPLATE.format(
+            bucket=LOGS_BUCKET, obj=base64.urlsafe_b64encode(name.encode()).decode()
+        )
+        msg = await _direct(nc, f"{_OBJ_API}.{meta}", b"", gate, timeout)
+        if msg is None:
             return None
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as e:
-            raise LogError(f"reading {LOGS_BUCKET}/{name}: {e!r}") from e
-        buf.seek(0)
-        return list(decode_records(raw for raw in buf if raw.strip()))
+        try:
+            info = json.loads(msg.data)
+        except ValueError as e:
+            raise LogError(f"{LOGS_BUCKET}/{name}: unreadable meta") from e
+        if info.get("deleted") or not info.get("nuid"):
+            return None
+        return cls(nc, name, info, gate)
+
+    async def chunks_of(self, *, timeout: float = _TIMEOUT) -> AsyncIterator[bytes]:
+        """The object's bytes in its chunks, checked against its size and digest."""
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=LOGS_BUCKET, obj=self.nuid)
+        h = hashlib.sha256()
+        seq, got, size = 1, 0, 0
+        while got < self.chunks:
+            req = json.dumps({"seq": seq, "next_by_subj": subject}).encode()
+            msg = await _direct(self.nc, _OBJ_API, req, self.gate, timeout)
+            if msg is None:
+                break
+            seq = int((msg.headers or {})["Nats-Sequence"]) + 1
+            got, size = got + 1, size + len(msg.data)
+            h.update(msg.data)
+            yield msg.data
+        digest = base64.urlsafe_b64encode(h.digest()).decode()
+        if (got, size) != (self.chunks, self.size) or self.digest.split("=", 1)[-1] != digest:
+            raise LogError(f"{LOGS_BUCKET}/{self.name}: incomplete or corrupt object")
+
+    async def records(self) -> AsyncIterator[list[Record]]:
+        """The object's records, one list per chunk read (lines split across chunks are
+        joined); an old object that is not JSON lines reads as stdout, one record a line."""
+        rest = b""
+        n = 0
+        async for chunk in self.chunks_of():
+            lines = (rest + chunk).split(b"\n")
+            rest = lines.pop()
+            batch = list(decode_records(lines, first=n + 1))
+            n += len(batch)
+            if batch:
+                yield batch
+        if last := list(decode_records([rest], first=n + 1)):
+            yield last
 
 
-async def read_live(nc: NATS, subject: str, *, timeout: float = 5.0) -> list[LogLine]:
+async def _direct(
+    nc: NATS, subject: str, payload: bytes, gate: asyncio.Semaphore, timeout: float
+) -> Msg | None:
+    """One direct get; None when the server has no such message."""
+    async with gate:
+        try:
+            msg = await nc.request(subject, payload, timeout=timeout)
+        except (nats.errors.Error, TimeoutError) as e:
+            raise LogError(f"reading {LOGS_BUCKET}: {e!r}") from e
+    status = (msg.headers or {}).get("Status")
+    if status == "404":
+        return None
+    if status:
+        raise LogError(f"direct get failed: {status} {(msg.headers or {}).get('Description')}")
+    return msg
+
+
+async def read_object(nc: NATS, name: str) -> list[Record] | None:
+    """All the records of a stored log (small logs and tests), or None if there is none."""
+    stored = await StoredLog.open(nc, name, asyncio.Semaphore(1))
+    if stored is None:
+        return None
+    return [r async for batch in stored.records() for r in batch]
+
+
+class Raw(NamedTuple):
+    """One message of a stream as a direct get answers it."""
+
+    seq: int
+    subject: str
+    data: bytes
+    headers: dict[str, str]
+
+
+async def read_live(nc: NATS, subject: str, *, timeout: float = _TIMEOUT) -> list[LogLine]:
     """Every line RP_LOGS still holds on `subject` (wildcards allowed), in stream order."""
-    out: list[LogLine] = []
-    start = 1
+    return [line async for batch in iter_live(nc, subject, timeout=timeout) for line in batch]
+
+
+async def iter_live(
+    nc: NATS, subject: str, *, start: int = 1, timeout: float = _TIMEOUT
+) -> AsyncIterator[list[LogLine]]:
+    """The lines RP_LOGS holds on `subject` from sequence `start`, a batch at a time."""
+    async for batch in iter_stream(nc, LOGS, subject, start=start, timeout=timeout):
+        lines = [parse_live(m.subject, m.headers, m.data) for m in batch]
+        yield [line for line in lines if line is not None]
+
+
+async def iter_stream(
+    nc: NATS, stream: str, subject: str, *, start: int = 1, timeout: float = _TIMEOUT
+) -> AsyncIterator[list[Raw]]:
+    """The messages `stream` holds on `subject` from sequence `start`, in batches."""
     while True:
-        page, last = await _direct_batch(nc, subject, start, timeout)
-        out.extend(page)
+        page, last = await direct_batch(nc, stream, subject, start, timeout=timeout)
+        if page:
+            yield page
         if last == 0:
-            return out
+            return
         start = last + 1
 
 
-async def _direct_batch(
-    nc: NATS, subject: str, start: int, timeout: float
-) -> tuple[list[LogLine], int]:
-    """One batched direct get: the lines and the last sequence read (0 when at the end)."""
+async def direct_batch(
+    nc: NATS,
+    stream: str,
+    subject: str,
+    start: int,
+    *,
+    batch: int = _BATCH,
+    timeout: float = _TIMEOUT,
+) -> tuple[list[Raw], int]:
+    """One batched direct get: the messages and the last sequence read (0 when at the end)."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    page: list[LogLine] = []
+    page: list[Raw] = []
     try:
-        req = {"seq": start, "next_by_subj": subject, "batch": _BATCH}
-        await nc.publish(f"$JS.API.DIRECT.GET.{LOGS}", json.dumps(req).encode(), reply=inbox)
-        count, last = 0, 0
+        req = {"seq": start, "next_by_subj": subject, "batch": batch}
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
         while True:
             msg = await sub.next_msg(timeout=timeout)
             if _end_of_batch(msg):
-                return page, (last if count == _BATCH else 0)
-            count, last = count + 1, int((msg.headers or {})["Nats-Sequence"])
-            line = parse_live((msg.headers or {})["Nats-Subject"], msg.headers, msg.data)
-            if line is not None:
-                page.append(line)
+                return page, (page[-1].seq if len(page) == batch else 0)
+            hdrs = msg.headers or {}
+            page.append(Raw(int(hdrs["Nats-Sequence"]), hdrs["Nats-Subject"], msg.data, hdrs))
     except TimeoutError as e:
         raise LogError(f"reading {subject} timed out") from e
+    except nats.errors.Error as e:
+        raise LogError(f"reading {subject}: {e!r}") from e
     finally:
         await sub.unsubscribe()
 
