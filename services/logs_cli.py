@@ -1,7 +1,9 @@
 """`runplane logs [-f] RUN --org ORG`: print a run's log through the API, or follow it.
 
 Lines the step wrote on stdout go to stdout, stderr lines to stderr, with a
-`==> phase/step <==` header on stdout when the step changes. With `-f` the log is
+`==> phase/step <==` header on stdout when the step changes; `--phase` and `--step` pick
+one phase (plan, apply, custom-<number>) or step. Without `-f` the log is read a page
+(10,000 lines) at a time. With `-f` the log is
 followed (server-sent events) until the run ends; a dropped connection is resumed,
 skipping lines already printed (they are numbered per step).
 
@@ -24,10 +26,12 @@ from typing import Any, TextIO
 import aiohttp
 
 from events.codec import valid_id
+from events.templates import valid_phase
 
 SUCCEEDED = frozenset({"applied", "planned", "no_changes", "drifted"})
 UNSUCCESSFUL = frozenset({"failed", "canceled", "discarded"})
 RESUMES = 5  # reconnections of one `-f` before giving up
+PAGE = 10_000  # lines asked for at a time without -f (the API's largest page)
 _READ_BUFFER = 1 << 20  # an event carries a line of up to 32K characters
 
 
@@ -41,7 +45,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("run", help="run id")
     p.add_argument("--org", required=True, help="the run's organization")
     p.add_argument("-f", "--follow", action="store_true", help="follow until the run ends")
-    p.add_argument("--phase", choices=("plan", "apply"), help="only this phase")
+    p.add_argument("--phase", help="only this phase: plan, apply or custom-<number>")
     p.add_argument("--step", help="only this step (checkout, init, plan, apply, ...)")
     p.add_argument("--url", default=os.environ.get("RUNPLANE_URL", "http://127.0.0.1:8080"))
     p.add_argument("--token", default=os.environ.get("RUNPLANE_TOKEN", ""))
@@ -91,6 +95,8 @@ def _query(ns: argparse.Namespace) -> dict[str, str]:
     for what, value in (("run", ns.run), ("org", ns.org), ("step", ns.step or "x")):
         if not valid_id(value):
             raise CliError(f"{what} {value!r} is not a valid id")
+    if ns.phase is not None and not valid_phase(ns.phase):
+        raise CliError(f"phase {ns.phase!r} is not plan, apply or custom-<number>")
     query = {"phase": ns.phase, "step": ns.step}
     return {k: v for k, v in query.items() if v}
 
@@ -107,8 +113,7 @@ async def _logs(ns: argparse.Namespace) -> int:
         ) as http:
             if ns.follow:
                 return exit_status(await _follow(http, base, query, printer))
-            for item in (await _get(http, base + "/logs", query))["items"]:
-                printer.line(item)
+            await _print_pages(http, base + "/logs", query, printer)
             run = await _get(http, base, {})
             return exit_status(str(run["status"]))
     except aiohttp.InvalidURL as e:
@@ -117,6 +122,19 @@ async def _logs(ns: argparse.Namespace) -> int:
         raise CliError(f"cannot reach {ns.url} ({_reason(e)})") from e
     except (aiohttp.ClientError, ValueError) as e:
         raise CliError(f"unexpected answer from {ns.url}: {e}") from e
+
+
+async def _print_pages(
+    http: aiohttp.ClientSession, url: str, query: dict[str, str], printer: Printer
+) -> None:
+    """The whole log, a page at a time: neither side holds more than a page of it."""
+    offset: int | None = 0
+    while offset is not None:
+        page = await _get(http, url, {**query, "offset": str(offset), "limit": str(PAGE)})
+        for item in page["items"]:
+            printer.line(item)
+        more = page.get("next_offset")
+        offset = int(more) if more is not None and len(page["items"]) == PAGE else None
 
 
 async def _get(http: aiohttp.ClientSession, url: str, query: dict[str, str]) -> Any:

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Awaitable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import urlencode
 
 import aiohttp
 import msgspec
+import pytest
 from nats.aio.client import Client as NATS
 
 from events.run import ClaimPhase, FinishPlan, FinishStep, PlanSummary, StartStep
@@ -29,6 +32,7 @@ from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401
 V1 = "/api/v1"
 LEASE = "lease-1"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+T = TypeVar("T")
 
 
 def text_of(step: str, n: int) -> str:
@@ -37,7 +41,11 @@ def text_of(step: str, n: int) -> str:
 
 
 def expected_items(steps: list[tuple[str, int]]) -> list[dict[str, Any]]:
-    return [
+    return list(iter_items(steps))
+
+
+def iter_items(steps: list[tuple[str, int]]) -> Iterator[dict[str, Any]]:
+    return (
         {
             "phase": "plan",
             "step": step,
@@ -47,7 +55,7 @@ def expected_items(steps: list[tuple[str, int]]) -> list[dict[str, Any]]:
         }
         for step, count in steps
         for n in range(1, count + 1)
-    ]
+    )
 
 
 def write_log(path: Path, step: str, count: int) -> None:
@@ -98,11 +106,33 @@ async def finished_run(
     return run_id
 
 
-def vm_hwm_kb() -> int:
+def expected_digest(steps: list[tuple[str, int]]) -> str:
+    """sha256 of the whole answer `{"items": [...]}`, made without holding it."""
+    h = hashlib.sha256(b'{"items":[')
+    sep = b""
+    for item in iter_items(steps):
+        h.update(sep + msgspec.json.encode(item))
+        sep = b","
+    h.update(b"]}")
+    return h.hexdigest()
+
+
+def rss_kib() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith("VmRSS:"):
             return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+    raise AssertionError("no VmRSS")
+
+
+async def peak_growth(work: Awaitable[T]) -> tuple[T, int]:
+    """What `work` returns, and how far this process's resident memory rose above where
+    it was when `work` started (KiB, sampled every 10 ms)."""
+    base = peak = rss_kib()
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        peak = max(peak, rss_kib())
+        await asyncio.wait({task}, timeout=0.01)
+    return task.result(), peak - base
 
 
 async def read_hashed(http: Http, path: str) -> tuple[int, str, int]:
@@ -126,11 +156,11 @@ async def test_300_concurrent_readers_of_a_finished_run_get_the_whole_identical_
     body = await http.get(path)
     assert body.status == 200 and body.body == {"items": expected_items(steps)}
     want = hashlib.sha256(msgspec.json.encode(body.body)).hexdigest()
-    before = vm_hwm_kb()
-    answers = await asyncio.gather(*(read_hashed(http, path) for _ in range(300)))
-    grown = vm_hwm_kb() - before
+    del body
+    readers = asyncio.gather(*(read_hashed(http, path) for _ in range(300)))
+    answers, grown = await peak_growth(readers)
     statuses = sorted({a[0] for a in answers})
-    print(f"grown {grown} KB, {grown / 300:.0f} KB per reader, statuses {statuses}")
+    print(f"300 readers of 20,050 lines: peak +{grown // 300} KiB per reader")
     assert [a[0] for a in answers].count(200) == 300, statuses
     assert {a[1] for a in answers} == {want}
 
@@ -221,10 +251,134 @@ async def test_300_followers_of_a_live_run_get_every_line_and_their_end(
         actor="executor", lease_id=LEASE, commit="abc", has_changes=False, summary=PlanSummary()
     )
     await app.run_command("acme", "net", run_id, done)
-    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    _, grown = await peak_growth(asyncio.wait_for(asyncio.gather(*tasks), 120))
     await session.close()
+    print(f"300 followers of {total} lines: peak +{grown // 300} KiB per follower")
     ended = sum(1 for f in followers if f.end is not None)
     assert ended == 300
     for f in followers:
         assert f.status == 200 and f.lines == {"plan": list(range(1, total + 1))}
         assert f.end == {"status": "no_changes", "reason": None}
+
+
+# ---------------------------------------------------------------- pages
+
+
+async def page_of(http: Http, run_id: str, **query: Any) -> dict[str, Any]:
+    a = await http.get(f"{V1}/orgs/acme/runs/{run_id}/logs?{urlencode(query)}")
+    assert a.status == 200, a.body
+    assert set(a.body) == {"items", "next_offset"}
+    return a.body  # type: ignore[no-any-return]  # JSON object
+
+
+async def all_pages(http: Http, run_id: str, limit: int, **query: str) -> list[Any]:
+    """Every page from offset 0 on, following next_offset until it is null."""
+    items: list[Any] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = await page_of(http, run_id, offset=offset, limit=limit, **query)
+        assert len(page["items"]) <= limit
+        items += page["items"]
+        assert page["next_offset"] is None or page["next_offset"] == offset + limit
+        offset = page["next_offset"]
+    return items
+
+
+async def test_pages_cover_a_finished_log_exactly_once(
+    http: Http, nc: NATS, tmp_path: Path
+) -> None:
+    """Pages of any size, across steps and chunks, add up to the whole answer; past the
+    end a page is empty with next_offset null; phase and step filters page too."""
+    steps = [("checkout", 7), ("init", 1), ("plan", 3_001)]
+    run_id = await finished_run(http, nc, tmp_path, steps)
+    whole = expected_items(steps)
+    for limit in (1_000, 1_500, 3_009, 10_000):
+        assert await all_pages(http, run_id, limit) == whole, limit
+    edges = {
+        (0, 7): (whole[:7], 7),
+        (7, 1): (whole[7:8], 8),
+        (6, 3): (whole[6:9], 9),
+        (3_000, 9): (whole[3_000:], None),
+        (3_008, 1): (whole[3_008:], None),
+        (3_009, 5): ([], None),
+        (99_999, 5): ([], None),
+    }
+    for (offset, limit), (items, following) in edges.items():
+        page = await page_of(http, run_id, offset=offset, limit=limit)
+        assert (page["items"], page["next_offset"]) == (items, following), (offset, limit)
+    only = await page_of(http, run_id, step="init", offset=0)
+    assert (only["items"], only["next_offset"]) == (whole[7:8], None)
+    first = await page_of(http, run_id, limit=2)
+    assert (first["items"], first["next_offset"]) == (whole[:2], 2)
+
+
+async def test_a_page_of_a_running_run_always_has_a_next_offset(http: Http, nc: NATS) -> None:
+    """While the run goes on, the last page points past itself: more lines may come."""
+    run_id = await running_run(http)
+    await publish_lines(nc, run_id, 1, 5)
+    page = await page_of(http, run_id, offset=3, limit=100)
+    assert [i["line"] for i in page["items"]] == [4, 5] and page["next_offset"] == 5
+    page = await page_of(http, run_id, offset=5)
+    assert (page["items"], page["next_offset"]) == ([], 5)
+
+
+async def test_bad_pages_are_refused_and_another_orgs_log_is_not_found(
+    http: Http, nc: NATS, tmp_path: Path
+) -> None:
+    """offset and limit out of range or not numbers are 400 problems (invalid-query), as
+    is paging a followed log; beta's token reads nothing of acme's run, however asked."""
+    run_id = await finished_run(http, nc, tmp_path, [("plan", 3)])
+    path = f"{V1}/orgs/acme/runs/{run_id}/logs"
+    for query in (
+        "offset=-1",
+        "offset=x",
+        "offset=1.5",
+        "offset=",
+        "limit=0",
+        "limit=10001",
+        "limit=-3",
+        "limit=ten",
+        "follow=1&offset=0",
+    ):
+        (await http.get(f"{path}?{query}")).problem("invalid-query", 400)
+    beta = await http.org("beta")
+    for query in ("", "?offset=0&limit=10", "?follow=1"):
+        (await http.get(path + query, token=beta["admin"])).problem("not-found", 404)
+    beta_path = f"{V1}/orgs/beta/runs/{run_id}/logs"
+    (await http.get(beta_path, token=beta["admin"])).problem("not-found", 404)
+    for query in ("", "?follow=1"):
+        (await http.get(path + query, token=beta["viewer"])).problem("not-found", 404)
+
+
+# ---------------------------------------------------------------- memory
+
+
+async def concurrent_large_reads(http: Http, nc: NATS, tmp_path: Path, readers: int) -> int:
+    """`readers` at once of a 200,000-line (26 MB) log; the growth of this process's peak
+    memory per reader, in KiB (server and clients are this process; clients keep none)."""
+    steps = [("plan", 200_000)]
+    run_id = await finished_run(http, nc, tmp_path, steps)
+    path = f"{V1}/orgs/acme/runs/{run_id}/logs"
+    work = asyncio.gather(*(read_hashed(http, path) for _ in range(readers)))
+    answers, grown = await peak_growth(work)
+    per_reader = grown // readers
+    want = expected_digest(steps)
+    print(f"{readers} readers of 200,000 lines: peak +{per_reader} KiB per reader")
+    assert {a[:2] for a in answers} == {(200, want)}
+    assert answers[0][2] > 25_000_000
+    return per_reader
+
+
+async def test_readers_of_a_26_mb_log_cost_the_server_a_bounded_amount_each(
+    http: Http, nc: NATS, tmp_path: Path
+) -> None:
+    """20 readers at once of a 26 MB log: each gets it whole, and the process's peak grows
+    by far less than the log per reader (was ~34 MB each: the object, then the list,
+    then the body, all whole)."""
+    assert await concurrent_large_reads(http, nc, tmp_path, 20) < 3 * 1024
+
+
+@pytest.mark.slow
+async def test_300_readers_of_a_26_mb_log(http: Http, nc: NATS, tmp_path: Path) -> None:
+    """The issue's case: 300 readers at once of a 200,000-line log, all complete."""
+    assert await concurrent_large_reads(http, nc, tmp_path, 300) < 3 * 1024

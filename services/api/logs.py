@@ -161,6 +161,12 @@ PARAMETERS: dict[str, Doc] = {
     ),
     "log_phase": _param("phase", "only this phase", PHASE_SCHEMA),
     "log_step": _param("step", "only this step", STR),
+    "log_offset": _param(
+        "offset", "a page from this line of the answer (0: the first)", {**INT, "minimum": 0}
+    ),
+    "log_limit": _param(
+        "limit", "a page of at most this many lines", {**INT, "minimum": 1, "maximum": MAX_LIMIT}
+    ),
 }
 _LINE: Doc = {
     "type": "object",
@@ -198,7 +204,14 @@ OPENAPI: Doc = {
                         "schema": {
                             "type": "object",
                             "required": ["items"],
-                            "properties": {"items": {"type": "array", "items": _LINE}},
+                            "properties": {
+                                "items": {"type": "array", "items": _LINE},
+                                "next_offset": {
+                                    "type": ["integer", "null"],
+                                    "description": "with offset or limit: the next page's "
+                                    "offset; null once the run ended and no line is left",
+                                },
+                            },
                         }
                     },
                     "text/event-stream": {"schema": {**STR, "description": _SSE}},
