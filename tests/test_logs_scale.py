@@ -27,10 +27,12 @@ from executor.objects import LOGS_BUCKET, Objects, log_object
 from services.infra.steplogs import encode_record, live_headers, log_subject
 from services.logs_cli import sse_events
 from tests.helpers import eventually
+from tests.procs import ROOT, RUNPLANE
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
 
 V1 = "/api/v1"
 LEASE = "lease-1"
+PLAN_STEP = {"number": 100, "kind": "plan"}
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 T = TypeVar("T")
 
@@ -382,3 +384,76 @@ async def test_readers_of_a_26_mb_log_cost_the_server_a_bounded_amount_each(
 async def test_300_readers_of_a_26_mb_log(http: Http, nc: NATS, tmp_path: Path) -> None:
     """The issue's case: 300 readers at once of a 200,000-line log, all complete."""
     assert await concurrent_large_reads(http, nc, tmp_path, 300) < 3 * 1024
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+async def test_runplane_logs_prints_a_custom_steps_log(
+    http: Http, nc: NATS, tmp_path: Path
+) -> None:
+    """`runplane logs RUN --phase custom-50` prints that step's lines (read a page at a
+    time); a phase that is none is one `runplane:` line and exit 2."""
+    await http.org("acme")
+    await http.workspace("acme", "net")
+    steps = [{"number": 50, "kind": "custom", "name": "lint", "command": "true"}]
+    put = await http.call(
+        "PUT", f"{V1}/orgs/acme/templates/lint", json={"steps": [*steps, PLAN_STEP]}
+    )
+    assert put.status in (200, 201), put.body
+    a = await http.post(
+        f"{V1}/orgs/acme/workspaces/net/runs", json={"type": "plan", "template": "lint"}
+    )
+    assert a.status == 201, a.body
+    run_id = str(a.body["id"])
+    app = http.app
+    assert await app.admit_next("acme", "net") == run_id
+    claim = ClaimPhase(actor="executor", phase="custom-50", lease_id=LEASE, executor_id="x")
+    await app.run_command("acme", "net", run_id, claim)
+    await app.run_command(
+        "acme", "net", run_id, StartStep(actor="executor", lease_id=LEASE, step="run")
+    )
+    path = tmp_path / "run.log"
+    write_log(path, "run", 12_345)
+    name = log_object(run_id, "custom-50", "run")
+    await Objects(nc.jetstream()).upload(LOGS_BUCKET, name, path, fresh=True)
+    finish = FinishStep(
+        actor="executor",
+        lease_id=LEASE,
+        step="run",
+        ok=True,
+        started_at=datetime.now(UTC),
+        log_object=name,
+    )
+    await app.run_command("acme", "net", run_id, finish)
+
+    async def projected() -> bool:
+        a = await http.get(f"{V1}/orgs/acme/runs/{run_id}/steps")
+        return [(s["phase"], s["status"]) for s in a.body["items"]] == [("custom-50", "ok")]
+
+    await eventually(projected, what="the custom step projected as finished")
+    url = str(http.client.make_url("/"))
+    cli = await _cli(run_id, "--org", "acme", "--phase", "custom-50", "--url", url)
+    out, err, code = cli
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "==> custom-50/run <==" and len(lines) == 1 + 12_345 - 12_345 // 7
+    assert lines[1] == text_of("run", 1) and lines[-1] == text_of("run", 12_345)
+    assert err.splitlines() == [text_of("run", n) for n in range(7, 12_346, 7)]
+    out, err, code = await _cli(run_id, "--org", "acme", "--phase", "custom-x", "--url", url)
+    assert code == 2 and err.startswith("runplane: ") and len(err.splitlines()) == 1
+
+
+async def _cli(*args: str) -> tuple[str, str, int]:
+    proc = await asyncio.create_subprocess_exec(
+        *RUNPLANE,
+        "logs",
+        *args,
+        "--token",
+        ADMIN_TOKEN,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=str(ROOT),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return out.decode(), err.decode(), await proc.wait()
