@@ -181,8 +181,13 @@ async def test_an_executor_dead_between_claim_and_first_beat_is_reaped(
         run_id = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
         await reaches(app, "net", run_id, "queued")
         lease = await claim(app, "net", run_id)  # ...and the executor dies: it never beats
-        entry = await eventually(lambda: board.last(run_id, "plan"), what="a beat for the lease")
-        assert entry is not None and (entry.lease_id, entry.body.kind) == (lease, "claimed")
+
+        async def beaten() -> heartbeats.Beat:  # (the `dispatched` marker comes first)
+            entry = await board.last(run_id, "plan")
+            assert entry is not None and (entry.lease_id, entry.body.kind) == (lease, "claimed")
+            return entry
+
+        await eventually(beaten, what="a beat for the lease")
         failed = await reaches(app, "net", run_id, "failed")
     assert failed.reason == "executor_unavailable"
 

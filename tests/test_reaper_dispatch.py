@@ -104,7 +104,8 @@ async def test_a_phase_nobody_claims_fails_after_the_dispatch_timeout(nc: NATS, 
         "no executor picked up the plan phase within the dispatch timeout of 1s"
     )
     assert (await state(app, "patient", waiting)).status == R.Status.QUEUED
-    assert await Board(nc).last(waiting, "plan") is None, "no dispatch clock without a timeout"
+    marker = await Board(nc).last(waiting, "plan")
+    assert marker is not None and marker.body.timeout == 0, "no dispatch clock, but watched"
 
 
 async def test_a_phase_claimed_in_time_is_then_watched_by_its_heartbeats(

@@ -3,7 +3,9 @@
 Read from the heartbeat board (RP_HEARTBEATS, see services/infra/heartbeats.py), not the
 read model: the owner is the executor whose beats hold the running phase's lease, the
 deadline the earliest of the run's limits (services/scheduler/limits.py) and, while a
-phase waits for an executor, its dispatch timeout. Times are the server's.
+phase waits for an executor, its dispatch timeout; a phase that may wait for ever shows
+instead when the reaper next checks that it is dispatched (`dispatch_check`, services/
+scheduler/reaper.py). Times are the server's.
 """
 
 from __future__ import annotations
@@ -33,12 +35,19 @@ async def liveness(board: Board, run: Row) -> Row:
                 "lease_id": beat.lease_id,
                 "last_beat_at": _time(beat.time),
             }
+    check = None  # a phase waiting for ever: when the reaper makes sure it is dispatched
     if phase and status in _WAITING:
         beat = await board.last(run_id, phase)
-        if beat is not None and not beat.lease_id and beat.body.timeout > 0:
-            deadlines.append((beat.time + timedelta(seconds=beat.body.timeout), "dispatch_timeout"))
+        if beat is not None and not beat.lease_id:
+            start = beat.body.dispatched_at or beat.time
+            if beat.body.timeout > 0:
+                deadlines.append((start + timedelta(seconds=beat.body.timeout), "dispatch_timeout"))
+            if beat.body.recheck > 0:
+                check = (beat.time + timedelta(seconds=beat.body.recheck), "dispatch_check")
     if (marker := await board.last(run_id, DEADLINE)) is not None:
         deadlines += _limits(marker, status)
+    if not deadlines and check is not None:
+        deadlines.append(check)
     first = min(deadlines) if deadlines else None
     deadline = {"kind": first[1], "at": _time(first[0])} if first else None
     return {"owner": owner, "deadline": deadline}

@@ -252,13 +252,22 @@ SCHEMAS: dict[str, Doc] = {
             **_nullable(
                 _obj(
                     ["kind", "at"],
-                    kind={"enum": ["run_timeout", "approval_timeout", "dispatch_timeout"]},
+                    kind={
+                        "enum": [
+                            "run_timeout",
+                            "approval_timeout",
+                            "dispatch_timeout",
+                            "dispatch_check",
+                        ]
+                    },
                     at=TIME,
                 )
             ),
             "description": "the earliest limit that will close the run if nothing moves it: "
             "`run_timeout`, `approval_timeout` (awaiting approval) or `dispatch_timeout` (a "
-            "phase waiting for an executor); null when none applies and once the run ended",
+            "phase waiting for an executor); with none of them, a phase waiting for an "
+            "executor shows `dispatch_check`: when the reaper next makes sure it is in its "
+            "pool's work queue (dispatching it again if it was lost); null once the run ended",
         },
     ),
     "RunEvent": _obj(

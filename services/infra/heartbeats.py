@@ -60,6 +60,13 @@ class Body(msgspec.Struct, frozen=True, kw_only=True):
     org: str = ""
     workspace: str = ""
     timeout: int = -1  # seconds of silence before the entry is stale; -1: not said
+    # `dispatched` markers only: the pool the phase went to, how often the reaper checks
+    # that its work-queue message still exists (seconds; the marker is rewritten at each
+    # check), and when it was first dispatched (the dispatch timeout counts from there;
+    # None: the marker's own time).
+    pool: str = ""
+    recheck: int = 0
+    dispatched_at: datetime | None = None
     # Deadline markers only: when the limits pass (server time) and the run version seen.
     run_deadline: datetime | None = None
     approval_deadline: datetime | None = None

@@ -16,7 +16,8 @@ The reaper compares them with the server's "now" every round:
   progress: an apply is never interrupted by a limit, so it is marked once
   (`run.limit_exceeded`) and the run ends as the apply does.
 
-Each action is guarded by the status it was judged on, so replicas act at most once.
+Each action is guarded by the status it was judged on, so replicas act at most once, and
+taken only on a marker the stream's leader still has as the run's last.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ async def enforce(app: App, board: Board, beat: Beat, now: datetime) -> Limit:
     loaded = await app.load_run(b.org or "*", b.workspace or None, beat.run_id)
     run: RunState = loaded.state
     verdict = judge(beat, run, now)
+    if verdict != Limit.KEEP and not await _current(board, beat):
+        return Limit.KEEP  # the marker changed since the board was read: next round
     with structlog.contextvars.bound_contextvars(run_id=beat.run_id, limit=str(verdict)):
         try:
             await _act(app, run, verdict, now)
@@ -177,6 +180,14 @@ async def enforce(app: App, board: Board, beat: Beat, now: datetime) -> Limit:
     if verdict in (Limit.PURGE, Limit.DISCARD, Limit.FAIL):
         await board.purge(beat.subject, through=beat.seq)
     return verdict
+
+
+async def _current(board: Board, beat: Beat) -> bool:
+    """Whether the marker is still its subject's last as the stream's leader has it: the
+    board may have been read from a follower that is behind, with a deadline since moved
+    (a new plan awaiting approval has a new approval deadline)."""
+    last = await board.last(beat.run_id, DEADLINE, leader=True)
+    return last is not None and last.seq == beat.seq
 
 
 async def _act(app: App, run: RunState, verdict: Limit, now: datetime) -> None:

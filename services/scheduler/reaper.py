@@ -8,6 +8,12 @@ run itself:
   the run fails with `executor_unavailable`, which releases its workspace;
 - a `dispatched` marker of a phase the run still waits for: nobody picked it up within
   the workspace's dispatch timeout; the run fails with `executor_unavailable` too;
+- a `dispatched` marker older than `redispatch_after` (60 s), with or without a dispatch
+  timeout: if the pool's work queue no longer holds the phase's message (lost, taken by
+  someone who never claimed), the phase is dispatched again with the same `Nats-Msg-Id`
+  (deduplicated within the stream's duplicate window, 120 s: then it goes at the next
+  check); a second message of a phase is harmless, its claim is refused. The marker is
+  rewritten at each check, so a waiting run always shows when it is looked at next;
 - a marker of a phase that was claimed since: the lease gets its own beat, so an
   executor that died between its claim and its first beat is still caught;
 - anything else (the run moved on or ended): the entry is purged.
@@ -27,17 +33,21 @@ from datetime import datetime
 from enum import StrEnum
 from types import TracebackType
 
+import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
 
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RunState, running_status
 from services.commands import App
+from services.infra import streams
 from services.infra.eventstore import StoreError, floor
-from services.infra.heartbeats import DEADLINE, Beat, Board, BoardError
+from services.infra.heartbeats import DEADLINE, DISPATCHED, Beat, Board, BoardError
 from services.infra.tasks import cancel_and_wait
-from services.scheduler import limits
+from services.scheduler import limits, watch
+from services.scheduler.scheduler import pool_of
 from services.scheduler.watch import adopt
 
 log = structlog.get_logger(__name__)
@@ -53,6 +63,7 @@ class Verdict(StrEnum):
     FAIL_SILENT = "fail_silent"  # the lease's executor stopped beating
     FAIL_UNCLAIMED = "fail_unclaimed"  # nobody claimed the phase within the dispatch timeout
     ADOPT = "adopt"  # claimed, but the board still shows the marker: beat for the lease
+    REDISPATCH = "redispatch"  # unclaimed, in time: dispatch again if its message is gone
     PURGE = "purge"  # the run moved on: the entry is garbage
 
 
@@ -60,14 +71,19 @@ def running(run: RunState, phase: str) -> bool:
     return run.phase == phase and run.status == running_status(phase)
 
 
-def judge(beat: Beat, run: RunState) -> Verdict:
-    """What to do with a stale board entry, given the run's state now. Pure."""
+def judge(beat: Beat, run: RunState, *, timed_out: bool = True) -> Verdict:
+    """What to do with a board entry past its timeout (or, `timed_out` false, a marker
+    due for its recheck), given the run's state now. Pure."""
     if not run.exists or run.terminal:
         return Verdict.PURGE
     if running(run, beat.phase):
-        return Verdict.FAIL_SILENT if beat.lease_id == run.lease_id else Verdict.ADOPT
+        if beat.lease_id == run.lease_id:
+            return Verdict.FAIL_SILENT if timed_out else Verdict.KEEP
+        return Verdict.ADOPT
     if run.waiting_phase == beat.phase:
-        return Verdict.KEEP if beat.lease_id else Verdict.FAIL_UNCLAIMED
+        if beat.lease_id:
+            return Verdict.KEEP
+        return Verdict.FAIL_UNCLAIMED if timed_out else Verdict.REDISPATCH
     return Verdict.PURGE
 
 
@@ -104,10 +120,15 @@ class Reaper:
         interval: float = 1.0,
         concurrency: int = 32,
         board: Board | None = None,
+        redispatch_after: int = watch.RECHECK,
     ) -> None:
+        self.nc = nc
         self.app = app
         self.board = board or Board(nc)
         self.interval = interval
+        self.redispatch_after = redispatch_after
+        # The `Nats-Msg-Id`s in a pool's work queue, read at most once a round.
+        self._queued: dict[str, asyncio.Task[set[str]]] = {}
         # (subject, has a lease) -> timeout, for entries that do not say theirs
         self._timeouts: dict[tuple[str, bool], int] = {}
         self._slots = asyncio.Semaphore(concurrency)
@@ -182,10 +203,15 @@ class Reaper:
             await limits.refresh(self.board, marker)
         known = self._timeouts
         self._timeouts = {k: known[k] for b in beats if (k := _key(b)) in known}
-        stale = [b for b in beats if await self._stale(b, now)]
-        results = await asyncio.gather(*(self._reap(b, now) for b in stale), return_exceptions=True)
+        stale = [(b, True) for b in beats if await self._stale(b, now)]
+        due = {b.seq for b, _ in stale}
+        stale += [(b, False) for b in beats if b.seq not in due and self._recheck(b, now)]
+        self._queued = {}
+        results = await asyncio.gather(
+            *(self._reap(b, now, timed_out) for b, timed_out in stale), return_exceptions=True
+        )
         done: list[tuple[Beat, Verdict]] = []
-        for beat, result in zip(stale, results, strict=True):
+        for (beat, _), result in zip(stale, results, strict=True):
             if isinstance(result, BaseException):  # judged again next round
                 log.warning("reap_failed", run_id=beat.run_id, error=repr(result))
             else:
@@ -206,8 +232,14 @@ class Reaper:
 
     async def _stale(self, beat: Beat, now: datetime) -> bool:
         timeout = await self._timeout(beat)
-        since = max(beat.time, self._watching_since) if self._watching_since else beat.time
+        start = beat.body.dispatched_at or beat.time  # a marker's rewrites keep the first
+        since = max(start, self._watching_since) if self._watching_since else start
         return timeout > 0 and (now - since).total_seconds() > timeout
+
+    def _recheck(self, beat: Beat, now: datetime) -> bool:
+        """A `dispatched` marker due for the check that its message still exists."""
+        marker = not beat.lease_id and beat.body.kind == DISPATCHED
+        return marker and (now - beat.time).total_seconds() > self.redispatch_after
 
     async def _timeout(self, beat: Beat) -> int:
         """The entry's timeout: as it says, else from the run's configuration (cached)."""
@@ -226,13 +258,13 @@ class Reaper:
         loaded = await self.app.load_run(b.org or "*", b.workspace or None, beat.run_id)
         return loaded.state  # type: ignore[no-any-return]  # Loaded.state is Any
 
-    async def _reap(self, beat: Beat, now: datetime) -> Verdict:
+    async def _reap(self, beat: Beat, now: datetime, timed_out: bool = True) -> Verdict:
         async with self._slots:
-            return await self._reap_one(beat, now)
+            return await self._reap_one(beat, now, timed_out)
 
-    async def _reap_one(self, beat: Beat, now: datetime) -> Verdict:
+    async def _reap_one(self, beat: Beat, now: datetime, timed_out: bool = True) -> Verdict:
         run = await self._load(beat)
-        verdict = judge(beat, run)
+        verdict = judge(beat, run, timed_out=timed_out)
         if verdict != Verdict.KEEP and not await self._current(beat):
             return Verdict.KEEP  # the entry changed since the board was read: next round
         with structlog.contextvars.bound_contextvars(
@@ -244,6 +276,8 @@ class Reaper:
                     await self._fail(beat, run, verdict, silence)
                 case Verdict.ADOPT:
                     await adopt(self.board, run)
+                case Verdict.REDISPATCH:
+                    await self._redispatch(beat, run)
                 case Verdict.PURGE:
                     await self.board.purge(beat.subject, through=beat.seq)
                 case Verdict.KEEP:
@@ -256,6 +290,24 @@ class Reaper:
         last = await self.board.last(beat.run_id, beat.phase, leader=True)
         return last is not None and last.seq == beat.seq
 
+    async def _redispatch(self, beat: Beat, run: RunState) -> None:
+        """Dispatch a waiting phase again unless its pool's queue still holds its message;
+        then rewrite the marker (unless it changed meanwhile) to time the next check."""
+        pool = beat.body.pool or pool_of(run, "default")
+        if watch.dispatch_id(run.run_id, beat.phase) not in await self._pending(pool):
+            sent = await watch.dispatch(self.nc, run, beat.phase, pool)
+            log.warning("phase_redispatched" if sent else "redispatch_deduplicated", pool=pool)
+        since = beat.body.dispatched_at or beat.time
+        body = msgspec.structs.replace(
+            beat.body, pool=pool, recheck=self.redispatch_after, dispatched_at=since
+        )
+        await self.board.put(beat.subject, msgspec.json.encode(body), expected=beat.seq)
+
+    async def _pending(self, pool: str) -> set[str]:
+        if pool not in self._queued:
+            self._queued[pool] = asyncio.create_task(queued(self.nc, pool))
+        return await asyncio.shield(self._queued[pool])
+
     async def _fail(self, beat: Beat, run: RunState, verdict: Verdict, silence: float) -> None:
         silent = verdict == Verdict.FAIL_SILENT
         cmd = FailRun(actor=ACTOR, reason=REASON, message=_message(beat, run, silent, silence))
@@ -267,6 +319,26 @@ class Reaper:
             return
         log.warning("run_reaped", verdict=str(verdict), silence=round(silence, 3))
         await self.board.purge(beat.subject, through=beat.seq)
+
+
+async def queued(nc: NATS, pool: str, *, timeout: float = 5.0) -> set[str]:
+    """The `Nats-Msg-Id` of every message in a pool's work queue (taken or not, a message
+    stays until acknowledged), as the stream's leader has it: a follower behind might
+    not have a message published just now, and the phase would go twice."""
+    js = nc.jetstream(timeout=timeout)
+    ids: set[str] = set()
+    seq = 1
+    while True:
+        try:
+            raw = await js.get_msg(
+                streams.DISPATCH, seq=seq, subject=streams.dispatch_subject(pool), next=True
+            )
+        except NotFoundError:
+            return ids
+        except (TimeoutError, nats.errors.Error) as e:
+            raise BoardError(f"reading the {pool} work queue: {e!r}") from e
+        ids.add((raw.headers or {}).get("Nats-Msg-Id", ""))
+        seq = int(raw.seq or seq) + 1
 
 
 def _key(beat: Beat) -> tuple[str, bool]:

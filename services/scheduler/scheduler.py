@@ -11,7 +11,10 @@ crash, or two replicas) changes nothing:
   admission attempt, which releases a workspace still held by a terminal run;
 - dispatch publishes the waiting phase to the work queue with `Nats-Msg-Id =
   <run>:<phase>` (deduplicated by the server), and an executor's claim is itself an
-  optimistic append, so a phase is never run twice.
+  optimistic append, so a phase is never run twice (a second message of a phase, after
+  the duplicate window, finds it claimed and is dropped). Its `dispatched` marker on the
+  board lets the reaper dispatch it again if the message is lost (services/scheduler/
+  watch.py).
 
 Every read a reaction decides on is at least as new as the message that caused it (the
 event store's `floor`), so a follower that is behind never makes it decide nothing.
@@ -20,7 +23,6 @@ event store's `floor`), so a follower that is behind never makes it decide nothi
 from __future__ import annotations
 
 import asyncio
-import json
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
@@ -90,12 +92,6 @@ _LIMIT_TYPES = frozenset(
         "run.failed",
     }
 )
-
-
-def dispatch_message(state: RunState, phase: str) -> bytes:
-    return json.dumps(
-        {"org": state.org, "workspace": state.workspace, "run_id": state.run_id, "phase": phase}
-    ).encode()
 
 
 def pool_of(state: RunState, default: str) -> str:
@@ -321,10 +317,7 @@ class Scheduler:
         phase = state.waiting_phase
         if not phase:
             return
-        await watch.mark_dispatched(self.nc, state, phase)  # before any executor can beat
-        await self.js.publish(
-            streams.dispatch_subject(pool_of(state, self.pool)),
-            dispatch_message(state, phase),
-            headers={"Nats-Msg-Id": f"{run_id}:{phase}"},
-        )
+        pool = pool_of(state, self.pool)
+        await watch.mark_dispatched(self.nc, state, phase, pool)  # before any executor beats
+        await watch.dispatch(self.nc, state, phase, pool)
         log.info("phase_dispatched", org=org, workspace=ws, run_id=run_id, phase=phase)

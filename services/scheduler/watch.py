@@ -1,8 +1,12 @@
 """What the scheduler puts on the heartbeat board as runs move, so the reaper sees them.
 
-- When it dispatches a phase of a run with a dispatch timeout, a `dispatched` marker
-  (published before the work-queue message, so no executor beat can precede it, and only
-  on an empty subject, so a redelivered dispatch keeps the first time).
+- When it dispatches a phase, a `dispatched` marker (published before the work-queue
+  message, so no executor beat can precede it, and only on an empty subject, so a
+  redelivered dispatch keeps the first time). Every dispatched phase has one, with a
+  dispatch timeout or without (`timeout` 0: it may wait for ever): the reaper checks every
+  `recheck` seconds that its work-queue message still exists, and dispatches it again if
+  it does not (services/scheduler/reaper.py), so a lost message never leaves a run
+  waiting unseen.
 - When a phase is claimed (`run.phase_started`), a beat on the new lease's behalf unless
   the executor already beat: an executor that dies between its claim and its first beat
   is then reaped like any other silent one.
@@ -11,12 +15,15 @@
 
 from __future__ import annotations
 
+import json
+
 import structlog
 from nats.aio.client import Client as NATS
 
 from events.run import RunState
 from events.templates import phase_of
 from services.commands import App
+from services.infra import streams
 from services.infra.heartbeats import CLAIMED, DISPATCHED, PHASES, Board, body, subject
 
 log = structlog.get_logger(__name__)
@@ -31,21 +38,51 @@ _ENDS = {
 # Event types after which a custom step's phase (`custom-<number>`) may have ended.
 _CUSTOM_ENDS = frozenset({"run.custom_finished", "run.failed", "run.canceled"})
 WATCHED = frozenset({"run.phase_started", *_ENDS, *_CUSTOM_ENDS})
+# Seconds between the reaper's checks that an unclaimed phase's message still exists.
+RECHECK = 60
 
 
-async def mark_dispatched(nc: NATS, run: RunState, phase: str) -> None:
-    """Start the dispatch clock of a phase, if the run has a dispatch timeout."""
+def dispatch_message(state: RunState, phase: str) -> bytes:
+    return json.dumps(
+        {"org": state.org, "workspace": state.workspace, "run_id": state.run_id, "phase": phase}
+    ).encode()
+
+
+def dispatch_id(run_id: str, phase: str) -> str:
+    """The work-queue message's `Nats-Msg-Id`: a phase is one message (deduplicated by the
+    server for its duplicate window), however often it is dispatched."""
+    return f"{run_id}:{phase}"
+
+
+async def dispatch(nc: NATS, run: RunState, phase: str, pool: str) -> bool:
+    """Publish a phase to its pool's work queue; False if the server dropped it as a
+    duplicate of a message published within its duplicate window."""
+    ack = await nc.jetstream().publish(
+        streams.dispatch_subject(pool),
+        dispatch_message(run, phase),
+        headers={"Nats-Msg-Id": dispatch_id(run.run_id, phase)},
+    )
+    return not ack.duplicate
+
+
+def marker(run: RunState, pool: str, *, recheck: int = RECHECK, since: str | None = None) -> bytes:
+    """The `dispatched` marker of a phase: `timeout` is the dispatch timeout (0: none)."""
     cfg = run.config
-    if cfg is None or cfg.dispatch_timeout <= 0:
-        return
-    marker = body(
+    return body(
         lease_id="",
         kind=DISPATCHED,
         org=run.org,
         workspace=run.workspace,
-        timeout=cfg.dispatch_timeout,
+        timeout=cfg.dispatch_timeout if cfg is not None else 0,
+        pool=pool,
+        recheck=recheck,
+        dispatched_at=since,
     )
-    await Board(nc).put(subject(run.run_id, phase), marker, expected=0)
+
+
+async def mark_dispatched(nc: NATS, run: RunState, phase: str, pool: str = "") -> None:
+    """Start the dispatch clock of a phase (kept if it runs already: a redelivery)."""
+    await Board(nc).put(subject(run.run_id, phase), marker(run, pool), expected=0)
 
 
 async def adopt(board: Board, run: RunState) -> bool:
