@@ -97,7 +97,7 @@ async def test_a_lost_dispatch_is_dispatched_again_and_the_run_finishes(
     await plane.stack.enter_async_context(Reaper(nc, plane.app, interval=0.1, redispatch_after=1))
     await plane.executor("e1")
     run = await plane.reaches("net", run_id, "planned")
-    assert run.plan_summary.add == 1
+    assert run.plan_summary is not None and run.plan_summary.add == 1
     assert len(await claims(plane, run_id)) == 1
     assert (await dispatch_state(nc))[1] == 2, "dispatched exactly once more"
 

@@ -1,0 +1,278 @@
+"""No decision on a stale read, on a real 3-node cluster with a follower that is behind.
+
+Each stream the decisions read is R3. The reader is connected to one follower of that
+stream only, the writer to its leader. For each trial the follower is stopped (SIGSTOP),
+a burst of writes and then the one that matters go to the leader (acknowledged by the
+other two), the follower is resumed (SIGCONT) and read through at once, by the old path
+(a plain direct get, which the follower answers from what it has) and by the path the
+scheduler, reaper, executor and secrets responder use now, at the same moment:
+
+- the event store: `EventStore.read` under the decision's `floor` (the scheduler's
+  message, the reaper's round);
+- the heartbeat board: `Board.snapshot` (the reaper's round: the clock message proves
+  the read) and `Board.last(leader=True)` (checked before any verdict is acted on);
+- the state head: `StateStore.head` (what Terraform plans on);
+- the secrets: `kv.last_values` (what the responder hands a dispatch).
+
+The old path must come out stale at least once (else the follower never lagged and the
+test proves nothing); the new path never. A new read may fail instead (the board's clock
+not read back): that is no decision, and is counted apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import nats
+import nats.js.errors
+import pytest
+from nats.aio.client import Client as NATS
+
+from events.codec import org_subject
+from events.org import OrgCreated
+from executor.statestore import StateStore, StateStoreError, ws_key
+from services.commands import App
+from services.infra import kv, streams
+from services.infra.crypto import KeyRing
+from services.infra.eventstore import Append, EventStore, StoreError, floor
+from services.infra.heartbeats import Board, BoardError, body, subject
+from tests.cluster_support import NatsCluster, Node
+
+pytestmark = pytest.mark.slow
+
+BURST = 500  # writes before the one that matters: the follower has them all to catch up
+PAYLOAD = b"x" * 1000
+MIN_STALE = 3  # old-path stale reads wanted before a reader's trials stop
+MAX_TRIALS = 200
+TIMEOUT = 2.0  # a follower far behind may not answer a direct get at all
+# A read that fails decides nothing: counted apart, never as stale or fresh.
+NO_ANSWER = (BoardError, StoreError, kv.KvError, StateStoreError, TimeoutError)
+
+
+@dataclass
+class Tally:
+    trials: int = 0
+    old_stale: int = 0
+    old_failed: int = 0
+    new_stale: dict[str, int] = field(default_factory=dict)
+    new_failed: dict[str, int] = field(default_factory=dict)
+
+    def line(self, name: str) -> str:
+        return (
+            f"{name}: old path stale {self.old_stale}/{self.trials} "
+            f"({100 * self.old_stale / max(self.trials, 1):.0f}%, {self.old_failed} unanswered), "
+            "new path stale "
+            f"{self.new_stale}, refused {self.new_failed}"
+        )
+
+
+class Lagging:
+    """A writer on the leader of `stream`, a reader on one of its followers only."""
+
+    def __init__(self, cluster: NatsCluster, stream: str) -> None:
+        self.cluster = cluster
+        self.stream = stream
+
+    async def __aenter__(self) -> Lagging:
+        leader = await self.cluster.stream_leader(self.stream)
+        self.follower: Node = next(n for n in self.cluster.nodes if n is not leader)
+        auth = self.cluster.auth.connect_options()
+        self.writer: NATS = await nats.connect(leader.url, **auth)
+        self.reader: NATS = await nats.connect(self.follower.url, **auth)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.writer.close()
+        await self.reader.close()
+
+    async def behind(
+        self, burst: Callable[[int], Awaitable[object]], write: Callable[[], Awaitable[int]]
+    ) -> int:
+        """Stop the follower, write a burst and then `write` on the leader, resume it."""
+        proc = self.follower.proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            await asyncio.gather(*(burst(j) for j in range(BURST)))
+            return await write()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+async def trials(
+    lag: Lagging,
+    burst: Callable[[int], Awaitable[object]],
+    write: Callable[[int], Awaitable[int]],
+    old: Callable[[int], Awaitable[bool]],
+    new: Mapping[str, Callable[[int, int], Awaitable[bool]]],
+) -> Tally:
+    """Until the old path was stale MIN_STALE times (or MAX_TRIALS): each read returns
+    whether it saw trial i's write."""
+    tally = Tally(new_stale=dict.fromkeys(new, 0), new_failed=dict.fromkeys(new, 0))
+    while tally.old_stale < MIN_STALE and tally.trials < MAX_TRIALS:
+        i = tally.trials
+        seq = await lag.behind(burst, lambda i=i: write(i))  # type: ignore[misc]
+        reads = [old(i), *(read(i, seq) for read in new.values())]
+        seen = await asyncio.gather(*reads, return_exceptions=True)
+        tally.trials += 1
+        if isinstance(seen[0], NO_ANSWER):
+            tally.old_failed += 1
+        elif isinstance(seen[0], BaseException):
+            raise seen[0]
+        else:
+            tally.old_stale += not seen[0]
+        for name, result in zip(new, seen[1:], strict=True):
+            if isinstance(result, NO_ANSWER):
+                tally.new_failed[name] += 1
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                tally.new_stale[name] += not result
+    return tally
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
+    async with NatsCluster(tmp_path / "cluster") as c:
+        nc = await c.connect()
+        await streams.declare(nc, nc.jetstream(), replicas=3)
+        await nc.close()
+        yield c
+
+
+async def events(cluster: NatsCluster) -> Tally:
+    async with Lagging(cluster, streams.EVENTS) as lag:
+        wjs = lag.writer.jetstream()
+        writer = EventStore(lag.writer)
+
+        async def burst(j: int) -> object:
+            return await wjs.publish(f"rp.run.burst.ws.r{j}", PAYLOAD)
+
+        async def write(i: int) -> int:
+            # An append expecting an empty subject: no read on the writer's side.
+            created = OrgCreated(at=datetime.now(UTC), actor="t", name=f"org{i}")
+            return await writer.append(
+                [Append(subject=org_subject(f"org{i}"), event=created, expected=0)]
+            )
+
+        async def old(i: int) -> bool:
+            return bool(await EventStore(lag.reader, timeout=TIMEOUT).read(f"rp.org.org{i}"))
+
+        async def with_floor(i: int, seq: int) -> bool:
+            floor.set(seq)  # as the scheduler does per message (this task's own context)
+            return bool(
+                (
+                    await App(EventStore(lag.reader, timeout=TIMEOUT)).load_org(f"org{i}")
+                ).state.exists
+            )
+
+        return await trials(lag, burst, write, old, {"EventStore.read(floor)": with_floor})
+
+
+async def board(cluster: NatsCluster) -> Tally:
+    async with Lagging(cluster, streams.HEARTBEATS) as lag:
+        wjs = lag.writer.jetstream()
+        writer = Board(lag.writer)
+
+        async def burst(j: int) -> object:
+            return await wjs.publish(subject(f"burst{j}", "plan"), PAYLOAD)
+
+        async def write(i: int) -> int:
+            assert await writer.put(subject(f"run{i}", "plan"), body(lease_id=f"l{i}", timeout=60))
+            return 0
+
+        async def old(i: int) -> bool:
+            return await Board(lag.reader, timeout=TIMEOUT).last(f"run{i}", "plan") is not None
+
+        async def snapshot(i: int, _: int) -> bool:
+            _now, beats = await Board(lag.reader, timeout=TIMEOUT).snapshot()
+            return any(b.run_id == f"run{i}" for b in beats)
+
+        async def leader(i: int, _: int) -> bool:
+            return (
+                await Board(lag.reader, timeout=TIMEOUT).last(f"run{i}", "plan", leader=True)
+                is not None
+            )
+
+        reads = {"Board.snapshot": snapshot, "Board.last(leader)": leader}
+        return await trials(lag, burst, write, old, reads)
+
+
+async def state_head(cluster: NatsCluster) -> Tally:
+    async with Lagging(cluster, f"KV_{kv.STATE_HEAD_BUCKET}") as lag:
+        wjs = lag.writer.jetstream()
+        bucket = await wjs.key_value(kv.STATE_HEAD_BUCKET)
+        key = ws_key("acme", "net")
+        store = StateStore(lag.reader.jetstream(timeout=TIMEOUT), KeyRing.generate())
+
+        async def burst(j: int) -> object:
+            return await bucket.put(f"burst.w{j}", PAYLOAD)
+
+        async def write(i: int) -> int:
+            return int(
+                await bucket.put(
+                    key, json.dumps({"object": f"v{i}", "serial": i, "digest": "d"}).encode()
+                )
+            )
+
+        async def old(i: int) -> bool:
+            direct = await lag.reader.jetstream(timeout=TIMEOUT).key_value(kv.STATE_HEAD_BUCKET)
+            try:
+                entry = await direct.get(key)  # a direct get: the bucket allows them
+            except nats.js.errors.KeyNotFoundError:
+                return False
+            return bool(json.loads(entry.value or b"{}").get("serial") == i)
+
+        async def head(i: int, _: int) -> bool:
+            found, _rev = await store.head("acme", "net")
+            return found is not None and found.serial == i
+
+        return await trials(lag, burst, write, old, {"StateStore.head": head})
+
+
+async def secrets(cluster: NatsCluster) -> Tally:
+    async with Lagging(cluster, f"KV_{kv.SECRETS_BUCKET}") as lag:
+        bucket = await lag.writer.jetstream().key_value(kv.SECRETS_BUCKET)
+
+        async def burst(j: int) -> object:
+            return await bucket.put(f"burst.w{j}.s", PAYLOAD)
+
+        async def write(i: int) -> int:
+            return int(await bucket.put("acme.net.token", f"sealed-{i}".encode()))
+
+        async def old(i: int) -> bool:
+            found, _ = await kv.direct_last_values(
+                lag.reader, kv.SECRETS_BUCKET, "acme.net.*", timeout=TIMEOUT
+            )
+            return found.get("acme.net.token") == f"sealed-{i}".encode()
+
+        async def values(i: int, _: int) -> bool:
+            found = await kv.last_values(
+                lag.reader, kv.SECRETS_BUCKET, "acme.net.*", timeout=TIMEOUT
+            )
+            return found.get("acme.net.token") == f"sealed-{i}".encode()
+
+        return await trials(lag, burst, write, old, {"kv.last_values": values})
+
+
+async def test_reads_through_a_follower_that_is_behind_are_never_stale(
+    cluster: NatsCluster,
+) -> None:
+    results = {
+        "events": await events(cluster),
+        "heartbeat board": await board(cluster),
+        "state head": await state_head(cluster),
+        "secrets": await secrets(cluster),
+    }
+    report = "\n".join(t.line(name) for name, t in results.items())
+    print(report)
+    for name, t in results.items():
+        assert t.old_stale > 0, f"{name}: the follower never lagged, nothing proven\n{report}"
+        assert not any(t.new_stale.values()), f"{name}: a new read was stale\n{report}"
