@@ -14,6 +14,9 @@ scheduler, reaper, executor and secrets responder use now, at the same moment:
 - the state head: `StateStore.head` (what Terraform plans on);
 - the secrets: `kv.last_values` (what the responder hands a dispatch).
 
+(The cluster test is `slow`; the last test, on one server, plays a board page from a
+follower behind for the reaper's limits.)
+
 The old path must come out stale at least once (else the follower never lagged and the
 test proves nothing); the new path never. A new read may fail instead (the board's clock
 not read back): that is no decision, and is counted apart.
@@ -27,7 +30,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import nats
@@ -37,15 +40,16 @@ from nats.aio.client import Client as NATS
 
 from events.codec import org_subject
 from events.org import OrgCreated
+from events.run import Status
 from executor.statestore import StateStore, StateStoreError, ws_key
 from services.commands import App
 from services.infra import kv, streams
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import Append, EventStore, StoreError, floor
-from services.infra.heartbeats import Board, BoardError, body, subject
+from services.infra.heartbeats import DEADLINE, Beat, Board, BoardError, body, subject
+from services.scheduler import limits
 from tests.cluster_support import NatsCluster, Node
-
-pytestmark = pytest.mark.slow
+from tests.test_reaper import ORG, queued_run, state, workspace
 
 BURST = 500  # writes before the one that matters: the follower has them all to catch up
 PAYLOAD = b"x" * 1000
@@ -262,6 +266,7 @@ async def secrets(cluster: NatsCluster) -> Tally:
         return await trials(lag, burst, write, old, {"kv.last_values": values})
 
 
+@pytest.mark.slow
 async def test_reads_through_a_follower_that_is_behind_are_never_stale(
     cluster: NatsCluster,
 ) -> None:
@@ -276,3 +281,28 @@ async def test_reads_through_a_follower_that_is_behind_are_never_stale(
     for name, t in results.items():
         assert t.old_stale > 0, f"{name}: the follower never lagged, nothing proven\n{report}"
         assert not any(t.new_stale.values()), f"{name}: a new read was stale\n{report}"
+
+
+async def test_a_deadline_marker_the_leader_no_longer_has_is_not_enforced(
+    nc: NATS, app: App
+) -> None:
+    """A board page from a follower behind shows a marker whose deadline has passed; the
+    leader has a newer one since: the reaper's limits leave the run alone this round."""
+    await workspace(app, "net")
+    run_id = await queued_run(app, "net")
+    board = Board(nc)
+    now = datetime.now(UTC)
+
+    async def put(deadline: datetime) -> Beat:
+        marker = body(kind=DEADLINE, org=ORG, workspace="net", run_deadline=deadline.isoformat())
+        assert await board.put(subject(run_id, DEADLINE), marker)
+        beat = await board.last(run_id, DEADLINE, leader=True)
+        assert beat is not None
+        return beat
+
+    behind = await put(now - timedelta(seconds=5))
+    await put(now + timedelta(hours=1))
+    assert await limits.enforce(app, board, behind, now) == limits.Limit.KEEP
+    assert (await state(app, "net", run_id)).status == Status.QUEUED
+    current = await board.last(run_id, DEADLINE, leader=True)
+    assert current is not None and current.seq > behind.seq, "the newer marker is kept"
