@@ -127,8 +127,12 @@ class Reaper:
         self.board = board or Board(nc)
         self.interval = interval
         self.redispatch_after = redispatch_after
-        # The `Nats-Msg-Id`s in a pool's work queue, read at most once a round.
-        self._queued: dict[str, asyncio.Task[set[str]]] = {}
+        # The `Nats-Msg-Id`s in a pool's work queue (one message get each), read again
+        # only once they are a quarter of `redispatch_after` old: a queue of thousands
+        # of waiting phases is not read every round. An old list may show a message
+        # lost since (its phase goes at the next check) or miss one published since
+        # (only for markers this young: never due).
+        self._queued: dict[str, tuple[float, asyncio.Task[set[str]]]] = {}
         # (subject, has a lease) -> timeout, for entries that do not say theirs
         self._timeouts: dict[tuple[str, bool], int] = {}
         self._slots = asyncio.Semaphore(concurrency)
@@ -154,6 +158,9 @@ class Reaper:
         self._stopping.set()
         await cancel_and_wait(self._task)
         self._task = None
+        for _, read in self._queued.values():
+            await cancel_and_wait(read)
+        self._queued.clear()
 
     async def run(self) -> None:
         """Reap every `interval`, or twice as long as a round took: reading the board costs
@@ -206,7 +213,6 @@ class Reaper:
         stale = [(b, True) for b in beats if await self._stale(b, now)]
         due = {b.seq for b, _ in stale}
         stale += [(b, False) for b in beats if b.seq not in due and self._recheck(b, now)]
-        self._queued = {}
         results = await asyncio.gather(
             *(self._reap(b, now, timed_out) for b, timed_out in stale), return_exceptions=True
         )
@@ -304,9 +310,16 @@ class Reaper:
         await self.board.put(beat.subject, msgspec.json.encode(body), expected=beat.seq)
 
     async def _pending(self, pool: str) -> set[str]:
-        if pool not in self._queued:
-            self._queued[pool] = asyncio.create_task(queued(self.nc, pool))
-        return await asyncio.shield(self._queued[pool])
+        now = asyncio.get_running_loop().time()
+        read = self._queued.get(pool)
+        if read is None or now - read[0] > self.redispatch_after / 4 or read[1].cancelled():
+            read = (now, asyncio.create_task(queued(self.nc, pool), name=f"queued-{pool}"))
+            self._queued[pool] = read
+        try:
+            return await asyncio.shield(read[1])
+        except (BoardError, nats.errors.Error, TimeoutError):
+            self._queued.pop(pool, None)  # read again next time
+            raise
 
     async def _fail(self, beat: Beat, run: RunState, verdict: Verdict, silence: float) -> None:
         silent = verdict == Verdict.FAIL_SILENT
