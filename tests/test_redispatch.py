@@ -22,9 +22,10 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from services.commands import App
 from services.infra import streams
-from services.infra.heartbeats import Beat, Board
+from services.infra.heartbeats import DEADLINE, Beat, Board, subject
 from services.scheduler import watch
 from services.scheduler.reaper import Reaper, queued
+from services.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
 from tests.test_executor import MAIN_TF
@@ -175,3 +176,54 @@ async def test_a_claim_whose_marker_stayed_is_adopted_not_dispatched_again(
         failed = await reaches(app, "net", run_id, "failed")
     assert "sent no heartbeat" in failed.error_message
     assert await dispatch_state(nc) == (0, 0), "never dispatched"
+
+
+async def test_a_queued_run_with_nothing_on_the_board_is_found_and_dispatched(
+    nc: NATS, app: App
+) -> None:
+    """Whatever the gap: the phase's message and its marker are both gone (as if the
+    scheduler had never dispatched it). The run's deadline marker, kept for every open
+    run even without limits, shows the reaper an open run: it marks and dispatches."""
+    await short_duplicate_window(nc)
+    await rworkspace(app, "net")
+    async with Scheduler(nc, app):
+        run_id = await queued_run_via_scheduler(app)
+        await eventually(lambda: _dispatched(nc), what="the plan dispatched")
+        deadline = await Board(nc).last(run_id, DEADLINE, leader=True)
+        assert deadline is not None and deadline.body.run_deadline is None, "no limit set"
+        assert deadline.body.pool == "default"
+    await take_the_message(nc)
+    await Board(nc).purge(subject(run_id, "plan"))
+    assert await Board(nc).last(run_id, "plan", leader=True) is None
+    async with Reaper(nc, app, interval=0.1, redispatch_after=1):
+
+        async def dispatched_again() -> bool:
+            return await dispatch_state(nc) == (1, 2)
+
+        await eventually(dispatched_again, timeout=15, what="the unseen phase dispatched")
+        assert await queued(nc, "default") == {watch.dispatch_id(run_id, "plan")}
+        marked = await Board(nc).last(run_id, "plan", leader=True)
+        assert marked is not None and marked.body.kind == "dispatched"
+    assert (await rstate(app, "net", run_id)).status == R.Status.QUEUED
+
+
+async def queued_run_via_scheduler(app: App) -> str:
+    run_id = str((await app.create_run("acme", "net", "apply", "alice")).state.run_id)
+    await reaches(app, "net", run_id, "queued")
+    return run_id
+
+
+async def _dispatched(nc: NATS) -> bool:
+    return await dispatch_state(nc) == (1, 1)
+
+
+async def take_the_message(nc: NATS) -> None:
+    """A consumer that takes the pool's message and acks it without claiming."""
+    js = nc.jetstream()
+    await streams.ensure_executor_consumer(js, "default")
+    rogue = await js.pull_subscribe_bind(
+        durable=streams.executor_consumer("default"), stream=streams.DISPATCH
+    )
+    [taken] = await rogue.fetch(1, timeout=5)
+    await taken.ack_sync()
+    await rogue.unsubscribe()

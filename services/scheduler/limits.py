@@ -1,13 +1,15 @@
 """Run limits: `approval_timeout` and `run_timeout`, kept as deadline markers on the board.
 
-The scheduler keeps one marker per open run with a limit, `rp.hb.<run>.deadline`, in
-RP_HEARTBEATS beside the phases' beats: `{"kind": "deadline", "run_deadline",
-"approval_deadline", "version"}`. Deadlines are computed from the run's own events and
-their server receipt times (`Nats-Time-Stamp`): `run_timeout` counts from `run.created`,
-`approval_timeout` from the `run.plan_finished` that left the run awaiting approval. So a
-restarted scheduler or reaper finds them where they were, and no clock but the server's
-enters. A marker is rewritten as the run moves (conditionally, and only by news of a
-newer run version) and purged once the run ends.
+The scheduler keeps one marker per open run, `rp.hb.<run>.deadline`, in RP_HEARTBEATS
+beside the phases' beats: `{"kind": "deadline", "run_deadline", "approval_deadline",
+"version", "pool"}` (both deadlines null when the run has no limit: the marker still says
+the run is open, so the reaper sees every open run, see services/scheduler/reaper.py).
+Deadlines are computed from the run's own events and their server receipt times
+(`Nats-Time-Stamp`): `run_timeout` counts from `run.created`, `approval_timeout` from the
+`run.plan_finished` that left the run awaiting approval. So a restarted scheduler or
+reaper finds them where they were, and no clock but the server's enters. A marker is
+rewritten as the run moves (conditionally, and only by news of a newer run version) and
+purged once the run ends.
 
 The reaper compares them with the server's "now" every round:
 
@@ -43,6 +45,7 @@ from events.run import (
 from events.run import fold as fold_run
 from services.commands import App
 from services.infra.heartbeats import DEADLINE, Beat, Board, body, subject
+from services.scheduler.watch import pool_of
 
 log = structlog.get_logger(__name__)
 
@@ -118,8 +121,11 @@ def due(beat: Beat, now: datetime) -> bool:
 # ------------------------------------------------------------ the scheduler's side
 
 
-async def follow(app: App, board: Board, org: str, ws: str, run_id: str) -> None:
-    """Bring the run's deadline marker up to date (idempotent; only newer news wins)."""
+async def follow(
+    app: App, board: Board, org: str, ws: str, run_id: str, *, pool: str = "default"
+) -> None:
+    """Bring the run's deadline marker up to date (idempotent; only newer news wins).
+    `pool` is the scheduler's: where the run's phases go unless its settings say."""
     envs = await app.store.read(f"rp.run.{org}.{ws}.{run_id}")
     run = fold_run([e.event for e in envs])  # type: ignore[misc]  # a run subject holds run events
     subj = subject(run_id, DEADLINE)
@@ -134,19 +140,20 @@ async def follow(app: App, board: Board, org: str, ws: str, run_id: str) -> None
             times["planned"] = e.time
     fallback = None if run.snapshot else await app.effective_settings(org, ws)
     run_at, approval_at = deadlines(run, times, fallback)
-    await _publish(board, subj, run, run_at, approval_at)
+    await _publish(board, subj, run, run_at, approval_at, pool_of(run, pool))
 
 
 async def _publish(
-    board: Board, subj: str, run: RunState, run_at: datetime | None, approval_at: datetime | None
+    board: Board,
+    subj: str,
+    run: RunState,
+    run_at: datetime | None,
+    approval_at: datetime | None,
+    pool: str,
 ) -> None:
     for i in range(3):  # after a refused put, from the leader (a follower may be behind)
         last = await board.last(run.run_id, DEADLINE, leader=i > 0)
         if last is not None and last.body.version >= run.version:
-            return
-        if run_at is None and approval_at is None:
-            if last is not None:
-                await board.purge(subj, through=last.seq)
             return
         marker = body(
             kind=DEADLINE,
@@ -155,6 +162,7 @@ async def _publish(
             run_deadline=run_at.isoformat() if run_at else None,
             approval_deadline=approval_at.isoformat() if approval_at else None,
             version=run.version,
+            pool=pool,
         )
         if await board.put(subj, marker, expected=last.seq if last else 0):
             return

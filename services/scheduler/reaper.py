@@ -47,8 +47,7 @@ from services.infra.eventstore import StoreError, floor
 from services.infra.heartbeats import DEADLINE, DISPATCHED, Beat, Board, BoardError
 from services.infra.tasks import cancel_and_wait
 from services.scheduler import limits, watch
-from services.scheduler.scheduler import pool_of
-from services.scheduler.watch import adopt
+from services.scheduler.watch import adopt, pool_of
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +132,8 @@ class Reaper:
         # lost since (its phase goes at the next check) or miss one published since
         # (only for markers this young: never due).
         self._queued: dict[str, tuple[float, asyncio.Task[set[str]]]] = {}
+        # When each open run's deadline marker was last looked at (server time).
+        self._looked: dict[str, datetime] = {}
         # (subject, has a lease) -> timeout, for entries that do not say theirs
         self._timeouts: dict[tuple[str, bool], int] = {}
         self._slots = asyncio.Semaphore(concurrency)
@@ -206,6 +207,7 @@ class Reaper:
         beats = [b for b in board if b.phase != DEADLINE]
         markers = [b for b in board if b.phase == DEADLINE]
         await self._limits([b for b in markers if limits.due(b, now)], now)
+        await self._open_runs(markers, beats, now)
         for marker in (b for b in markers if limits.stale(b, now)):
             await limits.refresh(self.board, marker)
         known = self._timeouts
@@ -235,6 +237,45 @@ class Reaper:
                     log.warning("limit_failed", run_id=beat.run_id, error=repr(e))
 
         await asyncio.gather(*(one(b) for b in due))
+
+    async def _open_runs(self, markers: list[Beat], beats: list[Beat], now: datetime) -> None:
+        """Every open run has a deadline marker (services/scheduler/limits.py). One whose
+        run has nothing on the board is looked at every `redispatch_after`: if it waits
+        for an executor, its phase was never dispatched (or lost its marker) and is
+        dispatched now; if it ended, the marker is purged."""
+        shown = {b.run_id for b in beats}
+        self._looked = {
+            m.subject: self._looked[m.subject] for m in markers if m.subject in self._looked
+        }
+
+        def due(m: Beat) -> bool:
+            since = self._looked.get(m.subject, m.time)
+            return m.run_id not in shown and (now - since).total_seconds() > self.redispatch_after
+
+        async def one(marker: Beat) -> None:
+            async with self._slots:
+                try:
+                    await self._unseen(marker)
+                except (BoardError, StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
+                    log.warning("open_run_check_failed", run_id=marker.run_id, error=repr(e))
+                    return
+            self._looked[marker.subject] = now
+
+        await asyncio.gather(*(one(m) for m in markers if due(m)))
+
+    async def _unseen(self, marker: Beat) -> None:
+        run = await self._load(marker)
+        if not run.exists or run.terminal:
+            if await self._current(marker):
+                await self.board.purge(marker.subject, through=marker.seq)
+            return
+        phase = run.waiting_phase
+        if not phase or await self.board.last(run.run_id, phase, leader=True) is not None:
+            return  # nothing to dispatch, or a board page from a follower missed its entry
+        pool = marker.body.pool or pool_of(run, "default")
+        await watch.mark_dispatched(self.nc, run, phase, pool)
+        sent = await watch.dispatch(self.nc, run, phase, pool)
+        log.warning("unseen_phase_dispatched", run_id=run.run_id, phase=phase, pool=pool, sent=sent)
 
     async def _stale(self, beat: Beat, now: datetime) -> bool:
         timeout = await self._timeout(beat)

@@ -34,16 +34,16 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from events.codec import decode, valid_id
+from events.codec import decode
 from events.errors import DomainError
 from events.run import RunState
-from events.settings import DEFAULT_ORIGIN
 from services.commands import App
 from services.infra import streams
 from services.infra.eventstore import StoreError, floor
 from services.infra.heartbeats import Board
 from services.infra.tasks import cancel_and_wait
 from services.scheduler import limits, watch
+from services.scheduler.watch import pool_of
 
 log = structlog.get_logger(__name__)
 
@@ -92,17 +92,6 @@ _LIMIT_TYPES = frozenset(
         "run.failed",
     }
 )
-
-
-def pool_of(state: RunState, default: str) -> str:
-    """The executor pool a run's phases go to: the `executor_pool` its snapshot pinned,
-    unless that is only the setting's default; then `default` (the scheduler's pool)."""
-    entry = state.snapshot.settings.get("executor_pool") if state.snapshot else None
-    value = entry.get("value") if isinstance(entry, dict) else entry
-    origin = entry.get("origin") if isinstance(entry, dict) else ""
-    if isinstance(value, str) and valid_id(value) and origin != DEFAULT_ORIGIN:
-        return value
-    return default
 
 
 def _field(data: bytes, name: str) -> Any:
@@ -267,7 +256,7 @@ class Scheduler:
                 # it brought up to date by the `run.pinned` that follows)
                 pinning = kind == "run.queued" and _field(m.data, "pinning")
                 if kind in _LIMIT_TYPES and not pinning:
-                    await limits.follow(self.app, Board(self.nc), org, ws, parts[4])
+                    await limits.follow(self.app, Board(self.nc), org, ws, parts[4], pool=self.pool)
                 await m.ack()
             except (StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
                 retry = getattr(e, "retryable", True)

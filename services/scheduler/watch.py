@@ -20,7 +20,9 @@ import json
 import structlog
 from nats.aio.client import Client as NATS
 
+from events.codec import valid_id
 from events.run import RunState
+from events.settings import DEFAULT_ORIGIN
 from events.templates import phase_of
 from services.commands import App
 from services.infra import streams
@@ -40,6 +42,17 @@ _CUSTOM_ENDS = frozenset({"run.custom_finished", "run.failed", "run.canceled"})
 WATCHED = frozenset({"run.phase_started", *_ENDS, *_CUSTOM_ENDS})
 # Seconds between the reaper's checks that an unclaimed phase's message still exists.
 RECHECK = 60
+
+
+def pool_of(state: RunState, default: str) -> str:
+    """The executor pool a run's phases go to: the `executor_pool` its snapshot pinned,
+    unless that is only the setting's default; then `default` (the scheduler's pool)."""
+    entry = state.snapshot.settings.get("executor_pool") if state.snapshot else None
+    value = entry.get("value") if isinstance(entry, dict) else entry
+    origin = entry.get("origin") if isinstance(entry, dict) else ""
+    if isinstance(value, str) and valid_id(value) and origin != DEFAULT_ORIGIN:
+        return value
+    return default
 
 
 def dispatch_message(state: RunState, phase: str) -> bytes:
