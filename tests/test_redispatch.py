@@ -24,14 +24,16 @@ from services.commands import App
 from services.infra import streams
 from services.infra.heartbeats import DEADLINE, Beat, Board, subject
 from services.scheduler import watch
-from services.scheduler.reaper import Reaper, queued
+from services.scheduler.reaper import Reaper, Verdict, judge, queued
 from services.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
+from tests.test_core_run import HISTORIES
 from tests.test_executor import MAIN_TF
 from tests.test_reaper import claim, queued_run, reaches
 from tests.test_reaper import state as rstate
 from tests.test_reaper import workspace as rworkspace
+from tests.test_reaper_dispatch import entry
 
 
 async def short_duplicate_window(nc: NATS, seconds: float = 1.0) -> None:
@@ -227,3 +229,21 @@ async def take_the_message(nc: NATS) -> None:
     [taken] = await rogue.fetch(1, timeout=5)
     await taken.ack_sync()
     await rogue.unsubscribe()
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [
+        (R.Status.QUEUED, Verdict.REDISPATCH),  # still waiting: dispatched again if lost
+        (R.Status.PLANNING, Verdict.ADOPT),  # claimed, nobody beat: beat for the lease
+        (R.Status.AWAITING_APPROVAL, Verdict.PURGE),  # moved on
+        (R.Status.FAILED, Verdict.PURGE),
+    ],
+)
+def test_a_marker_due_for_its_recheck_is_judged_without_failing_anything(
+    status: R.Status, verdict: Verdict
+) -> None:
+    marker = entry("plan", "")
+    assert judge(marker, R.fold(HISTORIES[status]), timed_out=False) == verdict
+    if verdict == Verdict.REDISPATCH:
+        assert judge(marker, R.fold(HISTORIES[status])) == Verdict.FAIL_UNCLAIMED
