@@ -715,14 +715,14 @@ async def inject_faults(
 
 def _pick(plane: Plane, kind: str, run_id: str, rng: random.Random) -> int:
     """Which process of `kind` to kill: the executor working on `run_id` if one is, else
-    one at random (no draw when there is only one, so a seed replays as before)."""
+    each in turn (with only one, always it: no draw, so a seed replays as before)."""
     if kind == "nats" or len(plane.of(kind)) == 1:
         return 0
     if kind == "executor" and run_id:
         for i, c in enumerate(plane.executors):
             if c.works_on(run_id):
                 return i
-    return rng.randrange(len(plane.of(kind)))
+    return sum(f.kind == kind for f in plane.faults) % len(plane.of(kind))
 
 
 async def _wait_for_request(work: Workload, kind: str, extra: float, timeout: float) -> str:
