@@ -26,6 +26,8 @@ import asyncio
 import json
 import os
 import random
+import re
+import shlex
 import signal
 import time
 from collections import Counter
@@ -37,6 +39,9 @@ import nats.errors
 import pytest
 
 from services import natsstatus
+from services.cli import options, parser
+from services.infra.kv import BUCKETS
+from services.infra.streams import OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer
 from tests.cluster_support import NatsCluster
 from tests.procs import Proc
 from tests.reliability.chaos_support import (
@@ -315,3 +320,51 @@ def server_errors(faults: list[Fault], api: Api) -> dict[str, list[float | None]
         since = None if last is None else round(a.at - (last.at + last.recovered_s), 2)
         found.setdefault(key, []).append(since)
     return found
+
+
+# ---------------------------------------------------------------- the deploy docs
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def exec_start(unit: Path, instance: str) -> list[str]:
+    """The unit's ExecStart as systemd runs it for `instance`: `%i` replaced, `${VAR}`
+    from the unit's `Environment=` lines (unset: empty, as systemd does)."""
+    lines = unit.read_text().splitlines()
+    env = dict(
+        line.removeprefix("Environment=").split("=", 1)
+        for line in lines
+        if line.startswith("Environment=")
+    )
+    line = next(x for x in lines if x.startswith("ExecStart="))
+    words = shlex.split(line.removeprefix("ExecStart=").replace("%i", instance))
+    return [re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), w) for w in words]
+
+
+@pytest.mark.parametrize("role", ["api", "scheduler", "executor"])
+def test_each_unit_runs_a_command_the_cli_takes_and_instances_do_not_collide(role: str) -> None:
+    unit = DEPLOY / "systemd" / f"runplane-{role}@.service"
+    assert "EnvironmentFile=/etc/runplane/env" in unit.read_text()
+    seen = []
+    for instance in ("8081", "8082") if role == "api" else ("1", "2"):
+        argv = exec_start(unit, instance)
+        assert argv[:2] == ["/opt/runplane/.venv/bin/runplane", role], argv
+        opts = options(parser().parse_args(argv[1:]))  # an unknown flag exits here
+        assert "--nats-url" not in argv  # RUNPLANE_NATS_URL, from the environment file
+        seen.append((opts.data_dir, opts.host_port() if role == "api" else None))
+    assert seen[0][0] != seen[1][0], seen
+    if role == "api":
+        assert seen[0][1] != seen[1][1] and seen[0][1] == ("127.0.0.1", 8081), seen
+
+
+def test_the_deploy_readme_names_everything_runplane_declares_and_reads() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    names = [stream for _, stream in natsstatus.declared()]
+    names += [*BUCKETS, *OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer("<pool>")]
+    assert [n for n in names if f"`{n}`" not in readme and f"> {n}`" not in readme] == []
+    # Every variable the environment file of the README sets is one runplane reads.
+    source = "\n".join(p.read_text() for p in (DEPLOY.parent / "services").rglob("*.py"))
+    env_file = re.findall(r"^\s+(RUNPLANE_\w+)=", readme, re.M)
+    assert {"RUNPLANE_ADMIN_TOKEN", "RUNPLANE_ENCRYPTION_KEY", "RUNPLANE_NATS_URL"} <= set(env_file)
+    assert [v for v in env_file if v not in source] == []
+    assert "FAILURES_TABLE" not in readme
