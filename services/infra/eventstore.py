@@ -21,6 +21,7 @@ import asyncio
 import contextvars
 import itertools
 import json
+import time
 import uuid
 from collections import OrderedDict
 from datetime import datetime
@@ -42,6 +43,13 @@ WRONG_LAST_SEQUENCE = 10071
 CACHE_EVENTS = 50_000
 BATCH_DUPLICATE_ID = 10201
 NO_MESSAGE_FOUND = 10037
+# An append that finds no stream leader (its server was killed; the election took 1 to
+# 6 s on a 3-node cluster) is sent again every NO_LEADER_PAUSE_S for up to
+# NO_LEADER_WAIT_S: before, the raw NoRespondersError crashed an executor's apply phase,
+# its failure report too, and the run stayed `applying` with no owner until the
+# heartbeat timeout (600 s), its new state on disk until the executor's next start.
+NO_LEADER_WAIT_S = 30.0
+NO_LEADER_PAUSE_S = 0.25
 # A `min_seq` no read proves by itself: the leader is asked whether anything is newer.
 LATEST = 2**63 - 1
 # The stream sequence a decision's reads must be at least as new as: the event that woke
@@ -339,10 +347,21 @@ class EventStore:
             raise ValueError("nothing to append")
         ids = [it.msg_id or uuid.uuid4().hex for it in items]
         last_err: Exception | None = None
-        for _ in range(attempts):
+        tries, leaderless_since = 0, 0.0
+        while tries < attempts:
             try:
                 ack = await self._send(items, ids)
+            except nats.errors.NoRespondersError as e:
+                # The stream has no leader for a moment (its server died: an election
+                # takes seconds). Nothing was stored; the same msg ids are sent again.
+                last_err = e
+                leaderless_since = leaderless_since or time.monotonic()
+                if time.monotonic() - leaderless_since > NO_LEADER_WAIT_S:
+                    raise StoreError("append: the stream has no leader") from e
+                await asyncio.sleep(NO_LEADER_PAUSE_S)
+                continue
             except TimeoutError as e:  # the first try may have landed: look before retrying
+                tries += 1
                 last_err = e
                 landed = await self._landed(items, ids)
                 if landed:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import nats.errors
 import nats.js.errors
+import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -19,6 +21,8 @@ from nats.js.api import (
 
 from services.infra import replicas as rep
 from services.infra.kv import declare_buckets
+
+log = structlog.get_logger(__name__)
 
 EVENTS = "RP_EVENTS"
 DISPATCH = "RP_DISPATCH"
@@ -43,12 +47,22 @@ def executor_consumer(pool: str) -> str:
     return f"rp-exec-{pool}"
 
 
+# Processes that start together on a fresh cluster race to declare the same streams,
+# and JetStream leaves a request about a stream whose assignment is still in flight
+# unanswered (6 processes at once: 2 to 5 of them got no answer within 10 s). Every step
+# of a declaration is idempotent, so it is tried again from the start.
+DECLARE_TRIES = 4
+
+
 async def _ensure_stream(nc: NATS, config: dict[str, Any]) -> None:
     """Create or update a stream from raw config (nats-py lacks some newer fields),
-    keeping the replicas it has if it has more than `config` asks for."""
+    keeping the replicas it has if it has more than `config` asks for; a stream that
+    already has every setting of `config` is left alone (no update at each start)."""
     name = config["name"]
     existing = await rep.stream_config(nc, name)
     config["num_replicas"] = rep.kept(existing, config["num_replicas"])
+    if existing is not None and all(existing.get(k) == v for k, v in config.items()):
+        return
     verb = "CREATE" if existing is None else "UPDATE"
     body = await rep.api(nc, f"$JS.API.STREAM.{verb}.{name}", config)
     if "error" in body:
@@ -62,9 +76,22 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 0) -> None:
     """Declare streams and buckets. Safe to call from every process at every start.
 
     `replicas` is the setting (0: the default for this server, `replicas.wanted`); what
-    exists with more replicas keeps them.
+    exists with more replicas keeps them. A request left unanswered (see
+    `DECLARE_TRIES`) starts the declaration again.
     """
-    replicas = rep.wanted(nc, replicas)
+    for attempt in range(1, DECLARE_TRIES + 1):
+        try:
+            await _declare(nc, js, rep.wanted(nc, replicas))
+            return
+        except nats.errors.TimeoutError:
+            if attempt == DECLARE_TRIES:
+                raise rep.ReplicationError(
+                    f"declaring streams and buckets: no answer from JetStream {attempt} times"
+                ) from None
+            log.warning("declare_unanswered", attempt=attempt)
+
+
+async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
     window = DUPLICATE_WINDOW_S * 1_000_000_000
     await _ensure_stream(
         nc,

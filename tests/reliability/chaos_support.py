@@ -2,9 +2,11 @@
 processes that a test kills with SIGKILL and restarts, a driver that pushes apply runs
 through the HTTP API, and the checks that run afterwards.
 
-Used by tests/reliability/test_chaos.py. Everything is real: nats-server (its own process
-on a fixed port, restarted on the same data directory), Terraform 1.0.3 with the null
-provider (offline), git repositories on disk.
+Used by tests/reliability/test_chaos.py (one nats-server, one process of each role) and
+tests/reliability/test_cluster.py (a 3-node cluster, `ClusterNats`, and several
+processes of each role). Everything is real: nats-server (its own processes on fixed
+ports, restarted on the same data directory), Terraform 1.0.3 with the null provider
+(offline), git repositories on disk.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import nats
+from nats.aio.client import Client as NATS
 
 from projections.readmodel import ReadModel
 from services.infra.eventstore import EventStore
 from services.infra.natsserver import _die_with_parent, server_binary
+from services.infra.streams import EVENTS
+from tests.cluster_support import NatsCluster, Node
 from tests.procs import Proc, descendants, free_port
 from tests.test_executor import commit, git
 
@@ -140,19 +145,91 @@ class NatsProc:
             except TimeoutError:
                 await self.kill()
 
+    async def kill_all(self) -> None:
+        await self.kill()
+
+    def env(self) -> dict[str, str]:
+        """What a runplane process needs besides `--nats-url`: nothing (no auth)."""
+        return {}
+
+    async def connect(self) -> NATS:
+        return await nats.connect(self.url)
+
+
+class ClusterNats:
+    """A `NatsCluster` as a plane's nats side: a `nats` fault (`kill`) kills -9 the node
+    that leads `RP_EVENTS` at that moment, `start` brings that node back on its store and
+    waits until every node is routed to every other again. Clients get every node's URL
+    (`url`) and the cluster's credentials (`env`)."""
+
+    def __init__(self, cluster: NatsCluster) -> None:
+        self.cluster = cluster
+        self.url = cluster.url
+        self.down: Node | None = None
+        self.killed: list[str] = []  # the names of the nodes killed, in order
+
+    async def start(self) -> None:
+        """The cluster the first time; afterwards the node that was killed."""
+        if not any(n.alive() for n in self.cluster.nodes) and self.down is None:
+            await self.cluster.__aenter__()
+            return
+        if self.down is not None:
+            await self.down.start()
+            self.down = None
+        await self.cluster.wait_ready()
+
+    async def kill(self) -> None:
+        self.down = await self.cluster.stream_leader(EVENTS)
+        self.killed.append(self.down.name)
+        await self.down.kill()
+
+    def alive(self) -> bool:
+        """A quorum of nodes runs: runplane's processes are expected to keep going."""
+        return sum(n.alive() for n in self.cluster.nodes) > len(self.cluster.nodes) // 2
+
+    async def stop(self) -> None:
+        await self.cluster.stop()
+
+    async def kill_all(self) -> None:
+        for n in self.cluster.nodes:
+            await n.kill()
+
+    def env(self) -> dict[str, str]:
+        return self.cluster.env()
+
+    async def connect(self) -> NATS:
+        return await self.cluster.connect()
+
+
+class NatsSide(Protocol):
+    """What a plane needs of its NATS: one server (`NatsProc`) or a cluster."""
+
+    url: str
+
+    async def start(self) -> None: ...
+    async def kill(self) -> None: ...
+    async def kill_all(self) -> None: ...
+    async def stop(self) -> None: ...
+    def alive(self) -> bool: ...
+    def env(self) -> dict[str, str]: ...
+    async def connect(self) -> NATS: ...
+
 
 # ---------------------------------------------------------------- runplane processes
 
 
 class Component:
     """One `runplane <role>` process with its log; kill -9 and restart keep the same
-    arguments, data directory and log file."""
+    arguments, environment, data directory and log file."""
 
-    def __init__(self, role: str, args: list[str], log: Path, ready: str) -> None:
+    def __init__(
+        self, role: str, args: list[str], log: Path, ready: str, env: dict[str, str] | None = None
+    ) -> None:
         self.role = role
         self.args = args
         self.log = log
         self.ready_text = ready
+        self.env = {"RUNPLANE_ADMIN_TOKEN": TOKEN, **(env or {})}
         self.proc: Proc | None = None
         self.offset = 0
         self.starts = 0
@@ -161,7 +238,7 @@ class Component:
     async def start(self) -> None:
         self.offset = self.log.stat().st_size if self.log.exists() else 0
         self.expected_exit = False
-        self.proc = await Proc(self.args, self.log, env={"RUNPLANE_ADMIN_TOKEN": TOKEN}).start()
+        self.proc = await Proc(self.args, self.log, env=self.env).start()
         self.starts += 1
 
     def output(self) -> str:
@@ -182,6 +259,19 @@ class Component:
                 return
             await asyncio.sleep(0.05)
         raise RuntimeError(f"{self.role} not ready in {timeout}s: {self.output()[-3000:]}")
+
+    def works_on(self, run_id: str) -> bool:
+        """Whether a process this one started (git, Terraform) works in a job directory
+        of `run_id` now: the executor that runs one of its phases."""
+        if not self.proc or not self.proc.proc or self.returncode() is not None:
+            return False
+        for pid in descendants(self.proc.proc.pid)[1:]:
+            try:
+                if f"/jobs/{run_id}-" in os.readlink(f"/proc/{pid}/cwd"):
+                    return True
+            except OSError:
+                continue
+        return False
 
     async def kill(self, tree: bool = True) -> list[int]:
         """SIGKILL the process and everything it started (Terraform too: a host lost),
@@ -214,49 +304,79 @@ class Fault:
     down_s: float
     note: str
     recovered_s: float = 0.0
+    target: str = ""  # the process killed: its role, or the nats node's name
+    wall: float = 0.0  # time.time() of the kill, to set against event timestamps
+    run_id: str = ""  # the run it waited for (applying, planning), if any
+
+
+ROLES = ("api", "scheduler", "executor")
+# Data directories and logs of the first process of each role (the names of a plane of
+# one of each); the second is `<name>2`, and so on.
+_DIRS = {"api": "api", "scheduler": "sched", "executor": "exec"}
+_READY = {
+    "api": "runplane api listening",
+    "scheduler": "runplane scheduler running",
+    "executor": "runplane executor running",
+}
 
 
 @dataclass
 class Plane:
-    """The processes of one deployment on one machine, each separately killable."""
+    """The processes of one deployment on one machine, each separately killable: a
+    nats side (one server, or a cluster) and `count` processes of each role, every api
+    on a port of its own (`bases`, in the order of `apis`)."""
 
     root: Path
-    nats: NatsProc
-    api: Component
-    scheduler: Component
-    executor: Component
-    base: str
+    nats: NatsSide
+    apis: list[Component]
+    schedulers: list[Component]
+    executors: list[Component]
+    bases: list[str]
     faults: list[Fault] = field(default_factory=list)
     crashes: list[str] = field(default_factory=list)
     orphans: list[asyncio.Task[float]] = field(default_factory=list)  # their lifetimes
 
+    @property
+    def api(self) -> Component:
+        return self.apis[0]
+
+    @property
+    def scheduler(self) -> Component:
+        return self.schedulers[0]
+
+    @property
+    def executor(self) -> Component:
+        return self.executors[0]
+
+    @property
+    def base(self) -> str:
+        return self.bases[0]
+
     @classmethod
-    async def start(cls, root: Path) -> Plane:
+    async def start(cls, root: Path, nats_side: NatsSide | None = None, count: int = 1) -> Plane:
+        """Start the nats side (by default one nats-server of its own) and `count`
+        processes of each role, every one given the nats side's URLs and environment."""
         root.mkdir(parents=True, exist_ok=True)
-        nats_proc = NatsProc(root / "nats", free_port())
-        (root / "nats").mkdir(exist_ok=True)
-        await nats_proc.start()
-        port = free_port()
-        common = ["--nats-url", nats_proc.url, "--log-format", "json", "--data-dir"]
-        api = Component(
-            "api",
-            ["api", *common, str(root / "api"), "--listen", f"127.0.0.1:{port}"],
-            root / "api.log",
-            "runplane api listening",
-        )
-        sched = Component(
-            "scheduler",
-            ["scheduler", *common, str(root / "sched")],
-            root / "sched.log",
-            "runplane scheduler running",
-        )
-        execu = Component(
-            "executor",
-            ["executor", *common, str(root / "exec")],
-            root / "exec.log",
-            "runplane executor running",
-        )
-        plane = cls(root, nats_proc, api, sched, execu, f"http://127.0.0.1:{port}")
+        if nats_side is None:
+            (root / "nats").mkdir(exist_ok=True)
+            nats_side = NatsProc(root / "nats", free_port())
+        await nats_side.start()
+        common = ["--nats-url", nats_side.url, "--log-format", "json", "--data-dir"]
+        made: dict[str, list[Component]] = {role: [] for role in ROLES}
+        bases = []
+        for role in ROLES:
+            for i in range(count):
+                name = _DIRS[role] + (str(i + 1) if i else "")
+                args = [role, *common, str(root / name)]
+                if role == "api":
+                    port = free_port()
+                    args += ["--listen", f"127.0.0.1:{port}"]
+                    bases.append(f"http://127.0.0.1:{port}")
+                label = role + (str(i + 1) if count > 1 else "")
+                made[role].append(
+                    Component(label, args, root / f"{name}.log", _READY[role], nats_side.env())
+                )
+        plane = cls(root, nats_side, made["api"], made["scheduler"], made["executor"], bases)
         for c in plane.components():
             await c.start()
         for c in plane.components():
@@ -264,7 +384,10 @@ class Plane:
         return plane
 
     def components(self) -> list[Component]:
-        return [self.api, self.scheduler, self.executor]
+        return [*self.apis, *self.schedulers, *self.executors]
+
+    def of(self, kind: str) -> list[Component]:
+        return {"api": self.apis, "scheduler": self.schedulers, "executor": self.executors}[kind]
 
     async def check_crashes(self) -> None:
         """A component that exited without being killed crashed: log it, restart it."""
@@ -278,18 +401,24 @@ class Plane:
                 await c.start()
                 await c.ready()
 
-    async def inject(self, kind: str, down_s: float, note: str, tree: bool = True) -> Fault:
-        """kill -9 one process, leave it down `down_s` seconds, restart it, wait ready.
-        `tree=False` kills the process alone: what it started (Terraform) lives on, and
-        how long is measured (`orphans`)."""
-        fault = Fault(at=now(), kind=kind, down_s=down_s, note=note)
+    async def inject(
+        self, kind: str, down_s: float, note: str, tree: bool = True, index: int = 0
+    ) -> Fault:
+        """kill -9 one process (the `index`th of its role; `nats`: the server, or the
+        cluster node leading `RP_EVENTS`), leave it down `down_s` seconds, restart it,
+        wait ready. `tree=False` kills the process alone: what it started (Terraform)
+        lives on, and how long is measured (`orphans`)."""
+        fault = Fault(at=now(), kind=kind, down_s=down_s, note=note, wall=time.time())
         t0 = now()
         if kind == "nats":
             await self.nats.kill()
+            if isinstance(self.nats, ClusterNats):
+                fault.target = self.nats.killed[-1]
             await asyncio.sleep(down_s)
             await self.nats.start()
         else:
-            comp = {"api": self.api, "scheduler": self.scheduler, "executor": self.executor}[kind]
+            comp = self.of(kind)[index]
+            fault.target = comp.role
             left = await comp.kill(tree)
             if not tree:
                 fault.note += "; the process alone"
@@ -311,7 +440,7 @@ class Plane:
         for c in self.components():
             if c.proc and c.proc.proc and c.returncode() is None:
                 await c.kill()
-        await self.nats.kill()
+        await self.nats.kill_all()
         for pid in self.strays():  # what killed executors left running (see `strays`)
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -336,11 +465,30 @@ class Plane:
 # ---------------------------------------------------------------- the API client
 
 
-class Api:
-    """A forgiving client: the api may be dead at any moment; errors are answers."""
+@dataclass(frozen=True)
+class Answer:
+    """One request's answer, as the driver saw it: which api replica, when."""
 
-    def __init__(self, base: str) -> None:
-        self.base = base
+    at: float  # now() as the answer came
+    replica: int
+    method: str
+    path: str
+    status: int  # 0: no answer (refused, reset, timeout)
+    kind: str  # a problem's type (its last part), else empty
+
+
+class Api:
+    """A forgiving client: the api may be dead at any moment; errors are answers.
+
+    Given several bases (api replicas), each call goes to the next one in turn and, when
+    that one does not answer at all, to the others (a load balancer's failover); every
+    answer is kept in `answers`."""
+
+    def __init__(self, base: str | list[str]) -> None:
+        self.bases = [base] if isinstance(base, str) else list(base)
+        self.base = self.bases[0]
+        self.answers: list[Answer] = []
+        self._turn = 0
         self.session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {TOKEN}"},
             timeout=aiohttp.ClientTimeout(total=15),
@@ -350,22 +498,45 @@ class Api:
         await self.session.close()
 
     async def call(
-        self, method: str, path: str, body: Any = None, min_seq: int = 0
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        min_seq: int = 0,
+        replica: int | None = None,
     ) -> tuple[int, Any]:
-        """(status, payload); status 0 when no answer came (refused, reset, timeout)."""
+        """(status, payload); status 0 when no answer came (refused, reset, timeout).
+        `replica` pins the call to one base, without failover."""
+        if replica is not None:
+            return await self._call(replica, method, path, body, min_seq)
+        self._turn += 1
+        order = [(self._turn + i) % len(self.bases) for i in range(len(self.bases))]
+        for i in order:
+            status, payload = await self._call(i, method, path, body, min_seq)
+            if status != 0 or method != "GET":  # a write is never sent twice
+                break
+        return status, payload
+
+    async def _call(
+        self, replica: int, method: str, path: str, body: Any, min_seq: int
+    ) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body)
         headers = {"RP-Min-Seq": str(min_seq)} if min_seq else None
+        status, payload = 0, None
         try:
             async with self.session.request(
-                method, self.base + path, data=data, headers=headers
+                method, self.bases[replica] + path, data=data, headers=headers
             ) as resp:
-                text = await resp.text()
+                status, text = resp.status, await resp.text()
                 try:
-                    return resp.status, json.loads(text) if text else None
+                    payload = json.loads(text) if text else None
                 except ValueError:
-                    return resp.status, text
+                    payload = text
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
-            return 0, repr(e)
+            status, payload = 0, repr(e)
+        kind = _slug(payload) if status >= 400 else ""
+        self.answers.append(Answer(now(), replica, method, path, status, kind))
+        return status, payload
 
     async def ok(
         self, method: str, path: str, body: Any = None, timeout: float = 60, min_seq: int = 0
@@ -490,19 +661,30 @@ async def inject_faults(
     plan: list[str],
     gap: tuple[float, float],
     after: Callable[[Fault], Awaitable[None]],
+    aim: dict[str, str] | None = None,
+    alone: bool | None = None,
 ) -> None:
     """Inject the faults of `plan` in order, a random gap apart. Some wait for a moment
     when a run is applying (the window a double apply would need) or planning, some for
     a create or an approve in flight (0-30 ms after the request left); the rest strike
-    wherever the runs are. `after` runs once each fault is over."""
+    wherever the runs are. `aim` forces the target of a kind (e.g. `{"executor":
+    "applying"}`); with several processes of a role, the executor working on the run
+    waited for is the one killed, else one at random. `alone` kills an executor without
+    (True) or with (False) its Terraform; by default half the time each. `after` runs
+    once each fault is over."""
     for kind in plan:
         await asyncio.sleep(rng.uniform(*gap))
         targets = ["random", "applying", "planning", "create", "approve"]
-        target = rng.choices(targets, weights=[3, 3, 2, 2, 1])[0]
+        if aim and kind in aim:
+            target = aim[kind]
+        else:
+            target = rng.choices(targets, weights=[3, 3, 2, 2, 1])[0]
         runs = await api.all_runs(OPEN)
         note = f"open runs {dict(Counter(r['status'] for r in runs or []))}; "
+        run_id = ""
         if target in ("applying", "planning"):
-            note += await _wait_for_status(api, target, rng.uniform(0, 1.5), 15)
+            seen, run_id = await _wait_for_status(api, target, rng.uniform(0, 1.5), 15)
+            note += seen
         elif target in work.sending:
             note += await _wait_for_request(work, target, rng.uniform(0, 0.03), 15)
         else:
@@ -510,20 +692,37 @@ async def inject_faults(
         # Mostly short outages; one in five outlasts the heartbeat timeout (4 s).
         down = round(rng.uniform(0.0, 3.0) if rng.random() < 0.8 else rng.uniform(4.0, 8.0), 2)
         t0 = now()
-        tree = kind != "executor" or rng.random() < 0.5
+        if alone is None:
+            tree = kind != "executor" or rng.random() < 0.5
+        else:
+            tree = kind != "executor" or not alone
+        index = _pick(plane, kind, run_id, rng)
         try:
-            fault = await plane.inject(kind, down, note, tree)
+            fault = await plane.inject(kind, down, note, tree, index)
         except Exception as e:  # a process that will not come back is a finding
             plane.crashes.append(f"{kind} did not come back: {e!r}")
             print("RESTART FAILED", kind, repr(e), flush=True)
             raise
+        fault.run_id = run_id
         print(
-            f"fault #{len(plane.faults)} kill -9 {kind:9s} ({note}), down {down}s, "
-            f"back after {fault.recovered_s}s (t={t0:.1f})",
+            f"fault #{len(plane.faults)} kill -9 {kind:9s} {fault.target} ({note}), "
+            f"down {down}s, back after {fault.recovered_s}s (t={t0:.1f})",
             flush=True,
         )
         await plane.check_crashes()
         await after(fault)
+
+
+def _pick(plane: Plane, kind: str, run_id: str, rng: random.Random) -> int:
+    """Which process of `kind` to kill: the executor working on `run_id` if one is, else
+    each in turn (with only one, always it: no draw, so a seed replays as before)."""
+    if kind == "nats" or len(plane.of(kind)) == 1:
+        return 0
+    if kind == "executor" and run_id:
+        for i, c in enumerate(plane.executors):
+            if c.works_on(run_id):
+                return i
+    return sum(f.kind == kind for f in plane.faults) % len(plane.of(kind))
 
 
 async def _wait_for_request(work: Workload, kind: str, extra: float, timeout: float) -> str:
@@ -535,15 +734,16 @@ async def _wait_for_request(work: Workload, kind: str, extra: float, timeout: fl
     return f"{extra * 1000:.0f} ms after a {kind} request left"
 
 
-async def _wait_for_status(api: Api, status: str, extra: float, timeout: float) -> str:
+async def _wait_for_status(api: Api, status: str, extra: float, timeout: float) -> tuple[str, str]:
+    """(a note, the run) once a run has `status` and `extra` seconds more went by."""
     deadline = now() + timeout
     while now() < deadline:
         runs = await api.all_runs([status])
         if runs:
             await asyncio.sleep(extra)
-            return f"while {runs[0]['id']} {status}"
+            return f"while {runs[0]['id']} {status}", runs[0]["id"]
         await asyncio.sleep(0.2)
-    return f"no run {status} within {timeout}s"
+    return f"no run {status} within {timeout}s", ""
 
 
 async def _sleep_or(stop: asyncio.Event, seconds: float) -> None:
@@ -575,7 +775,8 @@ async def setup_org(api: Api, root: Path, workspaces: list[str], settings: dict[
     repo = make_repo(root / "repo")
     marker = root / "applies.txt"
     await api.ok("POST", "/api/v1/orgs", {"name": ORG})
-    await api.ok("PATCH", f"/api/v1/orgs/{ORG}/settings", settings)
+    if settings:
+        await api.ok("PATCH", f"/api/v1/orgs/{ORG}/settings", settings)
     for ws in workspaces:
         await api.ok(
             "POST",
@@ -605,28 +806,121 @@ class StreamView:
     types: dict[str, list[str]]  # run id -> event types in order
     state_versions: Counter[str]  # run id -> run.state_version events
     last_seq: int
+    # (time.time() of the event, run or workspace id, type) of every run and workspace
+    # event of the organization, in stream order.
+    timeline: list[tuple[float, str, str]] = field(default_factory=list)
 
 
-async def read_stream(url: str) -> StreamView:
-    nc = await nats.connect(url)
+async def read_stream(source: NatsSide | str) -> StreamView:
+    """The organization's run and workspace events, from a URL or a plane's nats side."""
+    nc = await (nats.connect(source) if isinstance(source, str) else source.connect())
     try:
         store = EventStore(nc)
         envs = await store.read(f"rp.run.{ORG}.>")
+        ws_envs = await store.read(f"rp.ws.{ORG}.>")
         info = await nc.jetstream().stream_info("RP_EVENTS")
     finally:
         await nc.close()
     runs: dict[str, str] = {}
     types: dict[str, list[str]] = defaultdict(list)
     versions: Counter[str] = Counter()
+    timeline: list[tuple[int, float, str, str]] = []
     for env in envs:
         _, _, _, ws, run_id = env.subject.split(".")
         tag = type(env.event).__struct_config__.tag
         types[run_id].append(str(tag))
+        timeline.append((env.seq, env.time.timestamp() if env.time else 0.0, run_id, str(tag)))
         if tag == "run.created":
             runs[run_id] = ws
         if tag == "run.state_version":
             versions[run_id] += 1
-    return StreamView(runs, dict(types), versions, int(info.state.last_seq))
+    for env in ws_envs:
+        tag = str(type(env.event).__struct_config__.tag)
+        ws = env.subject.split(".")[3]
+        timeline.append((env.seq, env.time.timestamp() if env.time else 0.0, ws, tag))
+    ordered = [t[1:] for t in sorted(timeline)]
+    return StreamView(runs, dict(types), versions, int(info.state.last_seq), ordered)
+
+
+def check_runs(
+    runs: list[dict[str, Any]],
+    created: list[str],
+    stream: StreamView,
+    state_versions: Counter[str],
+    applies_tf: Counter[str],
+    at_least: int,
+) -> None:
+    """No run lost, none applied twice.
+
+    Every create answered 2xx is in the stream and in the read model (`runs`, a GET of
+    every run), which has exactly the stream's runs; per run at most one
+    `run.state_version` (the stream's equal to the API's `state_versions`) and at most
+    one line in Terraform's own record (`applies_tf`), exactly one of each for an
+    `applied` run, and never more than two phases started."""
+    in_model = {r["id"] for r in runs}
+    assert set(created) <= set(stream.runs), set(created) - set(stream.runs)
+    assert set(stream.runs) == in_model, set(stream.runs) ^ in_model
+    assert len(created) >= at_least
+    assert state_versions == stream.state_versions
+    twice = {
+        r: (applies_tf[r], stream.state_versions[r])
+        for r in set(applies_tf) | set(stream.state_versions)
+        if applies_tf[r] > 1 or stream.state_versions[r] > 1
+    }
+    assert not twice, f"applied more than once (terraform, state versions): {twice}"
+    assert set(applies_tf) <= set(stream.runs), set(applies_tf) - set(stream.runs)
+    for r in runs:
+        events = stream.types[r["id"]]
+        assert events.count("run.phase_started") <= 2, (r["id"], events)
+        if r["status"] == "applied":
+            once = (applies_tf[r["id"]], stream.state_versions[r["id"]])
+            assert once == (1, 1), (r["id"], once, events)
+
+
+async def settle(api: Api, plane: Plane, timeout: float) -> list[dict[str, str]]:
+    """Wait (the approver keeps approving) for every run to end; the ones still open
+    after `timeout` are returned."""
+    deadline = now() + timeout
+    while True:
+        await plane.check_crashes()
+        runs = await api.all_runs()
+        if runs is not None:
+            left = [
+                {"id": r["id"], "status": r["status"]} for r in runs if r["status"] not in TERMINAL
+            ]
+            if not left or now() > deadline:
+                return left
+        await asyncio.sleep(0.5)
+
+
+async def state_versions_by_run(api: Api, workspaces: list[str]) -> Counter[str]:
+    found: Counter[str] = Counter()
+    for ws in workspaces:
+        page = await api.ok("GET", f"/api/v1/orgs/{ORG}/workspaces/{ws}/state-versions")
+        found.update(v["run_id"] for v in page["items"])
+    return found
+
+
+def data_dir(c: Component) -> Path:
+    return Path(c.args[c.args.index("--data-dir") + 1])
+
+
+async def replay_identity(
+    plane: Plane, tmp_path: Path
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Stop every api (each projector is at the stream's end), dump each one's read
+    model, and rebuild a fresh one with `runplane replay`: (live rows of each api in
+    the order of `plane.apis`, replayed rows)."""
+    lives = []
+    for c in plane.apis:
+        code = await c.stop()
+        assert code == 0, f"{c.role} exited {code}: {c.output()[-3000:]}"
+        lives.append(await dump(data_dir(c) / "readmodel.sqlite"))
+    fresh = tmp_path / "replayed"
+    args = ["replay", "--nats-url", plane.nats.url, "--data-dir", str(fresh)]
+    replay = await Proc(args, tmp_path / "replay.log", env=plane.nats.env()).start()
+    assert await replay.stop(signal.SIGCONT, timeout=120) == 0, replay.output()
+    return lives, await dump(fresh / "readmodel.sqlite")
 
 
 async def dump(path: Path) -> dict[str, list[tuple[object, ...]]]:

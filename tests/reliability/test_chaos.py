@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from tests.procs import Proc
 from tests.reliability.chaos_support import (
     OPEN,
     ORG,
@@ -35,11 +33,14 @@ from tests.reliability.chaos_support import (
     Plane,
     Workload,
     applies_from_terraform,
+    check_runs,
     diff_dumps,
-    dump,
     inject_faults,
     read_stream,
+    replay_identity,
+    settle,
     setup_org,
+    state_versions_by_run,
     watch_crashes,
 )
 
@@ -153,7 +154,7 @@ async def chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         runs = await api.all_runs()
         assert runs is not None
         state_versions = await state_versions_by_run(api, workspaces)
-        live, replayed = await replay_identity(plane, tmp_path)
+        (live,), replayed = await replay_identity(plane, tmp_path)
         strays = [_cmd(p) for p in plane.strays()]  # every component has stopped
         # How long what a lone executor kill left running lived on (None: still running).
         orphan_lifetimes = [t.result() if t.done() else None for t in plane.orphans]
@@ -200,26 +201,9 @@ async def chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         assert not plane.crashes, plane.crashes
         assert not orphans, f"open runs with neither a live owner nor a deadline: {orphans}"
         assert left == [], f"runs not terminal {sc.settle}s after the faults: {left}"
-        # No run lost: every create answered 2xx is in the stream and in the read model.
-        in_model = {r["id"] for r in runs}
-        assert set(work.created) <= set(stream.runs), set(work.created) - set(stream.runs)
-        assert set(stream.runs) == in_model, set(stream.runs) ^ in_model
-        assert len(work.created) >= sc.runs
-        # No apply twice: the state versions (stream and API) and Terraform's own output.
-        assert state_versions == stream.state_versions
-        twice = {
-            r: (applies_tf[r], stream.state_versions[r])
-            for r in set(applies_tf) | set(stream.state_versions)
-            if applies_tf[r] > 1 or stream.state_versions[r] > 1
-        }
-        assert not twice, f"applied more than once (terraform, state versions): {twice}"
-        assert set(applies_tf) <= set(stream.runs), set(applies_tf) - set(stream.runs)
-        for r in runs:
-            events = stream.types[r["id"]]
-            assert events.count("run.phase_started") <= 2, (r["id"], events)
-            if r["status"] == "applied":
-                once = (applies_tf[r["id"]], stream.state_versions[r["id"]])
-                assert once == (1, 1), (r["id"], once, events)
+        # No run lost; no apply twice (state versions in the stream and the API,
+        # Terraform's own output).
+        check_runs(runs, work.created, stream, state_versions, applies_tf, sc.runs)
         # Replay identity.
         assert diff_dumps(live, replayed) == []
     finally:
@@ -243,40 +227,3 @@ async def open_runs_without_owner_or_deadline(api: Api) -> list[dict[str, Any]]:
         if code == 200 and got["status"] not in TERMINAL and not (got["owner"] or got["deadline"]):
             out.append({"id": r["id"], "status": got["status"]})
     return out
-
-
-async def settle(api: Api, plane: Plane, timeout: float) -> list[dict[str, str]]:
-    """Wait (the approver keeps approving) for every run to end; the ones still open
-    after `timeout` are returned."""
-    deadline = time.monotonic() + timeout
-    while True:
-        await plane.check_crashes()
-        runs = await api.all_runs()
-        if runs is not None:
-            left = [
-                {"id": r["id"], "status": r["status"]} for r in runs if r["status"] not in TERMINAL
-            ]
-            if not left or time.monotonic() > deadline:
-                return left
-        await asyncio.sleep(0.5)
-
-
-async def state_versions_by_run(api: Api, workspaces: list[str]) -> Counter[str]:
-    found: Counter[str] = Counter()
-    for ws in workspaces:
-        page = await api.ok("GET", f"/api/v1/orgs/{ORG}/workspaces/{ws}/state-versions")
-        found.update(v["run_id"] for v in page["items"])
-    return found
-
-
-async def replay_identity(plane: Plane, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Stop the api (its projector is at the stream's end), dump its read model, and
-    rebuild a fresh one with `runplane replay`: (live rows, replayed rows)."""
-    code = await plane.api.stop()
-    assert code == 0, f"api exited {code}: {plane.api.output()[-3000:]}"
-    live = await dump(tmp_path / "plane" / "api" / "readmodel.sqlite")
-    fresh = tmp_path / "replayed"
-    args = ["replay", "--nats-url", plane.nats.url, "--data-dir", str(fresh)]
-    replay = await Proc(args, tmp_path / "replay.log").start()
-    assert await replay.stop(signal.SIGCONT, timeout=120) == 0, replay.output()
-    return live, await dump(fresh / "readmodel.sqlite")

@@ -1,0 +1,370 @@
+"""runplane on a 3-node NATS JetStream cluster, two processes of each role, while kill -9
+strikes the node leading `RP_EVENTS`, a scheduler, an executor in the middle of an apply
+(the process alone: its Terraform must die with it) and an api replica, each restarted.
+
+Everything real, as deploy/README.md sets it up: three nats-servers on loopback with
+routes and client credentials (tests/cluster_support.py), 2 `runplane api` (each its own
+`--listen` and data directory, one admin token and encryption key), 2 `runplane
+scheduler` and 2 `runplane executor`, each given all three URLs; Terraform with the null
+provider. A driver pushes apply runs through both apis (each request to the next
+replica; a GET that gets no answer goes to the other, as a load balancer would) and
+approves them. No organization or workspace sets a timeout: nothing but the processes
+themselves ends a run.
+
+Afterwards: every run terminal; none lost, none applied twice (tests/reliability/
+chaos_support.py: `check_runs`); no 5xx but a 503, and each within seconds of a fault
+(counted and reported by kind and time after the fault); both api replicas answer every
+run's GET identically once caught up (`RP-Min-Seq`), and their read models equal each
+other and a replay; every stream, bucket and durable consumer still has 3 replicas
+after every restart, and `runplane nats status` exits 0 at the end. The summary (runs,
+faults, recovery times, 5xx) is printed and written to `last_cluster.json`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import pytest
+
+from services import natsstatus
+from services.cli import options, parser
+from services.infra.kv import BUCKETS
+from services.infra.streams import OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer
+from tests.cluster_support import NatsCluster
+from tests.procs import Proc
+from tests.reliability.chaos_support import (
+    ORG,
+    Api,
+    ClusterNats,
+    Fault,
+    Plane,
+    StreamView,
+    Workload,
+    applies_from_terraform,
+    check_runs,
+    diff_dumps,
+    inject_faults,
+    read_stream,
+    replay_identity,
+    settle,
+    setup_org,
+    state_versions_by_run,
+    watch_crashes,
+)
+
+pytestmark = pytest.mark.terraform
+
+KINDS = ["nats", "scheduler", "executor", "api"]
+REPLICAS = 3
+# A 5xx other than 503 is a defect; a 503 is allowed from a kill until this many seconds
+# after the killed process (or node) is back.
+AFTER_FAULT_503_S = 10.0
+# How long, after a fault is over, every stream, bucket and consumer may take to have a
+# leader and its 3 replicas again.
+REPLICATION_WAIT_S = 30.0
+
+
+@dataclass
+class Scenario:
+    runs: int
+    workspaces: int
+    faults_per_kind: int
+    gap: tuple[float, float]  # seconds between faults
+    settle: float  # seconds allowed, after the last fault, for every run to end
+
+
+SHORT = Scenario(runs=6, workspaces=3, faults_per_kind=1, gap=(1.0, 3.0), settle=120)
+FULL = Scenario(runs=40, workspaces=4, faults_per_kind=4, gap=(3.0, 8.0), settle=300)
+
+
+def seed() -> int:
+    return int(os.environ.get("RUNPLANE_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
+
+
+async def test_cluster_short(tmp_path: Path) -> None:
+    await cluster_chaos(tmp_path, SHORT, seed())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+async def test_cluster_full(tmp_path: Path) -> None:
+    await cluster_chaos(tmp_path, FULL, seed())
+
+
+async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
+    print(f"\ncluster seed {seed} (RUNPLANE_CHAOS_SEED={seed} replays the schedule)", flush=True)
+    rng = random.Random(seed)
+    started = time.monotonic()
+    nats_side = ClusterNats(NatsCluster(tmp_path / "cluster", size=3))
+    plane = await Plane.start(tmp_path / "plane", nats_side, count=2)
+    api = Api(plane.bases)
+    summary: dict[str, Any] = {"seed": seed, "startup_s": round(time.monotonic() - started, 1)}
+    try:
+        workspaces = [f"ws{i}" for i in range(sc.workspaces)]
+        marker = await setup_org(api, tmp_path, workspaces, {})
+        plan = KINDS * sc.faults_per_kind
+        rng.shuffle(plan)
+        work = Workload(api, workspaces, sc.runs, rng)
+        stop = asyncio.Event()
+        background = [
+            asyncio.create_task(work.creator()),
+            asyncio.create_task(work.approver(stop)),
+            asyncio.create_task(watch_crashes(plane, stop)),
+        ]
+        replication: list[dict[str, Any]] = []  # after each fault: what is not at 3
+
+        async def after(fault: Fault) -> None:
+            replication.append({"fault": len(plane.faults)} | await replicated(nats_side))
+
+        await inject_faults(
+            plane, api, work, rng, plan, sc.gap, after, aim={"executor": "applying"}, alone=True
+        )
+        work.faults_done.set()
+        chaos_s = time.monotonic() - started
+        await asyncio.wait_for(work.done.wait(), sc.settle)
+        left = await settle(api, plane, sc.settle)
+        stop.set()
+        await asyncio.gather(*background)
+        settle_s = time.monotonic() - started - chaos_s
+
+        # The writers stop; both apis' projectors reach the end of the stream.
+        for c in (*plane.executors, *plane.schedulers):
+            code = await c.stop()
+            assert code == 0, f"{c.role} exited {code}: {c.output()[-3000:]}"
+        stream = await read_stream(nats_side)
+        runs = await api.ok_runs()
+        differ = await compare_replicas(api, stream)
+        state_versions = await state_versions_by_run(api, workspaces)
+        status_code, status_text = await nats_status(plane, tmp_path)
+        (live1, live2), replayed = await replay_identity(plane, tmp_path)
+        strays = plane.strays()
+        orphan_lifetimes = [t.result() if t.done() else None for t in plane.orphans]
+        for t in plane.orphans:
+            t.cancel()
+        applies_tf = applies_from_terraform(marker)
+        fault_log = recovery(plane.faults, api, stream)
+        errors = server_errors(plane.faults, api)
+        summary |= {
+            "runs": len(runs),
+            "runs_created_2xx": len(work.created),
+            "create_unanswered": work.create_unanswered,
+            "create_refused": dict(work.create_refused),
+            "approvals": work.approvals,
+            "approve_errors": dict(work.approve_errors),
+            "requests": len(api.answers),
+            "statuses": dict(Counter(r["status"] for r in runs)),
+            "failure_reasons": dict(
+                Counter(str(r.get("reason")) for r in runs if r["status"] == "failed")
+            ),
+            "faults": dict(Counter(f.kind for f in plane.faults)),
+            "crashes": plane.crashes,
+            "5xx": {k: len(v) for k, v in errors.items()},
+            "5xx_after_fault_s": errors,
+            "replication_below_3": [r for r in replication if r["below"]],
+            "replication_back_s": [r["after_s"] for r in replication],
+            "nats_status_exit": status_code,
+            "replicas_differ": differ[:5],
+            "terraform_outlived_executor_s": orphan_lifetimes,
+            "strays_at_end": strays,
+            "applies_terraform": sum(applies_tf.values()),
+            "state_versions": sum(stream.state_versions.values()),
+            "not_terminal": left,
+            "chaos_s": round(chaos_s, 1),
+            "settle_s": round(settle_s, 1),
+            "total_s": round(time.monotonic() - started, 1),
+            "fault_log": fault_log,
+        }
+        out = tmp_path / "last_cluster.json"
+        out.write_text(json.dumps(summary, indent=2))
+        brief = {k: v for k, v in summary.items() if k != "fault_log"}
+        print("cluster summary:", json.dumps(brief), f"(full log: {out})", flush=True)
+        for f in fault_log:
+            print("  fault", json.dumps(f), flush=True)
+
+        assert not plane.crashes, plane.crashes
+        assert left == [], f"runs not terminal {sc.settle}s after the faults: {left}"
+        check_runs(runs, work.created, stream, state_versions, applies_tf, sc.runs)
+        bad = {
+            k: v
+            for k, v in errors.items()
+            if not k.startswith("503 ") or any(t is None or t > AFTER_FAULT_503_S for t in v)
+        }
+        assert not bad, f"5xx other than a 503 shortly after a fault: {bad}"
+        assert not differ, f"the api replicas answer differently: {differ[:5]}"
+        assert diff_dumps(live1, live2) == []
+        assert diff_dumps(live1, replayed) == []
+        assert not summary["replication_below_3"], summary["replication_below_3"]
+        assert status_code == 0, status_text
+        assert all(t is not None and t < 5 for t in orphan_lifetimes), orphan_lifetimes
+        assert not strays, strays
+        assert len(plane.faults) == len(plan)
+        assert len(nats_side.killed) == sc.faults_per_kind
+    finally:
+        await api.close()
+        await plane.kill_all()
+
+
+async def replicated(nats_side: ClusterNats, timeout: float = REPLICATION_WAIT_S) -> dict[str, Any]:
+    """Wait until everything has its 3 replicas with a leader (`below_replication`
+    empty); how long it took, and what was still below after `timeout`."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            below = await below_replication(nats_side)
+        except nats.errors.TimeoutError as e:  # no leader yet to answer
+            below = [f"no answer: {e}"]
+        if not below or time.monotonic() - t0 > timeout:
+            return {"after_s": round(time.monotonic() - t0, 2), "below": below}
+        await asyncio.sleep(0.5)
+
+
+async def below_replication(nats_side: ClusterNats) -> list[str]:
+    """Every stream, bucket and durable consumer that is not configured for 3 replicas,
+    or has no leader or not 2 other replicas (`runplane nats status`'s own rows)."""
+    nc = await nats_side.connect()
+    try:
+        rows = await natsstatus.collect(nc)
+    finally:
+        await nc.close()
+    found = []
+    for row in rows:
+        peers = [] if row.peers in ("-", "missing") else row.peers.split(", ")
+        if row.durable and (row.have < REPLICAS or row.leader == "-" or len(peers) != 2):
+            found.append(f"{row.kind} {row.name}: {row.have} replicas, {row.leader}, {row.peers}")
+    return found
+
+
+async def nats_status(plane: Plane, tmp_path: Path) -> tuple[int, str]:
+    """`runplane nats status` against the cluster: (exit code, output)."""
+    args = ["nats", "status", "--nats-url", plane.nats.url, "--data-dir", str(tmp_path / "st")]
+    proc = await Proc(args, tmp_path / "nats-status.log", env=plane.nats.env()).start()
+    code = await proc.stop(signal.SIGCONT, timeout=60)
+    return code, proc.output()
+
+
+async def compare_replicas(api: Api, stream: StreamView) -> list[str]:
+    """Each run's GET, and its events, from both replicas once each has projected the
+    stream's last event (RP-Min-Seq): where they differ."""
+    differ = []
+    paths = [f"/api/v1/orgs/{ORG}/runs/{r}" for r in sorted(stream.runs)]
+    paths += [p + "/events" for p in paths]
+    for path in paths:
+        got = []
+        for replica in (0, 1):
+            code, body = await api.call("GET", path, min_seq=stream.last_seq, replica=replica)
+            got.append((code, body))
+        if got[0] != got[1] or got[0][0] != 200:
+            differ.append(f"{path}: {str(got[0])[:200]} / {str(got[1])[:200]}")
+    return differ
+
+
+def recovery(faults: list[Fault], api: Api, stream: StreamView) -> list[dict[str, Any]]:
+    """Per fault, seconds from the kill to: the first 2xx answer (an api fault: from the
+    replica killed), the first 2xx write, the first run or workspace event appended,
+    and (an executor fault) the next event of the run it was applying."""
+    out = []
+    for f in faults:
+        replica = int(f.target[-1]) - 1 if f.kind == "api" else None
+        answers = [a for a in api.answers if a.at > f.at]
+        ok = [a for a in answers if 200 <= a.status < 300]
+        first = next((a.at for a in ok if replica is None or a.replica == replica), None)
+        write = next((a.at for a in ok if a.method != "GET"), None)
+        event = next((t for t, _, _ in stream.timeline if t > f.wall), None)
+        row: dict[str, Any] = {
+            "kind": f.kind,
+            "target": f.target,
+            "down_s": f.down_s,
+            "back_s": f.recovered_s,
+            "note": f.note,
+            "first_2xx_s": _since(first, f.at),
+            "first_write_2xx_s": _since(write, f.at),
+            "first_event_s": _since(event, f.wall),
+            "unanswered": sum(a.status == 0 for a in answers if a.at < f.at + f.recovered_s),
+        }
+        if f.kind == "executor" and f.run_id:
+            moved = next(
+                ((t, tag) for t, who, tag in stream.timeline if who == f.run_id and t > f.wall),
+                None,
+            )
+            row["run"] = f.run_id
+            row["run_next_event"] = moved and (_since(moved[0], f.wall), moved[1])
+        out.append(row)
+    return out
+
+
+def _since(t: float | None, t0: float) -> float | None:
+    return None if t is None else round(t - t0, 2)
+
+
+def server_errors(faults: list[Fault], api: Api) -> dict[str, list[float | None]]:
+    """Every 5xx answer by `<status> <type> <fault kind>`, with the seconds from the end
+    of the fault it came after (negative: during the fault; None: before any fault)."""
+    found: dict[str, list[float | None]] = {}
+    for a in api.answers:
+        if a.status < 500:
+            continue
+        last = next((f for f in reversed(faults) if f.at <= a.at), None)
+        key = f"{a.status} {a.kind} after {last.kind if last else 'no fault'}"
+        since = None if last is None else round(a.at - (last.at + last.recovered_s), 2)
+        found.setdefault(key, []).append(since)
+    return found
+
+
+# ---------------------------------------------------------------- the deploy docs
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def exec_start(unit: Path, instance: str) -> list[str]:
+    """The unit's ExecStart as systemd runs it for `instance`: `%i` replaced, `${VAR}`
+    from the unit's `Environment=` lines (unset: empty, as systemd does)."""
+    lines = unit.read_text().splitlines()
+    env = dict(
+        line.removeprefix("Environment=").split("=", 1)
+        for line in lines
+        if line.startswith("Environment=")
+    )
+    line = next(x for x in lines if x.startswith("ExecStart="))
+    words = shlex.split(line.removeprefix("ExecStart=").replace("%i", instance))
+    return [re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), w) for w in words]
+
+
+@pytest.mark.parametrize("role", ["api", "scheduler", "executor"])
+def test_each_unit_runs_a_command_the_cli_takes_and_instances_do_not_collide(role: str) -> None:
+    unit = DEPLOY / "systemd" / f"runplane-{role}@.service"
+    assert "EnvironmentFile=/etc/runplane/env" in unit.read_text()
+    seen = []
+    for instance in ("8081", "8082") if role == "api" else ("1", "2"):
+        argv = exec_start(unit, instance)
+        assert argv[:2] == ["/opt/runplane/.venv/bin/runplane", role], argv
+        opts = options(parser().parse_args(argv[1:]))  # an unknown flag exits here
+        assert "--nats-url" not in argv  # RUNPLANE_NATS_URL, from the environment file
+        seen.append((opts.data_dir, opts.host_port() if role == "api" else None))
+    assert seen[0][0] != seen[1][0], seen
+    if role == "api":
+        assert seen[0][1] != seen[1][1] and seen[0][1] == ("127.0.0.1", 8081), seen
+
+
+def test_the_deploy_readme_names_everything_runplane_declares_and_reads() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    names = [stream for _, stream in natsstatus.declared()]
+    names += [*BUCKETS, *OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer("<pool>")]
+    assert [n for n in names if f"`{n}`" not in readme and f"> {n}`" not in readme] == []
+    # Every variable the environment file of the README sets is one runplane reads.
+    source = "\n".join(p.read_text() for p in (DEPLOY.parent / "services").rglob("*.py"))
+    env_file = re.findall(r"^\s+(RUNPLANE_\w+)=", readme, re.M)
+    assert {"RUNPLANE_ADMIN_TOKEN", "RUNPLANE_ENCRYPTION_KEY", "RUNPLANE_NATS_URL"} <= set(env_file)
+    assert [v for v in env_file if v not in source] == []
+    assert "FAILURES_TABLE" not in readme
