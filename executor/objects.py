@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import itertools
 import json
 import os
 import uuid
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import nats.errors
 import nats.js.errors
+import structlog
 from nats.js import JetStreamContext, api
 from nats.js.kv import MSG_ROLLUP_SUBJECT
 from nats.js.object_store import (
@@ -33,9 +35,11 @@ from services.infra.streams import LOGS_BUCKET, PLANS_BUCKET, STATE_BUCKET
 
 __all__ = ["LOGS_BUCKET", "PLANS_BUCKET", "STATE_BUCKET", "Objects", "sha256_file"]
 
+log = structlog.get_logger(__name__)
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
 # Files up to this size are read whole on the event loop (no thread hop per chunk).
 SMALL_OBJECT = 1024 * 1024
+DOWNLOAD_PATIENCE_S = 30.0  # a bucket's leader election after a node died: seconds
 
 
 def sha256_file(path: Path) -> str:
@@ -68,24 +72,48 @@ class Objects:
             self._buckets[name] = await self.js.object_store(name)
         return self._buckets[name]
 
-    async def download(self, bucket: str, name: str, dest: Path) -> bool:
+    async def download(
+        self, bucket: str, name: str, dest: Path, *, patience: float = DOWNLOAD_PATIENCE_S
+    ) -> bool:
         """Write object `name` to `dest`; False (and no file) if there is no such object.
 
         The object lands in a temporary file first, so `dest` is either whole or untouched.
+        A transient failure is tried again for up to `patience` seconds: on a cluster the
+        bucket's stream has no leader for a few seconds after its node died, and an apply
+        must not fail for that (its saved plan is still there).
         """
+        deadline = asyncio.get_running_loop().time() + patience
+        for attempt in itertools.count(1):
+            try:
+                return await self._download_once(bucket, name, dest)
+            except ObjectStoreError:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+                log.warning("download_retry", bucket=bucket, object=name, attempt=attempt)
+                await asyncio.sleep(min(0.25 * attempt, 2.0))
+        raise AssertionError("unreachable")  # pragma: no cover  # the loop returns or raises
+
+    async def _download_once(self, bucket: str, name: str, dest: Path) -> bool:
         part = dest.with_name(f".{dest.name}.part")
-        try:
-            store = await self._bucket(bucket)
-            with part.open("wb") as f:
+        with part.open("wb") as f:  # a local failure here is not the store's: not retried
+            try:
+                store = await self._bucket(bucket)
                 await store.get(name, writeinto=f)
-        except nats.js.errors.ObjectNotFoundError:
-            part.unlink(missing_ok=True)
-            return False
-        except _NATS_ERRORS as e:
-            part.unlink(missing_ok=True)
-            raise ObjectStoreError(f"downloading {bucket}/{name}: {e!r}") from e
-        os.replace(part, dest)
-        return True
+            except nats.js.errors.ObjectNotFoundError:
+                found = False
+            except _NATS_ERRORS as e:
+                found = None
+                error: BaseException = e
+            else:
+                found = True
+        if found is True:
+            os.replace(part, dest)
+            return True
+        part.unlink(missing_ok=True)
+        if found is None:
+            self._buckets.pop(bucket, None)  # bound again next time
+            raise ObjectStoreError(f"downloading {bucket}/{name}: {error!r}") from error
+        return False
 
     async def upload(
         self, bucket: str, name: str, src: Path, *, attempts: int = 3, fresh: bool = False
