@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from events.values import SENSITIVE, AttributeChange, ResourceChange
+from executor import process
 from executor import terraform as tf
 from executor.errors import StepFailed
 
@@ -177,14 +178,12 @@ def _any_true(marks: Any) -> bool:
 
 async def show_plan(job: Job) -> dict[str, Any]:
     """`terraform show -json` of the saved plan, parsed; the JSON goes to no log or file."""
-    proc = await asyncio.create_subprocess_exec(
-        *job.terraform.argv(*tf.show_args()),
+    proc = await process.spawn(  # as the job: it starts the workspace's providers
+        job.terraform.argv(*tf.show_args()),
         cwd=job.workdir,
         env=job.terraform.env(),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
+        jail=job.jail,
         stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
     )
     try:
         out, err = await proc.communicate()

@@ -96,6 +96,7 @@ async def _command(job: Job, ts: TemplateStep, step_log: StepLog) -> None:
         step_log=step_log,
         on_line=keep,
         grace=job.grace,
+        jail=job.jail,
     )
     if code == 0:
         return

@@ -21,6 +21,7 @@ from events.run import FinishStep, RunCommand, RunState, StartStep, Workspace
 from executor.custody import Custody
 from executor.errors import ObjectStoreError, StepFailed
 from executor.git import GitCache
+from executor.isolation import Jail
 from executor.logstream import LiveStepLog, open_step_log
 from executor.objects import LOGS_BUCKET, Objects, log_object
 from executor.output import Masker, masked_command
@@ -60,6 +61,7 @@ class Job:
     git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
     sources: Sources = field(default_factory=Sources)  # repositories it may check out
     policy_sandbox: PolicySandbox = field(default_factory=PolicySandbox)  # executor/policy.py
+    jail: Jail | None = None  # the identity its processes run as (executor/isolation.py)
     masker: Masker = field(default_factory=Masker)
     step: str = ""  # the step running now, for failure reasons
     finishing: bool = False  # the phase's final report is under way: do not cancel it

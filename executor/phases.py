@@ -262,6 +262,7 @@ async def _terraform(job: Job, step_log: StepLog, args: list[str], out: Output |
         step_log=step_log,
         on_line=out.feed if out else None,
         grace=job.grace,
+        jail=job.jail,
     )
 
 

@@ -2,7 +2,10 @@
 
 Children run in their own session (process group): a Ctrl-C or SIGTERM meant for the
 executor never reaches Terraform directly, and when we do interrupt, the whole group
-(Terraform and its provider plugins) gets the signal, as it would in a terminal.
+(Terraform and its provider plugins) gets the signal, as it would in a terminal. A job's
+processes (anything running tenant code) are started through the phase's `Jail`
+(`executor/isolation.py`): as the job's own identity, with a parent death signal; git
+and the executor's own commands run without one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import BinaryIO
 
 import structlog
 
+from executor.isolation import Jail
 from executor.output import Masker
 
 log = structlog.get_logger(__name__)
@@ -60,30 +64,57 @@ async def run(
     step_log: StepLog,
     on_line: Callable[[str], None] | None = None,
     grace: float = 20.0,
+    jail: Jail | None = None,
 ) -> int:
     """Run `argv`, tee its stdout and stderr (separate pipes) into `step_log`, return
     its exit code.
 
     If the calling task is cancelled, the child is interrupted with SIGINT (Terraform then
     finishes in-flight operations and writes its state), killed after `grace` seconds,
-    and the cancellation propagates.
+    and the cancellation propagates. `jail`: run it as that job (None: as the executor).
     """
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        cwd=cwd,
-        env=dict(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-        limit=_LINE_LIMIT,
-    )
+    proc = await spawn(argv, cwd=cwd, env=env, jail=jail, stderr=asyncio.subprocess.PIPE)
     try:
         await _pump(proc, step_log, on_line)
         return await proc.wait()
     except BaseException:
         await _interrupt(proc, step_log, on_line, grace)
         raise
+
+
+async def spawn(
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    jail: Jail | None,
+    stderr: int,
+) -> asyncio.subprocess.Process:
+    """Start `argv` (stdin empty, stdout piped) in a process group of its own, as `jail`'s
+    job if given. Called from the event loop's thread only: a parent death signal fires
+    when the thread that forked the child ends."""
+    if jail is None:
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            cwd=cwd,
+            env=dict(env),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+            limit=_LINE_LIMIT,
+        )
+    how = jail.spawn(argv, env, cwd)
+    return await asyncio.create_subprocess_exec(
+        *how.argv,
+        cwd=how.cwd,
+        env=how.env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=stderr,
+        limit=_LINE_LIMIT,
+        **how.options,
+    )
 
 
 async def _pump(

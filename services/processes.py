@@ -49,8 +49,19 @@ async def _start_api(
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 
 
-async def _start_executor(opts: Options, stack: AsyncExitStack, nc: NATS) -> None:
+async def _start_executor(
+    opts: Options, stack: AsyncExitStack, nc: NATS, *, fallback_to_none: bool = False
+) -> None:
+    """`fallback_to_none`: `runplane up` of an ordinary user runs jobs unisolated (with a
+    warning at every start) where there is no isolation to be had; `executor` refuses."""
+    from executor.isolation import Isolation, IsolationError
     from executor.worker import Executor, TerraformSettings, default_executor_id
+
+    try:
+        isolation = Isolation.choose(opts.isolation, fallback_to_none=fallback_to_none)
+    except IsolationError as e:
+        raise ConfigError(str(e)) from e
+    log.info("job_isolation", mode=isolation.mode)
 
     ex = Executor(
         nc,
@@ -65,6 +76,7 @@ async def _start_executor(opts: Options, stack: AsyncExitStack, nc: NATS) -> Non
         executor_id=opts.executor_id or default_executor_id(),
         keyring=trust.keyring(opts),
         repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
+        isolation=isolation.hiding(opts.data_dir),
     )
     await stack.enter_async_context(ex)
 
@@ -82,7 +94,7 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
     await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
     await stack.enter_async_context(Reaper(nc, make_app(nc)))
-    await _start_executor(opts, stack, nc)
+    await _start_executor(opts, stack, nc, fallback_to_none=opts.isolation == "auto")
     if opts.demo:
         await ensure_demo(make_app(nc), opts.data_dir)
     components_ready["v"] = True

@@ -50,6 +50,7 @@ class Options:
     executor_id: str = ""
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
     allowed_repos: str = "https://,ssh://"  # repository sources (services/repositories.py)
+    isolation: str = "auto"  # who jobs run as (executor/isolation.py MODES)
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""

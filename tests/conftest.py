@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +18,22 @@ from services.infra.eventstore import EventStore
 from services.infra.natsclient import client_env
 from services.infra.natsserver import EmbeddedNats
 from tests.provider import fake_provider_mirror
+
+
+@pytest.fixture(autouse=True)
+def _jobs_may_write_tmp_path(request: pytest.FixtureRequest) -> None:
+    """Jobs run as a uid of their own (executor/isolation.py), and tests hand them paths in
+    `tmp_path` (a provisioner's marker, a step's output): that directory is theirs to write
+    (sticky, like /tmp) and pytest's 0700 directories above it theirs to cross. What the
+    executor keeps private (its work directory, the key) it makes private itself."""
+    if "tmp_path" not in request.fixturenames:
+        return
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    os.chmod(tmp_path, 0o1777)
+    for parent in tmp_path.parents:
+        if parent == Path(tempfile.gettempdir()) or parent == parent.parent:
+            break
+        os.chmod(parent, os.stat(parent).st_mode & 0o7777 | 0o111)
 
 
 @pytest.fixture

@@ -164,7 +164,7 @@ async def test_plan_awaits_approval_then_apply_stores_state(
     state = await current_state(h.nc, executor.vault.keyring, "acme", "net")
     assert state is not None
     assert len(state["resources"][0]["instances"]) == 2
-    await eventually(_empty(executor.work_dir / "jobs"), what="phase directories removed")
+    await eventually(_empty(executor.jobs_dir), what="phase directories removed")
 
 
 async def test_second_run_plans_against_the_stored_state(
@@ -326,7 +326,7 @@ async def test_lost_lease_interrupts_terraform_and_keeps_the_state(
     state = json.loads(kept.read_bytes())
     assert state["resources"][0]["instances"][0]["status"] == "tainted"
     assert await current_state(h.nc, executor.vault.keyring, "acme", "net") is None
-    await eventually(_empty(executor.work_dir / "jobs"), what="the phase directory removed")
+    await eventually(_empty(executor.jobs_dir), what="the phase directory removed")
     failed = await h.run("net", run_id)
     assert (failed.reason, failed.error_message) == ("executor_unavailable", "no heartbeat")
 

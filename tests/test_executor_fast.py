@@ -378,6 +378,6 @@ async def test_custom_steps_run_in_a_clone_of_exactly_their_commit(
     assert (executor.work_dir / "git").is_dir()
 
     async def removed() -> bool:
-        return not any((executor.work_dir / "jobs").iterdir())
+        return not any(executor.jobs_dir.iterdir())
 
     await eventually(removed, what="phase directories removed")

@@ -21,6 +21,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
+from executor.worker import default_jobs_dir
 from services.commands import App
 from services.infra.natsserver import EmbeddedNats
 from services.infra.streams import DISPATCH, dispatch_subject, executor_consumer
@@ -199,7 +200,7 @@ async def test_an_executor_paused_past_its_timeout_is_fenced_when_it_resumes(
         signal_tree(ex, signal.SIGCONT)
 
         await eventually(lambda: _says(ex, "lease_lost"), timeout=10, what="the lease check")
-        jobs = tmp_path / "exec" / "work" / "jobs"
+        jobs = default_jobs_dir(tmp_path / "exec" / "work") / "jobs"
         await eventually(lambda: _only_run(jobs, second), timeout=20, what="the phase left")
         left = time.monotonic() - resumed
         print(f"SIGCONT -> phase left: {left:.2f}s")

@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from events.run import FailRun, PhaseStarted, StateVersionCreated, Workspace
 from executor.statestore import StateStore, StateStoreError
+from executor.worker import default_jobs_dir
 from services.commands import App
 from services.infra.crypto import KeyRing, encode_key
 from services.infra.natsserver import EmbeddedNats
@@ -141,7 +142,8 @@ async def test_state_is_carried_to_another_executor_process_and_listed(
     assert await _executor_of(plane, run1) != await _executor_of(plane, run2)
     state = await current_state(plane.nc, plane.keyring, "acme", "net")
     assert state is not None and len(state["resources"][0]["instances"]) == 3
-    assert not [p for d in ("a", "b") for p in (tmp_path / d / "work" / "jobs").iterdir()]
+    jobs = [default_jobs_dir(tmp_path / d / "work") / "jobs" for d in ("a", "b")]
+    assert not [p for d in jobs for p in d.iterdir()]
 
     versions = await _state_versions(plane, run2)
     assert [v["run_id"] for v in versions] == [run2, run1]

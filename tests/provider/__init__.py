@@ -9,13 +9,19 @@ the executor as `TerraformConfig(provider_mirrors=[mirror])` and require the pro
       }
     }
 
-The provider is the source of `fake.py` behind a `#!` line naming this interpreter, so it
-runs with the test environment's `tf` package and needs no build step and no network.
+The provider is a `#!/bin/sh` line starting `fake.py`, beside it, with an interpreter of
+this Python version and the test environment's packages (`tf`) on PYTHONPATH: no build
+step and no network. Jobs run as a uid of their own (executor/isolation.py), which may
+not reach this interpreter (a pyenv under /root): then the system's python of the same
+version is named, which any uid may run.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import site
+import stat
 import sys
 from pathlib import Path
 
@@ -37,7 +43,29 @@ def fake_provider_mirror(tmp_path: Path) -> Path:
     target = mirror / HOST / NAMESPACE / TYPE / VERSION / PLATFORM
     target.mkdir(parents=True, exist_ok=True)
     script = target / f"terraform-provider-{TYPE}_v{VERSION}"
-    source = (Path(__file__).parent / "fake.py").read_text()
-    script.write_text(f"#!{sys.executable}\n{source}")
+    (target / "fake.py").write_text((Path(__file__).parent / "fake.py").read_text())
+    os.chmod(target / "fake.py", 0o644)
+    packages = ":".join(site.getsitepackages())
+    script.write_text(
+        "#!/bin/sh\n"
+        f"PYTHONPATH={shlex.quote(packages)} exec {shlex.quote(interpreter())} "
+        '"$(dirname "$0")/fake.py" "$@"\n'
+    )
     os.chmod(script, 0o755)
     return mirror
+
+
+def interpreter() -> str:
+    """This interpreter if any uid may run it, else the system's of the same version."""
+    mine = Path(sys.executable).resolve()
+    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+    if not _open_to_all(mine) and system.is_file() and _open_to_all(system):
+        return str(system)
+    return str(mine)
+
+
+def _open_to_all(path: Path) -> bool:
+    """Whether every uid may run `path`: it and each directory above it open to others."""
+    if path.stat().st_mode & stat.S_IXOTH == 0:
+        return False
+    return all(p.stat().st_mode & stat.S_IXOTH for p in path.parents)
