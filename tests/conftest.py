@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,20 +23,39 @@ from services.infra.natsserver import EmbeddedNats
 from tests.provider import fake_provider_mirror
 
 
+_OLD_BASETEMP_S = 6 * 3600
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Jobs run as a uid of their own (executor/isolation.py) and tests hand them paths in
+    `tmp_path`, so the jobs must cross the directories above it. pytest's shared
+    `/tmp/pytest-of-<user>` is made 0700 again by every session that starts (every
+    developer's on a shared machine): each session gets a base of its own instead, 0711
+    (sessions' bases older than six hours are removed)."""
+    if config.option.basetemp or os.geteuid() != 0:
+        return
+    top = Path(tempfile.gettempdir())
+    for old in top.glob("rp-tests-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > _OLD_BASETEMP_S:
+                shutil.rmtree(old, ignore_errors=True)
+    base = Path(tempfile.mkdtemp(prefix="rp-tests-", dir=top))
+    os.chmod(base, 0o711)
+    config.option.basetemp = str(base / "t")
+
+
 @pytest.fixture(autouse=True)
 def _jobs_may_write_tmp_path(request: pytest.FixtureRequest) -> None:
-    """Jobs run as a uid of their own (executor/isolation.py), and tests hand them paths in
-    `tmp_path` (a provisioner's marker, a step's output): that directory is theirs to write
-    (sticky, like /tmp) and pytest's 0700 directories above it theirs to cross. What the
+    """Tests hand jobs paths in `tmp_path` (a provisioner's marker, a step's output): it
+    is theirs to write (sticky, like /tmp), the session's base theirs to cross. What the
     executor keeps private (its work directory, the key) it makes private itself."""
     if "tmp_path" not in request.fixturenames:
         return
     tmp_path: Path = request.getfixturevalue("tmp_path")
     os.chmod(tmp_path, 0o1777)
-    for parent in tmp_path.parents:
-        if parent == Path(tempfile.gettempdir()) or parent == parent.parent:
-            break
-        os.chmod(parent, os.stat(parent).st_mode & 0o7777 | 0o111)
+    base = Path(str(request.config.option.basetemp or ""))
+    if base.name == "t" and base in tmp_path.parents:
+        os.chmod(base, 0o711)
 
 
 @pytest.fixture

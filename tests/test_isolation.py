@@ -1,0 +1,292 @@
+"""Hostile tenants against the executor: a run's code reaches nothing of runplane's.
+
+Each test is an attack a workspace's author can make with nothing but their repository:
+HCL that reads the executor's environment or the encryption key with `file()`, and shell
+(a custom step, a `local-exec` provisioner) that reads the key, the repository mirrors,
+another job's directory and every process's `/proc/<pid>/environ`. Jobs run as a uid of
+their own (executor/isolation.py); these tests run as root, as CI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from executor import isolation
+from executor.isolation import Isolation, adopt, kill_uid
+from executor.worker import Executor, default_jobs_dir
+from tests.helpers import eventually
+from tests.procs import Client, Proc, free_port, wait_healthy
+from events.run import Workspace
+from tests.test_executor import Harness, commit, h  # noqa: F401  # the fixture
+
+pytestmark = [
+    pytest.mark.terraform,
+    pytest.mark.skipif(os.geteuid() != 0, reason="user isolation needs root"),
+]
+
+TOKEN = "admin-canary-9f3b6c1d2e"  # the admin token in `runplane up`'s environment
+V1 = "/api/v1/orgs/acme"
+
+
+@dataclass
+class Up:
+    proc: Proc
+    client: Client
+    data: Path
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.proc is not None
+        return self.proc.proc.pid
+
+    def key(self) -> str:
+        return (self.data / "encryption.key").read_text().strip()
+
+    def work(self) -> Path:
+        return self.data / "work"
+
+
+@pytest.fixture
+async def up(tmp_path: Path) -> AsyncIterator[Up]:
+    """`runplane up` with the admin token in its environment and the key in a file."""
+    data, port = tmp_path / "data", free_port()
+    proc = await Proc(
+        ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+        tmp_path / "up.log",
+        env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_ENCRYPTION_KEY": ""},
+    ).start()
+    base = f"http://127.0.0.1:{port}"
+    client = Client(base, TOKEN)
+    try:
+        await wait_healthy(base)
+        await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        yield Up(proc, client, data)
+    finally:
+        await client.close()
+        await proc.stop(signal.SIGTERM)
+    assert '"isolation": "user"' in proc.output(), "runplane up logs its isolation mode"
+
+
+async def _workspace(up: Up, repo: Path, main_tf: str, name: str = "net") -> None:
+    commit(repo, main_tf)
+    body = {"name": name, "repository": str(repo)}
+    await up.client.ok("POST", f"{V1}/workspaces", body)
+
+
+async def _run(up: Up, body: dict[str, Any], ws: str = "net") -> dict[str, Any]:
+    run = await up.client.ok("POST", f"{V1}/workspaces/{ws}/runs", body)
+    done = await up.client.wait_status(
+        "acme", run["id"], {"failed", "planned", "awaiting_approval", "applied"}, timeout=120
+    )
+    return done
+
+
+async def _everything_said(up: Up, run: dict[str, Any]) -> str:
+    """The run as the API shows it, its events and all of its logs, as one text."""
+    rid = run["id"]
+    shown = await up.client.ok("GET", f"{V1}/runs/{rid}")
+    events = await up.client.ok("GET", f"{V1}/runs/{rid}/events")
+    logs = await up.client.ok("GET", f"{V1}/runs/{rid}/logs")
+    return repr((shown, events, logs))
+
+
+def _lines_of(logs: dict[str, Any]) -> list[str]:
+    return [str(item["text"]).rstrip("\n") for item in logs["items"]]
+
+
+def _secrets(up: Up) -> list[str]:
+    return [TOKEN, up.key()]
+
+
+async def test_hcl_cannot_read_the_executors_environment(up: Up, repo: Path) -> None:
+    """`file("/proc/<runplane up>/environ")` in a plan: the plan fails, the token is in
+    nothing the run shows."""
+    main = f'output "env" {{ value = file("/proc/{up.pid}/environ") }}\n'
+    await _workspace(up, repo, main)
+    run = await _run(up, {"type": "plan"})
+    assert run["status"] == "failed", run
+    said = await _everything_said(up, run)
+    assert "environ" in run["error_message"]
+    for secret in _secrets(up):
+        assert secret not in said
+    assert TOKEN not in (up.data / "readmodel.sqlite").read_bytes().decode(errors="replace")
+
+
+async def test_hcl_cannot_read_the_encryption_key(up: Up, repo: Path) -> None:
+    key_file = up.data / "encryption.key"
+    main = f'output "key" {{ value = file("{key_file}") }}\n'
+    await _workspace(up, repo, main)
+    run = await _run(up, {"type": "plan"})
+    assert run["status"] == "failed", run
+    assert "encryption.key" in run["error_message"]
+    said = await _everything_said(up, run)
+    for secret in _secrets(up):
+        assert secret not in said
+
+
+async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(
+    up: Up, repo: Path
+) -> None:
+    """A custom step tries the key, the mirrors, another job's directory and every
+    process's environ; each read is refused, nothing secret is printed, `id -u` is not 0."""
+    other = default_jobs_dir(up.work()) / "jobs" / "01other-plan-x" / "src"
+    other.mkdir(parents=True)
+    (other / "secret.tf").write_text("other-org-canary\n")
+    uid = isolation.DEFAULT_UIDS[-1]  # another phase's uid (not one this test's job gets)
+    adopt(other, uid)
+    attack = (
+        "echo uid=$(id -u); "
+        f"cat {up.data}/encryption.key && echo READ-KEY; "
+        f"ls {up.work()}/git && echo READ-MIRRORS; "
+        f"cat {other}/secret.tf && echo READ-OTHER-JOB; "
+        f"cat {up.data}/admin-token && echo READ-TOKEN-FILE; "
+        "for e in /proc/[0-9]*/environ; do tr '\\0' '\\n' < $e; done 2>/dev/null; "
+        "exit 3"
+    )
+    steps = {"steps": [{"number": 50, "kind": "custom", "name": "attack", "command": attack}]}
+    steps["steps"].append({"number": 100, "kind": "plan"})
+    await up.client.ok("PUT", f"{V1}/templates/attack", steps)
+    await _workspace(up, repo, 'resource "null_resource" "a" {}\n')
+    run = await _run(up, {"type": "plan", "template": "attack"})
+    assert run["status"] == "failed" and run["reason"] == "step_failed", run
+    logs = await up.client.ok("GET", f"{V1}/runs/{run['id']}/logs?phase=custom-50")
+    lines = _lines_of(logs)
+    uids = [ln for ln in lines if ln.startswith("uid=")]
+    assert uids and uids[0] != "uid=0", lines
+    assert int(uids[0].removeprefix("uid=")) in isolation.DEFAULT_UIDS
+    assert not [ln for ln in lines if ln.startswith("READ-")], lines
+    said = await _everything_said(up, run)
+    for secret in [*_secrets(up), "other-org-canary", "RUNPLANE_ADMIN_TOKEN"]:
+        assert secret not in said, secret
+    assert "Permission denied" in said
+
+
+async def test_a_provisioner_reads_nothing_of_the_executor(
+    h: Harness, repo: Path, executor: Executor, tmp_path: Path
+) -> None:
+    """A `local-exec` of an apply (Terraform's grandchild) tries the executor's key and
+    mirrors; what it could read it writes to a file the test reads."""
+    out = tmp_path / "seen"
+    key = executor.work_dir / "encryption.key"
+    cmd = (
+        f"id -u > {out}; cat {key} >> {out} && echo READ-KEY >> {out}; "
+        f"ls {executor.work_dir / 'git'} >> {out} && echo READ-MIRRORS >> {out}; true"
+    )
+    commit(repo, f'resource "null_resource" "a" {{\n  provisioner "local-exec" {{ command = "{cmd}" }}\n}}\n')
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = await h.start_run("net")
+    await h.reaches("net", run_id, "awaiting_approval")
+    await h.approve("net", run_id)
+    await h.reaches("net", run_id, "applied")
+    seen = out.read_text().splitlines()
+    assert seen[0] != "0" and int(seen[0]) in isolation.DEFAULT_UIDS, seen
+    assert "READ-KEY" not in seen and "READ-MIRRORS" not in seen, seen
+    assert key.read_text().strip() not in out.read_text()
+    assert out.stat().st_uid == int(seen[0]), "written by the job's uid"
+
+
+# ---------------------------------------------------------------- the parts
+
+
+def test_each_phase_gets_a_uid_of_its_own_and_gives_it_back(tmp_path: Path) -> None:
+    iso = Isolation.choose("user")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    roots = [tmp_path / n for n in ("a", "b")]
+    for r in roots:
+        r.mkdir()
+    a, b = (iso.enter(r, tmp) for r in roots)
+    try:
+        assert a.uid is not None and b.uid is not None and a.uid != b.uid
+        assert (roots[0] / "home").stat().st_uid == a.uid
+        assert (roots[0] / "home").stat().st_mode & 0o777 == 0o700
+        assert not iso.reclaim(a.uid), "a held uid is not reclaimed"
+    finally:
+        a.close()
+        b.close()
+    assert iso.reclaim(a.uid), "a uid given back can be reclaimed"
+
+
+async def test_closing_a_jail_kills_every_process_of_its_uid_escaped_daemons_too(
+    tmp_path: Path,
+) -> None:
+    iso = Isolation.choose("user")
+    (tmp_path / "root").mkdir()
+    (tmp_path / "tmp").mkdir()
+    jail = iso.enter(tmp_path / "root", tmp_path / "tmp")
+    assert jail.uid is not None
+    uid = jail.uid
+    how = jail.spawn(
+        ["/bin/sh", "-c", "setsid sleep 300 >/dev/null & setsid sleep 301 >/dev/null & echo started"],
+        {},
+        tmp_path,
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *how.argv, cwd=how.cwd, env=how.env, stdout=asyncio.subprocess.PIPE, **how.options
+    )
+    assert proc.stdout is not None
+    assert b"started" in await proc.stdout.readline()
+    await proc.wait()
+    assert _pids_of(jail.uid), "the daemons run on after their parent"
+    jail.close()
+
+    async def gone() -> bool:
+        return not _pids_of(uid)
+
+    await eventually(gone, what="every process of the uid gone")
+
+
+def test_kill_uid_refuses_system_users() -> None:
+    with pytest.raises(ValueError):
+        kill_uid(0)
+
+
+def test_adopt_never_follows_links_nor_changes_a_hard_linked_file(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+    outside.write_text("root's")
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_text("mine")
+    (src / "link").symlink_to(outside)
+    (src / "dirlink").symlink_to(tmp_path)
+    os.link(outside, src / "hard")
+    uid = isolation.DEFAULT_UIDS[-2]
+    adopt(src, uid)
+    assert (src / "d" / "f").stat().st_uid == uid and (src / "d").stat().st_uid == uid
+    assert outside.stat().st_uid == 0, "neither the symlink nor the hard link moved it"
+    assert tmp_path.stat().st_uid == 0
+
+
+def test_a_bad_uid_range_is_a_clear_error() -> None:
+    for bad in ("5", "10-20", "2000-1000", "a-b"):
+        with pytest.raises(isolation.IsolationError, match="RUNPLANE_JOB_UIDS"):
+            isolation.uid_range(bad)
+    assert isolation.uid_range("5000-5009") == range(5000, 5010)
+
+
+def test_an_unknown_isolation_mode_is_refused() -> None:
+    with pytest.raises(isolation.IsolationError, match="unknown isolation"):
+        Isolation.choose("chroot")
+
+
+def _pids_of(uid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("Uid:") and int(line.split()[1]) == uid:
+                found.append(int(entry.name))
+    return found
