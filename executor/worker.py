@@ -10,6 +10,7 @@ fails the run with `executor_unavailable`.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
@@ -240,9 +241,23 @@ class Executor:
             if self._hold is not None:
                 os.close(self._hold)
                 self._hold = None
+                await asyncio.to_thread(self._remove_jobs_root)
             if self._life is not None:
                 self._life.close()
                 self._life = None
+
+    def _remove_jobs_root(self) -> None:
+        """The last executor of the work directory to stop removes the jobs directory
+        (its tools too: they are published again at the next start)."""
+        fd = os.open(self.work_dir / sweep.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # a sibling lives on
+        else:
+            shutil.rmtree(self.jobs_root, ignore_errors=True)
+        finally:
+            os.close(fd)
 
     def stop(self) -> None:
         """Stop taking work; interrupt running phases, which fail with `executor_stopped`."""

@@ -22,7 +22,6 @@ from services.infra.natsclient import client_env
 from services.infra.natsserver import EmbeddedNats
 from tests.provider import fake_provider_mirror
 
-
 _OLD_BASETEMP_S = 6 * 3600
 
 

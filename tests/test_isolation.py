@@ -18,14 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 
+from events.run import Workspace
 from executor import isolation
 from executor.isolation import Isolation, adopt, kill_uid
 from executor.worker import Executor, default_jobs_dir
+from services.commands import App
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
-from events.run import Workspace
-from tests.test_executor import Harness, commit, h  # noqa: F401  # the fixture
+from tests.test_executor import Harness, commit
 
 pytestmark = [
     pytest.mark.terraform,
@@ -132,9 +134,7 @@ async def test_hcl_cannot_read_the_encryption_key(up: Up, repo: Path) -> None:
         assert secret not in said
 
 
-async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(
-    up: Up, repo: Path
-) -> None:
+async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(up: Up, repo: Path) -> None:
     """A custom step tries the key, the mirrors, another job's directory and every
     process's environ; each read is refused, nothing secret is printed, `id -u` is not 0."""
     other = default_jobs_dir(up.work()) / "jobs" / "01other-plan-x" / "src"
@@ -170,7 +170,7 @@ async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(
 
 
 async def test_a_provisioner_reads_nothing_of_the_executor(
-    h: Harness, repo: Path, executor: Executor, tmp_path: Path
+    nc: NATS, app: App, repo: Path, executor: Executor, tmp_path: Path
 ) -> None:
     """A `local-exec` of an apply (Terraform's grandchild) tries the executor's key and
     mirrors; what it could read it writes to a file the test reads."""
@@ -180,7 +180,8 @@ async def test_a_provisioner_reads_nothing_of_the_executor(
         f"id -u > {out}; cat {key} >> {out} && echo READ-KEY >> {out}; "
         f"ls {executor.work_dir / 'git'} >> {out} && echo READ-MIRRORS >> {out}; true"
     )
-    commit(repo, f'resource "null_resource" "a" {{\n  provisioner "local-exec" {{ command = "{cmd}" }}\n}}\n')
+    commit(repo, _provisioned(cmd))
+    h = Harness(nc, app)
     await h.workspace("net", Workspace(repository=str(repo)))
     run_id = await h.start_run("net")
     await h.reaches("net", run_id, "awaiting_approval")
@@ -225,7 +226,11 @@ async def test_closing_a_jail_kills_every_process_of_its_uid_escaped_daemons_too
     assert jail.uid is not None
     uid = jail.uid
     how = jail.spawn(
-        ["/bin/sh", "-c", "setsid sleep 300 >/dev/null & setsid sleep 301 >/dev/null & echo started"],
+        [
+            "/bin/sh",
+            "-c",
+            "setsid sleep 300 >/dev/null & setsid sleep 301 >/dev/null & echo go",
+        ],
         {},
         tmp_path,
     )
@@ -233,7 +238,7 @@ async def test_closing_a_jail_kills_every_process_of_its_uid_escaped_daemons_too
         *how.argv, cwd=how.cwd, env=how.env, stdout=asyncio.subprocess.PIPE, **how.options
     )
     assert proc.stdout is not None
-    assert b"started" in await proc.stdout.readline()
+    assert b"go" in await proc.stdout.readline()
     await proc.wait()
     assert _pids_of(jail.uid), "the daemons run on after their parent"
     jail.close()
@@ -290,3 +295,95 @@ def _pids_of(uid: int) -> list[int]:
             if line.startswith("Uid:") and int(line.split()[1]) == uid:
                 found.append(int(entry.name))
     return found
+
+
+async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left(
+    tmp_path: Path, repo: Path
+) -> None:
+    """kill -9 of `runplane up` mid-apply: Terraform gets its parent death signal (SIGTERM)
+    and ends; what it started (the provider, the provisioner's shell, and the daemon
+    that shell put in a session of its own) dies when `up` starts again on the same
+    data directory."""
+    from tests.test_processes import nats_servers_using
+
+    data, port = tmp_path / "data", free_port()
+    daemon_pid = tmp_path / "daemon.pid"
+    cmd = f"setsid sleep 300 >/dev/null 2>&1 & echo $! > {daemon_pid}; sleep 300"
+    main = _provisioned(cmd)
+    args = ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"]
+    env = {"RUNPLANE_ADMIN_TOKEN": TOKEN}
+    base = f"http://127.0.0.1:{port}"
+    first = await Proc(args, tmp_path / "up1.log", env=env).start()
+    client = Client(base, TOKEN)
+    try:
+        await wait_healthy(base)
+        await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        commit(repo, main)
+        await client.ok("POST", f"{V1}/workspaces", {"name": "net", "repository": str(repo)})
+        run = await client.ok("POST", f"{V1}/workspaces/net/runs", {"type": "apply"})
+        await client.wait_status("acme", run["id"], {"awaiting_approval"})
+        await client.ok("POST", f"{V1}/runs/{run['id']}/approve", {"acknowledged": []})
+
+        async def started() -> int:
+            text = daemon_pid.read_text().strip() if daemon_pid.exists() else ""
+            assert text, "the provisioner has not started yet"
+            return int(text)
+
+        daemon = await eventually(started, timeout=60, what="the provisioner's daemon")
+        assert _uid_of(daemon) in isolation.DEFAULT_UIDS, "the job runs as a uid of its own"
+        job = _pids_of(_uid_of(daemon))  # terraform, the provider, the provisioner, sleeps
+        terraform = [p for p in job if _cmdline(p).split(b"\0")[0].endswith(b"/terraform")]
+        assert terraform, "terraform runs as the job's uid"
+        first.kill()
+        nats = nats_servers_using(data)
+        await asyncio.wait_for(first.proc.wait(), 10) if first.proc else None
+        for pid in nats:  # the embedded server is not under test here
+            os.kill(pid, signal.SIGKILL)
+
+        async def terraform_gone() -> bool:
+            return not [p for p in terraform if _alive(p)]
+
+        await eventually(terraform_gone, timeout=30, what="terraform ended with its executor")
+        assert _alive(daemon), "the daemon left its group: only a restart can find it"
+    finally:
+        await client.close()
+        first.kill()
+    second = await Proc(args, tmp_path / "up2.log", env=env).start()
+    try:
+        await wait_healthy(base)
+
+        async def daemon_gone() -> bool:
+            return not _alive(daemon)
+
+        await eventually(daemon_gone, timeout=30, what="the restart killed the daemon")
+        assert not [p for p in job if _alive(p)], "nor anything else of the job"
+    finally:
+        await second.stop(signal.SIGTERM)
+
+
+def _provisioned(command: str) -> str:
+    """main.tf: one null resource whose `local-exec` runs `command`."""
+    return (
+        'resource "null_resource" "a" {\n'
+        f'  provisioner "local-exec" {{ command = "{command}" }}\n'
+        "}\n"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status
+
+
+def _uid_of(pid: int) -> int:
+    return Path(f"/proc/{pid}").stat().st_uid
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
