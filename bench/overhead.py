@@ -1,0 +1,195 @@
+"""overhead: what runplane adds to a plan+apply of 10 null resources, against the same
+Terraform run by hand.
+
+Alternating rounds on one workspace (a local git repository): (a) by hand: `git clone`,
+`terraform init`, `plan -out`, `apply` of that plan, with the binary and the CLI config
+(provider mirror) the executor's jobs use; (b) through runplane: an `apply` run with
+`require_approval` off on `runplane up` (a new workspace each round: 10 resources to
+create, as by hand), from the create request to `applied` seen by a
+50 ms poll of the API. Medians of each and their ratio; the runplane run's steps (from
+its step list) say where the rest goes.
+
+    python -m bench.overhead [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "bench"
+
+from executor.worker import default_jobs_dir
+from tests.procs import Client, Proc, free_port, wait_healthy
+
+RESOURCES = 10
+TOKEN = "bench-overhead-token"
+V1 = "/api/v1/orgs/bench"
+MAIN_TF = f'resource "null_resource" "r" {{\n  count = {RESOURCES}\n}}\n'
+_GIT = {
+    "GIT_AUTHOR_NAME": "b",
+    "GIT_AUTHOR_EMAIL": "b@example.com",
+    "GIT_COMMITTER_NAME": "b",
+    "GIT_COMMITTER_EMAIL": "b@example.com",
+}
+
+
+def _repo(path: Path) -> Path:
+    path.mkdir(parents=True)
+    env = {**os.environ, **_GIT}
+    subprocess.run(["git", "init", "-q", "-b", "main"], cwd=path, check=True, env=env)
+    (path / "main.tf").write_text(MAIN_TF)
+    subprocess.run(["git", "add", "main.tf"], cwd=path, check=True, env=env)
+    subprocess.run(["git", "commit", "-qm", "ten"], cwd=path, check=True, env=env)
+    return path
+
+
+def _tools(work: Path) -> tuple[Path, Path]:
+    """The binary and CLI config the executor's jobs use: published for isolated jobs,
+    else the executor's own."""
+    published = sorted((default_jobs_dir(work) / "tools").glob("*/terraform.rc"))
+    if published:
+        return next((published[0].parent / "bin").iterdir()), published[0]
+    from executor.terraform import default_binary
+
+    return default_binary(), work / "terraform" / "terraform.rc"
+
+
+def _by_hand(repo: Path, tools: tuple[Path, Path], scratch: Path) -> dict[str, float]:
+    """One plan+apply by hand; seconds per command."""
+    tf, rc = tools
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("RUNPLANE_", "TF_"))},
+        "TF_CLI_CONFIG_FILE": str(rc),
+        "TF_IN_AUTOMATION": "1",
+        "TF_INPUT": "0",
+        "CHECKPOINT_DISABLE": "1",
+    }
+    dest = Path(tempfile.mkdtemp(dir=scratch))
+    src = dest / "src"
+    steps = {
+        "clone": ["git", "clone", "-q", "--", str(repo), str(src)],
+        "init": [str(tf), "init", "-input=false", "-no-color"],
+        "plan": [str(tf), "plan", "-input=false", "-no-color", "-out=plan.tfplan"],
+        "apply": [str(tf), "apply", "-input=false", "-no-color", "plan.tfplan"],
+    }
+    out = {}
+    try:
+        for name, argv in steps.items():
+            t = time.perf_counter()
+            cwd = dest if name == "clone" else src
+            subprocess.run(argv, cwd=cwd, env=env, check=True, capture_output=True)
+            out[name] = time.perf_counter() - t
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+    out["total"] = sum(out.values())
+    return out
+
+
+async def _through_runplane(client: Client, repo: Path, ws: str) -> dict[str, Any]:
+    """One apply run on a new workspace (fresh state, as by hand: 10 to create)."""
+    await client.ok("POST", f"{V1}/workspaces", {"name": ws, "repository": str(repo)})
+    await client.ok("PATCH", f"{V1}/workspaces/{ws}/settings", {"require_approval": False})
+    t = time.perf_counter()
+    run = await client.ok("POST", f"{V1}/workspaces/{ws}/runs", {"type": "apply"})
+    wanted = {"applied", "failed", "awaiting_approval", "canceled", "discarded", "planned"}
+    done = await client.wait_status("bench", run["id"], wanted, timeout=120)
+    total = time.perf_counter() - t
+    if done["status"] != "applied":
+        why = done.get("error_message") or done["status"]
+        raise RuntimeError(f"the bench run ended {done['status']}: {why}")
+    steps = await client.ok("GET", f"{V1}/runs/{run['id']}/steps")
+    return {"total": total, "steps": steps}
+
+
+def _step_seconds(steps: Any) -> dict[str, float]:
+    """Seconds per `phase/step` of a run's step list (`duration_ms` of each)."""
+    out: dict[str, float] = {}
+    items = steps.get("items", []) if isinstance(steps, dict) else steps
+    for s in items or []:
+        if s.get("duration_ms") is not None:
+            key = f"{s.get('phase', '')}/{s.get('step', '')}"
+            out[key] = out.get(key, 0.0) + s["duration_ms"] / 1000
+    return out
+
+
+async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
+    """The benchmark; its figures (bench/run.py puts them in the table). `isolation`:
+    the executor's (`none` measures what isolation itself costs)."""
+    scratch = Path(tempfile.mkdtemp(prefix="rp-bench-overhead-"))
+    os.chmod(scratch, 0o711)
+    data, port = scratch / "data", free_port()
+    repo = _repo(scratch / "repo")
+    up = await Proc(
+        ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+        scratch / "up.log",
+        env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_ISOLATION": isolation},
+    ).start()
+    base = f"http://127.0.0.1:{port}"
+    client = Client(base, TOKEN)
+    hand: list[dict[str, float]] = []
+    ours: list[dict[str, Any]] = []
+    try:
+        await wait_healthy(base)
+        await client.ok("POST", "/api/v1/orgs", {"name": "bench"})
+        await _through_runplane(client, repo, "warm")  # the mirror, the tools, page cache
+        tools = _tools(data / "work")
+        _by_hand(repo, tools, scratch)  # warm the page cache alike
+        for i in range(rounds):
+            hand.append(await asyncio.to_thread(_by_hand, repo, tools, scratch))
+            ours.append(await _through_runplane(client, repo, f"net-{i}"))
+        mode = next(
+            (m for m in ("user", "bwrap", "none") if f'"isolation": "{m}"' in up.output()), "?"
+        )
+    finally:
+        await client.close()
+        await up.stop(signal.SIGTERM)
+        shutil.copyfile(scratch / "up.log", Path(tempfile.gettempdir()) / "rp-bench-overhead.log")
+        shutil.rmtree(scratch, ignore_errors=True)
+    a = statistics.median(h["total"] for h in hand)
+    b = statistics.median(o["total"] for o in ours)
+    per_step: dict[str, list[float]] = {}
+    for o in ours:
+        for k, v in _step_seconds(o["steps"]).items():
+            per_step.setdefault(k, []).append(v)
+    return {
+        "rounds": rounds,
+        "resources": RESOURCES,
+        "isolation": mode,
+        "by_hand_median_s": a,
+        "runplane_median_s": b,
+        "ratio": b / a,
+        "by_hand_steps_median_s": {
+            k: statistics.median(h[k] for h in hand) for k in ("clone", "init", "plan", "apply")
+        },
+        "runplane_steps_median_s": {k: statistics.median(v) for k, v in per_step.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.overhead", description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--isolation", default="auto", choices=("auto", "user", "bwrap", "none"))
+    args = p.parse_args(argv)
+    from services import logs
+
+    logs.configure("console", "error")
+    print(json.dumps(asyncio.run(overhead(args.rounds, args.isolation)), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
