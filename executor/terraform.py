@@ -159,6 +159,7 @@ def publish(
             write_cli_config(
                 tmp / "terraform.rc", _published(tmp, mirrors), _published(final, mirrors)
             )
+            os.chmod(tmp / "terraform.rc", 0o644)  # whatever the umask (0077 in `up`)
             _open_dirs(tmp)
             os.rename(tmp, final)
         except OSError:

@@ -321,7 +321,8 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
         commit(repo, main)
         await client.ok("POST", f"{V1}/workspaces", {"name": "net", "repository": str(repo)})
         run = await client.ok("POST", f"{V1}/workspaces/net/runs", {"type": "apply"})
-        await client.wait_status("acme", run["id"], {"awaiting_approval"})
+        planned = await client.wait_status("acme", run["id"], {"awaiting_approval", "failed"})
+        assert planned["status"] == "awaiting_approval", planned.get("error_message")
         await client.ok("POST", f"{V1}/runs/{run['id']}/approve", {"acknowledged": []})
 
         async def started() -> int:

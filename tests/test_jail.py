@@ -188,7 +188,7 @@ async def test_a_300_kb_variable_plans_and_no_value_is_on_any_command_line(
     async def watch() -> None:
         while not stop.is_set():
             seen.extend(c for c in await _cmdlines() if marker.encode() in c or b"bbbbbbbb" in c)
-            for f in (executor.work_dir / "jobs").glob(f"*/src/{tf.VARS_FILE}"):
+            for f in executor.jobs_dir.glob(f"*/src/{tf.VARS_FILE}"):
                 try:
                     with f.open("rb") as ours:  # the repository's, until replaced
                         if ours.read() != forged.encode():
