@@ -21,6 +21,8 @@ import fcntl
 import os
 import shutil
 import signal
+import stat
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -29,6 +31,11 @@ import structlog
 log = structlog.get_logger(__name__)
 
 LOCK_FILE = ".executor.lock"
+# How long a start waits for the Terraform of a killed executor to end on its own: its
+# parent death signal (SIGTERM) makes it finish what is in flight, fail to reach the dead
+# state backend (a few tries) and write `errored.tfstate`, the only record of what it did.
+TERRAFORM_GRACE_S = 60.0
+MAX_KEPT_STATE = 256 * 1024 * 1024  # an errored.tfstate larger than this is not a state
 
 
 Reclaim = Callable[[int], bool]  # kill what runs as a job uid unless a live phase holds it
@@ -58,6 +65,7 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
     if not jobs.is_dir():
         return 0, 0
     root = jobs.resolve()
+    _let_terraform_finish(root, _job_uids(jobs))
     killed = 0
     for pid in _pids_under(root):
         try:
@@ -71,12 +79,8 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
         killed += sum(reclaim(uid) for uid in _job_uids(jobs))
     removed = 0
     for job in sorted(p for p in jobs.iterdir() if p.is_dir()):
-        for errored in job.rglob("errored.tfstate"):
-            keep.mkdir(parents=True, exist_ok=True)
-            kept = keep / f"{job.name}.errored.tfstate"
-            shutil.copyfile(errored, kept)
-            os.chmod(kept, 0o600)
-            log.error("state_not_stored", kept=str(kept), left_by="a killed executor")
+        for errored in job.rglob("errored.tfstate"):  # rglob does not enter linked dirs
+            _keep_state(errored, keep / f"{job.name}.errored.tfstate")
         shutil.rmtree(job, ignore_errors=True)
         removed += 1
     if killed or removed:
@@ -113,3 +117,68 @@ def _pids_under(root: Path) -> list[int]:
         if cwd == root or root in cwd.parents:
             found.append(int(entry.name))
     return found
+
+
+def _keep_state(errored: Path, kept: Path) -> None:
+    """Copy a leftover `errored.tfstate` to `kept` (0600), never through a link: the job's
+    uid owned that directory and could have left a link to a file of ours there, which
+    would then be recorded as the workspace's state for the tenant to read."""
+    try:
+        fd = os.open(errored, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        log.warning("errored_state_refused", path=str(errored), why=repr(e))
+        return
+    with os.fdopen(fd, "rb") as src:
+        info = os.fstat(src.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_KEPT_STATE:
+            log.warning("errored_state_refused", path=str(errored), why="not a regular file")
+            return
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        out = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(out, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    log.error("state_not_stored", kept=str(kept), left_by="a killed executor")
+
+
+def _let_terraform_finish(root: Path, uids: set[int], grace: float = TERRAFORM_GRACE_S) -> None:
+    """Wait (bounded) while a Terraform of a leftover job still runs, so that it writes
+    its `errored.tfstate` before the sweep kills what is left and keeps that file."""
+    deadline = time.monotonic() + grace
+    waited = False
+    while _terraform_running(root, uids):
+        if time.monotonic() >= deadline:
+            log.warning("leftover_terraform_killed", after_s=grace)
+            return
+        if not waited:
+            log.warning("waiting_for_leftover_terraform", grace_s=grace)
+            waited = True
+        time.sleep(0.1)  # a start on a work directory, before any work: nothing else waits
+
+
+def _terraform_running(root: Path, uids: set[int]) -> bool:
+    """Whether a process named terraform runs under `root` or as one of `uids`."""
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "terraform":
+                continue
+            state, uid = _state_and_uid(entry)
+            if state == "Z":  # dead already, not yet reaped
+                continue
+            if uid in uids:
+                return True
+            cwd = Path(os.readlink(entry / "cwd"))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+        if cwd == root or root in cwd.parents:
+            return True
+    return False
+
+
+def _state_and_uid(entry: Path) -> tuple[str, int]:
+    fields = dict(
+        line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line
+    )
+    return fields["State"].split()[0], int(fields["Uid"].split()[0])

@@ -60,3 +60,42 @@ async def test_no_sweep_while_a_sibling_executor_holds_the_work_directory(
         os.close(sibling)
         terraform.kill()
         await terraform.wait()
+
+
+async def test_a_leftover_terraform_is_let_write_its_errored_state_before_the_sweep(
+    tmp_path: Path,
+) -> None:
+    """A killed executor's Terraform got SIGTERM (its parent death signal) and is still
+    failing to reach the dead state backend: the start waits for it, so the state it then
+    writes, the only record of what it applied, is kept rather than killed."""
+    work = tmp_path / "work"
+    job = work / "jobs" / "run2-apply-x" / "src"
+    job.mkdir(parents=True)
+    fake = tmp_path / "bin" / "terraform"  # /proc/<pid>/comm is the script's name
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\nsleep 1.5\necho '{\"serial\": 7}' > errored.tfstate\n")
+    fake.chmod(0o755)
+    dying = await asyncio.create_subprocess_exec(str(fake), cwd=str(job))
+    try:
+        await asyncio.to_thread(sweep.sweep, work / "jobs", work / "unsaved-state")
+        kept = work / "unsaved-state" / "run2-apply-x.errored.tfstate"
+        assert kept.read_text().strip() == '{"serial": 7}'
+        assert await asyncio.wait_for(dying.wait(), 5) == 0  # it ended on its own
+    finally:
+        if dying.returncode is None:
+            dying.kill()
+            await dying.wait()
+
+
+async def test_an_errored_state_that_is_a_link_is_never_kept(tmp_path: Path) -> None:
+    """The job's uid owned its directory: an `errored.tfstate` linked to a file of ours
+    (the encryption key) must not be copied out and recorded as the tenant's state."""
+    work = tmp_path / "work"
+    job = work / "jobs" / "run3-apply-x" / "src"
+    job.mkdir(parents=True)
+    key = tmp_path / "encryption.key"
+    key.write_text("the-deployment-key")
+    (job / "errored.tfstate").symlink_to(key)
+    await asyncio.to_thread(sweep.sweep, work / "jobs", work / "unsaved-state")
+    assert not (work / "unsaved-state" / "run3-apply-x.errored.tfstate").exists()
+    assert key.read_text() == "the-deployment-key"
