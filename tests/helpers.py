@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -30,3 +31,14 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}") from last
         await asyncio.sleep(interval)
+
+
+def shared_file(path: Path) -> Path:
+    """An empty file every job may append to. Jobs run as a uid of their own per phase
+    (executor/isolation.py): a file the first job creates (umask 077) the next could not
+    write, so a file that several phases' processes write (a marker, a wrapper's record)
+    is made here first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    path.chmod(0o666)
+    return path

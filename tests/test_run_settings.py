@@ -16,7 +16,7 @@ from executor import terraform as tf
 from services.cli import options, parser
 from services.infra import streams
 from services.scheduler.reaper import Reaper
-from tests.helpers import eventually
+from tests.helpers import eventually, shared_file
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -124,6 +124,7 @@ def _wrapper(directory: Path, marker: Path, name: str = "terraform-wrapper") -> 
     """A script that records its arguments, then execs the real Terraform."""
     directory.mkdir(parents=True, exist_ok=True)
     script = directory / name
+    shared_file(marker)
     script.write_text(f'#!/bin/sh\necho "$*" >> "{marker}"\nexec "{tf.default_binary()}" "$@"\n')
     script.chmod(0o755)
     return script

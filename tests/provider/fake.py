@@ -14,6 +14,7 @@ With the provider's `store` directory set, each thing is also kept as a JSON fil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -126,9 +127,15 @@ class Thing(Resource):  # type: ignore[misc]  # tf's base classes are untyped
     def _save(self, state: dict[str, Any]) -> None:
         if self.provider.store is None:
             return
-        self.provider.store.mkdir(parents=True, exist_ok=True)
+        if not self.provider.store.is_dir():
+            self.provider.store.mkdir(parents=True)
+            self.provider.store.chmod(0o777)  # the next phase is another job uid
         kept = {k: v for k, v in state.items() if k not in _NOT_STORED}
-        (self.provider.store / f"{state['id']}.json").write_text(json.dumps(kept))
+        path = self.provider.store / f"{state['id']}.json"
+        path.write_text(json.dumps(kept))
+        # Readable and writable by the next phase, which runs as another job uid.
+        with contextlib.suppress(PermissionError):
+            path.chmod(0o666)
 
 
 def _sleep(state: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from services.infra.eventstore import EventStore
 from services.infra.natsserver import _die_with_parent, server_binary
 from services.infra.streams import EVENTS
 from tests.cluster_support import NatsCluster, Node
+from tests.helpers import shared_file
 from tests.procs import Proc, descendants, free_port
 from tests.test_executor import commit, git
 
@@ -773,7 +774,7 @@ async def setup_org(api: Api, root: Path, workspaces: list[str], settings: dict[
     """The organization, its limits, and workspaces sharing one repository; the marker
     file (Terraform's record of applies) is returned."""
     repo = make_repo(root / "repo")
-    marker = root / "applies.txt"
+    marker = shared_file(root / "applies.txt")
     await api.ok("POST", "/api/v1/orgs", {"name": ORG})
     if settings:
         await api.ok("PATCH", f"/api/v1/orgs/{ORG}/settings", settings)
