@@ -26,6 +26,7 @@ import msgspec
 from events import policies as po
 from events import run as R
 from events import templates as te
+from events.approval import Caller
 from events.codec import encode, run_subject
 from events.values import AttributeChange, PlanSummary, ResourceChange, Snapshot, Workspace
 from projections.project import Working, finish, meta_of, project_event
@@ -463,6 +464,35 @@ def custom_only_applied() -> Recorder:
     return r
 
 
+def stamped_apply_applied() -> Recorder:
+    """Recorded after events carried their outcome (status, step_at) and via."""
+    r = Recorder("stamped-apply-applied", "apply")
+    r.admit()
+    r.plan()
+    acked = [c.address for c in CHANGES if c.action in ("delete", "replace")]
+    caller = Caller(user="bob", role="approver", groups=["ops"])
+    r.do(R.ApproveRun(actor="bob", acknowledged=acked, caller=caller, via="api"))
+    r.apply()
+    return r
+
+
+def stamped_failed_hard_policy() -> Recorder:
+    r = Recorder("stamped-failed-hard-policy", "destroy")
+    r.admit()
+    r.plan(policies=[_policy("tickets", "hard-mandatory", False)])
+    return r
+
+
+def stamped_custom_discarded() -> Recorder:
+    r = Recorder("stamped-custom-discarded", "apply", template=_custom_template())
+    r.admit()
+    r.custom(50)
+    r.plan()
+    caller = Caller(user="bob", role="operator")
+    r.do(R.DiscardRun(actor="bob", reason="not now", caller=caller, via="api"))
+    return r
+
+
 SCENARIOS: dict[str, Callable[[], Recorder]] = {
     "apply-applied": apply_applied,
     "apply-no-approval": apply_no_approval,
@@ -488,6 +518,9 @@ SCENARIOS: dict[str, Callable[[], Recorder]] = {
     "custom-applied": custom_applied,
     "custom-failed": custom_failed,
     "custom-only": custom_only_applied,
+    "stamped-apply-applied": stamped_apply_applied,
+    "stamped-failed-hard-policy": stamped_failed_hard_policy,
+    "stamped-custom-discarded": stamped_custom_discarded,
 }
 
 
