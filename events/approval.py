@@ -1,8 +1,10 @@
 """Who may approve or discard a run, and what an approval must acknowledge. Pure.
 
-The rule reads the settings the run recorded at admission (its snapshot: `{"value",
-"origin"}` entries; a run without a snapshot gets the defaults) and the organization's
-groups:
+The run aggregate's `decide` applies this rule to every `ApproveRun` and `DiscardRun`,
+whoever writes them (the API, a chat bot, a tool), on the settings the run recorded at
+admission (its snapshot: `{"value", "origin"}` entries; a run without a snapshot gets the
+defaults), the caller the shell resolved (user, role, the groups they belong to) and the
+plan's destructive addresses the run keeps:
 
 - `four_eyes`: the run's creator may not approve it (discarding one's own run is fine).
 - `approvers` (user names and `group:<name>` entries): only they may approve or discard,
@@ -12,7 +14,9 @@ groups:
   only as a name to hand out, and the `approvers` setting is how to narrow who approves.
 - The admin token (`superuser`) passes the approvers rule, never four-eyes.
 - `confirm_destructive`: the approval lists in `acknowledged` every address the plan
-  deletes or replaces.
+  deletes or replaces (refused with `Unacknowledged`, which names the missing ones).
+- A command without a caller comes from the system itself (the reaper's approval
+  timeout discards): it is held to four-eyes (by its actor) and confirm_destructive only.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from events.errors import Forbidden
+from events.errors import Forbidden, IllegalTransition
 from events.org import ROLES
 from events.settings import SPECS
 from events.values import ResourceChange, Snapshot
@@ -34,11 +38,25 @@ DESTRUCTIVE = frozenset({"delete", "replace"})
 
 
 class Caller(msgspec.Struct, frozen=True, kw_only=True):
-    """Who asks: a token's user and role; `superuser` for the admin token."""
+    """Who asks: a token's user and role; `superuser` for the admin token; `groups`, the
+    organization's groups the user is a member of (resolved by the shell)."""
 
     user: str
     role: str
     superuser: bool = False
+    groups: list[str] = []
+
+
+class Unacknowledged(IllegalTransition):
+    """confirm_destructive is on and the approval leaves addresses unacknowledged."""
+
+    def __init__(self, missing: Sequence[str], *, status: str) -> None:
+        super().__init__(
+            "confirm_destructive is on: acknowledge every address the plan deletes "
+            f"or replaces; missing: {', '.join(missing)}",
+            status=status,
+        )
+        self.missing = list(missing)
 
 
 def setting(snapshot: Snapshot | None, name: str) -> Any:
@@ -60,22 +78,37 @@ def members(approvers: Iterable[str], groups: Mapping[str, Sequence[str]]) -> se
     return people
 
 
+def groups_of(user: str, groups: Mapping[str, Sequence[str]]) -> list[str]:
+    """The names of the groups `user` is a member of, sorted."""
+    return sorted(name for name, people in groups.items() if user in people)
+
+
 def check(
     action: Action,
     caller: Caller,
     *,
     creator: str,
     snapshot: Snapshot | None,
-    groups: Mapping[str, Sequence[str]],
+    groups: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
-    """Raise Forbidden, saying why, unless `caller` may `action` the run."""
-    if action == "approve" and setting(snapshot, "four_eyes") and caller.user == creator:
+    """Raise Forbidden, saying why, unless `caller` may `action` the run. With `groups`
+    (the organization's), the caller's own are resolved from them."""
+    if groups is not None:
+        caller = msgspec.structs.replace(caller, groups=groups_of(caller.user, groups))
+    check_caller(action, caller, actor=caller.user, creator=creator, snapshot=snapshot)
+
+
+def check_caller(
+    action: Action, caller: Caller | None, *, actor: str, creator: str, snapshot: Snapshot | None
+) -> None:
+    """`check`, for a command's `actor` and its `caller` (None: the system itself)."""
+    if action == "approve" and setting(snapshot, "four_eyes") and actor == creator:
         raise Forbidden(f"four_eyes is on: {creator} created this run and may not approve it")
-    if caller.superuser:
+    if caller is None or caller.superuser:
         return
     approvers: list[str] = list(setting(snapshot, "approvers"))
     if approvers:
-        if caller.user not in members(approvers, groups):
+        if not _listed(caller, approvers):
             listed = ", ".join(approvers)
             raise Forbidden(f"{caller.user} is not among the workspace's approvers ({listed})")
         return
@@ -84,6 +117,11 @@ def check(
             f"role {caller.role} may not {action}: with no approvers set it needs "
             f"{DEFAULT_ROLE} or above"
         )
+
+
+def _listed(caller: Caller, approvers: Sequence[str]) -> bool:
+    """Whether the approvers name the caller, directly or through one of their groups."""
+    return caller.user in approvers or any(f"group:{g}" in approvers for g in caller.groups)
 
 
 def _rank(role: str) -> int:
@@ -99,7 +137,14 @@ def missing(
     snapshot: Snapshot | None, changes: Iterable[ResourceChange], acknowledged: Iterable[str]
 ) -> list[str]:
     """With `confirm_destructive` on, the deletions and replacements not acknowledged."""
+    return unacknowledged(snapshot, destructive(changes), acknowledged)
+
+
+def unacknowledged(
+    snapshot: Snapshot | None, addresses: Iterable[str], acknowledged: Iterable[str]
+) -> list[str]:
+    """With `confirm_destructive` on, the destructive `addresses` not acknowledged."""
     if not setting(snapshot, "confirm_destructive"):
         return []
     seen = set(acknowledged)
-    return [a for a in destructive(changes) if a not in seen]
+    return [a for a in addresses if a not in seen]

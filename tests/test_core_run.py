@@ -92,10 +92,15 @@ def plan_finished(*, has_changes: bool = True, require_approval: bool = True) ->
     )
 
 
-def plan_finished_now(*, has_changes: bool = True, require_approval: bool = True) -> PlanFinished:
-    """The PlanFinished that `finish_plan(...)` decides at NOW."""
+def plan_finished_now(
+    status: Status, step_at: int, *, has_changes: bool = True, require_approval: bool = True
+) -> PlanFinished:
+    """The PlanFinished that `finish_plan(...)` decides at NOW: with where it leads."""
     return msgspec.structs.replace(
-        plan_finished(has_changes=has_changes, require_approval=require_approval), at=NOW
+        plan_finished(has_changes=has_changes, require_approval=require_approval),
+        at=NOW,
+        status=status,
+        step_at=step_at,
     )
 
 
@@ -281,7 +286,7 @@ def test_admit_moves_a_pending_run_to_queued_waiting_for_its_plan_phase() -> Non
     state = (
         in_status(Status.PENDING)
         .when(ADMIT)
-        .then(RunQueued(at=NOW, actor="scheduler", phase="plan"))
+        .then(RunQueued(at=NOW, actor="scheduler", phase="plan", status=Status.QUEUED, step_at=0))
     )
     assert state.status == Status.QUEUED
 
@@ -292,7 +297,12 @@ def test_claiming_the_plan_phase_starts_planning_under_the_claimed_lease() -> No
         .when(claim("plan", PLAN_LEASE))
         .then(
             PhaseStarted(
-                at=NOW, actor="exec-a", phase="plan", lease_id=PLAN_LEASE, executor_id="exec-a"
+                at=NOW,
+                actor="exec-a",
+                phase="plan",
+                lease_id=PLAN_LEASE,
+                executor_id="exec-a",
+                status=Status.PLANNING,
             )
         )
     )
@@ -338,7 +348,7 @@ def test_step_reports_under_the_current_lease_are_recorded_and_keep_the_status(
 
 def test_a_plan_run_with_changes_ends_planned_and_keeps_the_plan() -> None:
     g = given(RUN, created("plan"), QUEUED, PLAN_STARTED)
-    state = g.when(finish_plan()).then(plan_finished_now())
+    state = g.when(finish_plan()).then(plan_finished_now(Status.PLANNED, 2))
     assert state.status == Status.PLANNED
     assert (state.commit, state.plan_summary, state.plan_digest) == (
         "c0ffee",
@@ -354,15 +364,18 @@ def test_a_plan_without_changes_ends_no_changes_for_every_run_type(
     run_type: str, require_approval: bool
 ) -> None:
     g = given(RUN, created(run_type), QUEUED, PLAN_STARTED)
+    steps = len(run.fold(g.history).steps)  # past the last step: the run ended
     state = g.when(finish_plan(has_changes=False, require_approval=require_approval)).then(
-        plan_finished_now(has_changes=False, require_approval=require_approval)
+        plan_finished_now(
+            Status.NO_CHANGES, steps, has_changes=False, require_approval=require_approval
+        )
     )
     assert state.status == Status.NO_CHANGES
 
 
 def test_a_drift_run_that_finds_changes_ends_drifted() -> None:
     g = given(RUN, created("drift"), QUEUED, PLAN_STARTED)
-    state = g.when(finish_plan()).then(plan_finished_now())
+    state = g.when(finish_plan()).then(plan_finished_now(Status.DRIFTED, 2))
     assert state.status == Status.DRIFTED
 
 
@@ -371,7 +384,8 @@ def test_an_apply_or_destroy_plan_with_changes_awaits_approval_when_required(
     run_type: str,
 ) -> None:
     g = given(RUN, created(run_type), QUEUED, PLAN_STARTED)
-    state = g.when(finish_plan(require_approval=True)).then(plan_finished_now())
+    awaiting = plan_finished_now(Status.AWAITING_APPROVAL, 2)
+    state = g.when(finish_plan(require_approval=True)).then(awaiting)
     assert state.status == Status.AWAITING_APPROVAL
     assert state.lease_id == ""
 
@@ -382,7 +396,7 @@ def test_an_apply_or_destroy_plan_without_required_approval_goes_straight_to_app
 ) -> None:
     g = given(RUN, created(run_type), QUEUED, PLAN_STARTED)
     state = g.when(finish_plan(require_approval=False)).then(
-        plan_finished_now(require_approval=False)
+        plan_finished_now(Status.APPLY_QUEUED, 3, require_approval=False)
     )
     assert state.status == Status.APPLY_QUEUED
     assert state.approved_by == ""
@@ -392,7 +406,15 @@ def test_approve_moves_an_awaiting_run_to_apply_queued_and_records_the_approver(
     state = (
         in_status(Status.AWAITING_APPROVAL)
         .when(APPROVE)
-        .then(RunApproved(at=NOW, actor="bob", acknowledged=["aws_instance.web"]))
+        .then(
+            RunApproved(
+                at=NOW,
+                actor="bob",
+                acknowledged=["aws_instance.web"],
+                status=Status.APPLY_QUEUED,
+                step_at=3,
+            )
+        )
     )
     assert state.status == Status.APPLY_QUEUED
     assert (state.approved_by, state.acknowledged) == ("bob", ["aws_instance.web"])
@@ -404,7 +426,12 @@ def test_claiming_the_apply_phase_starts_applying_under_a_fresh_lease() -> None:
         .when(claim("apply", APPLY_LEASE, "exec-b"))
         .then(
             PhaseStarted(
-                at=NOW, actor="exec-b", phase="apply", lease_id=APPLY_LEASE, executor_id="exec-b"
+                at=NOW,
+                actor="exec-b",
+                phase="apply",
+                lease_id=APPLY_LEASE,
+                executor_id="exec-b",
+                status=Status.APPLYING,
             )
         )
     )
@@ -415,7 +442,16 @@ def test_finishing_the_apply_ends_applied_with_its_summary_and_releases_the_leas
     state = (
         in_status(Status.APPLYING)
         .when(finish_apply())
-        .then(ApplyFinished(at=NOW, actor="exec-b", lease_id=APPLY_LEASE, summary=SUMMARY))
+        .then(
+            ApplyFinished(
+                at=NOW,
+                actor="exec-b",
+                lease_id=APPLY_LEASE,
+                summary=SUMMARY,
+                status=Status.APPLIED,
+                step_at=4,
+            )
+        )
     )
     assert (state.status, state.apply_summary, state.lease_id) == (Status.APPLIED, SUMMARY, "")
 

@@ -1,59 +1,52 @@
-"""The approval rule at the edge: who may approve or discard, and what they acknowledge.
+"""Approve and discard through the API: the caller resolved, the core's rule applied.
 
-The rule itself is pure (events/approval.py). Here it gets its inputs from the aggregates,
-never the read model, so it is never stale: the organization's groups, the plan's changes
-(from the run's `run.plan_finished`) and, through `App.run_command`'s guard, the very run
-state the command is decided on, with the settings it recorded at admission.
+The rule is the core's (events/approval.py, applied by the run aggregate's `decide`), so
+the API, a chat bot and every other writer get the same answers. Here the shell only
+says who asks: the token's user and role, and the groups of the organization the user
+is a member of (read from the organization aggregate, never the read model, so never
+stale), and where the command came from (`via`). A refusal is the core's error, which
+the problems middleware answers (403 forbidden, 409 conflict); confirm_destructive's
+refusal also lists the addresses still to acknowledge (`missing`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from events import approval
-from events.codec import run_subject
-from events.run import PlanFinished, ResourceChange, RunState, Status
+from events.run import ApproveRun, DiscardRun
 from services.api.auth import Principal
 from services.api.context import Api
 from services.api.problems import Problem
+from services.commands import Result
+
+VIA = "api"
 
 
-async def _plan_changes(api: Api, org: str, run_id: str) -> list[ResourceChange] | None:
-    """The changes of the run's finished plan; None before it has one."""
-    envs = await api.app.store.read(run_subject(org, "*", run_id))
-    plans = [e.event for e in envs if isinstance(e.event, PlanFinished)]
-    return list(plans[-1].changes) if plans else None
-
-
-async def guard(
-    api: Api,
-    org: str,
-    run_id: str,
-    who: Principal,
-    action: approval.Action,
-    acknowledged: Sequence[str] = (),
-) -> Callable[[RunState], None]:
-    """A guard for `App.run_command`: 403 (the reason given) unless `who` may act on the
-    run; for an approval under `confirm_destructive`, 409 listing what is not acknowledged.
-    """
+async def caller(api: Api, org: str, who: Principal) -> approval.Caller:
+    """Who asks, with the organization's groups they are a member of."""
     groups = (await api.app.load_org(org)).state.groups
-    changes = await _plan_changes(api, org, run_id) if action == "approve" else None
-    caller = approval.Caller(user=who.user, role=who.role, superuser=who.superuser)
+    member_of = approval.groups_of(who.user, groups)
+    return approval.Caller(user=who.user, role=who.role, superuser=who.superuser, groups=member_of)
 
-    def check(run: RunState) -> None:
-        approval.check(action, caller, creator=run.created_by, snapshot=run.snapshot, groups=groups)
-        if action != "approve" or run.status != Status.AWAITING_APPROVAL:
-            return  # the core refuses a run in any other status
-        if changes is None:  # the plan finished after we read the run's events
-            raise Problem("unavailable", "the run's plan is being recorded; try again")
-        missing = approval.missing(run.snapshot, changes, acknowledged)
-        if missing:
-            raise Problem(
-                "conflict",
-                "confirm_destructive is on: acknowledge every address the plan deletes "
-                f"or replaces; missing: {', '.join(missing)}",
-                current_status=str(run.status),
-                missing=missing,
-            )
 
-    return check
+async def approve(
+    api: Api, org: str, run_id: str, who: Principal, acknowledged: Sequence[str]
+) -> Result:
+    """Approve the run as `who`, acknowledging `acknowledged`."""
+    command = ApproveRun(
+        actor=who.user,
+        acknowledged=list(acknowledged),
+        caller=await caller(api, org, who),
+        via=VIA,
+    )
+    try:
+        return await api.app.run_command(org, None, run_id, command)
+    except approval.Unacknowledged as e:
+        raise Problem("conflict", str(e), current_status=e.status, missing=e.missing) from e
+
+
+async def discard(api: Api, org: str, run_id: str, who: Principal, reason: str) -> Result:
+    """Discard the run as `who`."""
+    command = DiscardRun(actor=who.user, reason=reason, caller=await caller(api, org, who), via=VIA)
+    return await api.app.run_command(org, None, run_id, command)

@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from events.codec import run_subject
-from events.run import TERMINAL, ApproveRun, CancelRun, DiscardRun, RunCommand, Status
+from events.run import TERMINAL, CancelRun, RunCommand, Status
 from services.api import approvals, render
 from services.api.auth import OPERATOR, VIEWER, Principal
 from services.api.bodies import (
@@ -184,10 +184,7 @@ async def approve_run(request: web.Request) -> web.Response:
     api, org, who = scope(request, OPERATOR)
     run_id = path_id(request, "run")
     body = await read_body(request, ApproveBody, optional=True)
-    acked = list(body.acknowledged)
-    guard = await approvals.guard(api, org, run_id, who, "approve", acked)
-    command = ApproveRun(actor=who.user, acknowledged=acked)
-    result = await api.app.run_command(org, None, run_id, command, guard=guard)
+    result = await approvals.approve(api, org, run_id, who, body.acknowledged)
     return await _answer(api, org, result, status=200)
 
 
@@ -196,9 +193,7 @@ async def discard_run(request: web.Request) -> web.Response:
     api, org, who = scope(request, OPERATOR)
     run_id = path_id(request, "run")
     body = await read_body(request, DiscardBody, optional=True)
-    guard = await approvals.guard(api, org, run_id, who, "discard")
-    command = DiscardRun(actor=who.user, reason=body.reason)
-    result = await api.app.run_command(org, None, run_id, command, guard=guard)
+    result = await approvals.discard(api, org, run_id, who, body.reason)
     return await _answer(api, org, result, status=200)
 
 
