@@ -38,7 +38,7 @@ import signal
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -212,6 +212,12 @@ class Isolation:
             except BlockingIOError:
                 os.close(fd)
                 continue
+            if terraform_runs_as(uid):
+                # A killed executor's Terraform, stopping gracefully on its parent death
+                # signal to write errored.tfstate: left to that executor's next start
+                # (executor/sweep.py), not killed by taking its uid.
+                os.close(fd)
+                continue
             return uid, fd
         raise IsolationError(f"all {len(self.uids)} job uids are in use")
 
@@ -299,6 +305,29 @@ class Jail:
             if self._lock >= 0:
                 os.close(self._lock)
                 self._lock = -1
+
+
+def terraform_processes() -> Iterator[tuple[Path, int]]:
+    """`(/proc/<pid>, uid)` of each live process named terraform (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "terraform":
+                continue
+            status = dict(
+                line.split(":", 1)
+                for line in (entry / "status").read_text().splitlines()
+                if ":" in line
+            )
+            if status["State"].split()[0] != "Z":  # a zombie is dead, only not reaped
+                yield entry, int(status["Uid"].split()[0])
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+
+
+def terraform_runs_as(uid: int) -> bool:
+    return any(found == uid for _, found in terraform_processes())
 
 
 def kill_uid(uid: int) -> None:

@@ -11,6 +11,7 @@ and the executor's own commands run without one.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 from collections.abc import Callable, Mapping, Sequence
@@ -72,14 +73,84 @@ async def run(
     If the calling task is cancelled, the child is interrupted with SIGINT (Terraform then
     finishes in-flight operations and writes its state), killed after `grace` seconds,
     and the cancellation propagates. `jail`: run it as that job (None: as the executor).
+
+    The child also holds the read ends of its own output pipes (never reading them): when
+    the executor dies, its parent death signal makes Terraform stop gracefully and write
+    `errored.tfstate`, and on the way it prints; with no reader left, that print would
+    kill it with SIGPIPE first (Go's rule for stdout and stderr) and what it applied would
+    be recorded nowhere. With the pipes held it may print up to a pipe's buffer.
     """
-    proc = await spawn(argv, cwd=cwd, env=env, jail=jail, stderr=asyncio.subprocess.PIPE)
+    proc, outputs = await _start(argv, cwd=cwd, env=env, jail=jail)
     try:
-        await _pump(proc, step_log, on_line)
+        await _pump(outputs, step_log, on_line)
         return await proc.wait()
     except BaseException:
-        await _interrupt(proc, step_log, on_line, grace)
+        await _interrupt(proc, outputs, step_log, on_line, grace)
         raise
+    finally:
+        outputs.close()
+
+
+class _Outputs:
+    """The child's stdout and stderr as stream readers, over pipes runplane made."""
+
+    def __init__(self) -> None:
+        self.readers: list[tuple[str, asyncio.StreamReader]] = []
+        self._transports: list[asyncio.BaseTransport] = []
+
+    async def attach(self, name: str, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=_LINE_LIMIT, loop=loop)
+        pipe = os.fdopen(fd, "rb", buffering=0)
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe
+        )
+        self.readers.append((name, reader))
+        self._transports.append(transport)
+
+    def close(self) -> None:
+        for transport in self._transports:
+            transport.close()
+
+
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux), named in fcntl only from Python 3.10 on
+_PIPE_SIZE = 1024 * 1024  # what a dying Terraform may still print (the default maximum)
+
+
+def _pipe() -> tuple[int, int]:
+    read, write = os.pipe()
+    try:
+        fcntl.fcntl(write, _F_SETPIPE_SZ, _PIPE_SIZE)
+    except OSError:
+        pass  # the default 64 KiB then: still room for a graceful stop's last words
+    return read, write
+
+
+async def _start(
+    argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], jail: Jail | None
+) -> tuple[asyncio.subprocess.Process, _Outputs]:
+    pipes = [_pipe(), _pipe()]
+    held = tuple(read for read, _ in pipes)
+    try:
+        proc = await spawn(
+            argv,
+            cwd=cwd,
+            env=env,
+            jail=jail,
+            stdout=pipes[0][1],
+            stderr=pipes[1][1],
+            pass_fds=held,
+        )
+    except BaseException:
+        for read, write in pipes:
+            os.close(read)
+            os.close(write)
+        raise
+    outputs = _Outputs()
+    for (read, write), name in zip(pipes, ("stdout", "stderr"), strict=True):
+        os.close(write)  # the child has it: EOF once the child and what it started are done
+        await outputs.attach(name, read)
+    return proc, outputs
 
 
 async def spawn(
@@ -89,6 +160,8 @@ async def spawn(
     env: Mapping[str, str],
     jail: Jail | None,
     stderr: int,
+    stdout: int = asyncio.subprocess.PIPE,
+    pass_fds: Sequence[int] = (),
 ) -> asyncio.subprocess.Process:
     """Start `argv` (stdin empty, stdout piped) in a process group of its own, as `jail`'s
     job if given. Called from the event loop's thread only: a parent death signal fires
@@ -99,10 +172,11 @@ async def spawn(
             cwd=cwd,
             env=dict(env),
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
+            stdout=stdout,
             stderr=stderr,
             start_new_session=True,
             limit=_LINE_LIMIT,
+            pass_fds=tuple(pass_fds),
         )
     how = jail.spawn(argv, env, cwd)
     return await asyncio.create_subprocess_exec(
@@ -110,21 +184,21 @@ async def spawn(
         cwd=how.cwd,
         env=how.env,
         stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
+        stdout=stdout,
         stderr=stderr,
         limit=_LINE_LIMIT,
+        pass_fds=tuple(pass_fds),
         **how.options,
     )
 
 
 async def _pump(
-    proc: asyncio.subprocess.Process, step_log: StepLog, on_line: Callable[[str], None] | None
+    outputs: _Outputs, step_log: StepLog, on_line: Callable[[str], None] | None
 ) -> None:
     """Copy stdout and stderr, each line by line, until both end."""
-    assert proc.stdout is not None and proc.stderr is not None
     copies = [
-        asyncio.ensure_future(_copy(proc.stdout, "stdout", step_log, on_line)),
-        asyncio.ensure_future(_copy(proc.stderr, "stderr", step_log, on_line)),
+        asyncio.ensure_future(_copy(reader, name, step_log, on_line))
+        for name, reader in outputs.readers
     ]
     try:
         await asyncio.gather(*copies)
@@ -174,6 +248,7 @@ async def _readline(reader: asyncio.StreamReader, step_log: StepLog) -> bytes:
 
 async def _interrupt(
     proc: asyncio.subprocess.Process,
+    outputs: _Outputs,
     step_log: StepLog,
     on_line: Callable[[str], None] | None,
     grace: float,
@@ -184,7 +259,7 @@ async def _interrupt(
     step_log.note(f"interrupting (SIGINT), killing in {grace:g}s if still running")
     _signal_group(proc, signal.SIGINT)
     try:
-        await asyncio.wait_for(_pump_and_wait(proc, step_log, on_line), grace)
+        await asyncio.wait_for(_pump_and_wait(proc, outputs, step_log, on_line), grace)
     except (TimeoutError, ValueError):
         pass
     finally:
@@ -196,9 +271,12 @@ async def _interrupt(
 
 
 async def _pump_and_wait(
-    proc: asyncio.subprocess.Process, step_log: StepLog, on_line: Callable[[str], None] | None
+    proc: asyncio.subprocess.Process,
+    outputs: _Outputs,
+    step_log: StepLog,
+    on_line: Callable[[str], None] | None,
 ) -> None:
-    await _pump(proc, step_log, on_line)
+    await _pump(outputs, step_log, on_line)
     await proc.wait()
 
 

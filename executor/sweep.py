@@ -28,6 +28,8 @@ from pathlib import Path
 
 import structlog
 
+from executor.isolation import terraform_processes
+
 log = structlog.get_logger(__name__)
 
 LOCK_FILE = ".executor.lock"
@@ -157,28 +159,13 @@ def _let_terraform_finish(root: Path, uids: set[int], grace: float = TERRAFORM_G
 
 def _terraform_running(root: Path, uids: set[int]) -> bool:
     """Whether a process named terraform runs under `root` or as one of `uids`."""
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else ():
-        if not entry.name.isdigit():
-            continue
+    for entry, uid in terraform_processes():
+        if uid in uids:
+            return True
         try:
-            if (entry / "comm").read_text().strip() != "terraform":
-                continue
-            state, uid = _state_and_uid(entry)
-            if state == "Z":  # dead already, not yet reaped
-                continue
-            if uid in uids:
-                return True
             cwd = Path(os.readlink(entry / "cwd"))
-        except (OSError, ValueError, KeyError, IndexError):
+        except OSError:
             continue
         if cwd == root or root in cwd.parents:
             return True
     return False
-
-
-def _state_and_uid(entry: Path) -> tuple[str, int]:
-    fields = dict(
-        line.split(":", 1) for line in (entry / "status").read_text().splitlines() if ":" in line
-    )
-    return fields["State"].split()[0], int(fields["Uid"].split()[0])
