@@ -60,10 +60,19 @@ async def custom_phase(job: Job, checkout: Checkout) -> None:
     """Checkout, run the step's command, report it finished (or raise StepFailed)."""
     ts = template_step(job)
     pinned = bool(job.run.commit)
-    await step(job, "checkout", lambda lg: checkout(job, lg, pinned=pinned))
+    await step(job, "checkout", lambda lg: _own_checkout(job, lg, checkout, pinned=pinned))
     await step(job, step_name(ts), lambda lg: _command(job, ts, lg))
     job.finishing = True
     await job.report(FinishCustomStep(actor=job.actor, lease_id=job.lease_id, number=ts.number))
+
+
+async def _own_checkout(
+    job: Job, step_log: StepLog, checkout: Checkout, *, pinned: bool
+) -> git.Commit:
+    """The checkout, with every object its own: the command may run git as the job."""
+    found = await checkout(job, step_log, pinned=pinned)
+    await git.dissociate(job.src, step_log=step_log, grace=job.grace)
+    return found
 
 
 def command_env(job: Job, ts: TemplateStep) -> dict[str, str]:

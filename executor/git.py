@@ -97,6 +97,17 @@ async def _git(args: list[str], *, cwd: Path, step_log: StepLog, grace: float) -
     return out
 
 
+async def dissociate(dest: Path, *, step_log: StepLog, grace: float = 5.0) -> None:
+    """Copy into the clone in `dest` the objects it borrows from the executor's mirror and
+    stop borrowing (`git repack -a -d`, then no `alternates`): a job's own uid cannot
+    read the mirrors (executor/isolation.py), and a custom step's command may run git."""
+    alternates = dest / ".git" / "objects" / "info" / "alternates"
+    if not alternates.exists():
+        return  # a plain clone: its objects are its own
+    await _git(["repack", "-a", "-d", "-q"], cwd=dest, step_log=step_log, grace=grace)
+    alternates.unlink()
+
+
 def _parse_commit(line: str) -> Commit:
     sha, _, rest = line.strip().partition("\x1f")
     author, _, subject = rest.partition("\x1f")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -167,6 +168,24 @@ async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(up: Up, r
     for secret in [*_secrets(up), "other-org-canary", "RUNPLANE_ADMIN_TOKEN"]:
         assert secret not in said, secret
     assert "Permission denied" in said
+
+
+async def test_a_custom_step_runs_git_in_its_checkout_as_the_job(up: Up, repo: Path) -> None:
+    """The clone borrows no object from the executor's mirror (which the job's uid cannot
+    read): `git log` and `git status` work in a custom step."""
+    command = "git log -1 --format=commit=%H && git status --porcelain && echo git-ok"
+    steps = {"steps": [{"number": 50, "kind": "custom", "name": "git", "command": command}]}
+    steps["steps"].append({"number": 100, "kind": "plan"})
+    await up.client.ok("PUT", f"{V1}/templates/git", steps)
+    await _workspace(up, repo, 'resource "null_resource" "a" {}\n')
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    run = await _run(up, {"type": "plan", "template": "git"})
+    logs = await up.client.ok("GET", f"{V1}/runs/{run['id']}/logs?phase=custom-50")
+    lines = _lines_of(logs)
+    assert run["status"] == "planned", (run, lines)
+    assert f"commit={head}" in lines and "git-ok" in lines, lines
 
 
 async def test_a_provisioner_reads_nothing_of_the_executor(
