@@ -193,6 +193,7 @@ class Isolation:
         uid, fd = self._allocate()
         try:
             kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
+            remove_files_of(uid)  # and what it left where anyone may write
             for path in (home, temp):
                 os.chown(path, uid, uid, follow_symlinks=False)
         except BaseException:
@@ -300,11 +301,40 @@ class Jail:
             if self._lock >= 0:
                 assert self.uid is not None
                 kill_uid(self.uid)
+                remove_files_of(self.uid)
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
             if self._lock >= 0:
                 os.close(self._lock)
                 self._lock = -1
+
+
+# Where any uid may create files (sticky, world-writable): a job's leftovers there would
+# be readable by the next phase given the same uid, of another organization perhaps.
+SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
+
+def remove_files_of(uid: int, places: Sequence[Path] = SHARED_TEMP) -> int:
+    """Remove what `uid` owns at the top of each shared temporary directory (a directory
+    with all below it); how many entries were removed. Never follows a link."""
+    removed = 0
+    for place in places:
+        try:
+            entries = list(os.scandir(place))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+                removed += 1
+            except OSError as e:
+                log.warning("job_file_not_removed", path=entry.path, error=repr(e))
+    return removed
 
 
 def terraform_processes() -> Iterator[tuple[Path, int]]:

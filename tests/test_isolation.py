@@ -188,6 +188,27 @@ async def test_a_custom_step_runs_git_in_its_checkout_as_the_job(up: Up, repo: P
     assert f"commit={head}" in lines and "git-ok" in lines, lines
 
 
+async def test_what_a_job_leaves_in_shared_temporary_directories_goes_with_its_uid(
+    up: Up, repo: Path
+) -> None:
+    """A uid serves another organization's phase next: files a job made in /tmp,
+    /var/tmp or /dev/shm (readable by that uid only) are removed when its phase ends."""
+    tag = f"rp-leftover-{os.getpid()}"
+    command = (
+        f"echo secret > /tmp/{tag} && mkdir /var/tmp/{tag} && echo s > /var/tmp/{tag}/f "
+        f"&& echo s > /dev/shm/{tag} && echo made"
+    )
+    steps = {"steps": [{"number": 50, "kind": "custom", "name": "leave", "command": command}]}
+    steps["steps"].append({"number": 100, "kind": "plan"})
+    await up.client.ok("PUT", f"{V1}/templates/leave", steps)
+    await _workspace(up, repo, 'resource "null_resource" "a" {}\n')
+    run = await _run(up, {"type": "plan", "template": "leave"})
+    logs = await up.client.ok("GET", f"{V1}/runs/{run['id']}/logs?phase=custom-50")
+    assert "made" in _lines_of(logs), logs
+    for place in ("/tmp", "/var/tmp", "/dev/shm"):
+        assert not os.path.lexists(f"{place}/{tag}"), place
+
+
 async def test_a_provisioner_reads_nothing_of_the_executor(
     nc: NATS, app: App, repo: Path, executor: Executor, tmp_path: Path
 ) -> None:
