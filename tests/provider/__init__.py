@@ -18,11 +18,14 @@ version is named, which any uid may run.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
+import shutil
 import site
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 HOST, NAMESPACE, TYPE, VERSION = "runplane.test", "test", "fake", "1.0.0"
@@ -45,7 +48,7 @@ def fake_provider_mirror(tmp_path: Path) -> Path:
     script = target / f"terraform-provider-{TYPE}_v{VERSION}"
     (target / "fake.py").write_text((Path(__file__).parent / "fake.py").read_text())
     os.chmod(target / "fake.py", 0o644)
-    packages = ":".join(site.getsitepackages())
+    packages = ":".join(_packages_open_to_all())
     script.write_text(
         "#!/bin/sh\n"
         f"PYTHONPATH={shlex.quote(packages)} exec {shlex.quote(interpreter())} "
@@ -53,6 +56,49 @@ def fake_provider_mirror(tmp_path: Path) -> Path:
     )
     os.chmod(script, 0o755)
     return mirror
+
+
+# What `fake.py` imports, with what those import (tf's requirements and theirs).
+_NEEDED = (
+    "tf",
+    "grpc",
+    "msgpack",
+    "cryptography",
+    "google",
+    "cffi",
+    "_cffi_backend",
+    "typing_extensions",
+)
+
+
+def _packages_open_to_all() -> list[str]:
+    """This environment's site-packages if every uid may read them; else (a checkout
+    under a private home) a copy of what the provider needs, made once per environment
+    in the system's temporary directory, open to all."""
+    places = site.getsitepackages()
+    if all(_open_to_all(Path(p)) for p in places):
+        return places
+    key = hashlib.sha256(":".join(places).encode()).hexdigest()[:16]
+    copy = Path(tempfile.gettempdir()) / f"rp-tests-packages-{key}"
+    if not (copy / ".whole").exists():
+        staging = Path(tempfile.mkdtemp(prefix=f"{copy.name}.", dir=copy.parent))
+        for place in map(Path, places):
+            for entry in place.iterdir():
+                if entry.name.split(".")[0] in _NEEDED or entry.stem in _NEEDED:
+                    target = staging / entry.name
+                    if entry.is_dir():
+                        shutil.copytree(entry, target, dirs_exist_ok=True)
+                    else:
+                        shutil.copy2(entry, target)
+        (staging / ".whole").touch()
+        for path in [staging, *staging.rglob("*")]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        staging.chmod(0o755)
+        try:
+            staging.rename(copy)
+        except OSError:  # another session made it meanwhile
+            shutil.rmtree(staging, ignore_errors=True)
+    return [str(copy)]
 
 
 def interpreter() -> str:
