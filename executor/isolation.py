@@ -21,17 +21,29 @@ process; what runs tenant code is spawned through a `Jail`, one per phase:
   directories hidden under empty tmpfs mounts, its own phase's directory bound back.
 - `none`: as before, the executor's own identity. Only when asked for.
 
-Every child gets its own process group and a parent death signal (SIGTERM, set in
-`preexec_fn`, which CPython's `_posixsubprocess` calls after `setreuid`; a change of
-credentials clears it, so it could not be set earlier): when the executor dies, Terraform
-stops as on Ctrl-C and can still write `errored.tfstate`; what is left is killed by the
-next executor starting on the work directory (`executor/sweep.py`).
+Every child gets its own process group and dies with the executor: when the executor
+dies, Terraform stops as on Ctrl-C and can still write `errored.tfstate`; what is left is
+killed by the next executor starting on the work directory (`executor/sweep.py`).
+
+Terraform must get that signal exactly once: a second interrupt makes it exit at once
+("Two interrupts received"), writing no state at all. The kernel sends a parent death
+signal again each time the child is handed to another parent, and the executor is
+multithreaded: killed, its threads end one after the other, the child passes from one to
+the next and gets one signal per thread (two interrupts in most kills, seen with
+Terraform 1.0.3). So a job's process is started by a single-threaded `/bin/sh`
+(`GRACEFUL`) whose parent death signal is SIGKILL (any number of them kill it once); the
+job's process itself is exec'd through `setpriv --pdeathsig TERM`, relative to that
+shell, and gets one SIGTERM when it dies. The signals are set in `preexec_fn`, which
+CPython's `_posixsubprocess` calls after `setreuid` (a change of credentials clears them,
+so they could not be set earlier). Without `setpriv`, the job's process gets the death
+signal straight from the executor, as before.
 """
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -53,6 +65,17 @@ MODES = ("auto", "user", "bwrap", "none")
 DEFAULT_UIDS = range(1_500_000_000, 1_500_065_536)  # far above any real user or subuid range
 UIDS_ENV = "RUNPLANE_JOB_UIDS"  # "first-last", both included
 DEATH_SIGNAL = signal.SIGTERM  # Terraform stops gracefully on it, as on SIGINT
+# The shell between the executor and a job's process (module docstring). It ignores the
+# group's SIGINT (the job's process gets it too, and handles it), waits for the process
+# and ends as it ended: with its exit status, or killed by the same signal.
+GRACEFUL = (
+    "trap : INT\n"
+    '"$@"\n'
+    "s=$?\n"
+    'if [ "$s" -gt 128 ] && [ "$s" -lt 160 ]; then trap - INT; kill -"$((s - 128))" "$$"; fi\n'
+    'exit "$s"\n'
+)
+_SHELL = "/bin/sh"
 
 _DANGER = "every run's code can read this machine's runplane data, keys and other runs"
 _PR_SET_PDEATHSIG = 1
@@ -113,16 +136,43 @@ def private_dir(path: Path, mode: int) -> Path:
     return path
 
 
-def _death_signal(parent: int) -> Callable[[], None]:
+def _death_signal(parent: int, sig: signal.Signals = DEATH_SIGNAL) -> Callable[[], None]:
     """The child's last steps before exec: parent death signal, no new privileges."""
 
     def setup() -> None:
-        _prctl(_PR_SET_PDEATHSIG, int(DEATH_SIGNAL), 0, 0, 0)
+        _prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         if os.getppid() != parent:  # the executor died before the signal was set
-            os.kill(os.getpid(), DEATH_SIGNAL)
+            os.kill(os.getpid(), sig)
 
     return setup
+
+
+@functools.cache
+def setpriv() -> str | None:
+    """util-linux's `setpriv` if it sets a parent death signal (2.33 and later)."""
+    found = shutil.which("setpriv", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if found is None or not os.path.isfile(_SHELL):
+        log.warning(
+            "death_signal_direct",
+            why="no setpriv or /bin/sh: Terraform may get "
+            "two interrupts when the executor is killed, and write no state",
+        )
+        return None
+    done = subprocess.run(
+        [found, "--pdeathsig", "TERM", "--", "true"], capture_output=True, check=False
+    )
+    return found if done.returncode == 0 else None
+
+
+def graceful(argv: Sequence[str]) -> tuple[list[str], signal.Signals]:
+    """`argv` started so that it gets one SIGTERM when the executor dies (module
+    docstring), and the parent death signal of what the executor starts for it."""
+    tool = setpriv()
+    if tool is None:
+        return list(argv), DEATH_SIGNAL
+    wrapped = [_SHELL, "-c", GRACEFUL, "runplane-job", tool, "--pdeathsig", "TERM", "--"]
+    return wrapped + list(argv), signal.SIGKILL
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -271,14 +321,15 @@ class Jail:
             "preexec_fn": _death_signal(os.getpid()),
             "close_fds": True,
         }
+        if self.mode == "bwrap":  # --die-with-parent: the sandbox dies with the executor
+            return Spawn(self._bwrap_argv(argv, cwd), env, cwd, options)
+        wrapped, death = graceful(argv)
+        options["preexec_fn"] = _death_signal(os.getpid(), death)
         if self.mode == "user":
             assert self.uid is not None
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
-            return Spawn(list(argv), env, cwd, options)
-        if self.mode == "bwrap":
-            return Spawn(self._bwrap_argv(argv, cwd), env, cwd, options)
-        return Spawn(list(argv), env, cwd, options)
+        return Spawn(wrapped, env, cwd, options)
 
     def _bwrap_argv(self, argv: Sequence[str], cwd: Path) -> list[str]:
         """bubblewrap around `argv`: the root file system read-only, runplane's

@@ -67,6 +67,13 @@ ERRORED_STATE = "errored.tfstate"
 # Pauses between tries to record a new state while NATS is away (about 30 s in all):
 # Terraform waits on its POST meanwhile; after that it keeps `errored.tfstate`.
 RECORD_BACKOFF = (0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0)
+# Terraform's own tries of a request that fails (no answer, or a 5xx): 2 more, after 2 s
+# and 4 s. This is also the grace a killed executor's Terraform gets: on its parent death
+# signal it first tries to save the state it has (these 6 s against a dead backend), and
+# only then stops what is in flight (a provisioner stopped then taints its resource);
+# meanwhile its apply goes on. Then 6 s more to save at the end, and `errored.tfstate`
+# (Terraform's 1.0 default of 1 s and 2 s stopped a 4 s provisioner half way).
+RETRY_MAX, RETRY_WAIT_MIN_S, RETRY_WAIT_MAX_S = 2, 2, 4
 T = TypeVar("T")
 
 
@@ -167,6 +174,9 @@ class StateBackend:
             "TF_HTTP_UNLOCK_METHOD": "UNLOCK",
             "TF_HTTP_USERNAME": USER,
             "TF_HTTP_PASSWORD": self.password,
+            "TF_HTTP_RETRY_MAX": str(RETRY_MAX),
+            "TF_HTTP_RETRY_WAIT_MIN": str(RETRY_WAIT_MIN_S),
+            "TF_HTTP_RETRY_WAIT_MAX": str(RETRY_WAIT_MAX_S),
         }
 
     # ------------------------------------------------------------ plumbing

@@ -1,10 +1,13 @@
 """What a killed executor left behind in its work directory, cleared at the next start.
 
-An executor killed with -9 takes Terraform down with it within moments (its parent death
-signal, `executor/isolation.py`), but not what Terraform started (provider plugins, a
-provisioner's daemon): they live on, and the phase's job directory stays on disk. Those
-phases are lost anyway (the reaper fails their runs; the state backend died with the
-executor), so an executor starting on a work directory kills every process whose
+An executor killed with -9 stops its Terraform (its parent death signal,
+`executor/isolation.py`): Terraform tries to save its state for a few seconds
+(`executor.statebackend.RETRY_MAX`), stops what is in flight, tries again and writes
+`errored.tfstate`, some 12 s in all; what Terraform started (provider plugins, a
+provisioner's daemon) may live on, and the phase's job directory stays on disk. Those
+phases are lost anyway (the restart fails their runs; the state backend died with the
+executor), so an executor starting on a work directory waits for each leftover
+Terraform until it ended or its `errored.tfstate` is whole, then kills every process whose
 working directory lies under its jobs directory (and under `<work>/jobs`, where older
 versions kept them) and every process of each leftover job's uid (the owner of its
 `home/`, unless a live phase of some executor holds that uid now), keeps any
@@ -29,14 +32,17 @@ from pathlib import Path
 import structlog
 
 from executor.isolation import terraform_processes
+from executor.statestore import parse_state
 
 log = structlog.get_logger(__name__)
 
 LOCK_FILE = ".executor.lock"
-# How long a start waits for the Terraform of a killed executor to end on its own: its
-# parent death signal (SIGTERM) makes it finish what is in flight, fail to reach the dead
-# state backend (a few tries) and write `errored.tfstate`, the only record of what it did.
+# How long a start waits at most for the Terraform of a killed executor: its parent death
+# signal (SIGTERM) makes it fail to reach the dead state backend (a few tries, meanwhile
+# what is in flight goes on), stop, fail again and write `errored.tfstate`, the only
+# record of what it did (some 12 s after the kill).
 TERRAFORM_GRACE_S = 60.0
+ERRORED = "errored.tfstate"
 MAX_KEPT_STATE = 256 * 1024 * 1024  # an errored.tfstate larger than this is not a state
 
 
@@ -67,7 +73,7 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
     if not jobs.is_dir():
         return 0, 0
     root = jobs.resolve()
-    _let_terraform_finish(root, _job_uids(jobs))
+    _let_terraform_finish(root, _job_owners(root))
     killed = 0
     for pid in _pids_under(root):
         try:
@@ -78,10 +84,10 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
         except PermissionError:
             log.warning("sweep_cannot_kill", pid=pid)
     if reclaim is not None:
-        killed += sum(reclaim(uid) for uid in _job_uids(jobs))
+        killed += sum(reclaim(uid) for uid in _job_owners(root))
     removed = 0
     for job in sorted(p for p in jobs.iterdir() if p.is_dir()):
-        for errored in job.rglob("errored.tfstate"):  # rglob does not enter linked dirs
+        for errored in job.rglob(ERRORED):  # rglob does not enter linked dirs
             _keep_state(errored, keep / f"{job.name}.errored.tfstate")
         shutil.rmtree(job, ignore_errors=True)
         removed += 1
@@ -90,17 +96,18 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
     return killed, removed
 
 
-def _job_uids(jobs: Path) -> set[int]:
-    """The uids leftover jobs ran as: the owners of their `home/` other than us."""
-    uids = set()
+def _job_owners(jobs: Path) -> dict[int, Path]:
+    """The uids leftover jobs ran as (the owners of their `home/` other than us), with
+    each one's job directory."""
+    owners = {}
     for job in jobs.iterdir():
         try:
             uid = os.lstat(job / "home").st_uid
         except OSError:
             continue
         if uid != os.geteuid():
-            uids.add(uid)
-    return uids
+            owners[uid] = job
+    return owners
 
 
 def _pids_under(root: Path) -> list[int]:
@@ -122,50 +129,83 @@ def _pids_under(root: Path) -> list[int]:
 
 
 def _keep_state(errored: Path, kept: Path) -> None:
-    """Copy a leftover `errored.tfstate` to `kept` (0600), never through a link: the job's
-    uid owned that directory and could have left a link to a file of ours there, which
-    would then be recorded as the workspace's state for the tenant to read."""
-    try:
-        fd = os.open(errored, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as e:
-        log.warning("errored_state_refused", path=str(errored), why=repr(e))
+    """Copy a leftover `errored.tfstate` to `kept` (0600)."""
+    data = _read_errored(errored)
+    if data is None:
         return
-    with os.fdopen(fd, "rb") as src:
-        info = os.fstat(src.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_KEPT_STATE:
-            log.warning("errored_state_refused", path=str(errored), why="not a regular file")
-            return
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        out = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(out, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    out = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(out, "wb") as dst:
+        dst.write(data)
     log.error("state_not_stored", kept=str(kept), left_by="a killed executor")
 
 
-def _let_terraform_finish(root: Path, uids: set[int], grace: float = TERRAFORM_GRACE_S) -> None:
-    """Wait (bounded) while a Terraform of a leftover job still runs, so that it writes
-    its `errored.tfstate` before the sweep kills what is left and keeps that file."""
+def _read_errored(errored: Path, quiet: bool = False) -> bytes | None:
+    """A leftover `errored.tfstate`, read never through a link: the job's uid owned that
+    directory and could have left a link to a file of ours there, which would then be
+    recorded as the workspace's state for the tenant to read. None: not a regular file."""
+    try:
+        fd = os.open(errored, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if not quiet:
+            log.warning("errored_state_refused", path=str(errored), why=repr(e))
+        return None
+    with os.fdopen(fd, "rb") as src:
+        info = os.fstat(src.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_KEPT_STATE:
+            if not quiet:
+                log.warning("errored_state_refused", path=str(errored), why="not a regular file")
+            return None
+        return src.read(MAX_KEPT_STATE + 1)
+
+
+def _state_written(job: Path) -> bool:
+    """Whether Terraform wrote a whole `errored.tfstate` in `job` (one that parses:
+    Terraform writes it in place, a half-written one does not)."""
+    for errored in job.rglob(ERRORED):
+        data = _read_errored(errored, quiet=True)
+        try:
+            if data is not None:
+                parse_state(data)
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _let_terraform_finish(
+    root: Path, owners: dict[int, Path], grace: float = TERRAFORM_GRACE_S
+) -> None:
+    """Wait (bounded) while the Terraform of a leftover job still runs and has not written
+    its `errored.tfstate`, so that the sweep keeps that file before it kills what is
+    left. (Once written, Terraform only tries to unlock the dead backend.)"""
     deadline = time.monotonic() + grace
     waited = False
-    while _terraform_running(root, uids):
+    while jobs := _waiting_for(root, owners):
         if time.monotonic() >= deadline:
-            log.warning("leftover_terraform_killed", after_s=grace)
+            log.warning("leftover_terraform_killed", after_s=grace, jobs=len(jobs))
             return
         if not waited:
-            log.warning("waiting_for_leftover_terraform", grace_s=grace)
+            log.warning("waiting_for_leftover_terraform", grace_s=grace, jobs=len(jobs))
             waited = True
-        time.sleep(0.1)  # a start on a work directory, before any work: nothing else waits
+        time.sleep(0.2)  # a start on a work directory, before any work: nothing else waits
+    if waited:
+        log.info("leftover_terraform_done")
 
 
-def _terraform_running(root: Path, uids: set[int]) -> bool:
-    """Whether a process named terraform runs under `root` or as one of `uids`."""
+def _waiting_for(root: Path, owners: dict[int, Path]) -> set[Path]:
+    """The job directories (under `root`, or of one of `owners`' uids) where a process
+    named terraform runs and no whole `errored.tfstate` is written yet."""
+    jobs: set[Path] = set()
     for entry, uid in terraform_processes():
-        if uid in uids:
-            return True
-        try:
-            cwd = Path(os.readlink(entry / "cwd"))
-        except OSError:
-            continue
-        if cwd == root or root in cwd.parents:
-            return True
-    return False
+        job = owners.get(uid)
+        if job is None:
+            try:
+                cwd = Path(os.readlink(entry / "cwd"))
+            except OSError:
+                continue
+            if cwd != root and root not in cwd.parents:
+                continue
+            job = root if cwd == root else root / cwd.relative_to(root).parts[0]
+        jobs.add(job)
+    return {job for job in jobs if job == root or not _state_written(job)}

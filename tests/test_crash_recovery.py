@@ -2,10 +2,15 @@
 
 The restarted executor tells the truth at once: the dead life's lease fails with
 "executor restarted" (not after the 600 s heartbeat timeout) and the workspace moves on.
+What the dead executor's Terraform applied is not lost: on its parent death signal (one
+SIGTERM, `executor/isolation.py`) it tries the dead state backend for some seconds while
+its provisioners finish, stops, and writes `errored.tfstate`, which the restart keeps and
+records as a recovered state version; the next plan has nothing to do.
 
-(Measured here: with the executor gone, its Terraform dies of the broken stdout pipe at
-its next output and leaves no `errored.tfstate`, so a kill -9 mid-apply leaves no state
-on disk to recover; the recording of kept states is tested below on its own.)
+(Measured before: the executor's threads ending one after the other gave Terraform two
+parent death signals in most kills, "Two interrupts received. Exiting immediately", and
+no state was written; in the other kills Terraform's default retries (1 s, 2 s) stopped
+the 4 s provisioners half way, and the recovered state had them tainted, to be replaced.)
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from executor import recovery
-from executor.statestore import StateStore
+from executor.statestore import Head, StateStore
 from services.commands import App
 from services.infra.crypto import load_keyring
 from services.infra.natsserver import EmbeddedNats
@@ -95,7 +100,7 @@ async def test_a_restart_fails_the_dead_lives_lease_at_once_and_the_workspace_mo
         await eventually(lambda: ready(second), timeout=30, what="the restarted executor")
 
         plan = str((await app.create_run(ORG, "net", "plan", "alice")).state.run_id)
-        await reaches(app, "net", plan, "planned", timeout=90)  # the workspace moved on
+        planned = await ended(app, "net", plan)  # the workspace moved on
 
     assert failed.reason == "executor_unavailable"
     assert "executor restarted" in failed.error_message, failed.error_message
@@ -104,6 +109,33 @@ async def test_a_restart_fails_the_dead_lives_lease_at_once_and_the_workspace_mo
     [fail] = [e for e in events if isinstance(e, R.RunFailed)]
     assert fail.actor.startswith("executor:"), fail.actor  # not the reaper's timeout
     assert count(events, R.PhaseStarted, phase="apply") == 1
+    # What Terraform applied after its executor died is the workspace's state now...
+    [version] = [e for e in events if isinstance(e, R.StateVersionCreated)]
+    assert version.recovered and version.lease_id == "", version
+    assert "the workspace's state" in version.message, version.message
+    doc = json.loads(
+        await StateStore(nc.jetstream(), load_keyring(KEY, tmp_path)).read(
+            Head(object=version.object, serial=version.serial, digest=version.digest)
+        )
+    )
+    instances = [i for r in doc["resources"] for i in r["instances"]]
+    assert sorted(i["index_key"] for i in instances) == [0, 1, 2], instances
+    assert all(i.get("status") != "tainted" for i in instances), instances
+    # ...so the next plan creates nothing again, and each resource was applied once.
+    assert str(planned.status) == "no_changes", (planned.status, planned.plan_summary)
+    lines = marker.read_text().split()
+    assert sorted(lines) == ["applied-0", "applied-1", "applied-2"], lines
+
+
+async def ended(app: App, ws: str, run_id: str) -> R.RunState:
+    """The run once it is terminal (whichever way it ended)."""
+
+    async def probe() -> R.RunState:
+        run: R.RunState = (await app.load_run(ORG, ws, run_id)).state
+        assert run.terminal, run.status
+        return run
+
+    return await eventually(probe, timeout=90, what=f"run {run_id} ended")
 
 
 async def test_a_kept_state_is_recorded_once_as_recovered_and_becomes_the_head(
