@@ -166,3 +166,33 @@ async def test_reads_work_after_the_server_restarts(
         for i, got in enumerate(results):
             own(org(i), got, seqs[org(i)])
         assert len(nc._subs) == subs  # resubscribed by nats-py, not subscribed again
+
+
+async def test_a_floor_costs_no_leader_read_on_a_stream_of_one_replica(
+    store: EventStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One replica has no follower to lag: a read under a floor its subject does not reach
+    (the event that woke the reader was on another subject) is whole as read."""
+    seqs = await seed(store, 3)
+    asked: list[str] = []
+    real = store._leader_tail
+
+    async def leader_tail(subject: str, start: int, most: int = 0) -> Any:
+        asked.append(subject)
+        return await real(subject, start, most)
+
+    monkeypatch.setattr(store, "_leader_tail", leader_tail)
+    token = eventstore.floor.set(max(max(s) for s in seqs.values()) + 100)
+    try:
+        got = await store.read(org(1))
+    finally:
+        eventstore.floor.reset(token)
+    assert [e.seq for e in got] == seqs[org(1)]
+    assert asked == []
+    store._replicated, store._replicas_at = True, float("inf")  # as a replicated stream
+    token = eventstore.floor.set(max(max(s) for s in seqs.values()) + 100)
+    try:
+        await store.read(org(2))
+    finally:
+        eventstore.floor.reset(token)
+    assert asked == [org(2)]

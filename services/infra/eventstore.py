@@ -41,6 +41,10 @@ _BATCH = 1000
 WRONG_LAST_SEQUENCE = 10071
 # Envelopes kept by each EventStore (whole subject histories, least recently read dropped).
 CACHE_EVENTS = 50_000
+# How often a store asks again how many replicas its stream has: one replica has no
+# follower to lag, so its direct gets need no leader's word (raised replication is seen
+# within this long).
+REPLICAS_RECHECK_S = 30.0
 BATCH_DUPLICATE_ID = 10201
 NO_MESSAGE_FOUND = 10037
 # An append that finds no stream leader (its server was killed; the election took 1 to
@@ -138,6 +142,9 @@ class EventStore:
         self.cache_events = cache_events  # 0: read every history whole, every time
         self._cache: OrderedDict[str, list[Envelope]] = OrderedDict()
         self._cached = 0  # envelopes in the cache
+        self._replicated = True  # until asked: a follower may answer
+        self._replicas_at = -REPLICAS_RECHECK_S
+        self._asking = asyncio.Lock()
         self._api = f"$JS.API.DIRECT.GET.{stream}"
         # Reads in flight by the last token of their reply subject (see `_direct_batch`).
         self._reads: dict[str, _Read] = {}
@@ -176,9 +183,24 @@ class EventStore:
         """The events from `start` on, by direct gets; finished by the leader unless the
         last one read proves the answering replica was at `need` (module docstring)."""
         out = await self._direct(subject, start)
-        if need and (not out or out[-1].seq < need):
+        if need and (not out or out[-1].seq < need) and await self._has_followers():
             out.extend(await self._leader_tail(subject, out[-1].seq + 1 if out else start))
         return out
+
+    async def _has_followers(self) -> bool:
+        """Whether the stream has replicas that may answer a direct get behind the leader
+        (asked every `REPLICAS_RECHECK_S`; when the answer is not known, yes)."""
+        if time.monotonic() - self._replicas_at < REPLICAS_RECHECK_S:
+            return self._replicated
+        async with self._asking:
+            if time.monotonic() - self._replicas_at >= REPLICAS_RECHECK_S:
+                try:
+                    info = await self.nc.jetstream(timeout=self.timeout).stream_info(self.stream)
+                    self._replicated = (info.config.num_replicas or 1) > 1
+                except (TimeoutError, nats.errors.Error):
+                    self._replicated = True
+                self._replicas_at = time.monotonic()
+        return self._replicated
 
     async def _leader_tail(self, subject: str, start: int, most: int = 0) -> list[Envelope]:
         """What the stream's leader has on `subject` from `start` on (usually nothing:
