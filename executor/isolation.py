@@ -41,6 +41,7 @@ signal straight from the executor, as before.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -263,10 +264,11 @@ class Isolation:
             except BlockingIOError:
                 os.close(fd)
                 continue
-            if terraform_runs_as(uid):
+            if terraform_runs_as(uid) or owns_leftover_job(uid):
                 # A killed executor's Terraform, stopping gracefully on its parent death
-                # signal to write errored.tfstate: left to that executor's next start
-                # (executor/sweep.py), not killed by taking its uid.
+                # signal to write errored.tfstate, or a killed executor's job directories,
+                # still its uid's (not sealed): left to that executor's next start
+                # (executor/sweep.py), never handed to another phase with them.
                 os.close(fd)
                 continue
             return uid, fd
@@ -352,9 +354,10 @@ class Jail:
             if self._lock >= 0:
                 assert self.uid is not None
                 kill_uid(self.uid)
+                seal(self.root)  # before the uid may serve another phase: see `seal`
                 remove_files_of(self.uid)
         finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            remove_tree(self.tmp)
             if self._lock >= 0:
                 os.close(self._lock)
                 self._lock = -1
@@ -365,9 +368,62 @@ class Jail:
 SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
 
 
+def owns_leftover_job(uid: int) -> bool:
+    """Whether `uid` still owns a job directory of some executor of this machine (under
+    `<tmpdir>/runplane-*/jobs/`): one whose executor died before sealing it."""
+    for home in Path(tempfile.gettempdir()).glob("runplane-*/jobs/*/home"):
+        with contextlib.suppress(OSError):
+            if os.lstat(home).st_uid == uid:
+                return True
+    return False
+
+
+def seal(root: Path) -> None:
+    """Make a finished job's directories (`src/`, `home/`) the executor's again, 0700, so
+    that what is in them (a plan file, a state) cannot be read by the next phase given the
+    same uid, perhaps another organization's, while the directory waits to be removed.
+    The job cannot have replaced them: `root` is the executor's (0711)."""
+    for name in ("src", "home"):
+        path = root / name
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+            os.chown(path, os.geteuid(), os.getegid(), follow_symlinks=False)
+            os.chmod(path, 0o700)  # a directory still: the job cannot replace it
+        except OSError as e:
+            log.warning("job_dir_not_sealed", path=str(path), error=repr(e))
+
+
+def remove_tree(path: Path, *, as_uid: int | None = None) -> bool:
+    """`rm -rf` of `path` without following links and without recursion in Python (a
+    job's tree may be deeper than Python's recursion limit: shutil.rmtree raised there),
+    as `as_uid` when given (then it can remove only what that uid could); True if gone."""
+    if not os.path.lexists(path):
+        return True
+    rm = shutil.which("rm") or "/bin/rm"
+    ids: dict[str, Any] = {} if as_uid is None else {"user": as_uid, "group": as_uid}
+    if as_uid is not None:
+        ids["extra_groups"] = []
+    done = subprocess.run(
+        [rm, "-rf", "--one-file-system", "--", str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        close_fds=True,
+        check=False,
+        **ids,
+    )
+    if done.returncode != 0:
+        log.warning(
+            "tree_not_removed", path=str(path), error=done.stderr[-300:].decode(errors="replace")
+        )
+    return not os.path.lexists(path)
+
+
 def remove_files_of(uid: int, places: Sequence[Path] = SHARED_TEMP) -> int:
     """Remove what `uid` owns at the top of each shared temporary directory (a directory
-    with all below it); how many entries were removed. Never follows a link."""
+    with all below it, removed as that uid); how many entries were removed. Never follows
+    a link, and never fails the caller: what is left is logged."""
     removed = 0
     for place in places:
         try:
@@ -379,11 +435,12 @@ def remove_files_of(uid: int, places: Sequence[Path] = SHARED_TEMP) -> int:
                 if entry.stat(follow_symlinks=False).st_uid != uid:
                     continue
                 if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path)
+                    gone = remove_tree(Path(entry.path), as_uid=uid)
                 else:
                     os.unlink(entry.path)
-                removed += 1
-            except OSError as e:
+                    gone = True
+                removed += gone
+            except Exception as e:  # noqa: BLE001  # a job's leftovers never stop a phase's end
                 log.warning("job_file_not_removed", path=entry.path, error=repr(e))
     return removed
 

@@ -37,7 +37,7 @@ from executor import terraform as tf
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
 from executor.git import GitCache
-from executor.isolation import Isolation, Jail, private_dir
+from executor.isolation import Isolation, Jail, private_dir, remove_tree
 from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
@@ -167,7 +167,7 @@ class Executor:
         self._sub: JetStreamContext.PullSubscription | None = None
         self._hold: int | None = None  # the work directory's shared lock (executor/sweep.py)
         self._life: recovery.Incarnation | None = None  # this life's incarnation file
-        self._removals: set[asyncio.Future[None]] = set()  # phase directories being removed
+        self._removals: set[asyncio.Future[bool]] = set()  # phase directories being removed
 
     # ------------------------------------------------------------ lifecycle
 
@@ -359,7 +359,21 @@ class Executor:
             return None
         await _ack(msg)  # the claim is ours even if this ack is lost: run the phase
         log.info("phase_claimed", lease_id=lease_id)
-        return self._job(d, lease_id, result.state)
+        try:
+            return self._job(d, lease_id, result.state)
+        except Exception as e:  # no directory or identity for it: the claimed run fails now
+            log.exception("phase_not_started", lease_id=lease_id)
+            cmd = FailRun(
+                actor=claim.actor,
+                lease_id=lease_id,
+                reason="executor_unavailable",
+                message=f"executor {self.executor_id} could not start the phase: {e}",
+            )
+            try:
+                await self.app.run_command(d.org, d.workspace, d.run_id, cmd)
+            except Exception:
+                log.exception("phase_failure_not_reported")
+            return None
 
     def _job(self, d: Dispatch, lease_id: str, run: RunState) -> Job:
         """The phase's directory and identity (`Jail`: its uid, held until `_execute`
@@ -409,15 +423,17 @@ class Executor:
                 job.cancel(STOPPED)
                 await asyncio.wait([job.task])
             self._jobs.discard(job)
-            if job.jail is not None:  # every process of the job, escaped daemons included
-                job.jail.close()
-            self._remove(job.root)  # beside the final report, not before it
-            await self._conclude(job)
+            try:
+                if job.jail is not None:  # every process of the job, escaped daemons too
+                    job.jail.close()
+            finally:
+                self._remove(job.root)  # beside the final report, not before it
+                await self._conclude(job)
 
     def _remove(self, root: Path) -> None:
         """Remove a finished phase's directory in the background: deleting a Terraform
         directory takes a while, and neither the run's report nor the next phase waits."""
-        task = asyncio.create_task(asyncio.to_thread(shutil.rmtree, root, ignore_errors=True))
+        task = asyncio.create_task(asyncio.to_thread(remove_tree, root))
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
 

@@ -256,6 +256,63 @@ def test_each_phase_gets_a_uid_of_its_own_and_gives_it_back(tmp_path: Path) -> N
     assert iso.reclaim(a.uid), "a uid given back can be reclaimed"
 
 
+def _as_uid(uid: int, command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["/bin/sh", "-c", command],
+        cwd=cwd,
+        user=uid,
+        group=uid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_a_closed_jobs_directories_are_sealed_from_the_next_holder_of_its_uid(
+    tmp_path: Path,
+) -> None:
+    """Attack: org A's phase gets the uid org B's phase just gave back and reads B's plan
+    file while B's directory waits to be removed. Closing seals `src/` and `home/`."""
+    iso = Isolation.choose("user")
+    tmp, root = tmp_path / "tmp", tmp_path / "b"
+    tmp.mkdir()
+    root.mkdir()
+    jail = iso.enter(root, tmp)
+    assert jail.uid is not None
+    (root / "src").mkdir()
+    (root / "src" / "plan.tfplan").write_text("org B's plan with its secrets")
+    adopt(root / "src", jail.uid)
+    uid = jail.uid
+    jail.close()
+    read = _as_uid(uid, f"cat {root}/src/plan.tfplan; ls {root}/home", "/")
+    assert "org B" not in read.stdout and read.returncode != 0, read
+
+
+def test_a_tree_deeper_than_pythons_recursion_is_removed_with_its_uid(tmp_path: Path) -> None:
+    """Attack: a job leaves 1,200 nested directories in /tmp. shutil.rmtree recursed and
+    raised there (the uid was given back, the next phase with it failed to start); the
+    tree is now removed when the phase ends."""
+    iso = Isolation.choose("user")
+    tmp, root = tmp_path / "tmp", tmp_path / "a"
+    tmp.mkdir()
+    root.mkdir()
+    jail = iso.enter(root, tmp)
+    assert jail.uid is not None
+    top = Path(f"/tmp/rp-deep-{os.getpid()}")
+    made = _as_uid(
+        jail.uid,
+        f"mkdir {top} && cd {top} && i=0; while [ $i -lt 1200 ]; do mkdir x && cd x; "
+        "i=$((i+1)); done",
+        "/",
+    )
+    assert made.returncode == 0, made.stderr
+    jail.close()
+    assert not top.exists()
+    (tmp_path / "a2").mkdir()
+    iso.enter(tmp_path / "a2", tmp).close()  # the uid serves the next phase
+
+
 async def test_closing_a_jail_kills_every_process_of_its_uid_escaped_daemons_too(
     tmp_path: Path,
 ) -> None:
