@@ -28,7 +28,7 @@ from executor.worker import Executor, default_jobs_dir
 from services.commands import App
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
-from tests.test_executor import Harness, commit
+from tests.test_executor import Harness, commit, git
 
 pytestmark = [
     pytest.mark.terraform,
@@ -178,9 +178,7 @@ async def test_a_custom_step_runs_git_in_its_checkout_as_the_job(up: Up, repo: P
     steps["steps"].append({"number": 100, "kind": "plan"})
     await up.client.ok("PUT", f"{V1}/templates/git", steps)
     await _workspace(up, repo, 'resource "null_resource" "a" {}\n')
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
-    ).stdout.strip()
+    head = git(repo, "rev-parse", "HEAD")
     run = await _run(up, {"type": "plan", "template": "git"})
     logs = await up.client.ok("GET", f"{V1}/runs/{run['id']}/logs?phase=custom-50")
     lines = _lines_of(logs)

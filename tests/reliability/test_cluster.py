@@ -75,6 +75,8 @@ AFTER_FAULT_503_S = 10.0
 # leader and its 3 replicas again.
 REPLICATION_WAIT_S = 30.0
 
+ORPHAN_LIMIT_S = 25.0  # see the assertion that uses it
+
 
 @dataclass
 class Scenario:
@@ -207,7 +209,10 @@ async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         assert diff_dumps(live1, replayed) == []
         assert not summary["replication_below_3"], summary["replication_below_3"]
         assert status_code == 0, status_text
-        assert all(t is not None and t < 5 for t in orphan_lifetimes), orphan_lifetimes
+        # Terraform ends on its executor's death, but gracefully: its dead state backend is
+        # tried for 6 s, then it writes errored.tfstate (recorded at the restart) and gives
+        # up the unlock after 6 s more (executor/statebackend.py, executor/isolation.py).
+        assert all(t is not None and t < ORPHAN_LIMIT_S for t in orphan_lifetimes), orphan_lifetimes
         assert not strays, strays
         assert len(plane.faults) == len(plan)
         assert len(nats_side.killed) == sc.faults_per_kind
