@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import signal
 import stat
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import structlog
 
-from executor.isolation import terraform_processes
+from executor.isolation import remove_tree, terraform_processes
 from executor.statestore import parse_state
 
 log = structlog.get_logger(__name__)
@@ -87,9 +86,9 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
         killed += sum(reclaim(uid) for uid in _job_owners(root))
     removed = 0
     for job in sorted(p for p in jobs.iterdir() if p.is_dir()):
-        for errored in job.rglob(ERRORED):  # rglob does not enter linked dirs
+        for errored in _errored_states(job):
             _keep_state(errored, keep / f"{job.name}.errored.tfstate")
-        shutil.rmtree(job, ignore_errors=True)
+        remove_tree(job)  # a job's tree may be deeper than Python's recursion limit
         removed += 1
     if killed or removed:
         log.warning("work_dir_swept", processes_killed=killed, job_dirs_removed=removed)
@@ -125,6 +124,29 @@ def _pids_under(root: Path) -> list[int]:
             continue
         if cwd == root or root in cwd.parents:
             found.append(int(entry.name))
+    return found
+
+
+MAX_DEPTH = 64  # Terraform writes errored.tfstate in the workspace's directory: not deeper
+
+
+def _errored_states(job: Path) -> list[Path]:
+    """Each `errored.tfstate` under `job`, found without recursion and without entering a
+    linked directory (pathlib's rglob recurses in Python: a job's 1,200 nested directories
+    would have stopped the executor's start)."""
+    found: list[Path] = []
+    stack = [(job, 0)]
+    while stack:
+        here, depth = stack.pop()
+        try:
+            entries = list(os.scandir(here))
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.name == ERRORED:
+                found.append(Path(entry.path))
+            elif depth < MAX_DEPTH and entry.is_dir(follow_symlinks=False):
+                stack.append((Path(entry.path), depth + 1))
     return found
 
 

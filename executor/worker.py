@@ -255,7 +255,7 @@ class Executor:
         except BlockingIOError:
             return  # a sibling lives on
         else:
-            shutil.rmtree(self.jobs_root, ignore_errors=True)
+            remove_tree(self.jobs_root)  # what jobs left may be deeper than rmtree goes
         finally:
             os.close(fd)
 

@@ -99,3 +99,26 @@ async def test_an_errored_state_that_is_a_link_is_never_kept(tmp_path: Path) -> 
     await asyncio.to_thread(sweep.sweep, work / "jobs", work / "unsaved-state")
     assert not (work / "unsaved-state" / "run3-apply-x.errored.tfstate").exists()
     assert key.read_text() == "the-deployment-key"
+
+
+async def test_a_leftover_tree_deeper_than_pythons_recursion_does_not_stop_the_start(
+    tmp_path: Path,
+) -> None:
+    """Attack: a job of a killed executor leaves 1,200 nested directories. The start still
+    keeps the job's errored state and removes the whole directory (pathlib's rglob and
+    shutil.rmtree both recursed past Python's limit there)."""
+    work = tmp_path / "work"
+    job = work / "jobs" / "run4-apply-x" / "src"
+    job.mkdir(parents=True)
+    (job / "errored.tfstate").write_text('{"serial": 9}')
+
+    def nest(deep: Path) -> None:  # os.makedirs recurses too
+        for _ in range(1200):
+            deep = deep / "x"
+            deep.mkdir()
+
+    await asyncio.to_thread(nest, job)
+    await asyncio.to_thread(sweep.sweep, work / "jobs", work / "unsaved-state")
+    kept = work / "unsaved-state" / "run4-apply-x.errored.tfstate"
+    assert kept.read_text() == '{"serial": 9}'
+    assert list((work / "jobs").iterdir()) == []
