@@ -120,7 +120,9 @@ class Subscription:
     handle: Callable[[Received], Awaitable[None]]
     subjects: tuple[str, ...] = ("rp.run.>",)  # filters on RP_EVENTS
     lane: Callable[[Received], str] = by_workspace  # in order within, in parallel across
-    with_state: bool = False
+    # The aggregate folded through the event: for every event, or for those it says
+    # (the scheduler's: `lambda e: not react.quiet(e)`, events that call for nothing).
+    with_state: bool | Callable[[AnyEvent], bool] = False
     start: Literal["new", "all"] = "new"  # where a new durable starts
     lane_limit: int = 256  # messages in hand per lane before the next are put back
 
@@ -322,7 +324,8 @@ class Consumer:
         floor.set(max(floor.get(), received.seq))
         subject = m.subject
         try:
-            if self.sub.with_state:
+            wanted = self.sub.with_state
+            if wanted is True or (callable(wanted) and wanted(received.event)):
                 received = await self._with_state(received)
             await self.sub.handle(received)
         except Retry as r:
