@@ -22,21 +22,21 @@ from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
-import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 
+from events import wire
 from events.templates import valid_phase
+from events.wire import CLAIMED as CLAIMED  # re-exported: the board's kinds
+from events.wire import DEADLINE as DEADLINE
+from events.wire import DISPATCHED as DISPATCHED
+from events.wire import Heartbeat
+from services.infra.directget import DirectReader, InfraError, leader_get
 from services.infra.streams import HEARTBEATS
 
 PHASES = ("plan", "apply")
-# `rp.hb.<run>.deadline`: when the run's limits pass (services/scheduler/limits.py).
-DEADLINE = "deadline"
+# `rp.hb.<run>.deadline` (DEADLINE): when the run's limits pass (services/scheduler/limits.py).
 CLOCK_SUBJECT = "rp.hb._clock.now"
 WRONG_LAST_SEQUENCE = 10071
-DISPATCHED = "dispatched"
-CLAIMED = "claimed"
 # Small pages, and a pause every few entries parsed: a board of thousands of entries is
 # read in slices, so the scheduler sharing the process never waits for a whole read (at
 # about 25 us per entry, a 1,000-entry page parsed at once held it for 25 ms).
@@ -45,32 +45,11 @@ _YIELD_EVERY = 50
 _READS = 5  # board reads per snapshot before giving up on finding the clock message
 
 
-class BoardError(RuntimeError):
+class BoardError(InfraError):
     """The heartbeat stream could not be read or written; worth retrying."""
 
-    retryable = True
 
-
-class Body(msgspec.Struct, frozen=True, kw_only=True):
-    """A heartbeat body. Unknown fields are allowed: a newer writer may add some."""
-
-    lease_id: str = ""
-    executor_id: str = ""
-    kind: str = ""
-    org: str = ""
-    workspace: str = ""
-    timeout: int = -1  # seconds of silence before the entry is stale; -1: not said
-    # `dispatched` markers only: the pool the phase went to, how often the reaper checks
-    # that its work-queue message still exists (seconds; the marker is rewritten at each
-    # check), and when it was first dispatched (the dispatch timeout counts from there;
-    # None: the marker's own time).
-    pool: str = ""
-    recheck: int = 0
-    dispatched_at: datetime | None = None
-    # Deadline markers only: when the limits pass (server time) and the run version seen.
-    run_deadline: datetime | None = None
-    approval_deadline: datetime | None = None
-    version: int = 0
+Body = Heartbeat  # the board entry's body (events/wire.py)
 
 
 class Beat(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,16 +67,13 @@ class Beat(msgspec.Struct, frozen=True, kw_only=True):
         return self.body.lease_id
 
 
-_decoder = msgspec.json.Decoder(Body)
-
-
 def subject(run_id: str, phase: str) -> str:
     return f"rp.hb.{run_id}.{phase}"
 
 
 def body(**fields: Any) -> bytes:
-    """Encode a heartbeat body (the executor's and the scheduler's share one shape)."""
-    return json.dumps(fields).encode()
+    """Encode a heartbeat body from its fields (`events.wire.Heartbeat`'s)."""
+    return wire.encode(Heartbeat(**fields))
 
 
 def beat_interval(configured: float, timeout: int) -> float:
@@ -120,9 +96,9 @@ def parse(hdrs: dict[str, str], data: bytes) -> Beat | None:
     if parts[3] != DEADLINE and not valid_phase(parts[3]):
         return None
     try:
-        decoded = _decoder.decode(data) if data else Body()
-    except msgspec.DecodeError:
-        decoded = Body(kind="unreadable")
+        decoded = wire.decode_heartbeat(data)
+    except wire.WireError:
+        decoded = Heartbeat(kind="unreadable")
     return Beat(
         subject=subj,
         seq=int(hdrs["Nats-Sequence"]),
@@ -178,69 +154,31 @@ class Board:
         return now, beats
 
     async def _page(self, start: int) -> list[tuple[dict[str, str], bytes]]:
-        """One batched direct get of up to `_PAGE` messages from sequence `start`.
-
-        Collected by a callback rather than `next_msg` per message: half the cost.
-        """
-        out: list[tuple[dict[str, str], bytes]] = []
-        end: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        async def collect(msg: Msg) -> None:
-            hdrs = msg.headers or {}
-            if status := hdrs.get("Status"):
-                if not end.done():
-                    end.set_result(f"{status} {hdrs.get('Description', '')}")
-            else:
-                out.append((hdrs, msg.data))
-
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=collect, pending_msgs_limit=-1)
+        """One batched direct get of up to `_PAGE` messages from sequence `start`, kept
+        unparsed: the caller parses them in slices."""
         req = {"seq": start, "next_by_subj": "rp.hb.>", "batch": _PAGE}
-        try:
-            await self.nc.publish(self._direct, json.dumps(req).encode(), reply=inbox)
-            status = await asyncio.wait_for(end, self.timeout)
-        except TimeoutError as e:
-            raise BoardError("reading heartbeats timed out") from e
-        finally:
-            await sub.unsubscribe()
-        if not status.startswith(("204", "404")):
-            raise BoardError(f"reading heartbeats: {status}")
-        return out
-
-    @property
-    def _direct(self) -> str:
-        return f"$JS.API.DIRECT.GET.{self.stream}"
+        page, _ = await DirectReader.of(self.nc).batch(
+            self.stream, req, _unparsed, what="heartbeats", error=BoardError, timeout=self.timeout
+        )
+        return page
 
     async def last(self, run_id: str, phase: str, *, leader: bool = False) -> Beat | None:
         """The last message on one phase's subject, if any; with `leader`, as the stream's
         leader has it (a direct get may be answered by a follower that is behind)."""
+        subj = subject(run_id, phase)
         if leader:
-            return await self._leader_last(subject(run_id, phase))
-        req = json.dumps({"last_by_subj": subject(run_id, phase)}).encode()
-        try:
-            msg = await self.nc.request(self._direct, req, timeout=self.timeout)
-        except TimeoutError as e:
-            raise BoardError("reading a heartbeat timed out") from e
-        hdrs = msg.headers or {}
-        if hdrs.get("Status"):
-            return None
-        return parse(hdrs, msg.data)
-
-    async def _leader_last(self, subj: str) -> Beat | None:
-        js = self.nc.jetstream(timeout=self.timeout)
-        try:
-            raw = await js.get_msg(self.stream, subject=subj)
-        except NotFoundError:
-            return None
-        except (TimeoutError, nats.errors.Error) as e:
-            raise BoardError(f"reading {subj} from the stream leader: {e!r}") from e
-        at = raw.time if isinstance(raw.time, datetime) else server_time(str(raw.time))
-        hdrs = {
-            "Nats-Subject": str(raw.subject),
-            "Nats-Sequence": str(raw.seq),
-            "Nats-Time-Stamp": at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        }
-        return parse(hdrs, raw.data or b"")
+            return await leader_get(
+                self.nc,
+                self.stream,
+                parse,
+                subject=subj,
+                what=subj,
+                error=BoardError,
+                timeout=self.timeout,
+            )
+        return await DirectReader.of(self.nc).last(
+            self.stream, subj, parse, what=subj, error=BoardError, timeout=self.timeout
+        )
 
     async def put(self, subj: str, data: bytes, *, expected: int | None = None) -> bool:
         """Publish; with `expected`, only if the subject's last sequence is still that one
@@ -269,3 +207,7 @@ class Board:
             raise BoardError(f"purging {subj} timed out") from e
         if "error" in (answer := json.loads(resp.data)):
             raise BoardError(f"purging {subj}: {answer['error'].get('description')}")
+
+
+def _unparsed(hdrs: dict[str, str], data: bytes) -> tuple[dict[str, str], bytes]:
+    return hdrs, data
