@@ -335,19 +335,30 @@ class Follower:
                 del self.entries[subj]
 
     async def _on(self, msg: Msg) -> None:
-        meta = msg.metadata
-        seq = meta.sequence.stream
+        seq, at = _stored(msg)
         self._seen = seq
         if msg.subject == CLOCK_SUBJECT:
-            self._now, self._clock = meta.timestamp, seq
-            for at in [s for s in self._waiting if s <= seq]:
-                if not (done := self._waiting.pop(at)).done():
+            self._now, self._clock = at, seq
+            for want in [s for s in self._waiting if s <= seq]:
+                if not (done := self._waiting.pop(want)).done():
                     done.set_result(None)
-        elif (beat := beat_of(msg.subject, seq, meta.timestamp, msg.data)) is not None:
+        elif (beat := beat_of(msg.subject, seq, at, msg.data)) is not None:
             self.entries[msg.subject] = beat
         self._n += 1
         if self._n % _YIELD_EVERY == 0:  # a big board's first delivery: others go on
             await asyncio.sleep(0)
+
+
+def _stored(msg: Msg) -> tuple[int, datetime]:
+    """A delivered message's stream sequence and server time, from its reply subject, to
+    the microsecond as a direct get's `Nats-Time-Stamp` gives it (nats-py's metadata
+    goes through a float, which may differ by one)."""
+    tokens = msg.reply.split(".")
+    at = int(tokens[7] if len(tokens) == 9 else tokens[Msg.Ack.Timestamp])
+    sec, ns = divmod(at, 1_000_000_000)
+    return msg.metadata.sequence.stream, datetime.fromtimestamp(sec, UTC).replace(
+        microsecond=ns // 1000
+    )
 
 
 async def _subjects(board: Board) -> set[str]:

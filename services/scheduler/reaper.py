@@ -38,13 +38,12 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
 
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RunState, running_status
 from services.commands import App
 from services.infra import streams
-from services.infra.directget import InfraError
+from services.infra.directget import InfraError, as_raw, leader_get
 from services.infra.eventstore import floor
 from services.infra.heartbeats import DEADLINE, DISPATCHED, Beat, Board, BoardError, Follower
 from services.infra.tasks import cancel_and_wait
@@ -384,20 +383,23 @@ async def queued(nc: NATS, pool: str, *, timeout: float = 5.0) -> set[str]:
     """The `Nats-Msg-Id` of every message in a pool's work queue (taken or not, a message
     stays until acknowledged), as the stream's leader has it: a follower behind might
     not have a message published just now, and the phase would go twice."""
-    js = nc.jetstream(timeout=timeout)
     ids: set[str] = set()
     seq = 1
     while True:
-        try:
-            raw = await js.get_msg(
-                streams.DISPATCH, seq=seq, subject=streams.dispatch_subject(pool), next=True
-            )
-        except NotFoundError:
+        msg = await leader_get(
+            nc,
+            streams.DISPATCH,
+            as_raw,
+            subject=streams.dispatch_subject(pool),
+            seq=seq,
+            what=f"the {pool} work queue",
+            error=BoardError,
+            timeout=timeout,
+        )
+        if msg is None:
             return ids
-        except (TimeoutError, nats.errors.Error) as e:
-            raise BoardError(f"reading the {pool} work queue: {e!r}") from e
-        ids.add((raw.headers or {}).get("Nats-Msg-Id", ""))
-        seq = int(raw.seq or seq) + 1
+        ids.add(msg.headers.get("Nats-Msg-Id", ""))
+        seq = msg.seq + 1
 
 
 def _key(beat: Beat) -> tuple[str, bool]:
