@@ -354,11 +354,12 @@ def _stored(msg: Msg) -> tuple[int, datetime]:
     the microsecond as a direct get's `Nats-Time-Stamp` gives it (nats-py's metadata
     goes through a float, which may differ by one)."""
     tokens = msg.reply.split(".")
-    at = int(tokens[7] if len(tokens) == 9 else tokens[Msg.Ack.Timestamp])
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<seq>.<cseq>.<ns>.<pending>
+        seq, at = int(tokens[5]), int(tokens[7])
+    else:  # with the domain and account hash
+        seq, at = int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.Timestamp])
     sec, ns = divmod(at, 1_000_000_000)
-    return msg.metadata.sequence.stream, datetime.fromtimestamp(sec, UTC).replace(
-        microsecond=ns // 1000
-    )
+    return seq, datetime.fromtimestamp(sec, UTC).replace(microsecond=ns // 1000)
 
 
 async def _subjects(board: Board) -> set[str]:
