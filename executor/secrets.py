@@ -8,12 +8,11 @@ them.
 
 from __future__ import annotations
 
-import base64
-import json
-
 import nats.errors
 from nats.aio.client import Client as NATS
 
+from events import wire
+from events.wire import SecretsRequest
 from executor.errors import StepFailed
 from services.infra.crypto import CryptoError, KeyRing
 from services.secrets import reply_context, secrets_subject
@@ -32,7 +31,7 @@ async def fetch(
     timeout: float = 10.0,
 ) -> dict[str, str]:
     """The run's secret values; StepFailed (`secrets_unavailable`) if they cannot be had."""
-    body = json.dumps({"run_id": run_id, "lease_id": lease_id}).encode()
+    body = wire.encode(SecretsRequest(run_id=run_id, lease_id=lease_id))
     try:
         msg = await nc.request(secrets_subject(org, ws), body, timeout=timeout)
     except nats.errors.NoRespondersError as e:
@@ -40,16 +39,19 @@ async def fetch(
     except (TimeoutError, nats.errors.TimeoutError) as e:
         raise _failed(f"the secrets responder did not answer within {timeout:g}s") from e
     try:
-        answer = json.loads(msg.data)
-        if "error" in answer:
-            raise _failed(f"refused: {answer['error']}")
-        sealed = base64.b64decode(answer["sealed"])
-        values = json.loads(keyring.open(sealed, reply_context(run_id, lease_id)))
-    except (ValueError, KeyError, TypeError) as e:
-        raise _failed(f"malformed answer from the secrets responder: {type(e).__name__}") from e
+        answer = wire.decode_secrets_reply(msg.data)
+        if answer.error:
+            raise _failed(f"refused: {answer.error}")
+        if not answer.sealed:
+            raise wire.WireError("neither sealed values nor an error")
+        values = wire.decode_secret_values(
+            keyring.open(answer.sealed, reply_context(run_id, lease_id))
+        )
+    except wire.WireError as e:
+        raise _failed(f"malformed answer from the secrets responder: {e}") from e
     except CryptoError as e:
         raise _failed(f"the answer does not open with this executor's keys: {e}") from e
-    return {str(k): str(v) for k, v in values.items()}
+    return values
 
 
 def terraform_env(values: dict[str, str]) -> dict[str, str]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import signal
@@ -21,17 +20,17 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
-import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from events import wire
 from events.codec import valid_id
 from events.errors import DomainError
 from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
-from events.templates import valid_phase
+from events.wire import Dispatch, Heartbeat
 from executor import recovery, sweep
 from executor import terraform as tf
 from executor.custody import Custody, Vault
@@ -55,26 +54,9 @@ TerraformSettings = tf.TerraformConfig  # the name the composition root uses
 MAX_REMOVALS = 4  # finished phases' directories removed in the background at once
 
 
-class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
-    """A dispatch message. Unknown fields are allowed: a newer scheduler may add some."""
-
-    org: str
-    workspace: str
-    run_id: str
-    phase: str
-
-
 def parse_dispatch(data: bytes) -> Dispatch:
-    """Decode and validate a dispatch body; ValueError if it is not one."""
-    try:
-        d = msgspec.json.decode(data, type=Dispatch)
-    except msgspec.DecodeError as e:
-        raise ValueError(f"not a dispatch message: {e}") from e
-    if not all(valid_id(x) for x in (d.org, d.workspace, d.run_id)):
-        raise ValueError("dispatch ids are not subject-safe tokens")
-    if not valid_phase(d.phase):
-        raise ValueError(f"unknown phase {d.phase!r}")
-    return d
+    """Decode and validate a dispatch body; ValueError (`WireError`) if it is not one."""
+    return wire.decode_dispatch(data)
 
 
 def heartbeat_subject(run_id: str, phase: str) -> str:
@@ -504,17 +486,17 @@ class Executor:
                 return
 
     async def _beat(self, subject: str, job: Job) -> None:
-        body = {
-            "lease_id": job.lease_id,
-            "executor_id": self.executor_id,
-            "at": job.now().isoformat(),
+        body = Heartbeat(
+            lease_id=job.lease_id,
+            executor_id=self.executor_id,
+            at=job.now(),
             # So the reaper needs no lookup to judge the beat (services/infra/heartbeats.py).
-            "org": job.org,
-            "workspace": job.ws,
-            "timeout": job.config.heartbeat_timeout,
-        }
+            org=job.org,
+            workspace=job.ws,
+            timeout=job.config.heartbeat_timeout,
+        )
         try:
-            await self.js.publish(subject, json.dumps(body).encode())
+            await self.js.publish(subject, wire.encode(body))
         except Exception as e:  # a missed beat is survivable; the next one may land
             log.warning("heartbeat_failed", error=repr(e))
 

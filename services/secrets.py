@@ -5,29 +5,29 @@ sealed with the key ring and bound to its key name, so a value copied under anot
 not open. Events carry the names only.
 
 An executor asks at the start of a phase with a request to `rp.secrets.<org>.<ws>` carrying
-`{"run_id", "lease_id"}`. The `SecretsResponder` (run beside the scheduler, which holds the
-key) answers only if that lease is the run's current one, with the values of the secret
-variables the run was pinned to (its snapshot), sealed again for that run and lease. No
-stream captures `rp.secrets.>`: the request and its answer are never stored.
+`{"run_id", "lease_id"}` (`events.wire.SecretsRequest`; the reply is a `SecretsReply`).
+The `SecretsResponder` (run beside the scheduler, which holds the key) answers only if that
+lease is the run's current one, with the values of the secret variables the run was pinned
+to (its snapshot), sealed again for that run and lease. No stream captures `rp.secrets.>`:
+the request and its answer are never stored.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from events import wire
 from events.codec import valid_id
 from events.run import RunState
+from events.wire import SecretsReply
 from services.infra.crypto import CryptoError, KeyRing
 from services.infra.kv import SECRETS_BUCKET, last_values
 
@@ -113,11 +113,6 @@ class SecretStore:
         return {k.rsplit(".", 1)[1]: v for k, v in found.items() if v}
 
 
-class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    run_id: str
-    lease_id: str
-
-
 class SecretsResponder:
     """Answers executors' secret requests; an async context manager, one or many replicas."""
 
@@ -144,33 +139,35 @@ class SecretsResponder:
     async def _on(self, msg: Msg) -> None:
         _, _, org, ws = msg.subject.split(".")
         try:
-            body = await self.answer(org, ws, msg.data)
+            reply = await self.answer(org, ws, msg.data)
         except Exception as e:  # an answer is owed whatever failed; the cause is logged
             log.exception("secrets_request_failed", org=org, workspace=ws)
-            body = {"error": f"the secrets responder failed: {type(e).__name__}"}
+            reply = SecretsReply(error=f"the secrets responder failed: {type(e).__name__}")
         try:
-            await msg.respond(json.dumps(body).encode())
+            await msg.respond(wire.encode(reply))
         except nats.errors.Error as e:
             log.warning("secrets_reply_failed", error=repr(e))
 
-    async def answer(self, org: str, ws: str, data: bytes) -> dict[str, str]:
-        """The reply: `{"sealed": ...}` for the current lease, else `{"error": ...}`."""
+    async def answer(self, org: str, ws: str, data: bytes) -> SecretsReply:
+        """The reply: the values sealed for the current lease, else why not."""
         try:
-            req = msgspec.json.decode(data, type=SecretsRequest)
-        except msgspec.DecodeError as e:
-            return {"error": f"not a secrets request: {e}"}
+            req = wire.decode_secrets_request(data)
+        except wire.WireError as e:
+            return SecretsReply(error=str(e))
         if not all(valid_id(x) for x in (org, ws, req.run_id)):
-            return {"error": "ids are not subject-safe tokens"}
+            return SecretsReply(error="ids are not subject-safe tokens")
         run: RunState = (await self.app.load_run(org, ws, req.run_id)).state
         if not run.exists or run.terminal or not run.lease_id or run.lease_id != req.lease_id:
             log.warning("secrets_refused", org=org, workspace=ws, run_id=req.run_id)
-            return {"error": f"lease {req.lease_id} is not the current lease of run {req.run_id}"}
+            return SecretsReply(
+                error=f"lease {req.lease_id} is not the current lease of run {req.run_id}"
+            )
         try:
             values = await self.store.values(org, ws, secret_names(run))
         except SecretError as e:
-            return {"error": str(e)}
+            return SecretsReply(error=str(e))
         sealed = self.store.keyring.seal(
-            json.dumps(values).encode(), reply_context(req.run_id, req.lease_id)
+            wire.encode(values), reply_context(req.run_id, req.lease_id)
         )
         log.info("secrets_handed_over", org=org, workspace=ws, run_id=req.run_id, n=len(values))
-        return {"sealed": base64.b64encode(sealed).decode()}
+        return SecretsReply(sealed=sealed)

@@ -61,7 +61,7 @@ async def test_many_concurrent_reads_each_get_their_own_events(
         own(subject, envs, seqs[subject])
     everything = await reader.read("rp.org.>")
     assert [e.seq for e in everything] == sorted(s for v in seqs.values() for s in v)
-    assert reader._reads == {}
+    assert reader.direct._reads == {}
 
 
 async def test_reads_after_some_events_and_from_the_cache(nc: NATS, store: EventStore) -> None:
@@ -117,7 +117,7 @@ async def test_a_read_that_times_out_leaves_the_others_alone(
     monkeypatch.setattr(nc, "publish", publish)
     await asyncio.sleep(1.0)  # the late replies arrive for a read no longer waiting
     own(org(3), await reader.read(org(3)), seqs[org(3)])
-    assert reader._reads == {}
+    assert reader.direct._reads == {}
 
 
 async def test_a_cancelled_read_is_forgotten(nc: NATS, store: EventStore) -> None:
@@ -128,7 +128,7 @@ async def test_a_cancelled_read_is_forgotten(nc: NATS, store: EventStore) -> Non
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert reader._reads == {}
+    assert reader.direct._reads == {}
     assert len(await reader.read(org(1))) == 2
 
 
@@ -141,8 +141,8 @@ async def test_a_lost_subscription_is_made_again(nc: NATS, store: EventStore) ->
     seqs = await seed(store, 3)
     reader = EventStore(nc, cache_events=0)
     own(org(2), await reader.read(org(2)), seqs[org(2)])
-    assert reader._sub is not None
-    await reader._sub.unsubscribe()
+    assert reader.direct._sub is not None
+    await reader.direct._sub.unsubscribe()
     own(org(2), await reader.read(org(2)), seqs[org(2)])
 
 

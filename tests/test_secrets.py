@@ -19,6 +19,7 @@ from services.infra.kv import SECRETS_BUCKET
 from services.infra.streams import LOGS_BUCKET
 from services.secrets import SecretsResponder, SecretStore
 from tests.canary_support import assert_no_file_holds, assert_no_stream_holds
+from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -154,6 +155,11 @@ async def test_a_secret_canary_is_used_by_terraform_and_found_nowhere_in_clear(
 
 
 async def _step_log(plane: Plane, run_id: str, step: str) -> bytes:
-    a = await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/steps")
-    obj = next(s["log_object"] for s in a.body["items"] if s["step"] == step)
+    async def stored() -> str:  # the read model may not have folded the step's end yet
+        a = await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/steps")
+        obj = next(s["log_object"] for s in a.body["items"] if s["step"] == step)
+        assert obj, f"step {step} has no stored log yet"
+        return str(obj)
+
+    obj = await eventually(stored, timeout=10, what=f"the {step} step's log object")
     return await sealed_object(plane.nc, LOGS_BUCKET, obj)

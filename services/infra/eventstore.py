@@ -2,7 +2,7 @@
 
 Reads use batched direct gets (one request, many replies) on the subject index, so loading a
 run costs one round trip; the replies of every read come to one wildcard inbox subscription
-per store, routed by the reply subject's last token. Appends carry
+per store (its `DirectReader`, services/infra/directget.py). Appends carry
 `Nats-Expected-Last-Subject-Sequence` and `Nats-Msg-Id`; several events of one decision go in
 one atomic batch (server 2.12+).
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import itertools
 import json
 import time
 import uuid
@@ -29,12 +28,10 @@ from datetime import datetime
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.errors import NotFoundError
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
+from services.infra.directget import DirectReader, InfraError, leader_get, leader_last_seq
 from services.infra.streams import EVENTS
 
 _BATCH = 1000
@@ -61,10 +58,8 @@ LATEST = 2**63 - 1
 floor: contextvars.ContextVar[int] = contextvars.ContextVar("eventstore_floor", default=0)
 
 
-class StoreError(RuntimeError):
+class StoreError(InfraError):
     """The event store could not do what was asked; `retryable` says whether to try again."""
-
-    retryable = True
 
 
 class Envelope(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,20 +106,6 @@ def _headers(
     return headers
 
 
-class _Read:
-    """A read in flight: the page its replies fill, done at the end of the batch."""
-
-    __slots__ = ("done", "page")
-
-    def __init__(self, done: asyncio.Future[None]) -> None:
-        self.done = done
-        self.page: list[Envelope] = []
-
-    def time_out(self) -> None:
-        if not self.done.done():
-            self.done.set_exception(TimeoutError())
-
-
 class EventStore:
     """Read and append events of the RP_EVENTS stream."""
 
@@ -145,13 +126,8 @@ class EventStore:
         self._replicated = True  # until asked: a follower may answer
         self._replicas_at = -REPLICAS_RECHECK_S
         self._asking = asyncio.Lock()
-        self._api = f"$JS.API.DIRECT.GET.{stream}"
-        # Reads in flight by the last token of their reply subject (see `_direct_batch`).
-        self._reads: dict[str, _Read] = {}
-        self._tokens = itertools.count(1)
-        self._sub: Subscription | None = None
-        self._prefix = ""
-        self._subscribing = asyncio.Lock()
+        # This store's reads share one wildcard inbox subscription (services/infra/directget.py).
+        self.direct = DirectReader(nc, timeout=timeout)
 
     # ------------------------------------------------------------ reading
 
@@ -205,29 +181,24 @@ class EventStore:
     async def _leader_tail(self, subject: str, start: int, most: int = 0) -> list[Envelope]:
         """What the stream's leader has on `subject` from `start` on (usually nothing:
         one round trip proves a follower's answer complete)."""
-        js = self.nc.jetstream(timeout=self.timeout)
         out: list[Envelope] = []
         while True:
-            try:
-                raw = await js.get_msg(self.stream, seq=start, subject=subject, next=True)
-            except NotFoundError:
-                return out
-            except (TimeoutError, nats.errors.Error) as e:
-                raise StoreError(f"reading {subject} from the stream leader: {e!r}") from e
-            hdrs = raw.headers or {}
-            seq = int(raw.seq or 0)
-            out.append(
-                Envelope(
-                    seq=seq,
-                    subject=str(raw.subject),
-                    msg_id=hdrs.get("Nats-Msg-Id", ""),
-                    time=_leader_time(raw.time),
-                    event=decode(raw.data or b""),
-                )
+            env = await leader_get(
+                self.nc,
+                self.stream,
+                _envelope,
+                subject=subject,
+                seq=start,
+                what=subject,
+                error=StoreError,
+                timeout=self.timeout,
             )
+            if env is None:
+                return out
+            out.append(env)
             if len(out) == most:
                 return out
-            start = seq + 1
+            start = env.seq + 1
 
     def _remember(self, subject: str, envs: list[Envelope]) -> None:
         """Keep a subject's whole history, least recently read dropped first."""
@@ -256,80 +227,18 @@ class EventStore:
             start = page[-1].seq + 1
 
     async def _direct_batch(self, subject: str, start: int) -> list[Envelope]:
-        # The replies come to this store's one wildcard inbox subscription, to a token of
-        # this read: no SUB, UNSUB, subscription object or task per read.
-        prefix = await self._inbox()
-        token = str(next(self._tokens))
-        loop = asyncio.get_running_loop()
-        read = _Read(loop.create_future())
-        self._reads[token] = read
-        timer = loop.call_later(self.timeout, read.time_out)
-        try:
-            req = msgspec.json.encode({"seq": start, "next_by_subj": subject, "batch": _BATCH})
-            await self.nc.publish(self._api, req, reply=prefix + token)
-            await read.done
-            return read.page
-        except TimeoutError as e:
-            raise StoreError(f"reading {subject} timed out") from e
-        finally:
-            timer.cancel()
-            del self._reads[token]
-
-    async def _inbox(self) -> str:
-        """The prefix of this store's reply subjects, subscribed once (again if lost)."""
-        sub = self._sub
-        if sub is not None and self.nc._subs.get(sub._id) is sub:
-            return self._prefix
-        async with self._subscribing:  # many first reads at once: one subscription
-            sub = self._sub
-            if sub is None or self.nc._subs.get(sub._id) is not sub:
-                # (A connection that reconnects keeps its subscriptions; one closed and
-                # connected again has lost them.) Unbounded pending limits: a reply
-                # dropped as a slow consumer would leave a hole in a history.
-                self._prefix = self.nc.new_inbox() + "."
-                self._sub = await self.nc.subscribe(
-                    self._prefix + "*",
-                    cb=self._received,
-                    pending_msgs_limit=0,
-                    pending_bytes_limit=0,
-                )
-            return self._prefix
-
-    async def _received(self, msg: Msg) -> None:
-        """Hand a reply to the read its subject's last token names (late ones: dropped)."""
-        read = self._reads.get(msg.subject[len(self._prefix) :])
-        if read is None or read.done.done():
-            return
-        hdrs = msg.headers or {}
-        status = hdrs.get("Status")
-        if status:
-            if status in ("204", "404"):
-                read.done.set_result(None)
-            else:
-                err = f"direct get failed: {status} {hdrs.get('Description')}"
-                read.done.set_exception(StoreError(err))
-            return
-        try:
-            read.page.append(
-                Envelope(
-                    seq=int(hdrs["Nats-Sequence"]),
-                    subject=hdrs["Nats-Subject"],
-                    msg_id=hdrs.get("Nats-Msg-Id", ""),
-                    time=_parse_time(hdrs.get("Nats-Time-Stamp")),
-                    event=decode(msg.data),
-                )
-            )
-        except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
-            read.done.set_exception(e)
+        req = {"seq": start, "next_by_subj": subject, "batch": _BATCH}
+        page, _ = await self.direct.batch(
+            self.stream, req, _envelope, what=subject, error=StoreError, timeout=self.timeout
+        )
+        return page
 
     async def last(self, subject: str) -> tuple[int, str]:
         """The sequence and msg id of the last message on an exact subject (0, "" if none)."""
-        req = json.dumps({"last_by_subj": subject}).encode()
-        msg = await self.nc.request(f"$JS.API.DIRECT.GET.{self.stream}", req, timeout=self.timeout)
-        hdrs = msg.headers or {}
-        if hdrs.get("Status"):
-            return 0, ""
-        return int(hdrs["Nats-Sequence"]), hdrs.get("Nats-Msg-Id", "")
+        found = await self.direct.last(
+            self.stream, subject, _seq_and_id, what=subject, error=StoreError
+        )
+        return found or (0, "")
 
     async def last_seq_of(self, subject: str) -> int:
         """The sequence of the last message on an exact subject (0 if none), as the stream's
@@ -349,10 +258,7 @@ class EventStore:
 
     async def last_seq(self) -> int:
         """The stream's last sequence: what a fully caught-up reader has seen."""
-        resp = await self.nc.request(
-            f"$JS.API.STREAM.INFO.{self.stream}", b"", timeout=self.timeout
-        )
-        return int(json.loads(resp.data)["state"]["last_seq"])
+        return await leader_last_seq(self.nc, self.stream, error=StoreError, timeout=self.timeout)
 
     # ------------------------------------------------------------ appending
 
@@ -452,10 +358,19 @@ class EventStore:
         raise AssertionError("unreachable")
 
 
-def _leader_time(value: object) -> datetime | None:
-    if isinstance(value, datetime):
-        return value
-    return _parse_time(str(value)) if value else None
+def _envelope(hdrs: dict[str, str], data: bytes) -> Envelope:
+    """A stored event from a direct get's (or the leader's) reply."""
+    return Envelope(
+        seq=int(hdrs["Nats-Sequence"]),
+        subject=hdrs["Nats-Subject"],
+        msg_id=hdrs.get("Nats-Msg-Id", ""),
+        time=_parse_time(hdrs.get("Nats-Time-Stamp")),
+        event=decode(data),
+    )
+
+
+def _seq_and_id(hdrs: dict[str, str], data: bytes) -> tuple[int, str]:
+    return int(hdrs["Nats-Sequence"]), hdrs.get("Nats-Msg-Id", "")
 
 
 def _parse_time(value: str | None) -> datetime | None:

@@ -17,60 +17,45 @@ reap a live executor or spare a dead one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from datetime import UTC, datetime
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.errors import NotFoundError
 
+from events import wire
 from events.templates import valid_phase
+from events.wire import CLAIMED as CLAIMED  # re-exported: the board's kinds
+from events.wire import DEADLINE as DEADLINE
+from events.wire import DISPATCHED as DISPATCHED
+from events.wire import Heartbeat
+from services.infra.directget import DirectReader, InfraError, leader_get
 from services.infra.streams import HEARTBEATS
 
 PHASES = ("plan", "apply")
-# `rp.hb.<run>.deadline`: when the run's limits pass (services/scheduler/limits.py).
-DEADLINE = "deadline"
+# `rp.hb.<run>.deadline` (DEADLINE): when the run's limits pass (services/scheduler/limits.py).
 CLOCK_SUBJECT = "rp.hb._clock.now"
 WRONG_LAST_SEQUENCE = 10071
-DISPATCHED = "dispatched"
-CLAIMED = "claimed"
 # Small pages, and a pause every few entries parsed: a board of thousands of entries is
 # read in slices, so the scheduler sharing the process never waits for a whole read (at
 # about 25 us per entry, a 1,000-entry page parsed at once held it for 25 ms).
 _PAGE = 200
 _YIELD_EVERY = 50
 _READS = 5  # board reads per snapshot before giving up on finding the clock message
+# How often a `Follower` asks which subjects the board still has (purges by others).
+RECONCILE_S = 10.0
 
 
-class BoardError(RuntimeError):
+class BoardError(InfraError):
     """The heartbeat stream could not be read or written; worth retrying."""
 
-    retryable = True
 
-
-class Body(msgspec.Struct, frozen=True, kw_only=True):
-    """A heartbeat body. Unknown fields are allowed: a newer writer may add some."""
-
-    lease_id: str = ""
-    executor_id: str = ""
-    kind: str = ""
-    org: str = ""
-    workspace: str = ""
-    timeout: int = -1  # seconds of silence before the entry is stale; -1: not said
-    # `dispatched` markers only: the pool the phase went to, how often the reaper checks
-    # that its work-queue message still exists (seconds; the marker is rewritten at each
-    # check), and when it was first dispatched (the dispatch timeout counts from there;
-    # None: the marker's own time).
-    pool: str = ""
-    recheck: int = 0
-    dispatched_at: datetime | None = None
-    # Deadline markers only: when the limits pass (server time) and the run version seen.
-    run_deadline: datetime | None = None
-    approval_deadline: datetime | None = None
-    version: int = 0
+Body = Heartbeat  # the board entry's body (events/wire.py)
 
 
 class Beat(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,16 +73,13 @@ class Beat(msgspec.Struct, frozen=True, kw_only=True):
         return self.body.lease_id
 
 
-_decoder = msgspec.json.Decoder(Body)
-
-
 def subject(run_id: str, phase: str) -> str:
     return f"rp.hb.{run_id}.{phase}"
 
 
 def body(**fields: Any) -> bytes:
-    """Encode a heartbeat body (the executor's and the scheduler's share one shape)."""
-    return json.dumps(fields).encode()
+    """Encode a heartbeat body from its fields (`events.wire.Heartbeat`'s)."""
+    return wire.encode(Heartbeat(**fields))
 
 
 def beat_interval(configured: float, timeout: int) -> float:
@@ -113,24 +95,26 @@ def server_time(value: str) -> datetime:
 
 def parse(hdrs: dict[str, str], data: bytes) -> Beat | None:
     """A board message as a Beat; None for the clock and anything not `rp.hb.<run>.<phase>`."""
-    subj = hdrs["Nats-Subject"]
+    return beat_of(
+        hdrs["Nats-Subject"],
+        int(hdrs["Nats-Sequence"]),
+        server_time(hdrs["Nats-Time-Stamp"]),
+        data,
+    )
+
+
+def beat_of(subj: str, seq: int, at: datetime, data: bytes) -> Beat | None:
+    """A board message as a Beat, from its subject, sequence and server time."""
     parts = subj.split(".")
     if len(parts) != 4 or parts[2].startswith("_"):
         return None
     if parts[3] != DEADLINE and not valid_phase(parts[3]):
         return None
     try:
-        decoded = _decoder.decode(data) if data else Body()
-    except msgspec.DecodeError:
-        decoded = Body(kind="unreadable")
-    return Beat(
-        subject=subj,
-        seq=int(hdrs["Nats-Sequence"]),
-        time=server_time(hdrs["Nats-Time-Stamp"]),
-        run_id=parts[2],
-        phase=parts[3],
-        body=decoded,
-    )
+        decoded = wire.decode_heartbeat(data)
+    except wire.WireError:
+        decoded = Heartbeat(kind="unreadable")
+    return Beat(subject=subj, seq=seq, time=at, run_id=parts[2], phase=parts[3], body=decoded)
 
 
 class Board:
@@ -178,87 +162,58 @@ class Board:
         return now, beats
 
     async def _page(self, start: int) -> list[tuple[dict[str, str], bytes]]:
-        """One batched direct get of up to `_PAGE` messages from sequence `start`.
-
-        Collected by a callback rather than `next_msg` per message: half the cost.
-        """
-        out: list[tuple[dict[str, str], bytes]] = []
-        end: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-        async def collect(msg: Msg) -> None:
-            hdrs = msg.headers or {}
-            if status := hdrs.get("Status"):
-                if not end.done():
-                    end.set_result(f"{status} {hdrs.get('Description', '')}")
-            else:
-                out.append((hdrs, msg.data))
-
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=collect, pending_msgs_limit=-1)
+        """One batched direct get of up to `_PAGE` messages from sequence `start`, kept
+        unparsed: the caller parses them in slices."""
         req = {"seq": start, "next_by_subj": "rp.hb.>", "batch": _PAGE}
-        try:
-            await self.nc.publish(self._direct, json.dumps(req).encode(), reply=inbox)
-            status = await asyncio.wait_for(end, self.timeout)
-        except TimeoutError as e:
-            raise BoardError("reading heartbeats timed out") from e
-        finally:
-            await sub.unsubscribe()
-        if not status.startswith(("204", "404")):
-            raise BoardError(f"reading heartbeats: {status}")
-        return out
-
-    @property
-    def _direct(self) -> str:
-        return f"$JS.API.DIRECT.GET.{self.stream}"
+        page, _ = await DirectReader.of(self.nc).batch(
+            self.stream, req, _unparsed, what="heartbeats", error=BoardError, timeout=self.timeout
+        )
+        return page
 
     async def last(self, run_id: str, phase: str, *, leader: bool = False) -> Beat | None:
         """The last message on one phase's subject, if any; with `leader`, as the stream's
         leader has it (a direct get may be answered by a follower that is behind)."""
+        subj = subject(run_id, phase)
         if leader:
-            return await self._leader_last(subject(run_id, phase))
-        req = json.dumps({"last_by_subj": subject(run_id, phase)}).encode()
-        try:
-            msg = await self.nc.request(self._direct, req, timeout=self.timeout)
-        except TimeoutError as e:
-            raise BoardError("reading a heartbeat timed out") from e
-        hdrs = msg.headers or {}
-        if hdrs.get("Status"):
-            return None
-        return parse(hdrs, msg.data)
-
-    async def _leader_last(self, subj: str) -> Beat | None:
-        js = self.nc.jetstream(timeout=self.timeout)
-        try:
-            raw = await js.get_msg(self.stream, subject=subj)
-        except NotFoundError:
-            return None
-        except (TimeoutError, nats.errors.Error) as e:
-            raise BoardError(f"reading {subj} from the stream leader: {e!r}") from e
-        at = raw.time if isinstance(raw.time, datetime) else server_time(str(raw.time))
-        hdrs = {
-            "Nats-Subject": str(raw.subject),
-            "Nats-Sequence": str(raw.seq),
-            "Nats-Time-Stamp": at.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        }
-        return parse(hdrs, raw.data or b"")
+            return await leader_get(
+                self.nc,
+                self.stream,
+                parse,
+                subject=subj,
+                what=subj,
+                error=BoardError,
+                timeout=self.timeout,
+            )
+        return await DirectReader.of(self.nc).last(
+            self.stream, subj, parse, what=subj, error=BoardError, timeout=self.timeout
+        )
 
     async def put(self, subj: str, data: bytes, *, expected: int | None = None) -> bool:
         """Publish; with `expected`, only if the subject's last sequence is still that one
         (0: the subject is empty). False when that expectation failed."""
+        return await self.publish(subj, data, expected=expected) > 0
+
+    async def publish(self, subj: str, data: bytes, *, expected: int | None = None) -> int:
+        """`put`, answering the stored message's sequence (0: the expectation failed)."""
         headers = {} if expected is None else {"Nats-Expected-Last-Subject-Sequence": str(expected)}
         try:
             msg = await self.nc.request(subj, data, headers=headers, timeout=self.timeout)
         except TimeoutError as e:
             raise BoardError(f"publishing on {subj} timed out") from e
-        error = json.loads(msg.data).get("error")
-        if error is None:
-            return True
-        if error.get("err_code") == WRONG_LAST_SEQUENCE:
-            return False
-        raise BoardError(f"publishing on {subj}: {error.get('description')}")
+        try:
+            ack = msgspec.json.decode(msg.data, type=_Ack)
+        except msgspec.DecodeError as e:
+            raise BoardError(f"publishing on {subj}: an unreadable answer") from e
+        if ack.error is None:
+            return ack.seq
+        if ack.error.err_code == WRONG_LAST_SEQUENCE:
+            return 0
+        raise BoardError(f"publishing on {subj}: {ack.error.description}")
 
     async def purge(self, subj: str, *, through: int | None = None) -> None:
-        """Drop a subject's messages (only up to sequence `through`, if given)."""
+        """Drop a subject's messages (only up to sequence `through`, if given). The
+        followers of the board in this process forget them at once (a purge is no message
+        their consumer would see)."""
         req: dict[str, Any] = {"filter": subj}
         if through is not None:
             req["seq"] = through + 1  # the server purges below `seq`
@@ -269,3 +224,168 @@ class Board:
             raise BoardError(f"purging {subj} timed out") from e
         if "error" in (answer := json.loads(resp.data)):
             raise BoardError(f"purging {subj}: {answer['error'].get('description')}")
+        for follower in list(_followers.get(self.nc, ())):
+            follower.forget(subj, through)
+
+
+def _unparsed(hdrs: dict[str, str], data: bytes) -> tuple[dict[str, str], bytes]:
+    return hdrs, data
+
+
+class _AckError(msgspec.Struct, frozen=True):
+    err_code: int = 0
+    description: str = ""
+
+
+class _Ack(msgspec.Struct, frozen=True):
+    seq: int = 0
+    error: _AckError | None = None
+
+
+_followers: WeakKeyDictionary[NATS, set[Follower]] = WeakKeyDictionary()
+
+
+class Follower:
+    """The board kept in memory by an ordered consumer on its stream, so that reading it
+    costs what changed since the last read, not a read of every entry.
+
+    The stream keeps one message per subject: a consumer from its start delivers the
+    board as it is, then every beat and marker written since, in stream order. A
+    `snapshot` publishes a clock message and waits until the consumer has delivered it:
+    everything stored before it has been folded, and its server time is `now` (as
+    `Board.snapshot`, whose guarantee it keeps: a follower behind cannot hide an entry).
+
+    A purge is no message: the purges of this process's boards reach the fold at once
+    (`Board.purge`), those of other processes (another scheduler replica, a reaper) by
+    a listing of the stream's subjects every `reconcile_s` (answered by the stream's
+    leader: one answer, no message per entry). An entry shown meanwhile is harmless:
+    whatever it is judged to need is checked against the leader's copy first.
+    """
+
+    def __init__(self, board: Board, *, reconcile_s: float = RECONCILE_S) -> None:
+        self.board = board
+        self.reconcile_s = reconcile_s
+        self.entries: dict[str, Beat] = {}
+        self._now: datetime | None = None  # the server time of the last clock message
+        self._seen = 0  # the stream sequence of the last message folded
+        self._clock = 0  # the stream sequence of the last clock message folded
+        self._waiting: dict[int, asyncio.Future[None]] = {}
+        self._sub: Any = None
+        self._reconciled = -reconcile_s
+        self._n = 0
+
+    async def start(self) -> None:
+        if self._sub is not None:
+            return
+        js = self.board.nc.jetstream(timeout=self.board.timeout)
+        self._sub = await js.subscribe(
+            "rp.hb.>", stream=self.board.stream, ordered_consumer=True, cb=self._on
+        )
+        _followers.setdefault(self.board.nc, set()).add(self)
+
+    async def stop(self) -> None:
+        _followers.get(self.board.nc, set()).discard(self)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):  # a closed connection has no subscription
+                await sub.unsubscribe()
+
+    async def snapshot(self) -> tuple[datetime, list[Beat]]:
+        """The server's time now and every phase's last message (see the class)."""
+        await self.start()
+        seq = await self.board.publish(CLOCK_SUBJECT, b"")
+        if self._clock < seq:  # ours, or a newer one (another reaper's) that replaced it
+            done = self._waiting.setdefault(seq, asyncio.get_running_loop().create_future())
+            try:
+                await asyncio.wait_for(asyncio.shield(done), self.board.timeout)
+            except TimeoutError as e:
+                # (e.g. its server restarted: the consumer is gone, and nats-py would
+                # notice only after two missed idle heartbeats.) Folded again from the
+                # start at the next snapshot.
+                await self._restart()
+                raise BoardError("the board's consumer did not deliver the clock message") from e
+            finally:
+                self._waiting.pop(seq, None)
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._reconciled >= self.reconcile_s:
+            await self._reconcile()
+            self._reconciled = loop.time()
+        if self._now is None:
+            raise BoardError("the clock message was not read back")
+        return self._now, list(self.entries.values())
+
+    async def _restart(self) -> None:
+        await self.stop()
+        self.entries.clear()
+        self._now, self._seen, self._clock = None, 0, 0
+
+    def forget(self, subj: str, through: int | None) -> None:
+        """A subject purged (up to `through`): drop what the fold holds of it."""
+        entry = self.entries.get(subj)
+        if entry is not None and (through is None or entry.seq <= through):
+            del self.entries[subj]
+
+    async def _reconcile(self) -> None:
+        """Drop entries purged by other processes: those folded before the listing was
+        asked for whose subject the stream no longer has."""
+        before = self._seen
+        listed = await _subjects(self.board)
+        for subj, entry in list(self.entries.items()):
+            if entry.seq <= before and subj not in listed:
+                del self.entries[subj]
+
+    async def _on(self, msg: Msg) -> None:
+        seq, at = _stored(msg)
+        self._seen = seq
+        if msg.subject == CLOCK_SUBJECT:
+            self._now, self._clock = at, seq
+            for want in [s for s in self._waiting if s <= seq]:
+                if not (done := self._waiting.pop(want)).done():
+                    done.set_result(None)
+        elif (beat := beat_of(msg.subject, seq, at, msg.data)) is not None:
+            self.entries[msg.subject] = beat
+        self._n += 1
+        if self._n % _YIELD_EVERY == 0:  # a big board's first delivery: others go on
+            await asyncio.sleep(0)
+
+
+def _stored(msg: Msg) -> tuple[int, datetime]:
+    """A delivered message's stream sequence and server time, from its reply subject, to
+    the microsecond as a direct get's `Nats-Time-Stamp` gives it (nats-py's metadata
+    goes through a float, which may differ by one)."""
+    tokens = msg.reply.split(".")
+    if len(tokens) == 9:  # $JS.ACK.<stream>.<consumer>.<delivered>.<seq>.<cseq>.<ns>.<pending>
+        seq, at = int(tokens[5]), int(tokens[7])
+    else:  # with the domain and account hash
+        seq, at = int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.Timestamp])
+    sec, ns = divmod(at, 1_000_000_000)
+    return seq, datetime.fromtimestamp(sec, UTC).replace(microsecond=ns // 1000)
+
+
+async def _subjects(board: Board) -> set[str]:
+    """Every subject the board's stream holds, from its leader (stream info, paged)."""
+    api = f"$JS.API.STREAM.INFO.{board.stream}"
+    out: set[str] = set()
+    while True:
+        req = msgspec.json.encode({"subjects_filter": "rp.hb.>", "offset": len(out)})
+        try:
+            resp = await board.nc.request(api, req, timeout=board.timeout)
+            info = msgspec.json.decode(resp.data, type=_Info)
+        except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as e:
+            raise BoardError(f"listing the board's subjects: {e!r}") from e
+        if info.error is not None:
+            raise BoardError(f"listing the board's subjects: {info.error.description}")
+        page = info.state.subjects or {}
+        out.update(page)
+        if not page or len(out) >= info.total:
+            return out
+
+
+class _State(msgspec.Struct, frozen=True):
+    subjects: dict[str, int] | None = None
+
+
+class _Info(msgspec.Struct, frozen=True):
+    state: _State = _State()
+    total: int = 0
+    error: _AckError | None = None

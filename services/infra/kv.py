@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import json
-
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -19,6 +17,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from services.infra import replicas as rep
+from services.infra.directget import DirectReader, InfraError, as_raw, leader_get, leader_last_seq
 
 STATE_HEAD_BUCKET = "rp-state-head"
 STATE_LOCKS_BUCKET = "rp-state-locks"
@@ -27,10 +26,8 @@ BUCKETS = (STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET, SECRETS_BUCKET)
 _BATCH = 1000
 
 
-class KvError(RuntimeError):
+class KvError(InfraError):
     """A bucket read failed; NATS may be back in a moment."""
-
-    retryable = True
 
 
 async def declare_buckets(nc: NATS, js: JetStreamContext, *, replicas: int) -> None:
@@ -65,23 +62,11 @@ async def last_values(
     sequence as its leader had it just before. Otherwise the keys are read from the
     leader: a follower that is behind would hand a dispatch an old secret, or none.
     """
-    need = await _leader_last_seq(nc, f"KV_{bucket}", timeout)
+    need = await leader_last_seq(nc, f"KV_{bucket}", error=KvError, timeout=timeout)
     found, upto = await direct_last_values(nc, bucket, pattern, timeout=timeout)
     if upto >= need:
         return found
     return await _leader_last_values(nc, bucket, pattern, timeout)
-
-
-async def _leader_last_seq(nc: NATS, stream: str, timeout: float) -> int:
-    """A stream's last sequence from its leader (who answers stream info)."""
-    try:
-        resp = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=timeout)
-    except (TimeoutError, nats.errors.Error) as e:
-        raise KvError(f"reading {stream}'s last sequence: {e!r}") from e
-    answer = json.loads(resp.data)
-    if "error" in answer:
-        raise KvError(f"reading {stream}: {answer['error'].get('description')}")
-    return int(answer["state"]["last_seq"])
 
 
 async def _leader_last_values(
@@ -90,22 +75,27 @@ async def _leader_last_values(
     """The keys matching `pattern` from the stream's leader, one message get each (the
     buckets keep one revision per key, so each key's message is its current value)."""
     prefix = f"$KV.{bucket}."
-    js = nc.jetstream(timeout=timeout)
     found: dict[str, bytes] = {}
     seq = 1
     while True:
-        try:
-            raw = await js.get_msg(f"KV_{bucket}", seq=seq, subject=prefix + pattern, next=True)
-        except nats.js.errors.NotFoundError:
+        msg = await leader_get(
+            nc,
+            f"KV_{bucket}",
+            as_raw,
+            subject=prefix + pattern,
+            seq=seq,
+            what=bucket,
+            error=KvError,
+            timeout=timeout,
+        )
+        if msg is None:
             return found
-        except (TimeoutError, nats.errors.Error) as e:
-            raise KvError(f"reading {bucket} from the stream leader: {e!r}") from e
-        key = str(raw.subject)[len(prefix) :]
-        if (raw.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE):
+        key = msg.subject[len(prefix) :]
+        if msg.headers.get(KV_OP) in (KV_DEL, KV_PURGE):
             found.pop(key, None)
         else:
-            found[key] = raw.data or b""
-        seq = int(raw.seq or seq) + 1
+            found[key] = msg.data
+        seq = msg.seq + 1
 
 
 async def direct_last_values(
@@ -114,23 +104,9 @@ async def direct_last_values(
     """The batched direct get alone, from whichever replica answers, and the sequence
     that replica read at (0 if it did not say)."""
     prefix = f"$KV.{bucket}."
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    found: dict[str, bytes] = {}
-    try:
-        req = {"multi_last": [prefix + pattern], "batch": _BATCH}
-        await nc.publish(f"$JS.API.DIRECT.GET.KV_{bucket}", json.dumps(req).encode(), reply=inbox)
-        while True:
-            msg = await sub.next_msg(timeout=timeout)
-            hdrs = msg.headers or {}
-            if status := hdrs.get("Status"):
-                if status in ("204", "404"):
-                    return found, int(hdrs.get("Nats-UpTo-Sequence") or 0)
-                raise KvError(f"reading {bucket}: {status} {hdrs.get('Description', '')}")
-            if hdrs.get(KV_OP) in (KV_DEL, KV_PURGE):
-                continue
-            found[hdrs["Nats-Subject"][len(prefix) :]] = msg.data
-    except TimeoutError as e:
-        raise KvError(f"reading {bucket} timed out") from e
-    finally:
-        await sub.unsubscribe()
+    req = {"multi_last": [prefix + pattern], "batch": _BATCH}
+    msgs, upto = await DirectReader.of(nc).batch(
+        f"KV_{bucket}", req, as_raw, what=bucket, error=KvError, timeout=timeout
+    )
+    live = (m for m in msgs if m.headers.get(KV_OP) not in (KV_DEL, KV_PURGE))
+    return {m.subject[len(prefix) :]: m.data for m in live}, upto

@@ -21,15 +21,13 @@ import base64
 import hashlib
 import json
 from collections.abc import AsyncIterator, Iterable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_META_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
+from services.infra.directget import DirectReader, InfraError, Raw, as_raw
 from services.infra.streams import LOGS, LOGS_BUCKET
 
 STREAM_HEADER = "Rp-Stream"
@@ -42,10 +40,8 @@ _TIMEOUT = 5.0
 _OBJ_API = "$JS.API.DIRECT.GET." + OBJ_STREAM_TEMPLATE.format(bucket=LOGS_BUCKET)
 
 
-class LogError(RuntimeError):
+class LogError(InfraError):
     """A log could not be read (NATS unavailable or timed out); worth retrying."""
-
-    retryable = True
 
 
 class Record(msgspec.Struct, frozen=True):
@@ -164,7 +160,7 @@ class StoredLog:
             msg = await _direct(self.nc, _OBJ_API, req, self.gate, timeout)
             if msg is None:
                 break
-            seq = int((msg.headers or {})["Nats-Sequence"]) + 1
+            seq = msg.seq + 1
             got, size = got + 1, size + len(msg.data)
             h.update(msg.data)
             yield msg.data
@@ -190,19 +186,12 @@ class StoredLog:
 
 async def _direct(
     nc: NATS, subject: str, payload: bytes, gate: asyncio.Semaphore, timeout: float
-) -> Msg | None:
+) -> Raw | None:
     """One direct get; None when the server has no such message."""
     async with gate:
-        try:
-            msg = await nc.request(subject, payload, timeout=timeout)
-        except (nats.errors.Error, TimeoutError) as e:
-            raise LogError(f"reading {LOGS_BUCKET}: {e!r}") from e
-    status = (msg.headers or {}).get("Status")
-    if status == "404":
-        return None
-    if status:
-        raise LogError(f"direct get failed: {status} {(msg.headers or {}).get('Description')}")
-    return msg
+        return await DirectReader.of(nc).one(
+            subject, payload, as_raw, what=LOGS_BUCKET, error=LogError, timeout=timeout
+        )
 
 
 async def read_object(nc: NATS, name: str) -> list[Record] | None:
@@ -211,15 +200,6 @@ async def read_object(nc: NATS, name: str) -> list[Record] | None:
     if stored is None:
         return None
     return [r async for batch in stored.records() for r in batch]
-
-
-class Raw(NamedTuple):
-    """One message of a stream as a direct get answers it."""
-
-    seq: int
-    subject: str
-    data: bytes
-    headers: dict[str, str]
 
 
 async def read_live(nc: NATS, subject: str, *, timeout: float = _TIMEOUT) -> list[LogLine]:
@@ -259,30 +239,8 @@ async def direct_batch(
     timeout: float = _TIMEOUT,
 ) -> tuple[list[Raw], int]:
     """One batched direct get: the messages and the last sequence read (0 when at the end)."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    page: list[Raw] = []
-    try:
-        req = {"seq": start, "next_by_subj": subject, "batch": batch}
-        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
-        while True:
-            msg = await sub.next_msg(timeout=timeout)
-            if _end_of_batch(msg):
-                return page, (page[-1].seq if len(page) == batch else 0)
-            hdrs = msg.headers or {}
-            page.append(Raw(int(hdrs["Nats-Sequence"]), hdrs["Nats-Subject"], msg.data, hdrs))
-    except TimeoutError as e:
-        raise LogError(f"reading {subject} timed out") from e
-    except nats.errors.Error as e:
-        raise LogError(f"reading {subject}: {e!r}") from e
-    finally:
-        await sub.unsubscribe()
-
-
-def _end_of_batch(msg: Msg) -> bool:
-    status = (msg.headers or {}).get("Status")
-    if not status:
-        return False
-    if status in ("204", "404"):
-        return True
-    raise LogError(f"direct get failed: {status} {(msg.headers or {}).get('Description')}")
+    req = {"seq": start, "next_by_subj": subject, "batch": batch}
+    page, _ = await DirectReader.of(nc).batch(
+        stream, req, as_raw, what=subject, error=LogError, timeout=timeout
+    )
+    return page, (page[-1].seq if len(page) == batch else 0)

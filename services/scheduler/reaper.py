@@ -1,7 +1,8 @@
 """The reaper: fail runs whose executor went silent, and phases nobody claimed in time.
 
 Every `interval` it reads the heartbeat board (one message per active phase, see
-`services.infra.heartbeats`) and judges each entry older than its timeout against the
+`services.infra.heartbeats`; kept in memory by an ordered consumer, `Follower`, so a round
+reads only what changed) and judges each entry older than its timeout against the
 run itself:
 
 - a beat of the run's current lease: the executor is gone (killed, host lost, paused);
@@ -37,14 +38,14 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.client import Client as NATS
-from nats.js.errors import NotFoundError
 
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RunState, running_status
 from services.commands import App
 from services.infra import streams
-from services.infra.eventstore import StoreError, floor
-from services.infra.heartbeats import DEADLINE, DISPATCHED, Beat, Board, BoardError
+from services.infra.directget import InfraError, as_raw, leader_get
+from services.infra.eventstore import floor
+from services.infra.heartbeats import DEADLINE, DISPATCHED, Beat, Board, BoardError, Follower
 from services.infra.tasks import cancel_and_wait
 from services.scheduler import limits, watch
 from services.scheduler.watch import adopt, pool_of
@@ -124,6 +125,8 @@ class Reaper:
         self.nc = nc
         self.app = app
         self.board = board or Board(nc)
+        # The board as an ordered consumer delivers it: a round reads what changed.
+        self.fold = Follower(self.board)
         self.interval = interval
         self.redispatch_after = redispatch_after
         # The `Nats-Msg-Id`s in a pool's work queue (one message get each), read again
@@ -162,6 +165,7 @@ class Reaper:
         for _, read in self._queued.values():
             await cancel_and_wait(read)
         self._queued.clear()
+        await self.fold.stop()
 
     async def run(self) -> None:
         """Reap every `interval`, or twice as long as a round took: reading the board costs
@@ -172,7 +176,7 @@ class Reaper:
             started = loop.time()
             try:
                 await self.reap_once()
-            except (BoardError, StoreError, nats.errors.Error, TimeoutError) as e:
+            except (InfraError, nats.errors.Error, TimeoutError) as e:
                 log.warning("reaper_retry", error=str(e))
                 self.lost_sight()
             except Exception:  # one bad round must not stop reaping
@@ -198,7 +202,7 @@ class Reaper:
 
     async def reap_once(self) -> list[tuple[Beat, Verdict]]:
         """One round: judge every stale entry; return what was decided (for tests)."""
-        now, board = await self.board.snapshot()
+        now, board = await self.fold.snapshot()
         # Every run judged below is read at least as new as the stream was after the board
         # (from its leader): a beat is published after the claim it beats for, so no
         # follower that is behind can show a live run as one that moved on.
@@ -233,7 +237,7 @@ class Reaper:
             async with self._slots:
                 try:
                     await limits.enforce(self.app, self.board, beat, now)
-                except (BoardError, StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
+                except (InfraError, DomainError, nats.errors.Error, TimeoutError) as e:
                     log.warning("limit_failed", run_id=beat.run_id, error=repr(e))
 
         await asyncio.gather(*(one(b) for b in due))
@@ -256,7 +260,7 @@ class Reaper:
             async with self._slots:
                 try:
                     await self._unseen(marker)
-                except (BoardError, StoreError, DomainError, nats.errors.Error, TimeoutError) as e:
+                except (InfraError, DomainError, nats.errors.Error, TimeoutError) as e:
                     log.warning("open_run_check_failed", run_id=marker.run_id, error=repr(e))
                     return
             self._looked[marker.subject] = now
@@ -379,20 +383,23 @@ async def queued(nc: NATS, pool: str, *, timeout: float = 5.0) -> set[str]:
     """The `Nats-Msg-Id` of every message in a pool's work queue (taken or not, a message
     stays until acknowledged), as the stream's leader has it: a follower behind might
     not have a message published just now, and the phase would go twice."""
-    js = nc.jetstream(timeout=timeout)
     ids: set[str] = set()
     seq = 1
     while True:
-        try:
-            raw = await js.get_msg(
-                streams.DISPATCH, seq=seq, subject=streams.dispatch_subject(pool), next=True
-            )
-        except NotFoundError:
+        msg = await leader_get(
+            nc,
+            streams.DISPATCH,
+            as_raw,
+            subject=streams.dispatch_subject(pool),
+            seq=seq,
+            what=f"the {pool} work queue",
+            error=BoardError,
+            timeout=timeout,
+        )
+        if msg is None:
             return ids
-        except (TimeoutError, nats.errors.Error) as e:
-            raise BoardError(f"reading the {pool} work queue: {e!r}") from e
-        ids.add((raw.headers or {}).get("Nats-Msg-Id", ""))
-        seq = int(raw.seq or seq) + 1
+        ids.add(msg.headers.get("Nats-Msg-Id", ""))
+        seq = msg.seq + 1
 
 
 def _key(beat: Beat) -> tuple[str, bool]:

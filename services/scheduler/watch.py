@@ -15,11 +15,10 @@
 
 from __future__ import annotations
 
-import json
-
 import structlog
 from nats.aio.client import Client as NATS
 
+from events import wire
 from events.codec import valid_id
 from events.react import Watch
 from events.run import RunState
@@ -47,9 +46,9 @@ def pool_of(state: RunState, default: str) -> str:
 
 
 def dispatch_message(state: RunState, phase: str) -> bytes:
-    return json.dumps(
-        {"org": state.org, "workspace": state.workspace, "run_id": state.run_id, "phase": phase}
-    ).encode()
+    return wire.encode(
+        wire.Dispatch(org=state.org, workspace=state.workspace, run_id=state.run_id, phase=phase)
+    )
 
 
 def dispatch_id(run_id: str, phase: str) -> str:
