@@ -10,6 +10,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from services import trust
+from services.infra import tracing
 from services.repositories import deployment_sources
 from services.runtime import (
     ConfigError,
@@ -23,6 +24,12 @@ from services.runtime import (
 )
 
 log = structlog.get_logger(__name__)
+
+
+def _traced(stack: AsyncExitStack, service: str) -> None:
+    """This process's tracer provider (services/infra/tracing.py), flushed at its end."""
+    tracing.setup(service)
+    stack.callback(tracing.shutdown)
 
 
 def _readmodel_path(opts: Options) -> Path:
@@ -105,6 +112,7 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     """Everything on one machine: embedded NATS, api+projector, scheduler, one executor."""
     from services.demo import DEMO_ORG, DEMO_WS
 
+    _traced(stack, "runplane")
     base = await start_all(opts, stack)
     _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
     await wait_for_signal()
@@ -137,6 +145,7 @@ def _banner(base: str, token: str, org: str, ws: str) -> None:
 async def api(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane api needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-api")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     base = await _start_api(opts, stack, nc, lambda: True)
@@ -150,6 +159,7 @@ async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
 
     if not opts.nats_url:
         raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-scheduler")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
@@ -162,6 +172,7 @@ async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
 async def executor(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane executor needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-executor")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await _start_executor(opts, stack, nc)

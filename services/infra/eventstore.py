@@ -35,6 +35,7 @@ from nats.js.errors import NotFoundError
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
+from services.infra import tracing
 from services.infra.streams import EVENTS
 
 _BATCH = 1000
@@ -106,6 +107,7 @@ def _headers(
     item: Append, msg_id: str, extra: dict[str, str], *, check: bool = True
 ) -> dict[str, str]:
     headers = {"Nats-Msg-Id": msg_id, "Rp-Type": tag_of(item.event), **extra}
+    tracing.inject(headers)  # the writer's trace: its request, phase or delivery
     if check:
         headers["Nats-Expected-Last-Subject-Sequence"] = str(item.expected)
     return headers

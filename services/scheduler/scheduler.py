@@ -38,7 +38,7 @@ from events.codec import decode
 from events.errors import DomainError
 from events.run import RunState
 from services.commands import App
-from services.infra import streams
+from services.infra import streams, tracing
 from services.infra.eventstore import StoreError, floor
 from services.infra.heartbeats import Board
 from services.infra.tasks import cancel_and_wait
@@ -228,6 +228,7 @@ class Scheduler:
             # cluster a follower that is behind would show the run before the event that
             # woke us, and we would decide nothing (services/infra/eventstore.py).
             floor.set(max(floor.get(), m.metadata.sequence.stream))
+            tracing.follow(m.headers)  # what this message causes carries its trace
             try:
                 kind = (m.headers or {}).get("Rp-Type", "")
                 parts = m.subject.split(".")
