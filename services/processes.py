@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -24,6 +25,8 @@ from services.runtime import (
 )
 
 log = structlog.get_logger(__name__)
+
+METRICS_TOKEN_ENV = "RUNPLANE_METRICS_TOKEN"
 
 
 def _traced(stack: AsyncExitStack, service: str) -> None:
@@ -52,6 +55,8 @@ async def _start_api(
         ready=ready,
         secret_store=trust.secret_store(nc, opts),
         repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
+        # the scraper's credential for /metrics alone (environment only: never argv)
+        metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
     )
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 

@@ -23,7 +23,9 @@ from services.infra.heartbeats import BoardError
 
 log = structlog.get_logger("runplane.api")
 
-PUBLIC = frozenset({"/healthz"})
+# Routes the middleware lets through unauthenticated: /metrics checks its own tokens
+# (services/api/metrics.py).
+PUBLIC = frozenset({"/healthz", "/metrics"})
 MIN_SEQ = "RP-Min-Seq"
 _BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
