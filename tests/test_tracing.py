@@ -6,6 +6,7 @@ exporter, configured by the environment of a real process, against a local colle
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import subprocess
@@ -268,9 +269,52 @@ async def test_a_process_exports_its_spans_to_the_configured_collector(
     assert got == [], "no exporter unless configured"
 
 
-async def _probe(env: dict[str, str]) -> None:
+async def _probe(env: dict[str, str], script: str = COLLECTOR_PROBE) -> str:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", COLLECTOR_PROBE, env=env, stderr=subprocess.PIPE
+        sys.executable,
+        "-c",
+        script,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
-    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+QUIET_PROBE = """
+import json, sys
+from services.infra import tracing
+tracing.setup("quiet")
+out = {}
+with tracing.span_from_headers("root", {}) as root:
+    out["recording"] = root.is_recording()
+    out["root"] = tracing.inject({})["traceparent"]
+    with tracing.span("child"):
+        out["child"] = tracing.inject({})["traceparent"]
+for flags in ("00", "01"):
+    parent = {"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-" + flags}
+    with tracing.span_from_headers("from", parent) as s:
+        out[flags] = [tracing.inject({})["traceparent"], s.is_recording()]
+print(json.dumps(out))
+"""
+
+
+async def test_without_an_exporter_nothing_is_recorded_but_the_trace_id_travels(
+    tmp_path: Path,
+) -> None:
+    """A process with no collector configured records no span of its own, yet each root
+    span has a fresh trace id its children keep (flags 00, so a downstream process with
+    an exporter does not record it either); a caller's parent keeps its trace id, and a
+    sampled one is honoured (recorded, flags 01)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "RUNPLANE_OTLP"))}
+    out = json.loads((await _probe(env, QUIET_PROBE)).strip().splitlines()[-1])
+    assert out["recording"] is False
+    root, child = ids(out["root"]), ids(out["child"])
+    assert root[0] == child[0] and root[1] != child[1]
+    assert out["root"].endswith("-00") and out["child"].endswith("-00")
+    unsampled, recorded = out["00"]
+    assert ids(unsampled)[0] == "a" * 32 and unsampled.endswith("-00") and not recorded
+    sampled, recorded = out["01"]
+    assert ids(sampled)[0] == "a" * 32 and sampled.endswith("-01") and recorded

@@ -42,9 +42,11 @@ async def trace_requests(request: web.Request, handler: Handler) -> web.StreamRe
         f"{method} {route}", request.headers, kind=SpanKind.SERVER
     ) as span:
         trace_id = tracing.trace_id()  # on the request's log lines, to find its trace
-        bound = {"trace_id": trace_id} if trace_id else {}
-        with structlog.contextvars.bound_contextvars(**bound):
+        bound = structlog.contextvars.bind_contextvars(trace_id=trace_id) if trace_id else {}
+        try:
             response = await handler(request)
+        finally:
+            structlog.contextvars.reset_contextvars(**bound)
         if span.is_recording():
             span.set_attributes(
                 {
