@@ -23,7 +23,10 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from events.run import Workspace
+from services.commands import App
 from services.infra import tracing
+from services.infra.consumer import Consumer, Received, Subscription
 from services.infra.streams import EVENTS, dispatch_subject
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
@@ -318,3 +321,40 @@ async def test_without_an_exporter_nothing_is_recorded_but_the_trace_id_travels(
     assert ids(unsampled)[0] == "a" * 32 and unsampled.endswith("-00") and not recorded
     sampled, recorded = out["01"]
     assert ids(sampled)[0] == "a" * 32 and sampled.endswith("-01") and recorded
+
+
+async def test_a_subscribers_delivery_is_a_span_of_the_events_trace(
+    nc: NATS, app: App, spans: Recorder
+) -> None:
+    """The consumer loop (services/infra/consumer.py) hands each message to its handler
+    inside a `deliver rp-sub-<name>` span, the child of the span that appended the event:
+    the handler runs in the writer's trace, and what it appends carries it on."""
+    seen: dict[str, str] = {}
+
+    async def handle(r: Received) -> None:
+        if r.type == "run.created":
+            seen["trace"] = tracing.trace_id()
+            seen["header"] = r.headers["traceparent"]
+
+    async with Consumer(nc, Subscription(name="t-trace", handle=handle), app=app) as c:
+        await c.ready.wait()
+        await app.create_org("acme", "admin")
+        await app.create_workspace("acme", "net", Workspace(repository="/nowhere"), "admin")
+        with tracing.span("writer") as writer:
+            await app.create_run("acme", "net", "plan", "alice")
+        writer_trace = format(writer.get_span_context().trace_id, "032x")
+
+        async def delivered() -> ReadableSpan:
+            assert seen, "not delivered yet"
+            (d,) = [
+                s
+                for s in spans.get_finished_spans()
+                if s.name == "deliver rp-sub-t-trace" and hexed(s)[0] == writer_trace
+            ]
+            return d
+
+        delivery = await eventually(delivered, what="the delivery's span")
+    assert seen["trace"] == writer_trace == ids(seen["header"])[0]
+    assert hexed(delivery)[2] == ids(seen["header"])[1], "the event's writer is its parent"
+    assert delivery.attributes is not None
+    assert delivery.attributes["runplane.event"] == "run.created"
