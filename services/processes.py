@@ -192,6 +192,7 @@ async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
     """Every registered subscriber (run as many replicas as you like)."""
     if not opts.nats_url:
         raise ConfigError("runplane subscribers needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-subscribers")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     names = await _start_subscribers(opts, stack, nc)
