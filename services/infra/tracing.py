@@ -23,9 +23,11 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import random
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager
+from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 import structlog
@@ -34,7 +36,6 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace import NonRecordingSpan, Span, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -56,10 +57,10 @@ EXPORT_TIMEOUT_S = 5.0  # per export request (the SDK's default is 10)
 
 _propagator = TraceContextTextMapPropagator()
 _tracer = trace.get_tracer("runplane")  # follows the provider `setup` installs
-_ids = RandomIdGenerator()
+_UNSAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
-_quiet = False  # the provider exports nothing: unsampled spans are made by `_started`
+_quiet = False  # the provider exports nothing: unsampled spans are made by `Started`
 
 
 # ---------------------------------------------------------------- the process's provider
@@ -157,47 +158,60 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
     return _propagator.extract(carrier, context=otel_context.Context())
 
 
-@contextmanager
 def span_from_headers(
     name: str,
     headers: Mapping[str, str] | None,
     *,
     kind: SpanKind = SpanKind.CONSUMER,
     **attrs: Any,
-) -> Iterator[Span]:
+) -> Started:
     """A span whose parent is the context in `headers` (a new trace if none), current
-    for the block. Attributes with a None value are left out."""
-    with _started(name, extract(headers), kind, attrs) as s:
-        yield s
+    for the block (`with ... as span`). Attributes with a None value are left out."""
+    return Started(name, extract(headers), kind, attrs)
 
 
-@contextmanager
-def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, **attrs: Any) -> Iterator[Span]:
+def span(name: str, *, kind: SpanKind = SpanKind.INTERNAL, **attrs: Any) -> Started:
     """A child span of the current one, current for the block."""
-    with _started(name, None, kind, attrs) as s:
-        yield s
+    return Started(name, None, kind, attrs)
 
 
-@contextmanager
-def _started(
-    name: str, ctx: otel_context.Context | None, kind: SpanKind, attrs: Mapping[str, Any]
-) -> Iterator[Span]:
-    """The span, current for the block. With nothing to export (`_quiet`) a span no one
-    sampled is made here, not by the SDK: the same ids and flags its `ParentBased
-    (ALWAYS_OFF)` would give, for a fifth of the cost (2 us, not 10: every request and
-    command has one)."""
-    if _quiet:
-        parent = trace.get_current_span(ctx).get_span_context()
-        if not parent.trace_flags.sampled:
-            bare = _unsampled(parent)
-            token = otel_context.attach(trace.set_span_in_context(bare, ctx))
-            try:
-                yield bare
-            finally:
-                otel_context.detach(token)
-            return
-    with _tracer.start_as_current_span(name, ctx, kind, _attrs(attrs)) as s:
-        yield s
+class Started:
+    """A span, current for a `with` block. With nothing to export (`_quiet`) a span no
+    one sampled is made here, not by the SDK: the ids and flags its `ParentBased
+    (ALWAYS_OFF)` would give, at a fraction of the cost (every request, command and
+    delivery has one). A class, not a generator: this is on every request's path."""
+
+    __slots__ = ("_attrs", "_cm", "_ctx", "_kind", "_name", "_token")
+
+    def __init__(
+        self, name: str, ctx: otel_context.Context | None, kind: SpanKind, attrs: Mapping[str, Any]
+    ) -> None:
+        self._name, self._ctx, self._kind, self._attrs = name, ctx, kind, attrs
+        self._cm: AbstractContextManager[Span] | None = None
+        self._token: object = None
+
+    def __enter__(self) -> Span:
+        if _quiet:
+            parent = trace.get_current_span(self._ctx).get_span_context()
+            if not parent.trace_flags.sampled:
+                bare = _unsampled(parent)
+                self._token = otel_context.attach(trace.set_span_in_context(bare, self._ctx))
+                return bare
+        self._cm = _tracer.start_as_current_span(
+            self._name, self._ctx, self._kind, _attrs(self._attrs)
+        )
+        return self._cm.__enter__()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if self._cm is not None:
+            return self._cm.__exit__(exc_type, exc, tb)
+        otel_context.detach(self._token)  # type: ignore[arg-type]  # attach's token
+        return None
 
 
 def _unsampled(parent: SpanContext) -> NonRecordingSpan:
@@ -205,11 +219,11 @@ def _unsampled(parent: SpanContext) -> NonRecordingSpan:
     valid = parent.is_valid
     return NonRecordingSpan(
         SpanContext(
-            parent.trace_id if valid else _ids.generate_trace_id(),
-            _ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=TraceFlags(TraceFlags.DEFAULT),
-            trace_state=parent.trace_state if valid else None,
+            parent.trace_id if valid else (random.getrandbits(128) or 1),
+            random.getrandbits(64) or 1,
+            False,
+            _UNSAMPLED,
+            parent.trace_state if valid else None,
         )
     )
 
@@ -254,7 +268,7 @@ def command(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
 
     @functools.wraps(fn)
     async def traced(*args: P.args, **kwargs: P.kwargs) -> T:
-        with _started(title, None, SpanKind.INTERNAL, {}) as s:
+        with Started(title, None, SpanKind.INTERNAL, {}) as s:
             if s.is_recording():
                 for p, i in where.items():
                     value = kwargs.get(p, args[i] if i < len(args) else None)
