@@ -228,13 +228,6 @@ def _unsampled(parent: SpanContext) -> NonRecordingSpan:
     )
 
 
-def follow(headers: Mapping[str, str] | None) -> None:
-    """Make the context in `headers` the current one for the rest of this task (no span):
-    for a loop that takes one message after another in its own task, as the scheduler's
-    lanes do; the next message's call replaces it."""
-    otel_context.attach(extract(headers))
-
-
 def annotate(name: str = "", **attrs: Any) -> None:
     """Rename (if `name`) and add attributes to the current span, if it records."""
     s = trace.get_current_span()
