@@ -102,11 +102,19 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
     every event of the run (the api's, the scheduler's, the executor's) and of its
     workspace's enqueue carries the same trace id in its NATS headers; the dispatch message
     carries it; the executor's `phase plan` span is the child of the dispatch it took, and
-    each step's span the phase's child."""
+    each step's span the phase's child; a subscriber's deliveries of the run's events
+    (the notifications' path) are spans of the same trace."""
     commit(repo, {"main.tf": ONE})
     body = {"name": "net", "repository": str(repo)}
     assert (await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)).status == 201
     dispatched = await plane.nc.subscribe(dispatch_subject("default"))  # sees JetStream's
+    delivered: dict[str, str] = {}  # a subscriber's view: event type -> its trace id
+
+    async def handle(r: Received) -> None:
+        delivered[r.type] = tracing.trace_id()
+
+    subscriber = Consumer(plane.nc, Subscription(name="t-e2e", handle=handle), app=plane.app)
+    await (await plane.stack.enter_async_context(subscriber)).ready.wait()
     await plane.executor("e1")
     header, trace_id, caller_span = traceparent()
     a = await plane.http.post(
@@ -142,6 +150,13 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
         return by_name
 
     by_name = await eventually(finished, what="the phase's spans")
+    await eventually(lambda: _has(delivered, "run.plan_finished"), what="the subscriber's delivery")
+    assert delivered["run.created"] == delivered["run.plan_finished"] == trace_id
+    deliveries = [s for s in by_name["deliver rp-sub-t-e2e"] if s.attributes]
+    assert {s.attributes["runplane.event"] for s in deliveries if s.attributes} >= {
+        "run.created",
+        "run.plan_finished",
+    }
     (request,) = by_name["POST /api/v1/orgs/{org}/workspaces/{ws}/runs"]
     assert hexed(request)[2] == caller_span, "the caller's span is the request's parent"
     assert request.attributes is not None
@@ -166,6 +181,10 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
     phase_spans = {hexed(s)[1] for s in spans.get_finished_spans() if _under(s, phase, spans)}
     started = next(h for t, h in run_events if t == "run.phase_started")
     assert ids(started["traceparent"])[1] in phase_spans
+
+
+async def _has(seen: dict[str, str], key: str) -> bool:
+    return key in seen
 
 
 def _under(span: ReadableSpan, ancestor: ReadableSpan, spans: Recorder) -> bool:
