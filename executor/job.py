@@ -28,6 +28,7 @@ from executor.output import Masker, masked_command
 from executor.process import StepLog
 from executor.terraform import Terraform
 from services.commands import App
+from services.infra import tracing
 from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 
@@ -107,7 +108,13 @@ class Job:
 
 
 async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> T:
-    """Run one step under the step protocol; a failure becomes StepFailed for this step."""
+    """Run one step under the step protocol (in a span of its own, inside the phase's);
+    a failure becomes StepFailed for this step."""
+    with tracing.span(f"step {name}", run_id=job.run_id, phase=job.phase, step=name):
+        return await _step(job, name, body)
+
+
+async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> T:
     job.step = name
     started = job.now()
     await job.report(StartStep(actor=job.actor, lease_id=job.lease_id, step=name))

@@ -41,6 +41,7 @@ from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
 from services.commands import App, new_id
+from services.infra import tracing
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import LATEST
 from services.infra.heartbeats import Board, beat_interval
@@ -269,7 +270,7 @@ class Executor:
                     if msg is None:
                         self._slots.release()
                         continue
-                    tg.create_task(self._handle(msg))
+                    tg.create_task(self._traced(msg))
         finally:
             log.info("executor_stopped", executor_id=self.executor_id)
 
@@ -293,6 +294,12 @@ class Executor:
                 await m.nak()
             return None
         return msgs[0] if msgs else None
+
+    async def _traced(self, msg: Msg) -> None:
+        """`_handle` in the phase's span, a child of the dispatch's trace: the claim, the
+        steps and every event the phase appends carry it."""
+        with tracing.span_from_headers("phase", msg.headers, executor=self.executor_id):
+            await self._handle(msg)
 
     async def _handle(self, msg: Msg) -> None:
         """Claim and run one dispatched phase; never raises (it would end the TaskGroup)."""
@@ -393,6 +400,9 @@ class Executor:
     async def _execute(self, job: Job) -> None:
         """Run the phase in its own task (so stop() can interrupt it) beside its heartbeat."""
         self._jobs.add(job)
+        tracing.annotate(
+            f"phase {job.phase}", org=job.org, workspace=job.ws, run_id=job.run_id, phase=job.phase
+        )
         job.task = asyncio.create_task(run_phase(job), name=f"{job.run_id}-{job.phase}")
         beat = asyncio.create_task(self._heartbeat(job))
         try:

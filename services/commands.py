@@ -42,6 +42,7 @@ from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
 from events.errors import Conflict, DomainError, IllegalTransition, NotFound
+from services.infra import tracing
 from services.infra.eventstore import LATEST, Append, EventStore, StoreError
 from services.snapshot import SnapshotFailed
 
@@ -154,9 +155,11 @@ class App:
 
     # ------------------------------------------------------------ organizations
 
+    @tracing.command
     async def create_org(self, name: str, actor: str) -> Result:
         return await self.org_command(name, org_agg.CreateOrg(actor=actor, name=name))
 
+    @tracing.command
     async def issue_token(
         self, org: str, user: str, role: str, actor: str, *, expires_at: datetime | None = None
     ) -> tuple[str, Result]:
@@ -172,6 +175,7 @@ class App:
         )
         return token, await self.org_command(org, cmd)
 
+    @tracing.command
     async def record_token_use(self, org: str, token_id: str, user: str) -> int:
         """Record that a token was used now, on its own uses subject: a fact the api saw
         (the token authenticated a request), so there is nothing to decide. Raises
@@ -184,6 +188,7 @@ class App:
 
     # ------------------------------------------------------------ workspaces
 
+    @tracing.command
     async def create_workspace(
         self, org: str, name: str, config: run_agg.Workspace, actor: str, *, folder: str = ""
     ) -> Result:
@@ -206,6 +211,7 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
 
+    @tracing.command
     async def set_variables(
         self, org: str, name: str, variables: dict[str, str], actor: str
     ) -> Result:
@@ -213,12 +219,14 @@ class App:
         cmd = ws_agg.SetVariables(actor=actor, variables=variables)
         return await self._workspace_command(org, name, cmd)
 
+    @tracing.command
     async def lock_workspace(self, org: str, name: str, reason: str, actor: str) -> Result:
         """Lock a workspace: runs still queue, none is admitted until it is unlocked."""
         return await self._workspace_command(
             org, name, ws_agg.LockWorkspace(actor=actor, reason=reason)
         )
 
+    @tracing.command
     async def unlock_workspace(self, org: str, name: str, actor: str, *, admin: bool) -> Result:
         """Lift a workspace's lock (its holder, or an org admin); the scheduler then admits."""
         return await self._workspace_command(
@@ -236,6 +244,7 @@ class App:
 
     # ------------------------------------------------------------ runs
 
+    @tracing.command
     async def create_run(
         self,
         org: str,
@@ -292,6 +301,7 @@ class App:
             log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=repr(e))
         return created  # type: ignore[no-any-return]  # Result
 
+    @tracing.command
     async def enqueue_run(
         self, org: str, ws: str, run_id: str, actor: str, *, seen: Loaded | None = None
     ) -> bool:
@@ -320,6 +330,7 @@ class App:
         async with lock:
             return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
+    @tracing.command
     async def ensure_enqueued(self, org: str, ws: str, run_id: str, actor: str) -> bool:
         """The scheduler's repair of a create whose writer died between its two appends:
         enqueue the run if it is pending, not speculative, and not on its workspace."""
@@ -333,6 +344,7 @@ class App:
         w = await self.load_ws(org, ws)
         return w.state.holds(run_id)  # type: ignore[no-any-return]
 
+    @tracing.command
     async def run_command(
         self,
         org: str,
@@ -398,6 +410,7 @@ class App:
                 log.warning("run_release_deferred", run_id=run_id, error=repr(e))
         return result  # type: ignore[no-any-return]  # Result
 
+    @tracing.command
     async def release(self, run: run_agg.RunState, actor: str) -> bool:
         """Give a terminal run's place back: off its workspace's queue, or the workspace
         itself if it held it. True if this call released it."""
@@ -413,6 +426,7 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
+    @tracing.command
     async def admit_next(
         self, org: str, ws: str, actor: str = "scheduler", *, hint: str = ""
     ) -> str:
@@ -472,6 +486,7 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # str
 
+    @tracing.command
     async def admit_speculative(
         self, org: str, ws: str, run_id: str, actor: str = "scheduler"
     ) -> bool:
@@ -491,6 +506,7 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # bool
 
+    @tracing.command
     async def pin_run(
         self,
         org: str,
@@ -534,6 +550,7 @@ class App:
 
     # ------------------------------------------------------------ settings and folders
 
+    @tracing.command
     async def org_command(self, org: str, command: org_agg.OrgCommand) -> Result:
         """Decide and append an organization command (folders, settings, tokens)."""
 
@@ -546,6 +563,7 @@ class App:
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
 
+    @tracing.command
     async def set_workspace_settings(
         self, org: str, name: str, changes: dict[str, Any], actor: str
     ) -> Result:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -10,6 +11,7 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from services import trust
+from services.infra import tracing
 from services.repositories import deployment_sources
 from services.runtime import (
     ConfigError,
@@ -23,6 +25,14 @@ from services.runtime import (
 )
 
 log = structlog.get_logger(__name__)
+
+METRICS_TOKEN_ENV = "RUNPLANE_METRICS_TOKEN"
+
+
+def _traced(stack: AsyncExitStack, service: str) -> None:
+    """This process's tracer provider (services/infra/tracing.py), flushed at its end."""
+    tracing.setup(service)
+    stack.callback(tracing.shutdown)
 
 
 def _readmodel_path(opts: Options) -> Path:
@@ -45,6 +55,8 @@ async def _start_api(
         ready=ready,
         secret_store=trust.secret_store(nc, opts),
         repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
+        # the scraper's credential for /metrics alone (environment only: never argv)
+        metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
     )
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 
@@ -119,6 +131,7 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     the subscribers."""
     from services.demo import DEMO_ORG, DEMO_WS
 
+    _traced(stack, "runplane")
     base = await start_all(opts, stack)
     _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
     await wait_for_signal()
@@ -151,6 +164,7 @@ def _banner(base: str, token: str, org: str, ws: str) -> None:
 async def api(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane api needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-api")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     base = await _start_api(opts, stack, nc, lambda: True)
@@ -164,6 +178,7 @@ async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
 
     if not opts.nats_url:
         raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-scheduler")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
@@ -177,6 +192,7 @@ async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
     """Every registered subscriber (run as many replicas as you like)."""
     if not opts.nats_url:
         raise ConfigError("runplane subscribers needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-subscribers")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     names = await _start_subscribers(opts, stack, nc)
@@ -187,6 +203,7 @@ async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
 async def executor(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane executor needs --nats-url (or RUNPLANE_NATS_URL)")
+    _traced(stack, "runplane-executor")
     trust.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await _start_executor(opts, stack, nc)

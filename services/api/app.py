@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import changes, groups, locks, logs, openapi, orgs, runs, secrets, state
+from services.api import changes, groups, locks, logs, metrics, openapi, orgs, runs, secrets, state
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
@@ -19,6 +19,7 @@ from services.api.common import json_response
 from services.api.context import API, Api
 from services.api.middleware import MIDDLEWARES
 from services.commands import App
+from services.infra.metrics import Metrics
 from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 from services.secrets import SecretStore
@@ -40,6 +41,7 @@ OPENAPI: web.AppKey[dict[str, object]] = web.AppKey("runplane.openapi", dict)
 
 ROUTES = [
     web.get("/healthz", orgs.healthz, allow_head=False),
+    web.get("/metrics", metrics.metrics, allow_head=False),
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
     web.post(V1 + "/orgs", orgs.create_org),
     web.get(ORG, orgs.get_org, allow_head=False),
@@ -98,13 +100,15 @@ def build_app(
     secret_store: SecretStore | None = None,
     repositories: Sources | None = None,
     policy_sandbox: PolicySandbox | None = None,
+    metrics_token: str = "",
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
     Without a `secret_store` (no encryption key) secret variables answer 503. Without
     `repositories` a workspace may name any repository (the processes pass the
     deployment's, services/repositories.py). Without a `policy_sandbox`, policies are
-    checked with the deployment's caps (environment).
+    checked with the deployment's caps (environment). `metrics_token`: a token that
+    opens `/metrics` and nothing else (services/api/metrics.py).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -114,5 +118,8 @@ def build_app(
         web_app[orgs.SOURCES] = repositories
     web_app[policies_api.SANDBOX] = policy_sandbox or PolicySandbox()
     web_app[OPENAPI] = openapi.document()
+    web_app[metrics.METRICS] = deployment_metrics = Metrics(app.store.nc, projector.db_path)
+    web_app[metrics.METRICS_TOKEN] = metrics.token_digest(metrics_token)
+    web_app.on_cleanup.append(lambda _: deployment_metrics.close())
     web_app.add_routes(ROUTES)
     return web_app

@@ -1,5 +1,6 @@
-"""Middlewares, outermost first: one log line per request, problem details for every
-error, bearer authentication, and the RP-Min-Seq wait of reads."""
+"""Middlewares, outermost first: a span per request (a caller's `traceparent` is its
+parent), one log line per request, problem details for every error, bearer
+authentication, and the RP-Min-Seq wait of reads."""
 
 from __future__ import annotations
 
@@ -10,19 +11,51 @@ import nats.errors
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from opentelemetry.trace import SpanKind
 
 from events.errors import DomainError
 from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
+from services.infra import tracing
 from services.infra.eventstore import StoreError
 from services.infra.heartbeats import BoardError
 
 log = structlog.get_logger("runplane.api")
 
-PUBLIC = frozenset({"/healthz"})
+# Routes the middleware lets through unauthenticated: /metrics checks its own tokens
+# (services/api/metrics.py).
+PUBLIC = frozenset({"/healthz", "/metrics"})
 MIN_SEQ = "RP-Min-Seq"
 _BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+@web.middleware
+async def trace_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A span per request, named by its route (not its path, which names tenants' things),
+    current while it is handled: every event it appends carries its `traceparent`."""
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    method = request.method if request.method in _METHODS else "_OTHER"  # any token is one
+    with tracing.span_from_headers(
+        f"{method} {route}", request.headers, kind=SpanKind.SERVER
+    ) as span:
+        trace_id = tracing.trace_id()  # on the request's log lines, to find its trace
+        bound = structlog.contextvars.bind_contextvars(trace_id=trace_id) if trace_id else {}
+        try:
+            response = await handler(request)
+        finally:
+            structlog.contextvars.reset_contextvars(**bound)
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "http.request.method": method,
+                    "http.route": route,
+                    "http.response.status_code": response.status,
+                }
+            )
+        return response
 
 
 @web.middleware
@@ -109,4 +142,4 @@ async def min_seq(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
-MIDDLEWARES = (log_requests, problems, authenticate_requests, min_seq)
+MIDDLEWARES = (trace_requests, log_requests, problems, authenticate_requests, min_seq)

@@ -125,6 +125,20 @@ PATHS: dict[str, Doc] = {
             },
         }
     },
+    "/metrics": {
+        "get": {
+            "operationId": "metrics",
+            "summary": "The deployment's figures for Prometheus (admin or metrics token)",
+            "responses": {
+                "200": {
+                    "description": "Prometheus text format 0.0.4",
+                    "content": {"text/plain": {}},
+                },
+                "401": {"$ref": "#/components/responses/401"},
+                "403": _problem("forbidden"),
+            },
+        }
+    },
     "/api/v1/orgs": {
         "post": operation(
             "createOrg",

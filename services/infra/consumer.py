@@ -50,7 +50,7 @@ from events.codec import AnyEvent, decode, tag_of
 from events.errors import DomainError
 from events.run import RunState
 from events.workspace import WorkspaceState
-from services.infra import streams
+from services.infra import streams, tracing
 from services.infra.eventstore import StoreError, floor
 from services.infra.tasks import cancel_and_wait
 
@@ -323,6 +323,18 @@ class Consumer:
             self._in_flight.release()
 
     async def _one(self, m: Msg, received: Received) -> None:
+        # A delivery is a span, the child of the event's writer's (its `traceparent`): what
+        # the handler appends and publishes carries the same trace.
+        with tracing.span_from_headers(
+            f"deliver {self.durable}",
+            received.headers,
+            event=received.type,
+            seq=received.seq,
+            delivered=received.num_delivered,
+        ):
+            await self._handled(m, received)
+
+    async def _handled(self, m: Msg, received: Received) -> None:
         # Every read for this message is at least as new as the message itself.
         floor.set(max(floor.get(), received.seq))
         subject = m.subject

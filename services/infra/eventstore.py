@@ -31,6 +31,7 @@ from nats.aio.client import Client as NATS
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
+from services.infra import tracing
 from services.infra.directget import DirectReader, InfraError, leader_get, leader_last_seq
 from services.infra.streams import EVENTS
 
@@ -101,6 +102,7 @@ def _headers(
     item: Append, msg_id: str, extra: dict[str, str], *, check: bool = True
 ) -> dict[str, str]:
     headers = {"Nats-Msg-Id": msg_id, "Rp-Type": tag_of(item.event), **extra}
+    tracing.inject(headers)  # the writer's trace: its request, phase or delivery
     if check:
         headers["Nats-Expected-Last-Subject-Sequence"] = str(item.expected)
     return headers

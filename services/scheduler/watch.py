@@ -25,7 +25,7 @@ from events.run import RunState
 from events.settings import DEFAULT_ORIGIN
 from events.templates import phase_of
 from services.commands import App
-from services.infra import streams
+from services.infra import streams, tracing
 from services.infra.heartbeats import CLAIMED, DISPATCHED, Board, body, subject
 
 log = structlog.get_logger(__name__)
@@ -60,11 +60,13 @@ def dispatch_id(run_id: str, phase: str) -> str:
 async def dispatch(nc: NATS, run: RunState, phase: str, pool: str) -> bool:
     """Publish a phase to its pool's work queue; False if the server dropped it as a
     duplicate of a message published within its duplicate window."""
-    ack = await nc.jetstream().publish(
-        streams.dispatch_subject(pool),
-        dispatch_message(run, phase),
-        headers={"Nats-Msg-Id": dispatch_id(run.run_id, phase)},
-    )
+    with tracing.span("dispatch", run_id=run.run_id, phase=phase, pool=pool):
+        ack = await nc.jetstream().publish(
+            streams.dispatch_subject(pool),
+            dispatch_message(run, phase),
+            # the trace of the event that caused it (the executor's phase span follows it)
+            headers=tracing.inject({"Nats-Msg-Id": dispatch_id(run.run_id, phase)}),
+        )
     return not ack.duplicate
 
 
