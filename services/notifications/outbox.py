@@ -1,0 +1,155 @@
+"""The event log as the outbox: configurations read, deliveries scheduled and attempts
+recorded on their own subjects (events/notification.py), and what a crash left unfinished
+found again.
+
+Scheduling a delivery appends `org.notify_delivery_scheduled` to a subject of its own,
+expecting it empty, with the delivery's id as `Nats-Msg-Id`: scheduling it again (the
+triggering event redelivered after a crash, or handled by two replicas) lands nothing
+new, and the delivery's history, read back, says how far it got.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+
+import nats.js.api
+from nats.aio.client import Client as NATS
+
+from events import notification as nt
+from events.codec import decode
+from events.errors import Conflict
+from services.infra.eventstore import Append, EventStore
+from services.infra.streams import EVENTS
+from services.notifications import formats
+from services.notifications.delivery import Job, Recorder
+
+PENDING_FILTER = "rp.org.*.notify.*.d.*"
+
+
+async def configs(store: EventStore, org: str) -> list[nt.NotificationConfig]:
+    """Every configuration of the organization (and of its workspaces) that exists."""
+    by_subject = defaultdict(list)
+    for env in await store.read(nt.configs_subject(org)):
+        by_subject[env.subject].append(env.event)
+    states = (nt.fold(events) for events in by_subject.values())
+    return [s.config for s in states if s.exists and s.config is not None]
+
+
+async def config(store: EventStore, org: str, config_id: str) -> nt.ConfigState:
+    return nt.fold([e.event for e in await store.read(nt.config_subject(org, config_id))])
+
+
+async def schedule(
+    store: EventStore,
+    cfg: nt.NotificationConfig,
+    view: formats.RunView,
+    trigger: str,
+    event_seq: int,
+    now: datetime,
+    *,
+    delivery: str = "",
+) -> Job | None:
+    """Record the delivery (once) and answer its job, or None if it is finished."""
+    did = delivery or nt.delivery_id(cfg.id, event_seq, trigger)
+    event = nt.DeliveryScheduled(
+        at=now,
+        actor="notifications",
+        delivery_id=did,
+        config_id=cfg.id,
+        org=cfg.org,
+        workspace=view.workspace,
+        run_id=view.run_id,
+        trigger=trigger,
+        event_seq=event_seq,
+        body=formats.render(cfg.destination, view, trigger, cfg.id).decode(),
+    )
+    subject = nt.delivery_subject(cfg.org, cfg.id, did)
+    try:
+        await store.append([Append(subject=subject, event=event, expected=0, msg_id=did)])
+    except Conflict:
+        pass  # scheduled already (its first message is not ours by msg id: a re-render)
+    return await job_of(store, cfg, did)
+
+
+async def job_of(store: EventStore, cfg: nt.NotificationConfig, did: str) -> Job | None:
+    """The delivery's job as its history has it, due when its last attempt said."""
+    envs = await store.read(nt.delivery_subject(cfg.org, cfg.id, did))
+    state = nt.delivery_fold([e.event for e in envs])
+    if state.scheduled is None or state.done:
+        return None
+    first_at = next((e.event.at for e in envs if isinstance(e.event, nt.DeliveryAttempted)), None)
+    due = time.monotonic()
+    if state.next_retry_at is not None:
+        due += max(0.0, (state.next_retry_at - datetime.now(UTC)).total_seconds())
+    s = state.scheduled
+    return Job(
+        org=cfg.org,
+        config_id=cfg.id,
+        delivery_id=did,
+        url=cfg.url,
+        trigger=s.trigger,
+        run_id=s.run_id,
+        body=s.body.encode(),
+        content_type=s.content_type,
+        attempts=state.attempts,
+        first_at=first_at,
+        due=due,
+        last_seq=envs[-1].seq,
+    )
+
+
+def recorder(store: EventStore) -> Recorder:
+    """Record attempts on the delivery's subject, expecting the sequence the job knows;
+    0 if the delivery was finished by someone else meanwhile."""
+
+    async def record(job: Job, event: nt.DeliveryAttempted) -> int:
+        expected = job.last_seq
+        for _ in range(5):
+            subject = nt.delivery_subject(job.org, job.config_id, job.delivery_id)
+            mid = f"{job.delivery_id}-{expected}"
+            try:
+                return await store.append(
+                    [Append(subject=subject, event=event, expected=expected, msg_id=mid)]
+                )
+            except Conflict:
+                envs = await store.read(subject)
+                if nt.delivery_fold([e.event for e in envs]).done:
+                    return 0
+                expected = envs[-1].seq
+        raise Conflict(f"delivery {job.delivery_id}: its subject keeps moving")
+
+    return record
+
+
+async def unfinished(nc: NATS, *, timeout: float = 10.0) -> list[tuple[str, str, str]]:
+    """(org, config id, delivery id) of every delivery whose last event is not a final
+    attempt: what a crash (or a give-up of every replica) left to do. One ordered read of
+    the last message of each delivery subject."""
+    js = nc.jetstream()
+    info = await js.stream_info(EVENTS, subjects_filter=PENDING_FILTER)
+    if not info.state.subjects:
+        return []
+    sub = await js.subscribe(
+        PENDING_FILTER,
+        ordered_consumer=True,
+        deliver_policy=nats.js.api.DeliverPolicy.LAST_PER_SUBJECT,
+    )
+    out = []
+    try:
+        want = len(info.state.subjects)
+        deadline = time.monotonic() + timeout
+        while want and time.monotonic() < deadline:
+            msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            want -= 1
+            event = decode(msg.data)
+            if isinstance(event, nt.DeliveryAttempted) and event.outcome in nt.FINAL:
+                continue
+            _, _, org, _, config_id, _, did = msg.subject.split(".")
+            out.append((org, config_id, did))
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out

@@ -1,0 +1,107 @@
+"""The notifications subscriber: run events in, deliveries scheduled and handed to lanes.
+
+For each run event it takes the triggers the event fires (`triggers.fired`, the
+reaction table's Notify actions), finds the enabled configurations of the run's
+organization and workspace that want them, records each delivery in the log
+(`outbox.schedule`) and hands it to the `Dispatcher`; then the event is acknowledged.
+Nothing here waits for a receiver: a slow or dead one holds only its own lane.
+
+At start, `recover` puts back on their lanes the deliveries a crash (of this replica or
+another) left unfinished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, get_args
+
+import structlog
+from nats.aio.client import Client as NATS
+
+from events import notification as nt
+from events import run as run_agg
+from events.codec import AnyEvent
+from events.run import RunEvent, RunState
+from services.infra.eventstore import EventStore
+from services.notifications import formats, outbox, triggers
+from services.notifications.delivery import Dispatcher
+
+log = structlog.get_logger(__name__)
+
+NAME = "notifications"
+_RUN_EVENTS = get_args(RunEvent)
+
+
+class Notifier:
+    """The handler: an event of a run, the run's state through it -> deliveries."""
+
+    def __init__(
+        self,
+        store: EventStore,
+        dispatcher: Dispatcher,
+        *,
+        base_url: str = "",
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.store = store
+        self.dispatcher = dispatcher
+        self.base_url = base_url
+        self.clock = clock
+        self.scheduled = 0
+
+    async def handle(self, received: Any) -> None:
+        """The subscriber's handler (services/infra/consumer.py `Received`)."""
+        await self.on_event(received.seq, received.subject, received.event, received.state)
+
+    async def on_event(
+        self, seq: int, subject: str, event: AnyEvent, state: RunState | None
+    ) -> int:
+        """Schedule and hand over every delivery the event makes; returns how many."""
+        if not isinstance(event, _RUN_EVENTS):
+            return 0
+        if state is None:
+            state = await self._state_at(subject, seq)
+        fired = triggers.fired(event, state)
+        if not fired or not state.exists:
+            return 0
+        wanted = [
+            (cfg, t)
+            for cfg in await outbox.configs(self.store, state.org)
+            for t in fired
+            if nt.applies(cfg, state.org, state.workspace, t)
+        ]
+        if not wanted:
+            return 0
+        view = formats.view_of(state, at=event.at, actor=event.actor, base_url=self.base_url)
+        n = 0
+        for cfg, trigger in wanted:
+            job = await outbox.schedule(self.store, cfg, view, trigger, seq, self.clock())
+            if job is not None and self.dispatcher.submit(job):
+                n += 1
+        self.scheduled += n
+        return n
+
+    async def _state_at(self, subject: str, seq: int) -> RunState:
+        """The run folded through `seq` (not later), when the consumer did not fold it."""
+        envs = await self.store.read(subject, min_seq=seq)
+        through: list[Any] = [e.event for e in envs if e.seq <= seq]
+        return run_agg.fold(through)
+
+    async def recover(self, nc: NATS) -> int:
+        """Put every unfinished delivery back on its lane; returns how many."""
+        n = 0
+        for org, config_id, did in await outbox.unfinished(nc):
+            state = await outbox.config(self.store, org, config_id)
+            if not state.exists or state.config is None or not state.config.enabled:
+                continue  # deleted or disabled since: what it had not sent is dropped
+            job = await outbox.job_of(self.store, state.config, did)
+            if job is not None and self.dispatcher.submit(job):
+                n += 1
+        log.info("notify_recovered", deliveries=n)
+        return n
+
+
+def lane_of(received: Any) -> str:
+    """Events of one run in order; runs in parallel."""
+    return str(received.subject)

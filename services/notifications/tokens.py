@@ -1,0 +1,59 @@
+"""Notification tokens: write-only, stored only sealed, like secret variables.
+
+A token is sealed with the key ring into the secrets bucket under
+`<org>._notify.<config id>` (a workspace name never starts with `_`, so no workspace's
+secret variables list it), bound to that key so a value copied elsewhere does not open.
+Events say only whether a token is set.
+"""
+
+from __future__ import annotations
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from services.infra.crypto import CryptoError, KeyRing
+from services.infra.kv import SECRETS_BUCKET
+from services.notifications import NotifyError
+
+MAX_TOKEN = 4096
+
+
+class TokenError(NotifyError):
+    """A token could not be stored or opened."""
+
+
+class TokenStore:
+    def __init__(self, nc: NATS, keyring: KeyRing) -> None:
+        self.js = nc.jetstream()
+        self.keyring = keyring
+
+    @staticmethod
+    def key(org: str, config_id: str) -> str:
+        return f"{org}._notify.{config_id}"
+
+    async def put(self, org: str, config_id: str, token: str) -> None:
+        key = self.key(org, config_id)
+        kv = await self.js.key_value(SECRETS_BUCKET)
+        await kv.put(key, self.keyring.seal(token.encode(), key))
+
+    async def delete(self, org: str, config_id: str) -> None:
+        kv = await self.js.key_value(SECRETS_BUCKET)
+        try:
+            await kv.purge(self.key(org, config_id))
+        except nats.js.errors.NotFoundError:
+            pass
+
+    async def get(self, org: str, config_id: str) -> str:
+        """The clear token, "" if none is set; TokenError if it does not open."""
+        key = self.key(org, config_id)
+        kv = await self.js.key_value(SECRETS_BUCKET)
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return ""
+        if not entry.value:
+            return ""
+        try:
+            return self.keyring.open(entry.value, key).decode()
+        except CryptoError as e:
+            raise TokenError(f"the token of {config_id} does not open: {e}") from e
