@@ -168,7 +168,7 @@ def outcome(job: Job, answer: Answer, policy: Policy, now: datetime) -> nt.Deliv
     next_at = None
     if answer.delivered:
         result = nt.DELIVERED
-    elif not answer.retryable:
+    elif not answer.retryable or not policy.schedule:  # no schedule: one try (verify)
         result = nt.FAILED
     else:
         next_at = nt.next_retry(
