@@ -1,7 +1,7 @@
 """The notifications subscriber: run events in, deliveries scheduled and handed to lanes.
 
-For each run event it takes the triggers the event fires (`triggers.fired`, the
-reaction table's Notify actions), finds the enabled configurations of the run's
+For each run event it takes the `Notify` actions of the reaction table
+(`events/react.py`), finds the enabled configurations of the run's
 organization and workspace that want them, records each delivery in the log
 (`outbox.schedule`) and hands it to the `Dispatcher`; then the event is acknowledged.
 Nothing here waits for a receiver: a slow or dead one holds only its own lane.
@@ -22,9 +22,10 @@ from nats.aio.client import Client as NATS
 from events import notification as nt
 from events import run as run_agg
 from events.codec import AnyEvent
+from events.react import notifications, react
 from events.run import RunEvent, RunState
 from services.infra.eventstore import EventStore
-from services.notifications import formats, outbox, triggers
+from services.notifications import formats, outbox
 from services.notifications.delivery import Dispatcher
 
 log = structlog.get_logger(__name__)
@@ -62,8 +63,10 @@ class Notifier:
             return 0
         if state is None:
             state = await self._state_at(subject, seq)
-        fired = triggers.fired(event, state)
-        if not fired or not state.exists:
+        if not state.exists:
+            return 0
+        fired = [n.trigger for n in notifications(react(event, state))]
+        if not fired:
             return 0
         wanted = [
             (cfg, t)
