@@ -27,7 +27,6 @@ from aiohttp import web
 from msgspec import Meta
 
 from events import notification as nt
-from events.errors import Conflict
 from services.api import secrets as secrets_api
 from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import Body, read_body
@@ -35,7 +34,6 @@ from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, 
 from services.api.context import Api
 from services.api.problems import Problem
 from services.api.schemas import BOOL, REF, STR, Doc, list_of, ok, path_param, problems, ref
-from services.infra.eventstore import Append
 from services.notifications import Refused, formats, guard, outbox, signing
 from services.notifications.delivery import Policy, Sender, outcome
 from services.notifications.tokens import MAX_TOKEN, TokenStore
@@ -102,25 +100,9 @@ async def _guarded(url: str) -> None:
 
 
 async def _command(api: Api, org: str, cmd: nt.SaveConfig | nt.DeleteConfig) -> tuple[Any, int]:
-    """Decide and append on the configuration's subject; a conflict reloads (bounded)."""
-    subject = nt.config_subject(org, cmd.config_id)
-    for _ in range(api.app.attempts):
-        envs = await api.app.store.read(subject)
-        state = nt.fold([e.event for e in envs])
-        evs = nt.decide(state, cmd, now=api.app.clock())
-        if not evs:
-            return state, envs[-1].seq if envs else 0
-        seq0 = envs[-1].seq if envs else 0
-        appends = [
-            Append(subject=subject, event=e, expected=seq0 + i, msg_id=api.app.ids())
-            for i, e in enumerate(evs)
-        ]
-        try:
-            seq = await api.app.store.append(appends)
-        except Conflict:
-            continue
-        return nt.fold(evs, state), seq
-    raise Conflict("the notification configuration keeps changing: try again")
+    return await outbox.command(
+        api.app.store, org, cmd, clock=api.app.clock, new_id=api.app.ids, attempts=api.app.attempts
+    )
 
 
 async def _found(api: Api, org: str, config_id: str, ws: str | None) -> nt.NotificationConfig:

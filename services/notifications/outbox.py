@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import nats.js.api
@@ -39,6 +40,37 @@ async def configs(store: EventStore, org: str) -> list[nt.NotificationConfig]:
 
 async def config(store: EventStore, org: str, config_id: str) -> nt.ConfigState:
     return nt.fold([e.event for e in await store.read(nt.config_subject(org, config_id))])
+
+
+async def command(
+    store: EventStore,
+    org: str,
+    cmd: nt.SaveConfig | nt.DeleteConfig,
+    *,
+    clock: Callable[[], datetime],
+    new_id: Callable[[], str],
+    attempts: int = 20,
+) -> tuple[nt.ConfigState, int]:
+    """Decide and append on the configuration's subject; a conflict reloads (bounded).
+    Returns the state after and the last sequence of the subject."""
+    subject = nt.config_subject(org, cmd.config_id)
+    for _ in range(attempts):
+        envs = await store.read(subject)
+        state = nt.fold([e.event for e in envs])
+        evs = nt.decide(state, cmd, now=clock())
+        last = envs[-1].seq if envs else 0
+        if not evs:
+            return state, last
+        appends = [
+            Append(subject=subject, event=e, expected=last + i, msg_id=new_id())
+            for i, e in enumerate(evs)
+        ]
+        try:
+            seq = await store.append(appends)
+        except Conflict:
+            continue
+        return nt.fold(evs, state), seq
+    raise Conflict("the notification configuration keeps changing: try again")
 
 
 async def schedule(
