@@ -10,8 +10,8 @@ import msgspec
 import pytest
 
 from events import codec
-from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events import notification as nt
+from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
 from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed

@@ -20,7 +20,7 @@ from events import run as R
 from events.codec import run_subject
 from services.commands import App
 from services.infra.eventstore import EventStore
-from services.notifications import outbox
+from services.notifications import formats, outbox
 from services.notifications.delivery import Dispatcher, Policy
 from services.notifications.subscriber import Notifier
 from tests.helpers import eventually
@@ -243,9 +243,7 @@ async def test_what_a_crash_left_scheduled_is_recovered_with_its_id(
     process's recovery sends it, under the id derived from its event."""
     async with Receiver(token=TOKEN) as r:
         cfg = await rig.config(r.url)
-        seq, subject, state = await rig.create_run()
-        from services.notifications import formats
-
+        seq, _, state = await rig.create_run()
         view = formats.view_of(state, at=state.created_at or rig.app.clock(), actor="alice")
         job = await outbox.schedule(rig.store, cfg, view, "run:created", seq, rig.app.clock())
         assert job is not None and r.got == []
