@@ -12,6 +12,7 @@ another) left unfinished.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, get_args
@@ -31,6 +32,9 @@ from services.notifications.delivery import Dispatcher
 log = structlog.get_logger(__name__)
 
 NAME = "notifications"
+# Deliveries of one event scheduled concurrently (two appends' round trips each): an
+# event for 1,000 destinations is in the log in ~1/64 of the time one at a time takes.
+SCHEDULE_AT_ONCE = 64
 _RUN_EVENTS = get_args(RunEvent)
 
 
@@ -77,11 +81,16 @@ class Notifier:
         if not wanted:
             return 0
         view = formats.view_of(state, at=event.at, actor=event.actor, base_url=self.base_url)
+        now = self.clock()
         n = 0
-        for cfg, trigger in wanted:
-            job = await outbox.schedule(self.store, cfg, view, trigger, seq, self.clock())
-            if job is not None and self.dispatcher.submit(job):
-                n += 1
+        for i in range(0, len(wanted), SCHEDULE_AT_ONCE):
+            jobs = await asyncio.gather(
+                *(
+                    outbox.schedule(self.store, cfg, view, trigger, seq, now)
+                    for cfg, trigger in wanted[i : i + SCHEDULE_AT_ONCE]
+                )
+            )
+            n += sum(1 for job in jobs if job is not None and self.dispatcher.submit(job))
         self.scheduled += n
         return n
 
