@@ -1,10 +1,11 @@
 """notifications: event to delivery latency, and fan-out with one destination hanging.
 
 Each part starts its own nats-server (`private_server`) and runs the notifications
-subscriber (`services/notifications/subscriber.py`: configurations read from the log,
-each delivery scheduled in the log, sent on its destination's lane, its attempt
-recorded) fed by a consumer of `rp.run.>`, with real local HTTP receivers that check
-the signatures:
+subscriber as `runplane subscribers` runs it (`services/notifications/subscriber.py`
+`serving`: the shared consumer loop over `rp.run.>` with each run's state, configurations
+read from the log, each delivery scheduled in the log, sent on its destination's lane,
+its attempt recorded, tokens opened from the sealed store), with real local HTTP
+receivers that check the signatures:
 
 1. **latency**: `run.created` events appended on a fixed clock (open loop) at `--rate`
    runs/s for `--seconds` s (each through `App.create_run`), one signed generic
@@ -23,10 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +39,20 @@ if __package__ in (None, ""):
 
 import msgspec
 from aiohttp import web
-from nats.aio.client import Client as NATS
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bench.common import Result, connected, ms, percentile, private_server
 from events import notification as nt
 from events import run as R
-from events.codec import decode
 from services.commands import App
+from services.infra.crypto import KeyRing
 from services.infra.eventstore import EventStore
 from services.notifications import outbox, signing
-from services.notifications.delivery import Dispatcher, Policy
-from services.notifications.subscriber import Notifier
+from services.notifications.delivery import Policy
+from services.notifications.subscriber import serving
+from services.notifications.tokens import TokenStore
 
 TOKEN = "bench-notify-token"
+KEYS = KeyRing.generate()
 
 
 class Receiver:
@@ -58,7 +61,9 @@ class Receiver:
     def __init__(self, *, hang: bool = False) -> None:
         self.hang = hang
         self.first: dict[str, float] = {}  # run id: arrival (monotonic) of its first
+        self.lag: dict[str, float] = {}  # run id: arrival (wall) - run_created_at
         self.count = 0
+        self.requests = 0  # received, answered or not
         self.bad = 0
         self.ids: set[str] = set()
         self.last = 0.0
@@ -67,6 +72,7 @@ class Receiver:
 
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.read()
+        self.requests += 1
         if self.hang:
             await asyncio.Event().wait()
         now = time.monotonic()
@@ -77,8 +83,12 @@ class Receiver:
         self.bad += not ok
         self.count += 1
         self.ids.add(h.get(signing.DELIVERY_HEADER, ""))
-        run_id = msgspec.json.decode(body)["run_id"]
-        self.first.setdefault(run_id, now)
+        payload = msgspec.json.decode(body)
+        run_id = payload["run_id"]
+        if run_id not in self.first:
+            self.first[run_id] = now
+            created = datetime.fromisoformat(payload["run_created_at"])
+            self.lag[run_id] = time.time() - created.timestamp()
         self.last = now
         return web.Response(text="ok")
 
@@ -97,49 +107,12 @@ class Receiver:
             await self._runner.cleanup()
 
 
-@asynccontextmanager
-async def subscriber(nc: NATS, store: EventStore, policy: Policy) -> AsyncIterator[Notifier]:
-    """The notifications subscriber on a durable pull consumer of rp.run.> (one lane per
-    run, acked once its deliveries are in the log), and its recovery at start."""
-
-    async def token_of(org: str, config_id: str) -> str:
-        return TOKEN
-
-    async with Dispatcher(policy, token_of, outbox.recorder(store)) as dispatcher:
-        notifier = Notifier(store, dispatcher)
-        js = nc.jetstream()
-        config = ConsumerConfig(
-            durable_name="rp-sub-notifications",
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.NEW,
-            max_ack_pending=10_000,
-            ack_wait=30,
-        )
-        psub = await js.pull_subscribe("rp.run.>", durable="rp-sub-notifications", config=config)
-
-        async def loop() -> None:
-            while True:
-                try:
-                    msgs = await psub.fetch(256, timeout=1)
-                except TimeoutError:
-                    continue
-                await asyncio.gather(*(one(m) for m in msgs))
-
-        async def one(m: Any) -> None:
-            await notifier.on_event(m.metadata.sequence.stream, m.subject, decode(m.data), None)
-            await m.ack()
-
-        task = asyncio.create_task(loop())
-        try:
-            yield notifier
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
-async def _org(app: App, store: EventStore, urls: list[str], timeout: float = 10) -> None:
+async def _org(
+    app: App, store: EventStore, tokens: TokenStore, urls: list[str], workspaces: int = 1
+) -> None:
     await app.create_org("bench", "b")
-    await app.create_workspace("bench", "net", R.Workspace(repository="/nowhere"), "b")
+    for i in range(workspaces):
+        await app.create_workspace("bench", f"ws-{i}", R.Workspace(repository="/nowhere"), "b")
 
     async def one(url: str) -> None:
         cmd = nt.SaveConfig(
@@ -153,6 +126,7 @@ async def _org(app: App, store: EventStore, urls: list[str], timeout: float = 10
             triggers=["run:created"],
             has_token=True,
         )
+        await tokens.put("bench", cmd.config_id, TOKEN)
         await outbox.command(store, "bench", cmd, clock=app.clock, new_id=app.ids)
 
     for i in range(0, len(urls), 100):
@@ -168,27 +142,30 @@ async def _until(probe: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
-async def latency(rate: float, seconds: float) -> dict[str, Any]:
+async def latency(rate: float, seconds: float, workspaces: int = 20) -> dict[str, Any]:
+    """Open loop: run i created at t0 + i / rate, on workspace i % workspaces; latency
+    from the run's `run_created_at` (the App's clock, just before its append) to the
+    receiver having its delivery."""
     policy = Policy(allow=frozenset({"loopback"}))
     async with private_server("notify-lat") as server, connected(server.url) as nc:
         store = EventStore(nc)
         app = App(store)
         rx = Receiver()
         async with rx.serving():
-            await _org(app, store, [f"{rx.url}/hook"])
-            async with subscriber(nc, store, policy):
-                sent: dict[str, float] = {}
+            await _org(app, store, TokenStore(nc, KEYS), [f"{rx.url}/hook"], workspaces)
+            async with serving(nc, app, KEYS, policy=policy):
                 n = int(rate * seconds)
                 t0 = time.monotonic()
+                cpu0 = time.process_time()
 
                 async def create(i: int) -> None:
                     await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-                    r = await app.create_run("bench", "net", "plan", "b")
-                    sent[r.state.run_id] = time.monotonic()
+                    await app.create_run("bench", f"ws-{i % workspaces}", "plan", "b")
 
                 await asyncio.gather(*(create(i) for i in range(n)))
                 await _until(lambda: len(rx.first) >= n, 30)
-        lat = [rx.first[k] - v for k, v in sent.items() if k in rx.first]
+                cpu = time.process_time() - cpu0
+        lat = list(rx.lag.values())
         return {
             "rate": rate,
             "seconds": seconds,
@@ -198,6 +175,7 @@ async def latency(rate: float, seconds: float) -> dict[str, Any]:
             "p50_ms": ms(percentile(lat, 50)),
             "p99_ms": ms(percentile(lat, 99)),
             "max_ms": ms(max(lat, default=0.0)),
+            "cpu_s": round(cpu, 2),
         }
 
 
@@ -209,15 +187,16 @@ async def fanout(destinations: int, events: int) -> dict[str, Any]:
         rx, hung = Receiver(), Receiver(hang=True)
         async with rx.serving(), hung.serving():
             urls = [f"{rx.url}/d/{i}" for i in range(destinations)] + [f"{hung.url}/hang"]
-            await _org(app, store, urls)
-            async with subscriber(nc, store, policy) as notifier:
+            await _org(app, store, TokenStore(nc, KEYS), urls)
+            async with serving(nc, app, KEYS, policy=policy):
                 t0 = time.monotonic()
+                cpu0 = time.process_time()
                 for _ in range(events):
-                    await app.create_run("bench", "net", "plan", "b")
+                    await app.create_run("bench", "ws-0", "plan", "b")
                 want = destinations * events
                 done = await _until(lambda: rx.count >= want, 120)
                 elapsed = rx.last - t0
-                hung_attempts = notifier.dispatcher.sent - rx.count
+                cpu = time.process_time() - cpu0
         return {
             "destinations": destinations,
             "hanging_destinations": 1,
@@ -228,7 +207,9 @@ async def fanout(destinations: int, events: int) -> dict[str, Any]:
             "complete": done,
             "seconds": round(elapsed, 3),
             "deliveries_per_s": round(rx.count / elapsed, 1) if elapsed > 0 else None,
-            "attempts_to_the_hanging_one": hung_attempts,
+            "hanging_receiver_requests": hung.requests,
+            "cpu_s": round(cpu, 2),
+            "cpu_ms_per_delivery": round(1000 * cpu / max(rx.count, 1), 3),
         }
 
 
@@ -264,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     from services import logs
 
     logs.configure("console", "error")
+    load = os.getloadavg()
     lat = asyncio.run(latency(args.rate, args.seconds))
     fan = asyncio.run(fanout(args.destinations, args.events))
     print(table(rows(lat, fan)))
-    print(json.dumps({"latency": lat, "fanout": fan}, indent=2))
+    machine = {"cores": os.cpu_count(), "load_average_at_start": load}
+    print(json.dumps({"latency": lat, "fanout": fan, "machine": machine}, indent=2))
     return 0
 
 

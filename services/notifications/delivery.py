@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -84,6 +85,21 @@ class Policy:
     timeout: float = 10.0  # one attempt, from connecting to the end of the answer
     concurrency: int = 256  # attempts in flight, all lanes together
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
+
+
+SCHEDULE_ENV = "RUNPLANE_NOTIFY_SCHEDULE"  # seconds between attempts, comma separated
+TIMEOUT_ENV = "RUNPLANE_NOTIFY_TIMEOUT"  # seconds one attempt may take
+
+
+def policy_from_env() -> Policy:
+    """The deployment's policy: allowed ranges, and (for tests) a shorter schedule."""
+    raw = os.environ.get(SCHEDULE_ENV, "")
+    try:
+        schedule = tuple(float(x) for x in raw.split(",") if x.strip()) or nt.SCHEDULE
+        timeout = float(os.environ.get(TIMEOUT_ENV, "") or 10.0)
+    except ValueError as e:
+        raise NotifyError(f"{SCHEDULE_ENV} / {TIMEOUT_ENV}: not seconds: {e}") from e
+    return Policy(allow=guard.allowed_from_env(), schedule=schedule, timeout=timeout)
 
 
 # Looks up the token (clear) of a configuration when an attempt is made.

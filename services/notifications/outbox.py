@@ -15,16 +15,18 @@ from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime
 
+import nats.errors
 import nats.js.api
+import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from events import notification as nt
-from events.codec import decode
+from events.codec import decode, encode, tag_of
 from events.errors import Conflict
-from services.infra.eventstore import Append, EventStore
+from services.infra.eventstore import WRONG_LAST_SEQUENCE, Append, EventStore
 from services.infra.streams import EVENTS
 from services.notifications import formats
-from services.notifications.delivery import Job, Recorder
+from services.notifications.delivery import DeliveryError, Job, Recorder
 
 PENDING_FILTER = "rp.org.*.notify.*.d.*"
 
@@ -98,11 +100,42 @@ async def schedule(
         body=formats.render(cfg.destination, view, trigger, cfg.id).decode(),
     )
     subject = nt.delivery_subject(cfg.org, cfg.id, did)
+    seq = await _first(store, subject, event, did)
+    if not seq:  # scheduled before: its history says how far it got
+        return await job_of(store, cfg, did)
+    return Job(
+        org=cfg.org,
+        config_id=cfg.id,
+        delivery_id=did,
+        url=cfg.url,
+        trigger=trigger,
+        run_id=view.run_id,
+        body=event.body.encode(),
+        content_type=event.content_type,
+        last_seq=seq,
+    )
+
+
+async def _first(store: EventStore, subject: str, event: nt.DeliveryScheduled, did: str) -> int:
+    """Append the delivery's first event, expecting its subject empty: its sequence, or
+    0 if it was there already (a duplicate msg id, or a subject not empty). One round
+    trip for a new delivery, the usual case, and no read back of what it just wrote."""
+    headers = {
+        "Nats-Msg-Id": did,
+        "Nats-Expected-Last-Subject-Sequence": "0",
+        "Rp-Type": tag_of(event),
+    }
     try:
-        await store.append([Append(subject=subject, event=event, expected=0, msg_id=did)])
-    except Conflict:
-        pass  # scheduled already (its first message is not ours by msg id: a re-render)
-    return await job_of(store, cfg, did)
+        ack = await store.nc.jetstream().publish(
+            subject, encode(event), timeout=store.timeout, stream=EVENTS, headers=headers
+        )
+    except nats.js.errors.APIError as e:
+        if e.err_code == WRONG_LAST_SEQUENCE:
+            return 0
+        raise DeliveryError(f"scheduling {did}: {e}") from e
+    except (TimeoutError, nats.errors.Error) as e:
+        raise DeliveryError(f"scheduling {did}: {e!r}") from e
+    return 0 if ack.duplicate else ack.seq
 
 
 async def job_of(store: EventStore, cfg: nt.NotificationConfig, did: str) -> Job | None:

@@ -13,9 +13,10 @@ another) left unfinished.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -25,9 +26,15 @@ from events import run as run_agg
 from events.codec import AnyEvent
 from events.react import notifications, react
 from events.run import RunEvent, RunState
+from services.infra.consumer import Consumer, Subscription, by_subject
+from services.infra.crypto import KeyRing
 from services.infra.eventstore import EventStore
 from services.notifications import formats, outbox
-from services.notifications.delivery import Dispatcher
+from services.notifications.delivery import Dispatcher, Policy, policy_from_env
+from services.notifications.tokens import TokenStore
+
+if TYPE_CHECKING:
+    from services.commands import App
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +121,33 @@ class Notifier:
         return n
 
 
-def lane_of(received: Any) -> str:
-    """Events of one run in order; runs in parallel."""
-    return str(received.subject)
+def subscription(notifier: Notifier) -> Subscription:
+    """The registration: run events, one lane per run (its events in order, runs in
+    parallel: the handler never waits for a receiver), the run's state folded through."""
+    return Subscription(
+        name=NAME,
+        handle=notifier.handle,
+        subjects=("rp.run.>",),
+        lane=by_subject,
+        with_state=True,
+    )
+
+
+@asynccontextmanager
+async def serving(
+    nc: NATS,
+    app: App,
+    keyring: KeyRing,
+    *,
+    policy: Policy | None = None,
+    base_url: str = "",
+) -> AsyncIterator[Notifier]:
+    """The subscriber running: its dispatcher, its consumer, and the recovery of what a
+    crash left unfinished (after the consumer is up, so nothing new is missed)."""
+    tokens = TokenStore(nc, keyring)
+    chosen = policy or policy_from_env()
+    async with Dispatcher(chosen, tokens.get, outbox.recorder(app.store)) as dispatcher:
+        notifier = Notifier(app.store, dispatcher, base_url=base_url)
+        async with Consumer(nc, subscription(notifier), app=app):
+            await notifier.recover(nc)
+            yield notifier

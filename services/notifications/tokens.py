@@ -8,8 +8,11 @@ Events say only whether a token is set.
 
 from __future__ import annotations
 
+import time
+
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
 
 from services.infra.crypto import CryptoError, KeyRing
 from services.infra.kv import SECRETS_BUCKET
@@ -23,9 +26,21 @@ class TokenError(NotifyError):
 
 
 class TokenStore:
-    def __init__(self, nc: NATS, keyring: KeyRing) -> None:
+    """Sealed tokens in KV. `get` keeps what it opened for `ttl` seconds: a delivery
+    signs with a token at most that old (a changed token takes effect within it), and
+    a burst of deliveries costs one read of the bucket per configuration, not one each."""
+
+    def __init__(self, nc: NATS, keyring: KeyRing, *, ttl: float = 5.0) -> None:
         self.js = nc.jetstream()
         self.keyring = keyring
+        self.ttl = ttl
+        self._kv: KeyValue | None = None
+        self._opened: dict[str, tuple[float, str]] = {}
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await self.js.key_value(SECRETS_BUCKET)
+        return self._kv
 
     @staticmethod
     def key(org: str, config_id: str) -> str:
@@ -33,11 +48,13 @@ class TokenStore:
 
     async def put(self, org: str, config_id: str, token: str) -> None:
         key = self.key(org, config_id)
-        kv = await self.js.key_value(SECRETS_BUCKET)
+        kv = await self._bucket()
         await kv.put(key, self.keyring.seal(token.encode(), key))
+        self._opened.pop(key, None)
 
     async def delete(self, org: str, config_id: str) -> None:
-        kv = await self.js.key_value(SECRETS_BUCKET)
+        kv = await self._bucket()
+        self._opened.pop(self.key(org, config_id), None)
         try:
             await kv.purge(self.key(org, config_id))
         except nats.js.errors.NotFoundError:
@@ -46,7 +63,15 @@ class TokenStore:
     async def get(self, org: str, config_id: str) -> str:
         """The clear token, "" if none is set; TokenError if it does not open."""
         key = self.key(org, config_id)
-        kv = await self.js.key_value(SECRETS_BUCKET)
+        kept = self._opened.get(key)
+        if kept is not None and time.monotonic() - kept[0] < self.ttl:
+            return kept[1]
+        token = await self._read(key, config_id)
+        self._opened[key] = (time.monotonic(), token)
+        return token
+
+    async def _read(self, key: str, config_id: str) -> str:
+        kv = await self._bucket()
         try:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
