@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -119,6 +120,8 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     the subscribers."""
     from services.demo import DEMO_ORG, DEMO_WS
 
+    # One machine: its own receivers (a local chat bridge, a test hook) may be notified.
+    os.environ.setdefault("RUNPLANE_NOTIFY_ALLOW", "loopback")
     base = await start_all(opts, stack)
     _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
     await wait_for_signal()

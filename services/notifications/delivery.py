@@ -263,9 +263,12 @@ class Dispatcher:
         self.slots = asyncio.Semaphore(policy.concurrency)
         self.in_hand: set[str] = set()  # delivery ids on a lane of this process
         self.sent = 0  # attempts made
+        # Set once the sender is open: a delivery submitted before waits on its lane.
+        self.opened = asyncio.Event()
 
     async def __aenter__(self) -> Dispatcher:
         await self.sender.__aenter__()
+        self.opened.set()
         return self
 
     async def __aexit__(
@@ -298,6 +301,7 @@ class Dispatcher:
         return len(self.in_hand)
 
     async def attempt(self, job: Job, lane: Lane) -> None:
+        await self.opened.wait()
         token = await self.tokens(job.org, job.config_id)
         async with self.slots:
             headers = {

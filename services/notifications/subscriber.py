@@ -13,6 +13,7 @@ another) left unfinished.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -26,15 +27,19 @@ from events import run as run_agg
 from events.codec import AnyEvent
 from events.react import notifications, react
 from events.run import RunEvent, RunState
+from services import trust
 from services.infra.consumer import Consumer, Subscription, by_subject
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import EventStore
 from services.notifications import formats, outbox
 from services.notifications.delivery import Dispatcher, Policy, policy_from_env
 from services.notifications.tokens import TokenStore
+from services.runtime import ConfigError
 
 if TYPE_CHECKING:
     from services.commands import App
+    from services.runtime import Options
+    from services.subscribers.registry import SubscriberContext
 
 log = structlog.get_logger(__name__)
 
@@ -131,6 +136,41 @@ def subscription(notifier: Notifier) -> Subscription:
         lane=by_subject,
         with_state=True,
     )
+
+
+def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
+    """The registry's entry (services/subscribers/registry.py). The host starts the
+    consumer; the dispatcher (its HTTP session and lanes) and the recovery of what a
+    crash left unfinished run in a task of their own, started here, for the life of the
+    process (the registry has no hook for a subscriber's resources)."""
+    opts = ctx.opts
+    base_url = os.environ.get(formats.PUBLIC_URL_ENV, "") or f"http://{opts.listen}"
+    tokens = TokenStore(ctx.nc, _keyring(opts))
+    dispatcher = Dispatcher(policy_from_env(), tokens.get, outbox.recorder(ctx.app.store))
+    notifier = Notifier(ctx.app.store, dispatcher, base_url=base_url)
+    _BACKGROUND.add(asyncio.get_running_loop().create_task(_lifetime(ctx.nc, notifier)))
+    return [subscription(notifier)]
+
+
+def _keyring(opts: Options) -> KeyRing | None:
+    """The deployment's keys; None without (a configuration with a token then fails to
+    be signed, logged: `runplane subscribers` refuses to start without a key anyway)."""
+    try:
+        return trust.keyring(opts)
+    except ConfigError:
+        return None
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()  # kept referenced for the process's life
+
+
+async def _lifetime(nc: NATS, notifier: Notifier) -> None:
+    async with notifier.dispatcher:
+        try:
+            await notifier.recover(nc)
+        except Exception:
+            log.exception("notify_recovery_failed")
+        await asyncio.Event().wait()  # until the process ends (the task is cancelled)
 
 
 @asynccontextmanager

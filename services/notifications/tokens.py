@@ -30,12 +30,17 @@ class TokenStore:
     signs with a token at most that old (a changed token takes effect within it), and
     a burst of deliveries costs one read of the bucket per configuration, not one each."""
 
-    def __init__(self, nc: NATS, keyring: KeyRing, *, ttl: float = 5.0) -> None:
+    def __init__(self, nc: NATS, keyring: KeyRing | None, *, ttl: float = 5.0) -> None:
         self.js = nc.jetstream()
         self.keyring = keyring
         self.ttl = ttl
         self._kv: KeyValue | None = None
         self._opened: dict[str, tuple[float, str]] = {}
+
+    def _keys(self) -> KeyRing:
+        if self.keyring is None:
+            raise TokenError("notification tokens need the encryption key; this process has none")
+        return self.keyring
 
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
@@ -49,7 +54,7 @@ class TokenStore:
     async def put(self, org: str, config_id: str, token: str) -> None:
         key = self.key(org, config_id)
         kv = await self._bucket()
-        await kv.put(key, self.keyring.seal(token.encode(), key))
+        await kv.put(key, self._keys().seal(token.encode(), key))
         self._opened.pop(key, None)
 
     async def delete(self, org: str, config_id: str) -> None:
@@ -79,6 +84,6 @@ class TokenStore:
         if not entry.value:
             return ""
         try:
-            return self.keyring.open(entry.value, key).decode()
+            return self._keys().open(entry.value, key).decode()
         except CryptoError as e:
             raise TokenError(f"the token of {config_id} does not open: {e}") from e
