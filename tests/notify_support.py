@@ -51,6 +51,7 @@ class Receiver:
     answers: list[int] = field(default_factory=list)
     then: int = 200
     retry_after: str = "1"
+    delay: float = 0.0  # seconds before each answer
     got: list[Got] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -71,6 +72,8 @@ class Receiver:
             )
         )
         code = self.answers.pop(0) if self.answers else self.then
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if code == 0:
             await asyncio.Event().wait()  # hang until the client gives up
         headers = {"Retry-After": self.retry_after} if code == 429 else {}
