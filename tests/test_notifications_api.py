@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from services.infra.streams import EVENTS
+from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the `nhttp` fixture
 from tests.test_api_support import Http
 
@@ -240,3 +241,30 @@ async def test_the_guard_judges_again_at_send_time(
         assert a.status == 200
         assert a.body["delivered"] is False and "loopback" in a.body["error"]
         assert r.got == []
+
+
+async def test_a_run_created_through_the_api_is_notified_by_the_subscriber(
+    nhttp: Http, orgs: dict[str, Any]
+) -> None:
+    """End to end: configurations made through the API (token sealed by the API), the
+    subscriber on the shared consumer loop opening it with the same key, a run created
+    through the API; the organization's and the workspace's configurations both send."""
+    from services.api import secrets as secrets_api
+    from services.notifications.delivery import Policy
+    from services.notifications.subscriber import serving
+
+    keyring = nhttp.client.app[secrets_api.SECRETS].keyring
+    policy = Policy(allow=frozenset({"loopback"}), schedule=(0.1,))
+    async with Receiver(token=TOKEN) as r:
+        await _config(nhttp, url=r.url, token=TOKEN, triggers=["run:created"])
+        await _config(nhttp, ws="net", url=r.url, token=TOKEN, triggers=["run:created"])
+        await _config(nhttp, ws="db", url=r.url, token=TOKEN, triggers=["run:created"])
+        async with serving(nhttp.app.store.nc, nhttp.app, keyring, policy=policy):
+            run = await nhttp.run("acme", "net", "plan")
+
+            async def two() -> bool:
+                return len(r.got) >= 2
+
+            await eventually(two, what="both deliveries")
+        assert {g.json["run_id"] for g in r.got} == {run["id"]}
+        assert len(r.deliveries()) == 2 and all(g.tfe_ok and g.rp_ok for g in r.got)
