@@ -277,3 +277,35 @@ async def test_no_payload_carries_a_variable_value_or_the_token(rig: Rig, destin
             for needle in (SECRET_VALUE, PLAIN_VALUE, TOKEN, "db_password"):
                 assert needle.encode() not in g.body, needle
         assert r.got[0].json  # a JSON body
+
+
+async def test_a_dead_replicas_overdue_delivery_is_taken_over_not_a_live_ones(
+    rig: Rig, policy: Policy
+) -> None:
+    """The periodic rescan takes a delivery whose retry has been due for longer than
+    the bound (its replica died holding it), not one due a moment ago (a live replica
+    will send it), and sends it under its own id."""
+    async with Receiver(token=TOKEN) as r:
+        cfg = await rig.config(r.url)
+        now = rig.app.clock()
+        for seq, due in ((1001, now - timedelta(minutes=5)), (1002, now + timedelta(seconds=5))):
+            view = formats.RunView(org="acme", workspace="net", run_id=f"r{seq}")
+            job = await outbox.schedule(rig.store, cfg, view, "run:created", seq, now)
+            assert job is not None
+            attempt = nt.DeliveryAttempted(
+                at=now,
+                actor="other-replica",
+                delivery_id=job.delivery_id,
+                config_id=cfg.id,
+                attempt=1,
+                trigger="run:created",
+                run_id=job.run_id,
+                status_code=503,
+                outcome="retry",
+                next_retry_at=due,
+            )
+            assert await outbox.recorder(rig.store)(job, attempt)
+        assert await rig.notifier.recover(rig.store.nc, overdue=timedelta(seconds=60)) == 1
+        await eventually(lambda: _n(r, 1))
+        assert r.got[0].delivery == nt.delivery_id(cfg.id, 1001, "run:created")
+        assert r.got[0].json["run_id"] == "r1001"

@@ -29,6 +29,7 @@ import aiohttp
 import structlog
 
 from events import notification as nt
+from services.infra.tasks import cancel_and_wait
 from services.notifications import NotifyError, Refused, guard, signing
 
 log = structlog.get_logger(__name__)
@@ -280,8 +281,7 @@ class Dispatcher:
         for lane in self.lanes.values():
             lane.task.cancel()
         for lane in self.lanes.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await lane.task
+            await cancel_and_wait(lane.task)  # a cancel wait_for swallowed: again
         self.lanes.clear()
         await self.sender.__aexit__(exc_type, exc, tb)
 

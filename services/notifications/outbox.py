@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import nats.errors
 import nats.js.api
@@ -138,12 +138,20 @@ async def _first(store: EventStore, subject: str, event: nt.DeliveryScheduled, d
     return 0 if ack.duplicate else ack.seq
 
 
-async def job_of(store: EventStore, cfg: nt.NotificationConfig, did: str) -> Job | None:
-    """The delivery's job as its history has it, due when its last attempt said."""
+async def job_of(
+    store: EventStore, cfg: nt.NotificationConfig, did: str, *, overdue: timedelta | None = None
+) -> Job | None:
+    """The delivery's job as its history has it, due when its last attempt said; None
+    if it is finished, or (`overdue`) if it has not been due for that long: a live
+    replica holding it will make its next attempt."""
     envs = await store.read(nt.delivery_subject(cfg.org, cfg.id, did))
     state = nt.delivery_fold([e.event for e in envs])
     if state.scheduled is None or state.done:
         return None
+    if overdue is not None:
+        due_at = state.next_retry_at or envs[-1].event.at
+        if due_at > datetime.now(UTC) - overdue:
+            return None
     first_at = next((e.event.at for e in envs if isinstance(e.event, nt.DeliveryAttempted)), None)
     due = time.monotonic()
     if state.next_retry_at is not None:

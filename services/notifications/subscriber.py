@@ -16,7 +16,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, get_args
 
 import structlog
@@ -47,6 +47,9 @@ NAME = "notifications"
 # Deliveries of one event scheduled concurrently (two appends' round trips each): an
 # event for 1,000 destinations is in the log in ~1/64 of the time one at a time takes.
 SCHEDULE_AT_ONCE = 64
+# How often a replica looks for deliveries another replica held and did not finish (it
+# died): those overdue by this long are taken over, under their own RP-Delivery.
+RESCAN_S = 60.0
 _RUN_EVENTS = get_args(RunEvent)
 
 
@@ -112,17 +115,22 @@ class Notifier:
         through: list[Any] = [e.event for e in envs if e.seq <= seq]
         return run_agg.fold(through)
 
-    async def recover(self, nc: NATS) -> int:
-        """Put every unfinished delivery back on its lane; returns how many."""
+    async def recover(self, nc: NATS, *, overdue: timedelta | None = None) -> int:
+        """Put every unfinished delivery back on its lane (with `overdue`: only those
+        due that long ago and not in this process's hands, which the replica that held
+        them, dead since, will not send); returns how many."""
         n = 0
         for org, config_id, did in await outbox.unfinished(nc):
             state = await outbox.config(self.store, org, config_id)
             if not state.exists or state.config is None or not state.config.enabled:
                 continue  # deleted or disabled since: what it had not sent is dropped
-            job = await outbox.job_of(self.store, state.config, did)
+            if did in self.dispatcher.in_hand:
+                continue
+            job = await outbox.job_of(self.store, state.config, did, overdue=overdue)
             if job is not None and self.dispatcher.submit(job):
                 n += 1
-        log.info("notify_recovered", deliveries=n)
+        if n or overdue is None:
+            log.info("notify_recovered", deliveries=n)
         return n
 
 
@@ -165,12 +173,17 @@ _BACKGROUND: set[asyncio.Task[None]] = set()  # kept referenced for the process'
 
 
 async def _lifetime(nc: NATS, notifier: Notifier) -> None:
+    """The dispatcher open for the process's life; recovery at start, then every
+    RESCAN_S for what another replica, dead since, held (until the task is cancelled)."""
     async with notifier.dispatcher:
-        try:
-            await notifier.recover(nc)
-        except Exception:
-            log.exception("notify_recovery_failed")
-        await asyncio.Event().wait()  # until the process ends (the task is cancelled)
+        overdue = None
+        while True:
+            try:
+                await notifier.recover(nc, overdue=overdue)
+            except Exception:
+                log.exception("notify_recovery_failed")
+            overdue = timedelta(seconds=RESCAN_S)
+            await asyncio.sleep(RESCAN_S)
 
 
 @asynccontextmanager
