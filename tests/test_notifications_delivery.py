@@ -104,7 +104,8 @@ async def rig(nc: NATS, app: App, store: EventStore, policy: Policy) -> AsyncIte
     async def token_of(org: str, config_id: str) -> str:
         return tokens.get(config_id, "")
 
-    async with Dispatcher(policy, token_of, outbox.recorder(store)) as dispatcher:
+    record, current = outbox.recorder(store), outbox.current(store)
+    async with Dispatcher(policy, token_of, record, current) as dispatcher:
         yield Rig(app, store, Notifier(store, dispatcher), dispatcher, tokens)
 
 
@@ -309,3 +310,21 @@ async def test_a_dead_replicas_overdue_delivery_is_taken_over_not_a_live_ones(
         await eventually(lambda: _n(r, 1))
         assert r.got[0].delivery == nt.delivery_id(cfg.id, 1001, "run:created")
         assert r.got[0].json["run_id"] == "r1001"
+
+
+@pytest.mark.parametrize("policy", [_policy(schedule=(0.5,))])
+async def test_a_configuration_deleted_while_its_delivery_waits_gets_no_more_tries(
+    rig: Rig,
+) -> None:
+    async with Receiver(token=TOKEN, then=503) as r:
+        cfg = await rig.config(r.url)
+        await rig.notify_created()
+        await eventually(lambda: _n(r, 1))
+        delete = nt.DeleteConfig(actor="alice", config_id=cfg.id)
+        await outbox.command(rig.store, "acme", delete, clock=rig.app.clock, new_id=rig.app.ids)
+
+        async def dropped() -> bool:
+            return rig.dispatcher.busy() == 0
+
+        await eventually(dropped, what="the retry dropped")
+        assert len(r.got) == 1

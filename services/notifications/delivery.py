@@ -105,6 +105,9 @@ def policy_from_env() -> Policy:
 
 # Looks up the token (clear) of a configuration when an attempt is made.
 Tokens = Callable[[str, str], Awaitable[str]]
+# The configuration's URL now, or None if it was deleted or disabled: asked before a
+# retry (a first attempt goes where it was scheduled to go).
+Current = Callable[[Job], Awaitable[str | None]]
 # Records an attempt on the job's delivery subject; returns its sequence (0: someone
 # else recorded this delivery first, and it is finished: drop the job).
 Recorder = Callable[[Job, nt.DeliveryAttempted], Awaitable[int]]
@@ -255,10 +258,13 @@ class Lane:
 class Dispatcher:
     """Lanes by configuration; an async context manager (its Sender's session)."""
 
-    def __init__(self, policy: Policy, tokens: Tokens, record: Recorder) -> None:
+    def __init__(
+        self, policy: Policy, tokens: Tokens, record: Recorder, current: Current | None = None
+    ) -> None:
         self.policy = policy
         self.tokens = tokens
         self.record = record
+        self.current = current
         self.sender = Sender(policy)
         self.lanes: dict[str, Lane] = {}
         self.slots = asyncio.Semaphore(policy.concurrency)
@@ -302,6 +308,13 @@ class Dispatcher:
 
     async def attempt(self, job: Job, lane: Lane) -> None:
         await self.opened.wait()
+        if job.attempts and self.current is not None:
+            url = await self.current(job)
+            if url is None:  # deleted or disabled meanwhile: no more tries
+                self.in_hand.discard(job.delivery_id)
+                log.info("notify_dropped", delivery=job.delivery_id, config=job.config_id)
+                return
+            job = replace(job, url=url)
         token = await self.tokens(job.org, job.config_id)
         async with self.slots:
             headers = {

@@ -26,7 +26,7 @@ from events.errors import Conflict
 from services.infra.eventstore import WRONG_LAST_SEQUENCE, Append, EventStore
 from services.infra.streams import EVENTS
 from services.notifications import formats
-from services.notifications.delivery import DeliveryError, Job, Recorder
+from services.notifications.delivery import Current, DeliveryError, Job, Recorder
 
 PENDING_FILTER = "rp.org.*.notify.*.d.*"
 
@@ -171,6 +171,18 @@ async def job_of(
         due=due,
         last_seq=envs[-1].seq,
     )
+
+
+def current(store: EventStore) -> Current:
+    """The configuration's URL as it is now, None once deleted or disabled."""
+
+    async def url(job: Job) -> str | None:
+        state = await config(store, job.org, job.config_id)
+        if not state.exists or state.config is None or not state.config.enabled:
+            return None
+        return state.config.url
+
+    return url
 
 
 def recorder(store: EventStore) -> Recorder:

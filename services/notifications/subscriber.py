@@ -154,8 +154,11 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     opts = ctx.opts
     base_url = os.environ.get(formats.PUBLIC_URL_ENV, "") or f"http://{opts.listen}"
     tokens = TokenStore(ctx.nc, _keyring(opts))
-    dispatcher = Dispatcher(policy_from_env(), tokens.get, outbox.recorder(ctx.app.store))
-    notifier = Notifier(ctx.app.store, dispatcher, base_url=base_url)
+    store = ctx.app.store
+    dispatcher = Dispatcher(
+        policy_from_env(), tokens.get, outbox.recorder(store), outbox.current(store)
+    )
+    notifier = Notifier(store, dispatcher, base_url=base_url)
     _BACKGROUND.add(asyncio.get_running_loop().create_task(_lifetime(ctx.nc, notifier)))
     return [subscription(notifier)]
 
@@ -199,7 +202,8 @@ async def serving(
     crash left unfinished (after the consumer is up, so nothing new is missed)."""
     tokens = TokenStore(nc, keyring)
     chosen = policy or policy_from_env()
-    async with Dispatcher(chosen, tokens.get, outbox.recorder(app.store)) as dispatcher:
+    record, now_at = outbox.recorder(app.store), outbox.current(app.store)
+    async with Dispatcher(chosen, tokens.get, record, now_at) as dispatcher:
         notifier = Notifier(app.store, dispatcher, base_url=base_url)
         async with Consumer(nc, subscription(notifier), app=app):
             await notifier.recover(nc)
