@@ -170,44 +170,50 @@ Action = Admit | Enqueue | AdmitSpeculative | Dispatch | Watch | Deadline | Noti
 
 def react(event: AnyEvent, state: RunState | WorkspaceState | None) -> list[Action]:
     """The actions `event` calls for, in the order to carry them out; `state` is its
-    aggregate's state folded through it. An organization's events call for nothing (their
-    state may be None); a run's or a workspace's need their state (who they are)."""
+    aggregate's state folded through it. An event that is `quiet` calls for nothing
+    (its state may be None); any other needs its state (who it is about, where it led)."""
+    if quiet(event):
+        return []
     match event:
         case (
             RunCreated()
             | RunQueued()
             | RunPinned()
             | PhaseStarted()
-            | StepStarted()
-            | StepFinished()
             | PlanFinished()
             | RunApproved()
             | ApplyFinished()
-            | ResourceStateChanged()
-            | StateVersionCreated()
             | RunDiscarded()
             | RunCanceled()
             | RunFailed()
-            | RunStopRequested()
-            | RunLimitExceeded()
             | CustomStepFinished()
         ):
             if not isinstance(state, RunState) or not state.exists:
                 raise ValueError(f"{type(event).__name__}: react needs the run's state")
             return _run(event, state)
-        case (
-            WorkspaceCreated()
-            | RunEnqueued()
-            | RunAdmitted()
-            | RunReleased()
-            | VariablesSet()
-            | SettingsSet()
-            | WorkspaceLocked()
-            | WorkspaceUnlocked()
-        ):
+        case WorkspaceCreated() | RunEnqueued() | RunReleased() | WorkspaceUnlocked():
             if not isinstance(state, WorkspaceState) or not state.exists:
                 raise ValueError(f"{type(event).__name__}: react needs the workspace's state")
             return _workspace(event, state)
+        case _:  # unreachable: `quiet` says which events are not (tests/test_react.py)
+            raise AssertionError(f"{type(event).__name__} is neither quiet nor reacted to")
+
+
+def quiet(event: AnyEvent) -> bool:
+    """Whether `event` calls for nothing, whatever its aggregate's state: a consumer
+    need not fold the state for it (`with_state=lambda e: not quiet(e)`)."""
+    match event:
+        case (
+            StepStarted()
+            | StepFinished()
+            | ResourceStateChanged()
+            | StateVersionCreated()
+            | RunStopRequested()  # its executor interrupts the phase, then cancels
+            | RunLimitExceeded()  # recorded, not acted on: the apply ends as it does
+        ):
+            return True
+        case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
+            return True  # an admission's `run.queued` follows on the run
         case (
             OrgCreated()
             | TokenIssued()
@@ -226,7 +232,25 @@ def react(event: AnyEvent, state: RunState | WorkspaceState | None) -> list[Acti
             | DeliveryScheduled()
             | DeliveryAttempted()
         ):
-            return []
+            return True
+        case (
+            RunCreated()
+            | RunQueued()
+            | RunPinned()
+            | PhaseStarted()
+            | PlanFinished()
+            | RunApproved()
+            | ApplyFinished()
+            | RunDiscarded()
+            | RunCanceled()
+            | RunFailed()
+            | CustomStepFinished()
+            | WorkspaceCreated()
+            | RunEnqueued()
+            | RunReleased()
+            | WorkspaceUnlocked()
+        ):
+            return False
         case _:
             assert_never(event)
 
@@ -236,32 +260,17 @@ RunEventT = (
     | RunQueued
     | RunPinned
     | PhaseStarted
-    | StepStarted
-    | StepFinished
     | PlanFinished
     | RunApproved
     | ApplyFinished
-    | ResourceStateChanged
-    | StateVersionCreated
     | RunDiscarded
     | RunCanceled
     | RunFailed
-    | RunStopRequested
-    | RunLimitExceeded
     | CustomStepFinished
 )
 
 
-WsEventT = (
-    WorkspaceCreated
-    | RunEnqueued
-    | RunAdmitted
-    | RunReleased
-    | VariablesSet
-    | SettingsSet
-    | WorkspaceLocked
-    | WorkspaceUnlocked
-)
+WsEventT = WorkspaceCreated | RunEnqueued | RunReleased | WorkspaceUnlocked
 
 
 def _run(event: RunEventT, s: RunState) -> list[Action]:
@@ -310,8 +319,6 @@ def _workspace(event: WsEventT, w: WorkspaceState) -> list[Action]:
             return [Admit(org=w.org, ws=w.name, hint=event.run_id)]
         case WorkspaceCreated() | RunReleased() | WorkspaceUnlocked():
             return [Admit(org=w.org, ws=w.name)]
-        case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
-            return []  # an admission's `run.queued` follows on the run
         case _:
             assert_never(event)
 

@@ -311,3 +311,28 @@ async def test_a_subscriber_that_falls_behind_does_not_slow_admission(nc: NATS, 
         assert info.state.messages == 5  # and dispatched
     behind = await _info(nc, "t-behind")
     assert behind.num_pending + behind.num_ack_pending > 5  # the subscriber is behind
+
+
+async def test_an_event_redelivered_after_later_ones_sees_its_own_state(nc: NATS, app: App) -> None:
+    """A `run.created` put back comes after the run's `run.queued` was folded: it still
+    sees the run as it was through itself, pending."""
+    await _setup(app, "net")
+    run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
+    assert await app.admit_next(ORG, "net") == run_id
+    calls = Calls()
+
+    async def handle(r: Received) -> None:
+        calls.seen.append(r)
+        if r.type == "run.created" and r.num_delivered == 1:
+            raise Retry(0.3)
+
+    sub = Subscription(name="t-again", handle=handle, with_state=True, start="all")
+    async with Consumer(nc, sub, app=app):
+        await eventually(lambda: _at_least(calls.count("run.created"), 2), what="redelivered")
+        await eventually(_settled(nc, "t-again"), what="all handled")
+    order = [(r.type, r.num_delivered, r.state.status) for r in calls.seen]  # type: ignore[union-attr]
+    assert order == [
+        ("run.created", 1, R.Status.PENDING),
+        ("run.queued", 1, R.Status.QUEUED),
+        ("run.created", 2, R.Status.PENDING),
+    ]

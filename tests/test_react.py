@@ -541,3 +541,21 @@ def test_every_run_that_held_its_workspace_asks_for_one_admission_at_its_end() -
                 continue
             assert not (state.terminal is False and admits), path.name
         assert admits == (0 if state.speculative else 1), path.name
+
+
+def test_a_quiet_event_calls_for_nothing_whatever_the_state_and_no_other_is_quiet() -> None:
+    """What a consumer may skip folding for (`quiet`) is exactly what calls for nothing."""
+    for event, state in _samples():
+        if rx.quiet(event):
+            assert react(event, state) == [] and react(event, None) == []
+        else:
+            assert react(event, state), f"{tag_of(event)} is not quiet yet calls for nothing"
+            with pytest.raises(ValueError):
+                react(event, None)
+
+
+def test_the_phases_a_run_end_purges_are_the_boards() -> None:
+    """`react` is pure (no services import): its copy of the board's phases must agree."""
+    from services.infra.heartbeats import PHASES
+
+    assert rx.PHASES == PHASES

@@ -30,7 +30,7 @@ message put back (Retry, overflow) comes again after later ones.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -60,6 +60,7 @@ PROGRESS_EVERY = 2.0  # well inside every consumer's ack wait (streams.py)
 FAILED_DELAY = 2.0  # an unexpected error: again soon, not at once
 TRANSIENT_DELAY = 0.5  # the broker or the store hiccuped
 OVERFLOW_DELAY = 1.0  # a lane full: its next messages come back later
+FOLDED_KEPT = 10_000  # aggregates whose last folded state is kept (see `_fold`)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,9 @@ class Subscription:
     handle: Callable[[Received], Awaitable[None]]
     subjects: tuple[str, ...] = ("rp.run.>",)  # filters on RP_EVENTS
     lane: Callable[[Received], str] = by_workspace  # in order within, in parallel across
-    with_state: bool = False
+    # The aggregate folded through the event: for every event, or for those it says
+    # (the scheduler's: `lambda e: not react.quiet(e)`, events that call for nothing).
+    with_state: bool | Callable[[AnyEvent], bool] = False
     start: Literal["new", "all"] = "new"  # where a new durable starts
     lane_limit: int = 256  # messages in hand per lane before the next are put back
 
@@ -169,6 +172,7 @@ class Consumer:
         self._in_flight = asyncio.Semaphore(max(4 * batch, 64))
         # Messages fetched and not yet settled, told "in progress" every PROGRESS_EVERY.
         self._in_hand: dict[int, Msg] = {}  # by id(): a Msg is an unhashable dataclass
+        self._folded: OrderedDict[str, tuple[int, Any]] = OrderedDict()  # (seq, state)
         self._log = log.bind(consumer=self.durable)
 
     async def __aenter__(self) -> Consumer:
@@ -320,7 +324,8 @@ class Consumer:
         floor.set(max(floor.get(), received.seq))
         subject = m.subject
         try:
-            if self.sub.with_state:
+            wanted = self.sub.with_state
+            if wanted is True or (callable(wanted) and wanted(received.event)):
                 received = await self._with_state(received)
             await self.sub.handle(received)
         except Retry as r:
@@ -344,15 +349,31 @@ class Consumer:
 
     async def _with_state(self, r: Received) -> Received:
         """`r` with its aggregate folded through its sequence (an organization's: None)."""
-        parts = r.subject.split(".")
-        if parts[1] == "run":
-            envs = await self.app.store.read(r.subject, min_seq=r.seq)
-            run = run_agg.fold([e.event for e in envs if e.seq <= r.seq])
-            return replace(r, state=run, event=upcast(r.event, run))
-        if parts[1] == "ws":
-            envs = await self.app.store.read(r.subject, min_seq=r.seq)
-            return replace(r, state=ws_agg.fold([e.event for e in envs if e.seq <= r.seq]))
-        return r
+        kind = r.subject.split(".")[1]
+        if kind not in ("run", "ws"):
+            return r
+        envs = await self.app.store.read(r.subject, min_seq=r.seq)
+        state = self._fold(r.subject, r.seq, envs, run_agg.fold if kind == "run" else ws_agg.fold)
+        if isinstance(state, RunState):
+            return replace(r, state=state, event=upcast(r.event, state))
+        return replace(r, state=state)
+
+    def _fold(self, subject: str, seq: int, envs: list[Any], fold: Callable[..., Any]) -> Any:
+        """The aggregate through `seq`, folded on from the last state this consumer folded
+        of it (a history is never rewritten), so a run's events cost one fold, not one per
+        event: folding each from scratch cost 13 ms of CPU for a 27-event run."""
+        known = self._folded.get(subject)
+        if known is not None and known[0] <= seq:
+            since, state = known
+            state = fold([e.event for e in envs if since < e.seq <= seq], state)
+        else:
+            state = fold([e.event for e in envs if e.seq <= seq])
+        if known is None or known[0] <= seq:
+            self._folded[subject] = (seq, state)
+            self._folded.move_to_end(subject)
+            while len(self._folded) > FOLDED_KEPT:
+                self._folded.popitem(last=False)
+        return state
 
 
 def upcast(event: AnyEvent, run: RunState) -> AnyEvent:

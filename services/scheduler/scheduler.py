@@ -31,6 +31,7 @@ from types import TracebackType
 import structlog
 from nats.aio.client import Client as NATS
 
+from events.codec import AnyEvent
 from events.react import (
     Action,
     Admit,
@@ -40,6 +41,7 @@ from events.react import (
     Enqueue,
     Notify,
     Watch,
+    quiet,
     react,
 )
 from events.run import RunState
@@ -58,6 +60,10 @@ log = structlog.get_logger(__name__)
 ENQUEUE_GRACE = 1.0
 # Workspaces whose last admission attempt is remembered (see `_admit`).
 ADMITTED_KEPT = 10_000
+
+
+def _consulted(event: AnyEvent) -> bool:
+    return not quiet(event)
 
 
 class Scheduler:
@@ -83,7 +89,7 @@ class Scheduler:
             handle=self._handle,
             subjects=("rp.>",),  # its own durable, declared below, takes the whole log
             lane=by_workspace,
-            with_state=True,
+            with_state=_consulted,  # the run's or workspace's, for what calls for something
             lane_limit=max(4 * batch, 64),  # as before: no lane put back, the room is shared
         )
         self.consumer = Consumer(
