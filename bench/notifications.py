@@ -5,7 +5,7 @@ subscriber as `runplane subscribers` runs it (`services/notifications/subscriber
 `serving`: the shared consumer loop over `rp.run.>` with each run's state, configurations
 read from the log, each delivery scheduled in the log, sent on its destination's lane,
 its attempt recorded, tokens opened from the sealed store), with real local HTTP
-receivers that check the signatures:
+receivers that check the signatures, each in a process of its own (as a receiver is):
 
 1. **latency**: `run.created` events appended on a fixed clock (open loop) at `--rate`
    runs/s for `--seconds` s (each through `App.create_run`), one signed generic
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +38,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -92,9 +94,23 @@ class Receiver:
         self.last = now
         return web.Response(text="ok")
 
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "count": self.count,
+                "bad": self.bad,
+                "ids": len(self.ids),
+                "runs": len(self.first),
+                "lag": list(self.lag.values()),
+                "last": self.last,
+                "requests": self.requests,
+            }
+        )
+
     @asynccontextmanager
     async def serving(self) -> AsyncIterator[Receiver]:
         app = web.Application()
+        app.router.add_get("/stats", self._stats)
         app.router.add_post("/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1, access_log=None)
         await self._runner.setup()
@@ -105,6 +121,47 @@ class Receiver:
             yield self
         finally:
             await self._runner.cleanup()
+
+
+class Remote:
+    """A `Receiver` in a process of its own (as a real receiver is: its CPU is not the
+    subscriber's), asked for its counts over HTTP."""
+
+    def __init__(self, *, hang: bool = False) -> None:
+        self.hang = hang
+        self.url = ""
+        self.stats: dict[str, Any] = {}
+        self._proc: asyncio.subprocess.Process | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Remote:
+        args = [sys.executable, "-m", "bench.notifications", "--receiver"]
+        self._proc = await asyncio.create_subprocess_exec(
+            *args, *(["--hang"] if self.hang else []), stdout=asyncio.subprocess.PIPE
+        )
+        assert self._proc.stdout is not None
+        self.url = (await asyncio.wait_for(self._proc.stdout.readline(), 30)).decode().strip()
+        self._http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._http is not None:
+            await self._http.close()
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
+            await self._proc.wait()
+
+    async def poll(self) -> dict[str, Any]:
+        assert self._http is not None
+        async with self._http.get(f"{self.url}/stats") as resp:
+            self.stats = await resp.json()
+        return self.stats
+
+
+async def _serve_receiver(hang: bool) -> None:
+    async with Receiver(hang=hang).serving() as rx:
+        print(rx.url, flush=True)
+        await asyncio.Event().wait()
 
 
 async def _org(
@@ -133,12 +190,12 @@ async def _org(
         await asyncio.gather(*(one(u) for u in urls[i : i + 100]))
 
 
-async def _until(probe: Callable[[], bool], timeout: float) -> bool:
+async def _until(probe: Callable[[], Awaitable[bool]], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while not probe():
+    while not await probe():
         if time.monotonic() > deadline:
             return False
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.02)
     return True
 
 
@@ -150,8 +207,7 @@ async def latency(rate: float, seconds: float, workspaces: int = 20) -> dict[str
     async with private_server("notify-lat") as server, connected(server.url) as nc:
         store = EventStore(nc)
         app = App(store)
-        rx = Receiver()
-        async with rx.serving():
+        async with Remote() as rx:
             await _org(app, store, TokenStore(nc, KEYS), [f"{rx.url}/hook"], workspaces)
             async with serving(nc, app, KEYS, policy=policy):
                 n = int(rate * seconds)
@@ -163,15 +219,15 @@ async def latency(rate: float, seconds: float, workspaces: int = 20) -> dict[str
                     await app.create_run("bench", f"ws-{i % workspaces}", "plan", "b")
 
                 await asyncio.gather(*(create(i) for i in range(n)))
-                await _until(lambda: len(rx.first) >= n, 30)
+                await _until(lambda: _at_least(rx, "runs", n), 30)
                 cpu = time.process_time() - cpu0
-        lat = list(rx.lag.values())
+        lat = list(rx.stats["lag"])
         return {
             "rate": rate,
             "seconds": seconds,
             "events": n,
             "delivered": len(lat),
-            "bad_signatures": rx.bad,
+            "bad_signatures": rx.stats["bad"],
             "p50_ms": ms(percentile(lat, 50)),
             "p99_ms": ms(percentile(lat, 99)),
             "max_ms": ms(max(lat, default=0.0)),
@@ -184,8 +240,7 @@ async def fanout(destinations: int, events: int) -> dict[str, Any]:
     async with private_server("notify-fan") as server, connected(server.url) as nc:
         store = EventStore(nc)
         app = App(store)
-        rx, hung = Receiver(), Receiver(hang=True)
-        async with rx.serving(), hung.serving():
+        async with Remote() as rx, Remote(hang=True) as hung:
             urls = [f"{rx.url}/d/{i}" for i in range(destinations)] + [f"{hung.url}/hang"]
             await _org(app, store, TokenStore(nc, KEYS), urls)
             async with serving(nc, app, KEYS, policy=policy):
@@ -194,23 +249,29 @@ async def fanout(destinations: int, events: int) -> dict[str, Any]:
                 for _ in range(events):
                     await app.create_run("bench", "ws-0", "plan", "b")
                 want = destinations * events
-                done = await _until(lambda: rx.count >= want, 120)
-                elapsed = rx.last - t0
+                done = await _until(lambda: _at_least(rx, "count", want), 120)
+                elapsed = rx.stats["last"] - t0
                 cpu = time.process_time() - cpu0
+                await hung.poll()
+        count = rx.stats["count"]
         return {
             "destinations": destinations,
             "hanging_destinations": 1,
             "events": events,
-            "deliveries": rx.count,
-            "distinct_ids": len(rx.ids),
-            "bad_signatures": rx.bad,
+            "deliveries": count,
+            "distinct_ids": rx.stats["ids"],
+            "bad_signatures": rx.stats["bad"],
             "complete": done,
             "seconds": round(elapsed, 3),
-            "deliveries_per_s": round(rx.count / elapsed, 1) if elapsed > 0 else None,
-            "hanging_receiver_requests": hung.requests,
+            "deliveries_per_s": round(count / elapsed, 1) if elapsed > 0 else None,
+            "hanging_receiver_requests": hung.stats["requests"],
             "cpu_s": round(cpu, 2),
-            "cpu_ms_per_delivery": round(1000 * cpu / max(rx.count, 1), 3),
+            "cpu_ms_per_delivery": round(1000 * cpu / max(count, 1), 3),
         }
+
+
+async def _at_least(rx: Remote, key: str, n: int) -> bool:
+    return bool((await rx.poll())[key] >= n)
 
 
 def rows(lat: dict[str, Any], fan: dict[str, Any]) -> list[Result]:
@@ -240,7 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--destinations", type=int, default=1000)
     p.add_argument("--events", type=int, default=3)
+    p.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hang", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.receiver:  # the receiver's own process (Remote)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_serve_receiver(args.hang))
+        return 0
     from bench.run import table
     from services import logs
 

@@ -1,13 +1,14 @@
 """The delivery engine: each destination its own lane, attempts recorded as events.
 
 A `Job` is one delivery (events/notification.py: its id, its body, from the log). The
-`Dispatcher` keeps a lane per configuration: a lane sends one attempt at a time, so a
-dead or hanging receiver holds only its own lane, for at most the attempt's timeout,
-while every other destination goes on; attempts across lanes are bounded by one
-semaphore (`concurrency`). After each attempt the lane appends `org.notify_delivery_attempted`
-to the delivery's subject before anything else; an attempt to try again is put back on
-its lane when it is due (the schedule, or the receiver's Retry-After if longer), and other
-deliveries of the same destination are not held behind it.
+`Dispatcher` keeps a lane per configuration: a lane has at most `per_destination`
+attempts in flight, so a dead or hanging receiver holds only its own lane's few, for at
+most the attempt's timeout each, while every other destination goes on; attempts across
+lanes are bounded by one semaphore (`concurrency`). After each attempt the lane appends
+`org.notify_delivery_attempted` to the delivery's subject before anything else; an
+attempt to try again is put back on its lane when it is due (the schedule, or the
+receiver's Retry-After if longer), and other deliveries of the same destination are not
+held behind it.
 
 A crash loses nothing: what was scheduled is in the log, and `recover`
 (services/notifications/subscriber.py) puts every delivery not finished back on its lane
@@ -85,6 +86,7 @@ class Policy:
     give_up_after: timedelta = nt.GIVE_UP_AFTER
     timeout: float = 10.0  # one attempt, from connecting to the end of the answer
     concurrency: int = 256  # attempts in flight, all lanes together
+    per_destination: int = 4  # attempts in flight to one destination (its lane's workers)
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
 
@@ -217,14 +219,18 @@ def outcome(job: Job, answer: Answer, policy: Policy, now: datetime) -> nt.Deliv
 
 
 class Lane:
-    """One destination's deliveries: one attempt at a time, retries when due."""
+    """One destination's deliveries: at most `per_destination` attempts at a time (a
+    hanging receiver holds that many of the shared slots, no more), retries when due."""
 
     def __init__(self, dispatcher: Dispatcher, key: str) -> None:
         self.d = dispatcher
         self.key = key
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.waiting = 0  # retries not yet due
-        self.task = asyncio.create_task(self._run(), name=f"notify-lane-{key}")
+        self.tasks = [
+            asyncio.create_task(self._run(), name=f"notify-lane-{key}-{i}")
+            for i in range(max(1, dispatcher.policy.per_destination))
+        ]
 
     def put(self, job: Job) -> None:
         delay = job.due - time.monotonic()
@@ -284,10 +290,11 @@ class Dispatcher:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for lane in self.lanes.values():
-            lane.task.cancel()
-        for lane in self.lanes.values():
-            await cancel_and_wait(lane.task)  # a cancel wait_for swallowed: again
+        tasks = [t for lane in self.lanes.values() for t in lane.tasks]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            await cancel_and_wait(task)  # a cancel wait_for swallowed: again
         self.lanes.clear()
         await self.sender.__aexit__(exc_type, exc, tb)
 
