@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -191,8 +192,12 @@ async def test_a_queued_run_with_nothing_on_the_board_is_found_and_dispatched(
     async with Scheduler(nc, app):
         run_id = await queued_run_via_scheduler(app)
         await eventually(lambda: _dispatched(nc), what="the plan dispatched")
-        deadline = await Board(nc).last(run_id, DEADLINE, leader=True)
-        assert deadline is not None and deadline.body.run_deadline is None, "no limit set"
+
+        async def marked() -> Any:  # written after the dispatch, by the same reaction
+            return await Board(nc).last(run_id, DEADLINE, leader=True)
+
+        deadline = await eventually(marked, what="the deadline marker")
+        assert deadline.body.run_deadline is None, "no limit set"
         assert deadline.body.pool == "default"
     await take_the_message(nc)
     await Board(nc).purge(subject(run_id, "plan"))

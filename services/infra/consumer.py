@@ -75,6 +75,9 @@ class Received:
     num_delivered: int
     headers: Mapping[str, str]  # includes `traceparent` when the writer had one
     state: RunState | WorkspaceState | None = None  # folded through `seq` (with_state)
+    # With its state: the last sequence its subject had when read (== seq: the state is
+    # the latest too, as of that read; a handler that would load it again need not).
+    last_seq: int = 0
 
     @property
     def org(self) -> str:
@@ -354,9 +357,10 @@ class Consumer:
             return r
         envs = await self.app.store.read(r.subject, min_seq=r.seq)
         state = self._fold(r.subject, r.seq, envs, run_agg.fold if kind == "run" else ws_agg.fold)
+        last = envs[-1].seq if envs else 0
         if isinstance(state, RunState):
-            return replace(r, state=state, event=upcast(r.event, state))
-        return replace(r, state=state)
+            return replace(r, state=state, event=upcast(r.event, state), last_seq=last)
+        return replace(r, state=state, last_seq=last)
 
     def _fold(self, subject: str, seq: int, envs: list[Any], fold: Callable[..., Any]) -> Any:
         """The aggregate through `seq`, folded on from the last state this consumer folded

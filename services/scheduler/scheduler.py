@@ -45,7 +45,7 @@ from events.react import (
     react,
 )
 from events.run import RunState
-from services.commands import App
+from services.commands import App, Loaded
 from services.infra import streams
 from services.infra.consumer import Consumer, Received, Retry, Subscription, by_workspace
 from services.infra.eventstore import floor
@@ -64,6 +64,13 @@ ADMITTED_KEPT = 10_000
 
 def _consulted(event: AnyEvent) -> bool:
     return not quiet(event)
+
+
+def _latest(r: Received) -> Loaded | None:
+    """The run as the consumer just read it, if the event was its last then."""
+    if isinstance(r.state, RunState) and r.last_seq == r.seq:
+        return Loaded(subject=r.subject, seq=r.seq, state=r.state)
+    return None
 
 
 class Scheduler:
@@ -139,7 +146,7 @@ class Scheduler:
             case AdmitSpeculative(org=org, ws=ws, run_id=run_id):
                 await self._admit_speculative(org, ws, run_id)
             case Dispatch(org=org, ws=ws, run_id=run_id):
-                await self._dispatch(org, ws, run_id)
+                await self._dispatch(org, ws, run_id, seen=_latest(r))
             case Watch():
                 await watch.follow(self.nc, self.app, action)
             case Deadline(org=org, ws=ws, run_id=run_id):
@@ -183,10 +190,13 @@ class Scheduler:
         if await self.app.admit_speculative(org, ws, run_id):
             log.info("run_admitted", org=org, workspace=ws, run_id=run_id, speculative=True)
 
-    async def _dispatch(self, org: str, ws: str, run_id: str) -> None:
+    async def _dispatch(
+        self, org: str, ws: str, run_id: str, *, seen: Loaded | None = None
+    ) -> None:
         """The run as it is now (the event may be old news: redelivered) waits for its
-        snapshot, or for an executor to claim its phase."""
-        loaded = await self.app.load_run(org, ws, run_id)
+        snapshot, or for an executor to claim its phase. `seen`: the run as just read,
+        when nothing came after the event (one read less)."""
+        loaded = seen or await self.app.load_run(org, ws, run_id)
         state: RunState = loaded.state
         if state.pinning:  # its snapshot first; `run.pinned` comes back here to dispatch
             if await self.app.pin_run(org, ws, run_id, loaded=loaded):
