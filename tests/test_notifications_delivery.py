@@ -329,3 +329,32 @@ async def test_a_configuration_deleted_while_its_delivery_waits_gets_no_more_tri
 
         await eventually(dropped, what="the retry dropped")
         assert len(r.got) == 1
+
+
+async def test_the_unfinished_list_is_kept_by_reading_only_what_is_new(rig: Rig) -> None:
+    cfg = await rig.config("http://127.0.0.1:9/never")
+    now = rig.app.clock()
+    jobs = []
+    for seq in (2001, 2002):
+        view = formats.RunView(org="acme", workspace="net", run_id=f"r{seq}")
+        job = await outbox.schedule(rig.store, cfg, view, "run:created", seq, now)
+        assert job is not None
+        jobs.append(job)
+    pending = outbox.Unfinished(rig.store.nc)
+    assert {d for _, _, d in await pending.refresh()} == {j.delivery_id for j in jobs}
+    first_cursor = pending.cursor
+    done = nt.DeliveryAttempted(
+        at=now,
+        actor="n",
+        delivery_id=jobs[0].delivery_id,
+        config_id=cfg.id,
+        attempt=1,
+        trigger="run:created",
+        run_id=jobs[0].run_id,
+        status_code=200,
+        outcome="delivered",
+    )
+    assert await outbox.recorder(rig.store)(jobs[0], done)
+    assert [d for _, _, d in await pending.refresh()] == [jobs[1].delivery_id]
+    assert pending.cursor > first_cursor
+    assert [d for _, _, d in await pending.refresh()] == [jobs[1].delivery_id]  # nothing new

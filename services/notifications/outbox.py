@@ -16,9 +16,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import nats.errors
-import nats.js.api
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from events import notification as nt
 from events.codec import decode, encode, tag_of
@@ -208,33 +208,57 @@ def recorder(store: EventStore) -> Recorder:
     return record
 
 
-async def unfinished(nc: NATS, *, timeout: float = 10.0) -> list[tuple[str, str, str]]:
-    """(org, config id, delivery id) of every delivery whose last event is not a final
-    attempt: what a crash (or a give-up of every replica) left to do. One ordered read of
-    the last message of each delivery subject."""
-    js = nc.jetstream()
-    info = await js.stream_info(EVENTS, subjects_filter=PENDING_FILTER)
-    if not info.state.subjects:
-        return []
-    sub = await js.subscribe(
-        PENDING_FILTER,
-        ordered_consumer=True,
-        deliver_policy=nats.js.api.DeliverPolicy.LAST_PER_SUBJECT,
-    )
-    out = []
-    try:
-        want = len(info.state.subjects)
-        deadline = time.monotonic() + timeout
-        while want and time.monotonic() < deadline:
-            msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
-            want -= 1
-            event = decode(msg.data)
-            if isinstance(event, nt.DeliveryAttempted) and event.outcome in nt.FINAL:
-                continue
-            _, _, org, _, config_id, _, did = msg.subject.split(".")
-            out.append((org, config_id, did))
-            if msg.metadata.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
-    return out
+class Unfinished:
+    """The deliveries not finished, kept up to date by reading only what is new.
+
+    The first `refresh` reads the delivery subjects' events from `window` ago (a
+    delivery older than that was retried to its end or given up), each later one from
+    where the last stopped: a periodic rescan costs what was written since, not the
+    whole history. In memory: only the unfinished ones (a scheduled delivery is added,
+    its final attempt removes it).
+    """
+
+    def __init__(
+        self, nc: NATS, *, window: timedelta = nt.GIVE_UP_AFTER + timedelta(hours=1)
+    ) -> None:
+        self.nc = nc
+        self.window = window
+        self.cursor = 0  # the last stream sequence read
+        self.open: dict[str, tuple[str, str, str]] = {}  # by subject: (org, config, delivery)
+
+    async def refresh(self, *, timeout: float = 60.0) -> list[tuple[str, str, str]]:
+        """(org, config id, delivery id) of every delivery not finished, as of now."""
+        js = self.nc.jetstream()
+        if self.cursor:
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self.cursor + 1
+            )
+        else:
+            since = datetime.now(UTC) - self.window
+            config = ConsumerConfig(
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=since
+            )
+        sub = await js.subscribe(PENDING_FILTER, ordered_consumer=True, config=config)
+        try:
+            info = await sub.consumer_info()
+            # Pushed already, or still to push: a push consumer's num_pending counts only
+            # the second, so what it delivered so far counts too.
+            delivered = info.delivered.consumer_seq if info.delivered else 0
+            want = (info.num_pending or 0) + (delivered or 0)
+            deadline = time.monotonic() + timeout
+            while want > 0 and time.monotonic() < deadline:
+                msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+                self._note(msg.subject, msg.data)
+                self.cursor = max(self.cursor, msg.metadata.sequence.stream)
+                want = msg.metadata.num_pending or 0
+        finally:
+            await sub.unsubscribe()
+        return list(self.open.values())
+
+    def _note(self, subject: str, data: bytes) -> None:
+        event = decode(data)
+        if isinstance(event, nt.DeliveryScheduled):
+            _, _, org, _, config_id, _, did = subject.split(".")
+            self.open[subject] = (org, config_id, did)
+        elif isinstance(event, nt.DeliveryAttempted) and event.outcome in nt.FINAL:
+            self.open.pop(subject, None)

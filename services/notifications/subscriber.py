@@ -69,6 +69,7 @@ class Notifier:
         self.base_url = base_url
         self.clock = clock
         self.scheduled = 0
+        self._unfinished: outbox.Unfinished | None = None
 
     async def handle(self, received: Any) -> None:
         """The subscriber's handler (services/infra/consumer.py `Received`)."""
@@ -120,7 +121,9 @@ class Notifier:
         due that long ago and not in this process's hands, which the replica that held
         them, dead since, will not send); returns how many."""
         n = 0
-        for org, config_id, did in await outbox.unfinished(nc):
+        if self._unfinished is None:
+            self._unfinished = outbox.Unfinished(nc)
+        for org, config_id, did in await self._unfinished.refresh():
             state = await outbox.config(self.store, org, config_id)
             if not state.exists or state.config is None or not state.config.enabled:
                 continue  # deleted or disabled since: what it had not sent is dropped
