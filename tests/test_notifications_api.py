@@ -216,6 +216,7 @@ async def test_verify_sends_a_signed_verification_and_answers_the_receivers_resp
         assert payload["payload_version"] == 1
         assert payload["notification_configuration_id"] == made["id"]
         assert payload["notifications"][0]["trigger"] == "verification"
+        assert payload["run_id"] is None and payload["organization_name"] == "acme"
         b = await nhttp.post(f"{one}/verify")
         assert (b.body["delivered"], b.body["response_code"]) == (False, 500)
         assert len(r.got) == 2  # a verification is not retried

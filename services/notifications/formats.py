@@ -111,7 +111,10 @@ def _iso(dt: datetime | None) -> str | None:
 
 
 def generic(view: RunView, trigger: str, config_id: str) -> dict[str, Any]:
-    """HCP Terraform's notification payload, version 1, and runplane's fields beside it."""
+    """HCP Terraform's notification payload, version 1, and runplane's fields beside it
+    (a `verification` has no run: its run fields are null, as HCP Terraform sends)."""
+    if trigger == VERIFICATION:
+        return _verification(view, config_id)
     return {
         "payload_version": PAYLOAD_VERSION,
         "notification_configuration_id": config_id,
@@ -138,6 +141,30 @@ def generic(view: RunView, trigger: str, config_id: str) -> dict[str, Any]:
             "changes": {"create": view.add, "update": view.change, "delete": view.destroy},
             "reason": view.reason,
         },
+    }
+
+
+def _verification(view: RunView, config_id: str) -> dict[str, Any]:
+    return {
+        "payload_version": PAYLOAD_VERSION,
+        "notification_configuration_id": config_id,
+        "run_url": None,
+        "run_id": None,
+        "run_message": None,
+        "run_created_at": None,
+        "run_created_by": None,
+        "workspace_id": f"{view.org}/{view.workspace}" if view.workspace else None,
+        "workspace_name": view.workspace or None,
+        "organization_name": view.org,
+        "notifications": [
+            {
+                "message": MESSAGES[VERIFICATION],
+                "trigger": VERIFICATION,
+                "run_status": None,
+                "run_updated_at": _iso(view.updated_at),
+                "run_updated_by": None,
+            }
+        ],
     }
 
 

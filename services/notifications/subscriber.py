@@ -6,8 +6,8 @@ organization and workspace that want them, records each delivery in the log
 (`outbox.schedule`) and hands it to the `Dispatcher`; then the event is acknowledged.
 Nothing here waits for a receiver: a slow or dead one holds only its own lane.
 
-At start, `recover` puts back on their lanes the deliveries a crash (of this replica or
-another) left unfinished.
+At start, `recover` puts back on their lanes the deliveries a crash left unfinished, and
+every RESCAN_S those another replica held and has not sent for that long (it died).
 """
 
 from __future__ import annotations
