@@ -6,11 +6,12 @@ import re
 
 import msgspec
 
+from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
 from events.workspace import WorkspaceEvent
 
-AnyEvent = RunEvent | WorkspaceEvent | OrgEvent
+AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)

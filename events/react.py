@@ -33,6 +33,7 @@ import msgspec
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
+from events.notification import ConfigDeleted, ConfigSaved, DeliveryAttempted, DeliveryScheduled
 from events.org import OrgCreated, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import (
@@ -226,6 +227,10 @@ def quiet(event: AnyEvent) -> bool:
             | TemplateDeleted()
             | PolicySaved()
             | PolicyDeleted()
+            | ConfigSaved()
+            | ConfigDeleted()
+            | DeliveryScheduled()
+            | DeliveryAttempted()
         ):
             return True
         case (

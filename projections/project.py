@@ -27,6 +27,7 @@ from events import run as run_agg
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
+from events.notification import NotificationEvent
 from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted
@@ -43,6 +44,7 @@ from events.workspace import (
     WorkspaceUnlocked,
 )
 from projections.changes import project_changes
+from projections.notifications import project_notification
 from projections.schema import BY_NAME, Key, Row
 from projections.state_versions import project_state_version
 
@@ -85,6 +87,8 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
         case ["rp", "ws", org, ws]:
             return ("ws", org, ws, None)
         case ["rp", "org", org] | ["rp", "org", org, "uses", _]:  # a token's uses: events/org.py
+            return ("org", org, None, None)
+        case ["rp", "org", org, "notify", *_]:  # events/notification.py
             return ("org", org, None, None)
         case _:
             return ("", None, None, None)
@@ -476,4 +480,5 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_org for t in _ORG_EVENTS},
     **{t: project_workspace for t in _WS_EVENTS},
     **{t: project_run for t in get_args(RunEvent)},
+    **{t: project_notification for t in get_args(NotificationEvent)},
 }

@@ -17,7 +17,7 @@ from typing import Any, Self
 import aiosqlite
 import msgspec
 
-from projections import changes, state_versions
+from projections import changes, notifications, state_versions
 from projections.schema import TABLES
 
 _RUN_COLS = (
@@ -166,6 +166,16 @@ class ReadModel:
     async def state_versions(self, org: str, ws: str) -> list[dict[str, Any]]:
         """The workspace's state versions, newest first."""
         return await state_versions.state_versions(self._all, org, ws)
+
+    async def notifications(self, org: str, ws: str | None) -> list[dict[str, Any]]:
+        """Notification configurations of the organization (`ws` None) or a workspace."""
+        return await notifications.list_configs(self._all, org, ws)
+
+    async def notification(self, org: str, config_id: str) -> dict[str, Any] | None:
+        return await notifications.get_config(self._all, org, config_id)
+
+    async def notify_attempts(self, org: str, config_id: str) -> list[dict[str, Any]]:
+        return await notifications.attempts(self._all, org, config_id)
 
     async def list_runs(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 6
+VERSION = 7
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -201,6 +201,39 @@ EVENTS = Table(
     "data_json TEXT",  # the event exactly as stored, unknown fields included
     "stored_at TEXT",  # when JetStream stored it
 )
+NOTIFICATIONS = Table(  # notification configurations (events/notification.py); no token
+    "notifications",
+    ("id",),
+    "id TEXT NOT NULL",
+    "org TEXT NOT NULL",
+    "workspace TEXT",  # NULL: the organization's
+    "name TEXT",
+    "destination TEXT",
+    "url TEXT",
+    "triggers_json TEXT",
+    "enabled INTEGER",
+    "has_token INTEGER",
+    "created_at TEXT",
+    "created_by TEXT",
+    "updated_at TEXT",
+)
+NOTIFY_ATTEMPTS = Table(  # every attempt of every delivery, in stream order
+    "notify_attempts",
+    ("config_id", "seq"),
+    "config_id TEXT NOT NULL",
+    "seq INTEGER NOT NULL",
+    "org TEXT",
+    "delivery_id TEXT",
+    "attempt INTEGER",
+    "trig TEXT",
+    "run_id TEXT",
+    "at TEXT",
+    "status_code INTEGER",
+    "excerpt TEXT",
+    "error TEXT",
+    "outcome TEXT",
+    "next_retry_at TEXT",
+)
 SKIPPED = Table(
     "skipped",
     ("seq",),
@@ -224,6 +257,8 @@ TABLES: tuple[Table, ...] = (
     RESOURCE_STATES,
     STATE_VERSIONS,
     EVENTS,
+    NOTIFICATIONS,
+    NOTIFY_ATTEMPTS,
     SKIPPED,
 )
 BY_NAME = {t.name: t for t in TABLES}
@@ -234,6 +269,7 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq)",
     "CREATE INDEX IF NOT EXISTS ws_queue_order ON ws_queue (org, workspace, position)",
     "CREATE INDEX IF NOT EXISTS tokens_by_org ON tokens (org, created_at)",
+    "CREATE INDEX IF NOT EXISTS notifications_by_org ON notifications (org, workspace, id)",
 )
 
 

@@ -132,6 +132,8 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     from services.demo import DEMO_ORG, DEMO_WS
 
     _traced(stack, "runplane")
+    # One machine: its own receivers (a local chat bridge, a test hook) may be notified.
+    os.environ.setdefault("RUNPLANE_NOTIFY_ALLOW", "loopback")
     base = await start_all(opts, stack)
     _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
     await wait_for_signal()

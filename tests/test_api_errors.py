@@ -61,6 +61,20 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/templates/{template}"),
     ("PUT", "/api/v1/orgs/{org}/templates/{template}"),
     ("DELETE", "/api/v1/orgs/{org}/templates/{template}"),
+    ("GET", "/api/v1/orgs/{org}/notifications"),
+    ("POST", "/api/v1/orgs/{org}/notifications"),
+    ("GET", "/api/v1/orgs/{org}/notifications/{notification}"),
+    ("PATCH", "/api/v1/orgs/{org}/notifications/{notification}"),
+    ("DELETE", "/api/v1/orgs/{org}/notifications/{notification}"),
+    ("POST", "/api/v1/orgs/{org}/notifications/{notification}/verify"),
+    ("GET", "/api/v1/orgs/{org}/notifications/{notification}/deliveries"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/notifications"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/notifications"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/notifications/{notification}"),
+    ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}/notifications/{notification}"),
+    ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/notifications/{notification}"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/notifications/{notification}/verify"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/notifications/{notification}/deliveries"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
@@ -131,6 +145,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 group="ops",
                 policy="p",
                 template="t",
+                notification="01jnotifofanotherorg00000a",
             )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
@@ -180,6 +195,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             group="g",
             policy="p",
             template="t",
+            notification="01jnotifofanotherorg00000a",
         )
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
             a = await http.call(method, path, token=None, headers=hdrs)

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from events import codec
+from events import notification as nt
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -172,9 +173,56 @@ SAMPLES: list[Any] = [
         ),
     ),
     PolicyDeleted(at=AT, actor="alice", name="no-deletes"),
+    nt.ConfigSaved(
+        at=AT,
+        actor="alice",
+        config=nt.NotificationConfig(
+            id="01jnotify",
+            org="acme",
+            workspace="net",
+            name="ops",
+            destination="slack",
+            url="https://hooks.example.com/x",
+            triggers=["run:errored"],
+            has_token=True,
+            created_at=AT,
+            created_by="alice",
+        ),
+    ),
+    nt.ConfigDeleted(at=AT, actor="alice", config_id="01jnotify"),
+    nt.DeliveryScheduled(
+        at=AT,
+        actor="notifications",
+        delivery_id="d0123",
+        config_id="01jnotify",
+        org="acme",
+        workspace="net",
+        run_id="01jrun",
+        trigger="run:errored",
+        event_seq=42,
+        body="{}",
+    ),
+    nt.DeliveryAttempted(
+        at=AT,
+        actor="notifications",
+        delivery_id="d0123",
+        config_id="01jnotify",
+        attempt=1,
+        trigger="run:errored",
+        run_id="01jrun",
+        status_code=503,
+        excerpt="busy",
+        outcome="retry",
+        next_retry_at=AT + timedelta(seconds=10),
+    ),
 ]
 
-EVENT_TYPES = [*get_args(RunEvent), *get_args(WorkspaceEvent), *get_args(OrgEvent)]
+EVENT_TYPES = [
+    *get_args(RunEvent),
+    *get_args(WorkspaceEvent),
+    *get_args(OrgEvent),
+    *get_args(nt.NotificationEvent),
+]
 
 
 def test_there_is_a_sample_of_every_event_type_so_none_escapes_the_round_trip() -> None:

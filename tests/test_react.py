@@ -437,6 +437,39 @@ def _samples() -> list[tuple[Any, Any]]:
             "policy": {"name": "p", "enforcement": "advisory", "source": "x"},
         },
         {"type": "org.policy_deleted", "name": "p"},
+        {
+            "type": "org.notify_config_saved",
+            "config": {
+                "id": "n",
+                "org": "acme",
+                "name": "n",
+                "destination": "generic",
+                "url": "https://93.184.215.14/",
+                "created_at": AT,
+                "created_by": "a",
+            },
+        },
+        {"type": "org.notify_config_deleted", "config_id": "n"},
+        {
+            "type": "org.notify_delivery_scheduled",
+            "delivery_id": "d",
+            "config_id": "n",
+            "org": "acme",
+            "workspace": "net",
+            "run_id": "r",
+            "trigger": "run:created",
+            "event_seq": 1,
+            "body": "{}",
+        },
+        {
+            "type": "org.notify_delivery_attempted",
+            "delivery_id": "d",
+            "config_id": "n",
+            "attempt": 1,
+            "trigger": "run:created",
+            "run_id": "r",
+            "outcome": "delivered",
+        },
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -47,7 +47,7 @@ async def test_a_host_killed_mid_handling_has_the_event_handled_after_its_restar
     first = await _host(tmp_path, nats_server, log, hang=True, name="first").start()
     try:
         await eventually(
-            lambda: _contains(first, "runplane subscribers running (test-probe)"),
+            lambda: _contains(first, "runplane subscribers running (notifications, test-probe)"),
             what="the host up",
         )
         await app.create_org("acme", "admin")
@@ -84,7 +84,7 @@ async def test_the_registry_and_extra_modules_make_the_hosts_list(
     nc: NATS, app: App, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ctx = SubscriberContext(nc=nc, app=app, opts=Options(), readmodel_path=Path("x"))
-    assert registry.subscriptions(ctx) == []  # nothing registered on this branch yet
+    assert [s.name for s in registry.subscriptions(ctx)] == ["notifications"]
     monkeypatch.setenv(MODULES_ENV, f"{MODULE},{MODULE}")
     with pytest.raises(ConfigError, match="share a name"):
         all_subscriptions(ctx)
@@ -96,8 +96,8 @@ async def test_the_registry_and_extra_modules_make_the_hosts_list(
         all_subscriptions(ctx)
     monkeypatch.setenv(MODULES_ENV, MODULE)
     async with Host(ctx) as host:
-        assert host.names == ["test-probe"]
-        await host.consumers[0].ready.wait()
+        assert host.names == ["notifications", "test-probe"]
+        await host.consumers[-1].ready.wait()
     info = await nc.jetstream().consumer_info(streams.EVENTS, "rp-sub-test-probe")
     assert info.config.filter_subjects == ["rp.run.>"]
     assert info.config.deliver_policy == DeliverPolicy.NEW

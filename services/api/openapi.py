@@ -12,6 +12,7 @@ import msgspec
 
 from events.run import Status
 from services.api import changes, groups, locks, logs, secrets, state
+from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
@@ -67,6 +68,7 @@ PARAMETERS: dict[str, Doc] = {
     **settings_api.PARAMETERS,
     **groups.PARAMETERS,
     **templates_api.PARAMETERS,
+    **notifications_api.PARAMETERS,
     **policies_api.PARAMETERS,
 }
 
@@ -309,6 +311,7 @@ PATHS: dict[str, Doc] = {
     **groups.PATHS,
     **templates_api.PATHS,
     **policies_api.PATHS,
+    **notifications_api.PATHS,
 }
 
 
@@ -342,6 +345,7 @@ def document() -> Doc:
                 **groups.SCHEMAS,
                 **templates_api.SCHEMAS,
                 **policies_api.SCHEMAS,
+                **notifications_api.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 
 from services.commands import App
 from services.infra.consumer import Subscription
+from services.notifications import subscriber as notifications
 from services.runtime import Options
 
 
@@ -34,4 +35,5 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     """The subscriptions every `runplane subscribers` replica runs."""
     return [
         # one line per subscriber module, e.g. *notifications.subscriptions(ctx),
+        *notifications.subscriptions(ctx),
     ]
