@@ -6,11 +6,12 @@ import re
 
 import msgspec
 
+from events.chat import ChatEvent
 from events.org import OrgEvent
 from events.run import RunEvent
 from events.workspace import WorkspaceEvent
 
-AnyEvent = RunEvent | WorkspaceEvent | OrgEvent
+AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | ChatEvent
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)

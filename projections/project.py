@@ -24,6 +24,7 @@ from typing import Any, assert_never, get_args
 import msgspec
 
 from events import run as run_agg
+from events.chat import ChatEvent
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -43,6 +44,7 @@ from events.workspace import (
     WorkspaceUnlocked,
 )
 from projections.changes import project_changes
+from projections.chat import project_chat
 from projections.schema import BY_NAME, Key, Row
 from projections.state_versions import project_state_version
 
@@ -86,6 +88,8 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
             return ("ws", org, ws, None)
         case ["rp", "org", org] | ["rp", "org", org, "uses", _]:  # a token's uses: events/org.py
             return ("org", org, None, None)
+        case ["rp", "org", org, "chat", *_]:  # chat-ops: events/chat.py
+            return ("chat", org, None, None)
         case _:
             return ("", None, None, None)
 
@@ -476,4 +480,5 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_org for t in _ORG_EVENTS},
     **{t: project_workspace for t in _WS_EVENTS},
     **{t: project_run for t in get_args(RunEvent)},
+    **{t: project_chat for t in get_args(ChatEvent)},
 }

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 6
+VERSION = 7
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -201,6 +201,24 @@ EVENTS = Table(
     "data_json TEXT",  # the event exactly as stored, unknown fields included
     "stored_at TEXT",  # when JetStream stored it
 )
+SLACK_APPS = Table(  # an organization's Slack app (events/chat.py); secrets sealed apart
+    "slack_apps",
+    ("org",),
+    "org TEXT NOT NULL",
+    "team_id TEXT NOT NULL",
+    "bot_token INTEGER",
+    "configured_at TEXT",
+    "configured_by TEXT",
+)
+SLACK_USERS = Table(  # which runplane user each Slack user is, per organization
+    "slack_users",
+    ("org", "slack_id"),
+    "org TEXT NOT NULL",
+    "slack_id TEXT NOT NULL",
+    "user TEXT NOT NULL",
+    "mapped_at TEXT",
+    "mapped_by TEXT",
+)
 SKIPPED = Table(
     "skipped",
     ("seq",),
@@ -224,6 +242,8 @@ TABLES: tuple[Table, ...] = (
     RESOURCE_STATES,
     STATE_VERSIONS,
     EVENTS,
+    SLACK_APPS,
+    SLACK_USERS,
     SKIPPED,
 )
 BY_NAME = {t.name: t for t in TABLES}
@@ -234,6 +254,7 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS events_by_run ON events (run_id, seq)",
     "CREATE INDEX IF NOT EXISTS ws_queue_order ON ws_queue (org, workspace, position)",
     "CREATE INDEX IF NOT EXISTS tokens_by_org ON tokens (org, created_at)",
+    "CREATE INDEX IF NOT EXISTS slack_apps_by_team ON slack_apps (team_id)",
 )
 
 

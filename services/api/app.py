@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import changes, groups, locks, logs, openapi, orgs, runs, secrets, state
+from services.api import changes, chat, groups, locks, logs, openapi, orgs, runs, secrets, state
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
@@ -86,6 +86,7 @@ ROUTES = [
     web.get(RUN + "/changes", changes.run_changes, allow_head=False),
     web.get(RUN + "/resources", changes.run_resources, allow_head=False),
     web.get(RUN + "/logs", logs.run_logs, allow_head=False),
+    *chat.ROUTES,
 ]
 
 

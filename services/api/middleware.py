@@ -20,7 +20,8 @@ from services.infra.heartbeats import BoardError
 
 log = structlog.get_logger("runplane.api")
 
-PUBLIC = frozenset({"/healthz"})
+# Slack signs its own calls (services/chat/inbound.py): they carry no runplane token.
+PUBLIC = frozenset({"/healthz", "/api/v1/chat/slack/commands", "/api/v1/chat/slack/interactions"})
 MIN_SEQ = "RP-Min-Seq"
 _BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
 
