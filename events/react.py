@@ -1,0 +1,373 @@
+"""What the system does about an event: one pure table, `react(event, state)`.
+
+The scheduler and every subscriber act on its output and on nothing else, so "when to
+react" is written once: no hand-kept sets of event tags. It decides from the event and
+the aggregate's state folded THROUGH it (not later), which since transitions are
+recorded facts (events/run_events.py: the event that moves a run carries the status it
+leads to) is where the event led: a plan that ended awaiting approval, a run that
+ended, a phase waiting for an executor. Nothing here reads the clock or the stream.
+
+Actions (all idempotent to carry out, so a redelivered event is harmless):
+
+- `Admit`: an admission attempt on a workspace (it also releases a terminal run still
+  holding it: services/commands.py `admit_next`);
+- `Enqueue`: a created run must be on its workspace's queue (its creator's second append;
+  the scheduler repairs it for a creator that died);
+- `AdmitSpeculative`: a speculative plan is admitted at once, outside the queue;
+- `Dispatch`: a phase waits for an executor (`phase`), or the admitted run waits for its
+  snapshot first (`pin`);
+- `Watch`: the reaper's board (services/scheduler/watch.py): a claimed phase gets a beat
+  on its lease's behalf (`adopt`), ended phases' entries are purged (`purge`, and the
+  custom steps' with `custom`);
+- `Deadline`: the run's limits marker may have moved (services/scheduler/limits.py);
+- `Notify`: a notification trigger, named as HCP Terraform names them (plus runplane's
+  own `run:drifted`, `run:policy_failed`, `run:discarded`, `run:canceled`).
+"""
+
+from __future__ import annotations
+
+from typing import Final, TypedDict, assert_never
+
+import msgspec
+
+from events.codec import AnyEvent
+from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
+from events.groups import GroupSet
+from events.org import OrgCreated, TokenIssued, TokenRevoked, TokenUsed
+from events.policies import PolicyDeleted, PolicySaved
+from events.run import (
+    ApplyFinished,
+    CustomStepFinished,
+    PhaseStarted,
+    PlanFinished,
+    ResourceStateChanged,
+    RunApproved,
+    RunCanceled,
+    RunCreated,
+    RunDiscarded,
+    RunFailed,
+    RunLimitExceeded,
+    RunPinned,
+    RunQueued,
+    RunState,
+    RunStopRequested,
+    StateVersionCreated,
+    Status,
+    StepFinished,
+    StepStarted,
+)
+from events.templates import TemplateDeleted, TemplateSaved
+from events.workspace import (
+    RunAdmitted,
+    RunEnqueued,
+    RunReleased,
+    SettingsSet,
+    VariablesSet,
+    WorkspaceCreated,
+    WorkspaceLocked,
+    WorkspaceState,
+    WorkspaceUnlocked,
+)
+
+# Every phase a run's board entries may be under but its custom steps' (`custom-<n>`).
+PHASES: Final = ("plan", "apply")
+
+CREATED: Final = "run:created"
+PLANNING: Final = "run:planning"
+NEEDS_ATTENTION: Final = "run:needs_attention"  # awaiting approval, or a policy override
+APPLYING: Final = "run:applying"
+COMPLETED: Final = "run:completed"  # every successful end: applied, planned, no changes, drifted
+ERRORED: Final = "run:errored"
+DRIFTED: Final = "run:drifted"  # a drift run that found drift (with run:completed)
+POLICY_FAILED: Final = "run:policy_failed"  # a hard-mandatory policy failed the run (with errored)
+DISCARDED: Final = "run:discarded"
+CANCELED: Final = "run:canceled"
+TRIGGERS: Final = (
+    CREATED,
+    PLANNING,
+    NEEDS_ATTENTION,
+    APPLYING,
+    COMPLETED,
+    ERRORED,
+    DRIFTED,
+    POLICY_FAILED,
+    DISCARDED,
+    CANCELED,
+)
+
+SUCCEEDED: Final = frozenset({Status.APPLIED, Status.PLANNED, Status.NO_CHANGES, Status.DRIFTED})
+POLICY_REASON: Final = "policy_failed"  # events/run_decide.py: a hard-mandatory failure
+
+
+class Admit(msgspec.Struct, frozen=True, kw_only=True):
+    """Try to admit the workspace's next run (releasing a terminal one that holds it)."""
+
+    org: str
+    ws: str
+    hint: str = ""  # a run likely at the head of the queue: just enqueued
+
+
+class Enqueue(msgspec.Struct, frozen=True, kw_only=True):
+    """Make sure a created run is on its workspace (if its creator did not live to)."""
+
+    org: str
+    ws: str
+    run_id: str
+
+
+class AdmitSpeculative(msgspec.Struct, frozen=True, kw_only=True):
+    org: str
+    ws: str
+    run_id: str
+
+
+class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
+    """The run waits: for an executor to claim `phase`, or with `pin` for its snapshot
+    (then `run.pinned` comes back here with the phase)."""
+
+    org: str
+    ws: str
+    run_id: str
+    phase: str = ""
+    pin: bool = False
+
+
+class Watch(msgspec.Struct, frozen=True, kw_only=True):
+    """The reaper's board: `adopt` the claimed phase's lease, or `purge` ended phases."""
+
+    org: str
+    ws: str
+    run_id: str
+    adopt: bool = False
+    purge: tuple[str, ...] = ()
+    custom: bool = False  # the custom steps that ran, but the one live now
+
+
+class Deadline(msgspec.Struct, frozen=True, kw_only=True):
+    """Bring the run's deadline marker up to date (or purge it once the run ended)."""
+
+    org: str
+    ws: str
+    run_id: str
+
+
+class Notify(msgspec.Struct, frozen=True, kw_only=True):
+    trigger: str  # one of TRIGGERS
+    org: str
+    ws: str
+    run_id: str
+
+
+class _Key(TypedDict):
+    org: str
+    ws: str
+    run_id: str
+
+
+Action = Admit | Enqueue | AdmitSpeculative | Dispatch | Watch | Deadline | Notify
+
+
+def react(event: AnyEvent, state: RunState | WorkspaceState | None) -> list[Action]:
+    """The actions `event` calls for, in the order to carry them out; `state` is its
+    aggregate's state folded through it. An organization's events call for nothing (their
+    state may be None); a run's or a workspace's need their state (who they are)."""
+    match event:
+        case (
+            RunCreated()
+            | RunQueued()
+            | RunPinned()
+            | PhaseStarted()
+            | StepStarted()
+            | StepFinished()
+            | PlanFinished()
+            | RunApproved()
+            | ApplyFinished()
+            | ResourceStateChanged()
+            | StateVersionCreated()
+            | RunDiscarded()
+            | RunCanceled()
+            | RunFailed()
+            | RunStopRequested()
+            | RunLimitExceeded()
+            | CustomStepFinished()
+        ):
+            if not isinstance(state, RunState) or not state.exists:
+                raise ValueError(f"{type(event).__name__}: react needs the run's state")
+            return _run(event, state)
+        case (
+            WorkspaceCreated()
+            | RunEnqueued()
+            | RunAdmitted()
+            | RunReleased()
+            | VariablesSet()
+            | SettingsSet()
+            | WorkspaceLocked()
+            | WorkspaceUnlocked()
+        ):
+            if not isinstance(state, WorkspaceState) or not state.exists:
+                raise ValueError(f"{type(event).__name__}: react needs the workspace's state")
+            return _workspace(event, state)
+        case (
+            OrgCreated()
+            | TokenIssued()
+            | TokenRevoked()
+            | TokenUsed()
+            | FolderCreated()
+            | OrgSettingsSet()
+            | FolderSettingsSet()
+            | GroupSet()
+            | TemplateSaved()
+            | TemplateDeleted()
+            | PolicySaved()
+            | PolicyDeleted()
+        ):
+            return []
+        case _:
+            assert_never(event)
+
+
+RunEventT = (
+    RunCreated
+    | RunQueued
+    | RunPinned
+    | PhaseStarted
+    | StepStarted
+    | StepFinished
+    | PlanFinished
+    | RunApproved
+    | ApplyFinished
+    | ResourceStateChanged
+    | StateVersionCreated
+    | RunDiscarded
+    | RunCanceled
+    | RunFailed
+    | RunStopRequested
+    | RunLimitExceeded
+    | CustomStepFinished
+)
+
+
+WsEventT = (
+    WorkspaceCreated
+    | RunEnqueued
+    | RunAdmitted
+    | RunReleased
+    | VariablesSet
+    | SettingsSet
+    | WorkspaceLocked
+    | WorkspaceUnlocked
+)
+
+
+def _run(event: RunEventT, s: RunState) -> list[Action]:
+    key = _Key(org=s.org, ws=s.workspace, run_id=s.run_id)
+    match event:
+        case RunCreated():
+            first: Action = AdmitSpeculative(**key) if s.speculative else Enqueue(**key)
+            return [first, Deadline(**key), Notify(trigger=CREATED, **key)]
+        case RunQueued():
+            if s.pinning:  # its snapshot first; `run.pinned` brings the deadline up to date
+                return [Dispatch(**key, pin=True)]
+            return [*_dispatch(s, key), Deadline(**key)]
+        case RunPinned():
+            return [*_dispatch(s, key), Deadline(**key)]
+        case PhaseStarted():
+            return [Watch(**key, adopt=True), *_started(s, key)]
+        case PlanFinished() | RunApproved() | ApplyFinished() | CustomStepFinished():
+            return [*_moved(s, key), *_ended(event, key), Deadline(**key), *_reached(s, key)]
+        case RunDiscarded():
+            return [*_release(s), Deadline(**key), Notify(trigger=DISCARDED, **key)]
+        case RunCanceled():
+            watch = Watch(**key, purge=PHASES, custom=True)
+            return [*_release(s), watch, Deadline(**key), Notify(trigger=CANCELED, **key)]
+        case RunFailed():
+            watch = Watch(**key, purge=PHASES, custom=True)
+            notes = [Notify(trigger=ERRORED, **key)]
+            if event.reason == POLICY_REASON:
+                notes.append(Notify(trigger=POLICY_FAILED, **key))
+            return [*_release(s), watch, Deadline(**key), *notes]
+        case (
+            StepStarted()
+            | StepFinished()
+            | ResourceStateChanged()
+            | StateVersionCreated()
+            | RunStopRequested()
+            | RunLimitExceeded()
+        ):
+            return []
+        case _:
+            assert_never(event)
+
+
+def _workspace(event: WsEventT, w: WorkspaceState) -> list[Action]:
+    match event:
+        case RunEnqueued():
+            return [Admit(org=w.org, ws=w.name, hint=event.run_id)]
+        case WorkspaceCreated() | RunReleased() | WorkspaceUnlocked():
+            return [Admit(org=w.org, ws=w.name)]
+        case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
+            return []  # an admission's `run.queued` follows on the run
+        case _:
+            assert_never(event)
+
+
+def _dispatch(s: RunState, key: _Key) -> list[Action]:
+    phase = s.waiting_phase
+    return [Dispatch(**key, phase=phase)] if phase else []
+
+
+def _release(s: RunState) -> list[Action]:
+    """An ended run gives its workspace back: an admission attempt releases it if its
+    writer did not live to, then admits the next. A speculative plan never held it."""
+    return [] if s.speculative else [Admit(org=s.org, ws=s.workspace)]
+
+
+def _moved(s: RunState, key: _Key) -> list[Action]:
+    """Where a finished step led: the run's end, or the next phase waiting."""
+    if s.terminal:
+        return _release(s)
+    return _dispatch(s, key)
+
+
+def _ended(
+    event: PlanFinished | RunApproved | ApplyFinished | CustomStepFinished, key: _Key
+) -> list[Action]:
+    """The board entries of the phase that just ended."""
+    match event:
+        case PlanFinished():
+            return [Watch(**key, purge=("plan",))]
+        case ApplyFinished():
+            return [Watch(**key, purge=("apply",))]
+        case CustomStepFinished():
+            return [Watch(**key, custom=True)]
+        case RunApproved():
+            return []
+        case _:
+            assert_never(event)
+
+
+def _started(s: RunState, key: _Key) -> list[Action]:
+    """The trigger of a phase an executor claimed (a custom step's has none)."""
+    match s.status:
+        case Status.PLANNING:
+            return [Notify(trigger=PLANNING, **key)]
+        case Status.APPLYING:
+            return [Notify(trigger=APPLYING, **key)]
+        case _:
+            return []
+
+
+def _reached(s: RunState, key: _Key) -> list[Action]:
+    """The triggers of where a finished step led: a wait for a person, or a good end (a
+    plan a hard-mandatory policy failed stays planning: its `run.failed` says it)."""
+    if s.status == Status.AWAITING_APPROVAL:
+        return [Notify(trigger=NEEDS_ATTENTION, **key)]
+    if s.status not in SUCCEEDED:
+        return []
+    drifted = [Notify(trigger=DRIFTED, **key)] if s.status == Status.DRIFTED else []
+    return [Notify(trigger=COMPLETED, **key), *drifted]
+
+
+def notifications(actions: list[Action]) -> list[Notify]:
+    """The `Notify` actions of a reaction (what a notifying subscriber acts on)."""
+    return [a for a in actions if isinstance(a, Notify)]
