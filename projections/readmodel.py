@@ -130,8 +130,7 @@ class ReadModel:
 
     async def slack_app(self, org: str) -> dict[str, Any] | None:
         row = await self._one(
-            "SELECT team_id, bot_token, configured_at, configured_by FROM slack_apps"
-            " WHERE org = ?",
+            "SELECT team_id, bot_token, configured_at, configured_by FROM slack_apps WHERE org = ?",
             (org,),
         )
         return None if row is None else dict(row) | {"bot_token": bool(row["bot_token"])}

@@ -196,7 +196,9 @@ async def _query(request: web.Request, org: str, parsed: tx.Parsed, who: Who) ->
     active = await read.get_run(org, ws["active_run"]) if ws.get("active_run") else None
     lines = [f"*{tx.escape(parsed.arg)}*: " + (tx.run_line(active) if active else "idle")]
     if ws.get("queue"):
-        lines.append(f"{len(ws['queue'])} run(s) waiting")
+        waiting = ", ".join(f"`{tx.escape(r)}`" for r in ws["queue"][:5])
+        more = len(ws["queue"]) - 5
+        lines.append(f"waiting: {waiting}" + (f" and {more} more" if more > 0 else ""))
     if ws.get("lock"):
         lines.append(f"locked by {tx.escape(ws['lock'].get('holder', '?'))}")
     return tx.reply("\n".join(lines))
