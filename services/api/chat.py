@@ -10,7 +10,7 @@ may (their tokens' role, their groups, the workspace's approvers, four-eyes).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from aiohttp import web
@@ -24,6 +24,17 @@ from services.api.bodies import Body, read_body
 from services.api.common import Row, command_answer, items, json_response, scope
 from services.api.context import API
 from services.api.problems import Problem
+from services.api.schemas import (
+    BOOL,
+    REF,
+    STR,
+    TIME,
+    Doc,
+    json_content,
+    list_of,
+    operation,
+    problems,
+)
 from services.api.secrets import SECRETS
 from services.chat import inbound
 from services.chat import text as tx
@@ -216,3 +227,99 @@ ROUTES = [
     web.post("/api/v1/chat/slack/interactions", slack_interaction),
 ]
 PUBLIC = frozenset({"/api/v1/chat/slack/commands", "/api/v1/chat/slack/interactions"})
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+_SLACK_APP: Doc = {
+    "type": "object",
+    "required": ["team_id", "signing_secret"],
+    "properties": {
+        "team_id": STR,
+        "signing_secret": {"const": SENSITIVE},
+        "bot_token": {"anyOf": [{"const": SENSITIVE}, {"type": "null"}]},
+        "configured_at": {"anyOf": [TIME, {"type": "null"}]},
+        "configured_by": STR,
+        "users": {"type": "integer"},
+    },
+}
+_SLACK_USER: Doc = {
+    "type": "object",
+    "required": ["slack_id", "user"],
+    "properties": {"slack_id": STR, "user": STR},
+}
+SCHEMAS: dict[str, Doc] = {
+    **msgspec.json.schema_components((SlackAppBody, SlackUserBody), ref_template=REF)[1],
+    "SlackApp": _SLACK_APP,
+    "SlackUser": _SLACK_USER,
+    "SlackUserList": list_of("SlackUser"),
+    "SlackMessage": {
+        "type": "object",
+        "description": "a Slack message (response_type, text, blocks)",
+        "properties": {"response_type": STR, "text": STR, "replace_original": BOOL},
+    },
+}
+PARAMETERS: dict[str, Doc] = {
+    "slack_id": {
+        "name": "slack_id",
+        "in": "path",
+        "required": True,
+        "description": "a Slack user id (U...)",
+        "schema": {**STR, "pattern": chat_agg.SLACK_ID_RE.pattern},
+    },
+}
+
+
+def _op(op_id: str, summary: str, answer: tuple[int, str], body: str = "", **kw: Any) -> Doc:
+    params = ("org", "slack_id") if kw.pop("user", False) else ("org",)
+    errors = (400, 403, 404, 422) if body else (403, 404, 422)
+    return operation(op_id, summary, answer, params=params, body=body, errors=errors, **kw)
+
+
+def _delete(op_id: str, summary: str, *, user: bool = False) -> Doc:
+    params = ("org", "slack_id") if user else ("org",)
+    return {
+        "operationId": op_id,
+        "summary": summary,
+        "parameters": [{"$ref": f"#/components/parameters/{p}"} for p in params],
+        "responses": {"204": {"description": "removed"}, **problems(403, 404, 422)},
+    }
+
+
+def _signed(op_id: str, summary: str) -> Doc:
+    return {
+        "operationId": op_id,
+        "summary": summary,
+        "description": "Called by Slack, form-encoded, signed with the app's signing secret "
+        "(X-Slack-Signature v0, X-Slack-Request-Timestamp within 5 minutes); no bearer token.",
+        "security": [],
+        "responses": {
+            "200": {"description": "acknowledged", "content": json_content("SlackMessage")},
+            **problems(400),
+        },
+    }
+
+
+PATHS: dict[str, Doc] = {
+    SLACK: {
+        "put": _op("putSlackApp", "Configure the Slack app", (200, "SlackApp"), "SlackAppBody"),
+        "get": _op("getSlackApp", "The Slack app (secrets never shown)", (200, "SlackApp")),
+        "delete": _delete("deleteSlackApp", "Remove the Slack app"),
+    },
+    SLACK + "/users": {
+        "get": _op("listSlackUsers", "Slack users and who they are", (200, "SlackUserList")),
+    },
+    SLACK + "/users/{slack_id}": {
+        "put": _op(
+            "putSlackUser",
+            "Map a Slack user to a user",
+            (200, "SlackUser"),
+            "SlackUserBody",
+            user=True,
+        ),
+        "get": _op("getSlackUser", "Who a Slack user is", (200, "SlackUser"), user=True),
+        "delete": _delete("deleteSlackUser", "Unmap a Slack user", user=True),
+    },
+    "/api/v1/chat/slack/commands": {"post": _signed("slackCommand", "A Slack slash command")},
+    "/api/v1/chat/slack/interactions": {"post": _signed("slackInteraction", "A Slack button")},
+}

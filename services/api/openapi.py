@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from events.run import Status
-from services.api import changes, groups, locks, logs, secrets, state
+from services.api import changes, chat, groups, locks, logs, secrets, state
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
@@ -68,6 +68,7 @@ PARAMETERS: dict[str, Doc] = {
     **groups.PARAMETERS,
     **templates_api.PARAMETERS,
     **policies_api.PARAMETERS,
+    **chat.PARAMETERS,
 }
 
 _ERRORS = {
@@ -295,6 +296,7 @@ PATHS: dict[str, Doc] = {
     **groups.PATHS,
     **templates_api.PATHS,
     **policies_api.PATHS,
+    **chat.PATHS,
 }
 
 
@@ -328,6 +330,7 @@ def document() -> Doc:
                 **groups.SCHEMAS,
                 **templates_api.SCHEMAS,
                 **policies_api.SCHEMAS,
+                **chat.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,
