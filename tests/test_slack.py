@@ -45,6 +45,19 @@ async def _api_run(slack: Slack, org: str = A, message: str = "") -> str:
     return str(a.body["id"])
 
 
+async def _runs(slack: Slack, org: str = A) -> list[dict[str, Any]]:
+    """The organization's runs, once the projection holds everything written so far."""
+    seq = str(await slack.app.store.last_seq())
+    a = await slack.http.get(f"/api/v1/orgs/{org}/runs", headers={"RP-Min-Seq": seq})
+    assert a.status == 200, a.body
+    return a.body["items"]  # type: ignore[no-any-return]  # JSON list
+
+
+async def _synced(slack: Slack) -> None:
+    """Queries from Slack read this replica's projection: let it catch up first."""
+    assert await slack.http.api.reached(await slack.app.store.last_seq(), 5.0)
+
+
 def _texts(messages: list[dict[str, Any]]) -> str:
     return "\n".join(str(m.get("text", "")) for m in messages)
 
@@ -115,8 +128,7 @@ async def test_a_replayed_request_is_refused_inside_the_window_and_out_of_it(
         assert "more than 5 minutes" in late.problem("unauthorized", 401)["detail"]
     finally:
         slack.app.clock = clock
-    runs = await slack.http.get(f"/api/v1/orgs/{A}/runs")
-    assert len(runs.body["items"]) == 1
+    assert len(await _runs(slack)) == 1
 
 
 # ---------------------------------------------------------------- who
@@ -151,6 +163,7 @@ async def test_a_viewer_may_read_but_not_plan_approve_or_discard(slack: Slack) -
     await slack.org(A, TEAM_A, SECRET_A)
     run_id = await _api_run(slack)
     await slack.awaiting(A, run_id)
+    await _synced(slack)
     a = await slack.command("status net", team=TEAM_A, user=ua("vera"), secret=SECRET_A)
     assert run_id in a.body["text"] and "awaiting_approval" in a.body["text"], a.body
     for n, text in enumerate(("plan net", f"approve {run_id}", f"discard {run_id} no")):
@@ -162,8 +175,7 @@ async def test_a_viewer_may_read_but_not_plan_approve_or_discard(slack: Slack) -
         assert "viewer" in reply and ("may not" in reply), reply
     state = (await slack.app.load_run(A, "net", run_id)).state
     assert str(state.status) == "awaiting_approval"
-    runs = await slack.http.get(f"/api/v1/orgs/{A}/runs")
-    assert [r["id"] for r in runs.body["items"]] == [run_id]
+    assert [r["id"] for r in await _runs(slack)] == [run_id]
 
 
 # ---------------------------------------------------------------- the run's life
@@ -182,7 +194,7 @@ async def test_apply_from_slack_creates_the_run_as_the_user_and_the_message_foll
     assert await slack.work(A) == 0  # done is done: a redelivery works nothing again
     first = slack.receiver.to("m")
     assert len(first) == 1 and "pending" in first[0]["text"] and "bob" in first[0]["text"]
-    runs = (await slack.http.get(f"/api/v1/orgs/{A}/runs")).body["items"]
+    runs = await _runs(slack)
     assert [(r["created_by"], r["type"]) for r in runs] == [("bob", "apply")]
     run_id = runs[0]["id"]
     assert run_id in first[0]["text"]
@@ -213,7 +225,8 @@ async def test_apply_from_slack_creates_the_run_as_the_user_and_the_message_foll
     assert ev.via_detail["message"] == "1700000000.000100"
     reply = slack.receiver.to("b")[-1]
     assert reply["replace_original"] is True and "approved by alice" in reply["text"]
-    shown = await slack.http.get(f"/api/v1/orgs/{A}/runs/{run_id}")
+    seq = str(await slack.app.store.last_seq())
+    shown = await slack.http.get(f"/api/v1/orgs/{A}/runs/{run_id}", headers={"RP-Min-Seq": seq})
     assert shown.body["approved_by"] == "alice"
 
 
@@ -259,7 +272,7 @@ async def test_four_eyes_holds_through_slack(slack: Slack) -> None:
     assert s.status == 200, s.body
     await slack.command("apply net", team=TEAM_A, user=ua("bob"), secret=SECRET_A)
     await slack.work(A)
-    run_id = (await slack.http.get(f"/api/v1/orgs/{A}/runs")).body["items"][0]["id"]
+    run_id = (await _runs(slack))[0]["id"]
     await slack.awaiting(A, run_id)
     value = f"{A}/net/{run_id}"
     await slack.click(tx.APPROVE, value, team=TEAM_A, user=ua("bob"), secret=SECRET_A, hook="4")
@@ -380,6 +393,7 @@ async def test_one_orgs_slack_cannot_act_on_another_orgs_runs(slack: Slack) -> N
     put = {"team_id": TEAM_A}
     assert (await slack.http.call("PUT", f"/api/v1/orgs/{B}/chat/slack", json=put)).status == 200
     a_run = await _api_run(slack, A)
+    await _synced(slack)
     ok = await slack.command("status net", team=TEAM_A, user=ua("alice"), secret=SECRET_A)
     assert a_run in ok.body["text"], ok.body
     a = await slack.command(f"approve {b_run}", team=TEAM_A, user=ua("alice", B), secret="nope")
