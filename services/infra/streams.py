@@ -36,6 +36,7 @@ OBJECT_BUCKETS = (PLANS_BUCKET, LOGS_BUCKET, STATE_BUCKET)
 
 SCHEDULER_CONSUMER = "rp-scheduler"
 SCHEDULER_ACK_WAIT = 6  # seconds; the scheduler marks what it holds in progress every 2 s
+SUBSCRIBER_ACK_WAIT = 10  # seconds; a subscriber marks what it holds in progress every 2 s
 DUPLICATE_WINDOW_S = 120
 
 
@@ -45,6 +46,11 @@ def dispatch_subject(pool: str) -> str:
 
 def executor_consumer(pool: str) -> str:
     return f"rp-exec-{pool}"
+
+
+def subscriber_consumer(name: str) -> str:
+    """The durable consumer of a subscription (services/infra/consumer.py)."""
+    return f"rp-sub-{name}"
 
 
 # Processes that start together on a fresh cluster race to declare the same streams,
@@ -193,10 +199,37 @@ async def ensure_scheduler_consumer(js: JetStreamContext) -> None:
     )
 
 
+async def ensure_subscriber_consumer(
+    js: JetStreamContext,
+    name: str,
+    subjects: tuple[str, ...],
+    *,
+    start: str = "new",
+) -> None:
+    """A subscription's durable consumer over the event log, shared by its replicas; a
+    new one starts at the next event (`new`) or at the first (`all`). Its own, apart from
+    the scheduler's: a subscriber that falls behind holds nothing of admission's."""
+    await js.add_consumer(
+        EVENTS,
+        ConsumerConfig(
+            durable_name=subscriber_consumer(name),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL if start == "all" else DeliverPolicy.NEW,
+            filter_subjects=list(subjects),
+            # Short, so a killed subscriber's messages come back within seconds; a live
+            # one marks what it holds in progress (services/infra/consumer.py).
+            ack_wait=SUBSCRIBER_ACK_WAIT,
+            max_deliver=-1,
+            max_ack_pending=10_000,
+        ),
+    )
+
+
 __all__ = [
     "RetentionPolicy",
     "StreamConfig",
     "declare",
     "ensure_executor_consumer",
     "ensure_scheduler_consumer",
+    "ensure_subscriber_consumer",
 ]

@@ -21,25 +21,16 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from events.codec import valid_id
+from events.react import Watch
 from events.run import RunState
 from events.settings import DEFAULT_ORIGIN
 from events.templates import phase_of
 from services.commands import App
 from services.infra import streams
-from services.infra.heartbeats import CLAIMED, DISPATCHED, PHASES, Board, body, subject
+from services.infra.heartbeats import CLAIMED, DISPATCHED, Board, body, subject
 
 log = structlog.get_logger(__name__)
 
-# Event types after which a phase's board entry is garbage, and which phases they end.
-_ENDS = {
-    "run.plan_finished": ("plan",),
-    "run.apply_finished": ("apply",),
-    "run.failed": PHASES,
-    "run.canceled": PHASES,
-}
-# Event types after which a custom step's phase (`custom-<number>`) may have ended.
-_CUSTOM_ENDS = frozenset({"run.custom_finished", "run.failed", "run.canceled"})
-WATCHED = frozenset({"run.phase_started", *_ENDS, *_CUSTOM_ENDS})
 # Seconds between the reaper's checks that an unclaimed phase's message still exists.
 RECHECK = 60
 
@@ -122,18 +113,20 @@ async def adopt(board: Board, run: RunState) -> bool:
     return False
 
 
-async def follow(nc: NATS, app: App, kind: str, org: str, ws: str, run_id: str) -> None:
-    """React to one run event of a type in WATCHED (idempotent: redelivery is harmless)."""
+async def follow(nc: NATS, app: App, action: Watch) -> None:
+    """Carry out a `Watch` of the reaction table (events/react.py): purge the entries of
+    the phases that ended, or adopt a claimed phase's lease (idempotent: a redelivery is
+    harmless)."""
     board = Board(nc)
-    if kind != "run.phase_started":
-        for phase in _ENDS.get(kind, ()):
-            await board.purge(subject(run_id, phase))
-        if kind in _CUSTOM_ENDS:
-            await _purge_custom(board, app, org, ws, run_id)
-        return
-    run: RunState = (await app.load_run(org, ws, run_id)).state
-    if run.lease_id and run.phase:  # still running: it may have ended already
-        await adopt(board, run)
+    org, ws, run_id = action.org, action.ws, action.run_id
+    for phase in action.purge:
+        await board.purge(subject(run_id, phase))
+    if action.custom:
+        await _purge_custom(board, app, org, ws, run_id)
+    if action.adopt:
+        run: RunState = (await app.load_run(org, ws, run_id)).state
+        if run.lease_id and run.phase:  # still running: it may have ended already
+            await adopt(board, run)
 
 
 async def _purge_custom(board: Board, app: App, org: str, ws: str, run_id: str) -> None:
