@@ -4,7 +4,9 @@ confirm_destructive, roles and a stale run come back from `decide`, not from her
 
 from __future__ import annotations
 
+import asyncio
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -14,7 +16,11 @@ from events import chat as chat_agg
 from events.run import CancelRun, ResourceChange, RunApproved, RunDiscarded
 from services.chat import signing
 from services.chat import text as tx
+from services.chat.subscriber import subscriptions
 from services.chat.worker import digest_of
+from services.infra.consumer import Consumer
+from services.infra.eventstore import Append
+from tests.helpers import eventually
 from tests.slack_support import (  # noqa: F401  # registers the fixture
     Slack,
     command_body,
@@ -489,3 +495,68 @@ def chat_agg_encode(event: Any) -> bytes:
 
 
 _ = chat_agg  # the module under test's events are matched by type above
+
+
+# ---------------------------------------------------------------- the subscribers
+
+
+async def test_the_subscribers_work_what_was_recorded_and_keep_the_message_current(
+    slack: Slack,
+) -> None:
+    """Through the one consumer loop: a command recorded while no subscriber ran is
+    worked when they start (the log is the outbox); the message is replaced as the run
+    awaits approval and once the button approves it; a request older than 30 minutes is
+    recorded done as `expired`, not worked."""
+    await slack.org(A, TEAM_A, SECRET_A)
+    a = await slack.command("apply net", team=TEAM_A, user=ua("bob"), secret=SECRET_A, hook="e")
+    assert a.status == 200
+    stale = chat_agg.SlackRequestReceived(
+        at=slack.app.clock() - timedelta(hours=1),
+        actor=ua("bob"),
+        request_id="0" * 32,
+        kind="command",
+        team_id=TEAM_A,
+        slack_user=ua("bob"),
+        text="plan net",
+    )
+    subject = chat_agg.request_subject(A, stale.request_id)
+    await slack.app.store.append([Append(subject=subject, event=stale, expected=0)])
+    for sub in subscriptions(slack.app, slack.config.keyring, slack.worker.poster):
+        consumer = await slack.stack.enter_async_context(
+            Consumer(slack.http.app.store.nc, sub, app=slack.app)
+        )
+        await asyncio.wait_for(consumer.ready.wait(), 10)
+
+    async def posted(hook: str, n: int) -> list[dict[str, Any]]:
+        got = slack.receiver.to(hook)
+        assert len(got) >= n, got
+        return got
+
+    first = (await eventually(lambda: posted("e", 1), what="the run's card"))[0]
+    assert "pending" in first["text"] and "bob" in first["text"]
+    runs = await _runs(slack)
+    assert [r["created_by"] for r in runs] == ["bob"]  # the stale `plan net` made none
+    run_id = runs[0]["id"]
+    await slack.awaiting(A, run_id)
+
+    async def awaiting_shown() -> bool:
+        return any("awaiting_approval" in m["text"] for m in slack.receiver.to("e"))
+
+    await eventually(awaiting_shown, what="the card updated in place")
+    shown = [m for m in slack.receiver.to("e") if "awaiting_approval" in m["text"]][-1]
+    assert shown["replace_original"] is True
+    value = shown["blocks"][-1]["elements"][0]["value"]
+    await slack.click(tx.APPROVE, value, team=TEAM_A, user=ua("alice"), secret=SECRET_A, hook="f")
+
+    async def approved() -> list[Any]:
+        return [e for e in await _run_events(slack, A, run_id) if isinstance(e, RunApproved)]
+
+    ev = (await eventually(approved, what="the approval"))[0]
+    assert (ev.actor, ev.via) == ("alice", "slack")
+    await eventually(lambda: posted("f", 1), what="the clicked message replaced")
+
+    async def expired() -> bool:
+        envs = await slack.app.store.read(subject)
+        return any(getattr(e.event, "outcome", "") == "expired" for e in envs)
+
+    await eventually(expired, what="the stale request expired")

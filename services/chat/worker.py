@@ -75,6 +75,28 @@ class Worker:
             message, slug = tx.reply(tx.escape(str(e))), _slug(e)
         url = self.config.open_url(org, event.request_id, event.response_url)
         await self.poster.post(url, message)
+        await self._done(org, event, envs[-1].seq if envs else 0, slug, user, run_id)
+        log.info(
+            "slack_request_worked", org=org, request_id=event.request_id, outcome=slug, user=user
+        )
+
+    async def expire(self, org: str, event: chat_agg.SlackRequestReceived) -> None:
+        """Record a request too old to work as done (`expired`), unless it is done."""
+        subject = chat_agg.request_subject(org, event.request_id)
+        envs = await self.app.store.read(subject)
+        if not any(isinstance(e.event, chat_agg.SlackRequestDone) for e in envs):
+            await self._done(org, event, envs[-1].seq if envs else 0, "expired", "", "")
+            log.warning("slack_request_expired", org=org, request_id=event.request_id)
+
+    async def _done(
+        self,
+        org: str,
+        event: chat_agg.SlackRequestReceived,
+        seq: int,
+        slug: str,
+        user: str,
+        run_id: str,
+    ) -> None:
         done = chat_agg.SlackRequestDone(
             at=self.app.clock(),
             actor=user or event.slack_user,
@@ -83,13 +105,9 @@ class Worker:
             user=user,
             run_id=run_id,
         )
-        seq = envs[-1].seq if envs else 0
-        await self.app.store.append(
-            [Append(subject=subject, event=done, expected=seq, msg_id=self.app.ids())]
-        )
-        log.info(
-            "slack_request_worked", org=org, request_id=event.request_id, outcome=slug, user=user
-        )
+        subject = chat_agg.request_subject(org, event.request_id)
+        append = Append(subject=subject, event=done, expected=seq, msg_id=self.app.ids())
+        await self.app.store.append([append])
 
     async def work(
         self, org: str, event: chat_agg.SlackRequestReceived, who: Who
