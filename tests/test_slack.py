@@ -481,6 +481,13 @@ async def test_the_slack_app_is_configured_by_an_admin_and_its_secrets_never_sho
     )
     first = await slack.http.call("PUT", f"/api/v1/orgs/{B}/chat/slack", json={"team_id": "T1"})
     assert first.status in (404, 422), first.body  # no org B; and no secret
+    # removed: its requests are refused, its secrets gone, a new one needs a secret again
+    assert (await slack.http.call("DELETE", path)).status == 204
+    a = await slack.command("help", team=TEAM_A, user=ua("alice"), secret=SECRET_A)
+    a.problem("unauthorized", 401)
+    assert await slack.config.secret(A, "slack-signing-secret") == ""
+    again = await slack.http.call("PUT", path, json={"team_id": TEAM_A})
+    assert "needs the signing_secret" in again.problem("invalid-command", 422)["detail"]
     # no secret in any event or the read model's audit
     envs = await slack.app.store.read("rp.>")
     raw = b"".join(chat_agg_encode(e.event) for e in envs)

@@ -114,7 +114,9 @@ async def get_slack(request: web.Request) -> web.Response:
 
 async def delete_slack(request: web.Request) -> web.Response:
     _, org, who = scope(request, ADMIN)
-    result = await config_of(request).command(org, chat_agg.RemoveSlack(actor=who.user))
+    config = config_of(request)
+    result = await config.command(org, chat_agg.RemoveSlack(actor=who.user))
+    await config.forget_secrets(org)  # after: a request until then is still the app's
     return web.Response(status=204, headers={"RP-Seq": str(result.seq)})
 
 

@@ -78,6 +78,12 @@ class ChatConfig:
         key = secret_key(org, name)
         await kv.put(key, self.keyring.seal(value.encode(), key))
 
+    async def forget_secrets(self, org: str) -> None:
+        """Purge the app's sealed secrets (the app was removed)."""
+        kv = await self.nc.jetstream().key_value(SECRETS_BUCKET)
+        for name in (SIGNING_SECRET, BOT_TOKEN):
+            await kv.purge(secret_key(org, name))
+
     async def secret(self, org: str, name: str) -> str:
         """The clear value, or "" if none is set (or it no longer opens)."""
         key = secret_key(org, name)
