@@ -1,5 +1,5 @@
-"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `replay`, `logs`,
-`nats status`."""
+"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `subscribers`,
+`replay`, `logs`, `nats status`."""
 
 from __future__ import annotations
 
@@ -123,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
     _common(api, listen=True)
     sched = sub.add_parser("scheduler", help="run admission and dispatch")
     _common(sched)
+    subs = sub.add_parser("subscribers", help="run every subscriber of the event log")
+    _common(subs)
     ex = sub.add_parser("executor", help="run an executor")
     _common(ex)
     _executor_opts(ex)
@@ -180,6 +182,7 @@ async def _dispatch(command: str, opts: Options) -> None:
         "api": processes.api,
         "scheduler": processes.scheduler,
         "executor": processes.executor,
+        "subscribers": processes.subscribers,
         "replay": processes.replay,
     }
     prepare_data_dir(opts.data_dir)

@@ -81,6 +81,18 @@ async def _start_executor(
     await stack.enter_async_context(ex)
 
 
+async def _start_subscribers(opts: Options, stack: AsyncExitStack, nc: NATS) -> list[str]:
+    """Every registered subscription (services/subscribers/); their names."""
+    from services.subscribers.host import Host
+    from services.subscribers.registry import SubscriberContext
+
+    ctx = SubscriberContext(
+        nc=nc, app=make_app(nc), opts=opts, readmodel_path=_readmodel_path(opts)
+    )
+    host = await stack.enter_async_context(Host(ctx))
+    return host.names
+
+
 async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     """Start every component on one machine; return the API's base URL once all are ready."""
     from services.demo import ensure_demo
@@ -95,6 +107,7 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
     await stack.enter_async_context(Reaper(nc, make_app(nc)))
     await _start_executor(opts, stack, nc, fallback_to_none=opts.isolation == "auto")
+    await _start_subscribers(opts, stack, nc)
     if opts.demo:
         await ensure_demo(make_app(nc), opts.data_dir)
     components_ready["v"] = True
@@ -102,7 +115,8 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
 
 
 async def up(opts: Options, stack: AsyncExitStack) -> None:
-    """Everything on one machine: embedded NATS, api+projector, scheduler, one executor."""
+    """Everything on one machine: embedded NATS, api+projector, scheduler, one executor,
+    the subscribers."""
     from services.demo import DEMO_ORG, DEMO_WS
 
     base = await start_all(opts, stack)
@@ -156,6 +170,17 @@ async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
     await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
     await stack.enter_async_context(Reaper(nc, make_app(nc)))
     print("runplane scheduler running", flush=True)
+    await wait_for_signal()
+
+
+async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
+    """Every registered subscriber (run as many replicas as you like)."""
+    if not opts.nats_url:
+        raise ConfigError("runplane subscribers needs --nats-url (or RUNPLANE_NATS_URL)")
+    trust.keyring(opts)  # no key: a config error now, before connecting
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    names = await _start_subscribers(opts, stack, nc)
+    print(f"runplane subscribers running ({', '.join(names) or 'none registered'})", flush=True)
     await wait_for_signal()
 
 

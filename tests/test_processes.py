@@ -73,10 +73,15 @@ async def test_runplane_up_plans_and_applies_the_demo_and_stops_everything(
     tmp_path: Path,
 ) -> None:
     data, port = tmp_path / "data", free_port()
+    deliveries = tmp_path / "deliveries.txt"  # up runs the subscribers: a test-only one here
     up = await Proc(
         ["up", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
         tmp_path / "up.log",
-        env={"RUNPLANE_ADMIN_TOKEN": "t0ken-for-tests"},
+        env={
+            "RUNPLANE_ADMIN_TOKEN": "t0ken-for-tests",
+            "RUNPLANE_SUBSCRIBER_MODULES": "tests.subscriber_support",
+            "RP_TEST_SUB_LOG": str(deliveries),
+        },
     ).start()
     base = f"http://127.0.0.1:{port}"
     client = Client(base, "t0ken-for-tests")
@@ -97,6 +102,7 @@ async def test_runplane_up_plans_and_applies_the_demo_and_stops_everything(
         seqs = [e["seq"] for e in events]
         assert seqs == sorted(seqs) and all(e["actor"] and e["at"] for e in events)
         assert nats_servers_using(data), "the embedded nats-server runs on the data directory"
+        assert [line.split()[0] for line in deliveries.read_text().splitlines()] == ["got", "done"]
     finally:
         await client.close()
         code = await up.stop(signal.SIGTERM)
