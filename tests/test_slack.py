@@ -16,7 +16,7 @@ from events import chat as chat_agg
 from events.run import CancelRun, ResourceChange, RunApproved, RunDiscarded
 from services.chat import signing
 from services.chat import text as tx
-from services.chat.subscriber import subscriptions
+from services.chat.subscriber import build
 from services.chat.worker import digest_of
 from services.infra.consumer import Consumer
 from services.infra.eventstore import Append
@@ -528,7 +528,7 @@ async def test_the_subscribers_work_what_was_recorded_and_keep_the_message_curre
     )
     subject = chat_agg.request_subject(A, stale.request_id)
     await slack.app.store.append([Append(subject=subject, event=stale, expected=0)])
-    for sub in subscriptions(slack.app, slack.config.keyring, slack.worker.poster):
+    for sub in build(slack.app, slack.config.keyring, slack.worker.poster):
         consumer = await slack.stack.enter_async_context(
             Consumer(slack.http.app.store.nc, sub, app=slack.app)
         )

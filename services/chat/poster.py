@@ -29,7 +29,8 @@ def allowed_prefixes() -> tuple[str, ...]:
 
 
 class Poster:
-    """POSTs messages to response URLs; an async context manager (one HTTP session)."""
+    """POSTs messages to response URLs. Inside `async with` it keeps one HTTP session;
+    outside, each post opens its own (a subscriber posts a few times per run)."""
 
     def __init__(self, prefixes: tuple[str, ...] | None = None) -> None:
         self.prefixes = prefixes if prefixes is not None else allowed_prefixes()
@@ -53,13 +54,20 @@ class Poster:
         if not url or not self.allowed(url):
             log.warning("slack_response_url_refused", url=url[:80])
             return 0
-        assert self._session is not None, "Poster is used inside `async with`"
         try:
-            async with self._session.post(url, json=message, allow_redirects=False) as resp:
-                await resp.read()
-                if resp.status >= 400:
-                    log.warning("slack_post_failed", status=resp.status)
-                return resp.status
+            if self._session is not None:
+                return await self._send(self._session, url, message)
+            timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                return await self._send(session, url, message)
         except (aiohttp.ClientError, TimeoutError) as e:
             log.warning("slack_post_failed", error=repr(e))
             return 0
+
+    @staticmethod
+    async def _send(session: aiohttp.ClientSession, url: str, message: dict[str, Any]) -> int:
+        async with session.post(url, json=message, allow_redirects=False) as resp:
+            await resp.read()
+            if resp.status >= 400:
+                log.warning("slack_post_failed", status=resp.status)
+            return resp.status

@@ -12,9 +12,13 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import structlog
 
 from events import chat as chat_agg
 from events.run import RunState
+from services import trust
 from services.chat.config import ChatConfig
 from services.chat.poster import Poster
 from services.chat.updates import Updater
@@ -22,14 +26,31 @@ from services.chat.worker import Worker
 from services.commands import App
 from services.infra.consumer import Received, Subscription, by_subject
 from services.infra.crypto import KeyRing
+from services.runtime import ConfigError
+
+if TYPE_CHECKING:  # the registry imports this module
+    from services.subscribers.registry import SubscriberContext
+
+log = structlog.get_logger(__name__)
 
 MAX_AGE = timedelta(minutes=30)  # Slack's response_url lives 30 minutes
 REQUESTS = ("rp.org.*.chat.slack.req.*",)
 
 
-def subscriptions(app: App, keyring: KeyRing, poster: Poster) -> list[Subscription]:
+def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
+    """The chat-ops subscriptions of a `runplane subscribers` host (registry.py); none
+    without the encryption key (the api records no Slack request without it either)."""
+    try:
+        keyring = trust.keyring(ctx.opts)
+    except ConfigError as e:
+        log.warning("chat_subscribers_off", reason=str(e))
+        return []
+    return build(ctx.app, keyring, Poster())
+
+
+def build(app: App, keyring: KeyRing, poster: Poster) -> list[Subscription]:
     """The chat-ops subscriptions over `app` (its store's connection), posting with
-    `poster` (an open one: its owner's `async with`)."""
+    `poster`."""
     config = ChatConfig(app.store.nc, app, keyring)
     worker = Worker(app, config, poster)
     updater = Updater(app, config, poster)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
+from services.chat import subscriber as chat
 from services.commands import App
 from services.infra.consumer import Subscription
 from services.runtime import Options
@@ -34,4 +35,5 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     """The subscriptions every `runplane subscribers` replica runs."""
     return [
         # one line per subscriber module, e.g. *notifications.subscriptions(ctx),
+        *chat.subscriptions(ctx),
     ]
