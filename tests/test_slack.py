@@ -567,3 +567,19 @@ async def test_the_subscribers_work_what_was_recorded_and_keep_the_message_curre
         return any(getattr(e.event, "outcome", "") == "expired" for e in envs)
 
     await eventually(expired, what="the stale request expired")
+
+
+def test_a_confirmation_lists_every_address_of_a_large_plan_in_sections() -> None:
+    """300 long addresses: every one is listed (in sections within Slack's limits), the
+    button acknowledges the digest of them all; past 45 sections the rest are counted."""
+    many = [f'module.m["{"x" * 80}"].null_resource.r[{i}]' for i in range(300)]
+    msg = tx.confirmation("acme/net/r1", "r1", many, digest_of(many))
+    sections = [b for b in msg["blocks"] if b["type"] == "section"]
+    assert all(len(b["text"]["text"]) <= tx.MAX_FIELD for b in sections)
+    assert len(msg["blocks"]) <= 50
+    listed = "\n".join(b["text"]["text"] for b in sections)
+    assert all(a in listed for a in many)
+    assert msg["blocks"][-1]["elements"][0]["value"] == f"acme/net/r1/{digest_of(many)}"
+    huge = [f"null_resource.r{'y' * 200}[{i}]" for i in range(2000)]
+    msg = tx.confirmation("acme/net/r1", "r1", huge, digest_of(huge))
+    assert len(msg["blocks"]) <= 50 and "more: see the run's changes" in msg["text"]

@@ -22,7 +22,7 @@ MAX_TEXT = 1000  # the longest command text taken (Slack's own limit is about 4,
 MAX_REASON = 500
 MAX_SHOWN = 60  # the longest piece of a bad command echoed back
 MAX_FIELD = 2500  # a section's text (Slack takes up to 3,000)
-MAX_ADDRESSES = 40  # destructive addresses listed one per line in a confirmation
+MAX_SECTIONS = 45  # sections of addresses in a confirmation (Slack: 50 blocks a message)
 APPROVE, DISCARD, CONFIRM = "runplane_approve", "runplane_discard", "runplane_approve_confirmed"
 STATUSES = tuple(str(s) for s in Status)
 
@@ -196,24 +196,46 @@ def _button(label: str, action_id: str, value: str, style: str) -> dict[str, Any
 
 def confirmation(value: str, run_id: str, missing: Sequence[str], digest: str) -> Message:
     """confirm_destructive: an ephemeral message listing every address the approval must
-    acknowledge, and a button that acknowledges exactly these (`digest` of the list)."""
-    listed = "\n".join(f"• `{escape(a)}`" for a in missing[:MAX_ADDRESSES])
-    more = len(missing) - MAX_ADDRESSES
-    if more > 0:
-        listed += f"\n… and {more} more"
-    text = (
+    acknowledge (in as many sections as it takes; past Slack's 50 blocks the rest are
+    counted), and a button that acknowledges exactly these (`digest` of the list)."""
+    head = (
         f"Run `{escape(run_id)}` deletes or replaces {len(missing)} resource(s); "
-        f"approving acknowledges every one:\n{listed}"
-    )[:MAX_FIELD]
-    button = _button(
-        f"Approve, acknowledging all {len(missing)}", CONFIRM, f"{value}/{digest}", "danger"
+        "approving acknowledges every one:"
     )
+    sections, shown = _address_sections(missing)
+    if shown < len(missing):
+        sections.append(_section(f"… and {len(missing) - shown} more: see the run's changes"))
+    label = f"Approve, acknowledging all {len(missing)}"
+    button = _button(label, CONFIRM, f"{value}/{digest}", "danger")
     return {
         "response_type": "ephemeral",
         "replace_original": False,
-        "text": text,
-        "blocks": [
-            {"type": "section", "text": {"type": "mrkdwn", "text": text}},
-            {"type": "actions", "elements": [button]},
-        ],
+        "text": head + "\n" + "\n".join(b["text"]["text"] for b in sections),
+        "blocks": [_section(head), *sections, {"type": "actions", "elements": [button]}],
     }
+
+
+def _section(text: str) -> dict[str, Any]:
+    return {"type": "section", "text": {"type": "mrkdwn", "text": text}}
+
+
+def _address_sections(addresses: Sequence[str]) -> tuple[list[dict[str, Any]], int]:
+    """The addresses one per line, in sections of at most MAX_FIELD characters and at
+    most MAX_SECTIONS of them; and how many addresses they hold."""
+    sections: list[dict[str, Any]] = []
+    lines: list[str] = []
+    size = shown = 0
+    for address in addresses:
+        clean = escape(address.replace("`", "'"))[: MAX_FIELD - 8]
+        line = f"• `{clean}`"
+        if size + len(line) + 1 > MAX_FIELD:
+            if len(sections) == MAX_SECTIONS - 1:
+                break
+            sections.append(_section("\n".join(lines)))
+            lines, size = [], 0
+        lines.append(line)
+        size += len(line) + 1
+        shown += 1
+    if lines:
+        sections.append(_section("\n".join(lines)))
+    return sections, shown
