@@ -583,3 +583,18 @@ def test_a_confirmation_lists_every_address_of_a_large_plan_in_sections() -> Non
     huge = [f"null_resource.r{'y' * 200}[{i}]" for i in range(2000)]
     msg = tx.confirmation("acme/net/r1", "r1", huge, digest_of(huge))
     assert len(msg["blocks"]) <= 50 and "more: see the run's changes" in msg["text"]
+
+
+async def test_a_create_redelivered_after_its_run_was_made_makes_no_second_run(
+    slack: Slack,
+) -> None:
+    """The worker died after creating the run, before recording the request done: the
+    redelivered request finds the run (its id comes from the request) and links it."""
+    await slack.org(A, TEAM_A, SECRET_A)
+    await slack.command("plan net", team=TEAM_A, user=ua("bob"), secret=SECRET_A, hook="p")
+    (event,) = await slack.requests(A)
+    who = await slack.config.who(A, ua("bob"))
+    _, run_id = await slack.worker.work(A, event, who)  # the work, and no `done`
+    assert await slack.work(A) == 1  # redelivered
+    assert [r["id"] for r in await _runs(slack)] == [run_id]
+    assert run_id in slack.receiver.to("p")[-1]["text"]
