@@ -148,11 +148,15 @@ async def test_an_unmapped_slack_user_can_do_nothing(slack: Slack) -> None:
         a = await slack.command(text, team=TEAM_A, user="U0STRANGER", secret=SECRET_A)
         assert a.status == 200 and "not linked" in a.body["text"], a.body
     value = f"{A}/net/{run_id}"
+    assert await slack.requests(A) == []  # commands: answered at once, nothing recorded
     a = await slack.click(
         tx.APPROVE, value, team=TEAM_A, user="U0STRANGER", secret=SECRET_A, hook="u"
     )
-    assert a.status == 200 and "not linked" in a.body["text"]
-    assert await slack.requests(A) == [] and await slack.work(A) == 0
+    assert a.status == 200
+    assert await slack.work(A) == 1  # a click: the worker replies through response_url
+    reply = slack.receiver.to("u")[-1]
+    assert "not linked" in reply["text"] and reply["replace_original"] is False
+    assert not any(isinstance(e, RunApproved) for e in await _run_events(slack, A, run_id))
     state = (await slack.app.load_run(A, "net", run_id)).state
     assert str(state.status) == "awaiting_approval"
     # a mapping to a user whose tokens are all revoked gives no standing either

@@ -183,10 +183,8 @@ async def slack_interaction(request: web.Request) -> web.Response:
     signed = await inbound.verified(request, config, "interaction")
     if signed.fields.get("type") != "block_actions":
         return web.Response(status=200)  # nothing runplane offers
-    user = inbound._get(signed.fields, "user", "id")
-    who = await inbound.who_or_reply(config, signed.org, str(user or ""))
-    if isinstance(who, web.Response):
-        return who
+    # Slack shows nothing of this answer's body: whoever clicked, the worker replies
+    # through response_url (an unmapped user hears that they are not linked, no more).
     api = request.app[API]
     event = inbound.received(signed, "interaction", config, api.app.clock())
     await inbound.record(api, signed.org, event)

@@ -9,9 +9,10 @@ another organization's secret, proves nothing here, and an organization that nam
 someone else's team cannot take their requests (it does not hold their secret). The
 organization is never taken from anything else in the request.
 
-Then, within the 3 seconds: an unmapped Slack user hears so and nothing is recorded; a
-query (`help`, `status`, `runs`) is answered at once from this replica's read model;
-anything that writes is recorded (`chat.slack_request_received`, on an empty subject
+Then, within the 3 seconds: an unmapped Slack user's slash command hears so and nothing
+is recorded (a button's click is recorded: Slack shows nothing of the answer to a click,
+so the worker replies through response_url, and does nothing else); a query (`help`,
+`status`, `runs`) is answered at once from this replica's read model; anything that writes is recorded (`chat.slack_request_received`, on an empty subject
 named by the signature, so a replay is refused) and acknowledged, and the worker
 (services/chat/worker.py) does it and posts the outcome to `response_url`.
 """
@@ -19,6 +20,7 @@ named by the signature, so a replay is refused) and acknowledged, and the worker
 from __future__ import annotations
 
 import urllib.parse
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -38,7 +40,6 @@ from services.infra.eventstore import Append
 log = structlog.get_logger(__name__)
 
 MAX_BODY = 64 * 1024  # Slack's are a few KiB
-MAX_CANDIDATES = 16  # organizations naming one team tried for a signature
 CONFIG_WAIT_S = 2.0  # for an app configured a moment ago, maybe through another replica
 
 
@@ -100,7 +101,7 @@ def _fields(body: bytes, kind: chat_agg.Kind) -> dict[str, Any]:
 
 
 def _team(fields: dict[str, Any], kind: chat_agg.Kind) -> str:
-    team = fields.get("team_id") if kind == "command" else _get(fields, "team", "id")
+    team = fields.get("team_id") if kind == "command" else get(fields, "team", "id")
     if not isinstance(team, str) or not chat_agg.valid_slack_id(team):
         raise unauthorized("the request names no Slack team")
     return team
@@ -113,10 +114,11 @@ async def _candidates(api: Api, team: str) -> list[str]:
     if not orgs:
         await api.reached(await api.app.store.last_seq(), CONFIG_WAIT_S)
         orgs = await api.read.slack_orgs(team)
-    return orgs[:MAX_CANDIDATES]
+    return orgs  # only the deployment's admin makes organizations: a handful at most
 
 
-def _get(data: Any, *path: str) -> Any:
+def get(data: Any, *path: str) -> Any:
+    """`data[path[0]][path[1]]...`, or None where the payload has no such object."""
     for key in path:
         if not isinstance(data, dict):
             return None
@@ -132,7 +134,7 @@ def _str(value: Any, limit: int = 4000) -> str:
 
 
 def received(
-    signed: Signed, kind: chat_agg.Kind, config: ChatConfig, now: Any
+    signed: Signed, kind: chat_agg.Kind, config: ChatConfig, now: datetime
 ) -> chat_agg.SlackRequestReceived:
     """The event recording a verified request."""
     f = signed.fields
@@ -140,12 +142,12 @@ def received(
         user, channel, ts = _str(f.get("user_id")), _str(f.get("channel_id")), ""
         team, text, action, value = _str(f.get("team_id")), _str(f.get("text")), "", ""
     else:
-        user, channel = _str(_get(f, "user", "id")), _str(_get(f, "channel", "id"))
-        ts = _str(_get(f, "container", "message_ts")) or _str(_get(f, "message", "ts"))
-        team, text = _str(_get(f, "team", "id")), ""
+        user, channel = _str(get(f, "user", "id")), _str(get(f, "channel", "id"))
+        ts = _str(get(f, "container", "message_ts")) or _str(get(f, "message", "ts"))
+        team, text = _str(get(f, "team", "id")), ""
         acts = f.get("actions")
         first = acts[0] if isinstance(acts, list) and acts else {}
-        action, value = _str(_get(first, "action_id"), 255), _str(_get(first, "value"), 2000)
+        action, value = _str(get(first, "action_id"), 255), _str(get(first, "value"), 2000)
     url = _str(f.get("response_url"), 2000)
     return chat_agg.SlackRequestReceived(
         at=now,
