@@ -12,8 +12,9 @@ organization is never taken from anything else in the request.
 Then, within the 3 seconds: an unmapped Slack user's slash command hears so and nothing
 is recorded (a button's click is recorded: Slack shows nothing of the answer to a click,
 so the worker replies through response_url, and does nothing else); a query (`help`,
-`status`, `runs`) is answered at once from this replica's read model; anything that writes is recorded (`chat.slack_request_received`, on an empty subject
-named by the signature, so a replay is refused) and acknowledged, and the worker
+`status`, `runs`) is answered at once from this replica's read model; anything that
+writes is recorded (`chat.slack_request_received`, on an empty subject named by the
+signature, so a replay is refused) and acknowledged, and the worker
 (services/chat/worker.py) does it and posts the outcome to `response_url`.
 """
 
