@@ -6,12 +6,13 @@ import re
 
 import msgspec
 
+from events.chat import ChatEvent
 from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
 from events.workspace import WorkspaceEvent
 
-AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent
+AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)

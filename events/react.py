@@ -30,6 +30,7 @@ from typing import Final, TypedDict, assert_never
 
 import msgspec
 
+from events import chat as ch
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -251,6 +252,16 @@ def quiet(event: AnyEvent) -> bool:
             | WorkspaceUnlocked()
         ):
             return False
+        case (  # chat-ops' own (events/chat.py): its worker reads them itself
+            ch.SlackConfigured()
+            | ch.SlackRemoved()
+            | ch.SlackUserMapped()
+            | ch.SlackUserUnmapped()
+            | ch.SlackRequestReceived()
+            | ch.SlackRequestDone()
+            | ch.SlackMessageLinked()
+        ):
+            return True
         case _:
             assert_never(event)
 

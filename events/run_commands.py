@@ -107,6 +107,7 @@ class ApproveRun(Command, frozen=True, kw_only=True):
     acknowledged: list[str] = []
     caller: Caller | None = None
     via: str = ""  # where the approval was given: "api", "slack", ...
+    via_detail: dict[str, str] = {}  # where exactly: slack's {"user", "channel", "message"}
 
 
 class FinishCustomStep(Command, frozen=True, kw_only=True):
@@ -121,6 +122,7 @@ class DiscardRun(Command, frozen=True, kw_only=True):
     reason: str = ""
     caller: Caller | None = None
     via: str = ""
+    via_detail: dict[str, str] = {}  # where exactly: slack's {"user", "channel", "message"}
 
 
 class CancelRun(Command, frozen=True, kw_only=True):

@@ -139,6 +139,7 @@ class RunApproved(Event, frozen=True, kw_only=True, tag="run.approved"):
     acknowledged: list[str] = []
     overridden: list[str] = []  # soft-mandatory policies that failed and were overridden
     via: str = ""  # where it was given: "api", "slack", ... ("" before it was recorded)
+    via_detail: dict[str, str] = {}  # where exactly: slack's {"user", "channel", "message"}
     # The outcome (None in events recorded before it was: events/run_upcast.py).
     status: Status | None = None  # the run's status after this event
     step_at: int | None = None  # the index of the step it is at then
@@ -193,6 +194,7 @@ class StateVersionCreated(Event, frozen=True, kw_only=True, tag="run.state_versi
 class RunDiscarded(Event, frozen=True, kw_only=True, tag="run.discarded"):
     reason: str = ""
     via: str = ""  # where it was given: "api", "slack", ... (a timeout: "")
+    via_detail: dict[str, str] = {}  # where exactly: slack's {"user", "channel", "message"}
 
 
 class RunCanceled(Event, frozen=True, kw_only=True, tag="run.canceled"):

@@ -24,6 +24,7 @@ from typing import Any, assert_never, get_args
 import msgspec
 
 from events import run as run_agg
+from events.chat import ChatEvent
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -44,6 +45,7 @@ from events.workspace import (
     WorkspaceUnlocked,
 )
 from projections.changes import project_changes
+from projections.chat import project_chat
 from projections.notifications import project_notification
 from projections.schema import BY_NAME, Key, Row
 from projections.state_versions import project_state_version
@@ -90,6 +92,8 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
             return ("org", org, None, None)
         case ["rp", "org", org, "notify", *_]:  # events/notification.py
             return ("org", org, None, None)
+        case ["rp", "org", org, "chat", *_]:  # chat-ops: events/chat.py
+            return ("chat", org, None, None)
         case _:
             return ("", None, None, None)
 
@@ -481,4 +485,5 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_workspace for t in _WS_EVENTS},
     **{t: project_run for t in get_args(RunEvent)},
     **{t: project_notification for t in get_args(NotificationEvent)},
+    **{t: project_chat for t in get_args(ChatEvent)},
 }

@@ -119,6 +119,30 @@ class ReadModel:
         )
         return [{k: row[k] for k in row.keys() if k != "revoked_at"} for row in rows]
 
+    # ------------------------------------------------------------ chat-ops
+
+    async def slack_orgs(self, team_id: str) -> list[str]:
+        """The organizations whose Slack app names this team (usually one), by name."""
+        rows = await self._all(
+            "SELECT org FROM slack_apps WHERE team_id = ? ORDER BY org", (team_id,)
+        )
+        return [r["org"] for r in rows]
+
+    async def slack_app(self, org: str) -> dict[str, Any] | None:
+        row = await self._one(
+            "SELECT team_id, bot_token, configured_at, configured_by FROM slack_apps WHERE org = ?",
+            (org,),
+        )
+        return None if row is None else dict(row) | {"bot_token": bool(row["bot_token"])}
+
+    async def slack_users(self, org: str) -> list[dict[str, Any]]:
+        rows = await self._all(
+            "SELECT slack_id, user, mapped_at, mapped_by FROM slack_users WHERE org = ?"
+            " ORDER BY slack_id",
+            (org,),
+        )
+        return [dict(r) for r in rows]
+
     # ------------------------------------------------------------ workspaces
 
     async def get_workspace(self, org: str, ws: str) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 7
+VERSION = 8
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -234,6 +234,24 @@ NOTIFY_ATTEMPTS = Table(  # every attempt of every delivery, in stream order
     "outcome TEXT",
     "next_retry_at TEXT",
 )
+SLACK_APPS = Table(  # an organization's Slack app (events/chat.py); secrets sealed apart
+    "slack_apps",
+    ("org",),
+    "org TEXT NOT NULL",
+    "team_id TEXT NOT NULL",
+    "bot_token INTEGER",
+    "configured_at TEXT",
+    "configured_by TEXT",
+)
+SLACK_USERS = Table(  # which runplane user each Slack user is, per organization
+    "slack_users",
+    ("org", "slack_id"),
+    "org TEXT NOT NULL",
+    "slack_id TEXT NOT NULL",
+    "user TEXT NOT NULL",
+    "mapped_at TEXT",
+    "mapped_by TEXT",
+)
 SKIPPED = Table(
     "skipped",
     ("seq",),
@@ -259,6 +277,8 @@ TABLES: tuple[Table, ...] = (
     EVENTS,
     NOTIFICATIONS,
     NOTIFY_ATTEMPTS,
+    SLACK_APPS,
+    SLACK_USERS,
     SKIPPED,
 )
 BY_NAME = {t.name: t for t in TABLES}
@@ -270,6 +290,7 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS ws_queue_order ON ws_queue (org, workspace, position)",
     "CREATE INDEX IF NOT EXISTS tokens_by_org ON tokens (org, created_at)",
     "CREATE INDEX IF NOT EXISTS notifications_by_org ON notifications (org, workspace, id)",
+    "CREATE INDEX IF NOT EXISTS slack_apps_by_team ON slack_apps (team_id)",
 )
 
 

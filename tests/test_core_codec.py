@@ -9,6 +9,7 @@ from typing import Any, get_args
 import msgspec
 import pytest
 
+from events import chat as ch
 from events import codec
 from events import notification as nt
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
@@ -215,6 +216,32 @@ SAMPLES: list[Any] = [
         outcome="retry",
         next_retry_at=AT + timedelta(seconds=10),
     ),
+    ch.SlackConfigured(at=AT, actor="alice", team_id="T0123", bot_token=True),
+    ch.SlackRemoved(at=AT, actor="alice"),
+    ch.SlackUserMapped(at=AT, actor="alice", slack_id="U0123", user="bob"),
+    ch.SlackUserUnmapped(at=AT, actor="alice", slack_id="U0123"),
+    ch.SlackRequestReceived(
+        at=AT,
+        actor="U0123",
+        request_id="0f" * 16,
+        kind="interaction",
+        team_id="T0123",
+        slack_user="U0123",
+        channel="C0123",
+        message_ts="1700000000.000100",
+        action_id="runplane_approve",
+        value="acme/net/01jh0000000000000000000000",
+        response_url="c2VhbGVk",
+    ),
+    ch.SlackRequestDone(at=AT, actor="bob", request_id="0f" * 16, outcome="ok", user="bob"),
+    ch.SlackMessageLinked(
+        at=AT,
+        actor="U0123",
+        run_id="01jh0000000000000000000000",
+        request_id="0f" * 16,
+        response_url="c2VhbGVk",
+        channel="C0123",
+    ),
 ]
 
 EVENT_TYPES = [
@@ -222,6 +249,7 @@ EVENT_TYPES = [
     *get_args(WorkspaceEvent),
     *get_args(OrgEvent),
     *get_args(nt.NotificationEvent),
+    *get_args(ch.ChatEvent),
 ]
 
 
@@ -241,7 +269,7 @@ def test_every_event_decodes_from_its_encoding_to_an_equal_struct(event: Any) ->
 def test_every_event_is_stored_under_its_explicit_tag_not_a_module_path(event: Any) -> None:
     stored = msgspec.json.decode(encode(event))
     assert stored["type"] == tag_of(event)
-    assert tag_of(event).split(".")[0] in {"run", "ws", "org"}
+    assert tag_of(event).split(".")[0] in {"run", "ws", "org", "chat"}
 
 
 def test_event_tags_are_unique_across_aggregates() -> None:

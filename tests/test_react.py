@@ -470,6 +470,25 @@ def _samples() -> list[tuple[Any, Any]]:
             "run_id": "r",
             "outcome": "delivered",
         },
+        # chat-ops (events/chat.py): its own subjects, nothing for react
+        {"type": "chat.slack_configured", "team_id": "T1"},
+        {"type": "chat.slack_removed"},
+        {"type": "chat.slack_user_mapped", "slack_id": "U1", "user": "u"},
+        {"type": "chat.slack_user_unmapped", "slack_id": "U1"},
+        {
+            "type": "chat.slack_request_received",
+            "request_id": "r",
+            "kind": "command",
+            "team_id": "T1",
+            "slack_user": "U1",
+        },
+        {"type": "chat.slack_request_done", "request_id": "r", "outcome": "ok"},
+        {
+            "type": "chat.slack_message_linked",
+            "run_id": "r1",
+            "request_id": "r",
+            "response_url": "x",
+        },
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -11,7 +11,19 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import changes, groups, locks, logs, metrics, openapi, orgs, runs, secrets, state
+from services.api import (
+    changes,
+    chat,
+    groups,
+    locks,
+    logs,
+    metrics,
+    openapi,
+    orgs,
+    runs,
+    secrets,
+    state,
+)
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import settings as settings_api
@@ -90,6 +102,7 @@ ROUTES = [
     web.get(RUN + "/resources", changes.run_resources, allow_head=False),
     web.get(RUN + "/logs", logs.run_logs, allow_head=False),
     *notifications_api.routes(ORG, WS),
+    *chat.ROUTES,
 ]
 
 

@@ -24,8 +24,16 @@ from services.infra.heartbeats import BoardError
 log = structlog.get_logger("runplane.api")
 
 # Routes the middleware lets through unauthenticated: /metrics checks its own tokens
-# (services/api/metrics.py).
-PUBLIC = frozenset({"/healthz", "/metrics"})
+# (services/api/metrics.py); Slack signs its own calls (services/chat/inbound.py), which
+# carry no runplane token.
+PUBLIC = frozenset(
+    {
+        "/healthz",
+        "/metrics",
+        "/api/v1/chat/slack/commands",
+        "/api/v1/chat/slack/interactions",
+    }
+)
 MIN_SEQ = "RP-Min-Seq"
 _BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

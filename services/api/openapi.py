@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from events.run import Status
-from services.api import changes, groups, locks, logs, secrets, state
+from services.api import changes, chat, groups, locks, logs, secrets, state
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import settings as settings_api
@@ -70,6 +70,7 @@ PARAMETERS: dict[str, Doc] = {
     **templates_api.PARAMETERS,
     **notifications_api.PARAMETERS,
     **policies_api.PARAMETERS,
+    **chat.PARAMETERS,
 }
 
 _ERRORS = {
@@ -312,6 +313,7 @@ PATHS: dict[str, Doc] = {
     **templates_api.PATHS,
     **policies_api.PATHS,
     **notifications_api.PATHS,
+    **chat.PATHS,
 }
 
 
@@ -346,6 +348,7 @@ def document() -> Doc:
                 **templates_api.SCHEMAS,
                 **policies_api.SCHEMAS,
                 **notifications_api.SCHEMAS,
+                **chat.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
+from services.chat import subscriber as chat
 from services.commands import App
 from services.infra.consumer import Subscription
 from services.notifications import subscriber as notifications
@@ -36,4 +37,5 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     return [
         # one line per subscriber module, e.g. *notifications.subscriptions(ctx),
         *notifications.subscriptions(ctx),
+        *chat.subscriptions(ctx),
     ]

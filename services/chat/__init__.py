@@ -1,0 +1,1 @@
+"""Chat-ops: Slack slash commands and buttons that act by the core's rules."""
