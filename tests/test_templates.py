@@ -202,7 +202,7 @@ async def test_the_workspace_default_comes_from_the_templates_setting(
     a = await plane.http.call("PATCH", f"{V1}/settings", json={"templates": {"apply": "noop"}})
     assert a.status == 200, a.body
     settings = (await plane.http.get(f"{V1}/workspaces/net/settings")).body
-    assert settings["templates"] == {"value": {"apply": "noop"}, "origin": "org"}
+    assert settings["effective"]["templates"] == {"value": {"apply": "noop"}, "origin": "org"}
     await plane.executor("e1")
     run_id = await _start(plane)
     done = await plane.reaches("net", run_id, "applied", "failed")
