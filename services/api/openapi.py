@@ -62,6 +62,12 @@ PARAMETERS: dict[str, Doc] = {
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
+    "fields": _query(
+        "fields",
+        "`full` (the default): each run as its GET shows it; `summary`: only the fields "
+        "of RunSummary, for long lists (no snapshot, steps, policies, owner or deadline)",
+        {"enum": ["full", "summary"], "default": "full"},
+    ),
     **logs.PARAMETERS,
     **secrets.PARAMETERS,
     **settings_api.PARAMETERS,
@@ -87,7 +93,7 @@ def _problem(what: str) -> Doc:
 
 RESPONSES: dict[str, Doc] = {code: _problem(what) for code, what in _ERRORS.items()}
 _READ = ("min_seq",)
-_LIST = ("status", "limit", "before", "min_seq")
+_LIST = ("status", "limit", "before", "fields", "min_seq")
 _RUN = ("org", "run")
 
 
