@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from services.api import changes, groups, locks, logs, openapi, orgs, runs, secrets, state
+from services.api import changes, docs, groups, locks, logs, openapi, orgs, runs, secrets, state
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
@@ -41,6 +41,7 @@ OPENAPI: web.AppKey[dict[str, object]] = web.AppKey("runplane.openapi", dict)
 ROUTES = [
     web.get("/healthz", orgs.healthz, allow_head=False),
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
+    *docs.ROUTES,
     web.post(V1 + "/orgs", orgs.create_org),
     web.get(ORG, orgs.get_org, allow_head=False),
     web.post(ORG + "/tokens", orgs.create_token),

@@ -12,6 +12,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from events.errors import DomainError
+from services.api import docs
 from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
@@ -20,7 +21,7 @@ from services.infra.heartbeats import BoardError
 
 log = structlog.get_logger("runplane.api")
 
-PUBLIC = frozenset({"/healthz"})
+PUBLIC = frozenset({"/healthz"}) | docs.PUBLIC  # the API reference describes, never shows
 MIN_SEQ = "RP-Min-Seq"
 _BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
 

@@ -62,6 +62,13 @@ PARAMETERS: dict[str, Doc] = {
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
+    "asset": {
+        "name": "asset",
+        "in": "path",
+        "required": True,
+        "description": "a file of the page (swagger-ui.css, swagger-ui-bundle.js, ...)",
+        "schema": STR,
+    },
     "fields": _query(
         "fields",
         "`full` (the default): each run as its GET shows it; `summary`: only the fields "
@@ -109,6 +116,42 @@ def _run_command(op_id: str, summary: str, body: str, errors: tuple[int, ...]) -
     )
 
 
+def _html(op_id: str, summary: str, media: str, *codes: int) -> Doc:
+    """A public page of the API reference (services/api/docs.py)."""
+    answer = {"description": summary, "content": {media: {}}}
+    return {
+        "get": {
+            "operationId": op_id,
+            "summary": summary,
+            "security": [],
+            "responses": {
+                "200": answer,
+                **{str(c): {"$ref": f"#/components/responses/{c}"} for c in codes},
+            },
+        }
+    }
+
+
+_DOCS: dict[str, Doc] = {
+    "/api/docs": {
+        "get": {
+            "operationId": "apiReferenceRedirect",
+            "summary": "Redirects to /api/docs/",
+            "security": [],
+            "responses": {"302": {"description": "to /api/docs/"}},
+        }
+    },
+    "/api/docs/": _html(
+        "apiReference", "This document in Swagger UI (no token needed)", "text/html", 503
+    ),
+    "/api/docs/{asset}": {
+        "get": {
+            **_html("apiReferenceAsset", "A file of the Swagger UI page", "*/*", 404)["get"],
+            "parameters": [{"$ref": "#/components/parameters/asset"}],
+        }
+    },
+}
+
 PATHS: dict[str, Doc] = {
     "/healthz": {
         "get": {
@@ -124,13 +167,14 @@ PATHS: dict[str, Doc] = {
     "/api/v1/openapi.json": {
         "get": {
             "operationId": "openapi",
-            "summary": "This document",
+            "summary": "This document (no token needed)",
+            "security": [],
             "responses": {
                 "200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}},
-                "401": {"$ref": "#/components/responses/401"},
             },
         }
     },
+    **_DOCS,
     "/api/v1/orgs": {
         "post": operation(
             "createOrg",
