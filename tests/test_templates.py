@@ -96,7 +96,9 @@ async def test_templates_are_listed_saved_and_refused_with_the_reason(plane: Pla
     assert a.body == {
         "name": "noop",
         "builtin": False,
-        "steps": [{"number": 100, "kind": "custom", "name": "noop", "command": "true"}],
+        "steps": [
+            {"number": 100, "kind": "custom", "name": "noop", "command": "true", "always": False}
+        ],
     }
     assert (await _put(plane, "noop", NOOP)).status == 200  # the same again: no change
     linted = {"steps": [PLAN, {"number": 50, "kind": "custom", "command": "tflint"}]}
@@ -139,7 +141,7 @@ async def test_custom_steps_run_before_the_plan_and_after_the_apply_with_their_l
                 "number": 300,
                 "kind": "custom",
                 "name": "notify",
-                "command": 'echo notified >> "$TF_VAR_out"',
+                "command": 'echo notified "$RUNPLANE_APPLIED" >> "$TF_VAR_out"',
             },
         ]
     }
@@ -170,7 +172,7 @@ async def test_custom_steps_run_before_the_plan_and_after_the_apply_with_their_l
     await plane.approve(run_id)
     done = await plane.reaches("net", run_id, "applied", "failed")
     assert done.status == "applied", done.error_message
-    assert out.read_text() == f"lint {out}\nnotified\n"
+    assert out.read_text() == f"lint {out}\nnotified true\n"
 
     shown = await _read(plane, f"{V1}/runs/{run_id}")
     assert [st for _, st in _steps(shown)] == ["done"] * 6
