@@ -1,7 +1,7 @@
 """The README's quick start, walked as text: every fenced command of its "Run it" section
-(and then of "Templates", which follows on from it) runs, in order, in one shell, against
-a fresh `runplane up`, so the README cannot drift from the product. `up`'s banner prints
-the same commands, which a second test holds to the README's.
+(and then of "Templates" and "Policies", which follow on from it) runs, in order, in one
+shell, against a fresh `runplane up`, so the README cannot drift from the product. `up`'s
+banner prints the same commands, which a second test holds to the README's.
 
 What differs from a person's first hour, and only that: the server listens on a free
 port, not 8080 (`localhost:8080` in the text is rewritten, and `RUNPLANE_URL` tells
@@ -108,8 +108,8 @@ async def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
     try:
         await wait_healthy(base)
         run_it = commands("Run it")[1:]  # [0] is `./dev up`: the process above
-        templates = commands("Templates")
-        script = PRELUDE + "\n".join([*run_it, 'echo "QUICKSTART_RUN=$RUN"', *templates])
+        later = [*commands("Templates"), *commands("Policies")]
+        script = PRELUDE + "\n".join([*run_it, 'echo "QUICKSTART_RUN=$RUN"', *later])
         script = script.replace("localhost:8080", f"localhost:{port}")
         shell_env = {**up.env, "RUNPLANE_URL": base}
         code, out = await _shell(script, clone, shell_env, timeout=240)
@@ -138,6 +138,8 @@ async def test_the_readme_quick_start_runs_as_written(tmp_path: Path) -> None:
             assert f"applied {linted['id']}" not in out
             setting = await client.ok("GET", "/api/v1/orgs/demo/settings")
             assert setting["settings"]["templates"] == {"apply": "linted"}
+            policy = await client.ok("GET", "/api/v1/orgs/demo/policies/no-deletes")
+            assert policy["enforcement"] == "hard-mandatory"
         finally:
             await client.close()
     finally:
