@@ -34,8 +34,8 @@ MAX_LIMIT = 1000
 _STATUSES = frozenset(s.value for s in Status)
 _OWNED = frozenset({"planning", "applying", "running"})  # a phase runs: it has an owner
 _LIST_PARAMS = frozenset({"status", "workspace", "limit", "before", "fields"})
-FIELDS = ("full", "summary")
-_LIVENESS_AT_ONCE = 32  # a list's `fields=`: as GET shows each run, or the summary
+FIELDS = ("full", "summary")  # a list's `fields=`: as GET shows each run, or the summary
+_LIVENESS_AT_ONCE = 32  # board reads of a listed page in flight at once
 
 
 async def _existing_run(api: Api, org: str, run_id: str) -> Row:
