@@ -54,7 +54,6 @@ _PAGE = """<!DOCTYPE html>
       url: "{openapi}",
       dom_id: "#swagger-ui",
       deepLinking: true,
-      persistAuthorization: true,
       presets: [SwaggerUIBundle.presets.apis, SwaggerUIStandalonePreset],
       layout: "StandaloneLayout",
     }});
