@@ -124,6 +124,8 @@ async def test_custom_steps_run_before_the_plan_and_after_the_apply_with_their_l
     the run's variables; each has its own log (`?phase=custom-<n>`) and status, and the
     run shows every step's status as it goes."""
     out = tmp_path / "out.txt"
+    out.touch(mode=0o666)  # each phase runs as a uid of its own: both steps append to it
+    out.chmod(0o666)  # (umask aside)
     await _workspace(plane, repo, out)
     body = {
         "steps": [
