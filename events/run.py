@@ -129,7 +129,8 @@ def _facts(s: RunState, event: RunEvent) -> RunState:
         case ApplyFinished():
             return _replace(s, phase="", lease_id="", apply_summary=event.summary, apply_done=True)
         case CustomStepFinished():
-            return _replace(s, phase="", lease_id="")
+            done = [*s.custom_done, event.number]
+            return _replace(s, phase="", lease_id="", custom_done=done)
         case RunDiscarded():
             return _replace(s, status=Status.DISCARDED, reason=event.reason)
         case RunCanceled():

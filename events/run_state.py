@@ -47,6 +47,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     step_at: int = -1  # index of the current step in `steps`; -1 before admission
     planned: bool = False  # the plan step has run
     apply_done: bool = False  # the apply (or destroy) step has run
+    custom_done: list[int] = []  # the numbers of the custom steps that ran
     needs_approval: bool = False  # require_approval, or a soft-mandatory policy failed
     policies: list[po.PolicyResult] = []
     overridden: list[str] = []
@@ -102,7 +103,8 @@ def advance(state: RunState, start: int) -> tuple[Status, int]:
     A plan or a custom step waits for an executor (queued), an apply or destroy too
     (apply_queued), an approval waits for a person when one is needed. Policy steps ran
     with the plan; approval and changes steps are skipped when the plan found nothing to
-    change. Past the last step the run ends (`final_status`).
+    change, and so are the custom steps after the changes step (it did not run) that do
+    not say `always`. Past the last step the run ends (`final_status`).
 
     `decide` asks this and records the answer in the event; `evolve` never does, so a
     change here changes the runs decided after it, never a recorded one."""
@@ -110,6 +112,8 @@ def advance(state: RunState, start: int) -> tuple[Status, int]:
     nothing = state.planned and not state.has_changes
     for i in range(max(start, 0), len(steps)):
         kind = steps[i].kind
+        if kind == "custom" and nothing and not steps[i].always and te.after_changes(steps, i):
+            continue  # it follows an apply that did not run
         if kind in ("plan", "custom"):
             return Status.QUEUED, i
         if kind == "approval" and state.needs_approval and not nothing:

@@ -5,8 +5,9 @@ and a command's own result render the same thing. A step's status:
 
 - `done`: it ran (a policy step runs with the plan; an approval step was approved);
 - `skipped`: passed over: an approval nobody had to give (`require_approval` off and no
-  soft-mandatory policy failed), an approval or apply after a plan with no changes, or
-  any step the run never reached because it ended first;
+  soft-mandatory policy failed), an approval or apply after a plan with no changes, a
+  custom step after that apply (unless it says `always`), or any step the run never
+  reached because it ended first;
 - `current`: the run is at it (waiting for an executor or a person, or running);
 - `pending`: still to come;
 - `failed`, `canceled`, `discarded`: the step the run ended at, and how (a policy step
@@ -58,6 +59,8 @@ def _passed(state: RunState, step: te.TemplateStep) -> str:
         return "done" if state.approved_by else "skipped"
     if step.kind in te.CHANGES:
         return "done" if state.apply_done else "skipped"
+    if step.kind == "custom":
+        return "done" if step.number in state.custom_done else "skipped"
     return "done"
 
 

@@ -17,7 +17,14 @@ The rules a template must follow, each refused with its reason:
 - the policy check runs with the plan, so a `policy` step directly follows it; a run of
   a template with a plan and no `policy` step gets one (`with_policy`): no template skips
   the organization's policies;
-- a `custom` step has a command (one shell line, at most 4096 characters).
+- a `custom` step has a command (one shell line, at most 4096 characters); only a
+  custom step may say `always`;
+- a template with a plan and no `policy` step leaves the number after its plan's free:
+  the implied policy step takes it, so that no two steps a run shows share a number.
+
+A custom step after the apply (or destroy) step runs only if that step ran: after a plan
+with no changes it is skipped, as the apply is, unless it says `always` (then
+`RUNPLANE_APPLIED` tells its command whether anything was applied).
 
 Which templates suit which run type: a `plan` or `drift` run changes nothing (no
 approval, apply or destroy) and a drift run needs its plan; an `apply` run may not
@@ -48,6 +55,7 @@ class TemplateStep(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
     name: str = ""  # shown in the run; defaults to the kind
     command: str = ""  # custom steps only
+    always: bool = False  # custom steps only: run even after an apply that did not run
 
     @property
     def label(self) -> str:
@@ -136,7 +144,7 @@ def parse_steps(raw: Any) -> list[TemplateStep]:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise Invalid(f"step {i + 1} must be an object with number and kind")
-        unknown = set(item) - {"number", "kind", "name", "command"}
+        unknown = set(item) - {"number", "kind", "name", "command", "always"}
         if unknown:
             raise Invalid(f"step {i + 1} has unknown field(s): {', '.join(sorted(unknown))}")
         number, kind = item.get("number"), item.get("kind")
@@ -149,7 +157,11 @@ def parse_steps(raw: Any) -> list[TemplateStep]:
             raise Invalid(f"step {number}: name must be a line of at most 100 characters")
         if not isinstance(command, str):
             raise Invalid(f"step {number}: command must be a string")
-        out.append(TemplateStep(number=number, kind=kind, name=name, command=command))
+        always = item.get("always", False)
+        if not isinstance(always, bool):
+            raise Invalid(f"step {number}: always must be true or false")
+        step = TemplateStep(number=number, kind=kind, name=name, command=command, always=always)
+        out.append(step)
     return out
 
 
@@ -184,6 +196,14 @@ def validate(name: str, steps: Sequence[TemplateStep]) -> Template:
             raise Invalid(f"step {s.number} ({s.kind}) must come after a plan step")
     if "policy" in kinds and kinds.index("policy") != plan_at + 1:
         raise Invalid("the policy step must directly follow the plan step: it checks the plan")
+    if plan_at >= 0 and "policy" not in kinds and _policy_number(ordered, plan_at) is None:
+        n = ordered[plan_at].number
+        raise Invalid(
+            f"the policy step every plan gets takes the number after the plan's ({n}): "
+            f"leave {n + 1} free, or add a policy step"
+            if n < 99999
+            else "a plan numbered 99999 leaves no number for its policy step"
+        )
     if changes:
         change_at = ordered.index(changes[0])
         if "approval" not in kinds[plan_at:change_at]:
@@ -213,12 +233,29 @@ def _check_step(s: TemplateStep) -> None:
             raise Invalid(f"step {s.number}: command is at most {MAX_COMMAND} characters")
     elif s.command:
         raise Invalid(f"step {s.number}: only custom steps have a command")
+    elif s.always:
+        raise Invalid(f"step {s.number}: only custom steps say always")
+
+
+def _policy_number(ordered: Sequence[TemplateStep], plan_at: int) -> int | None:
+    """The number after the plan's, if no step has it: the implied policy step's."""
+    n = ordered[plan_at].number + 1
+    taken = plan_at + 1 < len(ordered) and ordered[plan_at + 1].number <= n
+    return None if taken or n > 99999 else n
 
 
 def _implied_policy(ordered: Sequence[TemplateStep], plan_at: int) -> TemplateStep:
-    """The policy step a template without one gets, listed right after its plan (it
-    shares the plan's number: steps are tracked by position, and it runs with the plan)."""
-    return TemplateStep(number=ordered[plan_at].number, kind="policy", name="policy (implied)")
+    """The policy step a template without one gets, right after its plan, numbered the
+    plan's number + 1 (steps are tracked by position; it runs with the plan). A template
+    saved before that number had to be free may have no room: its policy step then
+    shares the plan's number, as every run's did before."""
+    number = _policy_number(ordered, plan_at) or ordered[plan_at].number
+    return TemplateStep(number=number, kind="policy", name="policy (implied)")
+
+
+def after_changes(steps: Sequence[TemplateStep], at: int) -> bool:
+    """Whether step `at` comes after the template's apply or destroy step."""
+    return any(s.kind in CHANGES for s in steps[:at])
 
 
 def compatible(template: Template, run_type: str) -> str:

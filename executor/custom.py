@@ -8,7 +8,8 @@ masked, interrupted (SIGINT to its process group) when the run is stopped or the
 stops. Its environment is the host's without runplane's own variables
 (`services/infra/childenv.py`), the run's variables as `TF_VAR_<name>` (secret ones too,
 masked in the log), and `RUNPLANE_RUN_ID`, `RUNPLANE_STEP` (the step's number),
-`RUNPLANE_STEP_NAME`, `RUNPLANE_ORG`, `RUNPLANE_WORKSPACE`.
+`RUNPLANE_STEP_NAME`, `RUNPLANE_ORG`, `RUNPLANE_WORKSPACE`, and `RUNPLANE_APPLIED` (`true`
+once the run's apply or destroy step ran, else `false`: for a step that says `always`).
 
 Exit 0 reports `FinishCustomStep`; anything else fails the run with `step_failed`, the exit
 code and the output's last lines.
@@ -86,6 +87,8 @@ def command_env(job: Job, ts: TemplateStep) -> dict[str, str]:
         RUNPLANE_STEP_NAME=ts.label,
         RUNPLANE_ORG=job.org,
         RUNPLANE_WORKSPACE=job.ws,
+        # A step that says `always` runs after an apply that did not run too: say which.
+        RUNPLANE_APPLIED="true" if job.run.apply_done else "false",
     )
     return child_env(extra)
 

@@ -209,8 +209,12 @@ class ReadModel:
         status: list[str] | None = None,
         limit: int = 100,
         before: str | None = None,
+        full: bool = True,
     ) -> list[dict[str, Any]]:
-        """Runs newest first. `before` is the id of the last run of the previous page."""
+        """Runs newest first. `before` is the id of the last run of the previous page.
+
+        `full`: each as `get_run` answers it; otherwise only the runs table's own fields
+        (the API's `fields=summary`)."""
         where, params = ["org = ?"], [org]
         if workspace is not None:
             where.append("workspace = ?")
@@ -228,8 +232,14 @@ class ReadModel:
             f"SELECT {_RUN_COLS} FROM runs WHERE {' AND '.join(where)} "
             "ORDER BY created_at DESC, id DESC LIMIT ?"
         )
-        rows = await self._all(sql, [*params, max(0, min(limit, _MAX_LIMIT))])
-        return [_run(r) for r in rows]
+        async with self._snapshot():  # the pins from the same moment as the rows
+            rows = [
+                _run(r) for r in await self._all(sql, [*params, max(0, min(limit, _MAX_LIMIT))])
+            ]
+            if not full:
+                return rows
+            pins = await state_versions.runs_pins(self._all, [r["id"] for r in rows])
+        return [r | pins[r["id"]] for r in rows]
 
     async def run_events(self, org: str, run_id: str) -> list[dict[str, Any]]:
         """The run's own events in stream order; `data` is the payload without the envelope."""

@@ -69,15 +69,27 @@ async def state_versions(query: Query, org: str, ws: str) -> list[dict[str, Any]
 async def run_pins(query: Query, run_id: str) -> dict[str, Any]:
     """The run's snapshot (null before admission), whether it is a speculative plan, and
     its commit's author and message."""
-    runs = await query("SELECT state_json FROM runs WHERE id = ?", (run_id,))
-    plans = await query(
-        "SELECT data_json FROM events WHERE run_id = ? AND type = 'run.plan_finished' "
-        "ORDER BY seq DESC LIMIT 1",
-        (run_id,),
+    return (await runs_pins(query, [run_id]))[run_id]
+
+
+async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """`run_pins` of each run in two queries, whatever their number (a list's page)."""
+    if not run_ids:
+        return {}
+    marks = ", ".join("?" * len(run_ids))
+    runs = await query(f"SELECT id, state_json FROM runs WHERE id IN ({marks})", run_ids)
+    plans = await query(  # in stream order: the last one of each run wins
+        f"SELECT run_id, data_json FROM events WHERE run_id IN ({marks}) "
+        "AND type = 'run.plan_finished' ORDER BY seq",
+        run_ids,
     )
-    state = _state.decode(runs[0]["state_json"]) if runs else None
+    states = {r["id"]: _state.decode(r["state_json"]) for r in runs if r["state_json"]}
+    last_plans = {r["run_id"]: _plan.decode(r["data_json"]) for r in plans}
+    return {rid: _pins(states.get(rid), last_plans.get(rid)) for rid in run_ids}
+
+
+def _pins(state: RunState | None, plan: PlanFinished | None) -> dict[str, Any]:
     snapshot = state.snapshot if state is not None else None
-    plan = _plan.decode(plans[0]["data_json"]) if plans else None
     return {
         "snapshot": msgspec.to_builtins(snapshot) if snapshot is not None else None,
         "speculative": state.speculative if state is not None else False,

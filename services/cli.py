@@ -24,7 +24,13 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         "--data-dir", type=Path, default=Path(os.environ.get("RUNPLANE_DATA_DIR", ".runplane"))
     )
     _nats_opts(p)
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="auto",
+        help="auto: on a terminal `people` for up (a line per run transition, warnings), "
+        "`console` for the others; JSON when stderr is not a terminal",
+    )
     p.add_argument(
         "--allowed-repos",
         default=os.environ.get("RUNPLANE_ALLOWED_REPOS", ""),
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "logs":  # an API client: no NATS, no structlog
         return logs_cli.main(ns)
     private_files()  # before anything is written into the data directory
-    logs.configure(ns.log_format)
+    logs.configure(ns.log_format, for_people=ns.command == "up")
     try:
         opts = options(ns)
         opts.check()

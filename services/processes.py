@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -108,6 +110,7 @@ async def _start_subscribers(opts: Options, stack: AsyncExitStack, nc: NATS) -> 
 async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     """Start every component on one machine; return the API's base URL once all are ready."""
     from services.demo import ensure_demo
+    from services.runwatch import RunWatch
     from services.scheduler.reaper import Reaper
     from services.scheduler.scheduler import Scheduler
 
@@ -120,6 +123,7 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     await stack.enter_async_context(Reaper(nc, make_app(nc)))
     await _start_executor(opts, stack, nc, fallback_to_none=opts.isolation == "auto")
     await _start_subscribers(opts, stack, nc)
+    await stack.enter_async_context(RunWatch(nc))  # a line per run transition
     if opts.demo:
         await ensure_demo(make_app(nc), opts.data_dir)
     components_ready["v"] = True
@@ -141,26 +145,62 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
 
 
 def _banner(base: str, token: str, org: str, ws: str) -> None:
-    h = f'-H "Authorization: Bearer {token}"'
+    print("\n".join(banner(base, token, org, ws, runplane=runplane_command())), flush=True)
+
+
+DEFAULT_URL = "http://127.0.0.1:8080"  # `runplane logs`'s default --url
+
+
+def banner(base: str, token: str, org: str, ws: str, *, runplane: str) -> list[str]:
+    """What `up` prints: where it is, the token, and the quick start's commands, which
+    work pasted into another shell (curl and jq are the README's prerequisites). They
+    are the README's "Run it" commands, which tests/test_readme.py runs, but for the
+    token's value, this server's address and how to run `runplane` from here."""
     lines = [
         f"runplane is up at {base}",
+        f"API reference: {base}/api/docs/",
         f"admin token: {token}",
         "",
     ]
     if ws:
         lines += [
-            "Start a run on the demo workspace, then approve it and follow it:",
-            f"  curl -s {h} -X POST {base}/api/v1/orgs/{org}/workspaces/{ws}/runs"
-            ' -d \'{"type": "apply"}\'',
-            f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID",
-            f"  curl -s {h} -X POST {base}/api/v1/orgs/{org}/runs/RUN_ID/approve"
-            " -d '{\"acknowledged\": []}'",
-            f"  curl -s {h} {base}/api/v1/orgs/{org}/runs/RUN_ID/events",
-            f"  runplane logs -f RUN_ID --org {org} --url {base} --token {token}",
+            "Start a run on the demo workspace, approve it and follow it, in another shell:",
+            *(f"  {line}" for line in quickstart(base, token, org, ws, runplane=runplane)),
             "",
         ]
     lines.append("Press Ctrl-C to stop.")
-    print("\n".join(lines), flush=True)
+    return lines
+
+
+def quickstart(base: str, token: str, org: str, ws: str, *, runplane: str) -> list[str]:
+    host = base.removeprefix("http://")
+    runs = f"{host}/api/v1/orgs/{org}/runs"
+    url = "" if base == DEFAULT_URL else f" --url {base}"
+    return [
+        f"TOKEN={token}",
+        'H="Authorization: Bearer $TOKEN"',
+        f'RUN=$(curl -s -H "$H" -X POST {host}/api/v1/orgs/{org}/workspaces/{ws}/runs'
+        """ -d '{"type": "apply"}' | jq -r .id)""",
+        f'until [ "$(curl -s -H "$H" {runs}/$RUN | jq -r .status)" = awaiting_approval ];'
+        " do sleep 1; done",
+        f"""curl -s -H "$H" {runs}/$RUN | jq '{{status, plan_summary, steps}}'""",
+        f"""curl -s -H "$H" -X POST {runs}/$RUN/approve -d '{{"acknowledged": []}}'""",
+        f"{runplane} logs -f $RUN --org {org} --token $TOKEN{url}",
+        f"""curl -s -H "$H" {runs}/$RUN/events | jq -r '.items[].type'""",
+    ]
+
+
+def runplane_command() -> str:
+    """How another shell runs this runplane: `./dev runplane` in the clone (the console
+    script is in .venv/bin, which is not on the PATH), else the script's own path."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "dev").is_file() and (root / "pyproject.toml").is_file():
+        return "./dev runplane" if Path.cwd().resolve() == root else f"{root}/dev runplane"
+    script = Path(shutil.which(sys.argv[0]) or sys.argv[0]).resolve()
+    on_path = shutil.which("runplane")
+    if script.name == "runplane" and (on_path is None or Path(on_path).resolve() != script):
+        return str(script)
+    return "runplane"
 
 
 async def api(opts: Options, stack: AsyncExitStack) -> None:

@@ -464,6 +464,33 @@ def custom_only_applied() -> Recorder:
     return r
 
 
+def _notify_template(*, always: bool) -> te.Template:
+    """The README's `linted`: no policy step of its own (it gets one, numbered 101)."""
+    steps = [s for s in _custom_template().steps if s.kind != "policy"]
+    if always:
+        steps[-1] = msgspec.structs.replace(steps[-1], always=True)
+    return te.with_policy(te.validate("linted", steps))
+
+
+def custom_no_changes() -> Recorder:
+    """After a plan with no changes the apply is skipped, and the notify after it too."""
+    r = Recorder("custom-no-changes", "apply", template=_notify_template(always=False))
+    r.admit()
+    r.custom(50)
+    r.plan(changes=False)
+    return r
+
+
+def custom_always_no_changes() -> Recorder:
+    """A notify that says `always` runs after the skipped apply."""
+    r = Recorder("custom-always-no-changes", "apply", template=_notify_template(always=True))
+    r.admit()
+    r.custom(50)
+    r.plan(changes=False)
+    r.custom(300)
+    return r
+
+
 def stamped_apply_applied() -> Recorder:
     """Recorded after events carried their outcome (status, step_at) and via."""
     r = Recorder("stamped-apply-applied", "apply")
@@ -518,6 +545,8 @@ SCENARIOS: dict[str, Callable[[], Recorder]] = {
     "custom-applied": custom_applied,
     "custom-failed": custom_failed,
     "custom-only": custom_only_applied,
+    "custom-no-changes": custom_no_changes,
+    "custom-always-no-changes": custom_always_no_changes,
     "stamped-apply-applied": stamped_apply_applied,
     "stamped-failed-hard-policy": stamped_failed_hard_policy,
     "stamped-custom-discarded": stamped_custom_discarded,

@@ -199,6 +199,35 @@ async def test_runs_are_listed_and_filtered(http: Http) -> None:
     assert {w["name"] for w in a.body["items"]} == {"net", "dns"}
 
 
+async def test_a_listed_run_is_its_get_and_a_summary_leaves_out_what_it_says(
+    http: Http,
+) -> None:
+    """The list shows each run as its GET does (`fields=full`, the default): the same
+    keys and values, empty lists as `[]`, never missing (`policies`, `steps`, `owner`);
+    `fields=summary` leaves out exactly what RunSummary does not name."""
+    await http.org("acme")
+    await http.workspace("acme", "net")
+    waiting = await http.run("acme", "net")
+    await _awaiting_approval(http.app, "acme", "net", waiting["id"])
+    pending = await http.run("acme", "net")
+    canceled = await http.run("acme", "net", "plan")
+    await http.post(f"{V1}/orgs/acme/runs/{canceled['id']}/cancel")
+    listed = (await http.get(f"{V1}/orgs/acme/runs")).body["items"]
+    assert [r["id"] for r in listed] == [canceled["id"], pending["id"], waiting["id"]]
+    for row in listed:
+        got = (await http.get(f"{V1}/orgs/acme/runs/{row['id']}")).body
+        assert row == got
+        assert row["policies"] == [] and row["overridden"] == []
+    assert [s["status"] for s in listed[2]["steps"]][:2] == ["done", "done"]
+
+    summary = (await http.get(f"{V1}/orgs/acme/runs?fields=summary")).body["items"]
+    spec = (await http.get(f"{V1}/openapi.json")).body["components"]["schemas"]
+    assert set(summary[0]) == set(spec["RunSummary"]["properties"])
+    assert set(listed[0]) == set(spec["Run"]["properties"])
+    assert {k: listed[0][k] for k in summary[0]} == summary[0]
+    (await http.get(f"{V1}/orgs/acme/runs?fields=some")).problem("invalid-query", 400)
+
+
 async def test_approving_a_pending_run_conflicts_with_its_status(http: Http) -> None:
     """Approve needs awaiting_approval: on a pending run it is a 409 with current_status."""
     await http.org("acme")

@@ -220,23 +220,66 @@ def test_custom_steps_before_the_plan_and_after_the_apply_run_in_order() -> None
     assert runsteps.view(s)["current_step"] is None
 
 
-def test_a_plan_with_no_changes_skips_approval_and_apply_but_not_later_custom_steps() -> None:
-    s = plan(
-        created(
-            steps((100, "plan"), (150, "approval"), (200, "apply"), (300, "custom", "n", "true"))
-        ),
-        changes=False,
+def test_a_plan_with_no_changes_skips_the_custom_steps_after_its_apply() -> None:
+    """The apply did not run, so a step after it (a `notify` that says "applied") does
+    not either: the run ends `no_changes` at once, that step shown `skipped`; a custom
+    step between the plan and the apply still runs."""
+    spec = steps(
+        (100, "plan"),
+        (120, "custom", "check", "true"),
+        (150, "approval"),
+        (200, "apply"),
+        (300, "custom", "notify", "echo applied"),
     )
-    assert (s.status, s.waiting_phase) == (Status.QUEUED, "custom-300")
+    s = plan(created(spec), changes=False)
+    assert (s.status, s.waiting_phase) == (Status.QUEUED, "custom-120")
+    s = fold(claim(s, "custom-120", "l"), FinishCustomStep(actor="e", lease_id="l", number=120))
+    assert s.status == Status.NO_CHANGES
     assert shown(s) == [
         ("plan", "done"),
         ("policy (implied)", "done"),
+        ("check", "done"),
         ("approval", "skipped"),
         ("apply", "skipped"),
-        ("n", "current"),
+        ("notify", "skipped"),
     ]
+
+
+def test_a_custom_step_that_says_always_runs_after_an_apply_that_did_not() -> None:
+    spec = [
+        *steps((100, "plan"), (150, "approval"), (200, "apply")),
+        te.TemplateStep(number=300, kind="custom", name="n", command="true", always=True),
+    ]
+    s = plan(created(spec), changes=False)
+    assert (s.status, s.waiting_phase) == (Status.QUEUED, "custom-300")
+    assert shown(s)[-1] == ("n", "current")
     s = fold(claim(s, "custom-300", "l"), FinishCustomStep(actor="e", lease_id="l", number=300))
-    assert s.status == Status.NO_CHANGES
+    assert (s.status, s.custom_done, shown(s)[-1]) == (Status.NO_CHANGES, [300], ("n", "done"))
+
+
+def test_always_is_for_custom_steps_and_a_boolean() -> None:
+    with pytest.raises(Invalid, match="only custom steps say always"):
+        te.validate("t", [te.TemplateStep(number=100, kind="plan", always=True)])
+    with pytest.raises(Invalid, match="always must be true or false"):
+        te.parse_steps([{"number": 1, "kind": "custom", "command": "x", "always": "yes"}])
+    parsed = te.parse_steps([{"number": 1, "kind": "custom", "command": "x", "always": True}])
+    assert parsed[0].always
+
+
+def test_every_step_a_run_shows_has_a_number_of_its_own() -> None:
+    """The implied policy step takes the number after the plan's (it shared the plan's:
+    two steps 100); a template leaving no room for it is refused, saying so."""
+    for spec in (LINTED, steps((100, "plan"), (150, "approval"), (200, "apply"))):
+        numbers = [s["number"] for s in runsteps.view(created(spec))["steps"]]
+        assert len(numbers) == len(set(numbers)), numbers
+    implied = te.with_policy(te.validate("t", LINTED)).steps[2]
+    assert (implied.kind, implied.number) == ("policy", 101)
+    why = refused("tight", (100, "plan"), (101, "custom", "x", "true"))
+    assert "leave 101 free" in why
+    assert te.validate("ok", steps((100, "plan"), (101, "policy"))).kinds() == ["plan", "policy"]
+    assert "no number for its policy step" in refused("last", (99999, "plan"))
+    numbers = [s.number for s in te.with_policy(te.validate("end", steps((99998, "plan")))).steps]
+    assert numbers == [99998, 99999]
 
 
 def test_without_require_approval_the_approval_step_is_skipped() -> None:

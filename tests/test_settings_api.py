@@ -50,17 +50,21 @@ async def _three_levels(http: Http) -> dict[str, str]:
 
 
 async def test_each_effective_setting_shows_the_level_it_comes_from(http: Http) -> None:
-    """The workspace GET answers every setting, each with its origin: org, the innermost
-    folder that sets it, the workspace itself, or the default."""
+    """The workspace GET answers, as every level does, its own `settings` and every
+    `effective` setting, each with its origin: org, the innermost folder that sets it,
+    the workspace itself, or the default."""
     tokens = await _three_levels(http)
     a = await http.get(WS + "/settings", token=tokens["viewer"])
     assert a.status == 200, a.body
-    assert a.body["confirm_destructive"] == {"value": True, "origin": "org"}
-    assert a.body["run_timeout"] == {"value": 900, "origin": "folder:network"}
-    assert a.body["require_approval"] == {"value": False, "origin": "workspace"}
-    assert a.body["four_eyes"] == {"value": False, "origin": "default"}
-    assert a.body["approvers"] == {"value": [], "origin": "default"}
-    assert len(a.body) == len(SPECS)  # every setting, set or not
+    assert (a.body["name"], a.body["folder"]) == ("net", "network")
+    assert a.body["settings"]["require_approval"] is False
+    effective = a.body["effective"]
+    assert effective["confirm_destructive"] == {"value": True, "origin": "org"}
+    assert effective["run_timeout"] == {"value": 900, "origin": "folder:network"}
+    assert effective["require_approval"] == {"value": False, "origin": "workspace"}
+    assert effective["four_eyes"] == {"value": False, "origin": "default"}
+    assert effective["approvers"] == {"value": [], "origin": "default"}
+    assert len(effective) == len(SPECS)  # every setting, set or not
 
     org = (await http.get(ORG + "/settings")).body
     assert org["settings"] == {"confirm_destructive": True}
@@ -84,9 +88,11 @@ async def test_null_unsets_a_value_at_its_level_and_the_outer_one_shows_through(
     assert a.status == 200, a.body
     assert a.body["settings"] == {}
     a = await _patch(http, WS + "/settings", {"require_approval": None, "four_eyes": True})
-    assert a.body["run_timeout"] == {"value": 3600, "origin": "folder:platform"}
-    assert a.body["require_approval"] == {"value": True, "origin": "default"}
-    assert a.body["four_eyes"] == {"value": True, "origin": "workspace"}
+    assert "require_approval" not in a.body["settings"]
+    assert a.body["settings"]["four_eyes"] is True
+    assert a.body["effective"]["run_timeout"] == {"value": 3600, "origin": "folder:platform"}
+    assert a.body["effective"]["require_approval"] == {"value": True, "origin": "default"}
+    assert a.body["effective"]["four_eyes"] == {"value": True, "origin": "workspace"}
     got = (await http.get(WS + "/settings")).body
     assert got == a.body
 
@@ -104,7 +110,7 @@ async def test_unknown_settings_and_bad_values_are_refused_with_every_reason(
         (await _patch(http, path, {})).problem("invalid-command", 422)
         (await _patch(http, path, [1])).problem("invalid-body", 400)
     after = (await http.get(WS + "/settings")).body
-    assert after["run_timeout"] == {"value": 900, "origin": "folder:network"}  # unchanged
+    assert after["effective"]["run_timeout"] == {"value": 900, "origin": "folder:network"}
 
 
 async def test_missing_folders_and_workspaces_and_duplicates_are_refused(http: Http) -> None:
@@ -153,7 +159,7 @@ async def test_a_viewer_may_read_settings_but_not_change_them(http: Http) -> Non
         assert (await http.get(path, token=tokens["viewer"])).status == 200
     a = await http.post(ORG + "/folders", json={"name": "x"}, token=tokens["approver"])
     a.problem("forbidden", 403)
-    assert (await http.get(WS + "/settings")).body["four_eyes"]["origin"] == "default"
+    assert (await http.get(WS + "/settings")).body["effective"]["four_eyes"]["origin"] == "default"
 
 
 async def test_an_admitted_run_records_the_effective_settings_it_runs_under(

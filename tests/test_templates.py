@@ -96,7 +96,9 @@ async def test_templates_are_listed_saved_and_refused_with_the_reason(plane: Pla
     assert a.body == {
         "name": "noop",
         "builtin": False,
-        "steps": [{"number": 100, "kind": "custom", "name": "noop", "command": "true"}],
+        "steps": [
+            {"number": 100, "kind": "custom", "name": "noop", "command": "true", "always": False}
+        ],
     }
     assert (await _put(plane, "noop", NOOP)).status == 200  # the same again: no change
     linted = {"steps": [PLAN, {"number": 50, "kind": "custom", "command": "tflint"}]}
@@ -122,6 +124,8 @@ async def test_custom_steps_run_before_the_plan_and_after_the_apply_with_their_l
     the run's variables; each has its own log (`?phase=custom-<n>`) and status, and the
     run shows every step's status as it goes."""
     out = tmp_path / "out.txt"
+    out.touch(mode=0o666)  # each phase runs as a uid of its own: both steps append to it
+    out.chmod(0o666)  # (umask aside)
     await _workspace(plane, repo, out)
     body = {
         "steps": [
@@ -139,7 +143,7 @@ async def test_custom_steps_run_before_the_plan_and_after_the_apply_with_their_l
                 "number": 300,
                 "kind": "custom",
                 "name": "notify",
-                "command": 'echo notified >> "$TF_VAR_out"',
+                "command": 'echo notified "$RUNPLANE_APPLIED" >> "$TF_VAR_out"',
             },
         ]
     }
@@ -170,7 +174,7 @@ async def test_custom_steps_run_before_the_plan_and_after_the_apply_with_their_l
     await plane.approve(run_id)
     done = await plane.reaches("net", run_id, "applied", "failed")
     assert done.status == "applied", done.error_message
-    assert out.read_text() == f"lint {out}\nnotified\n"
+    assert out.read_text() == f"lint {out}\nnotified true\n"
 
     shown = await _read(plane, f"{V1}/runs/{run_id}")
     assert [st for _, st in _steps(shown)] == ["done"] * 6
@@ -202,7 +206,7 @@ async def test_the_workspace_default_comes_from_the_templates_setting(
     a = await plane.http.call("PATCH", f"{V1}/settings", json={"templates": {"apply": "noop"}})
     assert a.status == 200, a.body
     settings = (await plane.http.get(f"{V1}/workspaces/net/settings")).body
-    assert settings["templates"] == {"value": {"apply": "noop"}, "origin": "org"}
+    assert settings["effective"]["templates"] == {"value": {"apply": "noop"}, "origin": "org"}
     await plane.executor("e1")
     run_id = await _start(plane)
     done = await plane.reaches("net", run_id, "applied", "failed")

@@ -14,6 +14,7 @@ from aiohttp import web
 from services.api import (
     changes,
     chat,
+    docs,
     groups,
     locks,
     logs,
@@ -56,6 +57,7 @@ ROUTES = [
     web.get("/healthz", orgs.healthz, allow_head=False),
     web.get("/metrics", metrics.metrics, allow_head=False),
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
+    *docs.ROUTES,
     web.post(V1 + "/orgs", orgs.create_org),
     web.get(ORG, orgs.get_org, allow_head=False),
     web.post(ORG + "/tokens", orgs.create_token),

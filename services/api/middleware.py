@@ -14,6 +14,7 @@ from aiohttp.typedefs import Handler
 from opentelemetry.trace import SpanKind
 
 from events.errors import DomainError
+from services.api import docs
 from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
@@ -26,14 +27,17 @@ log = structlog.get_logger("runplane.api")
 # Routes the middleware lets through unauthenticated: /metrics checks its own tokens
 # (services/api/metrics.py); Slack signs its own calls (services/chat/inbound.py), which
 # carry no runplane token.
-PUBLIC = frozenset(
-    {
-        "/healthz",
-        "/metrics",
-        "/api/v1/chat/slack/commands",
-        "/api/v1/chat/slack/interactions",
-    }
-)
+PUBLIC = (
+    frozenset(
+        {
+            "/healthz",
+            "/metrics",
+            "/api/v1/chat/slack/commands",
+            "/api/v1/chat/slack/interactions",
+        }
+    )
+    | docs.PUBLIC
+)  # the API reference describes, never shows
 MIN_SEQ = "RP-Min-Seq"
 _BOUND = {"org": "org", "ws": "workspace", "run": "run_id"}
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})

@@ -63,6 +63,19 @@ PARAMETERS: dict[str, Doc] = {
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
+    "asset": {
+        "name": "asset",
+        "in": "path",
+        "required": True,
+        "description": "a file of the page (swagger-ui.css, swagger-ui-bundle.js, ...)",
+        "schema": STR,
+    },
+    "fields": _query(
+        "fields",
+        "`full` (the default): each run as its GET shows it; `summary`: only the fields "
+        "of RunSummary, for long lists (no snapshot, steps, policies, owner or deadline)",
+        {"enum": ["full", "summary"], "default": "full"},
+    ),
     **logs.PARAMETERS,
     **secrets.PARAMETERS,
     **settings_api.PARAMETERS,
@@ -90,7 +103,7 @@ def _problem(what: str) -> Doc:
 
 RESPONSES: dict[str, Doc] = {code: _problem(what) for code, what in _ERRORS.items()}
 _READ = ("min_seq",)
-_LIST = ("status", "limit", "before", "min_seq")
+_LIST = ("status", "limit", "before", "fields", "min_seq")
 _RUN = ("org", "run")
 
 
@@ -105,6 +118,42 @@ def _run_command(op_id: str, summary: str, body: str, errors: tuple[int, ...]) -
         errors=(400, 403, 404, 409, 422, *errors),
     )
 
+
+def _html(op_id: str, summary: str, media: str, *codes: int) -> Doc:
+    """A public page of the API reference (services/api/docs.py)."""
+    answer = {"description": summary, "content": {media: {}}}
+    return {
+        "get": {
+            "operationId": op_id,
+            "summary": summary,
+            "security": [],
+            "responses": {
+                "200": answer,
+                **{str(c): {"$ref": f"#/components/responses/{c}"} for c in codes},
+            },
+        }
+    }
+
+
+_DOCS: dict[str, Doc] = {
+    "/api/docs": {
+        "get": {
+            "operationId": "apiReferenceRedirect",
+            "summary": "Redirects to /api/docs/",
+            "security": [],
+            "responses": {"302": {"description": "to /api/docs/"}},
+        }
+    },
+    "/api/docs/": _html(
+        "apiReference", "This document in Swagger UI (no token needed)", "text/html", 503
+    ),
+    "/api/docs/{asset}": {
+        "get": {
+            **_html("apiReferenceAsset", "A file of the Swagger UI page", "*/*", 404)["get"],
+            "parameters": [{"$ref": "#/components/parameters/asset"}],
+        }
+    },
+}
 
 PATHS: dict[str, Doc] = {
     "/healthz": {
@@ -121,10 +170,10 @@ PATHS: dict[str, Doc] = {
     "/api/v1/openapi.json": {
         "get": {
             "operationId": "openapi",
-            "summary": "This document",
+            "summary": "This document (no token needed)",
+            "security": [],
             "responses": {
                 "200": {"description": "OpenAPI 3.1", "content": {"application/json": {}}},
-                "401": {"$ref": "#/components/responses/401"},
             },
         }
     },
@@ -142,6 +191,7 @@ PATHS: dict[str, Doc] = {
             },
         }
     },
+    **_DOCS,
     "/api/v1/orgs": {
         "post": operation(
             "createOrg",

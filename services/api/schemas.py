@@ -305,7 +305,26 @@ def list_of(name: str) -> Doc:
 
 for _name in ("Workspace", "RunEvent", "Step", "TokenInfo"):
     SCHEMAS[f"{_name}List"] = list_of(_name)
-SCHEMAS["RunList"] = list_of("Run")
+_SUMMARY = (
+    "id org workspace type status created_by created_at updated_at message commit has_changes "
+    "plan_summary apply_summary plan_digest approved_by acknowledged reason error_message "
+    "phase executor_id seq"
+).split()
+SCHEMAS["RunSummary"] = {
+    **_obj(
+        SCHEMAS["Run"]["required"],
+        **{k: v for k, v in SCHEMAS["Run"]["properties"].items() if k in _SUMMARY},
+    ),
+    "description": "a listed run with `fields=summary`: the fields of Run it names",
+}
+SCHEMAS["RunList"] = _obj(
+    ["items"],
+    items={
+        "type": "array",
+        "items": {"anyOf": [ref("Run"), ref("RunSummary")]},
+        "description": "each a Run (`fields=full`, the default) or a RunSummary",
+    },
+)
 SCHEMAS["RunList"]["properties"]["next"] = {
     **_nullable(ID),
     "description": "on a full page: pass as `before` for the next page",

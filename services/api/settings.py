@@ -126,6 +126,17 @@ def _folder_settings(state: OrgState, name: str) -> Row:
     return {**_folder_row(state, name), "effective": inherit.for_folder(state, name)}
 
 
+def _workspace_settings(org: OrgState, ws: WorkspaceState) -> Row:
+    """The same shape as the other levels: what the workspace sets itself (its
+    configuration's timeouts included), and every effective value with its origin."""
+    return {
+        "name": ws.name,
+        "folder": ws.folder or None,
+        "settings": inherit.workspace_own(ws),
+        "effective": inherit.for_workspace(org, ws),
+    }
+
+
 async def get_org_settings(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     return json_response(_org_settings(await org_state(api, org)))
@@ -155,11 +166,11 @@ async def patch_folder_settings(request: web.Request) -> web.Response:
 
 
 async def get_workspace_settings(request: web.Request) -> web.Response:
-    """Every setting's effective value for the workspace, with its origin."""
+    """The workspace's own settings and every effective value, with its origin."""
     api, org, _ = scope(request, VIEWER)
     ws = path_id(request, "ws")
     state = await org_state(api, org)
-    return json_response(inherit.for_workspace(state, await _workspace(api, org, ws)))
+    return json_response(_workspace_settings(state, await _workspace(api, org, ws)))
 
 
 async def patch_workspace_settings(request: web.Request) -> web.Response:
@@ -169,7 +180,7 @@ async def patch_workspace_settings(request: web.Request) -> web.Response:
     await _workspace(api, org, ws)
     changes = await _changes(request, state)
     result = await api.app.set_workspace_settings(org, ws, changes, who.user)
-    return command_answer(inherit.for_workspace(state, result.state), result.seq)
+    return command_answer(_workspace_settings(state, result.state), result.seq)
 
 
 # ---------------------------------------------------------------- OpenAPI
@@ -232,6 +243,17 @@ SCHEMAS: dict[str, Doc] = {
             ref("Folder"),
             {"type": "object", "properties": {"effective": ref("EffectiveSettings")}},
         ]
+    },
+    "WorkspaceSettings": {
+        "type": "object",
+        "description": "the same shape as every level: `settings` (its own) and `effective`",
+        "required": ["name", "folder", "settings", "effective"],
+        "properties": {
+            "name": STR,
+            "folder": {"anyOf": [STR, {"type": "null"}]},
+            "settings": ref("Settings"),
+            "effective": ref("EffectiveSettings"),
+        },
     },
 }
 
@@ -300,15 +322,15 @@ PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/settings": {
         "get": _op(
             "getWorkspaceSettings",
-            "Every effective setting of the workspace, with its origin",
-            (200, "EffectiveSettings"),
+            "The workspace's own settings and every effective one, with its origin",
+            (200, "WorkspaceSettings"),
             ("org", "ws"),
             errors=_R,
         ),
         "patch": _op(
             "setWorkspaceSettings",
             "Change the workspace's own settings",
-            (200, "EffectiveSettings"),
+            (200, "WorkspaceSettings"),
             ("org", "ws"),
             "SettingsPatch",
             _W,

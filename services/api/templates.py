@@ -1,6 +1,6 @@
 """Run templates (`events/templates.py`): the built-ins and the organization's own.
 
-`PUT .../templates/{name}` `{"steps": [{"number", "kind", "name"?, "command"?}, ...]}`
+`PUT .../templates/{name}` `{"steps": [{"number", "kind", "name"?, "command"?, "always"?}, ...]}`
 saves one (admin; a rule it breaks is 422 `invalid-command` with the reason), `GET
 .../templates` lists the built-ins (`builtin: true`) then the organization's own, `GET
 .../templates/{name}` answers one, `DELETE` removes one of the organization's (a built-in
@@ -60,6 +60,13 @@ _STEP_DOC: Doc = {
             "description": "custom steps only: one shell line run with /bin/sh -c in the "
             "workspace's directory of the checkout",
         },
+        "always": {
+            **BOOL,
+            "default": False,
+            "description": "custom steps only: a step after the apply or destroy step runs "
+            "only if that step ran (not after a plan with no changes) unless this is true; "
+            "its command then reads RUNPLANE_APPLIED (true or false)",
+        },
     },
 }
 
@@ -79,7 +86,13 @@ def row(template: te.Template) -> Row:
         "name": template.name,
         "builtin": template.builtin,
         "steps": [
-            {"number": s.number, "kind": s.kind, "name": s.label, "command": s.command or None}
+            {
+                "number": s.number,
+                "kind": s.kind,
+                "name": s.label,
+                "command": s.command or None,
+                "always": s.always,
+            }
             for s in template.steps
         ],
     }
@@ -140,12 +153,13 @@ _TEMPLATE: Doc = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["number", "kind", "name", "command"],
+                "required": ["number", "kind", "name", "command", "always"],
                 "properties": {
                     "number": INT,
                     "kind": {"enum": list(te.KINDS)},
                     "name": STR,
                     "command": {"type": ["string", "null"]},
+                    "always": BOOL,
                 },
             },
         },

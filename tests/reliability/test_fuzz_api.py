@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
 from projections.projector import Projector
+from services.api import middleware
 from services.api.app import build_app
 from services.api.context import API
 from services.commands import App
@@ -44,9 +45,7 @@ from tests.reliability.support import ThreadLoop
 
 ADMIN = f"fuzz-admin-{secrets.token_hex(8)}"
 PROBLEM = "application/problem+json"
-PUBLIC = {
-    ("GET", "/healthz"),
-    ("GET", "/api/v1/openapi.json"),
+PUBLIC = {("GET", path) for path in middleware.PUBLIC} | {
     # signed by Slack, not a bearer token: fuzzed with hostile text in tests/test_slack.py
     ("POST", "/api/v1/chat/slack/commands"),
     ("POST", "/api/v1/chat/slack/interactions"),
