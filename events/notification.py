@@ -301,6 +301,10 @@ def next_retry(
     delay = schedule[min(attempt, len(schedule)) - 1]
     if retry_after is not None and retry_after > delay:
         delay = retry_after
+    # A receiver's Retry-After is any digits: past the bound it is a give-up, judged
+    # before a timedelta or datetime of it overflows (which left the attempt unrecorded).
+    if not delay <= (give_up_after - (now - first_at)).total_seconds():
+        return None
     at = now + timedelta(seconds=delay)
     return at if at - first_at <= give_up_after else None
 
