@@ -6,14 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from events.run import RunApproved, RunDiscarded
+from services.chat import text as tx
 from tests.helpers import eventually
 from tests.notify_support import Receiver
+from tests.slack_support import Slack, slack_fixture, slack_id  # noqa: F401  # the fixture
 from tests.test_notifications_delivery import (  # noqa: F401  # the fixtures
     TOKEN,
     Rig,
     policy,
     rig,
 )
+
+A, TEAM_A, SECRET_A = "acme", "T0ACME", "8f742231b10e8888abcd99yyyzzz85a5"
+
 
 # ---------------------------------------------------------------- a hostile receiver
 
@@ -43,3 +49,42 @@ async def _got(r: Receiver, n: int) -> bool:
 async def _final(r: Rig, cfg: Any, did: str) -> list[Any]:
     rows = await r.attempts(cfg, did)
     return rows if rows and rows[-1].outcome in ("delivered", "failed", "gave_up") else []
+
+
+# ---------------------------------------------------------------- Slack: roles
+
+
+async def _awaiting_run(slack: Slack) -> str:
+    a = await slack.http.post(f"/api/v1/orgs/{A}/workspaces/net/runs", json={"type": "apply"})
+    assert a.status == 201, a.body
+    run_id = str(a.body["id"])
+    await slack.awaiting(A, run_id)
+    return run_id
+
+
+async def test_a_viewer_named_in_approvers_may_not_approve_from_slack_as_from_the_api(
+    slack: Slack,
+) -> None:
+    """approvers ["vera"], vera a viewer: the API's approve route needs operator (the
+    approvers rule narrows who among operators approves, it grants no role), so vera's
+    token gets 403; from Slack the worker skipped that check and vera approved."""
+    tokens = await slack.org(A, TEAM_A, SECRET_A)
+    s = await slack.http.call(
+        "PATCH", f"/api/v1/orgs/{A}/workspaces/net/settings", json={"approvers": ["vera"]}
+    )
+    assert s.status == 200, s.body
+    run_id = await _awaiting_run(slack)
+    api = await slack.http.post(f"/api/v1/orgs/{A}/runs/{run_id}/approve", token=tokens["vera"])
+    assert api.status == 403, api.body
+    value = f"{A}/net/{run_id}"
+    vera = slack_id(A, "vera")
+    await slack.click(tx.APPROVE, value, team=TEAM_A, user=vera, secret=SECRET_A, hook="va")
+    await slack.command(f"approve {run_id}", team=TEAM_A, user=vera, secret=SECRET_A, hook="vc")
+    await slack.click(tx.DISCARD, value, team=TEAM_A, user=vera, secret=SECRET_A, hook="vd")
+    await slack.work(A)
+    envs = await slack.app.store.read(f"rp.run.{A}.net.{run_id}")
+    acted = [e.event for e in envs if isinstance(e.event, (RunApproved, RunDiscarded))]
+    assert acted == [], acted
+    for hook in ("va", "vc", "vd"):
+        reply = " ".join(str(m.get("text", "")) for m in slack.receiver.to(hook))
+        assert "viewer" in reply and "may not" in reply, (hook, reply)

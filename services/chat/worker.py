@@ -160,6 +160,7 @@ class Worker:
         run: RunState,
         acknowledged: list[str],
     ) -> tuple[tx.Message, str]:
+        require(who, OPERATOR, "approve runs")  # as the API's route: approvers grant no role
         command = ApproveRun(
             actor=who.caller.user,
             acknowledged=acknowledged,
@@ -178,6 +179,7 @@ class Worker:
     async def _discard(
         self, org: str, event: chat_agg.SlackRequestReceived, who: Who, run: RunState, reason: str
     ) -> tuple[tx.Message, str]:
+        require(who, OPERATOR, "discard runs")
         command = DiscardRun(
             actor=who.caller.user,
             reason=reason or "discarded from Slack",
