@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from events.run import RunApproved, RunDiscarded
 from services.chat import text as tx
 from tests.helpers import eventually
-from tests.notify_support import Receiver
+from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
 from tests.slack_support import Slack, slack_fixture, slack_id  # noqa: F401  # the fixture
+from tests.test_api_support import Http
 from tests.test_notifications_delivery import (  # noqa: F401  # the fixtures
     TOKEN,
     Rig,
@@ -88,3 +91,33 @@ async def test_a_viewer_named_in_approvers_may_not_approve_from_slack_as_from_th
     for hook in ("va", "vc", "vd"):
         reply = " ".join(str(m.get("text", "")) for m in slack.receiver.to(hook))
         assert "viewer" in reply and "may not" in reply, (hook, reply)
+
+
+# ---------------------------------------------------------------- the guard's answers
+
+
+async def test_a_name_refused_by_the_guard_does_not_answer_its_internal_address(
+    nhttp: Http, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guard's refusal is answered to the tenant (the 422 of a save, a verify's and
+    every delivery's `error`): it named the address a host resolved to, so an
+    organization's admin read the deployment's internal DNS (`db.corp` is 10.1.2.3)
+    one POST at a time. Now it names only the kind of address."""
+    await nhttp.org("acme")
+    path = "/api/v1/orgs/acme/notifications"
+    saved = await nhttp.post(path, json={"name": "x", "url": "http://localhost:9/hook"})
+    assert saved.status == 201, saved.body  # loopback allowed (the fixture): saved
+    monkeypatch.delenv("RUNPLANE_NOTIFY_ALLOW")
+    refused = await nhttp.post(path, json={"name": "y", "url": "http://localhost:9/hook"})
+    refused.problem("destination-refused", 422)
+    verify = await nhttp.post(f"{path}/{saved.body['id']}/verify")
+    assert verify.status == 200, verify.body
+    rows = await eventually(lambda: _attempts(nhttp, str(saved.body["id"])))
+    for text in (str(refused.body), str(verify.body), str(rows)):
+        assert "localhost" in text and "loopback" in text, text
+        assert "127.0.0.1" not in text and "::1" not in text, text
+
+
+async def _attempts(http: Http, config_id: str) -> list[Any]:
+    a = await http.get(f"/api/v1/orgs/acme/notifications/{config_id}/deliveries")
+    return a.body["items"] if a.status == 200 else []  # type: ignore[no-any-return]

@@ -59,10 +59,19 @@ def kind_of(ip: IP) -> str:
 _CGNAT = ipaddress.IPv4Network("100.64.0.0/10")
 
 
-def judge(ip: IP, allow: frozenset[str]) -> None:
+def judge(ip: IP, allow: frozenset[str], host: str = "") -> None:
+    """Refused unless `ip` is allowed. For a name (`host`), the message names the kind of
+    address only, never the address: it is answered to the tenant (a 422, a delivery's
+    error), who would otherwise read the deployment's internal DNS through it."""
     kind = kind_of(ip)
-    if kind != "public" and kind not in allow:
-        raise Refused(f"destination address {ip} is {kind}: not allowed on this deployment")
+    if kind == "public" or kind in allow:
+        return
+    if host and host.strip("[]") != str(ip):
+        raise Refused(
+            f"the destination's host {host} resolves to a {kind} address: "
+            "not allowed on this deployment"
+        )
+    raise Refused(f"destination address {ip} is {kind}: not allowed on this deployment")
 
 
 def parse(url: str) -> tuple[str, int]:
@@ -85,7 +94,7 @@ async def check_url(url: str, allow: frozenset[str], *, timeout: float = 5.0) ->
     host, port = parse(url)
     addresses = await resolve(host, port, timeout=timeout)
     for ip in addresses:
-        judge(ip, allow)
+        judge(ip, allow, host)
     return addresses
 
 
@@ -125,7 +134,7 @@ class GuardedResolver(AbstractResolver):
     ) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
         for r in results:
-            judge(ipaddress.ip_address(r["host"].split("%")[0]), self.allow)
+            judge(ipaddress.ip_address(r["host"].split("%")[0]), self.allow, host)
         return results
 
     async def close(self) -> None:
