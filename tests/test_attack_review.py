@@ -4,15 +4,19 @@ receiver, a Slack user with too small a role, a forged or crafted request."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from typing import Any
 
 import pytest
 
 from events.run import RunApproved, RunDiscarded
+from services.chat import signing
 from services.chat import text as tx
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
-from tests.slack_support import Slack, slack_fixture, slack_id  # noqa: F401  # the fixture
+from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture
 from tests.test_api_support import Http
 from tests.test_notifications_delivery import (  # noqa: F401  # the fixtures
     TOKEN,
@@ -121,3 +125,38 @@ async def test_a_name_refused_by_the_guard_does_not_answer_its_internal_address(
 async def _attempts(http: Http, config_id: str) -> list[Any]:
     a = await http.get(f"/api/v1/orgs/acme/notifications/{config_id}/deliveries")
     return a.body["items"] if a.status == 200 else []  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- Slack: the raw body
+
+
+async def test_a_slack_request_whose_body_comes_in_two_segments_is_read_whole(
+    slack: Slack,
+) -> None:
+    """`content.read(n)` answers what has arrived, not n bytes: a body in two TCP
+    segments (a large interaction payload) was checked on its first part, and Slack's
+    own signed request was refused 401. Now the body is read to its end (bounded)."""
+    await slack.org(A, TEAM_A, SECRET_A)
+    body = command_body("help", team=TEAM_A, user=slack_id(A, "bob"), url="https://x/")
+    stamp = str(int(time.time()))
+    head = (
+        "POST /api/v1/chat/slack/commands HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        "Content-Type: application/x-www-form-urlencoded\r\n"
+        f"Content-Length: {len(body)}\r\nX-Slack-Request-Timestamp: {stamp}\r\n"
+        f"X-Slack-Signature: {signing.signature(SECRET_A, stamp, body)}\r\n\r\n"
+    ).encode()
+    server = slack.http.client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        writer.write(head + body[:100])
+        await writer.drain()
+        with contextlib.suppress(TimeoutError):  # the first part alone answers nothing
+            early = await asyncio.wait_for(reader.readline(), 0.5)
+            pytest.fail(f"answered on half the body: {early!r}")
+        writer.write(body[100:])
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    assert b"Commands:" in answer

@@ -77,7 +77,14 @@ async def verified(request: web.Request, config: ChatConfig, kind: chat_agg.Kind
 async def _raw(request: web.Request) -> bytes:
     if (request.content_length or 0) > MAX_BODY:
         raise Problem("body-too-large", f"a Slack request is at most {MAX_BODY} bytes")
-    body = await request.content.read(MAX_BODY + 1)
+    # `read(n)` answers what has arrived (a body in two segments: its first part), so
+    # read on to the end, never past MAX_BODY + 1: the signature covers the whole body.
+    body = b""
+    while len(body) <= MAX_BODY:
+        chunk = await request.content.read(MAX_BODY + 1 - len(body))
+        if not chunk:
+            break
+        body += chunk
     if len(body) > MAX_BODY:
         raise Problem("body-too-large", f"a Slack request is at most {MAX_BODY} bytes")
     return body
