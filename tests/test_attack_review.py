@@ -14,6 +14,7 @@ import pytest
 from events.run import RunApproved, RunDiscarded
 from services.chat import signing
 from services.chat import text as tx
+from services.chat.poster import Poster
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
 from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture
@@ -160,3 +161,22 @@ async def test_a_slack_request_whose_body_comes_in_two_segments_is_read_whole(
         writer.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
     assert b"Commands:" in answer
+
+
+# ---------------------------------------------------------------- Slack: response_url
+
+
+async def test_a_response_url_with_credentials_does_not_pass_for_an_allowed_prefix() -> None:
+    """A signed request's response_url is chosen by whoever holds the signing secret (the
+    organization's admin). With a deployment's prefix written without its final slash
+    (`RP_SLACK_RESPONSE_URLS=http://127.0.0.1:8080`), `http://127.0.0.1:8080@<any
+    host>/` passed the prefix test and was posted to (SSRF from inside the network)."""
+    async with Receiver() as allowed_one, Receiver() as elsewhere:
+        prefix = allowed_one.url.removesuffix("/hook")
+        poster = Poster((prefix,))
+        sneaky = prefix + "@" + elsewhere.url.removeprefix("http://")
+        async with poster:
+            assert await poster.post(sneaky, {"text": "hi"}) == 0
+            assert await poster.post(prefix + "1/x", {"text": "hi"}) == 0  # another port
+            assert await poster.post(allowed_one.url, {"text": "hi"}) == 200
+        assert elsewhere.got == [] and len(allowed_one.got) == 1

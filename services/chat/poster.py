@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import structlog
+from yarl import URL
 
 log = structlog.get_logger(__name__)
 
@@ -26,6 +27,10 @@ TIMEOUT_S = 5.0
 def allowed_prefixes() -> tuple[str, ...]:
     extra = [p.strip() for p in os.environ.get(ENV, "").split(",") if p.strip()]
     return (SLACK_HOOKS, *extra)
+
+
+def _origin(url: URL) -> tuple[str, str | None, int | None]:
+    return url.scheme, url.host, url.port
 
 
 class Poster:
@@ -47,7 +52,16 @@ class Poster:
             self._session = None
 
     def allowed(self, url: str) -> bool:
-        return any(url.startswith(p) for p in self.prefixes)
+        """`url` starts with an allowed prefix and goes where that prefix does: the same
+        scheme, host and port, no credentials (a prefix `http://127.0.0.1:8080` is a
+        prefix of `http://127.0.0.1:8080@10.0.0.1/` too, which goes to 10.0.0.1)."""
+        try:
+            target = URL(url)
+        except ValueError:
+            return False
+        if target.raw_user is not None or target.raw_password is not None:
+            return False
+        return any(url.startswith(p) and _origin(URL(p)) == _origin(target) for p in self.prefixes)
 
     async def post(self, url: str, message: dict[str, Any]) -> int:
         """POST `message`; the HTTP status, or 0 if it was not sent (refused, failed)."""
