@@ -11,10 +11,19 @@ from typing import Any
 
 import pytest
 
+from events import notification as nt
+from events import run as R
+from events.codec import run_subject
 from events.run import RunApproved, RunDiscarded
 from services.chat import signing
 from services.chat import text as tx
 from services.chat.poster import Poster
+from services.commands import App
+from services.infra.eventstore import EventStore
+from services.notifications import outbox
+from services.notifications.delivery import Dispatcher, Policy
+from services.notifications.subscriber import Notifier
+from services.notifications.tokens import TokenError
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
 from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture
@@ -180,3 +189,47 @@ async def test_a_response_url_with_credentials_does_not_pass_for_an_allowed_pref
             assert await poster.post(prefix + "1/x", {"text": "hi"}) == 0  # another port
             assert await poster.post(allowed_one.url, {"text": "hi"}) == 200
         assert elsewhere.got == [] and len(allowed_one.got) == 1
+
+
+async def test_a_delivery_whose_attempt_keeps_raising_stops_once_its_configuration_is_gone(
+    app: App, store: EventStore
+) -> None:
+    """An attempt that raises (here: its token does not open, e.g. sealed with a key
+    since retired) is put back on its lane as it was, a first attempt: and a first
+    attempt never asks whether its configuration still exists, so deleting the
+    configuration did not stop the lane trying it every schedule[0] seconds for the
+    life of the process. Now it is asked, as before a retry."""
+    await app.create_org("acme", "alice")
+    await app.create_workspace("acme", "net", R.Workspace(repository="https://e.com/r"), "alice")
+
+    async def broken_token(org: str, config_id: str) -> str:
+        raise TokenError(f"the token of {config_id} does not open")
+
+    fast = Policy(allow=frozenset({"loopback"}), schedule=(0.05,), timeout=2.0)
+    record, current = outbox.recorder(store), outbox.current(store)
+    async with Receiver() as r, Dispatcher(fast, broken_token, record, current) as d:
+        notifier = Notifier(store, d)
+        cmd = nt.SaveConfig(
+            actor="alice",
+            config_id=app.ids(),
+            org="acme",
+            create=True,
+            name="ops",
+            url=r.url,
+            destination="generic",
+            triggers=["run:created"],
+        )
+        await outbox.command(store, "acme", cmd, clock=app.clock, new_id=app.ids)
+        run = (await app.create_run("acme", "net", "apply", "alice")).state
+        subject = run_subject("acme", "net", run.run_id)
+        envs = await store.read(subject)
+        await notifier.on_event(envs[0].seq, subject, envs[0].event, R.fold([envs[0].event]))
+        assert d.busy() == 1
+        delete = nt.DeleteConfig(actor="alice", config_id=cmd.config_id)
+        await outbox.command(store, "acme", delete, clock=app.clock, new_id=app.ids)
+        await eventually(lambda: _idle(d), what="the delivery dropped with its configuration")
+        assert r.got == []
+
+
+async def _idle(d: Dispatcher) -> bool:
+    return d.busy() == 0

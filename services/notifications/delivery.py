@@ -55,6 +55,7 @@ class Job:
     first_at: datetime | None = None  # of the first attempt
     due: float = 0.0  # time.monotonic() at which the next attempt may go
     last_seq: int = 0  # the delivery subject's last sequence, known to this job
+    broken: int = 0  # attempts that raised (not recorded): put back, like a retry
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,8 @@ class Lane:
                 await self.d.attempt(job, self)
             except Exception:  # one bad job must not end its destination's lane
                 log.exception("notify_attempt_failed", delivery=job.delivery_id)
-                self.put(replace(job, due=time.monotonic() + self.d.policy.schedule[0]))
+                again = time.monotonic() + (self.d.policy.schedule or (10.0,))[0]
+                self.put(replace(job, due=again, broken=job.broken + 1))
             finally:
                 self.queue.task_done()
 
@@ -315,7 +317,7 @@ class Dispatcher:
 
     async def attempt(self, job: Job, lane: Lane) -> None:
         await self.opened.wait()
-        if job.attempts and self.current is not None:
+        if (job.attempts or job.broken) and self.current is not None:
             url = await self.current(job)
             if url is None:  # deleted or disabled meanwhile: no more tries
                 self.in_hand.discard(job.delivery_id)
