@@ -233,3 +233,15 @@ async def test_a_delivery_whose_attempt_keeps_raising_stops_once_its_configurati
 
 async def _idle(d: Dispatcher) -> bool:
     return d.busy() == 0
+
+
+@pytest.mark.parametrize(
+    "url", ["http://a..b/hook", "http://" + "a" * 64 + ".com/", "http://127.0.0.1\uff0fevil.com/"]
+)
+async def test_a_url_whose_host_is_no_host_name_is_refused_not_a_500(nhttp: Http, url: str) -> None:
+    """The idna codec (an empty or a 64-character label) and urlsplit (a netloc NFKC
+    turns into a separator) raise ValueError, not OSError: the guard let it out, and
+    saving such a destination answered 500 internal-error (and logged a traceback)."""
+    await nhttp.org("acme")
+    a = await nhttp.post("/api/v1/orgs/acme/notifications", json={"name": "x", "url": url})
+    a.problem("destination-refused", 422)

@@ -76,7 +76,10 @@ def judge(ip: IP, allow: frozenset[str], host: str = "") -> None:
 
 def parse(url: str) -> tuple[str, int]:
     """The host and port of an http(s) URL; Refused if it has neither."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # a netloc that NFKC normalizes into a separator
+        raise Refused(f"the destination is not a URL: {e}") from e
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise Refused("the destination must be an http(s) URL with a host")
     if parts.username or parts.password:
@@ -110,6 +113,8 @@ async def resolve(host: str, port: int, *, timeout: float = 5.0) -> list[IP]:
         )
     except (OSError, TimeoutError) as e:
         raise Refused(f"the destination's host {host} does not resolve: {e}") from e
+    except UnicodeError as e:  # the idna codec: an empty or too long label, a bad character
+        raise Refused(f"the destination's host {host} is not a host name: {e}") from e
     return _unique(ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos)
 
 
