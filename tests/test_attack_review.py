@@ -245,3 +245,26 @@ async def test_a_url_whose_host_is_no_host_name_is_refused_not_a_500(nhttp: Http
     await nhttp.org("acme")
     a = await nhttp.post("/api/v1/orgs/acme/notifications", json={"name": "x", "url": url})
     a.problem("destination-refused", 422)
+
+
+# ---------------------------------------------------------------- a webhook's URL
+
+
+async def test_a_webhooks_url_is_its_credential_and_only_admins_read_it(nhttp: Http) -> None:
+    """A Slack or Teams incoming webhook's URL carries its secret in its path: whoever
+    reads it posts in the channel as runplane (a forged "approve here" message). The
+    token is write-only, but a viewer read the URL of every configuration."""
+    tokens = await nhttp.org("acme")
+    hook = "https://93.184.215.14/services/T0ACME/B0HOOK/s3cr3tXYZw3bh00kp4th"  # no DNS here
+    body = {"name": "chat", "destination": "slack", "url": hook, "triggers": ["run:errored"]}
+    made = await nhttp.post("/api/v1/orgs/acme/notifications", json=body)
+    assert made.status == 201 and made.body["url"] == hook, made.body
+    one = f"/api/v1/orgs/acme/notifications/{made.body['id']}"
+    assert (await nhttp.get(one)).body["url"] == hook  # the admin token
+    assert (await nhttp.get(one, token=tokens["admin"])).body["url"] == hook
+    for role in ("viewer", "operator", "approver"):
+        for path in (one, "/api/v1/orgs/acme/notifications"):
+            a = await nhttp.get(path, token=tokens[role])
+            assert a.status == 200, a.body
+            assert "s3cr3t" not in str(a.body) and "B0HOOK" not in str(a.body), (role, a.body)
+        assert (await nhttp.get(one, token=tokens[role])).body["url"] == "https://93.184.215.14/…"

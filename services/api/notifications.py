@@ -6,10 +6,11 @@ level; the two add up.
 (viewer), `GET|PATCH|DELETE .../notifications/{id}` reads, changes (only the fields
 given) and deletes one. The token is write-only: it is sealed into the secrets bucket
 (services/notifications/tokens.py) and never answered; `has_token` says whether one is
-set (`"token": ""` in a PATCH removes it). The URL is judged by the address guard when
-saved (services/notifications/guard.py: a 422 `destination-refused` for loopback,
-private, link-local, metadata ... addresses the deployment does not allow), and again
-at every send.
+set (`"token": ""` in a PATCH removes it). Below admin, `url` is answered as its origin
+only (`https://hooks.slack.com/…`): a Slack or Teams webhook's URL is its credential.
+The URL is judged by the address guard when saved (services/notifications/guard.py: a
+422 `destination-refused` for loopback, private, link-local, metadata ... addresses the
+deployment does not allow), and again at every send.
 
 `POST .../notifications/{id}/verify` (admin) sends a `verification` payload now and
 answers with what the receiver said; `GET .../notifications/{id}/deliveries` (viewer)
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 import msgspec
 from aiohttp import web
@@ -28,7 +30,7 @@ from msgspec import Meta
 
 from events import notification as nt
 from services.api import secrets as secrets_api
-from services.api.auth import ADMIN, VIEWER
+from services.api.auth import ADMIN, VIEWER, Principal
 from services.api.bodies import Body, read_body
 from services.api.common import SEQ_HEADER, Row, items, json_response, path_id, scope, written
 from services.api.context import Api
@@ -168,19 +170,29 @@ def _fields(cmd: nt.SaveConfig) -> dict[str, Any]:
     }
 
 
+def _shown(row: Row, who: Principal) -> Row:
+    """The row as `who` may see it: below admin, the URL's origin only. A Slack or Teams
+    incoming webhook's URL is its credential (whoever holds it posts in the channel, as
+    runplane), so like the token it is for those who may change it."""
+    if who.superuser or who.role == ADMIN:
+        return row
+    parts = urlsplit(str(row.get("url", "")))
+    return {**row, "url": f"{parts.scheme}://{parts.netloc}/…"}
+
+
 async def list_configs(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, who = scope(request, VIEWER)
     ws = _ws_of(request)
     await _workspace(api, org, ws)
-    return items(await api.read.notifications(org, ws))
+    return items([_shown(r, who) for r in await api.read.notifications(org, ws)])
 
 
 async def get_config(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, who = scope(request, VIEWER)
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     cfg = await _found(api, org, config_id, ws)
     row = await api.read.notification(org, config_id)
-    return json_response(row or _row(cfg))
+    return json_response(_shown(row or _row(cfg), who))
 
 
 async def patch_config(request: web.Request) -> web.Response:
