@@ -70,7 +70,7 @@ async def test_runs_by_status_queue_depth_and_consumer_lag(plane: Http, nc: NATS
     """The figures are the read model's and JetStream's own: 4 pending runs and 1
     canceled, 4 waiting in 2 queues (3 deep at most); the scheduler's durable and a
     subscriber's `rp-sub-*` with their pending and unacked counts as the server has them,
-    another durable left out; no notifications family without its table."""
+    another durable left out; no notification attempts yet: every outcome at 0."""
     js = nc.jetstream()
     await streams.ensure_scheduler_consumer(js)
     await js.add_consumer(
@@ -100,7 +100,8 @@ async def test_runs_by_status_queue_depth_and_consumer_lag(plane: Http, nc: NATS
     sub_labels = {"stream": streams.EVENTS, "consumer": "rp-sub-test"}
     assert _value(samples, "runplane_consumer_ack_pending", **sub_labels) == 2
     assert "someone-else" not in text
-    assert not any(name.startswith("runplane_notification") for name, _ in samples)
+    for outcome in ("delivered", "retry", "failed", "gave_up", "other"):
+        assert _value(samples, "runplane_notification_attempts_total", outcome=outcome) == 0
     for part in ("runs", "queue", "consumers", "notifications"):
         assert _value(samples, "runplane_metrics_ok", part=part) == 1
 
@@ -108,13 +109,15 @@ async def test_runs_by_status_queue_depth_and_consumer_lag(plane: Http, nc: NATS
 async def test_notification_attempts_are_counted_by_outcome_when_the_table_exists(
     plane: Http,
 ) -> None:
-    """With the notifications part's `notify_attempts` table in the read model, attempts
-    are counted by outcome; an outcome runplane does not know is `other`, never a label
-    of its own (a value in the table cannot add series)."""
+    """The read model's `notify_attempts` (services/notifications' attempts) are counted
+    by outcome; an outcome runplane does not know is `other`, never a label of its own
+    (a value in the table cannot add series)."""
     db = sqlite3.connect(plane.api.projector.db_path)
-    db.execute("CREATE TABLE notify_attempts (config_id TEXT, seq INTEGER, outcome TEXT)")
     rows = ["delivered"] * 3 + ["retry", "gave_up", 'x"} 1\nrunplane_runs{status="evil']
-    db.executemany("INSERT INTO notify_attempts VALUES ('c', ?, ?)", list(enumerate(rows)))
+    db.executemany(
+        "INSERT INTO notify_attempts (config_id, seq, outcome) VALUES ('c', ?, ?)",
+        list(enumerate(rows)),
+    )
     db.commit()
     db.close()
     samples = parsed((await scrape(plane))[2])

@@ -183,6 +183,75 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
     assert ids(started["traceparent"])[1] in phase_spans
 
 
+@pytest.mark.terraform
+async def test_one_trace_from_the_http_create_to_its_notification(
+    plane: Plane, repo: Path, spans: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same trace from a caller's create to the receiver of the run's notifications:
+    `run:created` (the api's event) and `run:completed` (the executor's `plan_finished`)
+    are each delivered by the notifications subscriber in a `notify <trigger>` span of
+    the caller's trace, whose `traceparent` the receiver gets in the delivery's headers;
+    the scheduled delivery's event carries it too."""
+    from services.notifications.delivery import Policy
+    from services.notifications.subscriber import serving
+    from tests.notify_support import Receiver
+
+    monkeypatch.setenv("RUNPLANE_NOTIFY_ALLOW", "loopback")
+    commit(repo, {"main.tf": ONE})
+    body = {"name": "net", "repository": str(repo)}
+    assert (await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)).status == 201
+    await plane.executor("e1")
+    async with Receiver() as r:
+        made = await plane.http.post(
+            "/api/v1/orgs/acme/notifications",
+            json={
+                "name": "ops",
+                "destination": "generic",
+                "url": r.url,
+                "triggers": ["run:created", "run:completed"],
+            },
+        )
+        assert made.status == 201, made.body
+        policy = Policy(allow=frozenset({"loopback"}), schedule=(0.1,))
+        async with serving(plane.nc, plane.app, plane.keyring, policy=policy):
+            header, trace_id, _ = traceparent()
+            a = await plane.http.post(
+                "/api/v1/orgs/acme/workspaces/net/runs",
+                json={"type": "plan"},
+                headers={"traceparent": header},
+            )
+            assert a.status == 201, a.body
+            run_id = str(a.body["id"])
+
+            async def both() -> list[str]:
+                triggers = [g.json["notifications"][0]["trigger"] for g in r.got]
+                assert {"run:created", "run:completed"} <= set(triggers), triggers
+                return triggers
+
+            await eventually(both, what="both notifications", timeout=60)
+    for got in r.got:
+        assert got.json["run_id"] == run_id
+        assert ids(got.headers["traceparent"])[0] == trace_id, "the receiver sees the trace"
+
+    async def notified() -> list[ReadableSpan]:
+        mine = [
+            s
+            for s in spans.get_finished_spans()
+            if hexed(s)[0] == trace_id and s.name.startswith("notify ")
+        ]
+        assert {s.name for s in mine} >= {"notify run:created", "notify run:completed"}
+        return mine
+
+    for s in await eventually(notified, what="the delivery spans"):
+        assert s.attributes is not None and s.attributes["runplane.outcome"] == "delivered"
+        receiver_parent = next(
+            ids(g.headers["traceparent"])[1]
+            for g in r.got
+            if f"notify {g.json['notifications'][0]['trigger']}" == s.name
+        )
+        assert receiver_parent == hexed(s)[1], "the request is the delivery span's"
+
+
 async def _has(seen: dict[str, str], key: str) -> bool:
     return key in seen
 

@@ -28,8 +28,10 @@ from types import TracebackType
 
 import aiohttp
 import structlog
+from opentelemetry.trace import SpanKind
 
 from events import notification as nt
+from services.infra import tracing
 from services.infra.tasks import cancel_and_wait
 from services.notifications import NotifyError, Refused, guard, signing
 
@@ -56,6 +58,9 @@ class Job:
     due: float = 0.0  # time.monotonic() at which the next attempt may go
     last_seq: int = 0  # the delivery subject's last sequence, known to this job
     broken: int = 0  # attempts that raised (not recorded): put back, like a retry
+    # The trace of the event that scheduled it (its `traceparent`; "" if recovered from
+    # the log after a crash: its attempts then start a trace of their own).
+    traceparent: str = ""
 
 
 @dataclass(frozen=True)
@@ -325,16 +330,29 @@ class Dispatcher:
                 return
             job = replace(job, url=url)
         token = await self.tokens(job.org, job.config_id)
-        async with self.slots:
-            headers = {
-                "Content-Type": job.content_type,
-                **signing.headers(token, job.body, job.delivery_id, time.time()),
-            }
-            answer = await self.sender.send(job.url, job.body, headers)
-        self.sent += 1
-        now = self.policy.clock()
-        event = outcome(job, answer, self.policy, now)
-        seq = await self.record(job, event)
+        parent = {tracing.TRACEPARENT: job.traceparent} if job.traceparent else None
+        with tracing.span_from_headers(
+            f"notify {job.trigger}",
+            parent,
+            kind=SpanKind.CLIENT,
+            delivery=job.delivery_id,
+            config=job.config_id,
+            run_id=job.run_id,
+            attempt=job.attempts + 1,
+        ):
+            async with self.slots:
+                headers = tracing.inject(
+                    {
+                        "Content-Type": job.content_type,
+                        **signing.headers(token, job.body, job.delivery_id, time.time()),
+                    }
+                )
+                answer = await self.sender.send(job.url, job.body, headers)
+            self.sent += 1
+            now = self.policy.clock()
+            event = outcome(job, answer, self.policy, now)
+            tracing.annotate(status=answer.status, outcome=event.outcome)
+            seq = await self.record(job, event)
         log.info(
             "notify_attempt",
             delivery=job.delivery_id,

@@ -23,6 +23,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from events import notification as nt
 from events.codec import decode, encode, tag_of
 from events.errors import Conflict
+from services.infra import tracing
 from services.infra.eventstore import WRONG_LAST_SEQUENCE, Append, EventStore
 from services.infra.streams import EVENTS
 from services.notifications import formats
@@ -113,6 +114,7 @@ async def schedule(
         body=event.body.encode(),
         content_type=event.content_type,
         last_seq=seq,
+        traceparent=tracing.inject(dict[str, str]()).get(tracing.TRACEPARENT, ""),
     )
 
 
@@ -120,11 +122,13 @@ async def _first(store: EventStore, subject: str, event: nt.DeliveryScheduled, d
     """Append the delivery's first event, expecting its subject empty: its sequence, or
     0 if it was there already (a duplicate msg id, or a subject not empty). One round
     trip for a new delivery, the usual case, and no read back of what it just wrote."""
-    headers = {
-        "Nats-Msg-Id": did,
-        "Nats-Expected-Last-Subject-Sequence": "0",
-        "Rp-Type": tag_of(event),
-    }
+    headers = tracing.inject(
+        {
+            "Nats-Msg-Id": did,
+            "Nats-Expected-Last-Subject-Sequence": "0",
+            "Rp-Type": tag_of(event),
+        }
+    )
     try:
         ack = await store.nc.jetstream().publish(
             subject, encode(event), timeout=store.timeout, stream=EVENTS, headers=headers
