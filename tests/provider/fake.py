@@ -128,8 +128,10 @@ class Thing(Resource):  # type: ignore[misc]  # tf's base classes are untyped
         if self.provider.store is None:
             return
         if not self.provider.store.is_dir():
-            self.provider.store.mkdir(parents=True)
-            self.provider.store.chmod(0o777)  # the next phase is another job uid
+            # Terraform applies resources in parallel: two may make it at once.
+            self.provider.store.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(PermissionError):  # the other one's
+                self.provider.store.chmod(0o777)  # the next phase is another job uid
         kept = {k: v for k, v in state.items() if k not in _NOT_STORED}
         path = self.provider.store / f"{state['id']}.json"
         path.write_text(json.dumps(kept))
