@@ -37,6 +37,7 @@ from services.infra.metrics import Metrics
 from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 from services.secrets import SecretStore
+from services.ui import app as ui
 
 if TYPE_CHECKING:
     from projections.projector import Projector
@@ -139,4 +140,5 @@ def build_app(
     web_app[metrics.METRICS_TOKEN] = metrics.token_digest(metrics_token)
     web_app.on_cleanup.append(lambda _: deployment_metrics.close())
     web_app.add_routes(ROUTES)
+    ui.mount(web_app)  # the web UI: its own routes, authenticated by its session cookie
     return web_app
