@@ -1,0 +1,125 @@
+"""The run page over real Terraform, without a browser: confirm_destructive's checkboxes
+and the server's 409, approve and discard through the same core rule as the API (the
+approvers rule and four-eyes shown as the reason a button is absent), and what a tenant
+controls (commit messages, attribute values, log lines) shown as text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixture
+from tests.ui.support import Browser
+
+pytestmark = pytest.mark.terraform
+
+V1 = "/api/v1/orgs/acme"
+XSS = "<script>alert(1)</script>"
+KEPT = 'resource "null_resource" "a" {\n  triggers = { v = "%s" }\n}\n'
+TWO = KEPT % "1" + 'resource "null_resource" "b" {}\n'
+
+
+async def _setup(plane: Plane, repo: Path, settings: dict[str, Any]) -> dict[str, str]:
+    commit(repo, {"main.tf": TWO}, message=f"first {XSS}\n\nsecond line")
+    a = await plane.http.post(f"{V1}/workspaces", json={"name": "net", "repository": str(repo)})
+    assert a.status == 201, a.body
+    a = await plane.http.call("PATCH", f"{V1}/workspaces/net/settings", json=settings)
+    assert a.status == 200, a.body
+    tokens = {}
+    for user, role in (("alice", "approver"), ("bob", "operator"), ("vic", "viewer")):
+        a = await plane.http.post(f"{V1}/tokens", json={"user": user, "role": role})
+        assert a.status == 201, a.body
+        tokens[user] = a.body["token"]
+    await plane.executor("e1")
+    return tokens
+
+
+async def _awaiting(plane: Plane, token: str, message: str = "") -> str:
+    a = await plane.http.post(
+        f"{V1}/workspaces/net/runs", json={"type": "apply", "message": message}, token=token
+    )
+    assert a.status == 201, a.body
+    await plane.reaches("net", a.body["id"], "awaiting_approval")
+    return str(a.body["id"])
+
+
+def _browser(plane: Plane) -> Browser:
+    return Browser(plane.http.client.server)
+
+
+async def test_approve_needs_every_destructive_box_and_the_page_shows_the_409(
+    plane: Plane, repo: Path
+) -> None:
+    """A box per address to delete or replace; an approval without them all is refused by
+    the core (409, the missing addresses on the page); with them all the run applies and
+    records them. Four-eyes stops the creator, and the page says so."""
+    tokens = await _setup(plane, repo, {"confirm_destructive": True, "four_eyes": True})
+    first = await _awaiting(plane, tokens["bob"])
+    await plane.approve(first)
+    await plane.reaches("net", first, "applied")
+    commit(repo, {"main.tf": KEPT % f"2{XSS}"}, message="replace a, delete b")
+    run_id = await _awaiting(plane, tokens["bob"])
+    both = ["null_resource.a", "null_resource.b"]
+
+    bob = _browser(plane)
+    await bob.signin(tokens["bob"])
+    mine = await bob.get(f"/orgs/acme/runs/{run_id}")
+    assert 'id="approve"' not in mine.text
+    assert "four_eyes is on: bob created this run and may not approve it" in mine.text
+    alice = _browser(plane)
+    try:
+        await alice.signin(tokens["alice"])
+        page = await alice.get(f"/orgs/acme/runs/{run_id}")
+        assert page.status == 200 and 'id="approve"' in page.text
+        assert all(f'name="ack" value="{a}"' in page.text for a in both)
+        assert "Will be replaced (1)" in page.text and "Will be deleted (1)" in page.text
+        assert "(forces replacement)" in page.text
+        assert XSS not in page.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+        assert "awaiting approval" in page.text and 'class="awaiting"' in page.text
+
+        refused = await alice.post(f"/orgs/acme/runs/{run_id}/approve", [("ack", both[0])])
+        assert refused.status == 409 and "missing: null_resource.b" in refused.text
+        assert (await plane.run("net", run_id)).status == "awaiting_approval"
+        done = await alice.post(f"/orgs/acme/runs/{run_id}/approve", [("ack", a) for a in both])
+        assert done.status == 200, done.text[:500]
+        state = await plane.reaches("net", run_id, "applied")
+        assert (state.approved_by, sorted(state.acknowledged)) == ("alice", both)
+        log = await alice.get(f"/orgs/acme/runs/{run_id}/log")
+        assert "null_resource.a" in log.text and XSS not in log.text
+    finally:
+        await bob.close()
+        await alice.close()
+
+
+async def test_discard_with_a_reason_and_the_approvers_rule_shown(plane: Plane, repo: Path) -> None:
+    """approvers ["alice"]: bob (operator) gets no Approve or Discard and reads why; a
+    viewer gets nothing; alice discards with a reason; the commit's first line shows."""
+    tokens = await _setup(plane, repo, {"approvers": ["alice"]})
+    run_id = await _awaiting(plane, tokens["bob"], message=XSS)
+    bob, vic, alice = _browser(plane), _browser(plane), _browser(plane)
+    try:
+        await bob.signin(tokens["bob"])
+        page = await bob.get(f"/orgs/acme/runs/{run_id}")
+        assert 'id="approve"' not in page.text and 'id="discard"' not in page.text
+        assert "bob is not among the workspace&#39;s approvers (alice)" in page.text
+        forced = await bob.post(f"/orgs/acme/runs/{run_id}/discard", {"reason": "me"})
+        assert forced.status == 403 and "not among the workspace" in forced.text
+        await vic.signin(tokens["vic"])
+        viewed = await vic.get(f"/orgs/acme/runs/{run_id}")
+        assert (
+            "role viewer may only read" in viewed.text
+            and '<form method="post" action="/orgs/acme/runs' not in viewed.text
+        )
+        await alice.signin(tokens["alice"])
+        page = await alice.get(f"/orgs/acme/runs/{run_id}")
+        assert "first &lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+        assert "second line" not in page.text
+        done = await alice.post(f"/orgs/acme/runs/{run_id}/discard", {"reason": "not today"})
+        assert done.status == 200
+        state = await plane.reaches("net", run_id, "discarded")
+        assert state.reason == "not today"
+    finally:
+        for b in (bob, vic, alice):
+            await b.close()
