@@ -9,6 +9,7 @@ let through (`SELF_AUTHENTICATED`); everything else of the API is unchanged.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import aiohttp_jinja2
@@ -56,6 +57,8 @@ def mount(web_app: web.Application, *, sessions: Sessions | None = None) -> None
     )
     env.globals.update(GLOBALS)
     web_app[SESSIONS] = sessions or Sessions()
+    web_app[live.CLOSING] = asyncio.Event()
+    web_app.on_shutdown.append(live.close_streams)
     web_app.add_routes(ROUTES)
     web_app.router.add_static(STATIC, HERE / "static")
     # Exactly the UI's own paths: whatever else is mounted keeps the bearer check.

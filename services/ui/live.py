@@ -54,11 +54,36 @@ async def _open(visit: Visit) -> web.StreamResponse:
     return resp
 
 
+class Closing(Exception):
+    """The api process is stopping: every live stream ends (the browser reconnects to
+    another replica, or to this one once it is back)."""
+
+    retryable = True
+
+
 async def _moved(visit: Visit, seen: int, timeout: float) -> int:
-    """The projection's sequence once past `seen`, or as it is after `timeout`."""
-    projector = visit.api.projector
-    await projector.wait_for(seen + 1, timeout=timeout)
+    """The projection's sequence once past `seen`, or as it is after `timeout`; Closing
+    once the process stops (a stream never holds up its shutdown)."""
+    projector, closing = visit.api.projector, visit.request.app[CLOSING]
+    moved = asyncio.ensure_future(projector.wait_for(seen + 1, timeout=timeout))
+    stop = asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait((moved, stop), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (moved, stop):
+            task.cancel()
+        await asyncio.gather(moved, stop, return_exceptions=True)
+    if closing.is_set():
+        raise Closing
     return int(projector.seq)
+
+
+CLOSING: web.AppKey[asyncio.Event] = web.AppKey("runplane.ui.closing", asyncio.Event)
+
+
+async def close_streams(app: web.Application) -> None:
+    """on_shutdown: end the live streams."""
+    app[CLOSING].set()
 
 
 @page(VIEWER)
@@ -67,7 +92,7 @@ async def bar_feed(visit: Visit) -> web.StreamResponse:
     resp = await _open(visit)
     last = ""
     seen = -1
-    with contextlib.suppress(ConnectionError):
+    with contextlib.suppress(ConnectionError, Closing):
         while True:
             seq = await _moved(visit, seen, KEEPALIVE_S)
             if seq == seen:
@@ -91,8 +116,14 @@ async def run_feed(visit: Visit) -> web.StreamResponse:
     skip = _last_event_id(visit.request)
     resp = await _open(visit)
     feed = _RunFeed(visit, run, resp, skip)
-    with contextlib.suppress(ConnectionError):
-        await feed.run()
+    with contextlib.suppress(ConnectionError, Closing):
+        try:
+            await feed.run()
+        except (ConnectionError, Closing):
+            raise
+        except Exception as e:  # noqa: BLE001 - the answer is under way: an event, not a page
+            log.warning("ui_run_feed_failed", error=repr(e))
+            await resp.write(sse("error", "the live view stopped; reload the page"))
     return resp
 
 
@@ -119,13 +150,18 @@ class _RunFeed:
         target = Target(org=self.visit.org, ws=self.row["workspace"], run_id=self.row["id"])
         nc = self.visit.api.app.store.nc
         follower = Follower(nc, target, self._lines, keepalive=KEEPALIVE_S)
+        follow = asyncio.create_task(follower.run())
         watch = asyncio.create_task(self._watch())
         try:
-            await follower.run()
+            done, _ = await asyncio.wait((follow, watch), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-                await watch
+            for task in (follow, watch):
+                task.cancel()
+            await asyncio.gather(follow, watch, return_exceptions=True)
+        if follow not in done:  # the watch ended: the browser went, or the process stops
+            raise watch.exception() or Closing()
+        if (error := follow.exception()) is not None:
+            raise error
         api = self.visit.api
         await api.reached(await api.app.store.last_seq(), api.read_wait)  # the run's end
         await self._state()
