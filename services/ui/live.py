@@ -22,7 +22,9 @@ import aiohttp_jinja2
 import structlog
 from aiohttp import web
 
+from events.templates import valid_phase
 from services.api.auth import VIEWER
+from services.api.bodies import check_name
 from services.api.follow import Follower
 from services.api.problems import Problem
 from services.api.runlog import Lines, Out, Target
@@ -201,10 +203,24 @@ class _RunFeed:
         if run is None:
             return
         context = await pages.run_context(self.visit, run)
-        html = fragment(self.visit.request, "_run_live.html", {"visit": self.visit, **context})
+        html = fragment(
+            self.visit.request,
+            "_run_live.html",
+            {"visit": self.visit, "org": self.visit.org, **context},
+        )
         if html != self.last_state:
             self.last_state = html
             await self._write(sse("state", html))
+
+
+def _step_query(request: web.Request) -> tuple[str | None, str | None]:
+    """`phase` and `step` of a step's own log (both or neither)."""
+    phase, step = request.query.get("phase"), request.query.get("step")
+    if phase is None and step is None:
+        return None, None
+    if phase is None or step is None or not valid_phase(phase):
+        raise Problem("invalid-query", "a step's log needs phase (plan, apply, custom-N) and step")
+    return phase, check_name("step", step)
 
 
 @page(VIEWER)
@@ -214,12 +230,13 @@ async def log_page(visit: Visit) -> web.StreamResponse:
     run = await visit.api.read.get_run(visit.org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
-    target = Target(org=visit.org, ws=run["workspace"], run_id=run_id)
+    phase, step = _step_query(visit.request)
+    target = Target(org=visit.org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
     lines = Lines(visit.api.app.store.nc, visit.api.read, target, ended=True)
     shown: list[Any] = []
     async for batch in lines.batches():
         shown.extend(batch)
         if len(shown) >= 20_000:
             break
-    context = await pages.base(visit, run=run, lines=shown)
+    context = await pages.base(visit, run=run, lines=shown, phase=phase, step=step)
     return render(visit.request, "log.html", context)

@@ -59,7 +59,11 @@ async def test_approve_needs_every_destructive_box_and_the_page_shows_the_409(
     first = await _awaiting(plane, tokens["bob"])
     await plane.approve(first)
     await plane.reaches("net", first, "applied")
-    commit(repo, {"main.tf": KEPT % f"2{XSS}"}, message="replace a, delete b")
+    shout = (  # its output is in the apply's log
+        'resource "null_resource" "c" {\n'
+        f'  provisioner "local-exec" {{\n    command = "echo \'{XSS}\'"\n  }}\n}}\n'
+    )
+    commit(repo, {"main.tf": KEPT % f"2{XSS}" + shout}, message="replace a, delete b")
     run_id = await _awaiting(plane, tokens["bob"])
     both = ["null_resource.a", "null_resource.b"]
 
@@ -88,6 +92,14 @@ async def test_approve_needs_every_destructive_box_and_the_page_shows_the_409(
         assert (state.approved_by, sorted(state.acknowledged)) == ("alice", both)
         log = await alice.get(f"/orgs/acme/runs/{run_id}/log")
         assert "null_resource.a" in log.text and XSS not in log.text
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in log.text  # the output, as text
+        page = await alice.get(f"/orgs/acme/runs/{run_id}")
+        assert "log?phase=plan&amp;step=plan" in page.text
+        step = await alice.get(f"/orgs/acme/runs/{run_id}/log?phase=plan&step=plan")
+        assert step.status == 200 and "step plan/plan" in step.text
+        assert "Plan:" in step.text and "Apply complete" not in step.text
+        bad = await alice.get(f"/orgs/acme/runs/{run_id}/log?phase=../x&step=plan")
+        assert bad.status == 400 and "needs phase" in bad.text
     finally:
         await bob.close()
         await alice.close()
