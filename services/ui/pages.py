@@ -3,6 +3,7 @@ projection (the same read model the API answers from) and rendered on the server
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -12,30 +13,25 @@ from events.run import CANCELABLE, STOPPABLE, TERMINAL, Status
 from services.api import approvals
 from services.api.auth import OPERATOR, VIEWER
 from services.api.problems import Problem
+from services.ui import queries
 from services.ui.web import Visit, page, render
 
 PAGE = 50  # runs per page
-FOLDERS_READ = 200  # workspaces whose folder the page reads (one aggregate load each)
-BAR_LIMIT = 200  # active runs the bar lists (the count is of all)
-ACTIVE = sorted(str(s) for s in Status if s not in TERMINAL)
+BAR_LIMIT = 50  # active runs the bar lists, awaiting approval first (it counts all)
 STATUSES = sorted(str(s) for s in Status)
 
 
-async def active_runs(visit: Visit) -> list[dict[str, Any]]:
-    """The organization's runs not yet ended, oldest first (the bar on every page)."""
-    rows = await visit.api.read.list_runs(visit.org, status=ACTIVE, limit=BAR_LIMIT)
-    return list(reversed(rows))
-
-
 async def base(visit: Visit, **context: Any) -> dict[str, Any]:
-    """What every signed-in page shows: who, the organization, its active runs."""
-    bar = await active_runs(visit)
+    """What every signed-in page shows: who, the organization, its active runs (the bar:
+    the oldest BAR_LIMIT listed, all counted)."""
+    bar, count, awaiting = await queries.active_runs(visit.api.read, visit.org, BAR_LIMIT)
     return {
         "visit": visit,
         "org": visit.org,
         "csrf": visit.session.csrf,
         "bar": bar,
-        "awaiting": sum(1 for r in bar if r["status"] == "awaiting_approval"),
+        "active_count": count,
+        "awaiting": awaiting,
         **context,
     }
 
@@ -45,6 +41,13 @@ def _choice(query: Any, key: str, allowed: list[str]) -> str:
     if value and value not in allowed:
         raise Problem("invalid-query", f"{key} must be one of {', '.join(allowed)}")
     return value
+
+
+def _page_number(query: Any) -> int:
+    raw = str(query.get("wpage", "0"))
+    if not (raw.isascii() and raw.isdigit() and len(raw) < 7):
+        raise Problem("invalid-query", "wpage must be a page number, from 0")
+    return int(raw)
 
 
 def _cursor(query: Any) -> str | None:
@@ -68,19 +71,25 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     before = _cursor(query)
     if await visit.api.read.get_org(visit.org) is None:
         raise Problem("not-found", f"organization {visit.org} not found")
+    at = _page_number(query)
     workspaces = await visit.api.read.list_workspaces(visit.org)
-    folders = await _folders(visit, workspaces)
-    latest = await _latest_runs(visit, workspaces)
-    shown = [
-        {**w, "latest": latest.get(w["name"]), "folder": folders.get(w["name"], "")}
+    latest = await queries.latest_runs(visit.api.read, visit.org)
+    matching = [
+        {**w, "latest": latest.get(w["name"])}
         for w in workspaces
         if name.lower() in w["name"].lower()
         and (not status or (latest.get(w["name"]) or {}).get("status") == status)
     ]
+    shown = matching[at * PAGE : (at + 1) * PAGE]
+    folders = await _folders(visit, shown)
+    shown = [{**w, "folder": folders[w["name"]]} for w in shown]
     runs, next_before = await _runs_page(visit, status=[status] if status else None, before=before)
     context = await base(
         visit,
         workspaces=shown,
+        workspace_count=len(matching),
+        wpage=at,
+        wnext=at + 1 if (at + 1) * PAGE < len(matching) else None,
         runs=runs,
         next_before=next_before,
         status=status,
@@ -90,22 +99,11 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     return render(visit.request, "org.html", context)
 
 
-async def _latest_runs(visit: Visit, workspaces: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each workspace's newest run (one indexed read per workspace)."""
-    out: dict[str, Any] = {}
-    for w in workspaces:
-        rows = await visit.api.read.list_runs(visit.org, workspace=w["name"], limit=1)
-        if rows:
-            out[w["name"]] = rows[0]
-    return out
-
-
 async def _folders(visit: Visit, workspaces: list[dict[str, Any]]) -> dict[str, str]:
     """Workspace name: its folder (from its aggregate: the read model has no column)."""
-    out: dict[str, str] = {}
-    for w in workspaces[:FOLDERS_READ]:
-        out[w["name"]] = (await visit.api.app.load_ws(visit.org, w["name"])).state.folder
-    return out
+    names = [w["name"] for w in workspaces]
+    loaded = await asyncio.gather(*(visit.api.app.load_ws(visit.org, n) for n in names))
+    return {n: ws.state.folder for n, ws in zip(names, loaded, strict=True)}
 
 
 @page(VIEWER)
