@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from events.run import TERMINAL
 from projections import readmodel
 from projections.readmodel import ReadModel
 
@@ -18,6 +19,10 @@ _ACTIVE_IDS = (
     "SELECT active_run FROM workspaces WHERE org = ? AND active_run IS NOT NULL "
     "UNION SELECT run_id FROM ws_queue WHERE org = ?"
 )
+
+
+# A run that just ended may still be its workspace's active run until it is released.
+_ENDED = ", ".join(f"'{s}'" for s in sorted(str(t) for t in TERMINAL))
 
 
 def _cols(table: str) -> str:
@@ -35,7 +40,7 @@ async def active_runs(
         f"SELECT {_cols('runs')}, count(*) OVER () AS active, "
         "sum(runs.status = 'awaiting_approval') OVER () AS awaiting "
         f"FROM ({_ACTIVE_IDS}) AS a CROSS JOIN runs ON runs.id = a.active_run "
-        "WHERE runs.org = ? "
+        f"WHERE runs.org = ? AND runs.status NOT IN ({_ENDED}) "
         "ORDER BY runs.status = 'awaiting_approval' DESC, runs.created_at, runs.id LIMIT ?",
         (org, org, org, limit),
     )
