@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from tests.helpers import eventually
+from tests.test_api_support import ADMIN_TOKEN
 from tests.ui.support import Ui, ui_fixture  # noqa: F401  # registers the fixture
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
@@ -85,6 +86,9 @@ async def test_a_planted_session_id_is_never_promoted_by_a_sign_in(ui: Ui) -> No
     victim.plant("rp_session", "attacker-chosen-id")
     await victim.signin(acme["admin"])
     assert victim.cookie("rp_session") not in (None, "attacker-chosen-id")
+    other = ui.browser()
+    await other.signin(acme["admin"])
+    assert other.cookie("rp_session") not in (None, victim.cookie("rp_session"))
     attacker = ui.browser()
     attacker.plant("rp_session", "attacker-chosen-id")
     page = await attacker.get("/orgs/acme", allow_redirects=False)
@@ -126,6 +130,12 @@ async def test_one_orgs_session_can_neither_read_nor_act_on_anothers_objects(ui:
     assert ws.body["lock"] is None
     listed = await ui.http.get("/api/v1/orgs/acme/runs")
     assert [r["id"] for r in listed.body["items"]] == [run["id"]]
+    # Even the admin token's session is bound to the organization it signed in to.
+    root = ui.browser()
+    await root.signin(ADMIN_TOKEN, org="evil")
+    assert (await root.get("/orgs/evil")).status == 200
+    assert (await root.get("/orgs/acme")).status == 404
+    assert (await root.get(f"/orgs/acme/runs/{run['id']}")).status == 404
 
 
 async def test_every_form_refuses_a_missing_forged_or_foreign_csrf_token(ui: Ui) -> None:
