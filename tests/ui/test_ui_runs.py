@@ -17,6 +17,14 @@ pytestmark = pytest.mark.terraform
 
 V1 = "/api/v1/orgs/acme"
 XSS = "<script>alert(1)</script>"
+SHOUTING = """package shout
+import rego.v1
+
+deny contains msg if {
+  some rc in input.resource_changes
+  msg := sprintf("<script>alert(1)</script> %s", [rc.address])
+}
+"""
 KEPT = 'resource "null_resource" "a" {\n  triggers = { v = "%s" }\n}\n'
 TWO = KEPT % "1" + 'resource "null_resource" "b" {}\n'
 
@@ -109,6 +117,8 @@ async def test_discard_with_a_reason_and_the_approvers_rule_shown(plane: Plane, 
     """approvers ["alice"]: bob (operator) gets no Approve or Discard and reads why; a
     viewer gets nothing; alice discards with a reason; the commit's first line shows."""
     tokens = await _setup(plane, repo, {"approvers": ["alice"]})
+    policy = {"enforcement": "advisory", "source": SHOUTING}
+    assert (await plane.http.call("PUT", f"{V1}/policies/shout", json=policy)).status in (200, 201)
     run_id = await _awaiting(plane, tokens["bob"], message=XSS)
     bob, vic, alice = _browser(plane), _browser(plane), _browser(plane)
     try:
@@ -128,6 +138,9 @@ async def test_discard_with_a_reason_and_the_approvers_rule_shown(plane: Plane, 
         page = await alice.get(f"/orgs/acme/runs/{run_id}")
         assert "first &lt;script&gt;alert(1)&lt;/script&gt;" in page.text
         assert "second line" not in page.text
+        assert "<strong>shout</strong> (advisory" in page.text and "failed" in page.text
+        assert f"{XSS} null_resource.a" not in page.text
+        assert "&lt;script&gt;alert(1)&lt;/script&gt; null_resource.a" in page.text
         done = await alice.post(f"/orgs/acme/runs/{run_id}/discard", {"reason": "not today"})
         assert done.status == 200
         state = await plane.reaches("net", run_id, "discarded")
