@@ -53,6 +53,25 @@ async def _awaiting(plane: Plane, token: str, message: str = "") -> str:
     return str(a.body["id"])
 
 
+async def _feed(b: Browser, path: str, last_id: str = "") -> list[tuple[str, str, str]]:
+    """Every event (name, id, data) of a run's live feed, read until it ends."""
+    headers = {"Last-Event-ID": last_id} if last_id else {}
+    events, name, event_id, data = [], "", "", []
+    async with b.session.get(b.url(path), headers=headers) as feed:
+        async for raw in feed.content:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("id: "):
+                event_id = line[4:]
+            elif line.startswith("data: "):
+                data.append(line[6:])
+            elif not line and name:
+                events.append((name, event_id, "\n".join(data)))
+                name, event_id, data = "", "", []
+    return events
+
+
 def _browser(plane: Plane) -> Browser:
     return Browser(plane.http.client.server)
 
@@ -106,6 +125,17 @@ async def test_approve_needs_every_destructive_box_and_the_page_shows_the_409(
         step = await alice.get(f"/orgs/acme/runs/{run_id}/log?phase=plan&step=plan")
         assert step.status == 200 and "step plan/plan" in step.text
         assert "Plan:" in step.text and "Apply complete" not in step.text
+        events = await _feed(alice, f"/orgs/acme/runs/{run_id}/live")
+        lines = [e for e in events if e[0] == "line"]
+        assert lines and [int(e[1]) for e in lines] == list(range(1, len(lines) + 1))
+        assert any("&lt;script&gt;alert(1)&lt;/script&gt;" in e[2] for e in lines)
+        assert not any(XSS in e[2] for e in lines)
+        assert any('class="line stderr"' in e[2] or 'class="line stdout"' in e[2] for e in lines)
+        state = [e for e in events if e[0] == "state"]
+        assert state and 'id="run-status">applied<' in state[-1][2]
+        assert events[-1][0] == "end"
+        resumed = await _feed(alice, f"/orgs/acme/runs/{run_id}/live", last_id=lines[-3][1])
+        assert [e[1] for e in resumed if e[0] == "line"] == [e[1] for e in lines[-2:]]
         bad = await alice.get(f"/orgs/acme/runs/{run_id}/log?phase=../x&step=plan")
         assert bad.status == 400 and "needs phase" in bad.text
     finally:
