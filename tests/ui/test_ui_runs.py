@@ -131,8 +131,8 @@ async def test_approve_needs_every_destructive_box_and_the_page_shows_the_409(
         assert any("&lt;script&gt;alert(1)&lt;/script&gt;" in e[2] for e in lines)
         assert not any(XSS in e[2] for e in lines)
         assert any('class="line stderr"' in e[2] or 'class="line stdout"' in e[2] for e in lines)
-        state = [e for e in events if e[0] == "state"]
-        assert state and 'id="run-status">applied<' in state[-1][2]
+        shown = [e for e in events if e[0] == "state"]
+        assert shown and 'id="run-status">applied<' in shown[-1][2]
         assert events[-1][0] == "end"
         resumed = await _feed(alice, f"/orgs/acme/runs/{run_id}/live", last_id=lines[-3][1])
         assert [e[1] for e in resumed if e[0] == "line"] == [e[1] for e in lines[-2:]]
