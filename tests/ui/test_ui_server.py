@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import re
 
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
+
+from services.ui.sessions import COOKIE, Sessions, set_cookie
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN
 from tests.ui.support import Ui, ui_fixture  # noqa: F401  # registers the fixture
@@ -291,3 +295,30 @@ async def _event(feed: object) -> str:
             return "\n".join(re.sub(r"^data: ?", "", x) for x in lines if x.startswith("data:"))
         if line and not line.startswith(":"):
             lines.append(line)
+
+
+def test_the_cookie_is_secure_when_the_request_came_by_tls() -> None:
+    plain, tls = (
+        make_mocked_request("GET", "/"),
+        make_mocked_request("GET", "/").clone(scheme="https"),
+    )
+    for request, secure in ((plain, False), (tls, True)):
+        response = web.Response()
+        set_cookie(response, request, COOKIE, "id")
+        header = response.cookies[COOKIE].output().lower()
+        assert "httponly" in header and "samesite=strict" in header
+        assert ("secure" in header.replace("samesite", "")) is secure, header
+
+
+def test_sessions_expire_when_idle_and_the_oldest_go_past_the_limit() -> None:
+    idle = Sessions(idle_s=-1)
+    session_id, _ = idle.start("t", "acme")
+    assert idle.get(session_id) is None
+    few = Sessions(limit=2)
+    first, _ = few.start("t1", "acme")
+    second, _ = few.start("t2", "acme")
+    assert few.get(first) is not None  # used: now the most recent
+    third, _ = few.start("t3", "acme")
+    assert few.get(second) is None and few.get(first) is not None and few.get(third) is not None
+    few.end_token("t1")
+    assert few.get(first) is None
