@@ -72,7 +72,7 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     if await visit.api.read.get_org(visit.org) is None:
         raise Problem("not-found", f"organization {visit.org} not found")
     at = _page_number(query)
-    workspaces = await visit.api.read.list_workspaces(visit.org)
+    workspaces = await queries.workspaces(visit.api.read, visit.org)
     latest = await queries.latest_runs(visit.api.read, visit.org)
     matching = [
         {**w, "latest": latest.get(w["name"])}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from events.run import TERMINAL
 from projections import readmodel
 from projections.readmodel import ReadModel
@@ -58,3 +60,23 @@ async def latest_runs(read: ReadModel, org: str) -> dict[str, dict[str, Any]]:
     )
     rows = await read._all(f"SELECT id, workspace, status FROM runs WHERE id IN ({newest})", (org,))
     return {r["workspace"]: dict(r) for r in rows}
+
+
+async def workspaces(read: ReadModel, org: str) -> list[dict[str, Any]]:
+    """Every workspace of the organization by name: its lock, active run and how many
+    runs wait in its queue (what the organization page lists, nothing decoded it skips)."""
+    rows = await read._all(
+        "SELECT w.name, w.active_run, w.lock_json, "
+        "(SELECT count(*) FROM ws_queue q WHERE q.org = w.org AND q.workspace = w.name) AS waiting "
+        "FROM workspaces w WHERE w.org = ? ORDER BY w.name",
+        (org,),
+    )
+    return [
+        {
+            "name": r["name"],
+            "active_run": r["active_run"],
+            "waiting": r["waiting"],
+            "lock": msgspec.json.decode(r["lock_json"]) if r["lock_json"] else None,
+        }
+        for r in rows
+    ]
