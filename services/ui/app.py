@@ -16,6 +16,7 @@ import aiohttp_jinja2
 import jinja2
 from aiohttp import web
 
+from services.api.context import API
 from services.api.middleware import SELF_AUTHENTICATED
 from services.ui import actions, live, pages, signin
 from services.ui.sessions import Sessions
@@ -56,7 +57,7 @@ def mount(web_app: web.Application, *, sessions: Sessions | None = None) -> None
         autoescape=True,
     )
     env.globals.update(GLOBALS)
-    web_app[SESSIONS] = sessions or Sessions()
+    web_app[SESSIONS] = sessions or Sessions(web_app[API].app.store.nc)
     web_app[live.CLOSING] = asyncio.Event()
     web_app.on_shutdown.append(live.close_streams)
     web_app.add_routes(ROUTES)

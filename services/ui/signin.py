@@ -24,10 +24,14 @@ def _form(request: web.Request, *, error: str = "", status: int = 200) -> web.Re
 
 async def signin_page(request: web.Request) -> web.StreamResponse:
     """`/`: the organization's page if signed in, else the form."""
-    session = request.app[SESSIONS].get(request.cookies.get(COOKIE))
-    if session is not None:
-        raise web.HTTPSeeOther(f"/orgs/{session.org}")
-    return _form(request)
+
+    async def call() -> web.StreamResponse:
+        session = await request.app[SESSIONS].get(request.cookies.get(COOKIE))
+        if session is not None:
+            raise web.HTTPSeeOther(f"/orgs/{session.org}")
+        return _form(request)
+
+    return await guarded(request, call)
 
 
 async def signin(request: web.Request) -> web.StreamResponse:
@@ -64,8 +68,8 @@ async def _signin(request: web.Request, token: str, org_field: str) -> web.Strea
     else:
         org = who.org
     sessions = request.app[SESSIONS]
-    sessions.end(request.cookies.get(COOKIE))  # whatever id the browser held is dropped
-    session_id, _ = sessions.start(token, org)
+    await sessions.end(request.cookies.get(COOKIE))  # whatever id the browser held is dropped
+    session_id, _ = await sessions.start(token, org)
     response = see_other(f"/orgs/{org}")
     set_cookie(response, request, COOKIE, session_id)
     response.del_cookie(PRESIGN, path="/")
@@ -78,14 +82,14 @@ async def signout(request: web.Request) -> web.StreamResponse:
     async def call() -> web.StreamResponse:
         sessions = request.app[SESSIONS]
         session_id = request.cookies.get(COOKIE)
-        session = sessions.get(session_id)
+        session = await sessions.get(session_id)
         try:
             check_origin(request)
             fields = await read_form(request)
             check_csrf(fields.get("csrf", ""), session.csrf if session else "")
         except SessionError as e:
             return error_page(request, 403, "Refused", str(e))
-        sessions.end(session_id)
+        await sessions.end(session_id)
         response = see_other("/")
         response.del_cookie(COOKIE, path="/")
         return response

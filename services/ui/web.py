@@ -29,6 +29,7 @@ from services.api.context import API, Api
 from services.api.problems import Problem, from_domain
 from services.infra.eventstore import StoreError
 from services.infra.heartbeats import BoardError
+from services.infra.kv import KvError
 from services.ui.sessions import COOKIE, Session, SessionError, Sessions, check_csrf, check_origin
 
 log = structlog.get_logger("runplane.ui")
@@ -99,7 +100,7 @@ async def visit_of(request: web.Request) -> Visit:
     """The signed-in visit of the request, or SessionError (sign in again)."""
     sessions = request.app[SESSIONS]
     session_id = request.cookies.get(COOKIE)
-    session = sessions.get(session_id)
+    session = await sessions.get(session_id)
     if session is None:
         raise SessionError("not signed in")
     api = request.app[API]
@@ -107,7 +108,7 @@ async def visit_of(request: web.Request) -> Visit:
         who = await authenticate(api, f"Bearer {session.token}")
     except Problem as p:
         if p.status == 401:  # revoked or expired: every session of that token ends
-            sessions.end_token(session.token)
+            await sessions.end_token(session.token)
             raise SessionError(p.detail) from p
         raise
     request[PRINCIPAL] = who
@@ -136,7 +137,7 @@ async def guarded(
         return _problem_page(request, p)
     except DomainError as e:
         return _problem_page(request, from_domain(e))
-    except (StoreError, BoardError, nats.errors.Error) as e:
+    except (StoreError, BoardError, KvError, nats.errors.Error) as e:
         log.warning("event_store_unavailable", error=str(e))
         return error_page(
             request, 503, "Temporarily unavailable", "the event store is unavailable; try again"

@@ -8,6 +8,7 @@ import re
 
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from nats.aio.client import Client as NATS
 
 from services.ui.sessions import COOKIE, Sessions, set_cookie
 from tests.helpers import eventually
@@ -310,15 +311,21 @@ def test_the_cookie_is_secure_when_the_request_came_by_tls() -> None:
         assert ("secure" in header.replace("samesite", "")) is secure, header
 
 
-def test_sessions_expire_when_idle_and_the_oldest_go_past_the_limit() -> None:
-    idle = Sessions(idle_s=-1)
-    session_id, _ = idle.start("t", "acme")
-    assert idle.get(session_id) is None
-    few = Sessions(limit=2)
-    first, _ = few.start("t1", "acme")
-    second, _ = few.start("t2", "acme")
-    assert few.get(first) is not None  # used: now the most recent
-    third, _ = few.start("t3", "acme")
-    assert few.get(second) is None and few.get(first) is not None and few.get(third) is not None
-    few.end_token("t1")
-    assert few.get(first) is None
+async def test_sessions_expire_when_idle_and_a_tokens_oldest_go_past_its_limit(
+    nc: NATS,
+) -> None:
+    idle = Sessions(nc, idle_s=-1)
+    session_id, _ = await idle.start("t", "acme")
+    assert await idle.get(session_id) is None
+    few = Sessions(nc, per_token=2, touch_s=0)
+    first, _ = await few.start("t1", "acme")
+    second, _ = await few.start("t1", "acme")
+    other, _ = await few.start("t2", "acme")
+    assert await few.get(first) is not None  # used: now the most recent of t1's
+    third, _ = await few.start("t1", "acme")
+    assert await few.get(second) is None
+    assert await few.get(first) is not None and await few.get(third) is not None
+    assert await few.get(other) is not None  # another token's are not counted
+    await few.end_token("t1")
+    assert await few.get(first) is None and await few.get(third) is None
+    assert await few.get(other) is not None
