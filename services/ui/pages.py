@@ -3,7 +3,6 @@ projection (the same read model the API answers from) and rendered on the server
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from aiohttp import web
@@ -13,7 +12,6 @@ from events.run import CANCELABLE, STOPPABLE, TERMINAL, Status
 from services.api import approvals
 from services.api.auth import OPERATOR, VIEWER
 from services.api.problems import Problem
-from services.ui import queries
 from services.ui.web import Visit, page, render
 
 PAGE = 50  # runs per page
@@ -24,7 +22,7 @@ STATUSES = sorted(str(s) for s in Status)
 async def base(visit: Visit, **context: Any) -> dict[str, Any]:
     """What every signed-in page shows: who, the organization, its active runs (the bar:
     the oldest BAR_LIMIT listed, all counted)."""
-    bar, count, awaiting = await queries.active_runs(visit.api.read, visit.org, BAR_LIMIT)
+    bar, count, awaiting = await visit.api.read.active_runs(visit.org, BAR_LIMIT)
     return {
         "visit": visit,
         "org": visit.org,
@@ -72,8 +70,8 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     if await visit.api.read.get_org(visit.org) is None:
         raise Problem("not-found", f"organization {visit.org} not found")
     at = _page_number(query)
-    workspaces = await queries.workspaces(visit.api.read, visit.org)
-    latest = await queries.latest_runs(visit.api.read, visit.org)
+    workspaces = await visit.api.read.workspace_summaries(visit.org)
+    latest = await visit.api.read.latest_runs(visit.org)
     matching = [
         {**w, "latest": latest.get(w["name"])}
         for w in workspaces
@@ -81,8 +79,6 @@ async def org_page(visit: Visit) -> web.StreamResponse:
         and (not status or (latest.get(w["name"]) or {}).get("status") == status)
     ]
     shown = matching[at * PAGE : (at + 1) * PAGE]
-    folders = await _folders(visit, shown)
-    shown = [{**w, "folder": folders[w["name"]]} for w in shown]
     runs, next_before = await _runs_page(visit, status=[status] if status else None, before=before)
     context = await base(
         visit,
@@ -97,13 +93,6 @@ async def org_page(visit: Visit) -> web.StreamResponse:
         statuses=STATUSES,
     )
     return render(visit.request, "org.html", context)
-
-
-async def _folders(visit: Visit, workspaces: list[dict[str, Any]]) -> dict[str, str]:
-    """Workspace name: its folder (from its aggregate: the read model has no column)."""
-    names = [w["name"] for w in workspaces]
-    loaded = await asyncio.gather(*(visit.api.app.load_ws(visit.org, n) for n in names))
-    return {n: ws.state.folder for n, ws in zip(names, loaded, strict=True)}
 
 
 @page(VIEWER)

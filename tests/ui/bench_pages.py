@@ -58,10 +58,11 @@ def fill(db: Path, runs: int, active: int) -> str:
             0,
             1,
             None,
+            f"folder-{i % 10}",
         )
         for i in range(active)
     ]
-    con.executemany(f"INSERT OR REPLACE INTO workspaces VALUES ({','.join('?' * 13)})", ws_rows)
+    con.executemany(f"INSERT OR REPLACE INTO workspaces VALUES ({','.join('?' * 14)})", ws_rows)
     rows = []
     for n in range(runs):
         ws = n % active

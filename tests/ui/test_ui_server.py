@@ -329,3 +329,19 @@ async def test_sessions_expire_when_idle_and_a_tokens_oldest_go_past_its_limit(
     await few.end_token("t1")
     assert await few.get(first) is None and await few.get(third) is None
     assert await few.get(other) is not None
+
+
+async def test_the_organization_page_shows_each_workspaces_folder_from_the_read_model(
+    ui: Ui,
+) -> None:
+    """The folder column of the read model (no workspace loaded from the event store)."""
+    acme, _ = await _setup(ui)
+    made = await ui.http.post("/api/v1/orgs/acme/folders", json={"name": "platform"})
+    assert made.status == 201, made.body
+    await ui.http.workspace("acme", "dns", folder="platform")
+    b = ui.browser()
+    await b.signin(acme["viewer"])
+    page = await b.get("/orgs/acme")
+    rows = {m[0]: m[1] for m in re.findall(r">(dns|net)</a></td><td>([^<]*)</td>", page.text)}
+    assert rows == {"dns": "platform", "net": "(organization)"}, rows
+    assert (await ui.http.api.read.workspace_summaries("acme"))[0]["folder"] == "platform"
