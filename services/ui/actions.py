@@ -18,7 +18,7 @@ from services.api.auth import ADMIN, OPERATOR
 from services.api.problems import Problem, from_domain
 from services.commands import Result
 from services.ui import pages
-from services.ui.web import FORM, Visit, form, render, see_other
+from services.ui.web import FORM, Visit, base, form, render, see_other
 
 MAX_REASON = 1024
 RUN_TYPES = ("plan", "apply", "destroy", "drift")
@@ -46,7 +46,7 @@ async def _refused(visit: Visit, run_id: str, p: Problem) -> web.Response:
     run = await visit.api.read.get_run(visit.org, run_id)
     if run is None:
         raise p
-    context = await pages.base(visit, **await pages.run_context(visit, run))
+    context = await base(visit, **await pages.run_context(visit, run))
     context["message"] = p.detail
     context["message_status"] = p.status
     return render(visit.request, "run.html", context, status=p.status)

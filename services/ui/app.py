@@ -21,7 +21,7 @@ from services.api.middleware import SELF_AUTHENTICATED
 from services.ui import actions, live, pages, signin
 from services.ui.sessions import Sessions
 from services.ui.templating import GLOBALS
-from services.ui.web import JINJA, SESSIONS
+from services.ui.web import JINJA, SESSIONS, html_errors
 
 HERE = Path(__file__).parent
 ORG = "/orgs/{org}"
@@ -60,6 +60,9 @@ def mount(web_app: web.Application, *, sessions: Sessions | None = None) -> None
     web_app[SESSIONS] = sessions or Sessions(web_app[API].app.store.nc)
     web_app[live.CLOSING] = asyncio.Event()
     web_app.on_shutdown.append(live.close_streams)
+    # Outside the problem-details middleware (after the request log): a browser's page
+    # that is no route gets HTML before the API's JSON 404 / 405 / 401 is made.
+    web_app.middlewares.insert(1, html_errors)
     web_app.add_routes(ROUTES)
     web_app.router.add_static(STATIC, HERE / "static")
     # Exactly the UI's own paths: whatever else is mounted keeps the bearer check.

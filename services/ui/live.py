@@ -29,7 +29,7 @@ from services.api.follow import Follower
 from services.api.problems import Problem
 from services.api.runlog import Lines, Out, Target
 from services.ui import pages
-from services.ui.web import JINJA, Visit, page, render
+from services.ui.web import JINJA, Visit, base, page, render
 
 log = structlog.get_logger("runplane.ui")
 
@@ -101,7 +101,7 @@ async def bar_feed(visit: Visit) -> web.StreamResponse:
                 await resp.write(b": keep-alive\n\n")
                 continue
             seen = seq
-            html = fragment(visit.request, "_bar.html", await pages.base(visit))
+            html = fragment(visit.request, "_bar.html", await base(visit))
             if html != last:
                 last = html
                 await resp.write(sse("bar", html))
@@ -238,5 +238,5 @@ async def log_page(visit: Visit) -> web.StreamResponse:
         shown.extend(batch)
         if len(shown) >= 20_000:
             break
-    context = await pages.base(visit, run=run, lines=shown, phase=phase, step=step)
+    context = await base(visit, run=run, lines=shown, phase=phase, step=step)
     return render(visit.request, "log.html", context)

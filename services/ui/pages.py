@@ -12,26 +12,10 @@ from events.run import CANCELABLE, STOPPABLE, TERMINAL, Status
 from services.api import approvals
 from services.api.auth import OPERATOR, VIEWER
 from services.api.problems import Problem
-from services.ui.web import Visit, page, render
+from services.ui.web import Visit, base, page, render
 
 PAGE = 50  # runs per page
-BAR_LIMIT = 50  # active runs the bar lists, awaiting approval first (it counts all)
 STATUSES = sorted(str(s) for s in Status)
-
-
-async def base(visit: Visit, **context: Any) -> dict[str, Any]:
-    """What every signed-in page shows: who, the organization, its active runs (the bar:
-    the oldest BAR_LIMIT listed, all counted)."""
-    bar, count, awaiting = await visit.api.read.active_runs(visit.org, BAR_LIMIT)
-    return {
-        "visit": visit,
-        "org": visit.org,
-        "csrf": visit.session.csrf,
-        "bar": bar,
-        "active_count": count,
-        "awaiting": awaiting,
-        **context,
-    }
 
 
 def _choice(query: Any, key: str, allowed: list[str]) -> str:

@@ -19,6 +19,7 @@ import aiohttp_jinja2
 import nats.errors
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler as AioHandler
 from multidict import MultiDictProxy
 
 from events.errors import DomainError
@@ -26,7 +27,7 @@ from events.org import ROLES
 from services.api.auth import PRINCIPAL, Principal, authenticate
 from services.api.bodies import check_name
 from services.api.context import API, Api
-from services.api.problems import Problem, from_domain
+from services.api.problems import Problem, from_domain, from_http
 from services.infra.eventstore import StoreError
 from services.infra.heartbeats import BoardError
 from services.infra.kv import KvError
@@ -38,6 +39,7 @@ JINJA: web.AppKey[Any] = web.AppKey("runplane.ui.jinja", object)
 SESSIONS: web.AppKey[Sessions] = web.AppKey("runplane.ui.sessions", Sessions)
 _RANK = {role: i for i, role in enumerate(ROLES)}
 MAX_FORM = 64 * 1024  # bytes of a form post
+BAR_LIMIT = 50  # active runs the bar lists, awaiting approval first (it counts all)
 
 
 @dataclass
@@ -63,6 +65,22 @@ class Visit:
 
 
 Handler = Callable[[Visit], Awaitable[web.StreamResponse]]
+VISIT: web.RequestKey[Visit] = web.RequestKey("runplane.ui.visit", Visit)
+
+
+async def base(visit: Visit, **context: Any) -> dict[str, Any]:
+    """What every signed-in page shows: who, the organization, its active runs (the bar:
+    the oldest BAR_LIMIT listed, all counted)."""
+    bar, count, awaiting = await visit.api.read.active_runs(visit.org, BAR_LIMIT)
+    return {
+        "visit": visit,
+        "org": visit.org,
+        "csrf": visit.session.csrf,
+        "bar": bar,
+        "active_count": count,
+        "awaiting": awaiting,
+        **context,
+    }
 
 
 def render(
@@ -91,9 +109,22 @@ SECURITY_HEADERS = {
 
 
 def error_page(request: web.Request, status: int, title: str, detail: str) -> web.Response:
+    """The error page without the signed-in frame (sign-in, CSRF refusals)."""
     return render(
         request, "error.html", {"title": title, "detail": detail, "status": status}, status=status
     )
+
+
+async def _error_page(request: web.Request, status: int, title: str, detail: str) -> web.Response:
+    """The error page, in the nav and the bar of the page's visit if it got that far."""
+    context: dict[str, Any] = {"title": title, "detail": detail, "status": status}
+    visit = request.get(VISIT)
+    if visit is not None and status != 503:  # unavailable: the bar's read would fail too
+        try:
+            context = await base(visit, **context)
+        except Exception:  # the frame is a convenience: the error is what is shown
+            log.warning("ui_error_frame_unavailable", exc_info=True)
+    return render(request, "error.html", context, status=status)
 
 
 async def visit_of(request: web.Request) -> Visit:
@@ -116,11 +147,15 @@ async def visit_of(request: web.Request) -> Visit:
     if org != session.org:
         raise Problem("not-found", f"organization {org} not found")
     who.require(org, ROLES[0])
-    return Visit(request=request, api=api, session=session, who=who, org=org)
+    visit = Visit(request=request, api=api, session=session, who=who, org=org)
+    request[VISIT] = visit
+    return visit
 
 
-def _problem_page(request: web.Request, p: Problem) -> web.Response:
-    return error_page(request, p.status, p.title, p.detail)
+async def _problem_page(request: web.Request, p: Problem) -> web.Response:
+    response = await _error_page(request, p.status, p.title, p.detail)
+    response.headers.update(p.headers)
+    return response
 
 
 async def guarded(
@@ -132,19 +167,19 @@ async def guarded(
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_page(request, e.status, e.reason, e.text or e.reason)
+        return await _error_page(request, e.status, e.reason, e.text or e.reason)
     except Problem as p:
-        return _problem_page(request, p)
+        return await _problem_page(request, p)
     except DomainError as e:
-        return _problem_page(request, from_domain(e))
+        return await _problem_page(request, from_domain(e))
     except (StoreError, BoardError, KvError, nats.errors.Error) as e:
         log.warning("event_store_unavailable", error=str(e))
-        return error_page(
+        return await _error_page(
             request, 503, "Temporarily unavailable", "the event store is unavailable; try again"
         )
     except Exception:
         log.exception("ui_unhandled_error")
-        return error_page(request, 500, "Internal error", "an unexpected error occurred")
+        return await _error_page(request, 500, "Internal error", "an unexpected error occurred")
 
 
 def page(role: str) -> Callable[[Handler], Callable[[web.Request], Awaitable[web.StreamResponse]]]:
@@ -204,6 +239,35 @@ async def read_form(request: web.Request) -> MultiDictProxy[str]:
     if not all(isinstance(v, str) for v in raw.values()):
         raise Problem("invalid-body", "a form takes no files")
     return raw  # type: ignore[return-value]  # checked above: every value is a str
+
+
+def _from_a_browser(request: web.Request) -> bool:
+    """A browser's request for a page (not the API's: its clients send a bearer token,
+    ask for JSON, or use /api/)."""
+    return (
+        "text/html" in request.headers.get("Accept", "")
+        and "Authorization" not in request.headers
+        and not request.path.startswith("/api/")
+    )
+
+
+@web.middleware
+async def html_errors(request: web.Request, handler: AioHandler) -> web.StreamResponse:
+    """A browser's request for no page (an unknown path, a wrong method) is answered by
+    an HTML page, in the nav and the bar when it is signed in; the API's clients still
+    get the problem details of services/api/middleware.py."""
+    failed = request.match_info.http_exception
+    if failed is None or not _from_a_browser(request):
+        return await handler(request)
+
+    async def call() -> web.StreamResponse:
+        try:
+            await visit_of(request)  # for the frame only: signed out, the page is bare
+        except (SessionError, Problem):
+            pass
+        raise from_http(failed, request.method, request.path)
+
+    return await guarded(request, call)
 
 
 def see_other(location: str) -> web.Response:

@@ -119,7 +119,9 @@ async def test_one_orgs_session_can_neither_read_nor_act_on_anothers_objects(ui:
     ):
         page = await b.get(path)
         assert page.status == 404, (path, page.status)
-        assert "/workspaces/net" not in page.text and "Active runs" not in page.text
+        # (the error page may be in evil's own frame: its bar, with none of acme's runs)
+        assert "/workspaces/net" not in page.text and 'href="/orgs/acme' not in page.text
+        assert "Active runs: 1" not in page.text, (path, page.text)
     csrf = home.csrf
     for path in (
         f"/orgs/acme/runs/{run['id']}/cancel",
@@ -345,3 +347,46 @@ async def test_the_organization_page_shows_each_workspaces_folder_from_the_read_
     rows = {m[0]: m[1] for m in re.findall(r">(dns|net)</a></td><td>([^<]*)</td>", page.text)}
     assert rows == {"dns": "platform", "net": "(organization)"}, rows
     assert (await ui.http.api.read.workspace_summaries("acme"))[0]["folder"] == "platform"
+
+
+HTML = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+
+
+async def test_a_signed_in_browser_gets_html_error_pages_with_the_nav_and_the_bar(
+    ui: Ui,
+) -> None:
+    """An unknown path, a wrong method, a run that is not there: an HTML page in the
+    signed-in frame (nav, sign-out form, the active runs bar), never JSON."""
+    acme, _ = await _setup(ui)
+    await ui.http.run("acme", "net", "plan", token=acme["operator"])
+    b = ui.browser()
+    await b.signin(acme["viewer"])
+    missing = await b.get("/orgs/acme/nowhere", headers=HTML)
+    wrong = await b.get("/signin", headers=HTML)  # a form's path, asked by GET
+    no_run = await b.get("/orgs/acme/runs/r0000000000000000000000000", headers=HTML)
+    for page, status in ((missing, 404), (wrong, 405), (no_run, 404)):
+        assert page.status == status, (page.status, page.text[:300])
+        assert page.headers["Content-Type"].startswith("text/html"), page.headers
+        assert 'aria-label="Main"' in page.text and 'action="/signout"' in page.text
+        assert "Active runs: 1" in page.text, page.text[:2000]
+    assert "no route for GET /orgs/acme/nowhere" in missing.text
+    assert wrong.headers["Allow"] == "POST" and "GET is not allowed" in wrong.text
+    signed_out = ui.browser()
+    bare = await signed_out.get("/orgs/acme/nowhere", headers=HTML)
+    assert bare.status == 404 and bare.headers["Content-Type"].startswith("text/html")
+    assert 'action="/signout"' not in bare.text and "Active runs" not in bare.text
+
+
+async def test_api_clients_still_get_problem_details_for_unknown_paths(ui: Ui) -> None:
+    """A bearer client, a client asking for JSON and any /api/ path keep the API's JSON."""
+    acme, _ = await _setup(ui)
+    b = ui.browser()
+    await b.signin(acme["viewer"])
+    bearer = await ui.http.get("/orgs/acme/nowhere", headers=HTML)
+    assert bearer.status == 404 and bearer.content_type == "application/problem+json"
+    api = await b.get("/api/v1/nowhere", headers=HTML)  # the browser's cookie is no bearer
+    assert api.status == 401 and api.headers["Content-Type"].startswith("application/problem+json")
+    curl = await b.get("/orgs/acme/nowhere", headers={"Accept": "*/*"})
+    assert curl.headers["Content-Type"].startswith("application/problem+json")
+    wrong = await ui.http.call("PUT", "/api/v1/orgs/acme", json={})
+    assert wrong.status == 405 and wrong.content_type == "application/problem+json"
