@@ -168,6 +168,10 @@ async def run_actions(visit: Visit, run: dict[str, Any]) -> dict[str, Any]:
         out["cancel"] = "Cancel"
     elif status in {str(s) for s in STOPPABLE}:
         out["cancel"] = "Stop"
+    elif status == Status.APPLYING:  # the core refuses it (409): say why before
+        out["why"].append(
+            "an applying run cannot be stopped: interrupting an apply can corrupt state"
+        )
     if status != "awaiting_approval":
         return out
     state = (await visit.api.app.load_run(visit.org, run["workspace"], run["id"])).state

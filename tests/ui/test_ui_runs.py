@@ -5,12 +5,18 @@ controls (commit messages, attribute values, log lines) shown as text."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from events import run as R
+from tests import test_stop as stop_support
+from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixture
+from tests.test_reaper_processes import GATED_PLAN_TF
 from tests.ui.support import Browser
 
 pytestmark = pytest.mark.terraform
@@ -178,3 +184,61 @@ async def test_discard_with_a_reason_and_the_approvers_rule_shown(plane: Plane, 
     finally:
         for b in (bob, vic, alice):
             await b.close()
+
+
+async def test_stop_on_a_planning_run_interrupts_terraform_and_an_applying_run_has_none(
+    plane: Plane, repo: Path, tmp_path: Path
+) -> None:
+    """A run Terraform is planning shows Stop; the UI's Stop (with a reason) interrupts
+    it and the run ends canceled by the executor. An applying run shows no Stop, says
+    why, and a forged Stop is the core's 409 on a page while the apply completes."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    writer = os.open(gate, os.O_RDWR)  # Terraform's open() returns, its read() waits
+    try:
+        commit(repo, {"main.tf": GATED_PLAN_TF})
+        await stop_support.workspace(plane, repo, variables={"gate": str(gate)})
+        tokens = {}
+        for user, role in (("bob", "operator"), ("vic", "viewer")):
+            a = await plane.http.post(f"{V1}/tokens", json={"user": user, "role": role})
+            tokens[user] = a.body["token"]
+        await plane.executor("e1")
+        planning = await plane.start("net")
+        await plane.reaches("net", planning, "planning")
+        await eventually(
+            lambda: stop_support.at_the_gate(gate), timeout=60, what="Terraform at the gate"
+        )
+        viewer = _browser(plane)
+        await viewer.signin(tokens["vic"])
+        seen = await viewer.get(f"/orgs/acme/runs/{planning}")
+        assert 'id="cancel"' not in seen.text and "may only read" in seen.text
+        b = _browser(plane)
+        await b.signin(tokens["bob"])
+        page = await b.get(f"/orgs/acme/runs/{planning}")
+        assert re.search(r'<button type="submit" id="cancel">Stop</button>', page.text)
+        out = await b.post(f"/orgs/acme/runs/{planning}/cancel", {"reason": "wrong branch"})
+        assert out.status == 200, out.text[:500]
+        await eventually(
+            lambda: stop_support.at_the_gate_not(gate), timeout=30, what="Terraform gone"
+        )
+    finally:
+        os.close(writer)
+    run = await plane.reaches("net", planning, "canceled")
+    assert run.reason == "wrong branch"
+    events = await plane.events("net", planning)
+    [asked] = [e for e in events if isinstance(e, R.RunStopRequested)]
+    assert (asked.actor, asked.reason) == ("bob", "wrong branch")
+    [ended] = [e for e in events if isinstance(e, R.RunCanceled)]
+    assert ended.actor == "executor:e1"
+
+    commit(repo, {"main.tf": stop_support.SLOW_APPLY_TF})
+    applying = await plane.start("net")
+    await plane.reaches("net", applying, "awaiting_approval")
+    await plane.approve(applying)
+    await plane.reaches("net", applying, "applying")
+    page = await b.get(f"/orgs/acme/runs/{applying}")
+    assert 'id="cancel"' not in page.text and "cannot be stopped" in page.text
+    csrf = page.csrf
+    refused = await b.post(f"/orgs/acme/runs/{applying}/cancel", {"reason": "now"}, csrf=csrf)
+    assert refused.status == 409 and "corrupt state" in refused.text, refused.text[:500]
+    await plane.reaches("net", applying, "applied")
