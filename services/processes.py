@@ -59,6 +59,7 @@ async def _start_api(
         repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
         # the scraper's credential for /metrics alone (environment only: never argv)
         metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
+        behind_tls_proxy=opts.behind_tls_proxy,
     )
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 

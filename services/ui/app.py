@@ -19,7 +19,7 @@ from aiohttp import web
 from services.api.context import API
 from services.api.middleware import SELF_AUTHENTICATED
 from services.ui import actions, live, pages, signin
-from services.ui.sessions import Sessions
+from services.ui.sessions import TLS_PROXY, Sessions
 from services.ui.templating import GLOBALS
 from services.ui.web import JINJA, SESSIONS, html_errors
 
@@ -48,8 +48,11 @@ ROUTES = [
 ]
 
 
-def mount(web_app: web.Application, *, sessions: Sessions | None = None) -> None:
-    """Add the UI to the API's application (before it starts)."""
+def mount(
+    web_app: web.Application, *, sessions: Sessions | None = None, behind_tls_proxy: bool = False
+) -> None:
+    """Add the UI to the API's application (before it starts). `behind_tls_proxy`: the
+    deployment says a TLS proxy sets X-Forwarded-Proto (else the header is ignored)."""
     env = aiohttp_jinja2.setup(
         web_app,
         app_key=JINJA,
@@ -58,6 +61,7 @@ def mount(web_app: web.Application, *, sessions: Sessions | None = None) -> None
     )
     env.globals.update(GLOBALS)
     web_app[SESSIONS] = sessions or Sessions(web_app[API].app.store.nc)
+    web_app[TLS_PROXY] = behind_tls_proxy
     web_app[live.CLOSING] = asyncio.Event()
     web_app.on_shutdown.append(live.close_streams)
     # Outside the problem-details middleware (after the request log): a browser's page

@@ -2,7 +2,8 @@
 
 The cookie (`rp_session`) carries only a random session id: `HttpOnly` (no script reads
 it), `SameSite=Strict` (no other site's page sends it), `Secure` when the request came by
-TLS. The server keeps the session (its token, organization and CSRF token) in a NATS
+TLS (to this process, or to the deployment's TLS proxy when it says it has one:
+`--behind-tls-proxy`; else X-Forwarded-Proto is a client's word, ignored). The server keeps the session (its token, organization and CSRF token) in a NATS
 bucket (`rp-ui-sessions`, services/infra/kv.py) that every api replica reads, so a
 browser signed in through one replica is signed in on all, and signing out on any ends
 it on all, whatever the browser keeps. Each request authenticates the session's token
@@ -241,9 +242,26 @@ def _used_of(raw: bytes) -> float:
         return 0.0
 
 
+# Whether the deployment says browsers come through a TLS proxy that sets
+# X-Forwarded-Proto (`--behind-tls-proxy`). Off, the header is a client's word and ignored.
+TLS_PROXY: web.AppKey[bool] = web.AppKey("runplane.ui.tls_proxy", bool)
+
+
+def scheme(request: web.Request) -> str:
+    """How the browser reached us: TLS to this process, or, behind the deployment's TLS
+    proxy, what that proxy says (the last X-Forwarded-Proto value: the nearest hop's)."""
+    if request.secure:
+        return "https"
+    if request.app.get(TLS_PROXY, False):
+        forwarded = request.headers.get("X-Forwarded-Proto", "")
+        if forwarded.rsplit(",", 1)[-1].strip().lower() == "https":
+            return "https"
+    return "http"
+
+
 def secure(request: web.Request) -> bool:
-    """Whether the browser reached us by TLS (directly, or as a proxy says it)."""
-    return request.secure
+    """Whether the browser reached us by TLS (directly, or as the deployment's proxy says)."""
+    return scheme(request) == "https"
 
 
 def set_cookie(response: web.StreamResponse, request: web.Request, name: str, value: str) -> None:
@@ -267,7 +285,7 @@ def check_origin(request: web.Request) -> None:
     origin = request.headers.get("Origin")
     if origin is None:  # not a browser's post; the CSRF token still decides
         return
-    expected = f"{request.scheme}://{request.host}"
+    expected = f"{scheme(request)}://{request.host}"
     if origin != expected:
         raise SessionError(f"the request came from another origin ({origin})")
 

@@ -5,15 +5,20 @@ input answered as a page. Every tenant is hostile: each attack here must be refu
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
+import aiohttp
 from aiohttp import web
-from aiohttp.test_utils import make_mocked_request
+from aiohttp.test_utils import BaseTestServer, TestClient, TestServer, make_mocked_request
 from nats.aio.client import Client as NATS
 
+from projections.projector import Projector
+from services.api.app import build_app
+from services.commands import App
 from services.ui.sessions import COOKIE, Sessions, set_cookie
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN
-from tests.ui.support import Ui, ui_fixture  # noqa: F401  # registers the fixture
+from tests.ui.support import Page, Ui, ui_fixture  # noqa: F401  # the fixture
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
 
@@ -390,3 +395,53 @@ async def test_api_clients_still_get_problem_details_for_unknown_paths(ui: Ui) -
     assert curl.headers["Content-Type"].startswith("application/problem+json")
     wrong = await ui.http.call("PUT", "/api/v1/orgs/acme", json={})
     assert wrong.status == 405 and wrong.content_type == "application/problem+json"
+
+
+async def _signin_headers(server: BaseTestServer, token: str, headers: dict[str, str]) -> Page:
+    """A sign-in through `server` with `headers` on both requests, redirects not followed;
+    the pre-session cookie sent by hand (a Secure one is not sent back over plain HTTP by
+    the test's client, as a browser would over the proxy's TLS)."""
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as s:
+        async with s.get(server.make_url("/"), headers=headers) as r:
+            form = Page(r.status, await r.text(), r.headers, str(r.url))
+            presign = r.cookies["rp_presign"].value
+        async with s.post(
+            server.make_url("/signin"),
+            data={"token": token, "csrf": form.csrf},
+            headers={**headers, "Cookie": f"rp_presign={presign}"},
+            allow_redirects=False,
+        ) as r:
+            return Page(r.status, await r.text(), r.headers, str(r.url))
+
+
+async def test_x_forwarded_proto_is_ignored_unless_the_deployment_is_behind_a_tls_proxy(
+    ui: Ui, nc: NATS, app: App, tmp_path: Path
+) -> None:
+    """Attack: a client over plain HTTP says X-Forwarded-Proto: https. Without the flag
+    nothing changes (no Secure cookie, its https Origin is another origin). With it (a
+    proxy that sets the header), the cookie is Secure and the https Origin is ours."""
+    acme, _ = await _setup(ui)
+    host = ui.server.make_url("/").authority
+    forged = {"X-Forwarded-Proto": "https", "Origin": f"https://{host}"}
+    plain = await _signin_headers(ui.server, acme["viewer"], forged)
+    assert plain.status == 403 and "another origin" in plain.text  # https is not this site
+    plain = await _signin_headers(ui.server, acme["viewer"], {"X-Forwarded-Proto": "https"})
+    assert plain.status == 303
+    assert "secure" not in _set_cookie(plain.headers, "rp_session").lower().replace("samesite", "")
+    async with Projector(nc, tmp_path / "proxied.sqlite") as projector:
+        assert await projector.wait_for(ui.http.api.projector.seq)
+        web_app = build_app(
+            app=app, projector=projector, admin_token=ADMIN_TOKEN, behind_tls_proxy=True
+        )
+        async with TestClient(TestServer(web_app)) as client:
+            host = client.server.make_url("/").authority
+            proxied = {"X-Forwarded-Proto": "https", "Origin": f"https://{host}"}
+            page = await _signin_headers(client.server, acme["viewer"], proxied)
+            assert page.status == 303, page.text[:300]
+            cookie = _set_cookie(page.headers, "rp_session").lower().replace("samesite", "")
+            assert "secure" in cookie
+            direct = await _signin_headers(client.server, acme["viewer"], {})
+            assert direct.status == 303  # plain HTTP to the proxied deployment: not Secure
+            assert "secure" not in _set_cookie(direct.headers, "rp_session").lower().replace(
+                "samesite", ""
+            )
