@@ -3,10 +3,12 @@
 The cookie (`rp_session`) carries only a random session id: `HttpOnly` (no script reads
 it), `SameSite=Strict` (no other site's page sends it), `Secure` when the request came by
 TLS (to this process, or to the deployment's TLS proxy when it says it has one:
-`--behind-tls-proxy`; else X-Forwarded-Proto is a client's word, ignored). The server keeps the session (its token, organization and CSRF token) in a NATS
-bucket (`rp-ui-sessions`, services/infra/kv.py) that every api replica reads, so a
-browser signed in through one replica is signed in on all, and signing out on any ends
-it on all, whatever the browser keeps. Each request authenticates the session's token
+`--behind-tls-proxy`; else X-Forwarded-Proto is a client's word, ignored).
+
+The server keeps the session (its token, organization and CSRF token) in a NATS bucket
+(`rp-ui-sessions`, services/infra/kv.py) that every api replica reads, so a browser
+signed in through one replica is signed in on all, and signing out on any ends it on
+all, whatever the browser keeps. Each request authenticates the session's token
 again (services/api/auth.py), so a token revoked or expired ends its sessions at once. A
 sign-in always mints a new id (no fixation: an id planted before it is never promoted),
 and a session is bound to the one organization it signed in to.

@@ -15,6 +15,7 @@ from nats.aio.client import Client as NATS
 from projections.projector import Projector
 from services.api.app import build_app
 from services.commands import App
+from services.processes import banner
 from services.ui.sessions import COOKIE, Sessions, set_cookie
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN
@@ -445,3 +446,15 @@ async def test_x_forwarded_proto_is_ignored_unless_the_deployment_is_behind_a_tl
             assert "secure" not in _set_cookie(direct.headers, "rp_session").lower().replace(
                 "samesite", ""
             )
+
+
+def test_up_s_banner_says_to_open_the_url_in_a_browser_and_sign_in_with_the_token() -> None:
+    lines = banner("http://127.0.0.1:8080", "rp_admin_x", "demo", "hello", runplane="rp")
+    assert lines[0] == "runplane is up at http://127.0.0.1:8080"
+    assert lines[1] == (
+        "Open http://127.0.0.1:8080/ in a browser and sign in with the admin token below "
+        "(organization demo)."
+    )
+    assert "admin token: rp_admin_x" in lines
+    bare = banner("http://127.0.0.1:9", "t", "demo", "", runplane="rp")
+    assert "(an organization's name)" in bare[1]
