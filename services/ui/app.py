@@ -17,7 +17,7 @@ import jinja2
 from aiohttp import web
 
 from services.api.context import API
-from services.api.middleware import SELF_AUTHENTICATED
+from services.api.middleware import SELF_AUTHENTICATED, problems
 from services.ui import actions, live, pages, signin
 from services.ui.sessions import TLS_PROXY, Sessions
 from services.ui.templating import GLOBALS
@@ -64,9 +64,9 @@ def mount(
     web_app[TLS_PROXY] = behind_tls_proxy
     web_app[live.CLOSING] = asyncio.Event()
     web_app.on_shutdown.append(live.close_streams)
-    # Outside the problem-details middleware (after the request log): a browser's page
+    # Just outside the problem-details middleware (inside the request log): a browser's page
     # that is no route gets HTML before the API's JSON 404 / 405 / 401 is made.
-    web_app.middlewares.insert(1, html_errors)
+    web_app.middlewares.insert(web_app.middlewares.index(problems), html_errors)
     web_app.add_routes(ROUTES)
     web_app.router.add_static(STATIC, HERE / "static")
     # Exactly the UI's own paths: whatever else is mounted keeps the bearer check.

@@ -42,6 +42,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from services.infra import kv
+from services.infra.directget import as_raw, leader_get
 from services.infra.kv import UI_SESSION_IDLE_S, UI_SESSIONS_BUCKET, KvError
 
 COOKIE = "rp_session"
@@ -177,15 +178,19 @@ class Sessions:
             raise KvError(f"reading a session: {e!r}") from e
 
     async def _leader_get(self, key: str) -> tuple[bytes, int] | None:
-        js = self.nc.jetstream(timeout=self.timeout)
         subject = f"$KV.{UI_SESSIONS_BUCKET}.{key}"
-        try:
-            raw = await js.get_msg(_STREAM, subject=subject, direct=False)
-        except nats.js.errors.NotFoundError:
+        raw = await leader_get(
+            self.nc,
+            _STREAM,
+            as_raw,
+            subject=subject,
+            what="a session",
+            error=KvError,
+            timeout=self.timeout,
+        )
+        if raw is None or raw.headers.get(KV_OP) in (KV_DEL, KV_PURGE) or not raw.data:
             return None
-        if (raw.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE) or not raw.data:
-            return None
-        return raw.data, int(raw.seq or 0)
+        return raw.data, raw.seq
 
     async def _touch(
         self, session_id: str, key: str, session: Session, revision: int, now: float
