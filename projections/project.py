@@ -341,6 +341,7 @@ def _workspace_row(event: WorkspaceCreated) -> Row:
         "dispatch_timeout": cfg.dispatch_timeout,
         "managed_state": int(cfg.managed_state),
         "lock_json": None,
+        "folder": event.folder,
     }
 
 

@@ -17,6 +17,7 @@ from typing import Any, Self
 import aiosqlite
 import msgspec
 
+from events.run import TERMINAL
 from projections import changes, notifications, state_versions
 from projections.schema import TABLES
 
@@ -39,6 +40,13 @@ _TOKEN_JOIN = (
     "tokens t LEFT JOIN token_revocations r ON r.token_id = t.token_id"
     " LEFT JOIN token_uses u ON u.token_id = t.token_id"
 )
+# The runs not ended: the one each workspace holds, and those waiting in its queue.
+_ACTIVE_IDS = (
+    "SELECT active_run FROM workspaces WHERE org = ? AND active_run IS NOT NULL "
+    "UNION SELECT run_id FROM ws_queue WHERE org = ?"
+)
+# A run that just ended may still be its workspace's active run until it is released.
+_ENDED = ", ".join(f"'{s}'" for s in sorted(str(t) for t in TERMINAL))
 _ENVELOPE = ("type", "at", "actor")
 _MAX_LIMIT = 1000
 
@@ -272,6 +280,59 @@ class ReadModel:
 
     # ------------------------------------------------------------ whole model
 
+    # ------------------------------------------------------------ the web UI's pages
+
+    async def active_runs(self, org: str, limit: int) -> tuple[list[dict[str, Any]], int, int]:
+        """The organization's active runs (the bar of every UI page), those awaiting
+        approval first, then oldest first (at most `limit`); how many are active, and how
+        many of them await approval. One statement, so the counts and the rows agree."""
+        rows = await self._all(
+            # CROSS JOIN keeps the active ids outermost: each run is one primary-key probe,
+            # where `org = ? AND id IN (...)` had SQLite walk all the organization's runs.
+            f"SELECT {_cols('runs')}, count(*) OVER () AS active, "
+            "sum(runs.status = 'awaiting_approval') OVER () AS awaiting "
+            f"FROM ({_ACTIVE_IDS}) AS a CROSS JOIN runs ON runs.id = a.active_run "
+            f"WHERE runs.org = ? AND runs.status NOT IN ({_ENDED}) "
+            "ORDER BY runs.status = 'awaiting_approval' DESC, runs.created_at, runs.id LIMIT ?",
+            (org, org, org, limit),
+        )
+        if not rows:
+            return [], 0, 0
+        return [_run(r) for r in rows], int(rows[0]["active"]), int(rows[0]["awaiting"])
+
+    async def latest_runs(self, org: str) -> dict[str, dict[str, Any]]:
+        """Each workspace's newest run: its id and status (one index probe per workspace,
+        in one statement)."""
+        newest = (
+            "SELECT (SELECT r.id FROM runs r WHERE r.org = w.org AND r.workspace = w.name "
+            "ORDER BY r.created_at DESC, r.id DESC LIMIT 1) FROM workspaces w WHERE w.org = ?"
+        )
+        rows = await self._all(
+            f"SELECT id, workspace, status FROM runs WHERE id IN ({newest})", (org,)
+        )
+        return {r["workspace"]: dict(r) for r in rows}
+
+    async def workspace_summaries(self, org: str) -> list[dict[str, Any]]:
+        """Every workspace of the organization by name: its folder, lock, active run and
+        how many runs wait in its queue (what the organization page lists; nothing it
+        skips is decoded, and no workspace is loaded from the event store)."""
+        rows = await self._all(
+            "SELECT w.name, w.folder, w.active_run, w.lock_json, "
+            "(SELECT count(*) FROM ws_queue q WHERE q.org = w.org AND q.workspace = w.name) "
+            "AS waiting FROM workspaces w WHERE w.org = ? ORDER BY w.name",
+            (org,),
+        )
+        return [
+            {
+                "name": r["name"],
+                "folder": r["folder"] or "",
+                "active_run": r["active_run"],
+                "waiting": r["waiting"],
+                "lock": msgspec.json.decode(r["lock_json"]) if r["lock_json"] else None,
+            }
+            for r in rows
+        ]
+
     async def dump(self) -> dict[str, list[tuple[Any, ...]]]:
         """Every table's rows sorted by primary key: two equal dumps are equal read models."""
         async with self._snapshot():
@@ -292,6 +353,11 @@ def _summary(row: aiosqlite.Row, prefix: str) -> dict[str, int] | None:
     if row[f"{prefix}_add"] is None:
         return None
     return {k: row[f"{prefix}_{k}"] for k in ("add", "change", "destroy")}
+
+
+def _cols(table: str) -> str:
+    """The run columns, each named by `table` (for a statement that joins)."""
+    return ", ".join(f"{table}.{c.strip()}" for c in _RUN_COLS.split(","))
 
 
 def _run(row: aiosqlite.Row) -> dict[str, Any]:

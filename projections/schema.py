@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 8
+VERSION = 9
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -94,6 +94,7 @@ WORKSPACES = Table(
     "dispatch_timeout INTEGER",
     "managed_state INTEGER",  # 0: the workspace brings its own backend
     "lock_json TEXT",  # {"holder", "reason", "locked_at"} while locked, else NULL
+    "folder TEXT",  # the folder it inherits settings from; "" for the organization
 )
 WS_QUEUE = Table(
     "ws_queue",

@@ -39,6 +39,14 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
     )
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
+        p.add_argument(
+            "--behind-tls-proxy",
+            action="store_true",
+            default=os.environ.get("RUNPLANE_BEHIND_TLS_PROXY", "") in ("1", "true", "yes"),
+            help="browsers reach the API through a TLS proxy that sets X-Forwarded-Proto "
+            "(also RUNPLANE_BEHIND_TLS_PROXY=1): the web UI's cookies are Secure when it "
+            "says https; without it the header is ignored (a client could send it)",
+        )
 
 
 class _RefuseSecret(argparse.Action):
@@ -170,6 +178,7 @@ def options(ns: argparse.Namespace) -> Options:
         nats_auth=_nats_auth(ns),
         replicas=ns.replicas,
         listen=getattr(ns, "listen", "127.0.0.1:8080"),
+        behind_tls_proxy=getattr(ns, "behind_tls_proxy", False),
         admin_token=os.environ.get("RUNPLANE_ADMIN_TOKEN", ""),
         encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
         pool=getattr(ns, "pool", "default"),

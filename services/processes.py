@@ -59,6 +59,7 @@ async def _start_api(
         repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
         # the scraper's credential for /metrics alone (environment only: never argv)
         metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
+        behind_tls_proxy=opts.behind_tls_proxy,
     )
     return await stack.enter_async_context(http_site(web_app, opts.listen))
 
@@ -152,12 +153,15 @@ DEFAULT_URL = "http://127.0.0.1:8080"  # `runplane logs`'s default --url
 
 
 def banner(base: str, token: str, org: str, ws: str, *, runplane: str) -> list[str]:
-    """What `up` prints: where it is, the token, and the quick start's commands, which
+    """What `up` prints: where it is, to open it in a browser and sign in with the token
+    (the web UI, services/ui), the token, and the quick start's commands, which
     work pasted into another shell (curl and jq are the README's prerequisites). They
     are the README's "Run it" commands, which tests/test_readme.py runs, but for the
     token's value, this server's address and how to run `runplane` from here."""
+    where = f"organization {org}" if ws else "an organization's name"
     lines = [
         f"runplane is up at {base}",
+        f"Open {base}/ in a browser and sign in with the admin token below ({where}).",
         f"API reference: {base}/api/docs/",
         f"admin token: {token}",
         "",

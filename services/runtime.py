@@ -42,6 +42,7 @@ class Options:
     nats_auth: NatsAuth = field(default_factory=NatsAuth)
     replicas: int = 0  # of every stream, bucket and consumer; 0: 1 alone, 3 on a cluster
     listen: str = "127.0.0.1:8080"
+    behind_tls_proxy: bool = False  # X-Forwarded-Proto is believed (services/ui/sessions.py)
     admin_token: str = ""
     pool: str = "default"
     terraform_binary: str = ""

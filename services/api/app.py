@@ -37,6 +37,7 @@ from services.infra.metrics import Metrics
 from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 from services.secrets import SecretStore
+from services.ui import app as ui
 
 if TYPE_CHECKING:
     from projections.projector import Projector
@@ -118,6 +119,7 @@ def build_app(
     repositories: Sources | None = None,
     policy_sandbox: PolicySandbox | None = None,
     metrics_token: str = "",
+    behind_tls_proxy: bool = False,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -125,7 +127,8 @@ def build_app(
     `repositories` a workspace may name any repository (the processes pass the
     deployment's, services/repositories.py). Without a `policy_sandbox`, policies are
     checked with the deployment's caps (environment). `metrics_token`: a token that
-    opens `/metrics` and nothing else (services/api/metrics.py).
+    opens `/metrics` and nothing else (services/api/metrics.py). `behind_tls_proxy`: the
+    web UI believes X-Forwarded-Proto (services/ui/sessions.py).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -139,4 +142,6 @@ def build_app(
     web_app[metrics.METRICS_TOKEN] = metrics.token_digest(metrics_token)
     web_app.on_cleanup.append(lambda _: deployment_metrics.close())
     web_app.add_routes(ROUTES)
+    # the web UI: its own routes, authenticated by its session cookie
+    ui.mount(web_app, behind_tls_proxy=behind_tls_proxy)
     return web_app

@@ -111,9 +111,17 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         return Problem("internal-error", "an unexpected error occurred").response()
 
 
+# Routes (canonical paths) that authenticate their own requests: the web UI's, by its
+# session cookie (services/ui/sessions.py); the UI adds them when it is mounted.
+SELF_AUTHENTICATED: web.AppKey[frozenset[str]] = web.AppKey("runplane.self_auth", frozenset)
+
+
 def _is_public(request: web.Request) -> bool:
     resource = request.match_info.route.resource
-    return resource is not None and resource.canonical in PUBLIC
+    if resource is None:
+        return False
+    own = request.app.get(SELF_AUTHENTICATED, frozenset())
+    return resource.canonical in PUBLIC or resource.canonical in own
 
 
 @web.middleware

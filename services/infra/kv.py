@@ -4,7 +4,10 @@
   with optimistic concurrency (`update(..., last=revision)`);
 - `rp-state-locks`: `<org>.<ws>` -> the Terraform lock held on the workspace's state,
   taken with `create` so that only one holder can exist;
-- `rp-secrets`: `<org>.<ws>.<name>` -> one secret variable's value, sealed (never clear).
+- `rp-secrets`: `<org>.<ws>.<name>` -> one secret variable's value, sealed (never clear);
+- `rp-ui-sessions`: the web UI's browser sessions (services/ui/sessions.py), keyed by a
+  digest of the cookie's id, sealed with a key only that id gives; a key not written for
+  `UI_SESSION_IDLE_S` is dropped by the bucket itself.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ from services.infra.directget import DirectReader, InfraError, as_raw, leader_ge
 STATE_HEAD_BUCKET = "rp-state-head"
 STATE_LOCKS_BUCKET = "rp-state-locks"
 SECRETS_BUCKET = "rp-secrets"
-BUCKETS = (STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET, SECRETS_BUCKET)
+UI_SESSIONS_BUCKET = "rp-ui-sessions"
+UI_SESSION_IDLE_S = 8 * 3600.0  # a session unused this long is gone
+BUCKETS = (STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET, SECRETS_BUCKET, UI_SESSIONS_BUCKET)
+_TTL = {UI_SESSIONS_BUCKET: UI_SESSION_IDLE_S}  # the others keep their keys forever
 _BATCH = 1000
 
 
@@ -44,6 +50,7 @@ async def declare_buckets(nc: NATS, js: JetStreamContext, *, replicas: int) -> N
                     storage=StorageType.FILE,
                     replicas=replicas,
                     direct=True,
+                    ttl=_TTL.get(bucket),
                 )
             )
         else:
@@ -66,6 +73,14 @@ async def last_values(
     found, upto = await direct_last_values(nc, bucket, pattern, timeout=timeout)
     if upto >= need:
         return found
+    return await _leader_last_values(nc, bucket, pattern, timeout)
+
+
+async def leader_last_values(
+    nc: NATS, bucket: str, pattern: str, *, timeout: float = 5.0
+) -> dict[str, bytes]:
+    """The keys matching `pattern` read from the stream's leader alone: no follower is
+    asked (one stopped or behind costs nothing), one get per key."""
     return await _leader_last_values(nc, bucket, pattern, timeout)
 
 
