@@ -42,6 +42,7 @@ TRIGGERS = (
 VERIFICATION = "verification"  # the trigger of a `verify` delivery
 DESTINATIONS = ("generic", "slack", "teams")
 MAX_NAME = 100
+MAX_CONFIGS = 100  # per organization, its workspaces' included
 MAX_URL = 2048
 MAX_EXCERPT = 512  # characters of a receiver's answer kept per attempt
 # Seconds between attempts (HCP Terraform retries on a similar curve), and when to stop.

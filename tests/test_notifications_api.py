@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from events import notification as nt
 from services.infra.streams import EVENTS
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the `nhttp` fixture
@@ -269,3 +270,20 @@ async def test_a_run_created_through_the_api_is_notified_by_the_subscriber(
             await eventually(two, what="both deliveries")
         assert {g.json["run_id"] for g in r.got} == {run["id"]}
         assert len(r.deliveries()) == 2 and all(g.tfe_ok and g.rp_ok for g in r.got)
+
+
+async def test_an_organization_has_a_bounded_number_of_configurations(
+    nhttp: Http, orgs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each configuration is a lane of deliveries: one tenant cannot add them without
+    bound. Past the bound (its workspaces' included) a create is 422; another
+    organization is not counted against it."""
+    monkeypatch.setattr(nt, "MAX_CONFIGS", 3)
+    await _config(nhttp)
+    await _config(nhttp, ws="net")
+    await _config(nhttp, ws="db")
+    a = await nhttp.post(
+        f"{V1}/acme/notifications", json={"name": "x", "url": "https://93.184.215.14/"}
+    )
+    assert a.status == 422 and "at most 3" in a.body["detail"], a.body
+    await _config(nhttp, org="beta")

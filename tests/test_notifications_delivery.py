@@ -21,7 +21,7 @@ from events.codec import run_subject
 from services.commands import App
 from services.infra.eventstore import EventStore
 from services.notifications import formats, outbox
-from services.notifications.delivery import Dispatcher, Policy
+from services.notifications.delivery import Dispatcher, Job, Policy
 from services.notifications.subscriber import Notifier
 from tests.helpers import eventually
 from tests.notify_support import Receiver
@@ -358,3 +358,34 @@ async def test_the_unfinished_list_is_kept_by_reading_only_what_is_new(rig: Rig)
     assert [d for _, _, d in await pending.refresh()] == [jobs[1].delivery_id]
     assert pending.cursor > first_cursor
     assert [d for _, _, d in await pending.refresh()] == [jobs[1].delivery_id]  # nothing new
+
+
+async def test_one_organizations_hanging_receivers_delay_no_other_organization() -> None:
+    """Org A's 4 hanging destinations, 4 deliveries each, could hold every attempt slot of
+    the deployment (8 here) for their whole timeout; its own slots (`per_org`, 3) bound
+    them, so org B's delivery goes at once."""
+    policy = _policy(concurrency=8, per_org=3, per_destination=4, timeout=6.0)
+    sent: list[str] = []
+
+    async def record(job: Job, event: nt.DeliveryAttempted) -> int:
+        sent.append(job.org)
+        return 0  # not recorded: the job is done with
+
+    def job(org: str, config_id: str, n: int, url: str) -> Job:
+        did = f"{config_id}-{n}"
+        return Job(org, config_id, did, url, "run:created", "r", b"{}")
+
+    async with (
+        Receiver(then=0) as hung,
+        Receiver() as ok,
+        Dispatcher(policy, _no_token, record) as dispatcher,
+    ):
+        for c in range(4):
+            for n in range(4):
+                assert dispatcher.submit(job("orga", f"a{c}", n, hung.url))
+        await eventually(lambda: _n(hung, 3), what="org A's attempts under way")
+        t0 = time.monotonic()
+        assert dispatcher.submit(job("orgb", "b0", 0, ok.url))
+        await eventually(lambda: _n(ok, 1), what="org B's delivery")
+        assert time.monotonic() - t0 < 3, "not behind org A's 6 s timeouts"
+        assert len(hung.got) == 3, "org A holds its own slots only"

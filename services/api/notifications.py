@@ -29,6 +29,7 @@ from aiohttp import web
 from msgspec import Meta
 
 from events import notification as nt
+from events.errors import Invalid
 from services.api import secrets as secrets_api
 from services.api.auth import ADMIN, VIEWER, Principal
 from services.api.bodies import Body, read_body
@@ -125,6 +126,9 @@ async def create(request: web.Request) -> web.Response:
     ws = _ws_of(request)
     body = await read_body(request, NotificationBody)
     await _workspace(api, org, ws)
+    if len(await outbox.configs(api.app.store, org)) >= nt.MAX_CONFIGS:
+        # Each configuration is a lane of deliveries: a bound on what one tenant adds.
+        raise Invalid(f"an organization has at most {nt.MAX_CONFIGS} notification configurations")
     config_id = api.app.ids()
     cmd = nt.SaveConfig(
         actor=who.user,

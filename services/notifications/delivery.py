@@ -93,6 +93,9 @@ class Policy:
     timeout: float = 10.0  # one attempt, from connecting to the end of the answer
     concurrency: int = 256  # attempts in flight, all lanes together
     per_destination: int = 4  # attempts in flight to one destination (its lane's workers)
+    # Attempts in flight for one organization, all its destinations together: one
+    # tenant's hanging receivers hold at most these of `concurrency`, never all of it.
+    per_org: int = 32
     clock: Callable[[], datetime] = field(default=lambda: datetime.now(UTC))
 
 
@@ -281,6 +284,7 @@ class Dispatcher:
         self.sender = Sender(policy)
         self.lanes: dict[str, Lane] = {}
         self.slots = asyncio.Semaphore(policy.concurrency)
+        self.org_slots: dict[str, asyncio.Semaphore] = {}
         self.in_hand: set[str] = set()  # delivery ids on a lane of this process
         self.sent = 0  # attempts made
         # Set once the sender is open: a delivery submitted before waits on its lane.
@@ -316,6 +320,12 @@ class Dispatcher:
         lane.put(job)
         return True
 
+    def _org_slot(self, org: str) -> asyncio.Semaphore:
+        slot = self.org_slots.get(org)
+        if slot is None:
+            slot = self.org_slots[org] = asyncio.Semaphore(max(1, self.policy.per_org))
+        return slot
+
     def busy(self) -> int:
         """Deliveries in hand (queued, in flight, or waiting for a retry)."""
         return len(self.in_hand)
@@ -340,7 +350,8 @@ class Dispatcher:
             run_id=job.run_id,
             attempt=job.attempts + 1,
         ):
-            async with self.slots:
+            # The organization's own slot first: waiting for it holds none of the others'.
+            async with self._org_slot(job.org), self.slots:
                 headers = tracing.inject(
                     {
                         "Content-Type": job.content_type,
