@@ -36,7 +36,7 @@ from services.infra.streams import STATE_BUCKET
 
 log = structlog.get_logger(__name__)
 
-WRONG_LAST_SEQUENCE = 10071
+WRONG_LAST_SEQUENCES = frozenset({10071, 10164})  # and its constant form (a cluster's)
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
 
 
@@ -283,7 +283,7 @@ class StateStore:
         try:
             await kv.delete(ws_key(org, ws), last=last)
         except nats.js.errors.APIError as e:
-            if e.err_code == WRONG_LAST_SEQUENCE:
+            if e.err_code in WRONG_LAST_SEQUENCES:
                 raise HeadMoved(f"the state lock of {org}/{ws} changed hands") from e
             raise StateStoreError(f"unlocking the state of {org}/{ws}: {e!r}") from e
         except _NATS_ERRORS as e:

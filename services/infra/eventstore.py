@@ -37,6 +37,9 @@ from services.infra.streams import EVENTS
 
 _BATCH = 1000
 WRONG_LAST_SEQUENCE = 10071
+# The same refusal in its constant form (no sequence in the text), which a clustered
+# stream answers while another write to the subject is in flight (nats-py's KV takes both).
+WRONG_LAST_SEQUENCES = frozenset({WRONG_LAST_SEQUENCE, 10164})
 # Envelopes kept by each EventStore (whole subject histories, least recently read dropped).
 CACHE_EVENTS = 50_000
 # How often a store asks again how many replicas its stream has: one replica has no
@@ -300,7 +303,7 @@ class EventStore:
             err = ack.error
             if err is None:
                 return ack.seq
-            if err.err_code in (WRONG_LAST_SEQUENCE, BATCH_DUPLICATE_ID):
+            if err.err_code in WRONG_LAST_SEQUENCES or err.err_code == BATCH_DUPLICATE_ID:
                 landed = await self._landed(items, ids)
                 if landed:
                     return landed

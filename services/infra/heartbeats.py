@@ -40,7 +40,7 @@ from services.infra.streams import HEARTBEATS
 PHASES = ("plan", "apply")
 # `rp.hb.<run>.deadline` (DEADLINE): when the run's limits pass (services/scheduler/limits.py).
 CLOCK_SUBJECT = "rp.hb._clock.now"
-WRONG_LAST_SEQUENCE = 10071
+WRONG_LAST_SEQUENCES = frozenset({10071, 10164})  # and its constant form (a cluster's)
 # Small pages, and a pause every few entries parsed: a board of thousands of entries is
 # read in slices, so the scheduler sharing the process never waits for a whole read (at
 # about 25 us per entry, a 1,000-entry page parsed at once held it for 25 ms).
@@ -206,7 +206,7 @@ class Board:
             raise BoardError(f"publishing on {subj}: an unreadable answer") from e
         if ack.error is None:
             return ack.seq
-        if ack.error.err_code == WRONG_LAST_SEQUENCE:
+        if ack.error.err_code in WRONG_LAST_SEQUENCES:
             return 0
         raise BoardError(f"publishing on {subj}: {ack.error.description}")
 

@@ -24,7 +24,7 @@ from events import notification as nt
 from events.codec import decode, encode, tag_of
 from events.errors import Conflict
 from services.infra import tracing
-from services.infra.eventstore import WRONG_LAST_SEQUENCE, Append, EventStore
+from services.infra.eventstore import WRONG_LAST_SEQUENCES, Append, EventStore
 from services.infra.streams import EVENTS
 from services.notifications import formats
 from services.notifications.delivery import Current, DeliveryError, Job, Recorder
@@ -134,7 +134,7 @@ async def _first(store: EventStore, subject: str, event: nt.DeliveryScheduled, d
             subject, encode(event), timeout=store.timeout, stream=EVENTS, headers=headers
         )
     except nats.js.errors.APIError as e:
-        if e.err_code == WRONG_LAST_SEQUENCE:
+        if e.err_code in WRONG_LAST_SEQUENCES:
             return 0
         raise DeliveryError(f"scheduling {did}: {e}") from e
     except (TimeoutError, nats.errors.Error) as e:
