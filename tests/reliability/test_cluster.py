@@ -39,9 +39,16 @@ import nats.errors
 import pytest
 
 from services import natsstatus
+from services.chat import subscriber as chat
 from services.cli import options, parser
 from services.infra.kv import BUCKETS
-from services.infra.streams import OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer
+from services.infra.streams import (
+    OBJECT_BUCKETS,
+    SCHEDULER_CONSUMER,
+    executor_consumer,
+    subscriber_consumer,
+)
+from services.notifications import subscriber as notifications
 from tests.cluster_support import NatsCluster
 from tests.procs import Proc
 from tests.reliability.chaos_support import (
@@ -346,7 +353,7 @@ def exec_start(unit: Path, instance: str) -> list[str]:
     return [re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), w) for w in words]
 
 
-@pytest.mark.parametrize("role", ["api", "scheduler", "executor"])
+@pytest.mark.parametrize("role", ["api", "scheduler", "executor", "subscribers"])
 def test_each_unit_runs_a_command_the_cli_takes_and_instances_do_not_collide(role: str) -> None:
     unit = DEPLOY / "systemd" / f"runplane-{role}@.service"
     assert "EnvironmentFile=/etc/runplane/env" in unit.read_text()
@@ -366,6 +373,9 @@ def test_the_deploy_readme_names_everything_runplane_declares_and_reads() -> Non
     readme = (DEPLOY / "README.md").read_text()
     names = [stream for _, stream in natsstatus.declared()]
     names += [*BUCKETS, *OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer("<pool>")]
+    subscribers = (notifications.NAME, chat.REQUESTS_NAME, chat.UPDATES_NAME)
+    names += [subscriber_consumer(n) for n in subscribers]
+    assert "`runplane-subscribers@<n>`" in readme  # without one, no notification is sent
     assert [n for n in names if f"`{n}`" not in readme and f"> {n}`" not in readme] == []
     # Every variable the environment file of the README sets is one runplane reads.
     source = "\n".join(p.read_text() for p in (DEPLOY.parent / "services").rglob("*.py"))
