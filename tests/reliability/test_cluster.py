@@ -18,6 +18,10 @@ run's GET identically once caught up (`RP-Min-Seq`), and their read models equal
 other and a replay; every stream, bucket and durable consumer still has 3 replicas
 after every restart, and `runplane nats status` exits 0 at the end. The summary (runs,
 faults, recovery times, 5xx) is printed and written to `last_cluster.json`.
+
+`test_cluster_notifications_*`: issue 12's event path on the same cluster, 2 `runplane
+subscribers` replicas and a local receiver, while a replica and the `RP_EVENTS` leader's
+node are killed -9 (see the section below).
 """
 
 from __future__ import annotations
