@@ -35,6 +35,9 @@ log = structlog.get_logger(__name__)
 
 MAX_AGE = timedelta(minutes=30)  # Slack's response_url lives 30 minutes
 REQUESTS = ("rp.org.*.chat.slack.req.*",)
+# The subscriptions' names (their durable consumers are rp-sub-<name>: deploy/README.md).
+REQUESTS_NAME = "chat-slack-requests"
+UPDATES_NAME = "chat-slack-updates"
 
 
 def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
@@ -70,11 +73,11 @@ def build(app: App, keyring: KeyRing, poster: Poster) -> list[Subscription]:
 
     return [
         Subscription(
-            name="chat-slack-requests",
+            name=REQUESTS_NAME,
             handle=on_request,
             subjects=REQUESTS,
             lane=by_subject,
             start="all",
         ),
-        Subscription(name="chat-slack-updates", handle=on_run, with_state=True),
+        Subscription(name=UPDATES_NAME, handle=on_run, with_state=True),
     ]

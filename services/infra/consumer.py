@@ -30,6 +30,7 @@ message put back (Retry, overflow) comes again after later ones.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -39,6 +40,7 @@ from typing import Any, Literal
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -60,6 +62,7 @@ PROGRESS_EVERY = 2.0  # well inside every consumer's ack wait (streams.py)
 FAILED_DELAY = 2.0  # an unexpected error: again soon, not at once
 TRANSIENT_DELAY = 0.5  # the broker or the store hiccuped
 OVERFLOW_DELAY = 1.0  # a lane full: its next messages come back later
+LEADERLESS_LOG_S = 30.0  # a fetch answered 503 (no leader) is logged this often
 FOLDED_KEPT = 10_000  # aggregates whose last folded state is kept (see `_fold`)
 
 
@@ -241,22 +244,41 @@ class Consumer:
                     pass
 
     async def _fetching(self, sub: JetStreamContext.PullSubscription) -> None:
+        leaderless = warned = 0.0  # since when it has had no leader (0: it has one)
         while not self._stopping.is_set():
             try:
                 msgs = await sub.fetch(self.batch, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
+            except (TimeoutError, nats.errors.TimeoutError):  # answered: nothing new
+                leaderless = self._leader_back(leaderless)
                 continue
             except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError):
+                await asyncio.sleep(0.5)
+                continue
+            except nats.js.errors.ServiceUnavailableError:
+                # A cluster electing the consumer's leader (its node lost) answers 503
+                # for a few seconds: an expected fault, logged as it starts and every
+                # LEADERLESS_LOG_S while it lasts (a consumer deleted would never end).
+                t = time.monotonic()
+                if not leaderless or t - warned >= LEADERLESS_LOG_S:
+                    leaderless, warned = leaderless or t, t
+                    self._log.warning("consumer_leaderless", for_s=round(t - leaderless, 1))
                 await asyncio.sleep(0.5)
                 continue
             except Exception:  # keep consuming through broker hiccups
                 log.exception("consumer_fetch_failed", consumer=self.durable)
                 await asyncio.sleep(0.5)
                 continue
+            leaderless = self._leader_back(leaderless)
             try:
                 await self._hand_out(msgs)
             except Exception:  # unhandled ones are redelivered after the ack wait
                 log.exception("consumer_batch_failed", consumer=self.durable)
+
+    def _leader_back(self, leaderless: float) -> float:
+        """A fetch answered: the end of a leaderless spell, if one was on (logged)."""
+        if leaderless:
+            self._log.info("consumer_leader_back", after_s=round(time.monotonic() - leaderless, 2))
+        return 0.0
 
     async def _hand_out(self, msgs: list[Msg]) -> None:
         """Hand a batch to its lanes and return without waiting for them (only for room:
