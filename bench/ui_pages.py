@@ -2,7 +2,7 @@
 100,000 runs in one organization, 1,000 of them active (one per workspace, 1,000
 workspaces), targets p99 <= 50 ms (run page) and <= 100 ms (organization page).
 
-    PYTHONPATH=$PWD python tests/ui/bench_pages.py [--runs 100000] [--active 1000] [-n 200]
+    PYTHONPATH=$PWD python bench/ui_pages.py [--runs 100000] [--active 1000] [-n 200]
 
 The rows are written straight into the read model's tables (the projector's checkpoint
 untouched), as a replay would have left them; the pages are then asked through the real
