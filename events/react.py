@@ -175,34 +175,23 @@ def react(event: AnyEvent, state: RunState | WorkspaceState | None) -> list[Acti
     (its state may be None); any other needs its state (who it is about, where it led)."""
     if quiet(event):
         return []
-    match event:
-        case (
-            RunCreated()
-            | RunQueued()
-            | RunPinned()
-            | PhaseStarted()
-            | PlanFinished()
-            | RunApproved()
-            | ApplyFinished()
-            | RunDiscarded()
-            | RunCanceled()
-            | RunFailed()
-            | CustomStepFinished()
-        ):
-            if not isinstance(state, RunState) or not state.exists:
-                raise ValueError(f"{type(event).__name__}: react needs the run's state")
-            return _run(event, state)
-        case WorkspaceCreated() | RunEnqueued() | RunReleased() | WorkspaceUnlocked():
-            if not isinstance(state, WorkspaceState) or not state.exists:
-                raise ValueError(f"{type(event).__name__}: react needs the workspace's state")
-            return _workspace(event, state)
-        case _:  # unreachable: `quiet` says which events are not (tests/test_react.py)
-            raise AssertionError(f"{type(event).__name__} is neither quiet nor reacted to")
+    if isinstance(event, RunEventT):
+        if not isinstance(state, RunState) or not state.exists:
+            raise ValueError(f"{type(event).__name__}: react needs the run's state")
+        return _run(event, state)
+    if isinstance(event, WsEventT):
+        if not isinstance(state, WorkspaceState) or not state.exists:
+            raise ValueError(f"{type(event).__name__}: react needs the workspace's state")
+        return _workspace(event, state)
+    # unreachable: `quiet` says which events are not (tests/test_react.py)
+    raise AssertionError(f"{type(event).__name__} is neither quiet nor reacted to")
 
 
 def quiet(event: AnyEvent) -> bool:
     """Whether `event` calls for nothing, whatever its aggregate's state: a consumer
     need not fold the state for it (`with_state=lambda e: not quiet(e)`)."""
+    if isinstance(event, RunEventT | WsEventT):
+        return False
     match event:
         case (
             StepStarted()
@@ -234,24 +223,6 @@ def quiet(event: AnyEvent) -> bool:
             | DeliveryAttempted()
         ):
             return True
-        case (
-            RunCreated()
-            | RunQueued()
-            | RunPinned()
-            | PhaseStarted()
-            | PlanFinished()
-            | RunApproved()
-            | ApplyFinished()
-            | RunDiscarded()
-            | RunCanceled()
-            | RunFailed()
-            | CustomStepFinished()
-            | WorkspaceCreated()
-            | RunEnqueued()
-            | RunReleased()
-            | WorkspaceUnlocked()
-        ):
-            return False
         case (  # chat-ops' own (events/chat.py): its worker reads them itself
             ch.SlackConfigured()
             | ch.SlackRemoved()
