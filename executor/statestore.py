@@ -32,11 +32,10 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 from executor.errors import ExecutorError
 from services.infra.crypto import CryptoError, KeyRing
 from services.infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
-from services.infra.streams import STATE_BUCKET
+from services.infra.streams import STATE_BUCKET, WRONG_LAST_SEQUENCES
 
 log = structlog.get_logger(__name__)
 
-WRONG_LAST_SEQUENCES = frozenset({10071, 10164})  # and its constant form (a cluster's)
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
 
 

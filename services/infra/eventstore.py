@@ -33,13 +33,9 @@ from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
 from services.infra import tracing
 from services.infra.directget import DirectReader, InfraError, leader_get, leader_last_seq
-from services.infra.streams import EVENTS
+from services.infra.streams import EVENTS, WRONG_LAST_SEQUENCES
 
 _BATCH = 1000
-WRONG_LAST_SEQUENCE = 10071
-# The same refusal in its constant form (no sequence in the text), which a clustered
-# stream answers while another write to the subject is in flight (nats-py's KV takes both).
-WRONG_LAST_SEQUENCES = frozenset({WRONG_LAST_SEQUENCE, 10164})
 # Envelopes kept by each EventStore (whole subject histories, least recently read dropped).
 CACHE_EVENTS = 50_000
 # How often a store asks again how many replicas its stream has: one replica has no

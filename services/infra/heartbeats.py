@@ -35,12 +35,11 @@ from events.wire import DEADLINE as DEADLINE
 from events.wire import DISPATCHED as DISPATCHED
 from events.wire import Heartbeat
 from services.infra.directget import DirectReader, InfraError, leader_get
-from services.infra.streams import HEARTBEATS
+from services.infra.streams import HEARTBEATS, WRONG_LAST_SEQUENCES
 
 PHASES = ("plan", "apply")
 # `rp.hb.<run>.deadline` (DEADLINE): when the run's limits pass (services/scheduler/limits.py).
 CLOCK_SUBJECT = "rp.hb._clock.now"
-WRONG_LAST_SEQUENCES = frozenset({10071, 10164})  # and its constant form (a cluster's)
 # Small pages, and a pause every few entries parsed: a board of thousands of entries is
 # read in slices, so the scheduler sharing the process never waits for a whole read (at
 # about 25 us per entry, a 1,000-entry page parsed at once held it for 25 ms).

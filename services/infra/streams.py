@@ -24,6 +24,12 @@ from services.infra.kv import declare_buckets
 
 log = structlog.get_logger(__name__)
 
+# A checked append refused: "wrong last sequence" (10071), and the same in its constant
+# form (10164, no sequence in the text), which a clustered stream answers while another
+# write to the subject is in flight (nats-py's KV takes both). Every checked append here
+# (event store, board, state store, notifications' outbox) tells a conflict by these.
+WRONG_LAST_SEQUENCES = frozenset({10071, 10164})
+
 EVENTS = "RP_EVENTS"
 DISPATCH = "RP_DISPATCH"
 HEARTBEATS = "RP_HEARTBEATS"

@@ -24,8 +24,8 @@ from events import notification as nt
 from events.codec import decode, encode, tag_of
 from events.errors import Conflict
 from services.infra import tracing
-from services.infra.eventstore import WRONG_LAST_SEQUENCES, Append, EventStore
-from services.infra.streams import EVENTS
+from services.infra.eventstore import Append, EventStore
+from services.infra.streams import EVENTS, WRONG_LAST_SEQUENCES
 from services.notifications import formats
 from services.notifications.delivery import Current, DeliveryError, Job, Recorder
 
