@@ -56,8 +56,15 @@ def people_line(_: Any, __: str, event: MutableMapping[str, Any]) -> str:
 
 
 def _short(value: Any, limit: int = 200) -> str:
-    text = str(value).replace("\n", " ")
+    """One line of printable text: a value may be a tenant's (a run's error is its
+    Terraform's output), and an escape sequence written raw to an operator's terminal
+    could retitle it, rewrite what it shows or set its clipboard."""
+    text = "".join(ch if ch.isprintable() else _escaped(ch) for ch in str(value))
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _escaped(ch: str) -> str:
+    return " " if ch == "\n" else ch.encode("unicode_escape").decode("ascii")
 
 
 def configure(fmt: str = "auto", level: str = "info", *, for_people: bool = False) -> str:

@@ -95,3 +95,25 @@ async def test_the_run_watch_logs_each_status_a_run_takes(nc: NATS, app: App) ->
     canceled = next(e for e in seen if e.get("status") == "canceled")
     assert (canceled["org"], canceled["workspace"], canceled["reason"]) == ("acme", "net", "nope")
     assert run_id not in watch.runs  # an ended run is forgotten
+
+
+def test_a_tenants_text_reaches_the_terminal_without_its_control_characters() -> None:
+    """A run's error is its Terraform's output, a tenant's: an escape sequence in it
+    (a title change, an OSC 52 clipboard write, a cursor move) is shown escaped, never
+    written raw to the operator's terminal; a newline is a space, as before."""
+    hostile = "Error: boom\x1b]52;c;ZXZpbA==\x07\x1b[2J\nnext\u202eline"
+    line = logs.people_line(
+        None,
+        "info",
+        {
+            "event": "run_transition",
+            "run_id": "r1",
+            "org": "o",
+            "workspace": "w",
+            "status": "failed",
+            "error": hostile,
+        },
+    )
+    assert "\x1b" not in line and "\x07" not in line and "\u202e" not in line
+    assert "\n" not in line and "boom" in line and "next" in line
+    assert "\\x1b]52;c;ZXZpbA==\\x07" in line
