@@ -72,7 +72,9 @@ from events.run_events import (
 from events.run_state import INITIAL, RunState, advance, final_status
 from events.run_upcast import upcast
 from events.values import (
+    CAUSE_KINDS,
     AttributeChange,
+    Cause,
     PlanSummary,
     ResourceChange,
     Snapshot,
@@ -165,6 +167,8 @@ def _created(s: RunState, event: RunCreated) -> RunState:
         message=event.message,
         speculative=event.speculative,
         template=event.template,
+        cause=event.cause,
+        requested_commit=event.commit,
     )
 
 
@@ -199,6 +203,7 @@ def fold(events: Sequence[RunEvent], state: RunState = INITIAL) -> RunState:
 
 __all__ = [
     "CANCELABLE",
+    "CAUSE_KINDS",
     "INITIAL",
     "RUNNING_STATUS",
     "RUN_TYPES",
@@ -210,6 +215,7 @@ __all__ = [
     "ApproveRun",
     "AttributeChange",
     "CancelRun",
+    "Cause",
     "ClaimPhase",
     "CreateRun",
     "CustomStepFinished",

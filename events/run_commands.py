@@ -8,7 +8,7 @@ from events import policies as po
 from events import templates as te
 from events.approval import Caller
 from events.base import Command
-from events.values import PlanSummary, ResourceChange, Snapshot, Workspace
+from events.values import Cause, PlanSummary, ResourceChange, Snapshot, Workspace
 
 
 class CreateRun(Command, frozen=True, kw_only=True):
@@ -20,6 +20,8 @@ class CreateRun(Command, frozen=True, kw_only=True):
     message: str = ""
     speculative: bool = False
     template: te.Template | None = None
+    cause: Cause | None = None
+    commit: str = ""  # the commit to pin at admission instead of the branch head
 
 
 class AdmitRun(Command, frozen=True, kw_only=True):

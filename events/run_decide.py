@@ -6,6 +6,7 @@ The events that move the run carry where it goes (`status`, `step_at`): worked o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from datetime import datetime
 from typing import TypeVar, assert_never
@@ -65,7 +66,7 @@ from events.run_events import (
     running_status,
 )
 from events.run_state import RunState, advance
-from events.values import RESOURCE_STATES
+from events.values import CAUSE_KINDS, RESOURCE_STATES
 
 
 def _require(state: RunState, allowed: frozenset[Status] | set[Status], what: str) -> None:
@@ -85,6 +86,7 @@ def _fence(state: RunState, lease_id: str) -> None:
 
 
 E = TypeVar("E", bound=Event)
+_SHA = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
 def _record(event_type: type[E], command: Command, now: datetime, **overrides: object) -> E:
@@ -225,6 +227,10 @@ def _check_create(state: RunState, command: CreateRun) -> None:
         raise Invalid(f"unknown run type {command.run_type!r}")
     if command.speculative and command.run_type != "plan":
         raise Invalid("only plan runs can be speculative")
+    if command.cause is not None and command.cause.kind not in CAUSE_KINDS:
+        raise Invalid(f"unknown run cause {command.cause.kind!r}")
+    if command.commit and not _SHA.fullmatch(command.commit):
+        raise Invalid("a run's commit is a full hexadecimal sha (40 or 64 digits)")
     if command.template is not None:
         problem = te.compatible(command.template, command.run_type)
         if problem:

@@ -14,7 +14,7 @@ from enum import StrEnum
 from events import policies as po
 from events import templates as te
 from events.base import Event
-from events.values import PlanSummary, ResourceChange, Snapshot, Workspace
+from events.values import Cause, PlanSummary, ResourceChange, Snapshot, Workspace
 
 
 class Status(StrEnum):
@@ -73,6 +73,8 @@ class RunCreated(Event, frozen=True, kw_only=True, tag="run.created"):
     message: str = ""
     speculative: bool = False  # a plan-only run outside the workspace queue
     template: te.Template | None = None  # None: the built-in of the run type (older runs)
+    cause: Cause | None = None  # why it exists; None: recorded before causes were
+    commit: str = ""  # a pin asked at creation (a webhook's commit), else the branch head
 
 
 class RunQueued(Event, frozen=True, kw_only=True, tag="run.queued"):

@@ -9,7 +9,7 @@ import msgspec
 from events import policies as po
 from events import templates as te
 from events.run_events import TERMINAL, WAITING, Status
-from events.values import PlanSummary, Snapshot, Workspace
+from events.values import Cause, PlanSummary, Snapshot, Workspace
 
 
 class RunState(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,6 +51,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     needs_approval: bool = False  # require_approval, or a soft-mandatory policy failed
     policies: list[po.PolicyResult] = []
     overridden: list[str] = []
+    cause: Cause | None = None  # why it exists (None: created before causes were recorded)
+    requested_commit: str = ""  # the commit asked at creation; the snapshot pins it
     version: int = 0
 
     @property

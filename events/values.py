@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -34,6 +35,62 @@ class Workspace(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_timeout: int = 600
     dispatch_timeout: int = 0
     managed_state: bool = True
+    # Which webhooks start its runs (services/vcs): the connection, and what must change.
+    vcs_connection: str = ""  # "" none
+    trigger_paths: list[str] = []  # globs on repository paths; [] anything under `directory`
+    trigger_any_change: bool = False  # any changed file of the repository triggers it
+    trigger_tags: list[str] = []  # tag name globs whose push starts a run; [] none
+    vcs_run_type: str = "apply"  # what a push starts: plan or apply
+
+
+# Every way a run starts (`Cause.kind`).
+CAUSE_KINDS = ("api", "cli", "ui", "vcs", "schedule", "run_trigger", "chat", "rerun")
+
+
+class Cause(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Why a run exists, recorded in its `run.created`: the kind, and what identifies the
+    cause of that kind (members that do not apply are left out of the event and of the
+    API's view)."""
+
+    kind: str  # one of CAUSE_KINDS
+    user: str = ""  # the runplane user behind it; "" for none (a schedule, a webhook)
+    # vcs
+    provider: str = ""  # github | gitlab
+    connection: str = ""  # the VCS connection's id
+    delivery: str = ""  # the webhook's delivery id
+    event: str = ""  # push | tag | pull_request
+    ref: str = ""  # refs/heads/main, refs/tags/v1.2
+    commit: str = ""  # the commit the webhook named
+    repository: str = ""  # the VCS's full name of the repository (acme/net)
+    pull_request: int = 0  # the pull (merge) request's number
+    # schedule
+    schedule: str = ""
+    fire_time: datetime | None = None
+    # run_trigger
+    source_workspace: str = ""
+    source_run: str = ""
+    # rerun
+    rerun_of: str = ""
+
+    def describe(self) -> str:
+        """One line for people: `push of 1a2b3c4d on refs/heads/main (github)`."""
+        by = f" by {self.user}" if self.user else ""
+        match self.kind:
+            case "vcs" if self.pull_request:
+                return f"pull request #{self.pull_request} at {self.commit[:8]} ({self.provider})"
+            case "vcs":
+                return (
+                    f"{self.event or 'push'} of {self.commit[:8]} on {self.ref} ({self.provider})"
+                )
+            case "schedule":
+                when = self.fire_time.isoformat() if self.fire_time else ""
+                return f"schedule {self.schedule} firing at {when}"
+            case "run_trigger":
+                return f"run trigger: run {self.source_run} of {self.source_workspace}"
+            case "rerun":
+                return f"rerun of {self.rerun_of}{by}"
+            case _:
+                return f"{self.kind}{by}"
 
 
 class PlanSummary(msgspec.Struct, frozen=True, kw_only=True):

@@ -31,7 +31,7 @@ from events.groups import GroupSet
 from events.notification import NotificationEvent
 from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
-from events.run import RunEvent, RunState, StepFinished, StepStarted
+from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
 from events.templates import TemplateDeleted, TemplateSaved
 from events.workspace import (
     RunAdmitted,
@@ -342,7 +342,19 @@ def _workspace_row(event: WorkspaceCreated) -> Row:
         "managed_state": int(cfg.managed_state),
         "lock_json": None,
         "folder": event.folder,
+        **vcs_columns(cfg),
     }
+
+
+def vcs_columns(cfg: Workspace) -> Row:
+    """The workspace's VCS binding as the read model keeps it (projections/schema.py)."""
+    triggers = {
+        "trigger_paths": cfg.trigger_paths,
+        "trigger_any_change": cfg.trigger_any_change,
+        "trigger_tags": cfg.trigger_tags,
+        "vcs_run_type": cfg.vcs_run_type,
+    }
+    return {"vcs_connection": cfg.vcs_connection, "triggers_json": _json.encode(triggers).decode()}
 
 
 def project_run(w: Working, meta: Meta, event: RunEvent) -> None:
@@ -404,6 +416,7 @@ def run_row(view: RunView) -> Row:
         "lease_id": _opt(s.lease_id),
         "executor_id": _opt(s.executor_id),
         "last_seq": view.last_seq,
+        "cause_json": _json.encode(s.cause).decode() if s.cause is not None else None,
         "state_json": _json.encode(s).decode(),
     }
 

@@ -25,11 +25,11 @@ _RUN_COLS = (
     "id, org, workspace, type, status, created_by, created_at, updated_at, message, "
     "commit_sha, has_changes, plan_add, plan_change, plan_destroy, apply_add, apply_change, "
     "apply_destroy, plan_digest, approved_by, acknowledged_json, reason, error_message, "
-    "phase, executor_id, last_seq"
+    "phase, executor_id, last_seq, cause_json"
 )
 _WS_COLS = (
     "org, name, repository, branch, directory, variables_json, created_at, created_by, active_run"
-    ", heartbeat_timeout, dispatch_timeout, managed_state, lock_json"
+    ", heartbeat_timeout, dispatch_timeout, managed_state, lock_json, vcs_connection, triggers_json"
 )
 # A token's row with its revocation and last use (each apart: projections/schema.py).
 _TOKEN_COLS = (
@@ -346,6 +346,8 @@ def _workspace(row: aiosqlite.Row, queue: list[str]) -> dict[str, Any]:
     lock = out.pop("lock_json")
     out["lock"] = msgspec.json.decode(lock) if lock else None
     out["queue"] = queue
+    out["vcs_connection"] = out["vcs_connection"] or ""
+    out.update(msgspec.json.decode(out.pop("triggers_json") or "{}"))
     return out
 
 
@@ -384,6 +386,7 @@ def _run(row: aiosqlite.Row) -> dict[str, Any]:
         "phase": r["phase"],
         "executor_id": r["executor_id"],
         "seq": r["last_seq"],
+        "cause": msgspec.json.decode(r["cause_json"]) if r["cause_json"] else None,
     }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 9
+VERSION = 10
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -95,6 +95,8 @@ WORKSPACES = Table(
     "managed_state INTEGER",  # 0: the workspace brings its own backend
     "lock_json TEXT",  # {"holder", "reason", "locked_at"} while locked, else NULL
     "folder TEXT",  # the folder it inherits settings from; "" for the organization
+    "vcs_connection TEXT",  # the VCS connection whose webhooks start its runs; "" none
+    "triggers_json TEXT",  # {trigger_paths, trigger_any_change, trigger_tags, vcs_run_type}
 )
 WS_QUEUE = Table(
     "ws_queue",
@@ -133,6 +135,7 @@ RUNS = Table(
     "lease_id TEXT",
     "executor_id TEXT",
     "last_seq INTEGER",
+    "cause_json TEXT",  # events.values.Cause; NULL for runs created before causes were
     "state_json TEXT",  # events.run.RunState, so the next event folds with the core's evolve
 )
 STEPS = Table(

@@ -21,6 +21,7 @@ it holds and releases nothing.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import random
 import secrets
@@ -64,6 +65,14 @@ def new_id() -> str:
     return str(ULID()).lower()
 
 
+def derived_id(*parts: str) -> str:
+    """A run id derived from what identifies its cause (a webhook delivery and workspace,
+    a schedule and fire time): the same parts give the same id, so a second creation of
+    the same run finds the first. 26 lowercase base32 characters, like `new_id`'s."""
+    digest = hashlib.sha256("\x1f".join(parts).encode()).digest()
+    return base64.b32encode(digest).decode().lower()[:26]
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -80,6 +89,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
     state: Any
     seq: int
     events: list[Any] = []
+    existed: bool = False  # nothing was written: the (derived) id's run was there already
 
 
 class App:
@@ -253,6 +263,11 @@ class App:
         actor: str,
         message: str = "",
         template: str = "",
+        *,
+        cause: run_agg.Cause | None = None,
+        commit: str = "",
+        run_id: str = "",
+        speculative: bool | None = None,
     ) -> Result:
         """Record a pending run, then enqueue it on its workspace (`enqueue_run`).
 
@@ -260,8 +275,15 @@ class App:
         else the workspace's default for the run type (setting `templates`), else the
         built-in; Invalid if that template does not exist or does not suit the run type.
         Once `run.created` has landed the create has succeeded: should the enqueue fail,
-        the scheduler enqueues the run when it sees `run.created`."""
-        run_id = self.ids()
+        the scheduler enqueues the run when it sees `run.created`.
+
+        `cause`: why it exists (`events.values.Cause`). `commit`: the commit it plans
+        (a webhook's), pinned at admission instead of the branch head. `speculative`: a
+        plan outside the queue (True) whatever the workspace's setting says (None).
+        `run_id`: the run's id, derived by the caller from what identifies its cause
+        (`derived_id`): if that run exists already, nothing is written and it is answered
+        with `existed` (a redelivered webhook, a second scheduler replica)."""
+        new_run = run_id or self.ids()
 
         async def attempt() -> tuple[Result, Loaded]:
             w, o = await asyncio.gather(self.load_ws(org, ws), self.load_org(org))
@@ -272,33 +294,51 @@ class App:
             if run_type in run_agg.RUN_TYPES:  # else decide refuses the run type
                 defaults = effective["templates"]["value"] or {}
                 steps = te.resolve(run_type, template, o.state.templates, defaults)
+            if speculative is None:
+                outside_queue = bool(effective["speculative_plans"]["value"])
+            else:
+                outside_queue = speculative
             create = run_agg.CreateRun(
                 actor=actor,
-                run_id=run_id,
+                run_id=new_run,
                 org=org,
                 workspace=ws,
                 run_type=run_type,
                 config=w.state.config,
                 message=message,
-                speculative=run_type == "plan" and bool(effective["speculative_plans"]["value"]),
+                speculative=run_type == "plan" and outside_queue,
                 template=steps,
+                cause=cause,
+                commit=commit,
             )
             run_events = run_agg.decide(run_agg.INITIAL, create, now=self.clock(), new_id=self.ids)
-            appends = self._appends(run_subject(org, ws, run_id), 0, list(run_events))
-            seq = await self.store.append(appends)
+            appends = self._appends(run_subject(org, ws, new_run), 0, list(run_events))
+            try:
+                seq = await self.store.append(appends)
+            except Conflict:
+                if not run_id:
+                    raise
+                found = await self.load_run(org, ws, new_run, min_seq=LATEST)
+                if not found.state.exists:
+                    raise
+                return Result(state=found.state, seq=found.seq, existed=True), w
             state = run_agg.fold(run_events)
             self.remember(appends[-1].subject, seq, state)
             return Result(state=state, seq=seq, events=list(run_events)), w
 
         # `seen`: the workspace as the create saw it
         created, seen = await self._retrying(attempt)
-        if created.state.speculative:  # the scheduler admits it on run.created
+        if created.existed or created.state.speculative:
+            # the scheduler admits a speculative run on run.created, and enqueues one
+            # whose creator stopped before enqueueing it
             return created  # type: ignore[no-any-return]  # Result
         try:
-            await self.enqueue_run(org, ws, run_id, actor, seen=seen)
+            await self.enqueue_run(org, ws, new_run, actor, seen=seen)
         except Exception as e:  # noqa: BLE001 - created it is: the scheduler enqueues it
             # (module docstring); an error here would have the caller create it again.
-            log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=repr(e))
+            log.warning(
+                "run_enqueue_deferred", org=org, workspace=ws, run_id=new_run, error=repr(e)
+            )
         return created  # type: ignore[no-any-return]  # Result
 
     @tracing.command

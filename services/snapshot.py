@@ -105,7 +105,9 @@ class Snapshotter:
         config = run.config
         if config is None:
             raise SnapshotFailed("the run has no workspace configuration")
-        commit = await self._commit(config.repository, config.branch)
+        # A run created for a commit (a webhook's push or pull request) plans exactly it;
+        # else the branch head as of now.
+        commit = run.requested_commit or await self._commit(config.repository, config.branch)
         return Snapshot(
             commit=commit,
             variables=variables(config, await self._secret_names(run, config)),

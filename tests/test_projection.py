@@ -247,6 +247,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         "phase": None,
         "executor_id": EXECUTOR,
         "seq": applied.seq,  # the run's own last event (its workspace is released after it)
+        "cause": None,  # created by a command without one (the API's would say "api")
         "snapshot": None,  # admitted without a snapshot hook
         "speculative": False,
         "commit_author": None,

@@ -7,7 +7,7 @@ the enforced shape cannot drift apart.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -24,6 +24,22 @@ Name = Annotated[
         description="lowercase letters, digits and dashes; starts with a letter or digit",
         extra_json_schema={"pattern": ID_RE.pattern},
     ),
+]
+# A glob on repository paths or tag names (services/vcs): printable, bounded.
+Glob = Annotated[str, Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$")]
+TriggerPaths = Annotated[
+    list[Glob],
+    Meta(
+        max_length=50,
+        description="globs on the repository's paths whose change starts a run "
+        "(`**` any depth); empty: anything under `directory`",
+    ),
+]
+TriggerTags = Annotated[
+    list[Glob], Meta(max_length=20, description="tag name globs whose push starts a run")
+]
+VcsRunType = Annotated[
+    Literal["plan", "apply"], Meta(description="what a push to the branch starts")
 ]
 
 
@@ -95,6 +111,15 @@ class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
     folder: Annotated[
         str, Meta(description="the folder it inherits settings from (it must exist)")
     ] = ""
+    vcs_connection: Annotated[
+        str, Meta(description="the VCS connection whose webhooks start its runs")
+    ] = ""
+    trigger_paths: TriggerPaths = []
+    trigger_any_change: Annotated[
+        bool, Meta(description="any changed file of the repository starts a run")
+    ] = False
+    trigger_tags: TriggerTags = []
+    vcs_run_type: VcsRunType = "apply"
 
 
 class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):

@@ -139,6 +139,13 @@ async def create_workspace(request: web.Request) -> web.Response:
         heartbeat_timeout=body.heartbeat_timeout,
         dispatch_timeout=body.dispatch_timeout,
         managed_state=body.managed_state,
+        vcs_connection=check_name("vcs_connection", body.vcs_connection)
+        if body.vcs_connection
+        else "",
+        trigger_paths=list(body.trigger_paths),
+        trigger_any_change=body.trigger_any_change,
+        trigger_tags=list(body.trigger_tags),
+        vcs_run_type=body.vcs_run_type,
     )
     folder = check_name("folder", body.folder) if body.folder else ""
     result = await api.app.create_workspace(org, name, config, who.user, folder=folder)

@@ -55,6 +55,11 @@ def workspace(state: WorkspaceState, actor: str) -> Row:
         "managed_state": config.managed_state,
         "lock": _lock(state.lock),
         "queue": list(state.queue),
+        "vcs_connection": config.vcs_connection,
+        "trigger_paths": list(config.trigger_paths),
+        "trigger_any_change": config.trigger_any_change,
+        "trigger_tags": list(config.trigger_tags),
+        "vcs_run_type": config.vcs_run_type,
     }
 
 
@@ -88,6 +93,7 @@ def run(state: RunState, seq: int) -> Row:
         "phase": state.phase or state.waiting_phase or None,  # running, or waiting
         "executor_id": state.executor_id or None,
         "seq": seq,
+        "cause": msgspec.to_builtins(state.cause) if state.cause is not None else None,
         "snapshot": msgspec.to_builtins(state.snapshot) if state.snapshot else None,
         "speculative": state.speculative,
         "policies": msgspec.to_builtins(state.policies),

@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from events.codec import run_subject
-from events.run import TERMINAL, CancelRun, RunCommand, Status
+from events.run import TERMINAL, CancelRun, Cause, RunCommand, Status
 from services.api import approvals, render
 from services.api.auth import OPERATOR, VIEWER, Principal
 from services.api.bodies import (
@@ -36,6 +36,7 @@ _OWNED = frozenset({"planning", "applying", "running"})  # a phase runs: it has 
 _LIST_PARAMS = frozenset({"status", "workspace", "limit", "before", "fields"})
 FIELDS = ("full", "summary")  # a list's `fields=`: as GET shows each run, or the summary
 _LIVENESS_AT_ONCE = 32  # board reads of a listed page in flight at once
+CLIENT_HEADER = "X-Runplane-Client"  # `cli` from runplane's own command line
 
 
 async def _existing_run(api: Api, org: str, run_id: str) -> Row:
@@ -62,8 +63,16 @@ async def create_run(request: web.Request) -> web.Response:
     api, org, who = scope(request, OPERATOR)
     ws = path_id(request, "ws")
     body = await read_body(request, CreateRunBody)
+    # A client's claim, between api and cli only: never a way to claim a webhook's cause.
+    kind = "cli" if request.headers.get(CLIENT_HEADER, "").strip().lower() == "cli" else "api"
     result = await api.app.create_run(
-        org, ws, body.type, who.user, body.message, template=body.template
+        org,
+        ws,
+        body.type,
+        who.user,
+        body.message,
+        template=body.template,
+        cause=Cause(kind=kind, user=who.user),
     )
     return await _answer(api, org, result, status=201)
 

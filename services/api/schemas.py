@@ -9,7 +9,7 @@ from typing import Any
 
 from events.codec import ID_RE
 from events.org import ROLES
-from events.run import RUN_TYPES, Status
+from events.run import CAUSE_KINDS, RUN_TYPES, Status
 from services.api.problems import BASE, KINDS
 
 Doc = dict[str, Any]
@@ -160,6 +160,15 @@ SCHEMAS: dict[str, Doc] = {
             "description": "secret variables by name; their values are never shown",
         },
         queue={"type": "array", "items": STR},
+        vcs_connection={**STR, "description": "the VCS connection whose webhooks start its runs"},
+        trigger_paths={
+            "type": "array",
+            "items": STR,
+            "description": "globs whose change starts a run; empty: anything under directory",
+        },
+        trigger_any_change=BOOL,
+        trigger_tags={"type": "array", "items": STR},
+        vcs_run_type={"enum": ["plan", "apply"]},
     ),
     "RunTemplateStep": _obj(
         ["number", "kind", "name", "status"],
@@ -178,6 +187,27 @@ SCHEMAS: dict[str, Doc] = {
         },
     ),
     "PlanSummary": _obj(["add", "change", "destroy"], add=INT, change=INT, destroy=INT),
+    "RunCause": {
+        **_obj(
+            ["kind"],
+            kind={"enum": list(CAUSE_KINDS)},
+            user={**STR, "description": "the runplane user behind it (none for vcs, schedule)"},
+            provider={"enum": ["github", "gitlab"]},
+            connection={**STR, "description": "vcs: the VCS connection's id"},
+            delivery={**STR, "description": "vcs: the webhook's delivery id"},
+            event={"enum": ["push", "tag", "pull_request"]},
+            ref={**STR, "description": "vcs: refs/heads/<branch> or refs/tags/<tag>"},
+            commit={**STR, "description": "vcs: the commit the webhook named (the run plans it)"},
+            repository={**STR, "description": "vcs: the repository's full name at the VCS"},
+            pull_request={**INT, "description": "vcs: the pull (merge) request's number"},
+            schedule={**STR, "description": "schedule: the schedule's id"},
+            fire_time={**TIME, "description": "schedule: the fire time it ran for"},
+            source_workspace={**STR, "description": "run_trigger: the followed workspace"},
+            source_run={**STR, "description": "run_trigger: its run that changed something"},
+            rerun_of={**STR, "description": "rerun: the run it reran"},
+        ),
+        "description": "members that do not apply to the kind are left out",
+    },
     "Run": _obj(
         ["id", "org", "workspace", "type", "status"],
         id=ID,
@@ -201,6 +231,10 @@ SCHEMAS: dict[str, Doc] = {
         phase=_nullable(STR),
         executor_id=_nullable(STR),
         seq={**INT, "description": "stream sequence of the run's last projected event"},
+        cause={
+            **_nullable(ref("RunCause")),
+            "description": "why the run exists; null for runs created before causes were",
+        },
         snapshot={
             **_nullable({"type": "object"}),
             "description": "what admission pinned the run to: commit, variables (names and "
@@ -308,7 +342,7 @@ for _name in ("Workspace", "RunEvent", "Step", "TokenInfo"):
 _SUMMARY = (
     "id org workspace type status created_by created_at updated_at message commit has_changes "
     "plan_summary apply_summary plan_digest approved_by acknowledged reason error_message "
-    "phase executor_id seq"
+    "phase executor_id seq cause"
 ).split()
 SCHEMAS["RunSummary"] = {
     **_obj(

@@ -28,7 +28,7 @@ from events import approval
 from events import chat as chat_agg
 from events.codec import valid_id
 from events.errors import DomainError, Invalid, NotFound
-from events.run import ApproveRun, CancelRun, DiscardRun, RunState
+from events.run import ApproveRun, CancelRun, Cause, DiscardRun, RunState
 from services.chat import text as tx
 from services.chat.config import OPERATOR, ChatConfig, ChatError, Who, require
 from services.chat.poster import Poster
@@ -146,10 +146,11 @@ class Worker:
             return await self._linked(org, event, existing, ""), run_id
         if not (await self.app.load_ws(org, ws)).state.exists:
             raise NotFound(f"workspace {ws} not found")
-        ids = _first_then(run_id, self.app)
-        creator = App(self.app.store, clock=self.app.clock, ids=ids)
         message = f"from Slack by {who.caller.user}"
-        done = await creator.create_run(org, ws, run_type, who.caller.user, message=message)
+        cause = Cause(kind="chat", user=who.caller.user)
+        done = await self.app.create_run(
+            org, ws, run_type, who.caller.user, message=message, cause=cause, run_id=run_id
+        )
         return await self._linked(org, event, done.state, ""), run_id
 
     async def _approve(
@@ -270,15 +271,6 @@ def run_id_of(event: chat_agg.SlackRequestReceived) -> str:
 def digest_of(addresses: list[str]) -> str:
     """A short digest of a list of addresses: a confirmation acknowledges exactly these."""
     return hashlib.sha256("\n".join(addresses).encode()).hexdigest()[:16]
-
-
-def _first_then(first: str, app: App) -> Any:
-    given = [first]
-
-    def ids() -> str:
-        return given.pop() if given else app.ids()
-
-    return ids
 
 
 def _detail(event: chat_agg.SlackRequestReceived) -> dict[str, str]:

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from events.notification import VERIFICATION
-from events.run import RunState
+from events.run import Cause, RunState
 
 PAYLOAD_VERSION = 1
 PUBLIC_URL_ENV = "RUNPLANE_PUBLIC_URL"
@@ -60,6 +60,7 @@ class RunView:
     replace: int | None = None
     reason: str = ""
     base_url: str = ""
+    cause: Cause | None = None
 
     @property
     def url(self) -> str:
@@ -86,6 +87,7 @@ def view_of(state: RunState, *, at: datetime, actor: str, base_url: str = "") ->
         destroy=summary.destroy if summary else None,
         reason=state.reason,
         base_url=base_url,
+        cause=state.cause,
     )
 
 
@@ -140,6 +142,8 @@ def generic(view: RunView, trigger: str, config_id: str) -> dict[str, Any]:
             "summary": summary(view),
             "changes": {"create": view.add, "update": view.change, "delete": view.destroy},
             "reason": view.reason,
+            # why the run exists (null for runs created before causes were recorded)
+            "cause": msgspec.to_builtins(view.cause) if view.cause is not None else None,
         },
     }
 

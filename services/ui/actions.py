@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from events.errors import DomainError
-from events.run import CancelRun
+from events.run import CancelRun, Cause
 from services.api import approvals
 from services.api.auth import ADMIN, OPERATOR
 from services.api.problems import Problem, from_domain
@@ -105,7 +105,13 @@ async def start_run(visit: Visit) -> web.StreamResponse:
     message = _text(visit, "message", limit=4096)
     template = _text(visit, "template", limit=63)
     result = await visit.api.app.create_run(
-        visit.org, ws, run_type, visit.who.user, message, template=template
+        visit.org,
+        ws,
+        run_type,
+        visit.who.user,
+        message,
+        template=template,
+        cause=Cause(kind="ui", user=visit.who.user),
     )
     await visit.api.after_write(result.seq)
     return see_other(f"/orgs/{visit.org}/runs/{result.state.run_id}")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from events import approval, inherit
-from events.run import CANCELABLE, STOPPABLE, TERMINAL, Status
+from events.run import CANCELABLE, STOPPABLE, TERMINAL, Cause, Status
 from services.api import approvals
 from services.api.auth import OPERATOR, VIEWER
 from services.api.problems import Problem
@@ -139,6 +140,7 @@ async def run_context(visit: Visit, run: dict[str, Any]) -> dict[str, Any]:
     return {
         "commit_link": commit_link(ws["repository"] if ws else "", run.get("commit") or ""),
         "run": run,
+        "cause": _cause(run.get("cause")),
         "steps": await read.run_steps(org, run_id),
         "events": await read.run_events(org, run_id),
         "changes": changes,
@@ -147,6 +149,16 @@ async def run_context(visit: Visit, run: dict[str, Any]) -> dict[str, Any]:
         "terminal": run["status"] in {str(s) for s in TERMINAL},
         "message": visit.request.query.get("error", "")[:500],
     }
+
+
+def _cause(shown: dict[str, Any] | None) -> str:
+    """The run's cause in words ("" for a run created before causes were recorded)."""
+    if not shown:
+        return ""
+    try:
+        return msgspec.convert(shown, Cause).describe()
+    except msgspec.ValidationError:
+        return str(shown.get("kind", ""))
 
 
 def commit_link(repository: str, sha: str) -> str:
