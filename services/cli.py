@@ -1,5 +1,5 @@
 """The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `subscribers`,
-`replay`, `logs`, `nats status`."""
+`replay`, `logs`, `nats status`; as the API's client: `login`, `logout`, `run`, `workspace`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import structlog
 
 from services import logs, logs_cli, repositories
+from services.client import commands as client
 from services.infra.natsclient import NatsAuth
 from services.runtime import ConfigError, Options, prepare_data_dir, private_files
 
@@ -145,6 +146,7 @@ def parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
     _common(rp)
     logs_cli.add_parser(sub)
+    client.add_parsers(sub)
     nats_cmd = sub.add_parser("nats", help="inspect runplane's streams, buckets and consumers")
     nats_sub = nats_cmd.add_subparsers(dest="nats_command", required=True)
     status = nats_sub.add_parser(
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     if ns.command == "logs":  # an API client: no NATS, no structlog
         return logs_cli.main(ns)
+    if ns.command in client.COMMANDS:  # likewise
+        return client.main(ns)
     private_files()  # before anything is written into the data directory
     logs.configure(ns.log_format, for_people=ns.command == "up")
     try:

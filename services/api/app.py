@@ -24,6 +24,7 @@ from services.api import (
     runs,
     secrets,
     state,
+    whoami,
 )
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
@@ -59,6 +60,7 @@ ROUTES = [
     web.get("/metrics", metrics.metrics, allow_head=False),
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
     *docs.ROUTES,
+    *whoami.ROUTES,
     web.post(V1 + "/orgs", orgs.create_org),
     web.get(ORG, orgs.get_org, allow_head=False),
     web.post(ORG + "/tokens", orgs.create_token),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from events.run import Status
-from services.api import changes, chat, groups, locks, logs, secrets, state
+from services.api import changes, chat, groups, locks, logs, secrets, state, whoami
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import settings as settings_api
@@ -192,6 +192,7 @@ PATHS: dict[str, Doc] = {
         }
     },
     **_DOCS,
+    **whoami.PATHS,
     "/api/v1/orgs": {
         "post": operation(
             "createOrg",
@@ -399,6 +400,7 @@ def document() -> Doc:
                 **policies_api.SCHEMAS,
                 **notifications_api.SCHEMAS,
                 **chat.SCHEMAS,
+                **whoami.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,
