@@ -8,6 +8,8 @@ TLS is verified (a self-signed server is refused unless its CA is given).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import ssl
@@ -20,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from services.client.credentials import Credentials, Login
-from tests.procs import free_port
+from tests.procs import RUNPLANE, free_port
 from tests.test_cli_client_support import ESC, Cli, self_signed, serve
 
 TOKEN = "hostile-token"
@@ -283,3 +285,51 @@ async def test_every_command_has_help(args: list[str], tmp_path: Path) -> None:
 async def test_no_token_on_a_pipe_is_one_line(tmp_path: Path) -> None:
     done = await Cli(tmp_path)("login", "http://127.0.0.1:1")
     done.one_error("no token")
+
+
+async def test_the_prompted_token_is_not_echoed(hostile: str, tmp_path: Path) -> None:
+    """On a terminal (a pty here, in a session of its own so that getpass uses it and no
+    one's real /dev/tty) the token is asked for with echo off."""
+    cli = Cli(tmp_path)
+    leader, follower = os.openpty()
+    proc = await asyncio.create_subprocess_exec(
+        *RUNPLANE,
+        "login",
+        hostile,
+        stdin=follower,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=follower,
+        env=cli.env,
+        start_new_session=True,
+    )
+    os.close(follower)
+    try:
+        shown = await asyncio.wait_for(asyncio.to_thread(_read_until, leader, b"Token: "), 60)
+        os.write(leader, TOKEN.encode() + b"\n")
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        shown += await asyncio.to_thread(_drain, leader)
+    finally:
+        os.close(leader)
+    assert proc.returncode == 0, shown
+    assert b"Logged in to" in out
+    assert TOKEN.encode() not in shown, shown
+    assert json.loads(cli.credentials.read_text())["servers"][hostile]["token"] == TOKEN
+
+
+def _read_until(fd: int, needle: bytes) -> bytes:
+    seen = b""
+    while needle not in seen:
+        chunk = os.read(fd, 1024)
+        assert chunk, seen
+        seen += chunk
+    return seen
+
+
+def _drain(fd: int) -> bytes:
+    """What is left on the pty once its other side closed (EIO at its end)."""
+    seen = b""
+    os.set_blocking(fd, False)
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 1024):
+            seen += chunk
+    return seen
