@@ -73,6 +73,7 @@ async def test_login_then_run_create_wait_to_approval_approve_and_a_failing_run(
     assert f"runplane run approve {run_id}" in done.out
     created = await _run(plane, run_id)
     assert created["message"] == "from the cli" and created["created_by"] == "alice"
+    assert created["cause"] == {"kind": "cli", "user": "alice"}  # X-Runplane-Client: cli
 
     approved = await cli("run", "approve", run_id)
     assert approved.code == 0, approved.err
@@ -107,13 +108,15 @@ async def test_commands_show_what_the_api_holds_and_escape_a_tenants_message(
     created = await cli("run", "create", "web", "--message", evil, "--type", "plan")
     assert created.code == 0, created.err
     run_id = created.out.split()[2]
-    assert (await _run(plane, run_id))["message"] == evil  # stored as given
+    stored = await _run(plane, run_id)
+    assert stored["message"] == evil and stored["cause"]["kind"] == "cli"  # stored as given
     for args in (["run", "show", run_id], ["run", "list"], ["run", "list", "--workspace", "web"]):
         done = await cli(*args)
         assert done.code == 0, done.err
         assert run_id in done.out
         assert ESC not in done.out and "\x9b" not in done.out, repr(done.out)
         assert "deploy\\x1b]0;pwned" in done.out
+    assert "cause        cli user=bob" in (await cli("run", "show", run_id)).out
     as_json = await cli("run", "show", run_id, "--json")
     assert ESC not in as_json.out and json.loads(as_json.out)["message"] == evil
 
