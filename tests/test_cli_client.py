@@ -75,8 +75,9 @@ async def test_login_then_run_create_wait_to_approval_approve_and_a_failing_run(
     assert created["message"] == "from the cli" and created["created_by"] == "alice"
     assert created["cause"] == {"kind": "cli", "user": "alice"}  # X-Runplane-Client: cli
 
-    approved = await cli("run", "approve", run_id)
-    assert approved.code == 0, approved.err
+    approved = await cli("run", "approve", run_id, "--wait")
+    assert approved.code == 0, (approved.out, approved.err)
+    assert _statuses(approved.out)[-1] == "applied", approved.out
     await plane.reaches("net", run_id, "applied")
     shown = await cli("run", "show", run_id)
     assert "status       applied" in shown.out and "plan         +1 ~0 -0" in shown.out

@@ -333,3 +333,67 @@ def _drain(fd: int) -> bytes:
         while chunk := os.read(fd, 1024):
             seen += chunk
     return seen
+
+
+async def test_a_redirect_is_refused_and_the_token_goes_nowhere_else(tmp_path: Path) -> None:
+    elsewhere: list[str] = []
+
+    async def catch(request: web.Request) -> web.Response:
+        elsewhere.append(request.headers.get("Authorization", ""))
+        return web.json_response(WHO)
+
+    trap = web.Application()
+    trap.router.add_get("/api/v1/whoami", catch)
+    async with serve(trap) as other:
+
+        async def moved(_: web.Request) -> web.Response:
+            raise web.HTTPFound(other + "/api/v1/whoami")
+
+        app = web.Application()
+        app.router.add_get("/api/v1/whoami", moved)
+        async with serve(app) as url:
+            done = await Cli(tmp_path)("login", url, "--token-stdin", stdin=TOKEN + "\n")
+    done.one_error("redirects to", other)
+    assert elsewhere == []
+
+
+async def test_wait_rides_out_a_restarting_api_and_prints_each_change_once(
+    tmp_path: Path,
+) -> None:
+    """Two 503s and a dropped connection between reads: the wait goes on to the end."""
+    answers: list[Any] = [
+        {"status": "queued"},
+        503,
+        "drop",
+        {"status": "queued"},
+        503,
+        {"status": "planning"},
+        {"status": "applied"},
+    ]
+
+    async def create(_: web.Request) -> web.Response:
+        return web.json_response({"id": "r1", "org": "acme", "status": "pending"}, status=201)
+
+    async def get(request: web.Request) -> web.StreamResponse:
+        answer = answers.pop(0) if answers else {"status": "applied"}
+        if answer == 503:
+            body = {"type": "https://runplane.dev/problems/unavailable", "detail": "restarting"}
+            return web.json_response(body, status=503)
+        if answer == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"id": "r1", "org": "acme", "workspace": "web", **answer})
+
+    app = web.Application()
+    app.router.add_get("/api/v1/whoami", _whoami)
+    app.router.add_post("/api/v1/orgs/acme/workspaces/web/runs", create)
+    app.router.add_get("/api/v1/orgs/acme/runs/r1", get)
+    async with serve(app) as url:
+        cli = Cli(tmp_path)
+        await cli.login(url, TOKEN)
+        done = await cli("run", "create", "web", "--wait")
+    assert done.code == 0, (done.out, done.err)
+    statuses = [line.split("  ")[2] for line in done.out.splitlines()]
+    assert statuses == ["pending", "queued", "planning", "applied"], done.out
+    assert answers == []

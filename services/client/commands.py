@@ -120,6 +120,9 @@ def _run_parsers(run: argparse.ArgumentParser) -> None:
     approve = _leaf(rsub, "approve", run_approve, "approve a run awaiting approval")
     approve.add_argument("run")
     approve.add_argument(
+        "--wait", action="store_true", help="then follow the run until it ends, as create's"
+    )
+    approve.add_argument(
         "--ack",
         action="append",
         default=[],
@@ -360,8 +363,13 @@ async def run_show(s: Session, ns: argparse.Namespace) -> int:
 
 async def _command(s: Session, ns: argparse.Namespace, action: str, body: dict[str, Any]) -> int:
     org, run_id = await s.org(), _checked("run", ns.run)
-    run = (await s.api.post(f"{_runs(org)}/{run_id}/{action}", body)).body
-    s.show(run, [output.run_line(run)] if isinstance(run, dict) else [])
+    answer = await s.api.post(f"{_runs(org)}/{run_id}/{action}", body)
+    run = answer.body
+    if not isinstance(run, dict):
+        raise ClientError(f"bad answer: {action} did not answer a run", kind="bad-answer")
+    if getattr(ns, "wait", False):
+        return await wait(s, org, run, answer.seq)
+    s.show(run, [output.run_line(run)])
     return OK
 
 

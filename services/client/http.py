@@ -92,10 +92,16 @@ class Api:
         assert self._http is not None, "used inside `async with`"
         try:
             async with self._http.request(
-                method, self.url + path, params=query, json=json, headers=headers
+                method,
+                self.url + path,
+                params=query,
+                json=json,
+                headers=headers,
+                allow_redirects=False,  # the token goes to the URL logged in to, nowhere else
             ) as resp:
                 raw = await _read(resp)
                 status, seq = resp.status, resp.headers.get(SEQ, "")
+                location = resp.headers.get("Location", "?")
         except aiohttp.InvalidURL as e:
             raise ClientError(f"bad server URL {self.url!r}", kind="bad-url") from e
         except aiohttp.ClientSSLError as e:
@@ -106,6 +112,11 @@ class Api:
             ) from e
         except aiohttp.ClientError as e:
             raise ClientError(f"bad answer from {self.url}: {_reason(e)}", kind="bad-answer") from e
+        if 300 <= status < 400:
+            raise ClientError(
+                f"{self.url} redirects to {location} (HTTP {status}): log in to that URL instead",
+                kind="redirect",
+            )
         body = self._decode(raw, status)
         if status >= 400:
             raise problem(status, body)
