@@ -160,6 +160,11 @@ async def test_the_org_is_the_flag_else_the_tokens_else_an_error(
     plane: Plane, tmp_path: Path
 ) -> None:
     url = _url(plane)
+    who = await plane.http.get("/api/v1/whoami")
+    assert who.body == {"user": "admin", "role": "admin", "org": None, "token_id": None}
+    bob = await plane.http.get("/api/v1/whoami", token=await _token(plane, "bob", "viewer"))
+    assert (bob.body["user"], bob.body["role"], bob.body["org"]) == ("bob", "viewer", "acme")
+    (await plane.http.get("/api/v1/whoami", token=None)).problem("unauthorized", 401)
     admin = Cli(tmp_path / "admin")
     login = await admin.login(url, "test-admin-token")
     assert "as admin (admin in every organization)" in login.out
