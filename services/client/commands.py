@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import getpass
 import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from events.codec import valid_id
-from services.client import output
-from services.client.credentials import Credentials, Login, describe, normal_url
+from services.client import login, output
+from services.client.credentials import Login
 from services.client.errors import ClientError
 from services.client.http import Api
 from services.client.output import short
@@ -150,9 +149,9 @@ def main(ns: argparse.Namespace) -> int:
     """Run one client command; return the exit status. Never a traceback."""
     try:
         if ns.command == "login":
-            return asyncio.run(login(ns))
+            return asyncio.run(login.login(ns))
         if ns.command == "logout":
-            return logout(ns)
+            return login.logout(ns)
         return asyncio.run(_with_session(ns))
     except ClientError as e:
         print(f"runplane: {short(e, 1000)}", file=sys.stderr)
@@ -170,17 +169,17 @@ def main(ns: argparse.Namespace) -> int:
 class Session:
     """A command's server, token, organization and output."""
 
-    def __init__(self, api: Api, login: Login | None, org: str, ns: argparse.Namespace) -> None:
+    def __init__(self, api: Api, stored: Login | None, org: str, ns: argparse.Namespace) -> None:
         self.api = api
-        self.login = login
+        self.stored = stored
         self.org_flag = org
         self.json = bool(ns.json)
 
     async def org(self) -> str:
         """--org, else the token's organization (stored at login, or asked)."""
         org = self.org_flag
-        if not org and self.login is not None:
-            org = self.login.org or ""
+        if not org and self.stored is not None:
+            org = self.stored.org or ""
         if not org:
             who = await self.api.get("/api/v1/whoami")
             org = (who.get("org") or "") if isinstance(who, dict) else ""
@@ -200,90 +199,17 @@ class Session:
 
 
 async def _with_session(ns: argparse.Namespace) -> int:
-    url, token, login = _credentials(ns.server)
+    url, token, stored = login.credentials(ns.server)
     async with Api(url, token, ca_file=ns.ca_file) as api:
         handler: Handler = ns.handler
-        session = Session(api, login, ns.org if hasattr(ns, "org") else "", ns)
+        session = Session(api, stored, ns.org if hasattr(ns, "org") else "", ns)
         return await handler(session, ns)
-
-
-def _credentials(server: str) -> tuple[str, str, Login | None]:
-    """The server, its token (RUNPLANE_TOKEN, else the stored one) and the stored login
-    (None when the token is not the stored one)."""
-    creds = Credentials.load()
-    url, login = creds.pick(server)
-    if not url:
-        raise ClientError("not logged in: runplane login URL (or set RUNPLANE_URL)", kind="login")
-    env_token = os.environ.get("RUNPLANE_TOKEN", "").strip()
-    if env_token:
-        return url, env_token, login if login and login.token == env_token else None
-    if login is None:
-        raise ClientError(
-            f"not logged in to {url}: runplane login {url} (or set RUNPLANE_TOKEN)", kind="login"
-        )
-    return url, login.token, login
 
 
 def _checked(what: str, value: str) -> str:
     if not valid_id(value):
         raise ClientError(f"{what} {value!r} is not a valid name", kind="bad-input")
     return value
-
-
-# ------------------------------------------------------------ login, logout
-
-
-def _read_token(ns: argparse.Namespace) -> str:
-    if ns.token_stdin:
-        token = sys.stdin.readline().strip()
-    elif os.environ.get("RUNPLANE_TOKEN", "").strip():
-        token = os.environ["RUNPLANE_TOKEN"].strip()
-    elif sys.stdin.isatty():
-        token = getpass.getpass("Token: ").strip()
-    else:
-        raise ClientError(
-            "no token: pass --token-stdin, set RUNPLANE_TOKEN, or run on a terminal",
-            kind="login",
-        )
-    if not token:
-        raise ClientError("the token is empty", kind="login")
-    return token
-
-
-async def login(ns: argparse.Namespace) -> int:
-    """Check the token with the server, then store it: a wrong token is never stored."""
-    url = normal_url(ns.url)
-    token = _read_token(ns)
-    async with Api(url, token, ca_file=ns.ca_file) as api:
-        who = await api.get("/api/v1/whoami")
-    if not isinstance(who, dict) or not isinstance(who.get("user"), str):
-        raise ClientError(f"bad answer from {url}: not a runplane API", kind="bad-answer")
-    org = who.get("org")
-    entry = Login(
-        token=token,
-        user=who["user"],
-        role=str(who.get("role", "")),
-        org=org if isinstance(org, str) else None,
-    )
-    creds = Credentials.load()
-    creds.add(url, entry)
-    creds.save()
-    if ns.json:
-        output.dump(sys.stdout, {"server": url, **describe(entry)})
-    else:
-        where = f"in organization {short(entry.org)}" if entry.org else "in every organization"
-        print(f"Logged in to {short(url)} as {short(entry.user)} ({short(entry.role)} {where})")
-    return OK
-
-
-def logout(ns: argparse.Namespace) -> int:
-    creds = Credentials.load()
-    url = normal_url(ns.url) if ns.url else creds.default
-    if not url or not creds.remove(url):
-        raise ClientError(f"not logged in to {url or 'any server'}", kind="login")
-    creds.save()
-    print(f"Logged out of {short(url)}")
-    return OK
 
 
 # ------------------------------------------------------------ runs

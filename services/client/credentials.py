@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ class _File(msgspec.Struct, kw_only=True):
     servers: dict[str, Login] = {}
 
 
-def config_dir(env: dict[str, str] | os._Environ[str] = os.environ) -> Path:
+def config_dir(env: Mapping[str, str] = os.environ) -> Path:
     base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(base) / "runplane"
 
