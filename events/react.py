@@ -31,6 +31,7 @@ from typing import Final, TypedDict, assert_never
 import msgspec
 
 from events import chat as ch
+from events import vcs
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -231,6 +232,10 @@ def quiet(event: AnyEvent) -> bool:
             | ch.SlackRequestReceived()
             | ch.SlackRequestDone()
             | ch.SlackMessageLinked()
+        ):
+            return True
+        case (  # VCS connections and the deliveries they accepted (events/vcs.py)
+            vcs.ConnectionSaved() | vcs.ConnectionDeleted() | vcs.DeliveryAccepted()
         ):
             return True
         case _:

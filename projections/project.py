@@ -33,6 +33,7 @@ from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUse
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
 from events.templates import TemplateDeleted, TemplateSaved
+from events.vcs import VcsEvent
 from events.workspace import (
     RunAdmitted,
     RunEnqueued,
@@ -49,6 +50,7 @@ from projections.chat import project_chat
 from projections.notifications import project_notification
 from projections.schema import BY_NAME, Key, Row
 from projections.state_versions import project_state_version
+from projections.vcs import project_binding, project_vcs
 
 _json = msgspec.json.Encoder(order="sorted")
 _state_decoder = msgspec.json.Decoder(RunState)
@@ -91,6 +93,8 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
         case ["rp", "org", org] | ["rp", "org", org, "uses", _]:  # a token's uses: events/org.py
             return ("org", org, None, None)
         case ["rp", "org", org, "notify", *_]:  # events/notification.py
+            return ("org", org, None, None)
+        case ["rp", "org", org, "vcs", *_]:  # VCS connections: events/vcs.py
             return ("org", org, None, None)
         case ["rp", "org", org, "chat", *_]:  # chat-ops: events/chat.py
             return ("chat", org, None, None)
@@ -289,6 +293,7 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
     """Workspace rows and the FIFO queue, as `events.workspace.evolve` keeps them."""
     if isinstance(event, WorkspaceCreated):
         w.put("workspaces", _workspace_row(event))
+        project_binding(w, event.org, event.name, event.config)
         return
     key = (meta.org, meta.workspace)
     ws = w.get("workspaces", key)
@@ -500,4 +505,5 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_run for t in get_args(RunEvent)},
     **{t: project_notification for t in get_args(NotificationEvent)},
     **{t: project_chat for t in get_args(ChatEvent)},
+    **{t: project_vcs for t in get_args(VcsEvent)},
 }

@@ -18,7 +18,7 @@ import aiosqlite
 import msgspec
 
 from events.run import TERMINAL
-from projections import changes, notifications, state_versions
+from projections import changes, notifications, state_versions, vcs
 from projections.schema import TABLES
 
 _RUN_COLS = (
@@ -205,6 +205,18 @@ class ReadModel:
 
     async def notification(self, org: str, config_id: str) -> dict[str, Any] | None:
         return await notifications.get_config(self._all, org, config_id)
+
+    async def vcs_connections(self, org: str) -> list[dict[str, Any]]:
+        return await vcs.list_connections(self._all, org)
+
+    async def vcs_connection(self, org: str, connection_id: str) -> dict[str, Any] | None:
+        return await vcs.get_connection(self._all, org, connection_id)
+
+    async def vcs_bindings(
+        self, org: str, connection_id: str, repo_keys: Sequence[str]
+    ) -> list[dict[str, Any]]:
+        """The workspaces bound to the connection on one of these repositories."""
+        return await vcs.bindings(self._all, org, connection_id, repo_keys)
 
     async def notify_attempts(self, org: str, config_id: str) -> list[dict[str, Any]]:
         return await notifications.attempts(self._all, org, config_id)

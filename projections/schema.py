@@ -256,6 +256,34 @@ SLACK_USERS = Table(  # which runplane user each Slack user is, per organization
     "mapped_at TEXT",
     "mapped_by TEXT",
 )
+VCS_CONNECTIONS = Table(  # VCS connections (events/vcs.py); never a secret or a token
+    "vcs_connections",
+    ("id",),
+    "id TEXT NOT NULL",
+    "org TEXT NOT NULL",
+    "name TEXT",
+    "provider TEXT",
+    "api_url TEXT",
+    "has_secret INTEGER",
+    "has_token INTEGER",
+    "created_at TEXT",
+    "created_by TEXT",
+    "updated_at TEXT",
+)
+VCS_BINDINGS = Table(  # workspaces bound to a VCS connection: what a webhook matches
+    "vcs_bindings",
+    ("org", "workspace"),
+    "org TEXT NOT NULL",
+    "workspace TEXT NOT NULL",
+    "connection TEXT NOT NULL",
+    "repo_key TEXT NOT NULL",  # the repository's path, lowercase, no .git (acme/net)
+    "branch TEXT",
+    "directory TEXT",
+    "trigger_paths_json TEXT",
+    "trigger_any_change INTEGER",
+    "trigger_tags_json TEXT",
+    "run_type TEXT",
+)
 SKIPPED = Table(
     "skipped",
     ("seq",),
@@ -283,6 +311,8 @@ TABLES: tuple[Table, ...] = (
     NOTIFY_ATTEMPTS,
     SLACK_APPS,
     SLACK_USERS,
+    VCS_CONNECTIONS,
+    VCS_BINDINGS,
     SKIPPED,
 )
 BY_NAME = {t.name: t for t in TABLES}
@@ -295,6 +325,8 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS tokens_by_org ON tokens (org, created_at)",
     "CREATE INDEX IF NOT EXISTS notifications_by_org ON notifications (org, workspace, id)",
     "CREATE INDEX IF NOT EXISTS slack_apps_by_team ON slack_apps (team_id)",
+    "CREATE INDEX IF NOT EXISTS vcs_connections_by_org ON vcs_connections (org, id)",
+    "CREATE INDEX IF NOT EXISTS vcs_bindings_by_repo ON vcs_bindings (connection, repo_key)",
 )
 
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from events import chat as ch
-from events import codec
+from events import codec, vcs
 from events import notification as nt
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -242,6 +242,32 @@ SAMPLES: list[Any] = [
         response_url="c2VhbGVk",
         channel="C0123",
     ),
+    vcs.ConnectionSaved(
+        at=AT,
+        actor="alice",
+        connection=vcs.VcsConnection(
+            id="01jvcs",
+            org="acme",
+            name="github",
+            provider="github",
+            api_url="https://api.github.com",
+            has_secret=True,
+            created_at=AT,
+            created_by="alice",
+        ),
+    ),
+    vcs.ConnectionDeleted(at=AT, actor="alice", connection_id="01jvcs"),
+    vcs.DeliveryAccepted(
+        at=AT,
+        actor="vcs:01jvcs",
+        connection_id="01jvcs",
+        delivery="72d3162e-cc78-11e3-81ab-4c9367dc0958",
+        event="push",
+        repository="acme/net",
+        ref="refs/heads/main",
+        commit="6113728f27ae82c7b1a177c8d03f9e96e0adf246",
+        runs=["net/01jh0000000000000000000000"],
+    ),
 ]
 
 EVENT_TYPES = [
@@ -250,6 +276,7 @@ EVENT_TYPES = [
     *get_args(OrgEvent),
     *get_args(nt.NotificationEvent),
     *get_args(ch.ChatEvent),
+    *get_args(vcs.VcsEvent),
 ]
 
 

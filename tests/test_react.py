@@ -489,6 +489,26 @@ def _samples() -> list[tuple[Any, Any]]:
             "request_id": "r",
             "response_url": "x",
         },
+        # VCS connections (events/vcs.py): nothing for react
+        {
+            "type": "org.vcs_connection_saved",
+            "connection": {
+                "id": "c",
+                "org": "acme",
+                "name": "gh",
+                "provider": "github",
+                "api_url": "https://api.github.com",
+                "created_at": AT,
+                "created_by": "a",
+            },
+        },
+        {"type": "org.vcs_connection_deleted", "connection_id": "c"},
+        {
+            "type": "org.vcs_delivery_accepted",
+            "connection_id": "c",
+            "delivery": "d",
+            "event": "push",
+        },
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -30,6 +30,7 @@ from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
+from services.api import vcs as vcs_api
 from services.api.common import json_response
 from services.api.context import API, Api
 from services.api.middleware import MIDDLEWARES
@@ -108,6 +109,7 @@ ROUTES = [
     web.get(RUN + "/logs", logs.run_logs, allow_head=False),
     *notifications_api.routes(ORG, WS),
     *chat.ROUTES,
+    *vcs_api.routes(ORG),
 ]
 
 

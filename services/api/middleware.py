@@ -25,8 +25,8 @@ from services.infra.heartbeats import BoardError
 log = structlog.get_logger("runplane.api")
 
 # Routes the middleware lets through unauthenticated: /metrics checks its own tokens
-# (services/api/metrics.py); Slack signs its own calls (services/chat/inbound.py), which
-# carry no runplane token.
+# (services/api/metrics.py); Slack signs its own calls (services/chat/inbound.py), and
+# GitHub and GitLab theirs (services/vcs/webhook.py): they carry no runplane token.
 PUBLIC = (
     frozenset(
         {
@@ -34,6 +34,7 @@ PUBLIC = (
             "/metrics",
             "/api/v1/chat/slack/commands",
             "/api/v1/chat/slack/interactions",
+            "/api/v1/vcs/{connection}/webhook",
         }
     )
     | docs.PUBLIC

@@ -16,6 +16,7 @@ from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
+from services.api import vcs as vcs_api
 from services.api.bodies import BODIES
 from services.api.problems import CONTENT_TYPE
 from services.api.schemas import (
@@ -84,6 +85,7 @@ PARAMETERS: dict[str, Doc] = {
     **notifications_api.PARAMETERS,
     **policies_api.PARAMETERS,
     **chat.PARAMETERS,
+    **vcs_api.PARAMETERS,
 }
 
 _ERRORS = {
@@ -92,6 +94,7 @@ _ERRORS = {
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
     "409": "conflict (with current_status) or already-exists",
+    "413": "body-too-large",
     "422": "invalid-id, invalid-command or invalid-policy",
     "503": "unavailable or stale-read",
 }
@@ -365,6 +368,7 @@ PATHS: dict[str, Doc] = {
     **policies_api.PATHS,
     **notifications_api.PATHS,
     **chat.PATHS,
+    **vcs_api.PATHS,
 }
 
 
@@ -401,6 +405,7 @@ def document() -> Doc:
                 **notifications_api.SCHEMAS,
                 **chat.SCHEMAS,
                 **whoami.SCHEMAS,
+                **vcs_api.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

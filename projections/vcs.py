@@ -1,0 +1,142 @@
+"""VCS connections and the workspaces bound to them: the fold and the queries.
+
+- `vcs_connections` (`projections/schema.py`): one row per connection, rewritten whole by
+  each `org.vcs_connection_saved`, removed by `org.vcs_connection_deleted`; never a secret
+  or a token (events carry only `has_secret` / `has_token`);
+- `vcs_bindings`: one row per workspace that names a VCS connection, keyed by the
+  connection and the repository's path (`events.vcs.repo_key`), so a webhook finds the
+  workspaces of its repository with one indexed read, however many workspaces the
+  deployment has. Written from the workspace's configuration (`project_binding`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import aiosqlite
+import msgspec
+
+from events import vcs
+from events.values import Workspace
+
+if TYPE_CHECKING:
+    from projections.project import Meta, Working
+
+Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
+_json = msgspec.json.Encoder()
+_CONN_COLS = (
+    "id, org, name, provider, api_url, has_secret, has_token, created_at, created_by, updated_at"
+)
+_BINDING_COLS = (
+    "org, workspace, connection, repo_key, branch, directory, trigger_paths_json, "
+    "trigger_any_change, trigger_tags_json, run_type"
+)
+MAX_BINDINGS = 10_000  # rows one webhook reads at most
+
+
+def iso(dt: datetime) -> str:
+    """As `projections.project.iso`: UTC, microseconds, a Z (text order is time order)."""
+    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
+
+
+def project_vcs(w: Working, meta: Meta, event: vcs.VcsEvent) -> None:
+    match event:
+        case vcs.ConnectionSaved():
+            c = event.connection
+            w.put(
+                "vcs_connections",
+                {
+                    "id": c.id,
+                    "org": c.org,
+                    "name": c.name,
+                    "provider": c.provider,
+                    "api_url": c.api_url,
+                    "has_secret": int(c.has_secret),
+                    "has_token": int(c.has_token),
+                    "created_at": iso(c.created_at),
+                    "created_by": c.created_by,
+                    "updated_at": iso(event.at),
+                },
+            )
+        case vcs.ConnectionDeleted():
+            w.delete("vcs_connections", (event.connection_id,))
+        case vcs.DeliveryAccepted():
+            pass  # the audit history holds it; nothing reads it back as a row
+
+
+def project_binding(w: Working, org: str, workspace: str, cfg: Workspace) -> None:
+    """The workspace's row in `vcs_bindings` as its configuration says (none if it names
+    no connection). Whatever event changes a workspace's repository, branch, directory,
+    triggers or connection calls this with the configuration after it."""
+    if not getattr(cfg, "vcs_connection", ""):  # TEMP until the core lands
+        w.delete("vcs_bindings", (org, workspace))
+        return
+    w.put(
+        "vcs_bindings",
+        {
+            "org": org,
+            "workspace": workspace,
+            "connection": cfg.vcs_connection,
+            "repo_key": vcs.repo_key(cfg.repository),
+            "branch": cfg.branch,
+            "directory": cfg.directory,
+            "trigger_paths_json": _json.encode(cfg.trigger_paths).decode(),
+            "trigger_any_change": int(cfg.trigger_any_change),
+            "trigger_tags_json": _json.encode(cfg.trigger_tags).decode(),
+            "run_type": cfg.vcs_run_type,
+        },
+    )
+
+
+def _connection(row: aiosqlite.Row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "name": row["name"],
+        "provider": row["provider"],
+        "api_url": row["api_url"],
+        "has_secret": bool(row["has_secret"]),
+        "has_token": bool(row["has_token"]),
+        "created_at": row["created_at"],
+        "created_by": row["created_by"],
+        "updated_at": row["updated_at"],
+    }
+
+
+async def list_connections(q: Query, org: str) -> list[dict[str, Any]]:
+    rows = await q(f"SELECT {_CONN_COLS} FROM vcs_connections WHERE org = ? ORDER BY id", (org,))
+    return [_connection(r) for r in rows]
+
+
+async def get_connection(q: Query, org: str, connection_id: str) -> dict[str, Any] | None:
+    sql = f"SELECT {_CONN_COLS} FROM vcs_connections WHERE org = ? AND id = ?"
+    rows = await q(sql, (org, connection_id))
+    return _connection(rows[0]) if rows else None
+
+
+async def bindings(
+    q: Query, org: str, connection_id: str, repo_keys: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The workspaces of `org` bound to the connection on one of the repository keys."""
+    keys = sorted({k for k in repo_keys if k})
+    if not keys:
+        return []
+    marks = ", ".join("?" * len(keys))
+    sql = (
+        f"SELECT {_BINDING_COLS} FROM vcs_bindings WHERE connection = ? AND repo_key IN"
+        f" ({marks}) AND org = ? ORDER BY workspace LIMIT {MAX_BINDINGS}"
+    )
+    rows = await q(sql, (connection_id, *keys, org))
+    return [
+        {
+            "workspace": r["workspace"],
+            "branch": r["branch"],
+            "directory": r["directory"],
+            "trigger_paths": msgspec.json.decode(r["trigger_paths_json"]),
+            "trigger_any_change": bool(r["trigger_any_change"]),
+            "trigger_tags": msgspec.json.decode(r["trigger_tags_json"]),
+            "run_type": r["run_type"],
+        }
+        for r in rows
+    ]

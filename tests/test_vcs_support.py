@@ -1,0 +1,119 @@
+"""Fixtures and helpers of the VCS tests: the API with the sealed store, connections
+made over HTTP, and deliveries signed as GitHub and GitLab sign them. Holds no tests."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from nats.aio.client import Client as NATS
+
+from projections.projector import Projector
+from services.api.app import build_app
+from services.api.context import API
+from services.commands import App
+from services.infra.crypto import KeyRing
+from services.secrets import SecretStore
+from services.vcs import signing
+from tests.test_api_support import ADMIN_TOKEN, Answer, Http
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vcs"
+V1 = "/api/v1/orgs"
+SECRET = "whsec-0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+
+
+def fixture(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / name).read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(name="vhttp")
+async def vhttp_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Http]:
+    """The API with the sealed store (connections' secrets)."""
+    secrets = SecretStore(nc, KeyRing.generate())
+    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
+        started = await app.create_org("vcs-fixture", "test")
+        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
+        web_app = build_app(
+            app=app, projector=projector, admin_token=ADMIN_TOKEN, secret_store=secrets
+        )
+        async with TestClient(TestServer(web_app)) as client:
+            yield Http(client, web_app[API], app)
+
+
+async def connection(
+    http: Http, org: str = "acme", provider: str = "github", secret: str = SECRET, **body: Any
+) -> dict[str, Any]:
+    fields = {"name": f"{provider}-main", "provider": provider, "webhook_secret": secret}
+    a = await http.post(f"{V1}/{org}/vcs-connections", json={**fields, **body})
+    assert a.status == 201, a.body
+    return a.body  # type: ignore[no-any-return]  # JSON object
+
+
+def github_repo(data: dict[str, Any], full_name: str) -> dict[str, Any]:
+    """The payload with its repository renamed (the only rewrite the tests make, besides
+    the changed files): names and clone URLs."""
+    repo = data["repository"]
+    repo.update(
+        full_name=full_name,
+        clone_url=f"https://github.com/{full_name}.git",
+        ssh_url=f"git@github.com:{full_name}.git",
+        html_url=f"https://github.com/{full_name}",
+    )
+    pr = data.get("pull_request")
+    if pr is not None and pr["head"].get("repo"):
+        pr["head"]["repo"]["full_name"] = full_name
+    return data
+
+
+def gitlab_repo(data: dict[str, Any], path: str) -> dict[str, Any]:
+    data["project"].update(
+        path_with_namespace=path,
+        git_http_url=f"https://gitlab.example.com/{path}.git",
+        git_ssh_url=f"git@gitlab.example.com:{path}.git",
+        web_url=f"https://gitlab.example.com/{path}",
+    )
+    return data
+
+
+def pushed(data: dict[str, Any], files: list[str], after: str = "") -> dict[str, Any]:
+    """A GitHub push of the example's one commit, complete, changing `files`."""
+    data["created"] = False
+    data["commits"] = [{**data["commits"][0], "added": files, "modified": [], "removed": []}]
+    if after:
+        data["after"] = after
+        data["head_commit"]["id"] = after
+    return data
+
+
+async def deliver(
+    http: Http,
+    connection_id: str,
+    event: str,
+    payload: dict[str, Any] | bytes,
+    *,
+    provider: str = "github",
+    secret: str = SECRET,
+    delivery: str = "",
+    headers: dict[str, str] | None = None,
+) -> Answer:
+    """POST a delivery signed as the provider signs it (no bearer token)."""
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    delivery = delivery or str(uuid.uuid4())
+    if provider == "github":
+        hdrs = {
+            "X-GitHub-Event": event,
+            "X-GitHub-Delivery": delivery,
+            "X-Hub-Signature-256": signing.github_signature(secret, body),
+        }
+    else:
+        hdrs = {"X-Gitlab-Event": event, "X-Gitlab-Event-UUID": delivery, "X-Gitlab-Token": secret}
+    hdrs["Content-Type"] = "application/json"
+    hdrs.update(headers or {})
+    return await http.call(
+        "POST", f"/api/v1/vcs/{connection_id}/webhook", token=None, data=body, headers=hdrs
+    )
