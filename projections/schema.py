@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 10
+VERSION = 11
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]

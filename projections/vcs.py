@@ -70,7 +70,7 @@ def project_binding(w: Working, org: str, workspace: str, cfg: Workspace) -> Non
     """The workspace's row in `vcs_bindings` as its configuration says (none if it names
     no connection). Whatever event changes a workspace's repository, branch, directory,
     triggers or connection calls this with the configuration after it."""
-    if not getattr(cfg, "vcs_connection", ""):  # TEMP until the core lands
+    if not cfg.vcs_connection:
         w.delete("vcs_bindings", (org, workspace))
         return
     w.put(

@@ -11,6 +11,7 @@ from events.run import Workspace
 from projections.project import iso
 from services import repositories
 from services.api import render, secrets
+from services.api import vcs as vcs_api
 from services.api.auth import ADMIN, PRINCIPAL, VIEWER
 from services.api.bodies import (
     MAX_TOKEN_LIFETIME_S,
@@ -147,6 +148,8 @@ async def create_workspace(request: web.Request) -> web.Response:
         trigger_tags=list(body.trigger_tags),
         vcs_run_type=body.vcs_run_type,
     )
+    if config.vcs_connection:
+        await vcs_api.check_binding(api, org, config.vcs_connection)  # the org's own only
     folder = check_name("folder", body.folder) if body.folder else ""
     result = await api.app.create_workspace(org, name, config, who.user, folder=folder)
     await secrets.store_all(request, org, name, body.secret_variables)

@@ -192,6 +192,16 @@ async def delete_connection(request: web.Request) -> web.Response:
     return web.Response(status=204, headers={SEQ_HEADER: str(seq)})
 
 
+async def check_binding(api: Api, org: str, connection_id: str) -> None:
+    """A workspace may name only a connection of its own organization (that exists): a
+    workspace of org A bound to org B's connection would run on B's webhooks, and one
+    bound to A's would let A's deliveries start B's runs."""
+    if await connections.load_connection(api.app, org, connection_id) is None:
+        raise Problem(
+            "invalid-command", f"vcs_connection {connection_id} is not a VCS connection of {org}"
+        )
+
+
 WEBHOOK = "/api/v1/vcs/{connection}/webhook"
 
 

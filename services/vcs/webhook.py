@@ -38,19 +38,11 @@ from aiohttp import web
 from events import vcs
 from events.codec import valid_id
 from events.errors import Conflict, DomainError
-
-try:  # TEMP until the core lands
-    from events.values import Cause
-except ImportError:
-    Cause = None  # type: ignore
+from events.values import Cause
 from services.api.context import API, Api
 from services.api.problems import Problem, unauthorized
 from services.api.secrets import SECRETS
-
-try:  # TEMP
-    from services.commands import derived_id
-except ImportError:
-    derived_id = None  # type: ignore
+from services.commands import derived_id
 from services.infra.eventstore import Append
 from services.vcs import BadPayload, connections, matching, payloads, signing
 from services.vcs.payloads import Change
