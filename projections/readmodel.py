@@ -213,10 +213,11 @@ class ReadModel:
         return await vcs.get_connection(self._all, org, connection_id)
 
     async def vcs_bindings(
-        self, org: str, connection_id: str, repo_keys: Sequence[str]
+        self, org: str, connection_id: str, repo_keys: Sequence[str], **narrow: Any
     ) -> list[dict[str, Any]]:
-        """The workspaces bound to the connection on one of these repositories."""
-        return await vcs.bindings(self._all, org, connection_id, repo_keys)
+        """The workspaces bound to the connection on one of these repositories that a
+        change may concern (`projections.vcs.bindings`)."""
+        return await vcs.bindings(self._all, org, connection_id, repo_keys, **narrow)
 
     async def notify_attempts(self, org: str, config_id: str) -> list[dict[str, Any]]:
         return await notifications.attempts(self._all, org, config_id)

@@ -279,6 +279,9 @@ VCS_BINDINGS = Table(  # workspaces bound to a VCS connection: what a webhook ma
     "repo_key TEXT NOT NULL",  # the repository's path, lowercase, no .git (acme/net)
     "branch TEXT",
     "directory TEXT",
+    # what a push must touch when no trigger paths are set: the directory as a prefix
+    # ("" the whole repository), NULL when trigger paths or any change decide instead
+    "dir_prefix TEXT",
     "trigger_paths_json TEXT",
     "trigger_any_change INTEGER",
     "trigger_tags_json TEXT",
@@ -326,7 +329,7 @@ INDEXES = (
     "CREATE INDEX IF NOT EXISTS notifications_by_org ON notifications (org, workspace, id)",
     "CREATE INDEX IF NOT EXISTS slack_apps_by_team ON slack_apps (team_id)",
     "CREATE INDEX IF NOT EXISTS vcs_connections_by_org ON vcs_connections (org, id)",
-    "CREATE INDEX IF NOT EXISTS vcs_bindings_by_repo ON vcs_bindings (connection, repo_key)",
+    "CREATE INDEX IF NOT EXISTS vcs_bindings_on ON vcs_bindings (connection, repo_key, branch)",
 )
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ _BINDING_COLS = (
     "trigger_any_change, trigger_tags_json, run_type"
 )
 MAX_BINDINGS = 10_000  # rows one webhook reads at most
+MAX_PREFIXES = 500  # directories named in one query; beyond, every row is read and judged
 
 
 def iso(dt: datetime) -> str:
@@ -82,6 +84,9 @@ def project_binding(w: Working, org: str, workspace: str, cfg: Workspace) -> Non
             "repo_key": vcs.repo_key(cfg.repository),
             "branch": cfg.branch,
             "directory": cfg.directory,
+            "dir_prefix": None
+            if cfg.trigger_paths or cfg.trigger_any_change
+            else dir_prefix(cfg.directory),
             "trigger_paths_json": _json.encode(cfg.trigger_paths).decode(),
             "trigger_any_change": int(cfg.trigger_any_change),
             "trigger_tags_json": _json.encode(cfg.trigger_tags).decode(),
@@ -115,28 +120,70 @@ async def get_connection(q: Query, org: str, connection_id: str) -> dict[str, An
     return _connection(rows[0]) if rows else None
 
 
+def dir_prefix(directory: str) -> str:
+    """A workspace directory as a path prefix: `./infra/` gives `infra`, `.` gives ""."""
+    d = posixpath.normpath(directory or ".").strip("/")
+    return "" if d == "." else d
+
+
+def ancestors(files: Sequence[str]) -> set[str]:
+    """Every directory that holds one of `files` (`a/b/c.tf`: `a`, `a/b`)."""
+    out: set[str] = set()
+    for f in files:
+        parts = f.split("/")[:-1]
+        out.update("/".join(parts[: i + 1]) for i in range(len(parts)))
+    return out
+
+
 async def bindings(
-    q: Query, org: str, connection_id: str, repo_keys: Sequence[str]
+    q: Query,
+    org: str,
+    connection_id: str,
+    repo_keys: Sequence[str],
+    *,
+    branch: str | None,
+    files: Sequence[str] | None,
+    tags: bool = False,
 ) -> list[dict[str, Any]]:
-    """The workspaces of `org` bound to the connection on one of the repository keys."""
+    """The workspaces of `org` bound to the connection on one of the repository keys that
+    may concern a change: on `branch` (None: any), and, when `files` is given (a push
+    whose file list is complete), only those whose directory holds a changed file or
+    that judge by trigger paths or any change; with `tags`, only those with tag patterns.
+    What is left is judged by `services.vcs.matching`; this only keeps a push from
+    reading every workspace of a busy repository."""
     keys = sorted({k for k in repo_keys if k})
     if not keys:
         return []
-    marks = ", ".join("?" * len(keys))
+    where = [f"connection = ? AND repo_key IN ({', '.join('?' * len(keys))}) AND org = ?"]
+    params: list[Any] = [connection_id, *keys, org]
+    if branch is not None:
+        where.append("branch = ?")
+        params.append(branch)
+    if tags:
+        where.append("trigger_tags_json != '[]'")
+    dirs = sorted(ancestors(files)) if files is not None else []
+    if files is not None and len(dirs) <= MAX_PREFIXES:
+        marks = ", ".join("?" * len(dirs))
+        where.append(f"(dir_prefix IS NULL OR dir_prefix = '' OR dir_prefix IN ({marks}))")
+        params += dirs
     sql = (
-        f"SELECT {_BINDING_COLS} FROM vcs_bindings WHERE connection = ? AND repo_key IN"
-        f" ({marks}) AND org = ? ORDER BY workspace LIMIT {MAX_BINDINGS}"
+        f"SELECT {_BINDING_COLS} FROM vcs_bindings WHERE {' AND '.join(where)}"
+        f" ORDER BY workspace LIMIT {MAX_BINDINGS}"
     )
-    rows = await q(sql, (connection_id, *keys, org))
+    rows = await q(sql, params)
     return [
         {
             "workspace": r["workspace"],
             "branch": r["branch"],
             "directory": r["directory"],
-            "trigger_paths": msgspec.json.decode(r["trigger_paths_json"]),
+            "trigger_paths": _list(r["trigger_paths_json"]),
             "trigger_any_change": bool(r["trigger_any_change"]),
-            "trigger_tags": msgspec.json.decode(r["trigger_tags_json"]),
+            "trigger_tags": _list(r["trigger_tags_json"]),
             "run_type": r["run_type"],
         }
         for r in rows
     ]
+
+
+def _list(raw: str) -> list[str]:
+    return [] if raw == "[]" else msgspec.json.decode(raw, type=list[str])

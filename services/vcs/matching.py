@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import posixpath
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -67,16 +67,14 @@ def glob_match(pattern: str, path: str) -> bool:
     return _compiled(pattern.lstrip("/")).fullmatch(path) is not None
 
 
-def default_patterns(directory: str) -> list[str]:
-    d = posixpath.normpath(directory or ".").strip("/")
-    return ["**"] if d in (".", "") else [d + "/**"]
-
-
-def changed(binding: dict[str, Any], files: Iterable[str], *, everything: bool) -> bool:
+def changed(binding: dict[str, Any], files: Sequence[str], *, everything: bool) -> bool:
     """Whether a push that changed `files` concerns the workspace."""
     if everything or binding["trigger_any_change"]:
         return True
-    patterns = binding["trigger_paths"] or default_patterns(binding["directory"])
+    patterns = binding["trigger_paths"]
+    if not patterns:  # its directory: a prefix, no pattern to match (the common case)
+        d = posixpath.normpath(binding["directory"] or ".").strip("/")
+        return bool(files) if d in (".", "") else any(f.startswith(d + "/") for f in files)
     return any(glob_match(p, f) for f in files for p in patterns)
 
 

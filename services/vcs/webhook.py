@@ -52,7 +52,7 @@ log = structlog.get_logger(__name__)
 MAX_BODY = 8 * 1024 * 1024
 MAX_DELIVERY = 200  # characters of a delivery id
 READ_WAIT_S = 2.0
-CONCURRENT_RUNS = 16  # run creations in flight for one delivery
+CONCURRENT_RUNS = 64  # run creations in flight for one delivery
 _REFUSED = "the request's signature matches no VCS connection"
 
 
@@ -162,7 +162,16 @@ async def _start(
     """Create every run the change starts (concurrently, bounded); what they are."""
     if not await api.reached(await api.app.store.last_seq(), READ_WAIT_S):
         raise Problem("unavailable", "the read model is behind; deliver again shortly")
-    bindings = await api.read.vcs_bindings(conn.org, conn.id, change.repo_keys)
+    tag = change.kind == payloads.TAG
+    complete = change.kind == payloads.PUSH and not change.everything
+    bindings = await api.read.vcs_bindings(
+        conn.org,
+        conn.id,
+        change.repo_keys,
+        branch=None if tag else change.branch,
+        files=change.files if complete else None,
+        tags=tag,
+    )
     targets = matching.targets(change, bindings)
     cause, message = _cause(conn, delivery, change), _message(change)
     gate = asyncio.Semaphore(CONCURRENT_RUNS)
