@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from events import vcs
 from events.errors import Invalid
 from events.run import Cause, RunCreated
-from services.commands import derived_id
+from services.commands import derived_id, new_id
+from services.vcs import connections as vcs_connections
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -192,6 +194,16 @@ async def test_a_workspace_keeps_its_vcs_binding_and_refuses_bad_globs(
         "trigger_tags": ["v*"],
         "vcs_run_type": "plan",
     }
+    # a workspace may name only a connection of its organization (services/api/vcs.py)
+    (await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)).problem(
+        "invalid-command", 422
+    )
+    save = vcs.SaveConnection(
+        actor="t", connection_id="conn-1", org="acme", create=True, name="gh", provider="github"
+    )
+    await vcs_connections.command(
+        plane.app.store, "acme", save, now=datetime.now(UTC), new_id=new_id
+    )
     a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
     assert a.status == 201, a.body
     want = {k: v for k, v in body.items() if k not in ("name", "repository")}
