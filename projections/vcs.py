@@ -73,7 +73,7 @@ def project_binding(w: Working, org: str, workspace: str, cfg: Workspace) -> Non
     no connection). Whatever event changes a workspace's repository, branch, directory,
     triggers or connection calls this with the configuration after it."""
     if not cfg.vcs_connection:
-        w.delete("vcs_bindings", (org, workspace))
+        forget_binding(w, org, workspace)
         return
     w.put(
         "vcs_bindings",
@@ -93,6 +93,11 @@ def project_binding(w: Working, org: str, workspace: str, cfg: Workspace) -> Non
             "run_type": cfg.vcs_run_type,
         },
     )
+
+
+def forget_binding(w: Working, org: str, workspace: str) -> None:
+    """The workspace starts no more runs from webhooks (it was deleted)."""
+    w.delete("vcs_bindings", (org, workspace))
 
 
 def _connection(row: aiosqlite.Row) -> dict[str, Any]:
