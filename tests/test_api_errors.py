@@ -83,6 +83,11 @@ ORG_ENDPOINTS = [
     ("PUT", "/api/v1/orgs/{org}/chat/slack/users/{slack_id}"),
     ("GET", "/api/v1/orgs/{org}/chat/slack/users/{slack_id}"),
     ("DELETE", "/api/v1/orgs/{org}/chat/slack/users/{slack_id}"),
+    ("GET", "/api/v1/orgs/{org}/vcs-connections"),
+    ("POST", "/api/v1/orgs/{org}/vcs-connections"),
+    ("GET", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
+    ("PATCH", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
+    ("DELETE", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
@@ -95,6 +100,12 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/folders": {"name": "platform"},
     "/api/v1/orgs/{org}/chat/slack": {"team_id": "T0ACME", "signing_secret": "s"},
     "/api/v1/orgs/{org}/chat/slack/users/{slack_id}": {"user": "bob"},
+    "/api/v1/orgs/{org}/vcs-connections": {
+        "name": "gh",
+        "provider": "github",
+        "webhook_secret": "s",
+    },
+    "/api/v1/orgs/{org}/vcs-connections/{connection}": {"name": "gh2"},
     "/api/v1/orgs/{org}/settings": {"four_eyes": True},
     "/api/v1/orgs/{org}/folders/{folder}/settings": {"run_timeout": 60},
     "/api/v1/orgs/{org}/workspaces/{ws}/settings": {"require_approval": False},
@@ -157,6 +168,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 template="t",
                 notification="01jnotifofanotherorg00000a",
                 slack_id="U0BOB",
+                connection="01jconnofanotherorg000000a",
             )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
@@ -208,6 +220,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             template="t",
             notification="01jnotifofanotherorg00000a",
             slack_id="U0BOB",
+            connection="01jconnofanotherorg000000a",
             asset="swagger-ui.css",
         )
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):
