@@ -10,9 +10,10 @@ from events.chat import ChatEvent
 from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
+from events.vcs_report import VcsReportEvent
 from events.workspace import WorkspaceEvent
 
-AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent
+AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent | VcsReportEvent
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)

@@ -59,6 +59,7 @@ from events.run import (
     StepStarted,
 )
 from events.templates import TemplateDeleted, TemplateSaved
+from events.vcs_report import CommentClaimed, CommentLinked, RowSet
 from events.workspace import (
     RunAdmitted,
     RunEnqueued,
@@ -232,6 +233,8 @@ def quiet(event: AnyEvent) -> bool:
             | ch.SlackRequestDone()
             | ch.SlackMessageLinked()
         ):
+            return True
+        case RowSet() | CommentClaimed() | CommentLinked():  # the VCS reporter's own
             return True
         case _:
             assert_never(event)

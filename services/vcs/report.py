@@ -1,0 +1,455 @@
+"""The VCS reporter: a pull request's plans shown on the pull request.
+
+A subscriber on run events (services/subscribers/registry.py). When the reaction table
+(events/react.py) raises a notification trigger for a run whose cause is a VCS pull
+request (`Cause(kind="vcs", pull_request=N)`, recorded by the webhook's side), it
+reports the run as it is NOW (read again: an event redelivered late never puts an older
+status back), on the connection the cause names, looked up within the run's own
+organization:
+
+- the commit status `runplane/<workspace>` on the PR's head commit: `pending` while the
+  plan waits or runs, `success` with its counts (`+2 ~1 -0`) or `failure` with a word
+  (`errored`, `policy failed`, `canceled`, `discarded`), linking the run's page;
+- the PR's one comment (a merge request's note on GitLab), a row per workspace, its id
+  remembered in the log (events/vcs_report.py) and edited in place.
+
+Nothing a tenant writes reaches the comment but ids runplane validated (workspace names
+are `[a-z0-9-]`, and are reduced to that again here) and numbers: no variable, no plan
+attribute, no error text.
+
+Convergence of the comment: each reporter, after editing it, reads the PR's subject
+again and edits again if a row landed meanwhile, so the last edit to reach the VCS
+renders every row (an edit rendered before a row was recorded is always followed, from
+its writer, by one rendered after it). Posting is claimed on the subject first (one
+claimant wins, the others wait for its link), and a claimant that died is taken over
+after `CLAIM_TTL`, adopting the comment it may have posted (found by its marker).
+
+Calls to one connection are at most `Policy.per_connection` at a time and one
+organization's at most `per_org`; a connection with `waiting` reports queued puts the
+next ones back on the stream, so a tenant's slow or hanging VCS holds only its own.
+A retryable failure (429, 5xx, no answer) puts the event back after the policy's next
+delay; after the last, and on any other 4xx or a refused address, it is logged and
+dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import structlog
+
+from events import run as run_agg
+from events import vcs_report as vr
+from events.errors import Conflict
+from events.react import POLICY_REASON, SUCCEEDED, notifications, quiet, react
+from events.run import RunState, Status
+from services import trust
+from services.infra.consumer import Received, Retry, Subscription, by_subject
+from services.infra.eventstore import Append, EventStore
+from services.notifications.formats import PUBLIC_URL_ENV
+from services.runtime import ConfigError
+from services.secrets import SecretStore
+from services.vcs import connections
+from services.vcs.client import (
+    FAILURE,
+    PENDING,
+    SUCCESS,
+    Client,
+    Gone,
+    Policy,
+    VcsError,
+    policy_from_env,
+)
+from services.vcs.comment import marker, render, run_url, safe
+from services.vcs.github import GitHubClient
+from services.vcs.gitlab import GitLabClient
+
+if TYPE_CHECKING:
+    from services.commands import App
+    from services.subscribers.registry import SubscriberContext
+
+log = structlog.get_logger(__name__)
+
+NAME = "vcs-report"
+OVERFLOW_DELAY = 1.0  # a connection's queue is full: the event comes back later
+CLAIM_WAIT = 1.0  # another reporter is posting the comment: look again after this
+ROUNDS = 8  # edits of the comment one report makes at most while rows keep landing
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str  # PENDING | SUCCESS | FAILURE
+    word: str  # runplane's word for where the run is
+    description: str  # the commit status's: the counts, or the word
+
+
+def verdict(s: RunState) -> Verdict:
+    """What the VCS is told of a run (its status, and its plan's counts)."""
+    status = s.status
+    if status in SUCCEEDED:
+        plan = s.plan_summary
+        counts = f"+{plan.add} ~{plan.change} -{plan.destroy}" if plan else "no plan"
+        word = "no changes" if status == Status.NO_CHANGES else "planned"
+        return Verdict(SUCCESS, word, counts)
+    if status == Status.FAILED:
+        word = "policy failed" if s.reason == POLICY_REASON else "errored"
+        return Verdict(FAILURE, word, word)
+    if status in (Status.CANCELED, Status.DISCARDED):
+        word = str(status)
+        return Verdict(FAILURE, word, word)
+    word = {
+        Status.PENDING: "queued",
+        Status.QUEUED: "queued",
+        Status.PLANNING: "planning",
+        Status.AWAITING_APPROVAL: "needs attention",
+    }.get(status or Status.PENDING, "running")
+    return Verdict(PENDING, word, word)
+
+
+@dataclass(frozen=True)
+class PrRun:
+    """A run of a pull request, as the reporter sees it."""
+
+    org: str
+    workspace: str
+    run_id: str
+    connection: str
+    repository: str
+    pull_request: int
+    commit: str
+    created_at: datetime
+    seq: int  # the run subject's last sequence this view was folded through
+    verdict: Verdict
+    plan: tuple[int, int, int] | None  # add, change, destroy
+
+    @property
+    def key(self) -> str:
+        return vr.pr_key(self.connection, self.repository, self.pull_request)
+
+    def row(self) -> vr.PrRow:
+        add, change, destroy = self.plan or (None, None, None)
+        return vr.PrRow(
+            workspace=self.workspace,
+            run_id=self.run_id,
+            commit=self.commit,
+            status=self.verdict.word,
+            add=add,
+            change=change,
+            destroy=destroy,
+            created_at=self.created_at,
+            event_seq=self.seq,
+        )
+
+
+def pr_run(s: RunState, seq: int) -> PrRun | None:
+    """The run as a PR's run; None unless its cause is a VCS pull request."""
+    cause = s.cause
+    if cause is None or cause.kind != "vcs" or cause.pull_request <= 0:
+        return None
+    if not cause.connection or not cause.repository or not cause.commit:
+        return None
+    plan = s.plan_summary
+    return PrRun(
+        org=s.org,
+        workspace=s.workspace,
+        run_id=s.run_id,
+        connection=cause.connection,
+        repository=cause.repository,
+        pull_request=cause.pull_request,
+        commit=cause.commit,
+        created_at=s.created_at or datetime.fromtimestamp(0, UTC),
+        seq=seq,
+        verdict=verdict(s),
+        plan=(plan.add, plan.change, plan.destroy) if plan and s.terminal else None,
+    )
+
+
+# ---------------------------------------------------------------- the reporter
+
+Lookup = Callable[[str, str], Awaitable[tuple[connections.Connection, str] | None]]
+ClientFactory = Callable[[connections.Connection, str, Policy], Client]
+
+
+def make_client(conn: connections.Connection, token: str, policy: Policy) -> Client:
+    if conn.provider == "github":
+        return GitHubClient(conn.api_url, token, policy)
+    if conn.provider == "gitlab":
+        return GitLabClient(conn.api_url, token, policy)
+    raise VcsError(f"connection {conn.id}: no such provider {conn.provider!r}")
+
+
+@dataclass
+class _Lane:
+    slots: asyncio.Semaphore
+    waiting: int = 0
+
+
+@dataclass
+class Reporter:
+    """The handler; `reported` counts reports made (tests)."""
+
+    store: EventStore
+    lookup: Lookup
+    policy: Policy = field(default_factory=Policy)
+    base_url: str = ""
+    clients: ClientFactory = make_client
+    clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+    reported: int = 0
+    _lanes: dict[str, _Lane] = field(default_factory=dict)
+    _orgs: dict[str, _Lane] = field(default_factory=dict)
+
+    async def handle(self, r: Received) -> None:
+        """The subscriber's handler (services/infra/consumer.py)."""
+        state = r.state
+        if not isinstance(state, RunState) or not state.exists:
+            return
+        if not notifications(react(r.event, state)) or pr_run(state, r.seq) is None:
+            return
+        try:
+            await self.report(r.subject, state.org, state.cause.connection if state.cause else "")
+        except VcsError as e:
+            self._failed(r, e)
+
+    def _failed(self, r: Received, e: VcsError) -> None:
+        delay = self.policy.backoff(r.num_delivered) if e.retryable else None
+        if delay is not None:
+            raise Retry(delay, str(e)) from e
+        event = "vcs_report_gave_up" if e.retryable else "vcs_report_refused"
+        log.warning(event, subject=r.subject, error=str(e), status=e.status or None)
+
+    async def report(self, run_subject: str, org: str, connection_id: str) -> None:
+        """Report the run on `run_subject` as it is now, on its connection."""
+        found = await self.lookup(org, connection_id)
+        if found is None or found[0].org != org:
+            log.warning("vcs_report_no_connection", org=org, connection=connection_id)
+            return
+        conn, token = found
+        if not token:
+            log.warning("vcs_report_no_token", org=org, connection=conn.id)
+            return
+        async with self._slot(org, conn.id):
+            client = self.clients(conn, token, self.policy)
+            try:
+                pr = await self._statuses(client, run_subject)
+                if pr is not None:
+                    await self._record(pr)
+                    await self._comment(client, pr)
+                    self.reported += 1
+            finally:
+                await client.aclose()
+
+    # ------------------------------------------------------------ lanes
+
+    def _slot(self, org: str, conn_id: str) -> _Slot:
+        lane = self._lanes.get(conn_id)
+        if lane is None:
+            lane = self._lanes[conn_id] = _Lane(asyncio.Semaphore(self.policy.per_connection))
+        of_org = self._orgs.get(org)
+        if of_org is None:
+            of_org = self._orgs[org] = _Lane(asyncio.Semaphore(self.policy.per_org))
+        if lane.waiting >= self.policy.waiting or of_org.waiting >= 4 * self.policy.waiting:
+            raise Retry(OVERFLOW_DELAY, f"connection {conn_id}: {lane.waiting} reports wait")
+        return _Slot(of_org, lane)
+
+    # ------------------------------------------------------------ statuses
+
+    async def _latest(self, run_subject: str) -> PrRun | None:
+        envs = await self.store.read(run_subject)
+        if not envs:
+            return None
+        state = run_agg.fold([e.event for e in envs])  # type: ignore[misc]
+        return pr_run(state, envs[-1].seq) if state.exists else None
+
+    async def _statuses(self, client: Client, run_subject: str) -> PrRun | None:
+        """Post the run's status as it is now; again while it moved meanwhile (a reporter
+        of an older event, on another replica, may have posted an older one)."""
+        posted: Verdict | None = None
+        pr = await self._latest(run_subject)
+        for _ in range(ROUNDS):
+            if pr is None or pr.verdict == posted:
+                return pr
+            await client.set_status(
+                pr.repository,
+                pr.commit,
+                state=pr.verdict.state,
+                context=f"runplane/{safe(pr.workspace)}",
+                description=pr.verdict.description,
+                url=run_url(self.base_url, pr.org, pr.workspace, pr.run_id),
+            )
+            posted = pr.verdict
+            pr = await self._latest(run_subject)
+        return pr
+
+    # ------------------------------------------------------------ the PR's subject
+
+    async def _read(self, org: str, key: str) -> tuple[vr.PrReport, int]:
+        envs = await self.store.read(vr.subject(org, key))
+        events = [
+            e.event
+            for e in envs
+            if isinstance(e.event, vr.RowSet | vr.CommentClaimed | vr.CommentLinked)
+        ]
+        return vr.fold(events), (envs[-1].seq if envs else 0)
+
+    async def _append(
+        self, org: str, key: str, event: vr.VcsReportEvent, last: int, mid: str
+    ) -> int:
+        item = Append(subject=vr.subject(org, key), event=event, expected=last, msg_id=mid)
+        return await self.store.append([item])
+
+    async def _record(self, pr: PrRun) -> None:
+        """The run's row on the PR's subject (unless a newer one of its workspace is)."""
+        row = pr.row()
+        for _ in range(20):
+            state, last = await self._read(pr.org, pr.key)
+            if not vr.newer(row, state.rows.get(row.workspace)):
+                return
+            event = vr.RowSet(
+                at=self.clock(),
+                actor="vcs",
+                connection=pr.connection,
+                repository=pr.repository,
+                pull_request=pr.pull_request,
+                row=row,
+            )
+            try:
+                await self._append(pr.org, pr.key, event, last, f"{pr.key}-{pr.run_id}-{pr.seq}")
+                return
+            except Conflict:
+                continue
+        raise VcsError("the pull request's record keeps moving", retryable=True)
+
+    async def _comment(self, client: Client, pr: PrRun) -> None:
+        """Edit (or post) the PR's comment until it shows every recorded row."""
+        sent = ""
+        for _ in range(ROUNDS):
+            state, last = await self._read(pr.org, pr.key)
+            if not state.comment_id:
+                await self._post(client, pr, state, last)
+                continue
+            body = render(state, key=pr.key, org=pr.org, base_url=self.base_url)
+            if body != sent:
+                try:
+                    await client.edit_comment(
+                        pr.repository, pr.pull_request, state.comment_id, body
+                    )
+                except Gone:
+                    log.info("vcs_comment_gone", key=pr.key, comment=state.comment_id)
+                    await self._post(client, pr, state, last, anew=True)
+                    continue
+                sent = body
+            if (await self._read(pr.org, pr.key))[1] == last:
+                return
+        raise Retry(CLAIM_WAIT, "the pull request's rows keep landing")
+
+    async def _post(
+        self, client: Client, pr: PrRun, state: vr.PrReport, last: int, *, anew: bool = False
+    ) -> None:
+        """Claim the posting of the comment, post it (or adopt the one a claimant that
+        died posted: `anew`, the one linked is gone, adopts none) and link it; Retry if
+        another reporter holds the claim. A claim lost to another is no error: the
+        caller reads again."""
+        if not anew and not vr.claim_open(state, self.clock()):
+            raise Retry(CLAIM_WAIT, "another reporter is posting the comment")
+        claim = uuid.uuid4().hex
+        claimed = vr.CommentClaimed(at=self.clock(), actor="vcs", claim=claim)
+        try:
+            seq = await self._append(pr.org, pr.key, claimed, last, f"{pr.key}-claim-{claim}")
+        except Conflict:
+            return
+        comment_id = 0
+        if not anew:
+            comment_id = await client.find_comment(pr.repository, pr.pull_request, marker(pr.key))
+        if not comment_id:
+            body = render(state, key=pr.key, org=pr.org, base_url=self.base_url)
+            comment_id = await client.create_comment(pr.repository, pr.pull_request, body)
+        linked = vr.CommentLinked(at=self.clock(), actor="vcs", claim=claim, comment_id=comment_id)
+        await self._link(pr, linked, seq)
+
+    async def _link(self, pr: PrRun, linked: vr.CommentLinked, after: int) -> None:
+        """Record the comment's id after our claim (rows may have landed in between; a
+        claim of another's since means ours was taken over: theirs stands)."""
+        last = after
+        for _ in range(20):
+            try:
+                await self._append(pr.org, pr.key, linked, last, f"{pr.key}-link-{linked.claim}")
+                return
+            except Conflict:
+                state, last = await self._read(pr.org, pr.key)
+                if state.claim != linked.claim or state.comment_id:
+                    log.warning("vcs_comment_claim_lost", key=pr.key, claim=linked.claim)
+                    return
+        raise VcsError("the pull request's record keeps moving", retryable=True)
+
+
+@dataclass
+class _Slot:
+    org: _Lane
+    conn: _Lane
+
+    async def __aenter__(self) -> None:
+        self.conn.waiting += 1
+        self.org.waiting += 1
+        try:
+            await self.org.slots.acquire()
+            try:
+                await self.conn.slots.acquire()
+            except BaseException:
+                self.org.slots.release()
+                raise
+        finally:
+            self.conn.waiting -= 1
+            self.org.waiting -= 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.conn.slots.release()
+        self.org.slots.release()
+
+
+# ---------------------------------------------------------------- the registration
+
+
+def subscription(reporter: Reporter) -> Subscription:
+    """Run events, one lane per run (its events in order), the run folded through each
+    event that calls for anything (the reporter reads it again before it reports)."""
+    return Subscription(
+        name=NAME,
+        handle=reporter.handle,
+        subjects=("rp.run.>",),
+        lane=by_subject,
+        with_state=lambda e: not quiet(e),
+    )
+
+
+def lookup_for(app: App, secrets: SecretStore) -> Lookup:
+    """Connections and their tokens as services/vcs/connections.py has them."""
+
+    async def lookup(org: str, connection_id: str) -> tuple[connections.Connection, str] | None:
+        conn = await connections.load_connection(app, org, connection_id)
+        if conn is None:
+            return None
+        return conn, await connections.connection_token(secrets, org, conn.id)
+
+    return lookup
+
+
+def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
+    """The registry's entry (services/subscribers/registry.py); none without the
+    encryption key (a connection's token opens only with it)."""
+    try:
+        keyring = trust.keyring(ctx.opts)
+    except ConfigError as e:
+        log.warning("vcs_report_off", reason=str(e))
+        return []
+    base_url = os.environ.get(PUBLIC_URL_ENV, "") or f"http://{ctx.opts.listen}"
+    secrets = SecretStore(ctx.nc, keyring)
+    reporter = Reporter(
+        ctx.app.store, lookup_for(ctx.app, secrets), policy_from_env(), base_url=base_url
+    )
+    return [subscription(reporter)]
