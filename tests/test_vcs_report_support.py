@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -55,6 +56,9 @@ class FakeVcs:
     hang: bool = False
     trickle: bool = False
     redirect_to: str = ""
+    # Edits applied after a random pause up to this long: concurrent edits land out of
+    # the order they were sent in, as they may on a real VCS behind a load balancer.
+    edit_jitter: float = 0.0
     next_id: int = 1000
     _runner: web.AppRunner | None = None
     _released: asyncio.Event = field(default_factory=asyncio.Event)
@@ -119,6 +123,8 @@ class FakeVcs:
             raise web.HTTPFound(self.redirect_to)
         if self.fail:
             return web.Response(status=self.fail.pop(0), text=self.fail_body)
+        if self.edit_jitter and request.method in ("PATCH", "PUT"):
+            await asyncio.sleep(random.uniform(0, self.edit_jitter))
         return self._answer(request, path, body)
 
     async def _trickle(self, request: web.Request) -> web.StreamResponse:

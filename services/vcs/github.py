@@ -75,7 +75,12 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
 
 class GuardedTransport(httpx.AsyncHTTPTransport):
     """httpx's transport, its pool on `GuardedBackend` (httpx takes no network backend
-    of its own, so the pool it built is replaced by one built the same way)."""
+    of its own, so the pool it built is replaced by one built the same way).
+
+    githubkit opens an httpx client per request outside `async with github:` and closes
+    it after, transport too: the pool is closed only by `close` (GitHubClient.aclose),
+    so concurrent calls of one client share it.
+    """
 
     def __init__(self, allow: frozenset[str], *, timeout: float = 5.0) -> None:
         super().__init__(trust_env=False, retries=0)
@@ -87,6 +92,15 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
             network_backend=GuardedBackend(allow, timeout=timeout),
         )
 
+    async def __aexit__(self, *exc: typing.Any) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        await self._pool.aclose()
+
 
 class GitHubClient:
     """One connection's GitHub: statuses and issue comments (a PR is an issue)."""
@@ -94,6 +108,7 @@ class GitHubClient:
     def __init__(self, api_url: str, token: str, policy: Policy) -> None:
         guard.parse(api_url)  # an http(s) URL with a host, no credentials in it
         self.policy = policy
+        self._transport = GuardedTransport(policy.allow, timeout=policy.timeout)
         self._gh = GitHub(
             TokenAuthStrategy(token),
             base_url=api_url,
@@ -101,15 +116,13 @@ class GitHubClient:
             follow_redirects=False,
             timeout=policy.timeout,
             trust_env=False,
-            async_transport=GuardedTransport(policy.allow, timeout=policy.timeout),
+            async_transport=self._transport,
             http_cache=False,
             auto_retry=False,
         )
 
     async def aclose(self) -> None:
-        transport = self._gh.config.async_transport
-        if transport is not None:
-            await transport.aclose()
+        await self._transport.close()
 
     async def set_status(
         self, repo: str, sha: str, *, state: str, context: str, description: str, url: str

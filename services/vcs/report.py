@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -209,10 +209,13 @@ class Reporter:
         state = r.state
         if not isinstance(state, RunState) or not state.exists:
             return
-        if not notifications(react(r.event, state)) or pr_run(state, r.seq) is None:
+        if not notifications(react(r.event, state)):
+            return
+        pr = pr_run(state, r.seq)
+        if pr is None:
             return
         try:
-            await self.report(r.subject, state.org, state.cause.connection if state.cause else "")
+            await self.report(r.subject, pr.org, pr.connection)
         except VcsError as e:
             self._failed(r, e)
 
@@ -238,8 +241,7 @@ class Reporter:
             try:
                 pr = await self._statuses(client, run_subject)
                 if pr is not None:
-                    await self._record(pr)
-                    await self._comment(client, pr)
+                    await self.show(client, pr)
                     self.reported += 1
             finally:
                 await client.aclose()
@@ -263,7 +265,8 @@ class Reporter:
         envs = await self.store.read(run_subject)
         if not envs:
             return None
-        state = run_agg.fold([e.event for e in envs])  # type: ignore[misc]
+        events: list[Any] = [e.event for e in envs]
+        state = run_agg.fold(events)
         return pr_run(state, envs[-1].seq) if state.exists else None
 
     async def _statuses(self, client: Client, run_subject: str) -> PrRun | None:
@@ -302,6 +305,11 @@ class Reporter:
     ) -> int:
         item = Append(subject=vr.subject(org, key), event=event, expected=last, msg_id=mid)
         return await self.store.append([item])
+
+    async def show(self, client: Client, pr: PrRun) -> None:
+        """Record the run's row on its PR and bring the PR's comment up to date."""
+        await self._record(pr)
+        await self._comment(client, pr)
 
     async def _record(self, pr: PrRun) -> None:
         """The run's row on the PR's subject (unless a newer one of its workspace is)."""
