@@ -9,6 +9,7 @@ nothing of a tenant's (its error text, another organization's connection) gets t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from events import run as R
 from events.codec import run_subject
 from events.values import Cause, PlanSummary
 from services.commands import App
-from services.infra.consumer import Consumer
+from services.infra.consumer import Consumer, Received
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import Append, EventStore
 from services.secrets import SecretStore
@@ -284,3 +285,63 @@ async def test_an_api_url_at_the_metadata_service_or_loopback_is_refused_at_send
 async def _drained(consumer: Consumer, store: EventStore) -> bool:
     info = await store.nc.jetstream().consumer_info("RP_EVENTS", consumer.durable)
     return info.num_ack_pending == 0 and info.num_pending == 0
+
+
+async def test_ten_workspaces_planned_at_once_end_in_one_comment_with_ten_rows(
+    rig: Rig, github: FakeVcs
+) -> None:
+    await rig.connect("acme", "gh1", "github", github.url, "ghp-acme")
+    names = [f"w{i}" for i in range(10)]
+    for ws in names:
+        await rig.app.create_workspace("acme", ws, R.Workspace(repository="https://x/r.git"), "a")
+    github.edit_jitter = 0.03
+    runs = await asyncio.gather(*(rig.pr_run("acme", ws, "gh1") for ws in names))
+    await asyncio.gather(
+        *(
+            rig.move("acme", ws, run, _planning(rig.app), _planned(rig.app, i, 0, 1))
+            for i, (ws, run) in enumerate(zip(names, runs, strict=True))
+        )
+    )
+
+    async def all_rows() -> bool:
+        assert len(github.comments) == 1
+        [c] = github.comments.values()
+        for i, ws in enumerate(names):
+            assert f"| `{ws}` | planned | +{i} ~0 -1 |" in c.body, c.body
+        return True
+
+    await eventually(all_rows, what="ten rows", timeout=30)
+    await eventually(rig.drained, what="every event settled")
+    await all_rows()  # still: no late edit took a row away
+    assert len(github.created()) == 1
+    finals = {c.body["context"]: c.body for c in github.statuses() if c.body["state"] == "success"}
+    assert set(finals) == {f"runplane/{ws}" for ws in names}
+
+
+async def test_a_late_redelivery_posts_the_runs_status_now_not_its_own(
+    rig: Rig, github: FakeVcs
+) -> None:
+    """run.created handled again after the plan finished (a redelivery, another replica
+    behind) posts `success`, never `pending` over it."""
+    await rig.connect("acme", "gh1", "github", github.url, "ghp-acme")
+    run_id = await rig.pr_run("acme", "net", "gh1")
+    await rig.move("acme", "net", run_id, _planning(rig.app), _planned(rig.app, 1, 0, 0))
+    await eventually(lambda: _last_is(github, "success"), timeout=15)
+    await eventually(rig.drained)
+    subject = run_subject("acme", "net", run_id)
+    envs = await rig.store.read(subject)
+    created = envs[0]
+    late = Received(
+        seq=created.seq,
+        subject=subject,
+        type="run.created",
+        event=created.event,
+        timestamp=rig.app.clock(),
+        num_delivered=2,
+        headers={},
+        state=R.fold([created.event]),  # type: ignore[list-item]
+        last_seq=envs[-1].seq,
+    )
+    before = len(github.statuses())
+    await rig.reporter.handle(late)
+    assert [c.body["state"] for c in github.statuses()[before:]] == ["success"]

@@ -59,7 +59,7 @@ class Policy:
     timeout: float = 10.0  # one call, connecting to the end of the answer
     # Seconds before each retry of a report (its event put back), then it is given up.
     schedule: tuple[float, ...] = (2, 10, 30, 120, 600, 1800)
-    per_connection: int = 2  # calls in flight to one connection's VCS
+    per_connection: int = 4  # reports in flight to one connection's VCS
     per_org: int = 8  # calls in flight for one organization, all its connections
     waiting: int = 64  # reports waiting for a connection before the next are put back
 
