@@ -15,11 +15,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import vcs_report as vr
+from events.react import POLICY_REASON, SUCCEEDED
+from events.run import RunState, Status
 from services.infra.consumer import Retry
 from services.infra.eventstore import Append, EventStore
 from services.vcs import comment
 from services.vcs.client import Policy
 from services.vcs.github import GitHubClient
+from services.vcs.prrun import verdict
 from services.vcs.report import PrRun, Reporter, Verdict
 from tests.test_vcs_report_support import FakeVcs
 
@@ -235,3 +238,12 @@ def test_only_runplanes_words_and_numbers_reach_the_comment() -> None:
     body = comment.render(vr.PrReport(rows={"net": row}), key="k", org="acme", base_url="")
     assert "@" not in body.replace(comment.marker("k"), "") and "evil" not in body
     assert re.search(r"\| `net` \| unknown \| - \| - \|", body)
+
+
+@pytest.mark.parametrize("status", list(Status))
+def test_every_status_maps_to_a_word_the_comment_shows(status: Status) -> None:
+    """What `verdict` says of any run status is one of the comment's words (a new status
+    without a word would show as `unknown`), and only a good end is a success."""
+    v = verdict(RunState(run_id="r", status=status, reason=POLICY_REASON))
+    assert v.word in comment.WORDS
+    assert (v.state == "success") == (status in SUCCEEDED)

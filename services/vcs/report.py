@@ -47,8 +47,8 @@ import structlog
 from events import run as run_agg
 from events import vcs_report as vr
 from events.errors import Conflict
-from events.react import POLICY_REASON, SUCCEEDED, notifications, quiet, react
-from events.run import RunState, Status
+from events.react import notifications, quiet, react
+from events.run import RunState
 from services import trust
 from services.infra.consumer import Received, Retry, Subscription, by_subject
 from services.infra.eventstore import Append, EventStore
@@ -57,9 +57,6 @@ from services.runtime import ConfigError
 from services.secrets import SecretStore
 from services.vcs import connections
 from services.vcs.client import (
-    FAILURE,
-    PENDING,
-    SUCCESS,
     Client,
     Gone,
     Policy,
@@ -69,6 +66,7 @@ from services.vcs.client import (
 from services.vcs.comment import marker, render, run_url, safe
 from services.vcs.github import GitHubClient
 from services.vcs.gitlab import GitLabClient
+from services.vcs.prrun import PrRun, Verdict, pr_run
 
 if TYPE_CHECKING:
     from services.commands import App
@@ -80,94 +78,6 @@ NAME = "vcs-report"
 OVERFLOW_DELAY = 1.0  # a connection's queue is full: the event comes back later
 CLAIM_WAIT = 1.0  # another reporter is posting the comment: look again after this
 ROUNDS = 8  # edits of the comment one report makes at most while rows keep landing
-
-
-@dataclass(frozen=True)
-class Verdict:
-    state: str  # PENDING | SUCCESS | FAILURE
-    word: str  # runplane's word for where the run is
-    description: str  # the commit status's: the counts, or the word
-
-
-def verdict(s: RunState) -> Verdict:
-    """What the VCS is told of a run (its status, and its plan's counts)."""
-    status = s.status
-    if status in SUCCEEDED:
-        plan = s.plan_summary
-        counts = f"+{plan.add} ~{plan.change} -{plan.destroy}" if plan else "no plan"
-        word = "no changes" if status == Status.NO_CHANGES else "planned"
-        return Verdict(SUCCESS, word, counts)
-    if status == Status.FAILED:
-        word = "policy failed" if s.reason == POLICY_REASON else "errored"
-        return Verdict(FAILURE, word, word)
-    if status in (Status.CANCELED, Status.DISCARDED):
-        word = str(status)
-        return Verdict(FAILURE, word, word)
-    word = {
-        Status.PENDING: "queued",
-        Status.QUEUED: "queued",
-        Status.PLANNING: "planning",
-        Status.AWAITING_APPROVAL: "needs attention",
-    }.get(status or Status.PENDING, "running")
-    return Verdict(PENDING, word, word)
-
-
-@dataclass(frozen=True)
-class PrRun:
-    """A run of a pull request, as the reporter sees it."""
-
-    org: str
-    workspace: str
-    run_id: str
-    connection: str
-    repository: str
-    pull_request: int
-    commit: str
-    created_at: datetime
-    seq: int  # the run subject's last sequence this view was folded through
-    verdict: Verdict
-    plan: tuple[int, int, int] | None  # add, change, destroy
-
-    @property
-    def key(self) -> str:
-        return vr.pr_key(self.connection, self.repository, self.pull_request)
-
-    def row(self) -> vr.PrRow:
-        add, change, destroy = self.plan or (None, None, None)
-        return vr.PrRow(
-            workspace=self.workspace,
-            run_id=self.run_id,
-            commit=self.commit,
-            status=self.verdict.word,
-            add=add,
-            change=change,
-            destroy=destroy,
-            created_at=self.created_at,
-            event_seq=self.seq,
-        )
-
-
-def pr_run(s: RunState, seq: int) -> PrRun | None:
-    """The run as a PR's run; None unless its cause is a VCS pull request."""
-    cause = s.cause
-    if cause is None or cause.kind != "vcs" or cause.pull_request <= 0:
-        return None
-    if not cause.connection or not cause.repository or not cause.commit:
-        return None
-    plan = s.plan_summary
-    return PrRun(
-        org=s.org,
-        workspace=s.workspace,
-        run_id=s.run_id,
-        connection=cause.connection,
-        repository=cause.repository,
-        pull_request=cause.pull_request,
-        commit=cause.commit,
-        created_at=s.created_at or datetime.fromtimestamp(0, UTC),
-        seq=seq,
-        verdict=verdict(s),
-        plan=(plan.add, plan.change, plan.destroy) if plan and s.terminal else None,
-    )
 
 
 # ---------------------------------------------------------------- the reporter
