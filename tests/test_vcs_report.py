@@ -21,7 +21,7 @@ from events import run as R
 from events.codec import run_subject
 from events.values import Cause, PlanSummary
 from services.commands import App
-from services.infra.consumer import Consumer, Received
+from services.infra.consumer import Consumer, Received, Retry
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import Append, EventStore
 from services.secrets import SecretStore
@@ -345,3 +345,46 @@ async def test_a_late_redelivery_posts_the_runs_status_now_not_its_own(
     before = len(github.statuses())
     await rig.reporter.handle(late)
     assert [c.body["state"] for c in github.statuses()[before:]] == ["success"]
+
+
+async def test_a_connection_with_too_many_reports_waiting_puts_the_next_back(
+    rig: Rig, github: FakeVcs
+) -> None:
+    """One call in flight per connection and one report waiting: a third report of the
+    hanging connection is put back at once (Retry: it holds no consumer room while it
+    waits), and another organization's connection goes on meanwhile."""
+    tight = Reporter(
+        rig.store,
+        rig.reporter.lookup,
+        Policy(allow=frozenset({"loopback"}), timeout=10.0, per_connection=1, waiting=1),
+        base_url=BASE,
+    )
+    async with FakeVcs() as hanging:
+        hanging.hang = True
+        await rig.connect("evil", "slow", "github", hanging.url, "t")
+        await rig.connect("acme", "gh1", "github", github.url, "ghp-acme")
+        await rig.app.create_workspace("evil", "w3", R.Workspace(repository="https://x/r.git"), "a")
+        subjects = [
+            run_subject("evil", ws, await rig.pr_run("evil", ws, "slow"))
+            for ws in ("net", "dns", "w3")
+        ]
+        acme = run_subject("acme", "net", await rig.pr_run("acme", "net", "gh1"))
+        first = asyncio.create_task(tight.report(subjects[0], "evil", "slow"))
+        await eventually(lambda: _lane(tight, "slow", users=1, waiting=0))
+        second = asyncio.create_task(tight.report(subjects[1], "evil", "slow"))
+        await eventually(lambda: _lane(tight, "slow", users=2, waiting=1))
+        with pytest.raises(Retry):
+            await tight.report(subjects[2], "evil", "slow")
+        before = len(github.statuses())
+        await asyncio.wait_for(tight.report(acme, "acme", "gh1"), 3.0)
+        assert len(github.statuses()) > before
+        for task in (first, second):
+            task.cancel()
+        await asyncio.gather(first, second, return_exceptions=True)
+    assert tight._lanes == {} and tight._orgs == {}
+
+
+async def _lane(reporter: Reporter, conn: str, *, users: int, waiting: int) -> bool:
+    lane = reporter._lanes.get(conn)
+    assert lane is not None and (lane.users, lane.waiting) == (users, waiting)
+    return True

@@ -37,7 +37,8 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -97,7 +98,8 @@ def make_client(conn: connections.Connection, token: str, policy: Policy) -> Cli
 @dataclass
 class _Lane:
     slots: asyncio.Semaphore
-    waiting: int = 0
+    waiting: int = 0  # reports waiting for a slot
+    users: int = 0  # reports waiting or holding one
 
 
 @dataclass
@@ -158,16 +160,31 @@ class Reporter:
 
     # ------------------------------------------------------------ lanes
 
-    def _slot(self, org: str, conn_id: str) -> _Slot:
-        lane = self._lanes.get(conn_id)
-        if lane is None:
-            lane = self._lanes[conn_id] = _Lane(asyncio.Semaphore(self.policy.per_connection))
-        of_org = self._orgs.get(org)
-        if of_org is None:
-            of_org = self._orgs[org] = _Lane(asyncio.Semaphore(self.policy.per_org))
+    @asynccontextmanager
+    async def _slot(self, org: str, conn_id: str) -> AsyncIterator[None]:
+        """One of the connection's slots and one of its organization's (the org's first:
+        waiting for it holds none of the connection's); Retry at once when too many wait.
+        A lane nobody uses any more is forgotten."""
+        lane = self._lanes.get(conn_id) or _Lane(asyncio.Semaphore(self.policy.per_connection))
+        of_org = self._orgs.get(org) or _Lane(asyncio.Semaphore(self.policy.per_org))
         if lane.waiting >= self.policy.waiting or of_org.waiting >= 4 * self.policy.waiting:
             raise Retry(OVERFLOW_DELAY, f"connection {conn_id}: {lane.waiting} reports wait")
-        return _Slot(of_org, lane)
+        self._lanes[conn_id], self._orgs[org] = lane, of_org
+        lane.users, of_org.users = lane.users + 1, of_org.users + 1
+        lane.waiting, of_org.waiting = lane.waiting + 1, of_org.waiting + 1
+        waiting = True
+        try:
+            async with of_org.slots, lane.slots:
+                lane.waiting, of_org.waiting, waiting = lane.waiting - 1, of_org.waiting - 1, False
+                yield
+        finally:
+            if waiting:
+                lane.waiting, of_org.waiting = lane.waiting - 1, of_org.waiting - 1
+            lane.users, of_org.users = lane.users - 1, of_org.users - 1
+            if not lane.users:
+                self._lanes.pop(conn_id, None)
+            if not of_org.users:
+                self._orgs.pop(org, None)
 
     # ------------------------------------------------------------ statuses
 
@@ -304,30 +321,6 @@ class Reporter:
                     log.warning("vcs_comment_claim_lost", key=pr.key, claim=linked.claim)
                     return
         raise VcsError("the pull request's record keeps moving", retryable=True)
-
-
-@dataclass
-class _Slot:
-    org: _Lane
-    conn: _Lane
-
-    async def __aenter__(self) -> None:
-        self.conn.waiting += 1
-        self.org.waiting += 1
-        try:
-            await self.org.slots.acquire()
-            try:
-                await self.conn.slots.acquire()
-            except BaseException:
-                self.org.slots.release()
-                raise
-        finally:
-            self.conn.waiting -= 1
-            self.org.waiting -= 1
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.conn.slots.release()
-        self.org.slots.release()
 
 
 # ---------------------------------------------------------------- the registration
