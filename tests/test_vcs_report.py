@@ -29,7 +29,7 @@ from services.vcs import connections
 from services.vcs.client import Policy
 from services.vcs.report import Reporter, lookup_for, subscription
 from tests.helpers import eventually
-from tests.test_vcs_report_support import Call, FakeVcs
+from tests.test_vcs_report_support import Call, FakeVcs, OutsideConnects
 
 SHA = "abcdef0123456789abcdef0123456789abcdef01"
 FAST = Policy(allow=frozenset({"loopback"}), timeout=1.0, schedule=(0.05, 0.1, 0.2))
@@ -259,11 +259,12 @@ async def test_a_run_cannot_post_with_another_organizations_connection(
 
 
 async def test_an_api_url_at_the_metadata_service_or_loopback_is_refused_at_send(
-    nc: NATS, app: App, store: EventStore, github: FakeVcs
+    nc: NATS, app: App, store: EventStore, github: FakeVcs, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the deployment's default (nothing allowed), a connection pointing at
     localhost (where the fake VCS listens) or 169.254.169.254 is refused when sending:
     no request reaches anything, the refusal is final (not retried)."""
+    outside = OutsideConnects(monkeypatch)
     await app.create_org("acme", "alice")
     await app.create_workspace("acme", "net", R.Workspace(repository="https://x/r.git"), "alice")
     await app.create_workspace("acme", "dns", R.Workspace(repository="https://x/r.git"), "alice")
@@ -278,7 +279,7 @@ async def test_an_api_url_at_the_metadata_service_or_loopback_is_refused_at_send
         await rig.pr_run("acme", "net", "loop")
         await rig.pr_run("acme", "dns", "meta")
         await eventually(lambda: _drained(consumer, store), what="both handled")
-    assert github.calls == []
+    assert github.calls == [] and outside.tried == []
     assert reporter.reported == 0
 
 

@@ -12,7 +12,7 @@ import pytest
 from services.vcs.client import Gone, Policy, VcsError
 from services.vcs.github import GitHubClient
 from services.vcs.gitlab import GitLabClient
-from tests.test_vcs_report_support import FakeVcs
+from tests.test_vcs_report_support import FakeVcs, OutsideConnects
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "ghp-test-token-abc"
@@ -159,11 +159,12 @@ def _client(provider: str, url: str, policy: Policy = LOOPBACK) -> GitHubClient 
 @pytest.mark.parametrize("provider", ["github", "gitlab"])
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "169.254.169.254", "10.0.0.7"])
 async def test_an_api_url_on_loopback_private_or_metadata_is_refused_at_send(
-    vcs: FakeVcs, provider: str, host: str
+    vcs: FakeVcs, provider: str, host: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Without RUNPLANE_VCS_ALLOW the guard judges the address connected to: nothing
     reaches the local server, the metadata address or the private one (no connect is
     even tried), and the refusal is final, not retried."""
+    outside = OutsideConnects(monkeypatch)
     port = vcs.port if host in ("127.0.0.1", "localhost", "[::1]") else 80
     client = _client(provider, f"http://{host}:{port}", Policy(timeout=2.0))
     with pytest.raises(VcsError) as e:
@@ -172,12 +173,15 @@ async def test_an_api_url_on_loopback_private_or_metadata_is_refused_at_send(
         )
     assert "not allowed" in str(e.value)
     assert e.value.retryable is False
-    assert vcs.calls == []
+    assert vcs.calls == [] and outside.tried == []
 
 
 @pytest.mark.parametrize("provider", ["github", "gitlab"])
-async def test_a_redirect_is_not_followed(vcs: FakeVcs, provider: str) -> None:
+async def test_a_redirect_is_not_followed(
+    vcs: FakeVcs, provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 3xx (to the metadata service, say) is an answer, never a second request."""
+    outside = OutsideConnects(monkeypatch)
     vcs.redirect_to = "http://169.254.169.254/latest/meta-data/"
     client = _client(provider, vcs.url)
     with pytest.raises(VcsError) as e:
@@ -185,7 +189,7 @@ async def test_a_redirect_is_not_followed(vcs: FakeVcs, provider: str) -> None:
             "acme/net", SHA, state="pending", context="c", description="d", url=""
         )
     assert e.value.retryable is False
-    assert len(vcs.calls) == 1
+    assert len(vcs.calls) == 1 and outside.tried == []
 
 
 @pytest.mark.parametrize("provider", ["github", "gitlab"])

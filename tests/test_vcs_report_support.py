@@ -23,6 +23,52 @@ from typing import Any
 from aiohttp import web
 
 
+class OutsideConnects:
+    """Connects to anything but loopback, refused before a packet leaves (and recorded):
+    a test of the guard that regressed would otherwise send traffic to a metadata or
+    private address. Patches httpcore's asyncio backend (githubkit's path) and urllib3's
+    and the socket module's `create_connection` (python-gitlab's)."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        import ipaddress
+        import socket
+
+        import httpcore
+        import urllib3.util.connection
+
+        self.tried: list[str] = []
+
+        def refuse(host: str) -> None:
+            try:
+                local = ipaddress.ip_address(host.strip("[]")).is_loopback
+            except ValueError:
+                local = host == "localhost"
+            if not local:
+                self.tried.append(host)
+                raise OSError(f"test: no connect outside loopback ({host})")
+
+        real_tcp = httpcore.AnyIOBackend.connect_tcp
+
+        async def tcp(backend: Any, host: str, port: int, *a: Any, **kw: Any) -> Any:
+            refuse(host)
+            return await real_tcp(backend, host, port, *a, **kw)
+
+        def wrap(real: Any) -> Any:
+            def create(address: tuple[str, int], *a: Any, **kw: Any) -> Any:
+                refuse(address[0])
+                return real(address, *a, **kw)
+
+            return create
+
+        monkeypatch.setattr(httpcore.AnyIOBackend, "connect_tcp", tcp)
+        monkeypatch.setattr(socket, "create_connection", wrap(socket.create_connection))
+        monkeypatch.setattr(
+            urllib3.util.connection,
+            "create_connection",
+            wrap(urllib3.util.connection.create_connection),
+        )
+
+
 @dataclass(frozen=True)
 class Call:
     method: str
