@@ -24,9 +24,12 @@ its writer, by one rendered after it). Posting is claimed on the subject first (
 claimant wins, the others wait for its link), and a claimant that died is taken over
 after `CLAIM_TTL`, adopting the comment it may have posted (found by its marker).
 
-Calls to one connection are at most `Policy.per_connection` at a time and one
-organization's at most `per_org`; a connection with `waiting` reports queued puts the
-next ones back on the stream, so a tenant's slow or hanging VCS holds only its own.
+Reports to one connection are at most `Policy.per_connection` at a time and one
+organization's at most `per_org` (each call within `Policy.timeout`); a connection with
+`waiting` reports queued puts the next ones back on the stream (they hold no room of
+the consumer's while they wait), so a tenant's slow or hanging VCS holds only its own.
+On a cluster the convergence above rests on the PR subject's reads being current (the
+event store reads from the leader when a follower may be behind the floor).
 A retryable failure (429, 5xx, no answer) puts the event back after the policy's next
 delay; after the last, and on any other 4xx or a refused address, it is logged and
 dropped.
@@ -262,7 +265,7 @@ class Reporter:
 
     async def _comment(self, client: Client, pr: PrRun) -> None:
         """Edit (or post) the PR's comment until it shows every recorded row."""
-        sent = ""
+        sent = ""  # what this reporter last put in the comment (the same again is not sent)
         for _ in range(ROUNDS):
             state, last = await self._read(pr.org, pr.key)
             if not state.comment_id:
