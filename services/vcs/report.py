@@ -221,8 +221,10 @@ class Reporter:
 
     # ------------------------------------------------------------ the PR's subject
 
-    async def _read(self, org: str, key: str) -> tuple[vr.PrReport, int]:
-        envs = await self.store.read(vr.subject(org, key))
+    async def _read(self, org: str, key: str, at_least: int = 0) -> tuple[vr.PrReport, int]:
+        """The PR's state and its subject's last sequence, as of a stream at least at
+        `at_least` (what this reporter appended: a follower behind it is not read)."""
+        envs = await self.store.read(vr.subject(org, key), min_seq=at_least)
         events = [
             e.event
             for e in envs
@@ -238,16 +240,15 @@ class Reporter:
 
     async def show(self, client: Client, pr: PrRun) -> None:
         """Record the run's row on its PR and bring the PR's comment up to date."""
-        await self._record(pr)
-        await self._comment(client, pr)
+        await self._comment(client, pr, await self._record(pr))
 
-    async def _record(self, pr: PrRun) -> None:
+    async def _record(self, pr: PrRun) -> int:
         """The run's row on the PR's subject (unless a newer one of its workspace is)."""
         row = pr.row()
         for _ in range(20):
             state, last = await self._read(pr.org, pr.key)
             if not vr.newer(row, state.rows.get(row.workspace)):
-                return
+                return last
             event = vr.RowSet(
                 at=self.clock(),
                 actor="vcs",
@@ -257,17 +258,17 @@ class Reporter:
                 row=row,
             )
             try:
-                await self._append(pr.org, pr.key, event, last, f"{pr.key}-{pr.run_id}-{pr.seq}")
-                return
+                mid = f"{pr.key}-{pr.run_id}-{pr.seq}"
+                return await self._append(pr.org, pr.key, event, last, mid)
             except Conflict:
                 continue
         raise VcsError("the pull request's record keeps moving", retryable=True)
 
-    async def _comment(self, client: Client, pr: PrRun) -> None:
+    async def _comment(self, client: Client, pr: PrRun, at_least: int) -> None:
         """Edit (or post) the PR's comment until it shows every recorded row."""
         sent = ""  # what this reporter last put in the comment (the same again is not sent)
         for _ in range(ROUNDS):
-            state, last = await self._read(pr.org, pr.key)
+            state, last = await self._read(pr.org, pr.key, at_least)
             if not state.comment_id:
                 await self._post(client, pr, state, last)
                 continue
@@ -282,7 +283,7 @@ class Reporter:
                     await self._post(client, pr, state, last, anew=True)
                     continue
                 sent = body
-            if (await self._read(pr.org, pr.key))[1] == last:
+            if (await self._read(pr.org, pr.key, last))[1] == last:
                 return
         raise Retry(CLAIM_WAIT, "the pull request's rows keep landing")
 
