@@ -81,15 +81,22 @@ class Rig:
 
 
 @pytest.fixture
-async def rig(nc: NATS, app: App, store: EventStore) -> AsyncIterator[Rig]:
+async def bare(nc: NATS, app: App, store: EventStore) -> Rig:
+    """Two organizations of two workspaces each; no reporter consuming."""
     for org in ("acme", "evil"):
         await app.create_org(org, "alice")
         for ws in ("net", "dns"):
             await app.create_workspace(org, ws, R.Workspace(repository="https://x/r.git"), "alice")
     secrets = SecretStore(nc, KeyRing.generate())
-    reporter = Reporter(store, lookup_for(app, secrets), FAST, base_url=BASE)
-    async with Consumer(nc, subscription(reporter), app=app) as consumer:
-        yield Rig(app, store, secrets, reporter, consumer)
+    return Rig(app, store, secrets, Reporter(store, lookup_for(app, secrets), FAST, base_url=BASE))
+
+
+@pytest.fixture
+async def rig(nc: NATS, bare: Rig) -> AsyncIterator[Rig]:
+    """`bare`, its reporter consuming run events."""
+    async with Consumer(nc, subscription(bare.reporter), app=bare.app) as consumer:
+        bare.consumer = consumer
+        yield bare
 
 
 @pytest.fixture
@@ -349,27 +356,29 @@ async def test_a_late_redelivery_posts_the_runs_status_now_not_its_own(
 
 
 async def test_a_connection_with_too_many_reports_waiting_puts_the_next_back(
-    rig: Rig, github: FakeVcs
+    bare: Rig, github: FakeVcs
 ) -> None:
     """One call in flight per connection and one report waiting: a third report of the
     hanging connection is put back at once (Retry: it holds no consumer room while it
     waits), and another organization's connection goes on meanwhile."""
     tight = Reporter(
-        rig.store,
-        rig.reporter.lookup,
+        bare.store,
+        bare.reporter.lookup,
         Policy(allow=frozenset({"loopback"}), timeout=10.0, per_connection=1, waiting=1),
         base_url=BASE,
     )
     async with FakeVcs() as hanging:
         hanging.hang = True
-        await rig.connect("evil", "slow", "github", hanging.url, "t")
-        await rig.connect("acme", "gh1", "github", github.url, "ghp-acme")
-        await rig.app.create_workspace("evil", "w3", R.Workspace(repository="https://x/r.git"), "a")
+        await bare.connect("evil", "slow", "github", hanging.url, "t")
+        await bare.connect("acme", "gh1", "github", github.url, "ghp-acme")
+        await bare.app.create_workspace(
+            "evil", "w3", R.Workspace(repository="https://x/r.git"), "a"
+        )
         subjects = [
-            run_subject("evil", ws, await rig.pr_run("evil", ws, "slow"))
+            run_subject("evil", ws, await bare.pr_run("evil", ws, "slow"))
             for ws in ("net", "dns", "w3")
         ]
-        acme = run_subject("acme", "net", await rig.pr_run("acme", "net", "gh1"))
+        acme = run_subject("acme", "net", await bare.pr_run("acme", "net", "gh1"))
         first = asyncio.create_task(tight.report(subjects[0], "evil", "slow"))
         await eventually(lambda: _lane(tight, "slow", users=1, waiting=0))
         second = asyncio.create_task(tight.report(subjects[1], "evil", "slow"))
