@@ -330,7 +330,8 @@ async def test_a_late_redelivery_posts_the_runs_status_now_not_its_own(
     rig: Rig, github: FakeVcs
 ) -> None:
     """run.created handled again after the plan finished (a redelivery, another replica
-    behind) posts `success`, never `pending` over it."""
+    behind) posts `success`, never `pending` over it; the replica that posted it last
+    posts nothing again."""
     await rig.connect("acme", "gh1", "github", github.url, "ghp-acme")
     run_id = await rig.pr_run("acme", "net", "gh1")
     await rig.move("acme", "net", run_id, _planning(rig.app), _planned(rig.app, 1, 0, 0))
@@ -351,7 +352,10 @@ async def test_a_late_redelivery_posts_the_runs_status_now_not_its_own(
         last_seq=envs[-1].seq,
     )
     before = len(github.statuses())
-    await rig.reporter.handle(late)
+    await rig.reporter.handle(late)  # the replica that posted it: nothing again
+    assert github.statuses()[before:] == []
+    replica = Reporter(rig.store, rig.reporter.lookup, FAST, base_url=BASE)
+    await replica.handle(late)  # another replica, behind: the status now
     assert [c.body["state"] for c in github.statuses()[before:]] == ["success"]
 
 

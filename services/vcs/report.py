@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ log = structlog.get_logger(__name__)
 NAME = "vcs-report"
 OVERFLOW_DELAY = 1.0  # a connection's queue is full: the event comes back later
 CLAIM_WAIT = 1.0  # another reporter is posting the comment: look again after this
+POSTED_KEPT = 10_000  # runs whose last posted status is remembered
 ROUNDS = 8  # edits of the comment one report makes at most while rows keep landing
 
 
@@ -118,6 +120,9 @@ class Reporter:
     reported: int = 0
     _lanes: dict[str, _Lane] = field(default_factory=dict)
     _orgs: dict[str, _Lane] = field(default_factory=dict)
+    # The status this process last posted per run: a report put back (a claim to wait
+    # for, a comment call to retry) does not post the same status again.
+    _posted: OrderedDict[str, Verdict] = field(default_factory=OrderedDict)
 
     async def handle(self, r: Received) -> None:
         """The subscriber's handler (services/infra/consumer.py)."""
@@ -202,7 +207,7 @@ class Reporter:
     async def _statuses(self, client: Client, run_subject: str) -> PrRun | None:
         """Post the run's status as it is now; again while it moved meanwhile (a reporter
         of an older event, on another replica, may have posted an older one)."""
-        posted: Verdict | None = None
+        posted = self._posted.get(run_subject)
         pr = await self._latest(run_subject)
         for _ in range(ROUNDS):
             if pr is None or pr.verdict == posted:
@@ -215,9 +220,16 @@ class Reporter:
                 description=pr.verdict.description,
                 url=run_url(self.base_url, pr.org, pr.workspace, pr.run_id),
             )
-            posted = pr.verdict
+            posted = self._remember(run_subject, pr.verdict)
             pr = await self._latest(run_subject)
         return pr
+
+    def _remember(self, run_subject: str, posted: Verdict) -> Verdict:
+        self._posted[run_subject] = posted
+        self._posted.move_to_end(run_subject)
+        while len(self._posted) > POSTED_KEPT:
+            self._posted.popitem(last=False)
+        return posted
 
     # ------------------------------------------------------------ the PR's subject
 
