@@ -11,9 +11,12 @@ from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
 from events.vcs import VcsEvent
+from events.vcs_report import VcsReportEvent
 from events.workspace import WorkspaceEvent
 
-AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent | VcsEvent
+AnyEvent = (
+    RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent | VcsEvent | VcsReportEvent
+)
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)

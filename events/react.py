@@ -60,6 +60,7 @@ from events.run import (
     StepStarted,
 )
 from events.templates import TemplateDeleted, TemplateSaved
+from events.vcs_report import CommentClaimed, CommentLinked, RowSet
 from events.workspace import (
     RunAdmitted,
     RunEnqueued,
@@ -237,6 +238,8 @@ def quiet(event: AnyEvent) -> bool:
         case (  # VCS connections and the deliveries they accepted (events/vcs.py)
             vcs.ConnectionSaved() | vcs.ConnectionDeleted() | vcs.DeliveryAccepted()
         ):
+            return True
+        case RowSet() | CommentClaimed() | CommentLinked():  # the VCS reporter's own
             return True
         case _:
             assert_never(event)

@@ -12,6 +12,7 @@ import pytest
 from events import chat as ch
 from events import codec, vcs
 from events import notification as nt
+from events import vcs_report as vr
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -268,6 +269,26 @@ SAMPLES: list[Any] = [
         commit="6113728f27ae82c7b1a177c8d03f9e96e0adf246",
         runs=["net/01jh0000000000000000000000"],
     ),
+    vr.RowSet(
+        at=AT,
+        actor="vcs",
+        connection="01jh0000000000000000000001",
+        repository="acme/net",
+        pull_request=42,
+        row=vr.PrRow(
+            workspace="net",
+            run_id="01jh0000000000000000000000",
+            commit="abcdef0",
+            status="planned",
+            add=2,
+            change=1,
+            destroy=0,
+            created_at=AT,
+            event_seq=9,
+        ),
+    ),
+    vr.CommentClaimed(at=AT, actor="vcs", claim="0f" * 16),
+    vr.CommentLinked(at=AT, actor="vcs", claim="0f" * 16, comment_id=2**40),
 ]
 
 EVENT_TYPES = [
@@ -277,6 +298,7 @@ EVENT_TYPES = [
     *get_args(nt.NotificationEvent),
     *get_args(ch.ChatEvent),
     *get_args(vcs.VcsEvent),
+    *get_args(vr.VcsReportEvent),
 ]
 
 

@@ -509,6 +509,23 @@ def _samples() -> list[tuple[Any, Any]]:
             "delivery": "d",
             "event": "push",
         },
+        # the VCS reporter's (events/vcs_report.py): its own subjects, nothing for react
+        {
+            "type": "org.vcs_pr_row_set",
+            "connection": "c",
+            "repository": "acme/net",
+            "pull_request": 1,
+            "row": {
+                "workspace": "net",
+                "run_id": "r1",
+                "commit": "abc1234",
+                "status": "planned",
+                "created_at": AT,
+                "event_seq": 1,
+            },
+        },
+        {"type": "org.vcs_comment_claimed", "claim": "c1"},
+        {"type": "org.vcs_comment_linked", "claim": "c1", "comment_id": 7},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -117,3 +117,28 @@ async def deliver(
     return await http.call(
         "POST", f"/api/v1/vcs/{connection_id}/webhook", token=None, data=body, headers=hdrs
     )
+
+
+async def saved_connection(
+    app: App, secrets: Any, org: str, cid: str, provider: str, url: str, token: str
+) -> None:
+    """A VCS connection saved as the API saves one (events/vcs.py), its token sealed:
+    for the reporter's tests, which drive no HTTP API."""
+    from datetime import UTC, datetime
+
+    from events import vcs
+    from services.vcs import connections
+
+    save = vcs.SaveConnection(
+        actor="test",
+        connection_id=cid,
+        org=org,
+        create=True,
+        name=cid,
+        provider=provider,
+        api_url=url,
+        has_token=bool(token),
+    )
+    await connections.command(app.store, org, save, now=datetime.now(UTC), new_id=app.ids)
+    sealed = connections.Sealed(secrets.nc, secrets.keyring)
+    await sealed.put(org, cid, connections.TOKEN, token)
