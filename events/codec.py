@@ -10,10 +10,19 @@ from events.chat import ChatEvent
 from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
+from events.run_triggers import RunTriggerEvent
 from events.vcs import VcsEvent
 from events.workspace import WorkspaceEvent
 
-AnyEvent = RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent | VcsEvent
+AnyEvent = (
+    RunEvent
+    | WorkspaceEvent
+    | OrgEvent
+    | NotificationEvent
+    | ChatEvent
+    | VcsEvent
+    | RunTriggerEvent
+)
 
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyEvent] = msgspec.json.Decoder(AnyEvent)

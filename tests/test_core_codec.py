@@ -12,6 +12,7 @@ import pytest
 from events import chat as ch
 from events import codec, vcs
 from events import notification as nt
+from events import run_triggers as rt
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -270,6 +271,11 @@ SAMPLES: list[Any] = [
     ),
 ]
 
+SAMPLES += [
+    rt.RunTriggerAdded(at=AT, actor="alice", source="net", target="app"),
+    rt.RunTriggerRemoved(at=AT, actor="alice", source="net", target="app"),
+]
+
 EVENT_TYPES = [
     *get_args(RunEvent),
     *get_args(WorkspaceEvent),
@@ -277,6 +283,7 @@ EVENT_TYPES = [
     *get_args(nt.NotificationEvent),
     *get_args(ch.ChatEvent),
     *get_args(vcs.VcsEvent),
+    *get_args(rt.RunTriggerEvent),
 ]
 
 

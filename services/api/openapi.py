@@ -14,6 +14,7 @@ from events.run import Status
 from services.api import changes, chat, groups, locks, logs, secrets, state, whoami
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
+from services.api import run_triggers as run_triggers_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
 from services.api import vcs as vcs_api
@@ -369,6 +370,7 @@ PATHS: dict[str, Doc] = {
     **notifications_api.PATHS,
     **chat.PATHS,
     **vcs_api.PATHS,
+    **run_triggers_api.PATHS,
 }
 
 
@@ -406,6 +408,7 @@ def document() -> Doc:
                 **chat.SCHEMAS,
                 **whoami.SCHEMAS,
                 **vcs_api.SCHEMAS,
+                **run_triggers_api.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,
