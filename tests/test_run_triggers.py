@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from events import run as R
 from events import run_triggers as rt
 from events.errors import AlreadyExists, Conflict, NotFound
-from events.values import Workspace
+from events.values import Cause, ResourceChange, Snapshot, Workspace
 from services.commands import App
 from services.infra.eventstore import Append, Envelope, EventStore
 from services.triggers import graph
@@ -239,3 +240,81 @@ async def test_org_a_s_admin_cannot_follow_read_or_unfollow_org_b_s_workspaces(
     # B's graph is as B left it; A's has nothing
     assert (await graph.load(http.app, "orgb")).state.sources == {"theirs": ["other"]}
     assert (await graph.load(http.app, "orga")).state.sources == {}
+
+
+# ---------------------------------------------------------------- the approval hold
+
+RUN = Aggregate(initial=R.INITIAL, decide=R.decide, evolve=R.evolve)
+LEASE = "lease-1"
+DELETES = [ResourceChange(address="null_resource.x", type="null_resource", action="replace")]
+CREATES = [ResourceChange(address="null_resource.y", type="null_resource", action="create")]
+
+
+def _planning(cause: Cause | None, **settings: Any) -> list[Any]:
+    """A run (caused by `cause`) admitted with `settings`, its plan running."""
+    snap = Snapshot(settings={k: {"value": v, "origin": "workspace"} for k, v in settings.items()})
+    created = R.RunCreated(
+        at=NOW, actor="run-trigger", run_id="r1", org="acme", workspace="b", run_type="apply",
+        config=Workspace(repository="https://e.com/r.git"), cause=cause,
+    )  # fmt: skip
+    queued = R.decide(R.fold([created]), R.AdmitRun(actor="s", snapshot=snap), now=NOW,
+                      new_id=lambda: "x")  # fmt: skip
+    started = R.PhaseStarted(at=NOW, actor="e", phase="plan", lease_id=LEASE, executor_id="e")
+    return [created, *queued, started]
+
+
+def _plan(changes: list[ResourceChange], require_approval: bool = True) -> R.FinishPlan:
+    return R.FinishPlan(
+        actor="e", lease_id=LEASE, commit="c", has_changes=True, summary=R.PlanSummary(add=1),
+        require_approval=require_approval, changes=changes,
+    )  # fmt: skip
+
+
+TRIGGERED = Cause(kind="run_trigger", source_workspace="a", source_run="ra")
+
+
+def _finished(history: list[Any], command: R.FinishPlan) -> R.PlanFinished:
+    events = given(RUN, *history).when(command).events
+    assert events is not None and isinstance(events[0], R.PlanFinished)
+    return events[0]
+
+
+def test_a_triggered_run_of_a_workspace_with_auto_apply_does_not_wait_and_says_why() -> None:
+    history = _planning(TRIGGERED, auto_apply_run_triggers=True)
+    finished = _finished(history, _plan(CREATES))
+    assert finished.status == R.Status.APPLY_QUEUED
+    assert (finished.require_approval, finished.approval_skipped) == (
+        False,
+        "auto_apply_run_triggers",
+    )
+    assert not R.fold([*history, finished]).needs_approval
+
+
+@pytest.mark.parametrize(
+    ("cause", "settings"),
+    [
+        (TRIGGERED, {}),  # the setting off (its default)
+        (Cause(kind="api", user="alice"), {"auto_apply_run_triggers": True}),  # not triggered
+        (None, {"auto_apply_run_triggers": True}),  # recorded before causes were
+        (Cause(kind="rerun", rerun_of="ra"), {"auto_apply_run_triggers": True}),
+    ],
+)
+def test_any_other_run_waits_for_the_approval_its_settings_ask_for(
+    cause: Cause | None, settings: dict[str, Any]
+) -> None:
+    finished = _finished(_planning(cause, **settings), _plan(CREATES))
+    assert finished.status == R.Status.AWAITING_APPROVAL
+    assert (finished.require_approval, finished.approval_skipped) == (True, "")
+
+
+def test_a_run_trigger_never_acknowledges_a_destroy_under_confirm_destructive() -> None:
+    history = _planning(TRIGGERED, auto_apply_run_triggers=True, confirm_destructive=True)
+    assert _finished(history, _plan(DELETES)).status == R.Status.AWAITING_APPROVAL
+    # nothing to delete or replace: confirm_destructive asks nothing, and it goes on
+    assert _finished(history, _plan(CREATES)).status == R.Status.APPLY_QUEUED
+
+
+def test_a_workspace_that_asks_no_approval_records_nothing_skipped() -> None:
+    history = _planning(TRIGGERED, auto_apply_run_triggers=True)
+    finished = _finished(history, _plan(CREATES, require_approval=False))
+    assert (finished.status, finished.approval_skipped) == (R.Status.APPLY_QUEUED, "")

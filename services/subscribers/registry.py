@@ -19,6 +19,7 @@ from services.commands import App
 from services.infra.consumer import Subscription
 from services.notifications import subscriber as notifications
 from services.runtime import Options
+from services.triggers import subscriber as run_triggers
 
 
 @dataclass(frozen=True)
@@ -38,4 +39,5 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
         # one line per subscriber module, e.g. *notifications.subscriptions(ctx),
         *notifications.subscriptions(ctx),
         *chat.subscriptions(ctx),
+        *run_triggers.subscriptions(ctx),
     ]
