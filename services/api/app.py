@@ -103,6 +103,7 @@ ROUTES = [
     web.post(RUN + "/approve", runs.approve_run),
     web.post(RUN + "/discard", runs.discard_run),
     web.post(RUN + "/cancel", runs.cancel_run),
+    web.post(RUN + "/rerun", runs.rerun),
     web.get(RUN + "/events", runs.run_events, allow_head=False),
     web.get(RUN + "/steps", runs.run_steps, allow_head=False),
     web.get(RUN + "/changes", changes.run_changes, allow_head=False),

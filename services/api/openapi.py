@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 
 from events.run import Status
-from services.api import changes, chat, groups, locks, logs, secrets, state, whoami
+from services.api import changes, chat, groups, locks, logs, runs, secrets, state, whoami
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import run_triggers as run_triggers_api
@@ -340,6 +340,18 @@ PATHS: dict[str, Doc] = {
             "cancelRun", "Cancel a run before it changes anything", "CancelBody", ()
         )
     },
+    "/api/v1/orgs/{org}/runs/{run}/rerun": {
+        "post": operation(
+            "rerunRun",
+            "A new run of an ended run's type and template on its workspace's current "
+            "commit and settings (cause rerun, rerun_of); the old run is kept as it was",
+            (201, "Run"),
+            params=_RUN,
+            body="RerunBody",
+            body_required=False,
+            errors=(400, 403, 404, 409, 422),
+        )
+    },
     "/api/v1/orgs/{org}/runs/{run}/events": {
         "get": operation(
             "runEvents",
@@ -375,7 +387,7 @@ PATHS: dict[str, Doc] = {
 
 
 def _body_schemas() -> dict[str, Doc]:
-    _, components = msgspec.json.schema_components(BODIES, ref_template=REF)
+    _, components = msgspec.json.schema_components((*BODIES, runs.RerunBody), ref_template=REF)
     return components
 
 
