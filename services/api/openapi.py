@@ -52,6 +52,7 @@ PARAMETERS: dict[str, Doc] = {
     "org": _path("org", "organization name"),
     "ws": _path("ws", "workspace name"),
     "run": _path("run", "run id"),
+    "source": _path("source", "a workspace this one follows (run triggers)"),
     "token": _path("token", "token id (the token_id of its creation, not the token)"),
     "min_seq": {
         "name": "RP-Min-Seq",

@@ -26,7 +26,7 @@ from services.api.auth import ADMIN, VIEWER
 from services.api.bodies import Body, check_name, read_body
 from services.api.common import SEQ_HEADER, json_response, path_id, scope
 from services.api.problems import Problem
-from services.api.schemas import ID, REF, SEQ_DOC, Doc, operation, path_param, problems
+from services.api.schemas import ID, REF, SEQ_DOC, Doc, operation, problems
 from services.triggers import graph
 
 PREFIX = "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"
@@ -132,9 +132,7 @@ PATHS: dict[str, Doc] = {
             "operationId": "deleteRunTrigger",
             "summary": "Stop following a workspace (org admin)",
             "parameters": [
-                {"$ref": "#/components/parameters/org"},
-                {"$ref": "#/components/parameters/ws"},
-                path_param("source", "the workspace it follows"),
+                {"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "source")
             ],
             "responses": {
                 "204": {"description": "no longer follows it", "headers": {"RP-Seq": SEQ_DOC}},
