@@ -6,6 +6,7 @@ starts B's run once."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +35,23 @@ class Recording(Triggers):
     """The real handler, noting each event's sequence once handled (or raising the
     first time with `crash_once`: a replica that died after its creates, before its ack)."""
 
-    def __init__(self, app: Any, *, crash_once: bool = False) -> None:
+    def __init__(self, app: Any, *, crash_once: bool = False, hang: bool = False) -> None:
         super().__init__(app)
         self.handled: list[int] = []
         self.deliveries: dict[int, int] = {}
         self.crash_once = crash_once
+        self.hang = hang  # after its creates, never return: a replica to kill
+        self.hanging = asyncio.Event()
 
     async def handle(self, r: Received) -> None:
         await super().handle(r)
         self.deliveries[r.seq] = r.num_delivered
-        if self.crash_once and r.type == "run.apply_finished" and r.num_delivered == 1:
+        ending = r.type == "run.apply_finished"
+        if self.crash_once and ending and r.num_delivered == 1:
             raise RuntimeError("killed before the ack")
+        if self.hang and ending:
+            self.hanging.set()
+            await asyncio.Event().wait()
         self.handled.append(r.seq)
 
 
@@ -154,6 +161,32 @@ async def test_a_delivery_handled_again_after_a_crash_starts_b_once(
     # and a follower removed since is simply not started again
     await graph.remove(plane.app, "acme", "b", "a", "t")
     assert await Triggers(plane.app).follow(_follow(first)) == []
+
+
+async def test_a_replica_killed_after_its_creates_leaves_b_one_run_when_another_redoes_it(
+    plane: Plane, tmp_path: Path
+) -> None:
+    """The first replica creates B's run and dies before it settles the event (stopped
+    mid-handling: no ack, no nak, no more "in progress"); after the ack wait the broker
+    hands the event to the second replica, which finds B's run and makes none."""
+    await _setup(plane, tmp_path, {})
+    first_replica = Recording(plane.app, hang=True)
+    killed = Consumer(plane.nc, subscription(first_replica), app=plane.app)
+    await killed.start()
+    try:
+        run_a = await plane.start("a")
+        await plane.reaches("a", run_a, "applied")
+        await asyncio.wait_for(first_replica.hanging.wait(), 60)
+    finally:
+        await killed.stop()
+    b_run = derived_id("run-trigger", run_a, "b")
+    assert await _runs_of(plane, "b") == [b_run] and first_replica.started == 1
+    second_replica = Recording(plane.app)
+    async with Consumer(plane.nc, subscription(second_replica), app=plane.app):
+        await _handled_through(second_replica, plane, "a", run_a)
+    assert max(second_replica.deliveries.values()) >= 2  # the redelivery
+    assert second_replica.started == 0  # it found B's run
+    assert await _runs_of(plane, "b") == [b_run]
 
 
 def _follow(run_id: str) -> Any:
