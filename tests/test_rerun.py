@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from events import errors
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -125,3 +126,17 @@ async def _runs(http: Http, org: str) -> list[str]:
     """The ids of the organization's runs, from the stream."""
     envs = await http.app.store.read(f"rp.run.{org}.*.*")
     return sorted({e.subject.split(".")[-1] for e in envs})
+
+
+async def test_a_run_of_a_deleted_workspace_is_a_clear_409(http: Http) -> None:
+    """Its history stays readable; its runs are not rerun (workspace deletion: item 7)."""
+    if not hasattr(errors, "Deleted"):
+        pytest.skip("workspace deletion (issue 14 item 7) is not on this tree yet")
+    tokens = await http.org("acme")
+    run_id = await _workspace_and_run(http, "acme", "net")
+    assert (await http.post(f"{V1}/runs/{run_id}/cancel", token=tokens["operator"])).status == 200
+    gone = await http.call("DELETE", f"{V1}/workspaces/net", token=tokens["admin"])
+    assert gone.status in (200, 202, 204), gone.body
+    r = await http.post(f"{V1}/runs/{run_id}/rerun", token=tokens["operator"])
+    assert r.body["type"].endswith("/workspace-deleted") and r.status == 409, r.body
+    assert "deleted" in r.body["detail"]

@@ -48,11 +48,12 @@ async def remove(app: App, org: str, target: str, source: str, actor: str) -> Gr
 
 
 async def _exists(app: App, org: str, *names: str) -> None:
-    """Each name is a workspace of `org`: the subjects are the organization's own, so a
-    workspace of another organization is simply not found."""
+    """Each name is a live workspace of `org`: the subjects are the organization's own,
+    so a workspace of another organization is simply not found; nor is a deleted one
+    (its `deleted` flag comes with workspace deletion, issue 14 item 7)."""
     loaded = await asyncio.gather(*(app.load_ws(org, n) for n in names))
     for name, w in zip(names, loaded, strict=True):
-        if not w.state.exists:
+        if not w.state.exists or getattr(w.state, "deleted", False):
             raise NotFound(f"workspace {name} not found")
 
 

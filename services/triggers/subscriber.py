@@ -9,8 +9,9 @@ follower, caused by the source run (`Cause(kind="run_trigger", ...)`).
 Effectively once: each follower's run id is derived from the source run and the
 follower (`derived_id`), so a redelivery (a replica killed before its ack, a nak) finds
 the runs the first delivery made (`Result.existed`) and makes none twice. A follower
-that is gone (deleted since it followed) is skipped, logged; an error that may pass
-(the broker) is raised, and the event comes again.
+that refuses the run for good (gone or deleted since it followed, its default template
+no longer suits) is skipped, logged; an error that may pass (the broker, contention) is
+raised, and the event comes again.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Final, get_args
 
 import structlog
 
-from events.errors import Conflict, DomainError, NotFound
+from events.errors import DomainError, NotFound
 from events.react import Follow, react
 from events.run import RunEvent, RunState
 from events.values import Cause
@@ -78,12 +79,10 @@ class Triggers:
         except NotFound as e:  # gone since it followed
             log.info("run_trigger_skipped", org=action.org, workspace=target, reason=str(e))
             return ""
-        except Conflict as e:
-            if not await self._deleted(action.org, target):
-                raise  # contention outlasted create_run's retries: the event comes again
-            log.info("run_trigger_skipped", org=action.org, workspace=target, reason=str(e))
-            return ""
-        except DomainError as e:  # e.g. its default template no longer suits: never will
+        except DomainError as e:
+            if e.retryable:  # contention outlasted create_run's retries: the event comes again
+                raise
+            # never will: deleted since it followed, its default template no longer suits
             log.warning("run_trigger_refused", org=action.org, workspace=target, reason=str(e))
             return ""
         if not result.existed:
@@ -92,12 +91,6 @@ class Triggers:
                  source_run=action.run_id, run_id=result.state.run_id,
                  existed=result.existed)  # fmt: skip
         return str(result.state.run_id)
-
-    async def _deleted(self, org: str, ws: str) -> bool:
-        """Whether the workspace was deleted (create_run refuses it with a Conflict; the
-        workspace's `deleted` flag lands with workspace deletion, issue 14 item 7)."""
-        w = await self.app.load_ws(org, ws)
-        return not w.state.exists or bool(getattr(w.state, "deleted", False))
 
 
 def subscription(triggers: Triggers) -> Subscription:
