@@ -5,7 +5,8 @@
   409 if B follows A already, 422 `run-trigger-cycle` naming the cycle it would close
   (`cycle`: `["a", "b", "c", "a"]`), 422 `run-trigger-limit` past a cap.
 - `GET .../workspaces/{B}/run-triggers` (viewer): what B follows (`sources`) and what
-  follows B (`followers`), read from the graph's own subject (always current).
+  follows B (`followers`), read from the graph's own subject as the stream's leader has
+  it (a trigger just added is listed, whichever replica answers).
 - `DELETE .../workspaces/{B}/run-triggers/{A}` (org admin): B no longer follows A; 204.
 
 Writing a trigger is an admin's, as a workspace's settings are: it makes one
@@ -27,6 +28,7 @@ from services.api.bodies import Body, check_name, read_body
 from services.api.common import SEQ_HEADER, json_response, path_id, scope
 from services.api.problems import Problem
 from services.api.schemas import ID, REF, SEQ_DOC, Doc, operation, problems
+from services.infra.eventstore import LATEST
 from services.triggers import graph
 
 PREFIX = "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"
@@ -71,7 +73,8 @@ async def list_run_triggers(request: web.Request) -> web.Response:
     ws = path_id(request, "ws")
     if not (await api.app.load_ws(org, ws)).state.exists:
         raise Problem("not-found", f"workspace {ws} not found")
-    g = await graph.load(api.app, org)
+    # as the stream's leader has it: a trigger just added is listed, whichever replica reads
+    g = await graph.load(api.app, org, min_seq=LATEST)
     return json_response(_view(g.state, ws))
 
 
