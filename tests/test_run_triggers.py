@@ -11,10 +11,12 @@ import pytest
 from events import run as R
 from events import run_triggers as rt
 from events.errors import AlreadyExists, Conflict, NotFound
+from events.react import Follow
 from events.values import Cause, ResourceChange, Snapshot, Workspace
-from services.commands import App
+from services.commands import App, derived_id
 from services.infra.eventstore import Append, Envelope, EventStore
 from services.triggers import graph
+from services.triggers.subscriber import Triggers
 from tests.gwt import NOW, Aggregate, given
 from tests.test_api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 
@@ -318,3 +320,31 @@ def test_a_workspace_that_asks_no_approval_records_nothing_skipped() -> None:
     history = _planning(TRIGGERED, auto_apply_run_triggers=True)
     finished = _finished(history, _plan(CREATES, require_approval=False))
     assert (finished.status, finished.approval_skipped) == (R.Status.APPLY_QUEUED, "")
+
+
+# ---------------------------------------------------------------- the subscriber's follow
+
+
+async def test_follow_starts_each_follower_of_the_graph_as_of_the_event_once(app: App) -> None:
+    """b followed a when a's run ended (stream sequence `at`); c followed after, d left
+    after: b and d get a run each, linked to a's, c none; the same event handled again
+    finds both runs (their ids derived from a's run and the follower) and makes none."""
+    await _workspaces(app, "acme", "a", "b", "c", "d")
+    await graph.add(app, "acme", "b", "a", "t")
+    await graph.add(app, "acme", "d", "a", "t")
+    at = await app.store.last_seq()  # a's run ends here
+    await graph.add(app, "acme", "c", "a", "t")
+    await graph.remove(app, "acme", "d", "a", "t")
+    triggers = Triggers(app)
+    action = Follow(org="acme", ws="a", run_id="ra")
+    first = await triggers.follow(action, at=at)
+    assert first == [derived_id("run-trigger", "ra", "b"), derived_id("run-trigger", "ra", "d")]
+    for ws, run_id in zip(("b", "d"), first, strict=True):
+        state = (await app.load_run("acme", ws, run_id)).state
+        assert (state.run_type, state.created_by) == ("apply", "run-trigger")
+        assert state.cause == Cause(kind="run_trigger", source_workspace="a", source_run="ra")
+    assert await triggers.follow(action, at=at) == first
+    assert triggers.started == 2
+    assert not await app.store.read("rp.run.acme.c.*")
+    # as the graph is now (at=0): b and c
+    assert await triggers.follow(action) == [first[0], derived_id("run-trigger", "ra", "c")]

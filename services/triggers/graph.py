@@ -28,9 +28,12 @@ class Graph(msgspec.Struct, frozen=True, kw_only=True):
     seq: int
 
 
-async def load(app: App, org: str, *, min_seq: int = 0) -> Graph:
-    """The organization's trigger graph (empty if it never had a trigger)."""
+async def load(app: App, org: str, *, min_seq: int = 0, through: int = 0) -> Graph:
+    """The organization's trigger graph (empty if it never had a trigger); with
+    `through`, as it was at that stream sequence (its later changes left out)."""
     envs = await app.store.read(rt.subject(org), min_seq=min_seq)
+    if through:
+        envs = [e for e in envs if e.seq <= through]
     events = [e.event for e in envs if isinstance(e.event, _EVENTS)]
     return Graph(state=rt.fold(events), seq=envs[-1].seq if envs else 0)
 

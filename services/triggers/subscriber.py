@@ -3,8 +3,9 @@ workspace that follows its workspace.
 
 It acts on the `Follow` actions of the reaction table (events/react.py: the event that
 ends a run `applied` having changed a resource), reads the organization's trigger graph
-(as new as the event at least: the consumer's floor) and creates an `apply` run in each
-follower, caused by the source run (`Cause(kind="run_trigger", ...)`).
+as it was at that event (its stream sequence: the graph is on the same stream) and
+creates an `apply` run in each follower, caused by the source run
+(`Cause(kind="run_trigger", ...)`).
 
 Effectively once: each follower's run id is derived from the source run and the
 follower (`derived_id`), so a redelivery (a replica killed before its ack, a nak) finds
@@ -51,11 +52,14 @@ class Triggers:
             return
         for action in react(r.event, r.state):
             if isinstance(action, Follow):
-                await self.follow(action)
+                await self.follow(action, at=r.seq)
 
-    async def follow(self, action: Follow) -> list[str]:
-        """A run in each follower of the action's workspace; returns their ids."""
-        g = await graph.load(self.app, action.org)
+    async def follow(self, action: Follow, *, at: int = 0) -> list[str]:
+        """A run in each workspace that followed the action's when its run ended (stream
+        sequence `at`; 0: now); returns their ids. The graph as of the event, so every
+        delivery of it, however late, starts the same runs: a trigger added after the
+        apply ended starts nothing for it, one removed after still does."""
+        g = await graph.load(self.app, action.org, through=at)
         made = []
         for target in g.state.followers_of(action.ws):
             run_id = await self._start(action, target)
