@@ -7,6 +7,9 @@ import asyncio
 from typing import Any
 
 import pytest
+from hypothesis import given as given_h
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from events import run as R
 from events import run_triggers as rt
@@ -81,6 +84,38 @@ def test_a_workspace_follows_at_most_max_sources_and_is_followed_by_at_most_max_
     given(RT, *many).when(add("one-more", "t")).then_error(rt.TooManyTriggers)
     fans = [added("hub", f"f{i}") for i in range(rt.MAX_FOLLOWERS)]
     given(RT, *fans).when(add("hub", "one-more")).then_error(rt.TooManyTriggers)
+
+
+def _acyclic(g: rt.TriggerGraph) -> bool:
+    return all(rt.path_between(g, t, s) is None for t, srcs in g.sources.items() for s in srcs)
+
+
+_NAMES = st.sampled_from(["a", "b", "c", "d", "e", "f"])
+
+
+@settings(max_examples=300, deadline=None)
+@given_h(st.lists(st.tuples(_NAMES, _NAMES, st.booleans()), max_size=40))
+def test_whatever_is_added_and_removed_the_graph_never_has_a_cycle(
+    steps: list[tuple[str, str, bool]],
+) -> None:
+    """Every sequence of additions and removals leaves an acyclic graph, and every
+    refusal names a cycle the edge would really close (each hop a trigger, plus it)."""
+    g = rt.INITIAL
+    for source, target, removing in steps:
+        cmd: rt.RunTriggerCommand = (
+            rt.RemoveRunTrigger(actor="u", source=source, target=target)
+            if removing
+            else add(source, target)
+        )
+        try:
+            g = rt.fold(rt.decide(g, cmd, now=NOW, new_id=lambda: "x"), g)
+        except rt.TriggerCycle as e:
+            hops = list(zip(e.cycle, e.cycle[1:], strict=False))
+            assert e.cycle[0] == e.cycle[-1] == target and (source, target) in hops
+            assert all(g.has(a, b) or (a, b) == (source, target) for a, b in hops)
+        except (AlreadyExists, NotFound):
+            pass
+        assert _acyclic(g)
 
 
 # ---------------------------------------------------------------- the race
