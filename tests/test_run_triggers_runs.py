@@ -143,6 +143,35 @@ async def test_with_auto_apply_run_triggers_b_applies_without_waiting_and_says_w
     assert held.cause is not None and held.cause.kind == "api"
 
 
+async def test_under_confirm_destructive_a_triggered_plan_that_replaces_waits_for_a_person(
+    plane: Plane, tmp_path: Path
+) -> None:
+    """auto_apply_run_triggers with confirm_destructive: a triggered run whose plan only
+    creates applies; one whose plan replaces waits (a run trigger acknowledges no
+    destroy), and a person approves it acknowledging the address."""
+    settings = {"auto_apply_run_triggers": True, "confirm_destructive": True}
+    repo_a, repo_b = await _setup(plane, tmp_path, settings)
+    rec = Recording(plane.app)
+    async with Consumer(plane.nc, subscription(rec), app=plane.app):
+        first = await plane.start("a")
+        await plane.reaches("a", first, "applied")
+        await plane.reaches("b", derived_id("run-trigger", first, "b"), "applied")
+        commit(repo_b, {"main.tf": TF % "2"})  # b's next plan replaces null_resource.x
+        commit(repo_a, {"main.tf": TF % "2"})
+        second = await plane.start("a")
+        await plane.reaches("a", second, "applied")
+        b_run = derived_id("run-trigger", second, "b")
+        held = await plane.reaches("b", b_run, "awaiting_approval")
+        assert held.destructive == ["null_resource.x"]
+        planned = [e for e in await plane.events("b", b_run) if isinstance(e, R.PlanFinished)]
+        assert (planned[0].require_approval, planned[0].approval_skipped) == (True, "")
+        ok = await plane.http.post(
+            f"{V1}/runs/{b_run}/approve", json={"acknowledged": ["null_resource.x"]}
+        )
+        assert ok.status == 200, ok.body
+        await plane.reaches("b", b_run, "applied")
+
+
 async def test_a_delivery_handled_again_after_a_crash_starts_b_once(
     plane: Plane, tmp_path: Path
 ) -> None:
