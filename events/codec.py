@@ -10,12 +10,20 @@ from events.chat import ChatEvent
 from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
+from events.run_triggers import RunTriggerEvent
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
 from events.workspace import WorkspaceEvent
 
 AnyEvent = (
-    RunEvent | WorkspaceEvent | OrgEvent | NotificationEvent | ChatEvent | VcsEvent | VcsReportEvent
+    RunEvent
+    | WorkspaceEvent
+    | OrgEvent
+    | NotificationEvent
+    | ChatEvent
+    | VcsEvent
+    | VcsReportEvent
+    | RunTriggerEvent
 )
 
 _encoder = msgspec.json.Encoder()

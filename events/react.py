@@ -21,7 +21,10 @@ Actions (all idempotent to carry out, so a redelivered event is harmless):
   custom steps' with `custom`);
 - `Deadline`: the run's limits marker may have moved (services/scheduler/limits.py);
 - `Notify`: a notification trigger, named as HCP Terraform names them (plus runplane's
-  own `run:drifted`, `run:policy_failed`, `run:discarded`, `run:canceled`).
+  own `run:drifted`, `run:policy_failed`, `run:discarded`, `run:canceled`);
+- `Follow`: a run ended `applied` having changed something (its apply's summary, else
+  its plan's, counts a resource): the workspaces that follow its workspace each get a
+  run (services/triggers/subscriber.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Final, TypedDict, assert_never
 import msgspec
 
 from events import chat as ch
+from events import run_triggers as rt
 from events import vcs
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -162,13 +166,21 @@ class Notify(msgspec.Struct, frozen=True, kw_only=True):
     run_id: str
 
 
+class Follow(msgspec.Struct, frozen=True, kw_only=True):
+    """The run changed its workspace: each of its followers gets a run (run triggers)."""
+
+    org: str
+    ws: str
+    run_id: str
+
+
 class _Key(TypedDict):
     org: str
     ws: str
     run_id: str
 
 
-Action = Admit | Enqueue | AdmitSpeculative | Dispatch | Watch | Deadline | Notify
+Action = Admit | Enqueue | AdmitSpeculative | Dispatch | Watch | Deadline | Notify | Follow
 
 
 def react(event: AnyEvent, state: RunState | WorkspaceState | None) -> list[Action]:
@@ -225,6 +237,8 @@ def quiet(event: AnyEvent) -> bool:
             | DeliveryAttempted()
         ):
             return True
+        case rt.RunTriggerAdded() | rt.RunTriggerRemoved():
+            return True  # the graph is read when an apply ends (`Follow`)
         case (  # chat-ops' own (events/chat.py): its worker reads them itself
             ch.SlackConfigured()
             | ch.SlackRemoved()
@@ -367,7 +381,18 @@ def _reached(s: RunState, key: _Key) -> list[Action]:
     if s.status not in SUCCEEDED:
         return []
     drifted = [Notify(trigger=DRIFTED, **key)] if s.status == Status.DRIFTED else []
-    return [Notify(trigger=COMPLETED, **key), *drifted]
+    follow = [Follow(**key)] if changed(s) else []
+    return [Notify(trigger=COMPLETED, **key), *drifted, *follow]
+
+
+def changed(s: RunState) -> bool:
+    """Whether the run ended `applied` having changed a resource: its apply's summary
+    says so (else, recorded without one, its plan's). A plan-only, failed or no-change
+    run changed nothing; nor did an apply whose plan changed only outputs."""
+    if s.status != Status.APPLIED:
+        return False
+    summary = s.apply_summary or s.plan_summary
+    return summary is not None and summary.add + summary.change + summary.destroy > 0
 
 
 def notifications(actions: list[Action]) -> list[Notify]:

@@ -257,17 +257,35 @@ def _finish_plan(state: RunState, command: FinishPlan, now: datetime) -> list[Ru
     run in the same batch (no reader sees the plan go on), and the plan's own event then
     leaves the status as it was, so that the run's end is the one event `run.failed`."""
     _check_finish(state, command.lease_id, Status.PLANNING, "a plan")
-    needs = command.require_approval or bool(po.soft_failures(command.policies))
+    skipped = AUTO_APPLY if _auto_applies(state, command) else ""
+    required = command.require_approval and not skipped
+    needs = required or bool(po.soft_failures(command.policies))
     planned = msgspec.structs.replace(
         state, planned=True, has_changes=command.has_changes, needs_approval=needs
     )
-    outcome = _next(planned)
+    outcome = {**_next(planned), "require_approval": required, "approval_skipped": skipped}
     hard = po.hard_failures(command.policies)
     if not hard:
         return [_record(PlanFinished, command, now, **outcome)]
     finished = _record(PlanFinished, command, now, **{**outcome, "status": state.status})
     message = po.failure_message(hard)
     return [finished, _record(RunFailed, command, now, reason="policy_failed", message=message)]
+
+
+AUTO_APPLY = "auto_apply_run_triggers"
+
+
+def _auto_applies(state: RunState, command: FinishPlan) -> bool:
+    """Whether the approval the run's settings ask for is skipped: the run was started
+    by a run trigger and its workspace sets `auto_apply_run_triggers`. Never past
+    `confirm_destructive` with something to delete or replace (a run trigger
+    acknowledges no destroy), and a failed soft-mandatory policy still waits."""
+    cause = state.cause
+    if not command.require_approval or cause is None or cause.kind != "run_trigger":
+        return False
+    if not approval.setting(state.snapshot, AUTO_APPLY):
+        return False
+    return not approval.missing(state.snapshot, command.changes, ())
 
 
 def _check_custom(state: RunState, command: FinishCustomStep) -> None:

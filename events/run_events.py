@@ -132,6 +132,9 @@ class PlanFinished(Event, frozen=True, kw_only=True, tag="run.plan_finished"):
     commit_message: str = ""
     changes: list[ResourceChange] = []
     policies: list[po.PolicyResult] = []
+    # Why the run did not wait for the approval its settings asked for ("" it did, or
+    # none was asked): "auto_apply_run_triggers" (events/run_decide.py `_auto_applies`).
+    approval_skipped: str = ""
     # The outcome (None in events recorded before it was: events/run_upcast.py).
     status: Status | None = None  # the run's status after this event
     step_at: int | None = None  # the index of the step it is at then

@@ -93,6 +93,9 @@ SPECS: dict[str, Spec] = {
     ),
     "speculative_plans": Spec(False, _bool, "plan-only runs bypass the workspace queue"),
     "templates": Spec({}, _templates, "default template per run type (empty: built-in)"),
+    "auto_apply_run_triggers": Spec(
+        False, _bool, "a run a run trigger started applies without waiting for approval"
+    ),
 }
 
 DEFAULT_ORIGIN = "default"

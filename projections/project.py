@@ -32,6 +32,7 @@ from events.notification import NotificationEvent
 from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
+from events.run_triggers import RunTriggerEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs import VcsEvent
 from events.workspace import (
@@ -98,6 +99,8 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
             return ("org", org, None, None)
         case ["rp", "org", org, "chat", *_]:  # chat-ops: events/chat.py
             return ("chat", org, None, None)
+        case ["rp", "org", org, "run_triggers"]:  # events/run_triggers.py
+            return ("triggers", org, None, None)
         case _:
             return ("", None, None, None)
 
@@ -497,6 +500,10 @@ def _ms_between(started_iso: str, ended: datetime) -> int:
     return delta // timedelta(milliseconds=1)
 
 
+def _audit_only(w: Working, meta: Meta, event: Any) -> None:
+    """An event kept in the audit history (`project_event`) and folded into no table."""
+
+
 # The fold of each event type, looked up by exact type (project_event falls back to
 # isinstance for anything else).
 _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
@@ -506,4 +513,6 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_notification for t in get_args(NotificationEvent)},
     **{t: project_chat for t in get_args(ChatEvent)},
     **{t: project_vcs for t in get_args(VcsEvent)},
+    # run triggers: the audit history only (the API reads the graph's own subject)
+    **{t: _audit_only for t in get_args(RunTriggerEvent)},
 }

@@ -35,6 +35,10 @@ ORG_ENDPOINTS = [
     ("POST", "/api/v1/orgs/{org}/runs/{run}/approve"),
     ("POST", "/api/v1/orgs/{org}/runs/{run}/discard"),
     ("POST", "/api/v1/orgs/{org}/runs/{run}/cancel"),
+    ("POST", "/api/v1/orgs/{org}/runs/{run}/rerun"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"),
+    ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers/{source}"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/events"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/steps"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/changes"),
@@ -96,6 +100,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/workspaces/{ws}": {"variables": {"n": "2"}},
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/lock": {"reason": "maintenance"},
+    "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers": {"source": "other"},
     "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}": {"value": "v"},
     "/api/v1/orgs/{org}/folders": {"name": "platform"},
     "/api/v1/orgs/{org}/chat/slack": {"team_id": "T0ACME", "signing_secret": "s"},
@@ -169,6 +174,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 notification="01jnotifofanotherorg00000a",
                 slack_id="U0BOB",
                 connection="01jconnofanotherorg000000a",
+                source="other",
             )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
@@ -221,6 +227,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             notification="01jnotifofanotherorg00000a",
             slack_id="U0BOB",
             connection="01jconnofanotherorg000000a",
+            source="other",
             asset="swagger-ui.css",
         )
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):

@@ -12,6 +12,7 @@ import pytest
 from events import chat as ch
 from events import codec, vcs
 from events import notification as nt
+from events import run_triggers as rt
 from events import vcs_report as vr
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -291,6 +292,11 @@ SAMPLES: list[Any] = [
     vr.CommentLinked(at=AT, actor="vcs", claim="0f" * 16, comment_id=2**40),
 ]
 
+SAMPLES += [
+    rt.RunTriggerAdded(at=AT, actor="alice", source="net", target="app"),
+    rt.RunTriggerRemoved(at=AT, actor="alice", source="net", target="app"),
+]
+
 EVENT_TYPES = [
     *get_args(RunEvent),
     *get_args(WorkspaceEvent),
@@ -299,6 +305,7 @@ EVENT_TYPES = [
     *get_args(ch.ChatEvent),
     *get_args(vcs.VcsEvent),
     *get_args(vr.VcsReportEvent),
+    *get_args(rt.RunTriggerEvent),
 ]
 
 

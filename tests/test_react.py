@@ -30,6 +30,7 @@ from events.react import (
     Deadline,
     Dispatch,
     Enqueue,
+    Follow,
     Notify,
     Watch,
     notifications,
@@ -233,7 +234,47 @@ def test_an_applied_run_releases_its_workspace_and_completes() -> None:
         Watch(**k, purge=("apply",)),
         Deadline(**k),
         Notify(trigger=rx.COMPLETED, **k),
+        Follow(**k),  # it changed something: its workspace's followers get a run
     )
+
+
+def _follows(name: str) -> int:
+    """How many `Follow` actions a whole golden run calls for."""
+    state, n = R.INITIAL, 0
+    for e in golden(name):
+        state = R.evolve(state, e)
+        n += sum(isinstance(a, Follow) for a in react(e, state))
+    return n
+
+
+@pytest.mark.parametrize(
+    ("name", "follows"),
+    [
+        ("apply-applied", 1),
+        ("apply-no-approval", 1),
+        ("destroy-applied", 1),
+        ("custom-applied", 1),  # on the custom step after the apply that ends the run
+        ("stamped-apply-applied", 1),
+        ("apply-no-changes", 0),  # nothing to change: no apply
+        ("plan-planned", 0),  # a plan-only run
+        ("drift-drifted", 0),
+        ("failed-apply", 0),  # an errored run
+        ("apply-discarded", 0),
+        ("canceled-apply-queued", 0),
+    ],
+)
+def test_a_run_that_ends_applied_having_changed_something_has_its_followers_run_once(
+    name: str, follows: int
+) -> None:
+    assert _follows(name) == follows
+
+
+def test_an_apply_whose_summary_counts_no_resource_starts_nothing() -> None:
+    """Its plan changed only outputs: the apply ran and changed no resource."""
+    g, finished = run_at("apply-applied", "run.apply_finished")
+    empty = msgspec.structs.replace(finished, summary=R.PlanSummary())
+    assert not any(isinstance(a, Follow) for a in g.when(empty).actions)
+    assert g.when(empty).state.status == R.Status.APPLIED
 
 
 @pytest.mark.parametrize("name", ["plan-planned", "apply-no-changes", "drift-no-changes"])
@@ -526,6 +567,9 @@ def _samples() -> list[tuple[Any, Any]]:
         },
         {"type": "org.vcs_comment_claimed", "claim": "c1"},
         {"type": "org.vcs_comment_linked", "claim": "c1", "comment_id": 7},
+        # run triggers (events/run_triggers.py): the graph, read when an apply ends
+        {"type": "org.run_trigger_added", "source": "net", "target": "app"},
+        {"type": "org.run_trigger_removed", "source": "net", "target": "app"},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

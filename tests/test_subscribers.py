@@ -84,7 +84,7 @@ async def test_the_registry_and_extra_modules_make_the_hosts_list(
     nc: NATS, app: App, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ctx = SubscriberContext(nc=nc, app=app, opts=Options(), readmodel_path=Path("x"))
-    assert [s.name for s in registry.subscriptions(ctx)] == ["notifications"]
+    assert [s.name for s in registry.subscriptions(ctx)] == ["notifications", "run-triggers"]
     monkeypatch.setenv(MODULES_ENV, f"{MODULE},{MODULE}")
     with pytest.raises(ConfigError, match="share a name"):
         all_subscriptions(ctx)
@@ -97,7 +97,7 @@ async def test_the_registry_and_extra_modules_make_the_hosts_list(
     monkeypatch.setenv(MODULES_ENV, MODULE)
     async with Host(ctx) as host:
         # chat-ops' subscriptions need the encryption key, which these options lack
-        assert host.names == ["notifications", "test-probe"]
+        assert host.names == ["notifications", "run-triggers", "test-probe"]
         await host.consumers[-1].ready.wait()
     info = await nc.jetstream().consumer_info(streams.EVENTS, "rp-sub-test-probe")
     assert info.config.filter_subjects == ["rp.run.>"]

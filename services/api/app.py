@@ -28,6 +28,7 @@ from services.api import (
 )
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
+from services.api import run_triggers as run_triggers_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
 from services.api import vcs as vcs_api
@@ -102,12 +103,14 @@ ROUTES = [
     web.post(RUN + "/approve", runs.approve_run),
     web.post(RUN + "/discard", runs.discard_run),
     web.post(RUN + "/cancel", runs.cancel_run),
+    web.post(RUN + "/rerun", runs.rerun),
     web.get(RUN + "/events", runs.run_events, allow_head=False),
     web.get(RUN + "/steps", runs.run_steps, allow_head=False),
     web.get(RUN + "/changes", changes.run_changes, allow_head=False),
     web.get(RUN + "/resources", changes.run_resources, allow_head=False),
     web.get(RUN + "/logs", logs.run_logs, allow_head=False),
     *notifications_api.routes(ORG, WS),
+    *run_triggers_api.routes(WS),
     *chat.ROUTES,
     *vcs_api.routes(ORG),
 ]

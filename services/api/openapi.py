@@ -11,9 +11,10 @@ from __future__ import annotations
 import msgspec
 
 from events.run import Status
-from services.api import changes, chat, groups, locks, logs, secrets, state, whoami
+from services.api import changes, chat, groups, locks, logs, runs, secrets, state, whoami
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
+from services.api import run_triggers as run_triggers_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
 from services.api import vcs as vcs_api
@@ -51,6 +52,7 @@ PARAMETERS: dict[str, Doc] = {
     "org": _path("org", "organization name"),
     "ws": _path("ws", "workspace name"),
     "run": _path("run", "run id"),
+    "source": _path("source", "a workspace this one follows (run triggers)"),
     "token": _path("token", "token id (the token_id of its creation, not the token)"),
     "min_seq": {
         "name": "RP-Min-Seq",
@@ -339,6 +341,18 @@ PATHS: dict[str, Doc] = {
             "cancelRun", "Cancel a run before it changes anything", "CancelBody", ()
         )
     },
+    "/api/v1/orgs/{org}/runs/{run}/rerun": {
+        "post": operation(
+            "rerunRun",
+            "A new run of an ended run's type and template on its workspace's current "
+            "commit and settings (cause rerun, rerun_of); the old run is kept as it was",
+            (201, "Run"),
+            params=_RUN,
+            body="RerunBody",
+            body_required=False,
+            errors=(400, 403, 404, 409, 422),
+        )
+    },
     "/api/v1/orgs/{org}/runs/{run}/events": {
         "get": operation(
             "runEvents",
@@ -369,11 +383,12 @@ PATHS: dict[str, Doc] = {
     **notifications_api.PATHS,
     **chat.PATHS,
     **vcs_api.PATHS,
+    **run_triggers_api.PATHS,
 }
 
 
 def _body_schemas() -> dict[str, Doc]:
-    _, components = msgspec.json.schema_components(BODIES, ref_template=REF)
+    _, components = msgspec.json.schema_components((*BODIES, runs.RerunBody), ref_template=REF)
     return components
 
 
@@ -406,6 +421,7 @@ def document() -> Doc:
                 **chat.SCHEMAS,
                 **whoami.SCHEMAS,
                 **vcs_api.SCHEMAS,
+                **run_triggers_api.SCHEMAS,
                 **_body_schemas(),
             },
             "parameters": PARAMETERS,

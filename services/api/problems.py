@@ -44,6 +44,8 @@ KINDS: dict[str, tuple[int, str]] = {
     "repository-not-allowed": (422, "The repository is not one this deployment allows"),
     "destination-refused": (422, "The destination's address is not one this deployment allows"),
     "policy-limit-exceeded": (422, "The policy passed the sandbox's memory or time cap"),
+    "run-trigger-cycle": (422, "The run trigger would close a cycle"),
+    "run-trigger-limit": (422, "A workspace would follow or be followed by too many"),
     "internal-error": (500, "Internal server error"),
     "unavailable": (503, "Temporarily unavailable"),
     "stale-read": (503, "The read model has not caught up"),

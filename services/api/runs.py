@@ -9,7 +9,7 @@ from typing import Any
 from aiohttp import web
 
 from events.codec import run_subject
-from events.run import TERMINAL, CancelRun, Cause, RunCommand, Status
+from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
 from services.api import approvals, render
 from services.api.auth import OPERATOR, VIEWER, Principal
 from services.api.bodies import (
@@ -241,6 +241,41 @@ async def cancel_run(request: web.Request) -> web.Response:
         CancelBody,
         lambda who, body: CancelRun(actor=who.user, reason=body.reason),
     )
+
+
+class RerunBody(Body, frozen=True, kw_only=True):
+    """No fields: a rerun repeats the run's type and template (its body may be empty)."""
+
+
+async def rerun(request: web.Request) -> web.Response:
+    """POST .../runs/{run}/rerun: a new run of the ended run's type and template, on its
+    workspace's current commit and settings, caused by it (`rerun_of`); the old run is
+    not touched. 409 while the run is not over; 409 if its workspace was deleted."""
+    api, org, who = scope(request, OPERATOR)
+    run_id = path_id(request, "run")
+    await read_body(request, RerunBody, optional=True)
+    old: RunState = (await api.app.load_run(org, None, run_id)).state
+    if not old.exists:
+        raise Problem("not-found", f"run {run_id} not found")
+    if not old.terminal:
+        raise Problem(
+            "conflict",
+            f"run {run_id} is {old.status}: only a run that has ended can be rerun",
+            current_status=str(old.status),
+        )
+    if not (await api.app.load_ws(org, old.workspace)).state.exists:
+        raise Problem("not-found", f"workspace {old.workspace} of run {run_id} no longer exists")
+    result = await api.app.create_run(
+        org,
+        old.workspace,
+        old.run_type,
+        who.user,
+        f"rerun of {run_id}",
+        template=old.template.name if old.template is not None else "",
+        cause=Cause(kind="rerun", rerun_of=run_id, user=who.user),
+        speculative=True if old.speculative else None,
+    )
+    return await _answer(api, org, result, status=201)
 
 
 # ------------------------------------------------------------ history

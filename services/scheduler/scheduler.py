@@ -39,6 +39,7 @@ from events.react import (
     Deadline,
     Dispatch,
     Enqueue,
+    Follow,
     Notify,
     Watch,
     quiet,
@@ -151,7 +152,7 @@ class Scheduler:
                 await watch.follow(self.nc, self.app, action)
             case Deadline(org=org, ws=ws, run_id=run_id):
                 await limits.follow(self.app, self.board, org, ws, run_id, pool=self.pool)
-            case Notify():
+            case Notify() | Follow():
                 pass  # the subscribers' (services/subscribers/)
 
     async def _admit(self, org: str, ws: str, hint: str = "", *, seq: int = 0) -> None:

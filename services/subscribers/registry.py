@@ -19,6 +19,7 @@ from services.commands import App
 from services.infra.consumer import Subscription
 from services.notifications import subscriber as notifications
 from services.runtime import Options
+from services.triggers import subscriber as run_triggers
 from services.vcs import report as vcs_report
 
 
@@ -40,4 +41,5 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
         *notifications.subscriptions(ctx),
         *chat.subscriptions(ctx),
         *vcs_report.subscriptions(ctx),
+        *run_triggers.subscriptions(ctx),
     ]

@@ -1,0 +1,1 @@
+"""Run triggers: an organization's trigger graph, and the subscriber that starts followers' runs."""
