@@ -1,0 +1,230 @@
+"""The real Terraform 1.0.3 (`backend "remote"`) against `runplane up --tls`, end to end.
+
+Credentials in a CLI configuration file (Terraform 1.0 has no TF_TOKEN_<host>), the
+generated local CA trusted through SSL_CERT_FILE. `init` creates the workspace; `state
+push`, `state pull`, `state list` and `output` work on the very state runplane's own
+runs write: a runplane run's version is what the CLI pulls, and the serial the CLI
+pushes is what the next runplane run continues from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from executor.terraform import default_binary
+from tests.helpers import eventually
+from tests.procs import Proc, free_port, signal
+
+TOKEN = "t0ken-for-tfe-tests"
+HCL = """\
+terraform {{
+  backend "remote" {{
+    hostname     = "{host}"
+    organization = "acme"
+    workspaces {{ name = "{ws}" }}
+  }}
+}}
+output "greeting" {{ value = "hello" }}
+"""
+
+
+class Https:
+    """runplane's API over HTTPS, trusting the local CA `up` made."""
+
+    def __init__(self, base: str, ca: Path, token: str = TOKEN) -> None:
+        self.base = base
+        self.ssl = ssl.create_default_context(cafile=str(ca))
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=self.ssl),
+            headers={"Authorization": f"Bearer {token}"},
+        )
+
+    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body)
+        async with self.session.request(method, self.base + path, data=data) as resp:
+            text = await resp.text()
+            return resp.status, (json.loads(text) if text else None)
+
+    async def ok(self, method: str, path: str, body: Any = None) -> Any:
+        status, payload = await self.call(method, path, body)
+        assert 200 <= status < 300, (status, payload)
+        return payload
+
+    async def run_to(self, run_id: str, wanted: set[str]) -> dict[str, Any]:
+        async def probe() -> dict[str, Any]:
+            status, r = await self.call("GET", f"/api/v1/orgs/acme/runs/{run_id}")
+            return r if status == 200 and r["status"] in wanted else {}
+
+        return await eventually(probe, timeout=90, interval=0.2, what=f"run {run_id} in {wanted}")
+
+
+def terraform(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(default_binary()), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def _repo(path: Path) -> Path:
+    """A git repository whose configuration has one output (no provider: offline)."""
+    path.mkdir()
+    (path / "main.tf").write_text('output "greeting" { value = "from runplane" }\n')
+    for cmd in (
+        ["git", "init", "-q", "-b", "main"],
+        ["git", "add", "."],
+        ["git", "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "init"],
+    ):
+        subprocess.run(cmd, cwd=path, check=True)
+    return path
+
+
+async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
+    tmp_path: Path,
+) -> None:
+    data, port = tmp_path / "data", free_port()
+    host = f"localhost:{port}"
+    up = await Proc(
+        ["up", "--tls", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+        tmp_path / "up.log",
+        env={"RUNPLANE_ADMIN_TOKEN": TOKEN},
+    ).start()
+    ca = data.resolve() / "tls" / "ca.pem"
+    base = f"https://{host}"
+    api: Https | None = None
+    try:
+
+        async def healthy() -> bool:
+            nonlocal api
+            if not ca.is_file():
+                return False
+            api = api or Https(base, ca)
+            try:
+                return (await api.call("GET", "/healthz"))[0] == 200
+            except (aiohttp.ClientError, ssl.SSLError):
+                return False
+
+        await eventually(healthy, timeout=60, interval=0.1, what="runplane up --tls")
+        assert api is not None
+        assert f"SSL_CERT_FILE={ca}" in up.output()
+        assert (ca.parent / "server-key.pem").stat().st_mode & 0o777 == 0o600
+        assert (ca.parent / "ca-key.pem").stat().st_mode & 0o777 == 0o600
+        await api.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        issued = await api.ok(
+            "POST", "/api/v1/orgs/acme/tokens", {"user": "alice", "role": "admin"}
+        )
+        home = tmp_path / "home"
+        home.mkdir()
+        rc = home / "terraform.rc"
+        rc.write_text(f'credentials "{host}" {{\n  token = "{issued["token"]}"\n}}\n')
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "TF_CLI_CONFIG_FILE": str(rc),
+            "SSL_CERT_FILE": str(ca),
+            "TF_IN_AUTOMATION": "1",
+            "CHECKPOINT_DISABLE": "1",
+        }
+
+        # a workspace runplane runs from git: its run writes state serial 1
+        repo = _repo(tmp_path / "repo")
+        await api.ok(
+            "POST", "/api/v1/orgs/acme/workspaces", {"name": "net", "repository": str(repo)}
+        )
+        run = await api.ok("POST", "/api/v1/orgs/acme/workspaces/net/runs", {"type": "apply"})
+        await api.run_to(run["id"], {"awaiting_approval", "applied", "failed", "no_changes"})
+        r = await api.call(
+            "POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []}
+        )
+        assert r[0] in (200, 409), r
+        done = await api.run_to(run["id"], {"applied", "failed", "no_changes"})
+        assert done["status"] in ("applied", "no_changes"), done
+        versions = (await api.ok("GET", "/api/v1/orgs/acme/workspaces/net/state-versions"))["items"]
+        assert versions, "runplane's run wrote a state version"
+        run_serial, lineage = versions[0]["serial"], versions[0]["lineage"]
+
+        # the CLI on the same workspace
+        work = tmp_path / "cli"
+        work.mkdir()
+        (work / "main.tf").write_text(HCL.format(host=host, ws="net"))
+        ok(terraform(work, env, "init", "-input=false", "-no-color"))
+        pulled = json.loads(ok(terraform(work, env, "state", "pull")))
+        assert (pulled["serial"], pulled["lineage"]) == (run_serial, lineage)
+        assert pulled["outputs"]["greeting"]["value"] == "from runplane"
+
+        # push the next serial: a resource and an output
+        pushed = {
+            **pulled,
+            "serial": run_serial + 1,
+            "outputs": {"greeting": {"value": "from the cli", "type": "string"}},
+            "resources": [
+                {
+                    "mode": "managed",
+                    "type": "null_resource",
+                    "name": "a",
+                    "provider": 'provider["registry.terraform.io/hashicorp/null"]',
+                    "instances": [
+                        {"schema_version": 0, "attributes": {"id": "1", "triggers": None}}
+                    ],
+                }
+            ],
+        }
+        (work / "next.tfstate").write_text(json.dumps(pushed))
+        ok(terraform(work, env, "state", "push", "next.tfstate"))
+        again = json.loads(ok(terraform(work, env, "state", "pull")))
+        # Terraform's state manager writes it one serial on (what it read differs)
+        cli_serial = again["serial"]
+        assert cli_serial > run_serial and again["lineage"] == lineage
+        assert ok(terraform(work, env, "state", "list")).split() == ["null_resource.a"]
+        out = json.loads(ok(terraform(work, env, "output", "-json")))
+        assert out["greeting"]["value"] == "from the cli"
+        ws = await api.ok("GET", "/api/v1/orgs/acme/workspaces/net")
+        assert ws["lock"] is None, "the CLI's lock was released"
+
+        # a stale state (the run's serial again, other content) is refused by the CLI
+        stale = {**pulled, "outputs": {}}
+        (work / "stale.tfstate").write_text(json.dumps(stale))
+        refused = terraform(work, env, "state", "push", "stale.tfstate")
+        assert refused.returncode != 0
+        assert json.loads(ok(terraform(work, env, "state", "pull")))["serial"] == cli_serial
+
+        # runplane's next run continues from the CLI's serial, in the same lineage
+        run2 = await api.ok("POST", "/api/v1/orgs/acme/workspaces/net/runs", {"type": "apply"})
+        await api.run_to(run2["id"], {"awaiting_approval", "applied", "failed", "no_changes"})
+        await api.call("POST", f"/api/v1/orgs/acme/runs/{run2['id']}/approve", {"acknowledged": []})
+        done2 = await api.run_to(run2["id"], {"applied", "failed", "no_changes"})
+        assert done2["status"] in ("applied", "no_changes"), done2
+        last = json.loads(ok(terraform(work, env, "state", "pull")))
+        assert last["lineage"] == lineage and last["serial"] > cli_serial
+        assert last["outputs"]["greeting"]["value"] == "from runplane"
+
+        # init of a workspace that does not exist creates it
+        other = tmp_path / "cli2"
+        other.mkdir()
+        (other / "main.tf").write_text(HCL.format(host=host, ws="fresh"))
+        ok(terraform(other, env, "init", "-input=false", "-no-color"))
+        created = await api.ok("GET", "/api/v1/orgs/acme/workspaces/fresh")
+        assert created["created_by"] == "alice"
+    finally:
+        if api is not None:
+            await api.session.close()
+        code = await up.stop(signal.SIGTERM)
+    assert code == 0, up.output()[-3000:]
+    await asyncio.sleep(0)
