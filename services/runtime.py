@@ -72,6 +72,8 @@ class Options:
         self.nats_servers()
         if not 0 <= self.replicas <= MAX_REPLICAS:
             raise ConfigError(f"--replicas wants 1 to {MAX_REPLICAS}, got {self.replicas}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together")
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")
