@@ -1,6 +1,7 @@
 """The real Terraform 1.0.3 (`backend "remote"`) against `runplane up --tls`, end to end.
 
-Credentials in a CLI configuration file (Terraform 1.0 has no TF_TOKEN_<host>), the
+`terraform login` (its fallback: a token made in runplane pasted at its prompt, on a
+pseudo-terminal) stores the credentials (Terraform 1.0 has no TF_TOKEN_<host>), the
 generated local CA trusted through SSL_CERT_FILE. `init` creates the workspace; `state
 push`, `state pull`, `state list` and `output` work on the very state runplane's own
 runs write: a runplane run's version is what the CLI pulls, and the serial the CLI
@@ -22,6 +23,7 @@ import aiohttp
 from executor.terraform import default_binary
 from tests.helpers import eventually
 from tests.procs import Proc, free_port, signal
+from tests.tfe_support import login_over_pty
 
 TOKEN = "t0ken-for-tfe-tests"
 HCL = """\
@@ -131,17 +133,20 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
             "POST", "/api/v1/orgs/acme/tokens", {"user": "alice", "role": "admin"}
         )
         home = tmp_path / "home"
-        home.mkdir()
-        rc = home / "terraform.rc"
-        rc.write_text(f'credentials "{host}" {{\n  token = "{issued["token"]}"\n}}\n')
+        (home / ".terraform.d").mkdir(parents=True)  # Terraform 1.0's login makes no directory
         env = {
             "PATH": os.environ["PATH"],
             "HOME": str(home),
-            "TF_CLI_CONFIG_FILE": str(rc),
             "SSL_CERT_FILE": str(ca),
-            "TF_IN_AUTOMATION": "1",
             "CHECKPOINT_DISABLE": "1",
+            "BROWSER": "/bin/false",  # no browser: it prints the URL instead
         }
+        # `terraform login`: no login.v1, so the fallback: paste a token made in runplane
+        said = login_over_pty(str(default_binary()), host, issued["token"], env)
+        assert "Retrieved token for user alice" in said, said
+        saved = json.loads((home / ".terraform.d" / "credentials.tfrc.json").read_text())
+        assert saved["credentials"][host]["token"] == issued["token"]
+        env["TF_IN_AUTOMATION"] = "1"
 
         # a workspace runplane runs from git: its run writes state serial 1
         repo = _repo(tmp_path / "repo")

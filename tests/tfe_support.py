@@ -6,6 +6,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import pty
+import select
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -112,3 +117,56 @@ async def tfe_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Tfe]:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def login_over_pty(
+    binary: str, host: str, token: str, env: dict[str, str], timeout: float = 60
+) -> str:
+    """`terraform login HOST` as a person runs it, on a pseudo-terminal: answer "yes" to
+    its question, paste the token at its (secret) prompt; its whole output."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [binary, "login", "-no-color", host],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        close_fds=True,
+        start_new_session=True,
+    )
+    os.close(slave)
+    # each answer once its prompt shows after the last one answered; the token at the
+    # secret prompt that follows "Token for" (Terraform turns echo off there)
+    answers = [
+        (b"Enter a value:", b"yes\n"),
+        (b"Token for", b""),
+        (b"Enter a value:", token.encode() + b"\n"),
+    ]
+    seen, mark = b"", 0
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # the child closed the terminal: it has ended
+                    break
+                if not chunk:
+                    break
+                seen += chunk
+            while answers and (at := seen.find(answers[0][0], mark)) >= 0:
+                prompt, answer = answers.pop(0)
+                mark = at + len(prompt)
+                if answer:
+                    os.write(master, answer)
+            if proc.poll() is not None and not ready:
+                break
+        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, seen.decode(
+            errors="replace"
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    return seen.decode(errors="replace")
