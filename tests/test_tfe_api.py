@@ -189,3 +189,34 @@ async def test_a_push_that_lies_about_its_state_is_refused(tfe: Tfe) -> None:
     assert no_state.status == 422 and "inline" in no_state.body["errors"][0]["detail"]
     not_json = await tfe.call("POST", f"/api/v2/workspaces/{ws_id}/state-versions", data=b"{nope")
     assert not_json.status == 422 and not_json.content_type == JSONAPI
+
+
+async def test_current_outputs_name_each_output_and_show_no_sensitive_value(tfe: Tfe) -> None:
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    none = await tfe.tfe("GET", f"/api/v2/workspaces/{ws_id}/current-state-version-outputs")
+    assert none.status == 404
+    await tfe.lock(ws_id)
+    st = a_state(1, outputs={"plain": "shown"})
+    st["outputs"]["secret"] = {"value": "hunter2", "type": "string", "sensitive": True}
+    assert (await tfe.push(ws_id, st)).status == 201
+    a = await tfe.tfe("GET", f"/api/v2/workspaces/{ws_id}/current-state-version-outputs")
+    assert a.status == 200
+    got = {o["attributes"]["name"]: o["attributes"] for o in a.body["data"]}
+    assert {o["type"] for o in a.body["data"]} == {"state-version-outputs"}
+    assert got["plain"]["value"] == "shown" and got["plain"]["sensitive"] is False
+    assert got["secret"]["sensitive"] is True and got["secret"]["value"] is None
+    assert all(o["detailed-type"] is None for o in got.values())  # the CLI reads the state
+    assert "hunter2" not in json.dumps(a.body)
+
+
+async def test_updating_a_workspace_is_refused_in_json_api(tfe: Tfe) -> None:
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    a = await tfe.tfe(
+        "PATCH",
+        f"/api/v2/workspaces/{ws_id}",
+        json={"data": {"type": "workspaces", "attributes": {"terraform-version": "1.11.4"}}},
+    )
+    assert a.status == 422 and a.content_type == JSONAPI
+    assert "chooses the Terraform version" in a.body["errors"][0]["detail"]

@@ -179,6 +179,7 @@ async def test_org_a_token_sees_nothing_of_org_b_on_any_route(tfe: Tfe) -> None:
         ("POST", "/api/v2/workspaces/{ws}/actions/lock", None),
         ("GET", "/api/v2/workspaces/{ws}/vars", None),
         ("GET", "/api/v2/workspaces/{ws}/current-state-version", None),
+        ("GET", "/api/v2/workspaces/{ws}/current-state-version-outputs", None),
         ("GET", "/api/v2/state-versions/{sv}", None),
     ]
     a_admin = a_tokens["admin"]

@@ -10,15 +10,17 @@ pushes is what the next runplane run continues from.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import ssl
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from executor.terraform import default_binary
 from tests.helpers import eventually
@@ -68,9 +70,11 @@ class Https:
         return await eventually(probe, timeout=90, interval=0.2, what=f"run {run_id} in {wanted}")
 
 
-def terraform(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+def terraform(
+    cwd: Path, env: dict[str, str], *args: str, binary: str = ""
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(default_binary()), *args],
+        [binary or str(default_binary()), *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -98,9 +102,9 @@ def _repo(path: Path) -> Path:
     return path
 
 
-async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
-    tmp_path: Path,
-) -> None:
+@asynccontextmanager
+async def plane(tmp_path: Path) -> AsyncIterator[tuple[Https, str, Path, Proc]]:
+    """`runplane up --tls` with its own CA; the API client, host:port, CA path, process."""
     data, port = tmp_path / "data", free_port()
     host = f"localhost:{port}"
     up = await Proc(
@@ -109,7 +113,6 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
         env={"RUNPLANE_ADMIN_TOKEN": TOKEN},
     ).start()
     ca = data.resolve() / "tls" / "ca.pem"
-    base = f"https://{host}"
     api: Https | None = None
     try:
 
@@ -117,7 +120,7 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
             nonlocal api
             if not ca.is_file():
                 return False
-            api = api or Https(base, ca)
+            api = api or Https(f"https://{host}", ca)
             try:
                 return (await api.call("GET", "/healthz"))[0] == 200
             except (aiohttp.ClientError, ssl.SSLError):
@@ -125,6 +128,18 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
 
         await eventually(healthy, timeout=60, interval=0.1, what="runplane up --tls")
         assert api is not None
+        yield api, host, ca, up
+    finally:
+        if api is not None:
+            await api.session.close()
+        code = await up.stop(signal.SIGTERM)
+    assert code == 0, up.output()[-3000:]
+
+
+async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
+    tmp_path: Path,
+) -> None:
+    async with plane(tmp_path) as (api, host, ca, up):
         assert f"SSL_CERT_FILE={ca}" in up.output()
         assert (ca.parent / "server-key.pem").stat().st_mode & 0o777 == 0o600
         assert (ca.parent / "ca-key.pem").stat().st_mode & 0o777 == 0o600
@@ -227,9 +242,85 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
         ok(terraform(other, env, "init", "-input=false", "-no-color"))
         created = await api.ok("GET", "/api/v1/orgs/acme/workspaces/fresh")
         assert created["created_by"] == "alice"
-    finally:
-        if api is not None:
-            await api.session.close()
-        code = await up.stop(signal.SIGTERM)
-    assert code == 0, up.output()[-3000:]
-    await asyncio.sleep(0)
+
+
+CLOUD_HCL = """\
+terraform {{
+  cloud {{
+    hostname     = "{host}"
+    organization = "acme"
+    workspaces {{ name = "{ws}" }}
+  }}
+}}
+output "greeting" {{ value = "hello" }}
+"""
+NEWER = Path("/usr/local/bin/terraform")
+
+
+def _newer_terraform() -> str:
+    """A Terraform >= 1.1 on this machine (for the `cloud` block), else skip."""
+    if not NEWER.is_file():
+        pytest.skip("no Terraform >= 1.1 on this machine")
+    out = subprocess.run(
+        [str(NEWER), "version", "-json"],
+        capture_output=True,
+        text=True,
+        env={"HOME": "/nonexistent", "PATH": os.environ["PATH"]},
+        check=False,
+    )
+    version = tuple(int(p) for p in json.loads(out.stdout)["terraform_version"].split(".")[:2])
+    if version < (1, 1):
+        pytest.skip(f"{NEWER} is older than 1.1")
+    return str(NEWER)
+
+
+async def test_a_cloud_block_inits_pushes_pulls_and_reads_outputs(tmp_path: Path) -> None:
+    """The `cloud` block of a newer Terraform (1.11 here): `init` creates the workspace
+    (and its request to set the workspace's version is refused: runplane chooses), a
+    push asks for state upload URLs, takes the refusal as "inline then" and sends the
+    state in the request; `output` reads the outputs list and, finding no detailed
+    types, the whole state."""
+    binary = _newer_terraform()
+    async with plane(tmp_path) as (api, host, ca, _):
+        await api.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        issued = await api.ok("POST", "/api/v1/orgs/acme/tokens", {"user": "bob", "role": "admin"})
+        home = tmp_path / "home"
+        (home / ".terraform.d").mkdir(parents=True)
+        creds = {"credentials": {host: {"token": issued["token"]}}}
+        (home / ".terraform.d" / "credentials.tfrc.json").write_text(json.dumps(creds))
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "SSL_CERT_FILE": str(ca),
+            "TF_IN_AUTOMATION": "1",
+            "CHECKPOINT_DISABLE": "1",
+        }
+        work = tmp_path / "cli"
+        work.mkdir()
+        (work / "main.tf").write_text(CLOUD_HCL.format(host=host, ws="edge"))
+        ok(terraform(work, env, "init", "-input=false", "-no-color", binary=binary))
+        assert (await api.call("GET", "/api/v1/orgs/acme/workspaces/edge"))[0] == 200
+        state = {
+            "version": 4,
+            "terraform_version": "1.0.3",
+            "serial": 4,
+            "lineage": "8e5b8f54-0000-4000-8000-000000000001",
+            "outputs": {"greeting": {"value": "first", "type": "string"}},
+            "resources": [],
+        }
+        (work / "s.tfstate").write_text(json.dumps(state))
+        ok(terraform(work, env, "state", "push", "s.tfstate", binary=binary))
+        # into a workspace with no state the CLI writes its own lineage (Terraform's doing)
+        first = json.loads(ok(terraform(work, env, "state", "pull", binary=binary)))
+        assert first["outputs"] == state["outputs"]
+        # the next one continues it: the same lineage, a higher serial
+        nxt = {**first, "serial": first["serial"] + 1}
+        nxt["outputs"] = {"greeting": {"value": "from the cloud block", "type": "string"}}
+        (work / "s2.tfstate").write_text(json.dumps(nxt))
+        ok(terraform(work, env, "state", "push", "s2.tfstate", binary=binary))
+        pulled = json.loads(ok(terraform(work, env, "state", "pull", binary=binary)))
+        assert pulled["lineage"] == first["lineage"] and pulled["serial"] > first["serial"]
+        out = json.loads(ok(terraform(work, env, "output", "-json", binary=binary)))
+        assert out["greeting"]["value"] == "from the cloud block"
+        ws = await api.ok("GET", "/api/v1/orgs/acme/workspaces/edge")
+        assert ws["lock"] is None

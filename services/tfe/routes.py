@@ -30,11 +30,13 @@ AUTHENTICATED = [
     web.post(ORG + "/workspaces", route(workspaces.create_workspace)),
     web.get(ORG + "/workspaces/{name}", route(workspaces.read_workspace)),
     web.get(WS, route(workspaces.read_workspace_by_id)),
+    web.patch(WS, route(workspaces.update_workspace)),
     web.post(WS + "/actions/lock", route(workspaces.lock_workspace)),
     web.post(WS + "/actions/unlock", route(workspaces.unlock_workspace)),
     web.post(WS + "/actions/force-unlock", route(workspaces.force_unlock_workspace)),
     web.get(WS + "/vars", route(workspaces.list_vars)),
     web.get(WS + "/current-state-version", route(state.current_state_version)),
+    web.get(WS + "/current-state-version-outputs", route(state.current_outputs)),
     web.post(WS + "/state-versions", route(state.create_state_version)),
     web.get(V2 + "/state-versions/{sv_id}", route(state.read_state_version)),
 ]

@@ -26,6 +26,8 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
+from datetime import UTC
 from typing import Any
 
 import structlog
@@ -41,7 +43,9 @@ from services.tfe.jsonapi import (
     TfeError,
     attributes,
     document,
+    listing,
     not_found,
+    page_of,
     resource,
     response,
 )
@@ -61,7 +65,11 @@ def _download_url(request: web.Request, org: str, head: Head) -> str:
 
 
 def render(request: web.Request, org: str, ws: str, head: Head, created_at: str | None) -> Doc:
-    """A state version as go-tfe's `StateVersion`."""
+    """A state version as go-tfe's `StateVersion`. A version the CLI pushed has no
+    recorded time: it is shown with the present one (go-tfe wants a time there)."""
+    if created_at is None:
+        now = api_of(request).app.clock()
+        created_at = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     attrs = {
         "serial": head.serial,
         "lineage": head.lineage,
@@ -159,6 +167,39 @@ async def download(request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/json")
 
 
+async def current_outputs(request: web.Request) -> web.Response:
+    """GET /workspaces/:id/current-state-version-outputs (the `cloud` block's `terraform
+    output`): the current state's root outputs by name. `detailed-type` is null, so the
+    CLI reads the whole state for their values (as it does with states from before 1.3),
+    and no sensitive value is shown here."""
+    org, ws, _ = await workspace_by_id(request, VIEWER)
+    await _existing(request, org, ws)
+    head, _ = await _head(request, org, ws)
+    if head is None:
+        raise not_found(f"workspace {ws} has no state yet")
+    try:
+        outputs = json.loads(await tfe_of(request).need_states().read(head)).get("outputs") or {}
+    except StateStoreError as e:
+        raise TfeError(503, "unavailable", "the state version cannot be read now") from e
+    sv_id = ids.state_version_id(org, ws, head.serial, head.digest)
+    items = [
+        resource(
+            "state-version-outputs",
+            f"wsout-{sv_id.removeprefix('sv-')}.{i}",
+            {
+                "name": name,
+                "sensitive": bool(out.get("sensitive")),
+                "type": out.get("type") if isinstance(out.get("type"), str) else "object",
+                "value": None if out.get("sensitive") else out.get("value"),
+                "detailed-type": None,
+            },
+        )
+        for i, (name, out) in enumerate(sorted(outputs.items()))
+        if isinstance(out, dict)
+    ]
+    return response(listing(items, page_of(request)))
+
+
 # ---------------------------------------------------------------- push
 
 
@@ -166,11 +207,13 @@ def _decode_state(attrs: dict[str, Any]) -> tuple[bytes, int, str, bool]:
     """The state sent, checked against what the request says of it."""
     encoded = attrs.get("state")
     if encoded is None:
+        # go-tfe (>= 1.x) reads this very phrase as "upload URLs not supported" and the
+        # CLI then sends the state inline
         raise TfeError(
             422,
             "state required",
-            "send the state inline (`state`, base64): this server does not hand out "
-            "state upload URLs yet",
+            "param is missing or the value is empty: state (send it inline, base64: "
+            "this server does not hand out state upload URLs yet)",
         )
     if not isinstance(encoded, str):
         raise TfeError(422, "invalid attribute", "state must be a base64 string")

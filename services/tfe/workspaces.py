@@ -236,6 +236,20 @@ async def create_workspace(request: web.Request) -> web.Response:
     return response(document(render_workspace(org, row, who)), status=201)
 
 
+async def update_workspace(request: web.Request) -> web.Response:
+    """PATCH /workspaces/:id: what the `cloud` block sends after creating a workspace
+    (its own terraform-version). runplane's executors choose the binary: 422, which the
+    CLI tolerates there."""
+    org, ws, _ = await workspace_by_id(request, ADMIN)
+    await _workspace_row(request, org, ws)
+    raise TfeError(
+        422,
+        "not updatable here",
+        "runplane chooses the Terraform version its executors run; change workspaces "
+        "through runplane's own API",
+    )
+
+
 # ---------------------------------------------------------------- locks
 
 
