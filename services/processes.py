@@ -167,7 +167,8 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     ca = local_ca(opts)
     if ca is not None:  # loudly: without it no client trusts this server
         print(f"TLS: trust this runplane's local CA: {ca}", flush=True)
-        print(f"  e.g. for Terraform: export SSL_CERT_FILE={ca}", flush=True)
+        print(f"  Terraform: export SSL_CERT_FILE={ca}", flush=True)
+        print(f"  curl: --cacert {ca}", flush=True)
     await wait_for_signal()
     log.info("shutting_down")
 

@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 from cryptography import x509
 
+from services.infra.natsserver import EmbeddedNats
 from services.tfe import tls
-from tests.procs import ROOT, TEST_KEY
+from tests.helpers import eventually
+from tests.procs import ROOT, TEST_KEY, Proc, free_port
 
 
 def _sans(path: Path) -> list[str]:
@@ -104,3 +107,50 @@ def test_runplane_api_with_half_a_pair_says_so_in_one_line(tmp_path: Path) -> No
     )
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == ["runplane: --tls-cert and --tls-key go together"]
+
+
+async def test_runplane_api_serves_a_given_pair_over_https_only(
+    nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    served = tls.local(tmp_path / "certs", ["api.test"])
+    assert served.ca is not None
+    port = free_port()
+    proc = await Proc(
+        [
+            "api",
+            "--nats-url",
+            nats_server.url,
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--tls-cert",
+            str(served.cert),
+            "--tls-key",
+            str(served.key),
+        ],
+        tmp_path / "api.log",
+        env={"RUNPLANE_ADMIN_TOKEN": "t0ken"},
+    ).start()
+    trusted = aiohttp.TCPConnector(ssl=ssl.create_default_context(cafile=str(served.ca)))
+    try:
+        async with aiohttp.ClientSession(connector=trusted) as session:
+
+            async def discovered() -> dict[str, str]:
+                try:
+                    url = f"https://localhost:{port}/.well-known/terraform.json"
+                    async with session.get(url) as r:
+                        found: dict[str, str] = await r.json() if r.status == 200 else {}
+                        return found
+                except aiohttp.ClientConnectionError:
+                    return {}
+
+            found = await eventually(discovered, timeout=60, what="runplane api over https")
+            assert found["tfe.v2.1"] == "/api/v2/"
+            assert f"https://127.0.0.1:{port}" in proc.output()
+            async with aiohttp.ClientSession() as plain:
+                with pytest.raises(aiohttp.ClientError):
+                    async with plain.get(f"http://127.0.0.1:{port}/healthz") as r:
+                        await r.read()
+    finally:
+        assert await proc.stop() == 0, proc.output()[-2000:]

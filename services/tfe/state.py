@@ -108,8 +108,13 @@ async def _created_at(request: web.Request, org: str, ws: str, head: Head) -> st
     """When a run recorded the version (the read model knows runs' versions only)."""
     for row in await api_of(request).read.state_versions(org, ws):
         if row["object"] == head.object:
-            return str(row["created_at"]).split(".", 1)[0].removesuffix("Z") + "Z"
+            return _whole(str(row["created_at"]))
     return None
+
+
+def _whole(at: str) -> str:
+    """The read model's `...T12:00:00.123456Z` in whole seconds, as go-tfe parses it."""
+    return at.split(".", 1)[0].removesuffix("Z") + "Z"
 
 
 async def current_state_version(request: web.Request) -> web.Response:
@@ -143,7 +148,7 @@ async def read_state_version(request: web.Request) -> web.Response:
                 size=row["size"],
                 run_id=row["run_id"],
             )
-            return response(document(render(request, org, ws, old, row["created_at"])))
+            return response(document(render(request, org, ws, old, _whole(row["created_at"]))))
     raise not_found(f"state version {request.match_info['sv_id']} not found")
 
 
