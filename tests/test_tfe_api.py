@@ -20,6 +20,13 @@ async def test_discovery_names_the_api_for_every_cli_and_needs_no_token(tfe: Tfe
         "tfe.v2.1": "/api/v2/",
         "tfe.v2.2": "/api/v2/",
         "state.v2": "/api/v2/",
+        "login.v1": {
+            "client": "terraform-cli",
+            "grant_types": ["authz_code"],
+            "authz": "/app/oauth/authorize",
+            "token": "/app/oauth/token",
+            "ports": [10000, 10010],
+        },
     }
 
 

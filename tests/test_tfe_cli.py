@@ -1,7 +1,7 @@
 """The real Terraform 1.0.3 (`backend "remote"`) against `runplane up --tls`, end to end.
 
-`terraform login` (its fallback: a token made in runplane pasted at its prompt, on a
-pseudo-terminal) stores the credentials (Terraform 1.0 has no TF_TOKEN_<host>), the
+`terraform login` (login.v1: on a pseudo-terminal, its browser part signed in to runplane's
+web UI) stores a token of its own (Terraform 1.0 has no TF_TOKEN_<host>), the
 generated local CA trusted through SSL_CERT_FILE. `init` creates the workspace; `state
 push`, `state pull`, `state list` and `output` work on the very state runplane's own
 runs write: a runplane run's version is what the CLI pulls, and the serial the CLI
@@ -10,8 +10,11 @@ pushes is what the next runplane run continues from.
 
 from __future__ import annotations
 
+import asyncio
+import html
 import json
 import os
+import re
 import ssl
 import subprocess
 from collections.abc import AsyncIterator
@@ -21,11 +24,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from executor.terraform import default_binary
+from services.tfe.login import AUTHZ
 from tests.helpers import eventually
 from tests.procs import Proc, free_port, signal
-from tests.tfe_support import login_over_pty
+from tests.tfe_support import Terminal
 
 TOKEN = "t0ken-for-tfe-tests"
 HCL = """\
@@ -102,6 +107,57 @@ def _repo(path: Path) -> Path:
     return path
 
 
+async def browser(base: str, ca: Path, token: str, authz_url: str) -> None:
+    """A person's browser: signs in to runplane's web UI with a token, opens the page the
+    CLI printed, allows, and follows the redirect back to the CLI's listener."""
+    ctx = ssl.create_default_context(cafile=str(ca))
+    connector = aiohttp.TCPConnector(ssl=ctx)
+    jar = aiohttp.CookieJar(unsafe=True)
+    html_only = {"Accept": "text/html"}
+    async with aiohttp.ClientSession(connector=connector, cookie_jar=jar) as b:
+        async with b.get(base + "/", headers=html_only) as r:
+            page = await r.text()
+        found = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert found, page
+        signin = {"token": token, "csrf": found.group(1)}
+        async with b.post(base + "/signin", data=signin, allow_redirects=False) as r:
+            assert r.status == 303, await r.text()
+        async with b.get(URL(authz_url, encoded=True), headers=html_only) as r:
+            page = await r.text()
+            assert r.status == 200 and "alice" in page, page
+        fields = {
+            k: html.unescape(v) for k, v in re.findall(r"name='([^']+)' value='([^']*)'", page)
+        }
+        fields["decision"] = "allow"
+        async with b.post(base + AUTHZ, data=fields, allow_redirects=False) as r:
+            assert r.status == 303, await r.text()
+            back = r.headers["Location"]
+    assert back.startswith("http://localhost:100") and "code=" in back
+    async with aiohttp.ClientSession() as plain, plain.get(URL(back, encoded=True)) as r:
+        assert r.status == 200  # Terraform's listener took the code
+
+
+async def login_v1(binary: str, host: str, ca: Path, token: str, env: dict[str, str]) -> str:
+    """`terraform login HOST` on a pseudo-terminal, its browser part done by `browser`;
+    what it printed."""
+    term = Terminal([binary, "login", "-no-color", host], env)
+    try:
+        await asyncio.to_thread(term.expect, rb"Enter a value:")
+        term.send("yes\n")
+        found = await asyncio.to_thread(
+            term.expect, rb"https://[^\s']+/app/oauth/authorize\?[^\s']+"
+        )
+        try:
+            await browser(f"https://{host}", ca, token, found.group(0).decode())
+        except (AssertionError, aiohttp.ClientError) as e:
+            raise AssertionError(f"{e!r}; terraform said: {term.text()}") from e
+        code = await asyncio.to_thread(term.finish)
+        assert code == 0, term.text()
+        return term.text()
+    finally:
+        term.close()
+
+
 @asynccontextmanager
 async def plane(tmp_path: Path) -> AsyncIterator[tuple[Https, str, Path, Proc]]:
     """`runplane up --tls` with its own CA; the API client, host:port, CA path, process."""
@@ -156,11 +212,15 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
             "CHECKPOINT_DISABLE": "1",
             "BROWSER": "/bin/false",  # no browser: it prints the URL instead
         }
-        # `terraform login`: no login.v1, so the fallback: paste a token made in runplane
-        said = login_over_pty(str(default_binary()), host, issued["token"], env)
-        assert "Retrieved token for user alice" in said, said
+        # `terraform login`: login.v1, the browser signed in to runplane allows it
+        said = await login_v1(str(default_binary()), host, ca, issued["token"], env)
+        assert "Success! Terraform has obtained and saved an API token." in said, said
         saved = json.loads((home / ".terraform.d" / "credentials.tfrc.json").read_text())
-        assert saved["credentials"][host]["token"] == issued["token"]
+        cli_token = saved["credentials"][host]["token"]
+        assert cli_token.startswith("rp_") and cli_token != issued["token"]  # a token of its own
+        tokens = (await api.ok("GET", "/api/v1/orgs/acme/tokens"))["items"]
+        assert sorted(t["user"] for t in tokens) == ["alice", "alice"]
+        assert {t["role"] for t in tokens} == {"admin"}
         env["TF_IN_AUTOMATION"] = "1"
 
         # a workspace runplane runs from git: its run writes state serial 1

@@ -4,11 +4,14 @@ key ring) called as go-tfe calls it. Holds no tests itself."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
 import pty
+import re
 import select
+import signal
 import subprocess
 import time
 import uuid
@@ -119,54 +122,71 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def login_over_pty(
-    binary: str, host: str, token: str, env: dict[str, str], timeout: float = 60
-) -> str:
-    """`terraform login HOST` as a person runs it, on a pseudo-terminal: answer "yes" to
-    its question, paste the token at its (secret) prompt; its whole output."""
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [binary, "login", "-no-color", host],
-        stdin=slave,
-        stdout=slave,
-        stderr=slave,
-        env=env,
-        close_fds=True,
-        start_new_session=True,
-    )
-    os.close(slave)
-    # each answer once its prompt shows after the last one answered; the token at the
-    # secret prompt that follows "Token for" (Terraform turns echo off there)
-    answers = [
-        (b"Enter a value:", b"yes\n"),
-        (b"Token for", b""),
-        (b"Enter a value:", token.encode() + b"\n"),
-    ]
-    seen, mark = b"", 0
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
+class Terminal:
+    """A program on a pseudo-terminal, as a person runs it: wait for what it prints,
+    type answers. Blocking; a test calls it through `asyncio.to_thread`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
+        os.close(slave)
+        self.seen = b""
+        self.mark = 0
+
+    def expect(self, pattern: bytes, timeout: float = 60) -> re.Match[bytes]:
+        """The first match of `pattern` after the last one expected."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while True:
+            found = rx.search(self.seen, self.mark)
+            if found:
+                self.mark = found.end()
+                return found
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {pattern!r} in: {self.text()}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
             if ready:
                 try:
-                    chunk = os.read(master, 4096)
-                except OSError:  # the child closed the terminal: it has ended
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # the terminal closed: the program ended
+                    chunk = b""
+                assert chunk, f"ended without {pattern!r}: {self.text()}"
+                self.seen += chunk
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def finish(self, timeout: float = 60) -> int:
+        """Read to the end; the exit status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:
                     break
                 if not chunk:
                     break
-                seen += chunk
-            while answers and (at := seen.find(answers[0][0], mark)) >= 0:
-                prompt, answer = answers.pop(0)
-                mark = at + len(prompt)
-                if answer:
-                    os.write(master, answer)
-            if proc.poll() is not None and not ready:
+                self.seen += chunk
+            elif self.proc.poll() is not None:
                 break
-        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, seen.decode(
-            errors="replace"
-        )
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
-    return seen.decode(errors="replace")
+        return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Kill what is left of it: the program and anything it started (its session)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        os.close(self.master)
+
+    def text(self) -> str:
+        return self.seen.decode(errors="replace")

@@ -2,9 +2,9 @@
 
 - `GET /.well-known/terraform.json`: the TFE API for every version of it the CLI asks
   for (the `remote` backend of Terraform 1.0 looks up `tfe.v2.1`, the `cloud` block
-  `tfe.v2`) and `state.v2` (TF_FORCE_LOCAL_BACKEND). No `login.v1`: without it
-  `terraform login` falls back to asking for a token made in runplane, which it checks
-  with `GET /account/details`.
+  `tfe.v2`), `state.v2` (TF_FORCE_LOCAL_BACKEND) and `login.v1` (services/tfe/login.py:
+  `terraform login` by authorization code with PKCE; without it the CLI would ask for a
+  token made in runplane, which it checks with `GET /account/details`).
 - `GET /api/v2/ping`: 204 with `TFP-API-Version` (go-tfe, and so the CLI, refuses a
   server below 2.5 or without one) and `TFP-AppName`.
 """
@@ -29,7 +29,9 @@ HANDSHAKE = {
 
 
 async def well_known(request: web.Request) -> web.Response:
-    return web.json_response(SERVICES)
+    from services.tfe.login import SERVICE
+
+    return web.json_response({**SERVICES, "login.v1": SERVICE})
 
 
 async def ping(request: web.Request) -> web.Response:

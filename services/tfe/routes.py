@@ -8,7 +8,7 @@ from nats.js import JetStreamContext
 from executor.statestore import StateStore
 from services.api.middleware import SELF_AUTHENTICATED
 from services.infra.crypto import KeyRing
-from services.tfe import discovery, state, workspaces
+from services.tfe import discovery, login, state, workspaces
 from services.tfe.capability import Signer
 from services.tfe.context import TFE, Tfe, route
 
@@ -18,6 +18,10 @@ WS = V2 + "/workspaces/{workspace_id}"
 
 PUBLIC = [
     web.get("/.well-known/terraform.json", route(discovery.well_known, public=True)),
+    # login.v1: the browser's session and the CLI's code verifier are their authority
+    web.get(login.AUTHZ, login.authorize_page, allow_head=False),
+    web.post(login.AUTHZ, login.authorize),
+    web.post(login.TOKEN, login.token),
     web.get(V2 + "/ping", route(discovery.ping, public=True)),
     # a capability URL: its token is its authority (services/tfe/capability.py)
     web.get(state.DOWNLOAD_PATH + "{token}", route(state.download, public=True)),
@@ -51,6 +55,7 @@ def mount(web_app: web.Application, *, keyring: KeyRing | None, js: JetStreamCon
     states = StateStore(js, keyring) if keyring is not None else None
     signer = Signer.of(keyring) if keyring is not None else None
     web_app[TFE] = Tfe(signer=signer, states=states)
+    web_app[login.USED] = {}
     web_app.add_routes(ROUTES)
     own = web_app.get(SELF_AUTHENTICATED, frozenset())
     resources = {r.path for r in ROUTES}
