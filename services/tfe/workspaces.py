@@ -19,8 +19,10 @@ from typing import Any
 from aiohttp import web
 
 from events.codec import valid_id
+from events.org import ROLES
 from events.run import Workspace
 from services.api.auth import ADMIN, OPERATOR, VIEWER, Principal
+from services.api.secrets import SECRETS
 from services.tfe import ids
 from services.tfe.context import api_of, principal, read_json, require
 from services.tfe.jsonapi import (
@@ -38,7 +40,7 @@ from services.tfe.jsonapi import (
 CLI_REPOSITORY = "runplane-cli://configuration-upload"
 LOCK_REASON = "Locked by Terraform"
 MAX_REASON = 1024
-_RANK = {r: i for i, r in enumerate((VIEWER, OPERATOR, "approver", ADMIN))}
+_RANK = {role: i for i, role in enumerate(ROLES)}
 
 
 def _may(who: Principal, role: str) -> bool:
@@ -302,16 +304,10 @@ async def list_vars(request: web.Request) -> web.Response:
     row = await _workspace_row(request, org, ws)
     workspace_id = ids.workspace_id(org, ws)
     out = [_var(workspace_id, k, v, False) for k, v in sorted(row["variables"].items())]
-    store = _secret_names(request)
+    store = request.app.get(SECRETS)
     if store is not None:
         out += [_var(workspace_id, k, None, True) for k in sorted(await store.names(org, ws))]
     return response(listing(out, page_of(request)))
-
-
-def _secret_names(request: web.Request) -> Any:
-    from services.api.secrets import SECRETS
-
-    return request.app.get(SECRETS)
 
 
 def _var(workspace_id: str, key: str, value: str | None, sensitive: bool) -> Doc:
