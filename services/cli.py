@@ -127,6 +127,28 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _tls_opts(p: argparse.ArgumentParser, *, local: bool) -> None:
+    """HTTPS for the API (the Terraform CLI speaks only HTTPS): services/tfe/tls.py."""
+    g = p.add_argument_group("TLS")
+    if local:
+        g.add_argument(
+            "--tls",
+            action="store_true",
+            help="serve HTTPS: the given --tls-cert/--tls-key, or a certificate of a local "
+            "CA made in the data directory (its path is printed to trust)",
+        )
+        g.add_argument(
+            "--tls-name",
+            dest="tls_names",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="a host name or address the local certificate also covers (repeatable)",
+        )
+    g.add_argument("--tls-cert", default="", metavar="PATH", help="certificate chain (PEM)")
+    g.add_argument("--tls-key", default="", metavar="PATH", help="its private key (PEM)")
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="runplane", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
@@ -134,8 +156,10 @@ def parser() -> argparse.ArgumentParser:
     _common(up, listen=True)
     _executor_opts(up)
     up.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo workspace")
+    _tls_opts(up, local=True)
     api = sub.add_parser("api", help="run the HTTP API and its projector")
     _common(api, listen=True)
+    _tls_opts(api, local=False)
     sched = sub.add_parser("scheduler", help="run admission and dispatch")
     _common(sched)
     subs = sub.add_parser("subscribers", help="run every subscriber of the event log")
@@ -188,6 +212,10 @@ def options(ns: argparse.Namespace) -> Options:
         provider_mirrors=list(getattr(ns, "provider_mirrors", []) or []),
         demo=getattr(ns, "demo", True),
         isolation=getattr(ns, "isolation", "auto"),
+        tls=getattr(ns, "tls", False),
+        tls_cert=getattr(ns, "tls_cert", ""),
+        tls_key=getattr(ns, "tls_key", ""),
+        tls_names=list(getattr(ns, "tls_names", []) or []),
     )
 
 

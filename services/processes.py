@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import ssl
 import sys
 from collections.abc import Callable
 from contextlib import AsyncExitStack
@@ -61,7 +62,29 @@ async def _start_api(
         metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
         behind_tls_proxy=opts.behind_tls_proxy,
     )
-    return await stack.enter_async_context(http_site(web_app, opts.listen))
+    return await stack.enter_async_context(http_site(web_app, opts.listen, _tls(opts)))
+
+
+def _tls(opts: Options) -> ssl.SSLContext | None:
+    """The API's TLS (services/tfe/tls.py): the given pair, or with `--tls` alone a local
+    CA's certificate made in the data directory; None: plain HTTP."""
+    from services.tfe import tls
+
+    try:
+        if opts.tls_cert or opts.tls_key:
+            return tls.given(opts.tls_cert, opts.tls_key).context()
+        if opts.tls:
+            return tls.local(opts.data_dir, opts.tls_names).context()
+    except tls.TlsError as e:
+        raise ConfigError(str(e)) from e
+    return None
+
+
+def local_ca(opts: Options) -> Path | None:
+    """The CA to trust when `up` made its own certificate (printed in the banner)."""
+    if opts.tls and not opts.tls_cert:
+        return opts.data_dir.resolve() / "tls" / "ca.pem"
+    return None
 
 
 async def _start_executor(
@@ -141,6 +164,11 @@ async def up(opts: Options, stack: AsyncExitStack) -> None:
     os.environ.setdefault("RUNPLANE_NOTIFY_ALLOW", "loopback")
     base = await start_all(opts, stack)
     _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
+    ca = local_ca(opts)
+    if ca is not None:  # loudly: without it no client trusts this server
+        print(f"TLS: trust this runplane's local CA: {ca}", flush=True)
+        print(f"  Terraform: export SSL_CERT_FILE={ca}", flush=True)
+        print(f"  curl: --cacert {ca}", flush=True)
     await wait_for_signal()
     log.info("shutting_down")
 

@@ -7,6 +7,7 @@ import gc
 import os
 import secrets
 import signal
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ class Options:
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
     allowed_repos: str = "https://,ssh://"  # repository sources (services/repositories.py)
     isolation: str = "auto"  # who jobs run as (executor/isolation.py MODES)
+    # HTTPS (services/tfe/tls.py): `tls` with no cert and key: a local CA and its certificate
+    tls: bool = False
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_names: list[str] = field(default_factory=list)  # more names the local certificate covers
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -66,6 +72,8 @@ class Options:
         self.nats_servers()
         if not 0 <= self.replicas <= MAX_REPLICAS:
             raise ConfigError(f"--replicas wants 1 to {MAX_REPLICAS}, got {self.replicas}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("--tls-cert and --tls-key go together")
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")
@@ -167,16 +175,21 @@ async def nats_for(opts: Options, stack: AsyncExitStack) -> AsyncIterator[NATS]:
 
 
 @asynccontextmanager
-async def http_site(application: web.Application, listen: str) -> AsyncIterator[str]:
-    """Serve an aiohttp application; yields the base URL actually bound."""
+async def http_site(
+    application: web.Application, listen: str, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[str]:
+    """Serve an aiohttp application (over TLS with `ssl_context`); yields the base URL
+    actually bound."""
     host, port = Options(listen=listen).host_port()
     runner = web.AppRunner(application, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = runner.addresses[0]
+    scheme = "https" if ssl_context is not None else "http"
+    where = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     try:
-        yield f"http://{bound[0]}:{bound[1]}"
+        yield f"{scheme}://{where}:{bound[1]}"
     finally:
         await runner.cleanup()
 

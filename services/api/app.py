@@ -40,6 +40,7 @@ from services.infra.metrics import Metrics
 from services.policysandbox import PolicySandbox
 from services.repositories import Sources
 from services.secrets import SecretStore
+from services.tfe import routes as tfe
 from services.ui import app as ui
 
 if TYPE_CHECKING:
@@ -151,4 +152,8 @@ def build_app(
     web_app.add_routes(ROUTES)
     # the web UI: its own routes, authenticated by its session cookie
     ui.mount(web_app, behind_tls_proxy=behind_tls_proxy)
+    # the TFE API the Terraform CLI speaks (services/tfe): after the UI, as it adds to
+    # the routes that authenticate themselves
+    keyring = secret_store.keyring if secret_store is not None else None
+    tfe.mount(web_app, keyring=keyring, js=app.store.nc.jetstream())
     return web_app

@@ -1,0 +1,62 @@
+"""The TFE routes and how they are mounted into runplane's API application."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from nats.js import JetStreamContext
+
+from executor.statestore import StateStore
+from services.api.middleware import SELF_AUTHENTICATED
+from services.infra.crypto import KeyRing
+from services.tfe import discovery, login, state, workspaces
+from services.tfe.capability import Signer
+from services.tfe.context import TFE, Tfe, route
+
+V2 = "/api/v2"
+ORG = V2 + "/organizations/{org}"
+WS = V2 + "/workspaces/{workspace_id}"
+
+PUBLIC = [
+    web.get("/.well-known/terraform.json", route(discovery.well_known, public=True)),
+    # login.v1: the browser's session and the CLI's code verifier are their authority
+    web.get(login.AUTHZ, login.authorize_page, allow_head=False),
+    web.post(login.AUTHZ, login.authorize),
+    web.post(login.TOKEN, login.token),
+    web.get(V2 + "/ping", route(discovery.ping, public=True)),
+    # a capability URL: its token is its authority (services/tfe/capability.py)
+    web.get(state.DOWNLOAD_PATH + "{token}", route(state.download, public=True)),
+]
+AUTHENTICATED = [
+    web.get(V2 + "/account/details", route(workspaces.account_details)),
+    web.get(ORG, route(workspaces.get_organization)),
+    web.get(ORG + "/entitlement-set", route(workspaces.entitlement_set)),
+    web.get(ORG + "/workspaces", route(workspaces.list_workspaces)),
+    web.post(ORG + "/workspaces", route(workspaces.create_workspace)),
+    web.get(ORG + "/workspaces/{name}", route(workspaces.read_workspace)),
+    web.get(WS, route(workspaces.read_workspace_by_id)),
+    web.patch(WS, route(workspaces.update_workspace)),
+    web.post(WS + "/actions/lock", route(workspaces.lock_workspace)),
+    web.post(WS + "/actions/unlock", route(workspaces.unlock_workspace)),
+    web.post(WS + "/actions/force-unlock", route(workspaces.force_unlock_workspace)),
+    web.get(WS + "/vars", route(workspaces.list_vars)),
+    web.get(WS + "/current-state-version", route(state.current_state_version)),
+    web.get(WS + "/current-state-version-outputs", route(state.current_outputs)),
+    web.post(WS + "/state-versions", route(state.create_state_version)),
+    web.get(V2 + "/state-versions/{sv_id}", route(state.read_state_version)),
+]
+ROUTES = [*PUBLIC, *AUTHENTICATED]
+
+
+def mount(web_app: web.Application, *, keyring: KeyRing | None, js: JetStreamContext) -> None:
+    """Add the TFE routes. They authenticate themselves (JSON:API errors, not problem
+    details), so runplane's middleware lets them through: call it after anything else
+    that sets `SELF_AUTHENTICATED` (the web UI). `keyring` None: no key, so no
+    capabilities and no state (503)."""
+    states = StateStore(js, keyring) if keyring is not None else None
+    signer = Signer.of(keyring) if keyring is not None else None
+    web_app[TFE] = Tfe(signer=signer, states=states)
+    web_app[login.USED] = {}
+    web_app.add_routes(ROUTES)
+    own = web_app.get(SELF_AUTHENTICATED, frozenset())
+    resources = {r.path for r in ROUTES}
+    web_app[SELF_AUTHENTICATED] = frozenset(own | resources)

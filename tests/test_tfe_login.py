@@ -1,0 +1,184 @@
+"""`terraform login` by login.v1 (services/tfe/login.py): the browser's session, the
+consent form's CSRF token, the redirect to the CLI's own listener and the PKCE verifier
+are each required; a code is taken once, expires, and buys a token no stronger than the
+session's. Each test shows the legitimate path working first."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import re
+import secrets
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+from services.tfe.context import TFE
+from tests.test_api_support import ADMIN_TOKEN
+from tests.tfe_support import Tfe, tfe_fixture
+
+__all__ = ["tfe_fixture"]
+
+REDIRECT = "http://localhost:10003/login"
+
+
+def _pkce() -> tuple[str, str]:
+    verifier = secrets.token_urlsafe(48)
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def _query(challenge: str, **change: str) -> dict[str, str]:
+    return {
+        "client_id": "terraform-cli",
+        "response_type": "code",
+        "redirect_uri": REDIRECT,
+        "code_challenge": challenge,
+        "code_challenge_method": "S256",
+        "state": "st4te",
+        **change,
+    }
+
+
+async def _signin(tfe: Tfe, token: str, org: str = "") -> None:
+    """Sign the test client's browser in to the web UI with `token`."""
+    async with tfe.client.get("/", headers={"Accept": "text/html"}) as r:
+        csrf = re.search(r'name="csrf" value="([^"]+)"', await r.text())
+    assert csrf
+    form = {"token": token, "csrf": csrf.group(1), "org": org}
+    async with tfe.client.post("/signin", data=form, allow_redirects=False) as r:
+        assert r.status == 303, await r.text()
+
+
+async def _consent(tfe: Tfe, query: dict[str, str]) -> tuple[int, str]:
+    async with tfe.client.get("/app/oauth/authorize?" + urlencode(query)) as r:
+        return r.status, await r.text()
+
+
+async def _allow(tfe: Tfe, page: str, **change: str) -> tuple[int, str]:
+    """Post the consent form of `page` (fields changed as told): status, Location."""
+    fields = {k: html.unescape(v) for k, v in re.findall(r"name='([^']+)' value='([^']*)'", page)}
+    fields.update({"decision": "allow", **change})
+    async with tfe.client.post("/app/oauth/authorize", data=fields, allow_redirects=False) as r:
+        return r.status, r.headers.get("Location", "")
+
+
+async def _code(tfe: Tfe, challenge: str) -> str:
+    status, page = await _consent(tfe, _query(challenge))
+    assert status == 200, page
+    status, back = await _allow(tfe, page)
+    assert status == 303 and back.startswith(REDIRECT + "?"), back
+    answer = parse_qs(urlsplit(back).query)
+    assert answer["state"] == ["st4te"]
+    return answer["code"][0]
+
+
+async def _exchange(tfe: Tfe, code: str, verifier: str, **extra: str) -> tuple[int, Any]:
+    form = {
+        "grant_type": "authorization_code",
+        "code": code,
+        "code_verifier": verifier,
+        "redirect_uri": REDIRECT,
+        **extra,
+    }
+    async with tfe.client.post("/app/oauth/token", data=form) as r:
+        return r.status, await r.json()
+
+
+async def test_login_gives_a_new_token_of_the_sessions_user_and_role_once(tfe: Tfe) -> None:
+    tokens = await tfe.org("acme")
+    await _signin(tfe, tokens["operator"])
+    verifier, challenge = _pkce()
+    code = await _code(tfe, challenge)
+    status, answer = await _exchange(tfe, code, verifier)
+    assert status == 200 and answer["token_type"] == "bearer", answer
+    issued = answer["access_token"]
+    assert issued not in tokens.values()
+    who = await tfe.tfe("GET", "/api/v2/account/details", token=issued)
+    assert who.body["data"]["attributes"]["username"] == "operator-user"
+    listed = await tfe.get("/api/v1/orgs/acme/tokens")
+    roles = [t["role"] for t in listed.body["items"] if t["user"] == "operator-user"]
+    assert roles == ["operator", "operator"]  # no stronger than the session's
+    again = await _exchange(tfe, code, verifier)
+    assert again == (
+        400,
+        {"error": "invalid_grant", "error_description": again[1]["error_description"]},
+    )
+    assert "used" in again[1]["error_description"]
+
+
+async def test_a_code_without_its_verifier_or_tampered_or_expired_buys_nothing(tfe: Tfe) -> None:
+    tokens = await tfe.org("acme")
+    await _signin(tfe, tokens["admin"])
+    verifier, challenge = _pkce()
+    before = len((await tfe.get("/api/v1/orgs/acme/tokens")).body["items"])
+    code = await _code(tfe, challenge)
+    payload, mac = code.split(".")
+    for what, bad_code, bad_verifier in (
+        ("another verifier", code, _pkce()[0]),
+        ("no verifier", code, ""),
+        ("a tampered code", payload + "." + mac[::-1], verifier),
+        (
+            "a forged payload",
+            base64.urlsafe_b64encode(b'["login-code","acme","x",9999999999]').decode().rstrip("=")
+            + "."
+            + mac,
+            verifier,
+        ),
+    ):
+        status, answer = await _exchange(tfe, bad_code, bad_verifier)
+        assert (status, answer["error"]) == (400, "invalid_grant"), what
+    status, answer = await _exchange(
+        tfe, code, verifier, redirect_uri="http://localhost:10004/login"
+    )
+    assert (status, answer["error"]) == (400, "invalid_grant")
+    signer = tfe.client.app[TFE].signer
+    assert signer is not None
+    real = signer.clock
+    signer.clock = lambda: real() + 61
+    try:
+        status, answer = await _exchange(tfe, code, verifier)
+        assert (status, answer["error"]) == (400, "invalid_grant")
+    finally:
+        signer.clock = real
+    assert len((await tfe.get("/api/v1/orgs/acme/tokens")).body["items"]) == before
+    status, answer = await _exchange(tfe, code, verifier)  # the right one, still in time
+    assert status == 200, answer
+
+
+async def test_the_authorize_page_needs_a_session_and_redirects_only_to_the_cli(tfe: Tfe) -> None:
+    tokens = await tfe.org("acme")
+    _, challenge = _pkce()
+    status, page = await _consent(tfe, _query(challenge))
+    assert status == 401 and "Sign in" in page  # no session yet
+    await _signin(tfe, tokens["admin"])
+    status, page = await _consent(tfe, _query(challenge))
+    assert status == 200 and "admin-user" in page and "acme" in page
+    for bad in (
+        {"redirect_uri": "https://evil.example/login"},
+        {"redirect_uri": "http://localhost:8080/login"},  # not the advertised ports
+        {"redirect_uri": "http://localhost:10003/steal"},
+        {"redirect_uri": "http://localhost:10003/login?next=https://evil.example"},
+        {"redirect_uri": "http://user@localhost:10003/login"},
+        {"client_id": "someone-else"},
+        {"code_challenge_method": "plain"},
+        {"code_challenge": "short"},
+    ):
+        status, page = await _consent(tfe, _query(challenge, **bad))
+        assert status == 400, bad
+        status, back = await _allow(tfe, (await _consent(tfe, _query(challenge)))[1], **bad)
+        assert status == 400 and back == "", bad  # never sent anywhere
+    status, page = await _consent(tfe, _query(challenge))
+    assert status == 200
+    status, back = await _allow(tfe, page, csrf="forged")
+    assert status == 401 and back == ""
+    status, back = await _allow(tfe, page, decision="deny")
+    assert status == 303 and "error=access_denied" in back and "code=" not in back
+
+
+async def test_an_admin_token_session_gets_no_login_token(tfe: Tfe) -> None:
+    await tfe.org("acme")
+    await _signin(tfe, ADMIN_TOKEN, org="acme")
+    _, challenge = _pkce()
+    status, page = await _consent(tfe, _query(challenge))
+    assert status == 401 and "admin token" in page

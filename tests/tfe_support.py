@@ -1,0 +1,192 @@
+"""Fixtures for the TFE API tests: runplane's real API (real NATS, real projector, a
+key ring) called as go-tfe calls it. Holds no tests itself."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from nats.aio.client import Client as NATS
+
+from projections.projector import Projector
+from services.api.app import build_app
+from services.api.context import API
+from services.commands import App
+from services.infra.crypto import KeyRing
+from services.secrets import SecretStore
+from tests.test_api_support import ADMIN_TOKEN, Answer, Http
+
+JSONAPI = "application/vnd.api+json"
+
+
+class Tfe(Http):
+    """`Http` with go-tfe's headers and a few TFE shortcuts."""
+
+    keyring: KeyRing
+
+    async def tfe(self, method: str, path: str, **kw: Any) -> Answer:
+        headers = {"Accept": JSONAPI, **kw.pop("headers", {})}
+        if "json" in kw:
+            kw["data"] = json.dumps(kw.pop("json")).encode()
+            headers["Content-Type"] = JSONAPI
+        return await self.call(method, path, headers=headers, **kw)
+
+    async def raw(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        async with self.client.get(path, headers=headers or {}) as resp:
+            return resp.status, await resp.read()
+
+    async def cli_workspace(self, org: str, name: str, token: str = ADMIN_TOKEN) -> str:
+        a = await self.tfe(
+            "POST",
+            f"/api/v2/organizations/{org}/workspaces",
+            token=token,
+            json={"data": {"type": "workspaces", "attributes": {"name": name}}},
+        )
+        assert a.status == 201, a.body
+        return str(a.body["data"]["id"])
+
+    async def push(
+        self, ws_id: str, state: dict[str, Any], token: str = ADMIN_TOKEN, **attrs: Any
+    ) -> Answer:
+        raw = json.dumps(state).encode()
+        body = {
+            "serial": state["serial"],
+            "lineage": state["lineage"],
+            "md5": hashlib.md5(raw).hexdigest(),
+            "state": base64.b64encode(raw).decode(),
+            **attrs,
+        }
+        return await self.tfe(
+            "POST",
+            f"/api/v2/workspaces/{ws_id}/state-versions",
+            token=token,
+            json={"data": {"type": "state-versions", "attributes": body}},
+        )
+
+    async def lock(self, ws_id: str, token: str = ADMIN_TOKEN) -> Answer:
+        return await self.tfe(
+            "POST",
+            f"/api/v2/workspaces/{ws_id}/actions/lock",
+            token=token,
+            json={"reason": "Locked by Terraform"},
+        )
+
+
+def a_state(
+    serial: int, lineage: str = "", outputs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {
+        "version": 4,
+        "terraform_version": "1.0.3",
+        "serial": serial,
+        "lineage": lineage or str(uuid.uuid4()),
+        "outputs": {k: {"value": v, "type": "string"} for k, v in (outputs or {}).items()},
+        "resources": [],
+    }
+
+
+@pytest.fixture(name="tfe")
+async def tfe_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Tfe]:
+    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
+        started = await app.create_org("tfe-test-fixture", "test")
+        assert await projector.wait_for(started.seq)
+        keyring = KeyRing.generate()
+        web_app = build_app(
+            app=app,
+            projector=projector,
+            admin_token=ADMIN_TOKEN,
+            secret_store=SecretStore(nc, keyring),
+        )
+        async with TestClient(TestServer(web_app)) as client:
+            t = Tfe(client, web_app[API], app)
+            t.keyring = keyring
+            yield t
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+class Terminal:
+    """A program on a pseudo-terminal, as a person runs it: wait for what it prints,
+    type answers. Blocking; a test calls it through `asyncio.to_thread`."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
+        os.close(slave)
+        self.seen = b""
+        self.mark = 0
+
+    def expect(self, pattern: bytes, timeout: float = 60) -> re.Match[bytes]:
+        """The first match of `pattern` after the last one expected."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while True:
+            found = rx.search(self.seen, self.mark)
+            if found:
+                self.mark = found.end()
+                return found
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {pattern!r} in: {self.text()}"
+            ready, _, _ = select.select([self.master], [], [], min(left, 0.5))
+            if ready:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:  # the terminal closed: the program ended
+                    chunk = b""
+                assert chunk, f"ended without {pattern!r}: {self.text()}"
+                self.seen += chunk
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def finish(self, timeout: float = 60) -> int:
+        """Read to the end; the exit status."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                self.seen += chunk
+            elif self.proc.poll() is not None:
+                break
+        return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        """Kill what is left of it: the program and anything it started (its session)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        os.close(self.master)
+
+    def text(self) -> str:
+        return self.seen.decode(errors="replace")
