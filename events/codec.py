@@ -11,6 +11,7 @@ from events.notification import NotificationEvent
 from events.org import OrgEvent
 from events.run import RunEvent
 from events.run_triggers import RunTriggerEvent
+from events.schedule import ScheduleEvent
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
 from events.workspace import WorkspaceEvent
@@ -24,6 +25,7 @@ AnyEvent = (
     | VcsEvent
     | VcsReportEvent
     | RunTriggerEvent
+    | ScheduleEvent
 )
 
 _encoder = msgspec.json.Encoder()

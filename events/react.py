@@ -35,6 +35,7 @@ import msgspec
 
 from events import chat as ch
 from events import run_triggers as rt
+from events import schedule as sc
 from events import vcs
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -254,6 +255,10 @@ def quiet(event: AnyEvent) -> bool:
         ):
             return True
         case RowSet() | CommentClaimed() | CommentLinked():  # the VCS reporter's own
+            return True
+        case (  # schedules' own (events/schedule.py): the schedule loop reads them itself
+            sc.ScheduleSaved() | sc.ScheduleDeleted() | sc.ScheduleFired() | sc.ScheduleSkipped()
+        ):
             return True
         case _:
             assert_never(event)

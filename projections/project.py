@@ -33,6 +33,7 @@ from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUse
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
 from events.run_triggers import RunTriggerEvent
+from events.schedule import ScheduleEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs import VcsEvent
 from events.workspace import (
@@ -515,4 +516,5 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_vcs for t in get_args(VcsEvent)},
     # run triggers: the audit history only (the API reads the graph's own subject)
     **{t: _audit_only for t in get_args(RunTriggerEvent)},
+    **{t: _audit_only for t in get_args(ScheduleEvent)},
 }

@@ -13,6 +13,7 @@ from events import chat as ch
 from events import codec, vcs
 from events import notification as nt
 from events import run_triggers as rt
+from events import schedule as sc
 from events import vcs_report as vr
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -290,6 +291,36 @@ SAMPLES: list[Any] = [
     ),
     vr.CommentClaimed(at=AT, actor="vcs", claim="0f" * 16),
     vr.CommentLinked(at=AT, actor="vcs", claim="0f" * 16, comment_id=2**40),
+    sc.ScheduleSaved(
+        at=AT,
+        actor="alice",
+        schedule=sc.Schedule(
+            id="01jsched",
+            org="acme",
+            workspace="net",
+            cron="0 3 * * 1-5",
+            timezone="Europe/Paris",
+            run_type="drift",
+            missed="skip",
+            since=AT,
+            created_at=AT,
+            created_by="alice",
+            updated_at=AT,
+        ),
+    ),
+    sc.ScheduleDeleted(at=AT, actor="alice", schedule_id="01jsched"),
+    sc.ScheduleFired(
+        at=AT, actor="schedule", schedule_id="01jsched", fire_time=AT, run_id="01jrun", missed=2
+    ),
+    sc.ScheduleSkipped(
+        at=AT,
+        actor="schedule",
+        schedule_id="01jsched",
+        fire_time=AT,
+        reason="waiting",
+        waiting_run="01jrun",
+        last_run="01jrun",
+    ),
 ]
 
 SAMPLES += [
@@ -306,6 +337,7 @@ EVENT_TYPES = [
     *get_args(vcs.VcsEvent),
     *get_args(vr.VcsReportEvent),
     *get_args(rt.RunTriggerEvent),
+    *get_args(sc.ScheduleEvent),
 ]
 
 

@@ -529,6 +529,20 @@ def _samples() -> list[tuple[Any, Any]]:
             "run_id": "r1",
             "request_id": "r",
             "response_url": "x",
+        },  # schedules (events/schedule.py): the schedule loop reads them itself
+        {
+            "type": "org.schedule_saved",
+            "schedule": {
+                "id": "s",
+                "org": "acme",
+                "workspace": "net",
+                "cron": "* * * * *",
+                "run_type": "drift",
+                "since": AT,
+                "created_at": AT,
+                "created_by": "a",
+                "updated_at": AT,
+            },
         },
         # VCS connections (events/vcs.py): nothing for react
         {
@@ -570,6 +584,9 @@ def _samples() -> list[tuple[Any, Any]]:
         # run triggers (events/run_triggers.py): the graph, read when an apply ends
         {"type": "org.run_trigger_added", "source": "net", "target": "app"},
         {"type": "org.run_trigger_removed", "source": "net", "target": "app"},
+        {"type": "org.schedule_deleted", "schedule_id": "s"},
+        {"type": "org.schedule_fired", "schedule_id": "s", "fire_time": AT, "run_id": "r"},
+        {"type": "org.schedule_skipped", "schedule_id": "s", "fire_time": AT, "reason": "waiting"},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

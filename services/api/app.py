@@ -29,6 +29,7 @@ from services.api import (
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import run_triggers as run_triggers_api
+from services.api import schedules as schedules_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
 from services.api import vcs as vcs_api
@@ -112,6 +113,7 @@ ROUTES = [
     web.get(RUN + "/logs", logs.run_logs, allow_head=False),
     *notifications_api.routes(ORG, WS),
     *run_triggers_api.routes(WS),
+    *schedules_api.routes(WS),
     *chat.ROUTES,
     *vcs_api.routes(ORG),
 ]

@@ -15,6 +15,7 @@ from services.api import changes, chat, groups, locks, logs, runs, secrets, stat
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import run_triggers as run_triggers_api
+from services.api import schedules as schedules_api
 from services.api import settings as settings_api
 from services.api import templates as templates_api
 from services.api import vcs as vcs_api
@@ -85,6 +86,7 @@ PARAMETERS: dict[str, Doc] = {
     **groups.PARAMETERS,
     **templates_api.PARAMETERS,
     **notifications_api.PARAMETERS,
+    **schedules_api.PARAMETERS,
     **policies_api.PARAMETERS,
     **chat.PARAMETERS,
     **vcs_api.PARAMETERS,
@@ -381,6 +383,7 @@ PATHS: dict[str, Doc] = {
     **templates_api.PATHS,
     **policies_api.PATHS,
     **notifications_api.PATHS,
+    **schedules_api.PATHS,
     **chat.PATHS,
     **vcs_api.PATHS,
     **run_triggers_api.PATHS,
@@ -418,6 +421,7 @@ def document() -> Doc:
                 **templates_api.SCHEMAS,
                 **policies_api.SCHEMAS,
                 **notifications_api.SCHEMAS,
+                **schedules_api.SCHEMAS,
                 **chat.SCHEMAS,
                 **whoami.SCHEMAS,
                 **vcs_api.SCHEMAS,

@@ -46,6 +46,8 @@ KINDS: dict[str, tuple[int, str]] = {
     "policy-limit-exceeded": (422, "The policy passed the sandbox's memory or time cap"),
     "run-trigger-cycle": (422, "The run trigger would close a cycle"),
     "run-trigger-limit": (422, "A workspace would follow or be followed by too many"),
+    "invalid-schedule": (422, "The schedule's cron, time zone, run type or template is invalid"),
+    "schedule-limit-exceeded": (422, "The workspace has as many schedules as it may"),
     "internal-error": (500, "Internal server error"),
     "unavailable": (503, "Temporarily unavailable"),
     "stale-read": (503, "The read model has not caught up"),

@@ -1,0 +1,1 @@
+"""Schedules: their commands and reads (`store`), and the loop that fires them (`loop`)."""
