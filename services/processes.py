@@ -137,6 +137,7 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     from services.runwatch import RunWatch
     from services.scheduler.reaper import Reaper
     from services.scheduler.scheduler import Scheduler
+    from services.schedules.loop import ScheduleLoop
 
     trust.keyring(opts, create=True)  # made once in the data directory; all below share it
     nc = await stack.enter_async_context(nats_for(opts, stack))
@@ -145,6 +146,7 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
     await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
     await stack.enter_async_context(Reaper(nc, make_app(nc)))
+    await stack.enter_async_context(ScheduleLoop(make_app(nc)))
     await _start_executor(opts, stack, nc, fallback_to_none=opts.isolation == "auto")
     await _start_subscribers(opts, stack, nc)
     await stack.enter_async_context(RunWatch(nc))  # a line per run transition
@@ -249,6 +251,7 @@ async def api(opts: Options, stack: AsyncExitStack) -> None:
 async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
     from services.scheduler.reaper import Reaper
     from services.scheduler.scheduler import Scheduler
+    from services.schedules.loop import ScheduleLoop
 
     if not opts.nats_url:
         raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
@@ -258,6 +261,7 @@ async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
     await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
     await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
     await stack.enter_async_context(Reaper(nc, make_app(nc)))
+    await stack.enter_async_context(ScheduleLoop(make_app(nc)))  # cron schedules
     print("runplane scheduler running", flush=True)
     await wait_for_signal()
 

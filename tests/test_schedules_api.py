@@ -140,7 +140,7 @@ async def test_another_organization_cannot_read_change_delete_or_create_a_schedu
     for where in ("acme/workspaces/net", "beta/workspaces/net", "beta/workspaces/db"):
         one = f"{V1}/{where}/schedules/{made['id']}"
         for method, body in (("GET", None), ("PATCH", {"enabled": False}), ("DELETE", None)):
-            kw = {"json": body} if body is not None else {}
+            kw: dict[str, Any] = {"json": body} if body is not None else {}
             a = await http.call(method, one, token=beta, **kw)
             assert a.status in (403, 404), (where, method, a.status, a.body)
     a = await http.post(NET, json={"cron": "* * * * *", "run_type": "destroy"}, token=beta)
