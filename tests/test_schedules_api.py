@@ -167,3 +167,22 @@ async def test_a_schedule_of_a_missing_workspace_or_a_bad_id_is_not_found_or_inv
     (await http.post(NET, json={"cron": "* * * * *", "run_type": "plan", "extra": 1})).problem(
         "invalid-body", 400
     )
+
+
+async def test_a_schedule_cannot_be_put_on_another_organizations_workspace(
+    http: Http, orgs: dict[str, Any]
+) -> None:
+    """Attack: acme's operator names beta's workspace `db` through acme's path (acme has
+    no `db`), or beta and `db` in the body; beta's path refuses acme's token. Nothing
+    lands on beta's workspace."""
+    op = orgs["acme"]["operator"]
+    body = {"cron": "* * * * *", "run_type": "destroy"}
+    (await http.post(f"{V1}/acme/workspaces/db/schedules", json=body, token=op)).problem(
+        "not-found", 404
+    )
+    a = await http.post(NET, json={**body, "org": "beta", "workspace": "db"}, token=op)
+    a.problem("invalid-body", 400)
+    a = await http.post(f"{V1}/beta/workspaces/db/schedules", json=body, token=op)
+    assert a.status in (403, 404), a.body
+    assert (await http.get(f"{V1}/beta/workspaces/db/schedules")).body["items"] == []
+    assert (await http.get(NET)).body["items"] == []

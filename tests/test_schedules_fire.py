@@ -20,7 +20,7 @@ from events import schedule as sc
 from events.run_events import Status
 from events.templates import DeleteTemplate, SaveTemplate, TemplateStep
 from services.commands import App, Result
-from services.infra.eventstore import EventStore
+from services.infra.eventstore import Append, EventStore
 from services.infra.natsserver import EmbeddedNats
 from services.schedules import store
 from services.schedules.loop import ScheduleLoop, run_id_for
@@ -300,3 +300,33 @@ async def test_a_schedule_of_a_workspace_that_refuses_the_run_records_the_refusa
     assert "mine" in refused.detail
     assert await loop.tick(_minute(1) + timedelta(seconds=20)) == []
     assert await _runs(app) == {}
+
+
+async def test_a_definition_naming_another_organization_never_fires_there(
+    app: App, ws: str, clock: Clock
+) -> None:
+    """Attack: a schedule event on acme's subject that names beta's workspace (no API
+    writes one; a forged or buggy writer might) makes no run in beta, nor in acme."""
+    await app.create_org("beta", "bob")
+    await app.create_workspace("beta", "db", R.Workspace(repository="/nowhere"), "bob")
+    forged = sc.Schedule(
+        id="forged",
+        org="beta",
+        workspace="db",
+        cron="* * * * *",
+        run_type="destroy",
+        since=T0,
+        created_at=T0,
+        created_by="mallory",
+        updated_at=T0,
+    )
+    event = sc.ScheduleSaved(at=T0, actor="mallory", schedule=forged)
+    append = Append(
+        subject=sc.schedules_subject("acme", "net"), event=event, expected=0, msg_id="x"
+    )
+    await app.store.append([append])
+    loop = ScheduleLoop(app, clock=clock)
+    assert await loop.tick(_minute(1) + timedelta(seconds=1)) == []
+    assert await app.store.read("rp.run.beta.db.*") == [] and await _runs(app) == {}
+    assert await loop.fire(("acme", "net", "forged"), _minute(2)) is None  # asked directly
+    assert await app.store.read("rp.run.beta.db.*") == []

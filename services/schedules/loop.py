@@ -126,7 +126,7 @@ class ScheduleLoop:
             key = (org, ws, sid)
             if before.schedules.get(sid) != after.get(sid):
                 self._next.pop(key, None)  # changed: its next fire time is planned again
-            if sid in after:
+            if sid in after and (after[sid].org, after[sid].workspace) == (org, ws):
                 self.schedules[key] = after[sid]
             else:
                 self.schedules.pop(key, None)
@@ -177,7 +177,9 @@ class ScheduleLoop:
         org, ws, sid = key
         state, _ = await store.load(self.app, org, ws, latest=True)
         s = state.schedules.get(sid)
-        if s is None:  # deleted: the index was behind
+        if s is None or (s.org, s.workspace) != (org, ws):
+            # deleted (the index was behind); or a definition that names another
+            # workspace than the subject it is on: never a run outside that workspace
             self.schedules.pop(key, None)
             self._next.pop(key, None)
             return None
