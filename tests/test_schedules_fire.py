@@ -24,6 +24,7 @@ from services.infra.eventstore import Append, EventStore
 from services.infra.natsserver import EmbeddedNats
 from services.schedules import store
 from services.schedules.loop import ScheduleLoop, run_id_for
+from tests.helpers import eventually
 
 T0 = datetime(2026, 3, 1, 0, 0, 30, tzinfo=UTC)  # the schedules are made at 00:00:30
 MINUTE = timedelta(minutes=1)
@@ -330,3 +331,34 @@ async def test_a_definition_naming_another_organization_never_fires_there(
     assert await app.store.read("rp.run.beta.db.*") == [] and await _runs(app) == {}
     assert await loop.fire(("acme", "net", "forged"), _minute(2)) is None  # asked directly
     assert await app.store.read("rp.run.beta.db.*") == []
+
+
+async def test_the_running_loop_sees_a_new_schedule_and_fires_it_when_its_clock_says(
+    app: App, ws: str, clock: Clock
+) -> None:
+    """The loop as the scheduler process runs it (its own task, pausing `interval`),
+    its clock simulated: a schedule made after it started fires once the clock passes
+    its time, and not before."""
+    async with ScheduleLoop(app, clock=clock, interval=0.02) as running:
+        s = await _schedule(app, clock, cron="*/10 * * * *")
+
+        async def seen() -> bool:
+            return any(k[2] == s.id for k in running.schedules)
+
+        await eventually(seen, timeout=10, what="the schedule in the loop's index")
+        clock.now = _minute(9) + timedelta(seconds=59)
+        ticked = running.ticks
+
+        async def two_more() -> bool:
+            return running.ticks >= ticked + 2
+
+        await eventually(two_more, timeout=10, what="two ticks at 00:09:59")
+        assert await _fires(app, s.id) == []
+        clock.now = _minute(10) + timedelta(seconds=1)
+
+        async def fired() -> list[Any]:
+            return await _fires(app, s.id)
+
+        (f,) = await eventually(fired, timeout=10, what="the fire at 00:10")
+    assert isinstance(f, sc.ScheduleFired) and f.fire_time == _minute(10)
+    assert f.run_id in await _runs(app)

@@ -74,6 +74,7 @@ class ScheduleLoop:
         self._read = 0  # the last sequence of the definitions folded into `schedules`
         self._next: dict[Key, datetime | None] = {}  # None: fires no more (disabled)
         self._task: asyncio.Task[None] | None = None
+        self.ticks = 0  # ticks run by the loop's task
 
     async def __aenter__(self) -> ScheduleLoop:
         self._task = asyncio.create_task(self._run(), name="schedule-loop")
@@ -96,6 +97,7 @@ class ScheduleLoop:
                 await self.tick(now)
             except Exception as e:  # noqa: BLE001 - NATS away: the next tick tries again
                 log.warning("schedule_tick_failed", error=repr(e))
+            self.ticks += 1
             await asyncio.sleep(self._pause(self.clock()))
 
     def _pause(self, now: datetime) -> float:
