@@ -40,6 +40,7 @@ from services.api.common import (
     scope,
 )
 from services.api.context import Api
+from services.api.middleware import MIN_SEQ
 from services.api.problems import Problem
 from services.api.schemas import BOOL, REF, STR, Doc, list_of, ok, path_param, problems, ref
 from services.schedules import store
@@ -140,8 +141,14 @@ async def _shown(api: Api, s: sc.Schedule) -> Row:
     return _row(s, fires, api.app.clock())
 
 
-async def _found(api: Api, org: str, ws: str, schedule_id: str) -> sc.Schedule:
-    state, _ = await store.load(api.app, org, ws)
+def _floor(request: web.Request) -> int:
+    """The caller's RP-Min-Seq (checked by the middleware): a read at least that new."""
+    raw = request.headers.get(MIN_SEQ, "")
+    return int(raw) if raw.isdigit() else 0
+
+
+async def _found(api: Api, org: str, ws: str, schedule_id: str, min_seq: int = 0) -> sc.Schedule:
+    state, _ = await store.load(api.app, org, ws, min_seq=min_seq)
     s = state.schedules.get(schedule_id)
     if s is None or s.org != org or s.workspace != ws:
         raise Problem("not-found", f"schedule {schedule_id} not found")
@@ -173,7 +180,7 @@ async def list_schedules(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     ws = path_id(request, "ws")
     await _workspace(api, org, ws)
-    state, _ = await store.load(api.app, org, ws)
+    state, _ = await store.load(api.app, org, ws, min_seq=_floor(request))
     ordered = sorted(state.schedules.values(), key=lambda s: (s.created_at, s.id))
     return items(list(await asyncio.gather(*(_shown(api, s) for s in ordered))))
 
@@ -181,7 +188,8 @@ async def list_schedules(request: web.Request) -> web.Response:
 async def get_schedule(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
-    return json_response(await _shown(api, await _found(api, org, ws, schedule_id)))
+    found = await _found(api, org, ws, schedule_id, _floor(request))
+    return json_response(await _shown(api, found))
 
 
 async def patch_schedule(request: web.Request) -> web.Response:

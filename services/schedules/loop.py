@@ -263,7 +263,10 @@ class ScheduleLoop:
         return bool(r.state.exists)
 
     async def _workspace_exists(self, s: sc.Schedule) -> bool:
-        return bool((await self.app.load_ws(s.org, s.workspace)).state.exists)
+        """Whether a retryable refusal is worth retrying: the workspace is still there
+        (a deleted one's refusal is recorded once, not retried every tick)."""
+        state = (await self.app.load_ws(s.org, s.workspace)).state
+        return bool(state.exists and not getattr(state, "deleted", False))
 
 
 def _logged(s: sc.Schedule, event: sc.ScheduleFired | sc.ScheduleSkipped) -> None:

@@ -19,11 +19,13 @@ from services.infra.eventstore import LATEST, Append
 
 
 async def load(
-    app: App, org: str, ws: str, *, latest: bool = False
+    app: App, org: str, ws: str, *, latest: bool = False, min_seq: int = 0
 ) -> tuple[sc.SchedulesState, int]:
     """The workspace's schedules and the subject's last sequence. `latest`: as the
-    stream's leader has them now (what a firing is decided on)."""
-    envs = await app.store.read(sc.schedules_subject(org, ws), min_seq=LATEST if latest else 0)
+    stream's leader has them now (what a firing is decided on); `min_seq`: at least as
+    new as that stream sequence (a reader's own last write)."""
+    need = LATEST if latest else min_seq
+    envs = await app.store.read(sc.schedules_subject(org, ws), min_seq=need)
     return sc.fold([e.event for e in envs]), (envs[-1].seq if envs else 0)
 
 
