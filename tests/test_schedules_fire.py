@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -25,19 +25,7 @@ from services.infra.natsserver import EmbeddedNats
 from services.schedules import store
 from services.schedules.loop import ScheduleLoop, run_id_for
 from tests.helpers import eventually
-
-T0 = datetime(2026, 3, 1, 0, 0, 30, tzinfo=UTC)  # the schedules are made at 00:00:30
-MINUTE = timedelta(minutes=1)
-
-
-class Clock:
-    """The simulated time every App and loop of a test reads."""
-
-    def __init__(self) -> None:
-        self.now = T0
-
-    def __call__(self) -> datetime:
-        return self.now
+from tests.schedule_support import T0, Clock, cancel, fires_of, make_schedule, minute_at, runs_of
 
 
 class CountingApp(App):
@@ -78,58 +66,22 @@ async def ws(app: App) -> str:
     return "net"
 
 
-async def _schedule(app: App, clock: Clock, cron: str = "* * * * *", **kw: Any) -> sc.Schedule:
-    sid = app.ids()
-    fields = {"cron": cron, "run_type": "plan", **kw}
-    cmd = sc.SaveSchedule(
-        actor="alice", schedule_id=sid, org="acme", workspace="net", create=True, **fields
-    )
-    was = app.clock
-    app.clock = clock
-    try:
-        state, _ = await store.command(app, "acme", "net", cmd)
-    finally:
-        app.clock = was
-    return state.schedules[sid]
-
-
-async def _fires(app: App, sid: str) -> list[sc.ScheduleFired | sc.ScheduleSkipped]:
-    envs = await app.store.read(sc.fires_subject("acme", "net", sid))
-    return [e.event for e in envs]  # type: ignore[misc]  # the fires subject's own
-
-
-async def _runs(app: App) -> dict[str, R.RunState]:
-    envs = await app.store.read("rp.run.acme.net.*")
-    by_run: dict[str, list[Any]] = {}
-    for e in envs:
-        by_run.setdefault(e.subject.rsplit(".", 1)[1], []).append(e.event)
-    return {rid: R.fold(evs) for rid, evs in by_run.items()}
-
-
-async def _cancel(app: App, run_id: str) -> None:
-    await app.run_command("acme", "net", run_id, R.CancelRun(actor="alice"))
-
-
-def _minute(m: int) -> datetime:
-    return T0.replace(second=0) + m * MINUTE
-
-
 async def test_two_schedulers_racing_over_30_minutes_fire_each_minute_exactly_once(
     app: App, ws: str, clock: Clock, replicas: list[CountingApp]
 ) -> None:
-    s = await _schedule(app, clock)
+    s = await make_schedule(app, clock)
     a, b = (ScheduleLoop(r, clock=clock) for r in replicas)
     for m in range(1, 31):
-        clock.now = _minute(m) + timedelta(seconds=1)
+        clock.now = minute_at(m) + timedelta(seconds=1)
         # both at once, then b again a little later (a replica whose tick comes late)
         await asyncio.gather(a.tick(clock.now), b.tick(clock.now))
         await b.tick(clock.now + timedelta(seconds=3))
-        await _cancel(app, run_id_for(s.id, _minute(m)))  # so the next one does not wait
-    fires = await _fires(app, s.id)
+        await cancel(app, run_id_for(s.id, minute_at(m)))  # so the next one does not wait
+    fires = await fires_of(app, s.id)
     assert [type(f) for f in fires] == [sc.ScheduleFired] * 30
-    assert [f.fire_time for f in fires] == [_minute(m) for m in range(1, 31)]
-    runs = await _runs(app)
-    assert sorted(runs) == sorted(run_id_for(s.id, _minute(m)) for m in range(1, 31))
+    assert [f.fire_time for f in fires] == [minute_at(m) for m in range(1, 31)]
+    runs = await runs_of(app)
+    assert sorted(runs) == sorted(run_id_for(s.id, minute_at(m)) for m in range(1, 31))
     for f in fires:
         assert isinstance(f, sc.ScheduleFired)
         cause = runs[f.run_id].cause
@@ -144,35 +96,35 @@ async def test_two_schedulers_racing_over_30_minutes_fire_each_minute_exactly_on
 async def test_a_fire_while_the_schedules_run_waits_is_skipped_and_recorded(
     app: App, ws: str, clock: Clock
 ) -> None:
-    s = await _schedule(app, clock)
+    s = await make_schedule(app, clock)
     loop = ScheduleLoop(app, clock=clock)
-    first = run_id_for(s.id, _minute(1))
-    (fired,) = await loop.tick(_minute(1) + timedelta(seconds=2))
+    first = run_id_for(s.id, minute_at(1))
+    (fired,) = await loop.tick(minute_at(1) + timedelta(seconds=2))
     assert isinstance(fired, sc.ScheduleFired) and fired.run_id == first
-    (skipped,) = await loop.tick(_minute(2) + timedelta(seconds=2))
+    (skipped,) = await loop.tick(minute_at(2) + timedelta(seconds=2))
     assert isinstance(skipped, sc.ScheduleSkipped)
     assert (skipped.reason, skipped.waiting_run, skipped.fire_time) == (
         sc.WAITING,
         first,
-        _minute(2),
+        minute_at(2),
     )
-    assert len(await _runs(app)) == 1
-    await _cancel(app, first)
-    (again,) = await loop.tick(_minute(3) + timedelta(seconds=2))
-    assert isinstance(again, sc.ScheduleFired) and again.run_id == run_id_for(s.id, _minute(3))
+    assert len(await runs_of(app)) == 1
+    await cancel(app, first)
+    (again,) = await loop.tick(minute_at(3) + timedelta(seconds=2))
+    assert isinstance(again, sc.ScheduleFired) and again.run_id == run_id_for(s.id, minute_at(3))
 
 
 async def test_a_fire_while_another_run_holds_the_workspace_is_queued_behind_it(
     app: App, ws: str, clock: Clock
 ) -> None:
-    await _schedule(app, clock, run_type="apply")
+    await make_schedule(app, clock, run_type="apply")
     manual = (await app.create_run("acme", "net", "apply", "alice")).state.run_id
     assert await app.admit_next("acme", "net") == manual  # it holds the workspace
-    (fired,) = await ScheduleLoop(app, clock=clock).tick(_minute(1) + timedelta(seconds=1))
+    (fired,) = await ScheduleLoop(app, clock=clock).tick(minute_at(1) + timedelta(seconds=1))
     assert isinstance(fired, sc.ScheduleFired)
     w = (await app.load_ws("acme", "net")).state
     assert (w.active, w.queue) == (manual, (fired.run_id,))
-    assert (await _runs(app))[fired.run_id].status == Status.PENDING
+    assert (await runs_of(app))[fired.run_id].status == Status.PENDING
 
 
 def _hour(h: int) -> datetime:
@@ -186,20 +138,20 @@ async def test_fires_missed_while_no_scheduler_ran_are_one_fire_or_one_skip_neve
     """Hourly; down from 01:00 to 05:20: 02:00 to 05:00 were missed, 05:00 itself 20
     minutes late. `run_once`: 05:00 fires once, standing for the 3 before; `skip`: it is
     recorded skipped, no run. Either way 06:00 then fires on time."""
-    s = await _schedule(app, clock, cron="0 * * * *", missed=missed)
+    s = await make_schedule(app, clock, cron="0 * * * *", missed=missed)
     before = ScheduleLoop(app, clock=clock)
     await before.tick(_hour(1) + timedelta(seconds=1))
-    await _cancel(app, run_id_for(s.id, _hour(1)))
+    await cancel(app, run_id_for(s.id, _hour(1)))
     after = ScheduleLoop(app, clock=clock)  # a fresh scheduler starts
     clock.now = _hour(5) + timedelta(minutes=20)
     (handled,) = await after.tick(clock.now)
     assert handled.fire_time == _hour(5) and handled.missed == 3
     assert await after.tick(clock.now + timedelta(seconds=30)) == []  # and nothing more
-    runs = await _runs(app)
+    runs = await runs_of(app)
     if missed == "run_once":
         assert isinstance(handled, sc.ScheduleFired)
         assert sorted(runs) == sorted([run_id_for(s.id, _hour(1)), handled.run_id])
-        await _cancel(app, handled.run_id)
+        await cancel(app, handled.run_id)
     else:
         assert isinstance(handled, sc.ScheduleSkipped) and handled.reason == sc.MISSED_SKIPPED
         assert list(runs) == [run_id_for(s.id, _hour(1))]
@@ -212,13 +164,13 @@ async def test_a_restart_just_after_a_fire_time_fires_it_on_time_the_missed_coun
 ) -> None:
     """Every minute, down from 00:01 to 00:20:05: 00:20 is on time and fires (whatever
     `missed` says), standing for the 18 missed; one run, not 19."""
-    s = await _schedule(app, clock, missed="skip")
-    await ScheduleLoop(app, clock=clock).tick(_minute(1) + timedelta(seconds=1))
-    await _cancel(app, run_id_for(s.id, _minute(1)))
-    (fired,) = await ScheduleLoop(app, clock=clock).tick(_minute(20) + timedelta(seconds=5))
+    s = await make_schedule(app, clock, missed="skip")
+    await ScheduleLoop(app, clock=clock).tick(minute_at(1) + timedelta(seconds=1))
+    await cancel(app, run_id_for(s.id, minute_at(1)))
+    (fired,) = await ScheduleLoop(app, clock=clock).tick(minute_at(20) + timedelta(seconds=5))
     assert isinstance(fired, sc.ScheduleFired)
-    assert (fired.fire_time, fired.missed) == (_minute(20), 18)
-    assert len(await _runs(app)) == 2
+    assert (fired.fire_time, fired.missed) == (minute_at(20), 18)
+    assert len(await runs_of(app)) == 2
 
 
 class Killed(Exception):
@@ -231,8 +183,8 @@ async def test_a_scheduler_killed_after_making_the_run_makes_no_second_run_on_re
     """Killed between create_run and the fire's record, even with the schedule's previous
     run still waiting: the restarted scheduler finds the run by its derived id and
     records it (a skip for `waiting` would have lost the fire's record of it)."""
-    s = await _schedule(app, clock)
-    await ScheduleLoop(app, clock=clock).tick(_minute(1) + timedelta(seconds=1))  # waits on
+    s = await make_schedule(app, clock)
+    await ScheduleLoop(app, clock=clock).tick(minute_at(1) + timedelta(seconds=1))  # waits on
     real_record = store.record
 
     async def killed(*a: Any, **kw: Any) -> int:
@@ -240,18 +192,18 @@ async def test_a_scheduler_killed_after_making_the_run_makes_no_second_run_on_re
 
     monkeypatch.setattr(store, "record", killed)
     dying = ScheduleLoop(replicas[0], clock=clock)
-    await _cancel(app, run_id_for(s.id, _minute(1)))
-    assert await dying.tick(_minute(2) + timedelta(seconds=1)) == []  # died after the create
+    await cancel(app, run_id_for(s.id, minute_at(1)))
+    assert await dying.tick(minute_at(2) + timedelta(seconds=1)) == []  # died after the create
     assert replicas[0].creates == 1 and replicas[0].existed == 0
-    second = run_id_for(s.id, _minute(2))
-    assert second in await _runs(app)
+    second = run_id_for(s.id, minute_at(2))
+    assert second in await runs_of(app)
     monkeypatch.setattr(store, "record", real_record)
     restarted = ScheduleLoop(replicas[1], clock=clock)
-    (fired,) = await restarted.tick(_minute(2) + timedelta(seconds=20))
+    (fired,) = await restarted.tick(minute_at(2) + timedelta(seconds=20))
     assert isinstance(fired, sc.ScheduleFired) and fired.run_id == second
     assert replicas[1].existed == 1  # found, not made
-    assert len(await _runs(app)) == 2
-    assert [f.fire_time for f in await _fires(app, s.id)] == [_minute(1), _minute(2)]
+    assert len(await runs_of(app)) == 2
+    assert [f.fire_time for f in await fires_of(app, s.id)] == [minute_at(1), minute_at(2)]
 
 
 @pytest.mark.parametrize("change", ["deleted", "disabled", "cron"])
@@ -260,7 +212,7 @@ async def test_a_stale_index_never_fires_a_deleted_disabled_or_changed_schedule(
 ) -> None:
     """The loop's index (a read any replica, maybe one behind, answered) still says
     every minute; the schedule as the stream's leader has it decides."""
-    s = await _schedule(app, clock)
+    s = await make_schedule(app, clock)
     lagging = ScheduleLoop(replicas[0], clock=clock)
     await lagging.refresh()
     lagging.refresh = _no_refresh  # type: ignore[method-assign]  # a follower that stays behind
@@ -278,8 +230,8 @@ async def test_a_stale_index_never_fires_a_deleted_disabled_or_changed_schedule(
         )
     app.clock = clock
     await store.command(app, "acme", "net", cmd)
-    assert (await lagging.tick(_minute(1) + timedelta(seconds=1))) == []
-    assert await _runs(app) == {} and await _fires(app, s.id) == []
+    assert (await lagging.tick(minute_at(1) + timedelta(seconds=1))) == []
+    assert await runs_of(app) == {} and await fires_of(app, s.id) == []
 
 
 async def _no_refresh() -> None:
@@ -293,14 +245,14 @@ async def test_a_schedule_of_a_workspace_that_refuses_the_run_records_the_refusa
     (once), not retried every tick."""
     steps = [TemplateStep(number=100, kind="plan")]
     await app.org_command("acme", SaveTemplate(actor="a", name="mine", steps=steps))
-    await _schedule(app, clock, template="mine")
+    await make_schedule(app, clock, template="mine")
     await app.org_command("acme", DeleteTemplate(actor="a", name="mine"))
     loop = ScheduleLoop(app, clock=clock)
-    (refused,) = await loop.tick(_minute(1) + timedelta(seconds=1))
+    (refused,) = await loop.tick(minute_at(1) + timedelta(seconds=1))
     assert isinstance(refused, sc.ScheduleSkipped) and refused.reason == sc.REFUSED
     assert "mine" in refused.detail
-    assert await loop.tick(_minute(1) + timedelta(seconds=20)) == []
-    assert await _runs(app) == {}
+    assert await loop.tick(minute_at(1) + timedelta(seconds=20)) == []
+    assert await runs_of(app) == {}
 
 
 async def test_a_definition_naming_another_organization_never_fires_there(
@@ -327,9 +279,9 @@ async def test_a_definition_naming_another_organization_never_fires_there(
     )
     await app.store.append([append])
     loop = ScheduleLoop(app, clock=clock)
-    assert await loop.tick(_minute(1) + timedelta(seconds=1)) == []
-    assert await app.store.read("rp.run.beta.db.*") == [] and await _runs(app) == {}
-    assert await loop.fire(("acme", "net", "forged"), _minute(2)) is None  # asked directly
+    assert await loop.tick(minute_at(1) + timedelta(seconds=1)) == []
+    assert await app.store.read("rp.run.beta.db.*") == [] and await runs_of(app) == {}
+    assert await loop.fire(("acme", "net", "forged"), minute_at(2)) is None  # asked directly
     assert await app.store.read("rp.run.beta.db.*") == []
 
 
@@ -340,25 +292,25 @@ async def test_the_running_loop_sees_a_new_schedule_and_fires_it_when_its_clock_
     its clock simulated: a schedule made after it started fires once the clock passes
     its time, and not before."""
     async with ScheduleLoop(app, clock=clock, interval=0.02) as running:
-        s = await _schedule(app, clock, cron="*/10 * * * *")
+        s = await make_schedule(app, clock, cron="*/10 * * * *")
 
         async def seen() -> bool:
             return any(k[2] == s.id for k in running.schedules)
 
         await eventually(seen, timeout=10, what="the schedule in the loop's index")
-        clock.now = _minute(9) + timedelta(seconds=59)
+        clock.now = minute_at(9) + timedelta(seconds=59)
         ticked = running.ticks
 
         async def two_more() -> bool:
             return running.ticks >= ticked + 2
 
         await eventually(two_more, timeout=10, what="two ticks at 00:09:59")
-        assert await _fires(app, s.id) == []
-        clock.now = _minute(10) + timedelta(seconds=1)
+        assert await fires_of(app, s.id) == []
+        clock.now = minute_at(10) + timedelta(seconds=1)
 
         async def fired() -> list[Any]:
-            return await _fires(app, s.id)
+            return await fires_of(app, s.id)
 
         (f,) = await eventually(fired, timeout=10, what="the fire at 00:10")
-    assert isinstance(f, sc.ScheduleFired) and f.fire_time == _minute(10)
-    assert f.run_id in await _runs(app)
+    assert isinstance(f, sc.ScheduleFired) and f.fire_time == minute_at(10)
+    assert f.run_id in await runs_of(app)
