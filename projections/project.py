@@ -50,6 +50,7 @@ from events.workspace import (
 from projections.changes import project_changes
 from projections.chat import project_chat
 from projections.notifications import project_notification
+from projections.schedules import project_schedule
 from projections.schema import BY_NAME, Key, Row
 from projections.state_versions import project_state_version
 from projections.vcs import project_binding, project_vcs
@@ -516,5 +517,5 @@ _FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: project_vcs for t in get_args(VcsEvent)},
     # run triggers: the audit history only (the API reads the graph's own subject)
     **{t: _audit_only for t in get_args(RunTriggerEvent)},
-    **{t: _audit_only for t in get_args(ScheduleEvent)},
+    **{t: project_schedule for t in get_args(ScheduleEvent)},
 }

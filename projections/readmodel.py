@@ -18,7 +18,7 @@ import aiosqlite
 import msgspec
 
 from events.run import TERMINAL
-from projections import changes, notifications, state_versions, vcs
+from projections import changes, notifications, schedules, state_versions, vcs
 from projections.schema import TABLES
 
 _RUN_COLS = (
@@ -221,6 +221,9 @@ class ReadModel:
 
     async def notify_attempts(self, org: str, config_id: str) -> list[dict[str, Any]]:
         return await notifications.attempts(self._all, org, config_id)
+
+    async def schedule_fires(self, org: str, ws: str, schedule_id: str) -> list[dict[str, Any]]:
+        return await schedules.fires(self._all, org, ws, schedule_id)
 
     async def list_runs(
         self,

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 11
+VERSION = 12
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -238,6 +238,22 @@ NOTIFY_ATTEMPTS = Table(  # every attempt of every delivery, in stream order
     "outcome TEXT",
     "next_retry_at TEXT",
 )
+SCHEDULE_FIRES = Table(  # every fire time a schedule handled (events/schedule.py)
+    "schedule_fires",
+    ("schedule_id", "seq"),
+    "schedule_id TEXT NOT NULL",
+    "seq INTEGER NOT NULL",
+    "org TEXT",
+    "workspace TEXT",
+    "fire_time TEXT",
+    "outcome TEXT",  # fired | skipped
+    "run_id TEXT",
+    "reason TEXT",
+    "waiting_run TEXT",
+    "missed INTEGER",
+    "detail TEXT",
+    "at TEXT",
+)
 SLACK_APPS = Table(  # an organization's Slack app (events/chat.py); secrets sealed apart
     "slack_apps",
     ("org",),
@@ -312,6 +328,7 @@ TABLES: tuple[Table, ...] = (
     EVENTS,
     NOTIFICATIONS,
     NOTIFY_ATTEMPTS,
+    SCHEDULE_FIRES,
     SLACK_APPS,
     SLACK_USERS,
     VCS_CONNECTIONS,

@@ -97,6 +97,7 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}"),
     ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}"),
     ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}"),
+    ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}/fires"),
 ]
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},

@@ -5,12 +5,13 @@ neither read, change, delete nor create one (attack)."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from events import schedule as sc
+from services.schedules.loop import ScheduleLoop, run_id_for
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # the `http` fixture
 
 V1 = "/api/v1/orgs"
@@ -186,3 +187,39 @@ async def test_a_schedule_cannot_be_put_on_another_organizations_workspace(
     assert a.status in (403, 404), a.body
     assert (await http.get(f"{V1}/beta/workspaces/db/schedules")).body["items"] == []
     assert (await http.get(NET)).body["items"] == []
+
+
+async def test_the_fires_list_shows_each_fire_time_fired_or_skipped_newest_first(
+    http: Http, orgs: dict[str, Any]
+) -> None:
+    """Two fire times: the first makes a run, the second finds it still waiting and is
+    skipped; both are listed with their outcome, the other organization sees neither."""
+    made = await _schedule(http, cron="*/5 * * * *", run_type="plan")
+    one = f"{NET}/{made['id']}"
+    first, second = (datetime.fromisoformat(f["at"]) for f in made["next_fires"][:2])
+    loop = ScheduleLoop(http.app)
+    assert len(await loop.tick(first + timedelta(seconds=1))) == 1
+    assert len(await loop.tick(second + timedelta(seconds=1))) == 1
+    seq = str(await http.app.store.last_seq())
+    a = await http.get(f"{one}/fires", headers={"RP-Min-Seq": seq})
+    assert a.status == 200, a.body
+    newest, oldest = a.body["items"]
+    assert (oldest["outcome"], oldest["run_id"], oldest["reason"]) == (
+        "fired",
+        run_id_for(made["id"], first),
+        None,
+    )
+    assert (newest["outcome"], newest["run_id"], newest["reason"], newest["waiting_run"]) == (
+        "skipped",
+        None,
+        "waiting",
+        oldest["run_id"],
+    )
+    assert datetime.fromisoformat(newest["fire_time"]) == second
+    shown = (await http.get(one)).body
+    assert datetime.fromisoformat(shown["last_fire_time"]) == second
+    assert shown["last_run"] == oldest["run_id"]
+    beta = orgs["beta"]["admin"]
+    for where in ("acme/workspaces/net", "beta/workspaces/net"):
+        a = await http.get(f"{V1}/{where}/schedules/{made['id']}/fires", token=beta)
+        assert a.status in (403, 404), a.body

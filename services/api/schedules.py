@@ -221,6 +221,15 @@ async def delete_schedule(request: web.Request) -> web.Response:
     return web.Response(status=204, headers={SEQ_HEADER: str(seq)})
 
 
+async def list_fires(request: web.Request) -> web.Response:
+    """The schedule's fire records from the read model, newest first: each fire time it
+    handled, fired (with its run) or skipped (with why)."""
+    api, org, _ = scope(request, VIEWER)
+    ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
+    await _found(api, org, ws, schedule_id, _floor(request))
+    return items(await api.read.schedule_fires(org, ws, schedule_id))
+
+
 def routes(ws: str) -> list[web.RouteDef]:
     one = ws + "/schedules/{schedule}"
     return [
@@ -229,6 +238,7 @@ def routes(ws: str) -> list[web.RouteDef]:
         web.get(one, get_schedule, allow_head=False),
         web.patch(one, patch_schedule),
         web.delete(one, delete_schedule),
+        web.get(one + "/fires", list_fires, allow_head=False),
     ]
 
 
@@ -261,10 +271,28 @@ _SCHEDULE: Doc = {
         "updated_at": STR,
     },
 }
+_FIRE_RECORD: Doc = {
+    "type": "object",
+    "properties": {
+        "fire_time": STR,
+        "outcome": {"enum": ["fired", "skipped"]},
+        "run_id": {"type": ["string", "null"]},
+        "reason": {
+            "type": ["null", "string"],
+            "enum": [None, sc.WAITING, sc.MISSED_SKIPPED, sc.REFUSED],
+        },
+        "waiting_run": {"type": ["string", "null"]},
+        "missed": {"type": "integer", "description": "earlier fire times this one stood for"},
+        "detail": {"type": ["string", "null"]},
+        "at": STR,
+    },
+}
 SCHEMAS: dict[str, Doc] = {
     **msgspec.json.schema_components((ScheduleBody, SchedulePatchBody), ref_template=REF)[1],
     "Schedule": _SCHEDULE,
     "ScheduleList": list_of("Schedule"),
+    "ScheduleFire": _FIRE_RECORD,
+    "ScheduleFireList": list_of("ScheduleFire"),
 }
 PARAMETERS: dict[str, Doc] = {"schedule": path_param("schedule", "schedule id")}
 
@@ -310,6 +338,14 @@ PATHS: dict[str, Doc] = {
             "summary": "Delete a schedule (operator)",
             "parameters": _ONE,
             "responses": {"204": {"description": "deleted"}, **problems(403, 404, 422)},
+        },
+    },
+    "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}/fires": {
+        "get": {
+            "operationId": "listScheduleFires",
+            "summary": "What the schedule fired or skipped, newest first (at most 100)",
+            "parameters": _ONE,
+            "responses": {"200": ok("ScheduleFireList"), **problems(403, 404, 422, 503)},
         },
     },
 }
