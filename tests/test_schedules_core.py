@@ -11,6 +11,8 @@ from zoneinfo import ZoneInfo
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events import schedule as sc
 from events.codec import decode, encode
@@ -235,3 +237,44 @@ def test_a_skip_schedule_skips_a_missed_fire_but_fires_one_on_time() -> None:
 
 def test_a_disabled_schedule_is_never_due() -> None:
     assert sc.due(_schedule(enabled=False), sc.FireState(), AT + timedelta(days=1)) is None
+
+
+# ---------------------------------------------------------------- every fire once
+
+# Each zone's 2026 clock changes (UTC), and a day of none.
+CHANGES = [
+    ("America/New_York", datetime(2026, 3, 8, 7, tzinfo=UTC)),  # forward an hour
+    ("America/New_York", datetime(2026, 11, 1, 6, tzinfo=UTC)),  # back an hour
+    ("Europe/London", datetime(2026, 3, 29, 1, tzinfo=UTC)),
+    ("Europe/London", datetime(2026, 10, 25, 1, tzinfo=UTC)),
+    ("Australia/Lord_Howe", datetime(2026, 4, 4, 15, tzinfo=UTC)),  # back half an hour
+    ("Australia/Lord_Howe", datetime(2026, 10, 3, 15, 30, tzinfo=UTC)),  # forward half
+    ("UTC", datetime(2026, 6, 1, 12, tzinfo=UTC)),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    cron=st.sampled_from(["* * * * *", "*/7 * * * *", "0,30 1-3 * * *", "15 2 * * *"]),
+    change=st.sampled_from(CHANGES),
+    back=st.integers(min_value=0, max_value=240),
+    gaps=st.lists(st.integers(min_value=1, max_value=59), min_size=1, max_size=600),
+)
+def test_ticks_closer_than_a_minute_handle_every_fire_time_once_and_none_late(
+    cron: str, change: tuple[str, datetime], back: int, gaps: list[int]
+) -> None:
+    """Whatever the cron, the zone (DST changes of an hour and of half an hour
+    included) and the ticks (under a minute apart, as the loop's are), each fire time
+    after `since` is handled exactly once, in order, none counted missed nor skipped."""
+    tz, at = change
+    start = at - timedelta(minutes=back)  # up to 4 hours before the change
+    s = _schedule(cron, timezone=tz, missed="skip", since=start)
+    fires, handled, now = sc.FireState(), [], start
+    for gap in gaps:
+        now += timedelta(seconds=gap)
+        d = sc.due(s, fires, now)
+        if d is not None:
+            assert (d.missed, d.skip) == (0, False), d
+            handled.append(d.fire_time)
+            fires = sc.FireState(last_fire=d.fire_time, seq=len(handled))
+    assert handled == sc.fires_between(s, start, now, 10_000)
