@@ -16,6 +16,7 @@ from services.api import (
     chat,
     docs,
     groups,
+    idempotency,
     locks,
     logs,
     metrics,
@@ -142,6 +143,7 @@ def build_app(
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
+    web_app[idempotency.IDEMPOTENCY] = idempotency.Idempotency(app.store.nc)
     if secret_store is not None:
         web_app[secrets.SECRETS] = secret_store
     if repositories is not None:

@@ -14,7 +14,7 @@ from aiohttp.typedefs import Handler
 from opentelemetry.trace import SpanKind
 
 from events.errors import DomainError
-from services.api import docs
+from services.api import docs, idempotency
 from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
@@ -163,4 +163,11 @@ async def min_seq(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
-MIDDLEWARES = (trace_requests, log_requests, problems, authenticate_requests, min_seq)
+MIDDLEWARES = (
+    trace_requests,
+    log_requests,
+    problems,
+    authenticate_requests,
+    idempotency.idempotent,  # after authentication: a key is its token's
+    min_seq,
+)

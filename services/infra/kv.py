@@ -7,7 +7,10 @@
 - `rp-secrets`: `<org>.<ws>.<name>` -> one secret variable's value, sealed (never clear);
 - `rp-ui-sessions`: the web UI's browser sessions (services/ui/sessions.py), keyed by a
   digest of the cookie's id, sealed with a key only that id gives; a key not written for
-  `UI_SESSION_IDLE_S` is dropped by the bucket itself.
+  `UI_SESSION_IDLE_S` is dropped by the bucket itself;
+- `rp-idempotency`: the API's answers to POSTs with an Idempotency-Key
+  (services/api/idempotency.py), keyed by a digest of (organization, token, key), sealed
+  with a key only the token gives; each is dropped `IDEMPOTENCY_TTL_S` after its last write.
 """
 
 from __future__ import annotations
@@ -27,8 +30,17 @@ STATE_LOCKS_BUCKET = "rp-state-locks"
 SECRETS_BUCKET = "rp-secrets"
 UI_SESSIONS_BUCKET = "rp-ui-sessions"
 UI_SESSION_IDLE_S = 8 * 3600.0  # a session unused this long is gone
-BUCKETS = (STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET, SECRETS_BUCKET, UI_SESSIONS_BUCKET)
-_TTL = {UI_SESSIONS_BUCKET: UI_SESSION_IDLE_S}  # the others keep their keys forever
+IDEMPOTENCY_BUCKET = "rp-idempotency"
+IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a POST's answer is given again
+BUCKETS = (
+    STATE_HEAD_BUCKET,
+    STATE_LOCKS_BUCKET,
+    SECRETS_BUCKET,
+    UI_SESSIONS_BUCKET,
+    IDEMPOTENCY_BUCKET,
+)
+# The others keep their keys forever.
+_TTL = {UI_SESSIONS_BUCKET: UI_SESSION_IDLE_S, IDEMPOTENCY_BUCKET: IDEMPOTENCY_TTL_S}
 _BATCH = 1000
 
 
