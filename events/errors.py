@@ -55,3 +55,13 @@ class Conflict(DomainError):
 
     retryable = True
     code = "conflict"
+
+
+class Deleted(IllegalTransition):
+    """The aggregate was deleted: it keeps its history, but takes no new command (a
+    workspace's name is free again only once it is purged)."""
+
+    code = "workspace-deleted"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status="deleted")

@@ -67,13 +67,16 @@ from events.run import (
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs_report import CommentClaimed, CommentLinked, RowSet
 from events.workspace import (
+    ConfigChanged,
     RunAdmitted,
     RunEnqueued,
     RunReleased,
     SettingsSet,
     VariablesSet,
     WorkspaceCreated,
+    WorkspaceDeleted,
     WorkspaceLocked,
+    WorkspacePurged,
     WorkspaceState,
     WorkspaceUnlocked,
 )
@@ -219,6 +222,8 @@ def quiet(event: AnyEvent) -> bool:
             return True
         case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
             return True  # an admission's `run.queued` follows on the run
+        case ConfigChanged() | WorkspaceDeleted() | WorkspacePurged():
+            return True  # a deleted workspace holds no run: nothing to admit or release
         case (
             OrgCreated()
             | TokenIssued()

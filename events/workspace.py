@@ -3,6 +3,14 @@
 The queue lives here so that admission is one optimistic append on the workspace subject:
 two schedulers racing to admit can never both win, and the order of `ws.run_enqueued`
 events on the subject *is* the FIFO order.
+
+A workspace's configuration changes by `ws.config_changed` (runs already created keep
+the configuration they copied). It goes by `ws.deleted`, decided only while no run holds
+it or waits in its queue; a run created as it was deleted finds its enqueue refused (the
+same subject, an optimistic append: one of the two wins), and its creator cancels it.
+A deleted workspace keeps its history and takes no command but `PurgeWorkspace`; its
+name is free again only after `ws.purged`, which folds to a workspace never created (the
+subject's events stay: the stream denies deletes).
 """
 
 from __future__ import annotations
@@ -15,7 +23,14 @@ from typing import Any, assert_never
 import msgspec
 
 from events.base import Command, Event
-from events.errors import AlreadyExists, Forbidden, IllegalTransition, Invalid, NotFound
+from events.errors import (
+    AlreadyExists,
+    Deleted,
+    Forbidden,
+    IllegalTransition,
+    Invalid,
+    NotFound,
+)
 from events.folder import checked
 from events.run import Workspace
 from events.settings import merge
@@ -68,6 +83,22 @@ class WorkspaceUnlocked(Event, frozen=True, kw_only=True, tag="ws.unlocked"):
     reason: str = ""  # the lock's reason, kept with the unlock for the history
 
 
+class ConfigChanged(Event, frozen=True, kw_only=True, tag="ws.config_changed"):
+    """Members of the workspace's configuration (`CONFIG_MEMBERS`) changed: each to its
+    new value. Runs already created keep the configuration they copied."""
+
+    changes: dict[str, Any]
+
+
+class WorkspaceDeleted(Event, frozen=True, kw_only=True, tag="ws.deleted"):
+    """The workspace is gone from lists and starts no run; its history stays."""
+
+
+class WorkspacePurged(Event, frozen=True, kw_only=True, tag="ws.purged"):
+    """A deleted workspace's name is free again (services/api/workspaces.py says what
+    else a purge removes)."""
+
+
 WorkspaceEvent = (
     WorkspaceCreated
     | RunEnqueued
@@ -77,6 +108,9 @@ WorkspaceEvent = (
     | SettingsSet
     | WorkspaceLocked
     | WorkspaceUnlocked
+    | ConfigChanged
+    | WorkspaceDeleted
+    | WorkspacePurged
 )
 
 
@@ -116,8 +150,23 @@ class UnlockWorkspace(Command, frozen=True, kw_only=True):
     admin: bool = False  # an org admin may lift anyone's lock; others only their own
 
 
+class ChangeConfig(Command, frozen=True, kw_only=True):
+    changes: dict[str, Any]  # members of CONFIG_MEMBERS to their new values
+
+
+class DeleteWorkspace(Command, frozen=True, kw_only=True):
+    pass
+
+
+class PurgeWorkspace(Command, frozen=True, kw_only=True):
+    pass
+
+
 WorkspaceCommand = (
-    CreateWorkspace
+    ChangeConfig
+    | DeleteWorkspace
+    | PurgeWorkspace
+    | CreateWorkspace
     | EnqueueRun
     | AdmitNext
     | ReleaseRun
@@ -147,10 +196,17 @@ class WorkspaceState(msgspec.Struct, frozen=True, kw_only=True):
     folder: str = ""
     settings: dict[str, Any] = {}  # its own settings (events/inherit.py resolves them)
     version: int = 0
+    deleted_at: datetime | None = None  # set once deleted: no command but a purge
+    purges: int = 0  # how often the name was purged (each time it starts afresh)
 
     @property
     def exists(self) -> bool:
+        """Whether it was created (and not purged since): deleted ones exist too."""
         return self.config is not None
+
+    @property
+    def deleted(self) -> bool:
+        return self.deleted_at is not None
 
     def holds(self, run_id: str) -> bool:
         """Whether the run is on this workspace: waiting in its queue, or active."""
@@ -192,8 +248,38 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
             return msgspec.structs.replace(s, lock=lock)
         case WorkspaceUnlocked():
             return msgspec.structs.replace(s, lock=None)
+        case ConfigChanged():
+            assert s.config is not None, "a change of a workspace that was never created"
+            return msgspec.structs.replace(s, config=changed(s.config, event.changes))
+        case WorkspaceDeleted():
+            return msgspec.structs.replace(s, deleted_at=event.at)
+        case WorkspacePurged():
+            return WorkspaceState(version=s.version, purges=s.purges + 1)
         case _:
             assert_never(event)
+
+
+# What `ChangeConfig` may change; the rest is set otherwise (variables, settings) or
+# only at creation.
+CONFIG_MEMBERS = (
+    "repository",
+    "branch",
+    "directory",
+    "trigger_paths",
+    "trigger_any_change",
+    "trigger_tags",
+    "vcs_run_type",
+    "vcs_connection",
+)
+VCS_MEMBERS = CONFIG_MEMBERS[3:]  # what a VCS connection's webhooks go by
+VCS_RUN_TYPES = ("plan", "apply")
+
+
+def changed(config: Workspace, changes: dict[str, Any]) -> Workspace:
+    """The configuration with `changes` applied, typed as a `Workspace` (members an
+    older `Workspace` does not know are ignored, as decoding would)."""
+    merged = msgspec.to_builtins(config) | changes
+    return msgspec.convert(merged, Workspace)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -228,7 +314,24 @@ def decide(
     """Decide the workspace events of a command. AdmitNext may decide nothing (a run is
     active, the queue is empty, or the workspace is locked)."""
     who = command.actor
+    if state.deleted and not isinstance(command, PurgeWorkspace | ReleaseRun | AdmitNext):
+        raise Deleted(
+            f"workspace {state.name} was deleted at {state.deleted_at}: "
+            "an organization admin's purge frees its name"
+        )
     match command:
+        case ChangeConfig():
+            return _change(state, command, now)
+        case DeleteWorkspace():
+            return [_delete(state, command, now)]
+        case PurgeWorkspace():
+            if not state.exists:
+                raise NotFound("workspace does not exist")
+            if not state.deleted:
+                raise IllegalTransition(
+                    f"workspace {state.name} is not deleted: delete it first", status="live"
+                )
+            return [WorkspacePurged(at=now, actor=who)]
         case CreateWorkspace():
             if state.exists:
                 raise AlreadyExists(f"workspace {command.name} already exists")
@@ -252,7 +355,7 @@ def decide(
                 raise Invalid(f"run {command.run_id} is already queued")
             return [RunEnqueued(at=now, actor=who, run_id=command.run_id)]
         case AdmitNext():
-            if state.active or not state.queue or state.lock is not None:
+            if state.deleted or state.active or not state.queue or state.lock is not None:
                 return []
             return [RunAdmitted(at=now, actor=who, run_id=state.queue[0])]
         case ReleaseRun():
@@ -301,3 +404,46 @@ def _unlock(state: WorkspaceState, command: UnlockWorkspace, now: datetime) -> W
             "organization admin may unlock it"
         )
     return WorkspaceUnlocked(at=now, actor=command.actor, holder=lock.holder, reason=lock.reason)
+
+
+def _change(state: WorkspaceState, command: ChangeConfig, now: datetime) -> list[WorkspaceEvent]:
+    """The members that differ from the configuration now; none: nothing to record."""
+    if not state.exists or state.config is None:
+        raise NotFound("workspace does not exist")
+    unknown = sorted(set(command.changes) - set(CONFIG_MEMBERS))
+    if unknown:
+        raise Invalid(f"not a workspace member that can change: {', '.join(unknown)}")
+    if "repository" in command.changes:
+        rule, why = repository_problem(str(command.changes["repository"]))
+        if rule:
+            raise Invalid(f"{why} (rule: {rule})")
+    run_type = command.changes.get("vcs_run_type", "apply")
+    if run_type not in VCS_RUN_TYPES:
+        raise Invalid(f"vcs_run_type must be plan or apply, got {run_type!r}")
+    try:
+        new = changed(state.config, command.changes)
+    except msgspec.ValidationError as e:
+        raise Invalid(f"invalid workspace configuration: {e}") from e
+    old = msgspec.to_builtins(state.config)
+    now_ = msgspec.to_builtins(new)
+    diff = {k: now_[k] for k in command.changes if k in now_ and now_[k] != old.get(k)}
+    if not diff:
+        return []
+    return [ConfigChanged(at=now, actor=command.actor, changes=diff)]
+
+
+def _delete(state: WorkspaceState, command: DeleteWorkspace, now: datetime) -> WorkspaceDeleted:
+    if not state.exists:
+        raise NotFound("workspace does not exist")
+    if state.active:
+        raise IllegalTransition(
+            f"workspace {state.name} has run {state.active} active: cancel it or let it end first",
+            status="busy",
+        )
+    if state.queue:
+        raise IllegalTransition(
+            f"workspace {state.name} has run {state.queue[0]} queued "
+            f"({len(state.queue)} waiting): cancel them first",
+            status="busy",
+        )
+    return WorkspaceDeleted(at=now, actor=command.actor)

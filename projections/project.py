@@ -37,15 +37,19 @@ from events.schedule import ScheduleEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs import VcsEvent
 from events.workspace import (
+    ConfigChanged,
     RunAdmitted,
     RunEnqueued,
     RunReleased,
     SettingsSet,
     VariablesSet,
     WorkspaceCreated,
+    WorkspaceDeleted,
     WorkspaceEvent,
     WorkspaceLocked,
+    WorkspacePurged,
     WorkspaceUnlocked,
+    changed,
 )
 from projections.changes import project_changes
 from projections.chat import project_chat
@@ -331,8 +335,28 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
             w.put("workspaces", ws | {"lock_json": None})
         case SettingsSet():
             pass  # read from the workspace aggregate itself (services/api/settings.py)
+        case ConfigChanged():
+            w.put("workspaces", ws | _config_columns(changed(_config_of(ws), event.changes)))
+        case WorkspaceDeleted():
+            w.put("workspaces", ws | {"deleted_at": iso(event.at)})
+        case WorkspacePurged():
+            w.delete("workspaces", key)  # the name is free; its runs and audit stay
         case _:
             assert_never(event)
+
+
+def _config_of(ws: Row) -> Workspace:
+    """The configuration members a workspace row keeps (what `ConfigChanged` changes)."""
+    fields = {"repository": ws["repository"], "branch": ws["branch"]}
+    fields |= {"directory": ws["directory"], "vcs_connection": ws["vcs_connection"] or ""}
+    fields |= msgspec.json.decode(ws["triggers_json"] or "{}")
+    return msgspec.convert(fields, Workspace)
+
+
+def _config_columns(cfg: Workspace) -> Row:
+    """The columns of the members `ConfigChanged` may change."""
+    where = {"repository": cfg.repository, "branch": cfg.branch, "directory": cfg.directory}
+    return where | vcs_columns(cfg)
 
 
 def _workspace_row(event: WorkspaceCreated) -> Row:
@@ -353,6 +377,7 @@ def _workspace_row(event: WorkspaceCreated) -> Row:
         "lock_json": None,
         "folder": event.folder,
         **vcs_columns(cfg),
+        "deleted_at": None,
     }
 
 

@@ -30,6 +30,7 @@ _RUN_COLS = (
 _WS_COLS = (
     "org, name, repository, branch, directory, variables_json, created_at, created_by, active_run"
     ", heartbeat_timeout, dispatch_timeout, managed_state, lock_json, vcs_connection, triggers_json"
+    ", deleted_at"
 )
 # A token's row with its revocation and last use (each apart: projections/schema.py).
 _TOKEN_COLS = (
@@ -166,11 +167,13 @@ class ReadModel:
             )
         return _workspace(row, [q["run_id"] for q in queue])
 
-    async def list_workspaces(self, org: str) -> list[dict[str, Any]]:
-        """Every workspace of the organization, by name, each with its queue."""
+    async def list_workspaces(self, org: str, *, deleted: bool = False) -> list[dict[str, Any]]:
+        """Every workspace of the organization, by name, each with its queue; those
+        deleted (not purged) only with `deleted`."""
+        live = "" if deleted else " AND deleted_at IS NULL"
         async with self._snapshot():
             rows = await self._all(
-                f"SELECT {_WS_COLS} FROM workspaces WHERE org = ? ORDER BY name", (org,)
+                f"SELECT {_WS_COLS} FROM workspaces WHERE org = ?{live} ORDER BY name", (org,)
             )
             queued = await self._all(
                 "SELECT workspace, run_id FROM ws_queue WHERE org = ? ORDER BY workspace, position",
@@ -180,6 +183,29 @@ class ReadModel:
         for q in queued:
             queues.setdefault(q["workspace"], []).append(q["run_id"])
         return [_workspace(r, queues.get(r["name"], [])) for r in rows]
+
+    async def vcs_connection_exists(self, org: str, connection_id: str) -> bool | None:
+        """Whether the organization has that VCS connection; None if this read model has
+        no `vcs_connections` table (a deployment before VCS connections)."""
+        table = await self._one(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'vcs_connections'"
+        )
+        if table is None:
+            return None
+        row = await self._one(
+            "SELECT 1 FROM vcs_connections WHERE org = ? AND id = ?", (org, connection_id)
+        )
+        return row is not None
+
+    async def open_runs(self, org: str, ws: str, limit: int = 5) -> list[str]:
+        """Runs of the workspace that have not ended (speculative plans included), oldest
+        first."""
+        rows = await self._all(
+            f"SELECT id FROM runs WHERE org = ? AND workspace = ? AND status NOT IN ({_ENDED}) "
+            "ORDER BY created_at, id LIMIT ?",
+            (org, ws, limit),
+        )
+        return [r["id"] for r in rows]
 
     # ------------------------------------------------------------ runs
 
@@ -335,7 +361,8 @@ class ReadModel:
         rows = await self._all(
             "SELECT w.name, w.folder, w.active_run, w.lock_json, "
             "(SELECT count(*) FROM ws_queue q WHERE q.org = w.org AND q.workspace = w.name) "
-            "AS waiting FROM workspaces w WHERE w.org = ? ORDER BY w.name",
+            "AS waiting FROM workspaces w WHERE w.org = ? AND w.deleted_at IS NULL "
+            "ORDER BY w.name",
             (org,),
         )
         return [

@@ -97,6 +97,7 @@ WORKSPACES = Table(
     "folder TEXT",  # the folder it inherits settings from; "" for the organization
     "vcs_connection TEXT",  # the VCS connection whose webhooks start its runs; "" none
     "triggers_json TEXT",  # {trigger_paths, trigger_any_change, trigger_tags, vcs_run_type}
+    "deleted_at TEXT",  # NULL unless deleted (ws.deleted); a purge removes the row
 )
 WS_QUEUE = Table(
     "ws_queue",

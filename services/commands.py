@@ -42,7 +42,7 @@ from events import run as run_agg
 from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
-from events.errors import Conflict, DomainError, IllegalTransition, NotFound
+from events.errors import Conflict, Deleted, DomainError, IllegalTransition, NotFound
 from services.infra import tracing
 from services.infra.eventstore import LATEST, Append, EventStore, StoreError
 from services.snapshot import SnapshotFailed
@@ -230,6 +230,27 @@ class App:
         return await self._workspace_command(org, name, cmd)
 
     @tracing.command
+    async def change_workspace(
+        self, org: str, name: str, changes: dict[str, Any], actor: str
+    ) -> Result:
+        """Change members of a workspace's configuration (`ws.config_changed`, only those
+        that differ); runs already created keep the configuration they copied."""
+        cmd = ws_agg.ChangeConfig(actor=actor, changes=changes)
+        return await self._workspace_command(org, name, cmd)
+
+    @tracing.command
+    async def delete_workspace(self, org: str, name: str, actor: str) -> Result:
+        """Delete a workspace no run holds or waits for (IllegalTransition naming one
+        otherwise). A run created meanwhile finds its enqueue refused and is canceled
+        (`create_run`): the workspace subject's checked appends decide which goes."""
+        return await self._workspace_command(org, name, ws_agg.DeleteWorkspace(actor=actor))
+
+    @tracing.command
+    async def purge_workspace(self, org: str, name: str, actor: str) -> Result:
+        """Free a deleted workspace's name (`ws.purged`); its events stay in the stream."""
+        return await self._workspace_command(org, name, ws_agg.PurgeWorkspace(actor=actor))
+
+    @tracing.command
     async def lock_workspace(self, org: str, name: str, reason: str, actor: str) -> Result:
         """Lock a workspace: runs still queue, none is admitted until it is unlocked."""
         return await self._workspace_command(
@@ -247,7 +268,8 @@ class App:
         async def attempt() -> Result:
             cur = await self.load_ws(org, name)
             evs = ws_agg.decide(cur.state, cmd, now=self.clock(), new_id=self.ids)
-            seq = await self.store.append(self._appends(cur.subject, cur.seq, list(evs)))
+            appends = self._appends(cur.subject, cur.seq, list(evs))
+            seq = await self.store.append(appends) if appends else cur.seq  # none: no change
             return Result(state=ws_agg.fold(evs, cur.state), seq=seq, events=list(evs))
 
         return await self._retrying(attempt)  # type: ignore[no-any-return]  # Result
@@ -282,13 +304,19 @@ class App:
         plan outside the queue (True) whatever the workspace's setting says (None).
         `run_id`: the run's id, derived by the caller from what identifies its cause
         (`derived_id`): if that run exists already, nothing is written and it is answered
-        with `existed` (a redelivered webhook, a second scheduler replica)."""
+        with `existed` (a redelivered webhook, a second scheduler replica).
+
+        A deleted workspace starts no run: `events.errors.Deleted` (an IllegalTransition,
+        409 `workspace-deleted`), also when the delete lands between `run.created` and the
+        enqueue (the enqueue is refused on the workspace subject, and the run canceled)."""
         new_run = run_id or self.ids()
 
         async def attempt() -> tuple[Result, Loaded]:
             w, o = await asyncio.gather(self.load_ws(org, ws), self.load_org(org))
             if not w.state.exists:
                 raise NotFound("workspace does not exist")
+            if w.state.deleted:
+                raise Deleted(f"workspace {ws} was deleted: it starts no run")
             effective = inherit.for_workspace(o.state, w.state)
             steps = None
             if run_type in run_agg.RUN_TYPES:  # else decide refuses the run type
@@ -334,6 +362,9 @@ class App:
             return created  # type: ignore[no-any-return]  # Result
         try:
             await self.enqueue_run(org, ws, new_run, actor, seen=seen)
+        except Deleted:  # deleted since it was loaded: the delete won, the run is refused
+            await self._refuse_deleted(org, ws, new_run, actor)
+            raise
         except Exception as e:  # noqa: BLE001 - created it is: the scheduler enqueues it
             # (module docstring); an error here would have the caller create it again.
             log.warning(
@@ -377,7 +408,21 @@ class App:
         r = await self.load_run(org, ws, run_id)
         if not r.state.exists or r.state.speculative or r.state.status != run_agg.Status.PENDING:
             return False
-        return await self.enqueue_run(org, ws, run_id, actor)
+        try:
+            return await self.enqueue_run(org, ws, run_id, actor)
+        except Deleted:  # its creator died before it could cancel it
+            await self._refuse_deleted(org, ws, run_id, actor)
+            return False
+
+    async def _refuse_deleted(self, org: str, ws: str, run_id: str, actor: str) -> None:
+        """Cancel a pending run whose workspace was deleted before it was enqueued: it
+        never runs, and its record says why."""
+        cancel = run_agg.CancelRun(actor=actor, reason="workspace_deleted")
+        try:
+            await self.run_command(org, ws, run_id, cancel)
+        except IllegalTransition:  # ended already (canceled by another repair)
+            pass
+        log.info("run_refused_workspace_deleted", org=org, workspace=ws, run_id=run_id)
 
     async def is_enqueued(self, org: str, ws: str, run_id: str) -> bool:
         """Whether the run is on its workspace: queued there or holding it."""
@@ -536,8 +581,11 @@ class App:
         to admit: not speculative, or admitted already (by another scheduler)."""
 
         async def attempt() -> bool:
-            r = await self.load_run(org, ws, run_id)
+            r, w = await asyncio.gather(self.load_run(org, ws, run_id), self.load_ws(org, ws))
             if not r.state.speculative or r.state.status != run_agg.Status.PENDING:
+                return False
+            if w.state.deleted:  # created as its workspace was deleted
+                await self._refuse_deleted(org, ws, run_id, actor)
                 return False
             admit = run_agg.AdmitRun(actor=actor, pinning=self.snapshot is not None)
             evs = run_agg.decide(r.state, admit, now=self.clock(), new_id=self.ids)

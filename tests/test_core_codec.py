@@ -45,14 +45,17 @@ from events.run import (
 )
 from events.templates import Template, TemplateDeleted, TemplateSaved, TemplateStep
 from events.workspace import (
+    ConfigChanged,
     RunAdmitted,
     RunEnqueued,
     RunReleased,
     SettingsSet,
     VariablesSet,
     WorkspaceCreated,
+    WorkspaceDeleted,
     WorkspaceEvent,
     WorkspaceLocked,
+    WorkspacePurged,
     WorkspaceUnlocked,
 )
 
@@ -136,6 +139,9 @@ SAMPLES: list[Any] = [
     RunReleased(at=AT, actor="scheduler", run_id="run-1", status="applied"),
     WorkspaceLocked(at=AT, actor="alice", reason="provider upgrade"),
     WorkspaceUnlocked(at=AT, actor="bob", holder="alice", reason="provider upgrade"),
+    ConfigChanged(at=AT, actor="alice", changes={"branch": "prod", "trigger_paths": ["net/**"]}),
+    WorkspaceDeleted(at=AT, actor="alice"),
+    WorkspacePurged(at=AT, actor="alice"),
     OrgCreated(at=AT, actor="alice", name="acme"),
     FolderCreated(at=AT, actor="alice", name="network", parent="platform"),
     OrgSettingsSet(at=AT, actor="alice", changes={"confirm_destructive": True}),

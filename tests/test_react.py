@@ -454,6 +454,9 @@ def _samples() -> list[tuple[Any, Any]]:
         W.SettingsSet(at=AT, actor="a", changes={}),
         W.WorkspaceLocked(at=AT, actor="a", reason="x"),
         W.WorkspaceUnlocked(at=AT, actor="a"),
+        W.ConfigChanged(at=AT, actor="a", changes={"branch": "prod"}),
+        W.WorkspaceDeleted(at=AT, actor="a"),
+        W.WorkspacePurged(at=AT, actor="a"),
     ]
     ws_state = W.INITIAL
     for e in ws_history:

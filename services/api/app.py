@@ -25,6 +25,7 @@ from services.api import (
     runs,
     secrets,
     state,
+    workspaces,
     whoami,
 )
 from services.api import notifications as notifications_api
@@ -94,6 +95,8 @@ ROUTES = [
     web.post(ORG + "/workspaces", orgs.create_workspace),
     web.get(WS, orgs.get_workspace, allow_head=False),
     web.patch(WS, orgs.update_workspace),
+    web.delete(WS, workspaces.delete_workspace),
+    web.post(WS + "/purge", workspaces.purge_workspace),
     web.get(WS + "/runs", runs.list_workspace_runs, allow_head=False),
     web.get(WS + "/state-versions", state.list_state_versions, allow_head=False),
     web.put(WS + "/secret-variables/{name}", secrets.put_secret),

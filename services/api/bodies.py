@@ -122,11 +122,40 @@ class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
     vcs_run_type: VcsRunType = "apply"
 
 
+# A trigger glob: fnmatch-style, `**` any depth (checked for control characters too).
+Glob = Annotated[str, Meta(min_length=1, max_length=1024)]
+Globs = Annotated[list[Glob], Meta(max_length=100)]
+
+
 class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):
+    """Members left out (or null) are unchanged; runs already created keep theirs."""
+
     variables: Annotated[
-        dict[str, str],
+        dict[str, str] | None,
         Meta(description="replaces the plain variables; existing runs keep theirs"),
-    ]
+    ] = None
+    repository: Annotated[
+        NonEmpty | None, Meta(description="git URL or local path, checked as at creation")
+    ] = None
+    branch: NonEmpty | None = None
+    directory: NonEmpty | None = None
+    trigger_paths: Annotated[
+        Globs | None,
+        Meta(description="globs on changed paths that start runs; []: anything under directory"),
+    ] = None
+    trigger_any_change: Annotated[
+        bool | None, Meta(description="any changed file starts a run")
+    ] = None
+    trigger_tags: Annotated[
+        Globs | None, Meta(description="tag name globs whose push starts a run; []: none")
+    ] = None
+    vcs_run_type: Annotated[str | None, Meta(description="what a push starts: plan or apply")] = (
+        None
+    )
+    vcs_connection: Annotated[
+        Annotated[str, Meta(max_length=63)] | None,
+        Meta(description="one of the organization's VCS connections; '': none"),
+    ] = None
 
 
 class CreateFolderBody(Body, frozen=True, kw_only=True):

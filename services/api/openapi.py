@@ -97,9 +97,10 @@ _ERRORS = {
     "401": "unauthorized (no token, an unknown or a revoked one) or token-expired",
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
-    "409": "conflict (with current_status) or already-exists",
+    "409": "conflict (with current_status), already-exists, workspace-deleted or "
+    "idempotency-in-progress",
     "413": "body-too-large",
-    "422": "invalid-id, invalid-command or invalid-policy",
+    "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
     "503": "unavailable or stale-read",
 }
 
@@ -162,6 +163,7 @@ _DOCS: dict[str, Doc] = {
     },
 }
 
+WS_PARAM: Doc = {"$ref": "#/components/parameters/ws"}
 PATHS: dict[str, Doc] = {
     "/healthz": {
         "get": {
@@ -276,12 +278,29 @@ PATHS: dict[str, Doc] = {
         ),
         "patch": operation(
             "updateWorkspace",
-            "Replace the workspace's plain variables",
+            "Change the workspace's plain variables and configuration (repository, branch, "
+            "directory, triggers, VCS connection); runs already created keep theirs",
             (200, "Workspace"),
             params=("org", "ws"),
             body="UpdateWorkspaceBody",
-            errors=(400, 403, 404, 422),
+            errors=(400, 403, 404, 409, 422),
         ),
+        "delete": {
+            "operationId": "deleteWorkspace",
+            "summary": "Delete the workspace (no run may be open): it leaves lists and starts "
+            "no run; its history stays readable, its name taken until a purge",
+            "parameters": [{"$ref": "#/components/parameters/org"}, WS_PARAM],
+            "responses": {"204": {"description": "deleted"}, **problems(403, 404, 409, 422)},
+        },
+    },
+    "/api/v1/orgs/{org}/workspaces/{ws}/purge": {
+        "post": {
+            "operationId": "purgeWorkspace",
+            "summary": "Free a deleted workspace's name: removes its secret variables, state "
+            "head and lock and notification configurations (its events and audit stay)",
+            "parameters": [{"$ref": "#/components/parameters/org"}, WS_PARAM],
+            "responses": {"204": {"description": "purged"}, **problems(403, 404, 409, 422)},
+        },
     },
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {
         "get": operation(

@@ -10,7 +10,7 @@ from events.org import RevokeToken
 from events.run import Workspace
 from projections.project import iso
 from services import repositories
-from services.api import render, secrets
+from services.api import render, secrets, workspaces
 from services.api import vcs as vcs_api
 from services.api.auth import ADMIN, PRINCIPAL, VIEWER
 from services.api.bodies import (
@@ -178,20 +178,37 @@ def check_repository(request: web.Request, repository: str) -> None:
 
 
 async def update_workspace(request: web.Request) -> web.Response:
+    """PATCH .../workspaces/{ws}: its plain variables and configuration members
+    (`ws.variables_set`, `ws.config_changed`); runs already created keep theirs."""
     api, org, who = scope(request, ADMIN)
     ws = path_id(request, "ws")
     body = await read_body(request, UpdateWorkspaceBody)
+    changes = workspaces.config_changes(body)
+    if body.variables is None and not changes:
+        raise Problem("invalid-command", "nothing to change: give variables or a config member")
     if await api.read.get_workspace(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
-    await secrets.check_plain_names(request, org, ws, body.variables)
-    result = await api.app.set_variables(org, ws, dict(body.variables), who.user)
+    if "repository" in changes:
+        check_repository(request, changes["repository"])
+    await workspaces.check_config(api, org, changes)
+    result = None
+    if changes:
+        result = await api.app.change_workspace(org, ws, changes, who.user)
+    if body.variables is not None:
+        await secrets.check_plain_names(request, org, ws, body.variables)
+        result = await api.app.set_variables(org, ws, dict(body.variables), who.user)
+    assert result is not None
     return await secrets.workspace_written(request, api, org, ws, result, who.user)
 
 
 async def list_workspaces(request: web.Request) -> web.Response:
+    """GET .../workspaces: the live ones; `?deleted=true` adds those deleted (not purged)."""
     api, org, _ = scope(request, VIEWER)
     await _existing_org(api, org)
-    return items(await api.read.list_workspaces(org))
+    deleted = request.query.get("deleted", "false")
+    if deleted not in ("true", "false"):
+        raise Problem("invalid-query", "deleted must be true or false")
+    return items(await api.read.list_workspaces(org, deleted=deleted == "true"))
 
 
 async def get_workspace(request: web.Request) -> web.Response:

@@ -15,6 +15,7 @@ from aiohttp import web
 from events.errors import (
     AlreadyExists,
     Conflict,
+    Deleted,
     DomainError,
     Forbidden,
     IllegalTransition,
@@ -109,6 +110,8 @@ def from_domain(error: DomainError) -> Problem:
     """The problem a domain error stands for."""
     detail = str(error)
     match error:
+        case Deleted():
+            return Problem("workspace-deleted", detail)
         case IllegalTransition():
             return Problem("conflict", detail, current_status=error.status)
         case AlreadyExists():

@@ -60,6 +60,7 @@ def workspace(state: WorkspaceState, actor: str) -> Row:
         "trigger_any_change": config.trigger_any_change,
         "trigger_tags": list(config.trigger_tags),
         "vcs_run_type": config.vcs_run_type,
+        "deleted_at": _time(state.deleted_at),
     }
 
 

@@ -169,6 +169,7 @@ SCHEMAS: dict[str, Doc] = {
         trigger_any_change=BOOL,
         trigger_tags={"type": "array", "items": STR},
         vcs_run_type={"enum": ["plan", "apply"]},
+        deleted_at={**_nullable(TIME), "description": "set once deleted (DELETE)"},
     ),
     "RunTemplateStep": _obj(
         ["number", "kind", "name", "status"],

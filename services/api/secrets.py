@@ -91,9 +91,12 @@ async def workspace_shown(request: web.Request, api: Api, org: str, ws: str) -> 
 
 
 async def _existing_workspace(api: Api, org: str, ws: str) -> Workspace:
-    config: Workspace | None = (await api.app.load_ws(org, ws)).state.config
+    state = (await api.app.load_ws(org, ws)).state
+    config: Workspace | None = state.config
     if config is None:
         raise Problem("not-found", f"workspace {ws} not found")
+    if state.deleted:
+        raise Problem("workspace-deleted", f"workspace {ws} was deleted")
     return config
 
 

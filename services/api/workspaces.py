@@ -1,0 +1,140 @@
+"""Workspaces change and go: the configuration members a PATCH takes, DELETE and purge.
+
+DELETE (an organization admin) records `ws.deleted` when no run holds the workspace or
+waits in its queue, and no speculative plan of it is still open (409 naming the run
+otherwise). The workspace then leaves lists (`?deleted=true` shows it), starts no run
+(409 `workspace-deleted`, also for any other command on it), and keeps its history:
+its runs, their events, its audit rows stay readable.
+
+Purge (`POST .../workspaces/{ws}/purge`, an organization admin; a second, explicit step,
+so that freeing a name is never a side effect of a delete) frees the name of a deleted
+workspace. It removes what a new workspace of that name would otherwise inherit: its
+sealed secret variables (`rp-secrets`), its managed state's head and lock
+(`rp-state-head`, `rp-state-locks`; the state versions themselves stay in `rp-state`,
+named by their `run.state_version` events, for an operator to restore) and its
+notification configurations; then it records `ws.purged`, after which the aggregate
+folds to a workspace never created and its read-model row is gone. The removals come
+first: a purge cut short leaves a deleted workspace with less attached, and is simply
+made again. What stays: every event (the stream denies deletes), hence the audit of the
+delete and the purge, and the old runs, readable by id.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import nats.errors
+import structlog
+from aiohttp import web
+
+from events import notification as nt
+from events.workspace import CONFIG_MEMBERS, VCS_RUN_TYPES
+from services.api import secrets
+from services.api.auth import ADMIN
+from services.api.bodies import UpdateWorkspaceBody, check_name
+from services.api.common import SEQ_HEADER, path_id, scope
+from services.api.context import Api
+from services.api.problems import Problem
+from services.infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
+from services.notifications import outbox
+from services.notifications.tokens import TokenStore
+
+log = structlog.get_logger("runplane.api")
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def config_changes(body: UpdateWorkspaceBody) -> dict[str, Any]:
+    """The configuration members the PATCH gives (left out or null: unchanged)."""
+    given = {m: getattr(body, m) for m in CONFIG_MEMBERS}
+    return {m: v for m, v in given.items() if v is not None}
+
+
+async def check_config(api: Api, org: str, changes: dict[str, Any]) -> None:
+    """422 for a member no workspace may take: a glob with a control character, an
+    unknown run type, a VCS connection that is not the organization's own."""
+    for member in ("trigger_paths", "trigger_tags"):
+        for glob in changes.get(member, ()):
+            if _CONTROL.search(glob):
+                raise Problem("invalid-command", f"{member}: {glob!r} has a control character")
+    run_type = changes.get("vcs_run_type")
+    if run_type is not None and run_type not in VCS_RUN_TYPES:
+        raise Problem("invalid-command", f"vcs_run_type must be plan or apply, got {run_type!r}")
+    connection = changes.get("vcs_connection")
+    if connection:
+        check_name("vcs_connection", connection)
+        if not await vcs_connection_known(api, org, connection):
+            raise Problem("invalid-command", f"VCS connection {connection} not found")
+
+
+async def vcs_connection_known(api: Api, org: str, connection_id: str) -> bool:
+    """Whether the VCS connection is the organization's own, from the read model's
+    `vcs_connections` table (the VCS connections' own part projects it). A read model
+    without that table knows no connection: refused, never taken on trust (another
+    organization's connection id would have its webhooks start this one's runs)."""
+    return bool(await api.read.vcs_connection_exists(org, connection_id))
+
+
+async def delete_workspace(request: web.Request) -> web.Response:
+    """DELETE .../workspaces/{ws}: 204, or 409 naming a run that is not over."""
+    api, org, who = scope(request, ADMIN)
+    ws = path_id(request, "ws")
+    row = await api.read.get_workspace(org, ws)
+    if row is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    open_runs = await api.read.open_runs(org, ws)
+    if open_runs:  # speculative plans hold no place in the queue: only the runs show them
+        raise Problem(
+            "conflict",
+            f"workspace {ws} has run {open_runs[0]} not over: cancel it or let it end first",
+            current_status="busy",
+            run=open_runs[0],
+        )
+    result = await api.app.delete_workspace(org, ws, who.user)
+    await api.after_write(result.seq)
+    return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
+
+
+async def purge_workspace(request: web.Request) -> web.Response:
+    """POST .../workspaces/{ws}/purge: free a deleted workspace's name (module docstring)."""
+    api, org, who = scope(request, ADMIN)
+    ws = path_id(request, "ws")
+    state = (await api.app.load_ws(org, ws)).state
+    if not state.exists:
+        raise Problem("not-found", f"workspace {ws} not found")
+    if not state.deleted:
+        raise Problem(
+            "conflict", f"workspace {ws} is not deleted: delete it first", current_status="live"
+        )
+    await _remove_attached(request, api, org, ws, who.user)
+    result = await api.app.purge_workspace(org, ws, who.user)
+    await api.after_write(result.seq)
+    return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
+
+
+async def _remove_attached(request: web.Request, api: Api, org: str, ws: str, user: str) -> None:
+    store = request.app.get(secrets.SECRETS)
+    if store is not None:
+        for name in await store.names(org, ws):
+            await store.delete(org, ws, name)
+    js = api.app.store.nc.jetstream()
+    for bucket in (STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET):
+        try:
+            await (await js.key_value(bucket)).purge(f"{org}.{ws}")
+        except nats.errors.Error as e:
+            raise Problem("unavailable", f"removing the workspace's {bucket}: {e}") from e
+    for config in await outbox.configs(api.app.store, org):
+        if config.workspace == ws:
+            if config.has_token and store is not None:
+                await TokenStore(store.nc, store.keyring).delete(org, config.id)
+            delete = nt.DeleteConfig(actor=user, config_id=config.id)
+            await outbox.command(
+                api.app.store,
+                org,
+                delete,
+                clock=api.app.clock,
+                new_id=api.app.ids,
+                attempts=api.app.attempts,
+            )
+    log.info("workspace_purging", org=org, workspace=ws)
