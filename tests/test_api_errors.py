@@ -26,6 +26,8 @@ ORG_ENDPOINTS = [
     ("POST", "/api/v1/orgs/{org}/workspaces"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}"),
     ("PATCH", "/api/v1/orgs/{org}/workspaces/{ws}"),
+    ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/purge"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/runs"),
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/lock"),

@@ -109,6 +109,8 @@ async def test_keys_are_per_organization_and_token(http: Http) -> None:
     )
     assert a1.status == b1.status == 201
     assert b1.body["id"] != a1.body["id"] and b1.body["org"] == "beta"
+    retried = await http.post(RUNS, json={"type": "plan"}, token=a_tokens["operator"], headers=key)
+    assert retried.body == a1.body and retried.headers[idem.REPLAYED] == "true"
     assert idem.REPLAYED not in b1.headers
     # B's token on A's path under A's key: 404 as ever, and A's answer is not given
     probe = await http.post(RUNS, json={"type": "plan"}, token=b_tokens["admin"], headers=key)
