@@ -180,6 +180,19 @@ async def test_patch_changes_the_configuration_and_runs_keep_theirs(http: Http) 
     assert both.status == 200 and both.body["variables"] == {"a": "1"}
     assert both.body["branch"] == "main"
     (await http.call("PATCH", WS, json={})).problem("invalid-command", 422)
+    vcs = {
+        "trigger_paths": ["envs/prod/**", "modules/*.tf"],
+        "trigger_any_change": True,
+        "trigger_tags": ["v*"],
+        "vcs_run_type": "plan",
+        "vcs_connection": "",
+    }
+    patched = await http.call("PATCH", WS, json=vcs)
+    assert patched.status == 200, patched.body
+    assert {k: patched.body[k] for k in vcs} == vcs
+    assert {k: (await http.get(WS)).body[k] for k in vcs} == vcs
+    cfg = (await http.app.load_ws("acme", "net")).state.config
+    assert (cfg.trigger_paths, cfg.vcs_run_type) == (vcs["trigger_paths"], "plan")
 
 
 async def test_patch_cannot_point_a_workspace_at_a_refused_repository(http: Http) -> None:
@@ -201,10 +214,8 @@ async def test_patch_cannot_point_a_workspace_at_a_refused_repository(http: Http
     (await http.call("PATCH", WS, json={"vcs_connection": "not-ours"})).problem(
         "invalid-command", 422
     )
-    (await http.call("PATCH", WS, json={"trigger_paths": ["a\x1bb"]})).problem(
-        "invalid-command", 422
-    )
-    (await http.call("PATCH", WS, json={"vcs_run_type": "destroy"})).problem("invalid-command", 422)
+    (await http.call("PATCH", WS, json={"trigger_paths": ["a\x1bb"]})).problem("invalid-body", 400)
+    (await http.call("PATCH", WS, json={"vcs_run_type": "destroy"})).problem("invalid-body", 400)
     assert (await http.get(WS)).body["repository"] == REPO
     events = [e.event for e in await http.app.store.read("rp.ws.acme.net")]
     assert not any(isinstance(e, ConfigChanged) for e in events)

@@ -122,11 +122,6 @@ class CreateWorkspaceBody(Body, frozen=True, kw_only=True):
     vcs_run_type: VcsRunType = "apply"
 
 
-# A trigger glob: fnmatch-style, `**` any depth (checked for control characters too).
-Glob = Annotated[str, Meta(min_length=1, max_length=1024)]
-Globs = Annotated[list[Glob], Meta(max_length=100)]
-
-
 class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):
     """Members left out (or null) are unchanged; runs already created keep theirs."""
 
@@ -139,19 +134,12 @@ class UpdateWorkspaceBody(Body, frozen=True, kw_only=True):
     ] = None
     branch: NonEmpty | None = None
     directory: NonEmpty | None = None
-    trigger_paths: Annotated[
-        Globs | None,
-        Meta(description="globs on changed paths that start runs; []: anything under directory"),
-    ] = None
+    trigger_paths: TriggerPaths | None = None
     trigger_any_change: Annotated[
-        bool | None, Meta(description="any changed file starts a run")
+        bool | None, Meta(description="any changed file of the repository starts a run")
     ] = None
-    trigger_tags: Annotated[
-        Globs | None, Meta(description="tag name globs whose push starts a run; []: none")
-    ] = None
-    vcs_run_type: Annotated[str | None, Meta(description="what a push starts: plan or apply")] = (
-        None
-    )
+    trigger_tags: TriggerTags | None = None
+    vcs_run_type: VcsRunType | None = None
     vcs_connection: Annotated[
         Annotated[str, Meta(max_length=63)] | None,
         Meta(description="one of the organization's VCS connections; '': none"),
