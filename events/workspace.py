@@ -95,8 +95,8 @@ class WorkspaceDeleted(Event, frozen=True, kw_only=True, tag="ws.deleted"):
 
 
 class WorkspacePurged(Event, frozen=True, kw_only=True, tag="ws.purged"):
-    """A deleted workspace's name is free again (services/api/workspaces.py says what
-    else a purge removes)."""
+    """A deleted workspace's name is free again: the state folds to one never created
+    (services/api/workspaces.py says what else a purge removes)."""
 
 
 WorkspaceEvent = (

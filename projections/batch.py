@@ -21,6 +21,7 @@ from events.workspace import WorkspaceCreated
 from projections.changes import prefetch as prefetch_changes
 from projections.ordered import Delivered
 from projections.project import (
+    PURGED_BY_RUN,
     Meta,
     Unprojectable,
     Working,
@@ -157,12 +158,24 @@ def _skip(w: Working, it: Item, reason: str) -> None:
 
 
 async def _flush(db: aiosqlite.Connection, w: Working, seq: int) -> None:
+    for org, ws in w.purged:
+        await _purge(db, org, ws)
     for table, deletes, upserts in changed(w):
         if deletes:
             await db.executemany(table.delete, deletes)
         if upserts:
             await db.executemany(table.upsert, upserts)
     await db.execute("UPDATE checkpoint SET seq = ? WHERE id = 1", (seq,))
+
+
+async def _purge(db: aiosqlite.Connection, org: str, ws: str) -> None:
+    """Delete the stored rows of a purged workspace's runs and state versions (what the
+    batch held of them `Working.purge_runs` dropped already)."""
+    ids = "SELECT id FROM runs WHERE org = ? AND workspace = ?"
+    for table in PURGED_BY_RUN[1:]:
+        await db.execute(f"DELETE FROM {table} WHERE run_id IN ({ids})", (org, ws))
+    await db.execute("DELETE FROM runs WHERE org = ? AND workspace = ?", (org, ws))
+    await db.execute("DELETE FROM state_versions WHERE org = ? AND workspace = ?", (org, ws))
 
 
 def changed(w: Working) -> list[tuple[Table, list[Key], list[tuple[Any, ...]]]]:

@@ -60,6 +60,8 @@ from projections.state_versions import project_state_version
 from projections.vcs import project_binding, project_vcs
 
 _json = msgspec.json.Encoder(order="sorted")
+# The tables of a run's rows, keyed by its id first, that a workspace's purge removes.
+PURGED_BY_RUN = ("runs", "steps", "changes", "resource_states")
 _state_decoder = msgspec.json.Decoder(RunState)
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _ZERO = timedelta(0)
@@ -150,6 +152,8 @@ class Working:
         # The batch's audit rows (`events`), as tuples in column order: one per event, none
         # read back, so they skip the dicts of `dirty`.
         self.audit: list[tuple[Any, ...]] = []
+        # Workspaces purged in this batch: their stored run rows go first at the flush.
+        self.purged: list[tuple[str, str]] = []
 
     def load(self, table: str, row: Row) -> None:
         key = BY_NAME[table].key(row)
@@ -173,6 +177,28 @@ class Working:
         self.rows[table].pop(key, None)
         self._groups[table][key[0]].discard(key)
         self.dirty[table][key] = None
+
+    def purge_runs(self, org: str, ws: str) -> None:
+        """Forget what the batch holds of a purged workspace's runs (their rows, steps,
+        changes, resource states) and state versions, and have the flush delete the stored
+        ones (`purged`) before it writes anything: a later event of such a run finds no
+        row (skipped), and runs of a workspace created again under the name are kept."""
+        runs = self.rows["runs"]
+        gone = {k[0] for k, r in runs.items() if (r["org"], r["workspace"]) == (org, ws)}
+        gone |= {i for i, v in self.runs.items() if (v.state.org, v.state.workspace) == (org, ws)}
+        for run_id in gone:
+            self.runs.pop(run_id, None)
+        for table in PURGED_BY_RUN:
+            for held in (self.rows[table], self.dirty[table]):
+                for key in [k for k in held if k[0] in gone]:
+                    del held[key]
+            for run_id in gone:
+                self._groups[table].pop(run_id, None)
+        for held in (self.rows["state_versions"], self.dirty["state_versions"]):
+            for key in [k for k in held if k[:2] == (org, ws)]:
+                del held[key]
+                self._groups["state_versions"][org].discard(key)
+        self.purged.append((org, ws))
 
     def rows_of(self, table: str, first: Any) -> list[Row]:
         """Known rows whose first key column is `first` (e.g. the steps of one run)."""
@@ -340,7 +366,8 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
         case WorkspaceDeleted():
             w.put("workspaces", ws | {"deleted_at": iso(event.at)})
         case WorkspacePurged():
-            w.delete("workspaces", key)  # the name is free; its runs and audit stay
+            w.delete("workspaces", key)  # the name is free; the audit rows stay
+            w.purge_runs(ws["org"], ws["name"])
         case _:
             assert_never(event)
 

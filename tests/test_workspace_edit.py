@@ -32,7 +32,9 @@ from events.workspace import (
     WorkspaceDeleted,
     WorkspacePurged,
 )
+from projections import replay
 from projections.projector import Projector
+from projections.readmodel import ReadModel
 from services import repositories
 from services.api.app import build_app
 from services.api.context import API
@@ -251,12 +253,14 @@ async def test_delete_waits_for_runs_then_keeps_the_history(http: Http) -> None:
     again.problem("workspace-deleted", 409)
 
 
-async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http) -> None:
+async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_path: Path) -> None:
     tokens = await _acme(http)
     nc = http.app.store.nc
     head = await nc.jetstream().key_value(STATE_HEAD_BUCKET)
     await head.put("acme.net", b'{"old": "state"}')
     (await http.post(f"{WS}/purge")).problem("conflict", 409)  # not deleted yet
+    old_run = await http.run("acme", "net", "plan")
+    assert (await http.post(f"{V1}/orgs/acme/runs/{old_run['id']}/cancel")).status == 200
     assert (await http.call("DELETE", WS)).status == 204
     op = await http.post(f"{WS}/purge", token=tokens["operator"])
     op.problem("forbidden", 403)  # attack: an operator may not purge
@@ -273,6 +277,21 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http) -> N
     )
     assert created.status == 201, created.body
     assert created.body["variables"] == {} and created.body.get("secret_variables", {}) == {}
+    # the old incarnation's runs left the read model; the new one's are its own
+    new_run = await http.run("acme", "net", "plan")
+    listed = (await http.get(f"{WS}/runs", headers={"RP-Min-Seq": str(new_run["seq"])})).body
+    assert [r["id"] for r in listed["items"]] == [new_run["id"]]
+    (await http.get(f"{V1}/orgs/acme/runs/{old_run['id']}")).problem("not-found", 404)
+    kept = await http.api.read._all(  # the audit table itself
+        "SELECT type FROM events WHERE run_id = ? ORDER BY seq", (old_run["id"],)
+    )
+    assert [r["type"] for r in kept] == ["run.created", "run.canceled"]
+    # a rebuild from the stream gives the very rows the live projector wrote
+    await http.api.after_write(await http.app.store.last_seq())
+    live = await http.api.read.dump()
+    await replay(nc, tmp_path / "replayed.sqlite")
+    async with await ReadModel.open(tmp_path / "replayed.sqlite") as rebuilt:
+        assert await rebuilt.dump() == live
     # the audit of the delete and the purge survives it
     audit = await http.api.read._all(  # the audit table itself
         "SELECT type, actor FROM events WHERE subject = 'rp.ws.acme.net' ORDER BY seq"

@@ -13,10 +13,12 @@ sealed secret variables (`rp-secrets`), its managed state's head and lock
 (`rp-state-head`, `rp-state-locks`; the state versions themselves stay in `rp-state`,
 named by their `run.state_version` events, for an operator to restore) and its
 notification configurations; then it records `ws.purged`, after which the aggregate
-folds to a workspace never created and its read-model row is gone. The removals come
-first: a purge cut short leaves a deleted workspace with less attached, and is simply
-made again. What stays: every event (the stream denies deletes), hence the audit of the
-delete and the purge, and the old runs, readable by id.
+folds to a workspace never created, and the read model drops the workspace's row and
+its old runs' rows (runs, steps, changes, resource states) and state versions, so a
+workspace created again under the name lists only its own. The removals come first: a
+purge cut short leaves a deleted workspace with less attached, and is simply made
+again. What stays: every event (the stream denies deletes) and the audit history
+(`events` rows), the delete's and the purge's included.
 """
 
 from __future__ import annotations
