@@ -204,6 +204,17 @@ class Idempotency:
 
 IDEMPOTENCY: web.AppKey[Idempotency] = web.AppKey("runplane.idempotency", Idempotency)
 
+PARAMETER = {
+    "name": HEADER,
+    "in": "header",
+    "required": False,
+    "description": "the same key with the same request answers the first answer again for "
+    "24 h (header Idempotent-Replayed: true); with another request, 422 "
+    "idempotency-key-reused; while the first is in progress, 409 idempotency-in-progress. "
+    "Keys are per organization and token",
+    "schema": {"type": "string", "minLength": 1, "maxLength": MAX_KEY, "pattern": "^[!-~]+$"},
+}
+
 
 class _Request(msgspec.Struct, frozen=True, kw_only=True):
     token: str

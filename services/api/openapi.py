@@ -11,7 +11,18 @@ from __future__ import annotations
 import msgspec
 
 from events.run import Status
-from services.api import changes, chat, groups, locks, logs, runs, secrets, state, whoami
+from services.api import (
+    changes,
+    chat,
+    groups,
+    idempotency,
+    locks,
+    logs,
+    runs,
+    secrets,
+    state,
+    whoami,
+)
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
 from services.api import run_triggers as run_triggers_api
@@ -90,6 +101,7 @@ PARAMETERS: dict[str, Doc] = {
     **policies_api.PARAMETERS,
     **chat.PARAMETERS,
     **vcs_api.PARAMETERS,
+    "idempotency_key": idempotency.PARAMETER,
 }
 
 _ERRORS = {
@@ -414,6 +426,20 @@ def _body_schemas() -> dict[str, Doc]:
     return components
 
 
+def _keyed(paths: dict[str, Doc]) -> dict[str, Doc]:
+    """The paths, each authenticated POST under /api/v1 taking an Idempotency-Key
+    (services/api/idempotency.py)."""
+    key = {"$ref": "#/components/parameters/idempotency_key"}
+    out: dict[str, Doc] = {}
+    for path, ops in paths.items():
+        ops = dict(ops)
+        post = ops.get("post")
+        if path.startswith("/api/v1/") and post is not None and post.get("security") != []:
+            ops["post"] = {**post, "parameters": [*post.get("parameters", []), key]}
+        out[path] = ops
+    return out
+
+
 def document() -> Doc:
     """The whole OpenAPI 3.1 document."""
     return {
@@ -426,7 +452,7 @@ def document() -> Doc:
             "to read your own writes from any replica.",
         },
         "security": [{"bearer": []}],
-        "paths": PATHS,
+        "paths": _keyed(PATHS),
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
