@@ -17,6 +17,7 @@ from services.api import idempotency as idem
 from services.api.app import build_app
 from services.api.context import API
 from services.infra.kv import IDEMPOTENCY_BUCKET
+from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 
 V1 = "/api/v1"
@@ -220,3 +221,34 @@ async def test_public_and_unkeyed_routes_are_left_alone(http: Http) -> None:
     bucket = await http.api.app.store.nc.jetstream().key_value(IDEMPOTENCY_BUCKET)
     with pytest.raises(Exception, match="no keys"):
         await bucket.keys()
+
+
+async def test_a_slow_holder_keeps_its_key_past_one_lease(http: Http) -> None:
+    """The reservation's lease is renewed while the work runs: a racing request waits
+    through several leases and is told 409, it never does the work a second time."""
+    store = idem.Idempotency(http.api.app.store.nc, lease_s=0.3, wait_s=1.2)
+    req = idem._Request(token="t", kv_key=idem.bucket_key("acme", "d", "slow"), fingerprint="f")
+    release, ran = asyncio.Event(), []
+
+    async def slow() -> web.StreamResponse:
+        ran.append("first")
+        await release.wait()
+        return web.json_response({"done": 1}, status=201)
+
+    async def second() -> web.StreamResponse:
+        ran.append("second")
+        return web.json_response({"done": 2}, status=201)
+
+    first = asyncio.create_task(idem._once(store, req, slow))
+    await eventually(lambda: _true(ran == ["first"]), what="the first holds the key")
+    with pytest.raises(idem.Problem) as refused:
+        await idem._once(store, req, second)
+    assert refused.value.slug == "idempotency-in-progress"
+    release.set()
+    assert (await first).status == 201
+    again = await idem._once(store, req, second)
+    assert again.status == 201 and again.body == b'{"done": 1}' and ran == ["first"]
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -314,8 +314,13 @@ async def _reserved(
     if entry is None:
         await store.release(req.kv_key, held[0])
         return response
-    if await store.write(req.token, req.kv_key, entry, held[0]) is None:
-        log.warning("idempotency_answer_not_kept", status=response.status)  # taken over
+    try:
+        if await store.write(req.token, req.kv_key, entry, held[0]) is None:
+            log.warning("idempotency_answer_not_kept", status=response.status)  # taken over
+    except (TimeoutError, nats.errors.Error) as e:
+        # The work is done: answer it. The key stays reserved until its lease runs out
+        # (a retry in that time waits, then is told 409), then a retry does it again.
+        log.warning("idempotency_answer_not_kept", status=response.status, error=repr(e))
     return response
 
 
