@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
@@ -39,10 +40,12 @@ from services import repositories
 from services.api.app import build_app
 from services.api.context import API
 from services.commands import App
+from services.infra import streams
 from services.infra.crypto import KeyRing
-from services.infra.eventstore import Append, EventStore
+from services.infra.eventstore import LATEST, Append, EventStore
 from services.infra.kv import SECRETS_BUCKET, STATE_HEAD_BUCKET
 from services.secrets import SecretStore
+from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
 from tests.test_api_support import ADMIN_TOKEN, Http
 
@@ -401,8 +404,31 @@ async def test_a_delete_racing_run_creations_never_leaves_a_run_on_a_deleted_wor
     the create starts, after its read of the workspace, after `run.created` and after
     `ws.run_enqueued`: each time exactly one of them wins (the other is refused: 409),
     and every run recorded on a deleted workspace is canceled, never admitted."""
-    stepping = Stepping(nc)
-    a, b = App(stepping), App(EventStore(nc))
+    await _race(Stepping(nc), EventStore(nc))
+
+
+async def test_on_a_cluster_a_delete_and_a_create_through_two_nodes_never_both_win(
+    tmp_path: Path,
+) -> None:
+    """The same race on a 3-node cluster (streams at R3), the create's App connected to
+    one node and the delete's to another, so that each may read from a follower that is
+    behind: the checked appends on the workspace subject still let exactly one win."""
+    async with NatsCluster(tmp_path / "cluster") as cluster:
+        setup = await cluster.connect()
+        await streams.declare(setup, setup.jetstream(), replicas=3)
+        await setup.close()
+        options = cluster.auth.connect_options()
+        one = await nats.connect(servers=[cluster.nodes[0].url], **options)
+        other = await nats.connect(servers=[cluster.nodes[2].url], **options)
+        try:
+            await _race(Stepping(one), EventStore(other))
+        finally:
+            await one.close()
+            await other.close()
+
+
+async def _race(stepping: Stepping, deleting: EventStore) -> None:
+    a, b = App(stepping), App(deleting)
     await a.create_org("acme", "a")
     names = [f"ws-{i}" for i in range(40)]
     for n in names:
@@ -427,12 +453,13 @@ async def test_a_delete_racing_run_creations_never_leaves_a_run_on_a_deleted_wor
         assert made != gone, (n, made, gone)  # exactly one of them won
         w = (await b.load_ws("acme", n)).state
         assert w.deleted == gone
-        for env in await b.store.read(f"rp.run.acme.{n}.*"):
-            run = (await b.load_run("acme", n, env.subject.rsplit(".", 1)[1])).state
+        for env in await b.store.read(f"rp.run.acme.{n}.*", min_seq=LATEST):
+            run = await b.load_run("acme", n, env.subject.rsplit(".", 1)[1], min_seq=LATEST)
             if gone:
-                assert run.status == Status.CANCELED and run.reason == "workspace_deleted"
+                assert run.state.status == Status.CANCELED, (n, run.state.status)
+                assert run.state.reason == "workspace_deleted"
             else:
-                assert w.holds(run.run_id) and run.status == Status.PENDING
+                assert w.holds(run.state.run_id) and run.state.status == Status.PENDING
     wins = sum(m for m, _ in outcomes)
     assert 0 < wins < len(names), wins  # both ways were taken
     refused = [n for n, (_, gone) in zip(names, outcomes, strict=True) if gone]
