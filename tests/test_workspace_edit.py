@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
+from events import notification as nt
 from events import run as run_agg
 from events import workspace as ws_agg
 from events.errors import AlreadyExists, Deleted, IllegalTransition, Invalid
@@ -44,6 +45,7 @@ from services.infra import streams
 from services.infra.crypto import KeyRing
 from services.infra.eventstore import LATEST, Append, EventStore
 from services.infra.kv import SECRETS_BUCKET, STATE_HEAD_BUCKET
+from services.notifications import outbox
 from services.secrets import SecretStore
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
@@ -262,6 +264,20 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     head = await nc.jetstream().key_value(STATE_HEAD_BUCKET)
     await head.put("acme.net", b'{"old": "state"}')
     (await http.post(f"{WS}/purge")).problem("conflict", 409)  # not deleted yet
+    for config_id, ws in (("n-net", "net"), ("n-org", "")):
+        save = nt.SaveConfig(
+            actor="admin",
+            config_id=config_id,
+            org="acme",
+            workspace=ws,
+            create=True,
+            name=config_id,
+            destination="generic",
+            url="https://hooks.example.com/x",
+        )
+        await outbox.command(
+            http.app.store, "acme", save, clock=http.app.clock, new_id=http.app.ids
+        )
     old_run = await http.run("acme", "net", "plan")
     assert (await http.post(f"{V1}/orgs/acme/runs/{old_run['id']}/cancel")).status == 200
     assert (await http.call("DELETE", WS)).status == 204
@@ -275,6 +291,8 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     secrets = await nc.jetstream().key_value(SECRETS_BUCKET)
     assert not [k for k in await _keys(secrets) if k.startswith("acme.net.")]
     assert "acme.net" not in await _keys(head)
+    left = await outbox.configs(http.app.store, "acme")
+    assert [c.id for c in left] == ["n-org"]  # the workspace's went, the organization's stay
     created = await http.post(
         f"{V1}/orgs/acme/workspaces", json={"name": "net", "repository": REPO}
     )
