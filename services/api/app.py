@@ -25,8 +25,8 @@ from services.api import (
     runs,
     secrets,
     state,
-    workspaces,
     whoami,
+    workspaces,
 )
 from services.api import notifications as notifications_api
 from services.api import policies as policies_api
