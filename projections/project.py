@@ -57,7 +57,7 @@ from projections.notifications import project_notification
 from projections.schedules import project_schedule
 from projections.schema import BY_NAME, Key, Row
 from projections.state_versions import project_state_version
-from projections.vcs import project_binding, project_vcs
+from projections.vcs import forget_binding, project_binding, project_vcs
 
 _json = msgspec.json.Encoder(order="sorted")
 # The tables of a run's rows, keyed by its id first, that a workspace's purge removes.
@@ -362,9 +362,12 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
         case SettingsSet():
             pass  # read from the workspace aggregate itself (services/api/settings.py)
         case ConfigChanged():
-            w.put("workspaces", ws | _config_columns(changed(_config_of(ws), event.changes)))
+            cfg = changed(_config_of(ws), event.changes)
+            w.put("workspaces", ws | _config_columns(cfg))
+            project_binding(w, ws["org"], ws["name"], cfg)
         case WorkspaceDeleted():
             w.put("workspaces", ws | {"deleted_at": iso(event.at)})
+            forget_binding(w, ws["org"], ws["name"])  # its webhooks start nothing more
         case WorkspacePurged():
             w.delete("workspaces", key)  # the name is free; the audit rows stay
             w.purge_runs(ws["org"], ws["name"])

@@ -184,19 +184,6 @@ class ReadModel:
             queues.setdefault(q["workspace"], []).append(q["run_id"])
         return [_workspace(r, queues.get(r["name"], [])) for r in rows]
 
-    async def vcs_connection_exists(self, org: str, connection_id: str) -> bool | None:
-        """Whether the organization has that VCS connection; None if this read model has
-        no `vcs_connections` table (a deployment before VCS connections)."""
-        table = await self._one(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'vcs_connections'"
-        )
-        if table is None:
-            return None
-        row = await self._one(
-            "SELECT 1 FROM vcs_connections WHERE org = ? AND id = ?", (org, connection_id)
-        )
-        return row is not None
-
     async def open_runs(self, org: str, ws: str, limit: int = 5) -> list[str]:
         """Runs of the workspace that have not ended (speculative plans included), oldest
         first."""

@@ -50,6 +50,7 @@ from services.secrets import SecretStore
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
 from tests.test_api_support import ADMIN_TOKEN, Http
+from tests.test_vcs_support import connection
 
 V1 = "/api/v1"
 WS = f"{V1}/orgs/acme/workspaces/net"
@@ -483,3 +484,23 @@ async def _race(stepping: Stepping, deleting: EventStore) -> None:
     refused = [n for n, (_, gone) in zip(names, outcomes, strict=True) if gone]
     recorded = [n for n in refused if await b.store.read(f"rp.run.acme.{n}.*")]
     assert recorded, "no delete landed between a run.created and its enqueue"
+
+
+async def test_the_vcs_binding_follows_a_patch_and_goes_with_a_delete(http: Http) -> None:
+    """PATCH binds the workspace to its organization's own connection (the webhooks'
+    `vcs_bindings` row follows the new configuration); org B's connection is refused
+    (attack); a deleted workspace leaves the bindings, so no webhook starts its runs."""
+    await _acme(http)
+    await http.org("beta")
+    mine = await connection(http, "acme")
+    theirs = await connection(http, "beta")
+    refused = await http.call("PATCH", WS, json={"vcs_connection": theirs["id"]})
+    refused.problem("invalid-command", 422)
+    bind = {"vcs_connection": mine["id"], "branch": "prod", "trigger_paths": ["envs/**"]}
+    a = await http.call("PATCH", WS, json=bind)
+    assert a.status == 200 and a.body["vcs_connection"] == mine["id"], a.body
+    query = "SELECT connection, branch, trigger_paths_json FROM vcs_bindings WHERE org = ?"
+    rows = [tuple(r) for r in await http.api.read._all(query, ("acme",))]
+    assert rows == [(mine["id"], "prod", '["envs/**"]')]
+    assert (await http.call("DELETE", WS)).status == 204
+    assert await http.api.read._all(query, ("acme",)) == []

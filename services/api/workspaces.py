@@ -33,6 +33,7 @@ from aiohttp import web
 from events import notification as nt
 from events.workspace import CONFIG_MEMBERS, VCS_RUN_TYPES
 from services.api import secrets
+from services.api import vcs as vcs_api
 from services.api.auth import ADMIN
 from services.api.bodies import UpdateWorkspaceBody, check_name
 from services.api.common import SEQ_HEADER, path_id, scope
@@ -66,16 +67,7 @@ async def check_config(api: Api, org: str, changes: dict[str, Any]) -> None:
     connection = changes.get("vcs_connection")
     if connection:
         check_name("vcs_connection", connection)
-        if not await vcs_connection_known(api, org, connection):
-            raise Problem("invalid-command", f"VCS connection {connection} not found")
-
-
-async def vcs_connection_known(api: Api, org: str, connection_id: str) -> bool:
-    """Whether the VCS connection is the organization's own, from the read model's
-    `vcs_connections` table (the VCS connections' own part projects it). A read model
-    without that table knows no connection: refused, never taken on trust (another
-    organization's connection id would have its webhooks start this one's runs)."""
-    return bool(await api.read.vcs_connection_exists(org, connection_id))
+        await vcs_api.check_binding(api, org, connection)  # the organization's own only
 
 
 async def delete_workspace(request: web.Request) -> web.Response:
