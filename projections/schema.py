@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 12
+VERSION = 13
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
