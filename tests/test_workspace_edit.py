@@ -46,7 +46,9 @@ from services.infra.crypto import KeyRing
 from services.infra.eventstore import LATEST, Append, EventStore
 from services.infra.kv import SECRETS_BUCKET, STATE_HEAD_BUCKET
 from services.notifications import outbox
+from services.schedules import store as schedule_store
 from services.secrets import SecretStore
+from services.triggers import graph
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
 from tests.test_api_support import ADMIN_TOKEN, Http
@@ -279,6 +281,15 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
         await outbox.command(
             http.app.store, "acme", save, clock=http.app.clock, new_id=http.app.ids
         )
+    sched = await http.post(f"{WS}/schedules", json={"cron": "0 3 * * *", "run_type": "plan"})
+    assert sched.status == 201, sched.body
+    await http.workspace("acme", "dns", repository=REPO)
+    await http.workspace("acme", "dep", repository=REPO)
+    for follower, source in (("dns", "net"), ("net", "dep")):
+        made = await http.post(
+            f"{V1}/orgs/acme/workspaces/{follower}/run-triggers", json={"source": source}
+        )
+        assert made.status == 201, made.body
     old_run = await http.run("acme", "net", "plan")
     assert (await http.post(f"{V1}/orgs/acme/runs/{old_run['id']}/cancel")).status == 200
     assert (await http.call("DELETE", WS)).status == 204
@@ -287,11 +298,15 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     purged = await http.post(f"{WS}/purge", token=tokens["admin"])
     assert purged.status == 204, purged.body
     rows = await http.get(f"{V1}/orgs/acme/workspaces?deleted=true")
-    assert rows.body["items"] == []
+    assert [w["name"] for w in rows.body["items"]] == ["dep", "dns"]
     (await http.get(WS)).problem("not-found", 404)
     secrets = await nc.jetstream().key_value(SECRETS_BUCKET)
     assert not [k for k in await _keys(secrets) if k.startswith("acme.net.")]
     assert "acme.net" not in await _keys(head)
+    schedules, _ = await schedule_store.load(http.app, "acme", "net", latest=True)
+    assert schedules.schedules == {}
+    g = (await graph.load(http.app, "acme")).state
+    assert (g.followers_of("net"), g.sources_of("net"), g.sources_of("dns")) == ([], [], [])
     left = await outbox.configs(http.app.store, "acme")
     assert [c.id for c in left] == ["n-org"]  # the workspace's went, the organization's stay
     created = await http.post(

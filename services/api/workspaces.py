@@ -11,8 +11,9 @@ so that freeing a name is never a side effect of a delete) frees the name of a d
 workspace. It removes what a new workspace of that name would otherwise inherit: its
 sealed secret variables (`rp-secrets`), its managed state's head and lock
 (`rp-state-head`, `rp-state-locks`; the state versions themselves stay in `rp-state`,
-named by their `run.state_version` events, for an operator to restore) and its
-notification configurations; then it records `ws.purged`, after which the aggregate
+named by their `run.state_version` events, for an operator to restore), its
+notification configurations, its schedules and the run triggers it follows or is
+followed by; then it records `ws.purged`, after which the aggregate
 folds to a workspace never created, and the read model drops the workspace's row and
 its old runs' rows (runs, steps, changes, resource states) and state versions, so a
 workspace created again under the name lists only its own. The removals come first: a
@@ -31,6 +32,7 @@ import structlog
 from aiohttp import web
 
 from events import notification as nt
+from events import schedule as sc
 from events.workspace import CONFIG_MEMBERS, VCS_RUN_TYPES
 from services.api import secrets
 from services.api import vcs as vcs_api
@@ -39,9 +41,12 @@ from services.api.bodies import UpdateWorkspaceBody, check_name
 from services.api.common import SEQ_HEADER, path_id, scope
 from services.api.context import Api
 from services.api.problems import Problem
+from services.infra.eventstore import LATEST
 from services.infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
 from services.notifications import outbox
 from services.notifications.tokens import TokenStore
+from services.schedules import store as schedule_store
+from services.triggers import graph
 
 log = structlog.get_logger("runplane.api")
 
@@ -131,4 +136,19 @@ async def _remove_attached(request: web.Request, api: Api, org: str, ws: str, us
                 new_id=api.app.ids,
                 attempts=api.app.attempts,
             )
+    await _forget_schedules_and_triggers(api, org, ws, user)
     log.info("workspace_purging", org=org, workspace=ws)
+
+
+async def _forget_schedules_and_triggers(api: Api, org: str, ws: str, user: str) -> None:
+    """Its schedules, and the run triggers it follows or is followed by: kept by name on
+    the organization's subjects, a workspace created again under it would take them."""
+    schedules, _ = await schedule_store.load(api.app, org, ws, latest=True)
+    for schedule_id in sorted(schedules.schedules):
+        delete = sc.DeleteSchedule(actor=user, schedule_id=schedule_id)
+        await schedule_store.command(api.app, org, ws, delete)
+    g = (await graph.load(api.app, org, min_seq=LATEST)).state
+    for source in g.sources_of(ws):
+        await graph.remove(api.app, org, ws, source, user)
+    for follower in g.followers_of(ws):
+        await graph.remove(api.app, org, follower, ws, user)
