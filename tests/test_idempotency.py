@@ -116,6 +116,10 @@ async def test_keys_are_per_organization_and_token(http: Http) -> None:
     # B's token on A's path under A's key: 404 as ever, and A's answer is not given
     probe = await http.post(RUNS, json={"type": "plan"}, token=b_tokens["admin"], headers=key)
     probe.problem("not-found", 404)
+    # ... and again with another body: 404, never the key's `reused` (found by the fuzzer:
+    # the key was judged before the handler's scope, so an outsider met the key first)
+    other = await http.post(RUNS, json={"type": "apply"}, token=b_tokens["admin"], headers=key)
+    other.problem("not-found", 404)
     # another token of A, same key and body: its own new run
     a2 = await http.post(RUNS, json={"type": "plan"}, token=a_tokens["admin"], headers=key)
     assert a2.status == 201 and a2.body["id"] != a1.body["id"]

@@ -227,8 +227,12 @@ def _scoped(request: web.Request) -> _Request | None:
     key = request.headers.get(HEADER)
     if key is None or request.method != "POST" or not request.path.startswith(_PREFIX):
         return None
-    if request.get(PRINCIPAL) is None:  # public: Slack, webhooks sign their own calls
+    who = request.get(PRINCIPAL)
+    if who is None:  # public: Slack, webhooks sign their own calls
         return None
+    org = request.match_info.get("org", "")
+    if org and not who.superuser and who.org != org:
+        return None  # another organization's path: its handler answers 404, never a key's
     if not valid_key(key):
         raise Problem(
             "invalid-header",
@@ -236,7 +240,6 @@ def _scoped(request: web.Request) -> _Request | None:
         )
     token = bearer(request.headers.get("Authorization"))
     digest = hashlib.sha256(token.encode()).hexdigest()
-    org = request.match_info.get("org", "")
     return _Request(token=token, kv_key=bucket_key(org, digest, key), fingerprint="")
 
 
