@@ -75,8 +75,10 @@ from events.values import (
     CAUSE_KINDS,
     AttributeChange,
     Cause,
+    ConfigSource,
     PlanSummary,
     ResourceChange,
+    RunOptions,
     Snapshot,
     VariableRef,
     Workspace,
@@ -169,6 +171,8 @@ def _created(s: RunState, event: RunCreated) -> RunState:
         template=event.template,
         cause=event.cause,
         requested_commit=event.commit,
+        source=event.source,
+        options=event.options,
     )
 
 
@@ -217,6 +221,7 @@ __all__ = [
     "CancelRun",
     "Cause",
     "ClaimPhase",
+    "ConfigSource",
     "CreateRun",
     "CustomStepFinished",
     "DiscardRun",
@@ -243,6 +248,7 @@ __all__ = [
     "RunEvent",
     "RunFailed",
     "RunLimitExceeded",
+    "RunOptions",
     "RunPinned",
     "RunQueued",
     "RunState",

@@ -8,7 +8,15 @@ from events import policies as po
 from events import templates as te
 from events.approval import Caller
 from events.base import Command
-from events.values import Cause, PlanSummary, ResourceChange, Snapshot, Workspace
+from events.values import (
+    Cause,
+    ConfigSource,
+    PlanSummary,
+    ResourceChange,
+    RunOptions,
+    Snapshot,
+    Workspace,
+)
 
 
 class CreateRun(Command, frozen=True, kw_only=True):
@@ -22,6 +30,8 @@ class CreateRun(Command, frozen=True, kw_only=True):
     template: te.Template | None = None
     cause: Cause | None = None
     commit: str = ""  # the commit to pin at admission instead of the branch head
+    source: ConfigSource | None = None  # an uploaded configuration (events/values.py)
+    options: RunOptions | None = None  # targets, replaces, refresh, run variables
 
 
 class AdmitRun(Command, frozen=True, kw_only=True):

@@ -66,7 +66,7 @@ from events.run_events import (
     running_status,
 )
 from events.run_state import RunState, advance
-from events.values import CAUSE_KINDS, RESOURCE_STATES
+from events.values import CAUSE_KINDS, RESOURCE_STATES, options_problem
 
 
 def _require(state: RunState, allowed: frozenset[Status] | set[Status], what: str) -> None:
@@ -231,6 +231,10 @@ def _check_create(state: RunState, command: CreateRun) -> None:
         raise Invalid(f"unknown run cause {command.cause.kind!r}")
     if command.commit and not _SHA.fullmatch(command.commit):
         raise Invalid("a run's commit is a full hexadecimal sha (40 or 64 digits)")
+    if command.options is not None:
+        problem = options_problem(command.options)
+        if problem:
+            raise Invalid(problem)
     if command.template is not None:
         problem = te.compatible(command.template, command.run_type)
         if problem:

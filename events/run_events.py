@@ -14,7 +14,15 @@ from enum import StrEnum
 from events import policies as po
 from events import templates as te
 from events.base import Event
-from events.values import Cause, PlanSummary, ResourceChange, Snapshot, Workspace
+from events.values import (
+    Cause,
+    ConfigSource,
+    PlanSummary,
+    ResourceChange,
+    RunOptions,
+    Snapshot,
+    Workspace,
+)
 
 
 class Status(StrEnum):
@@ -75,6 +83,8 @@ class RunCreated(Event, frozen=True, kw_only=True, tag="run.created"):
     template: te.Template | None = None  # None: the built-in of the run type (older runs)
     cause: Cause | None = None  # why it exists; None: recorded before causes were
     commit: str = ""  # a pin asked at creation (a webhook's commit), else the branch head
+    source: ConfigSource | None = None  # an uploaded configuration instead of the repository
+    options: RunOptions | None = None  # the plan's targets, replaces, refresh, variables
 
 
 class RunQueued(Event, frozen=True, kw_only=True, tag="run.queued"):

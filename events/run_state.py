@@ -9,7 +9,7 @@ import msgspec
 from events import policies as po
 from events import templates as te
 from events.run_events import TERMINAL, WAITING, Status
-from events.values import Cause, PlanSummary, Snapshot, Workspace
+from events.values import Cause, ConfigSource, PlanSummary, RunOptions, Snapshot, Workspace
 
 
 class RunState(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +53,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     overridden: list[str] = []
     cause: Cause | None = None  # why it exists (None: created before causes were recorded)
     requested_commit: str = ""  # the commit asked at creation; the snapshot pins it
+    source: ConfigSource | None = None  # an uploaded configuration instead of the repository
+    options: RunOptions | None = None  # targets, replaces, refresh, run variables
     version: int = 0
 
     @property

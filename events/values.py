@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Any
 
@@ -91,6 +92,67 @@ class Cause(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
                 return f"rerun of {self.rerun_of}{by}"
             case _:
                 return f"{self.kind}{by}"
+
+
+class ConfigSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a run's configuration comes from when it is not the workspace's repository:
+    an archive the Terraform CLI uploaded (a TFE configuration version), sealed in the
+    object store. The executor fetches it, checks `digest` and extracts it
+    (executor/upload.py) instead of a git checkout."""
+
+    kind: str = "upload"  # the only kind so far
+    id: str  # the configuration version's id (cv-...)
+    object: str  # its object in `bucket`, sealed (AES-GCM, bound to bucket/object)
+    bucket: str = "rp-plans"
+    digest: str  # hex sha256 of the archive as uploaded (before sealing)
+    size: int = 0  # its size in bytes
+
+
+class RunOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What a run asks of its plan beyond the run type (the CLI's -refresh-only,
+    -target, -replace, -var): validated at creation (events/run_decide.py), passed to
+    Terraform as separate arguments by the executor (executor/terraform.py)."""
+
+    refresh_only: bool = False
+    refresh: bool = True  # False: -refresh=false
+    targets: list[str] = []  # resource addresses for -target=
+    replaces: list[str] = []  # resource addresses for -replace=
+    variables: dict[str, str] = {}  # run variables (HCL expressions, as -var takes them)
+
+
+# A resource address as -target= and -replace= take it: `module.m["k"].aws_instance.a[0]`.
+# Narrow on purpose (no spaces, no leading dash, no control characters): it goes to
+# Terraform's argv, and nothing but an address may pass for one.
+_IDENT = r"[A-Za-z_][A-Za-z0-9_-]*"
+_INDEX = r'(?:\[(?:[0-9]+|"[^"\\\x00-\x1f\x7f]*")\])?'
+ADDRESS_RE = re.compile(rf"{_IDENT}{_INDEX}(?:\.{_IDENT}{_INDEX})*")
+VARIABLE_RE = re.compile(_IDENT)
+MAX_ADDRESSES = 100
+MAX_ADDRESS = 512
+MAX_RUN_VARIABLES = 100
+MAX_RUN_VARIABLE = 64 * 1024
+
+
+def options_problem(options: RunOptions) -> str:
+    """Why a run's options are refused ("" when they are not)."""
+    for what, addresses in (("target", options.targets), ("replace", options.replaces)):
+        if len(addresses) > MAX_ADDRESSES:
+            return f"at most {MAX_ADDRESSES} {what} addresses"
+        for address in addresses:
+            if len(address) > MAX_ADDRESS or not ADDRESS_RE.fullmatch(address):
+                return f"{what} address {address[:80]!r} is not a resource address"
+    if options.refresh_only and options.replaces:
+        return "a refresh-only run replaces nothing"
+    if options.refresh_only and not options.refresh:
+        return "a refresh-only run must refresh"
+    if len(options.variables) > MAX_RUN_VARIABLES:
+        return f"at most {MAX_RUN_VARIABLES} run variables"
+    for name, value in options.variables.items():
+        if not VARIABLE_RE.fullmatch(name) or len(name) > 128:
+            return f"run variable name {name[:80]!r} is not an identifier"
+        if len(value) > MAX_RUN_VARIABLE or "\x00" in value:
+            return f"run variable {name} is too long or holds a NUL"
+    return ""
 
 
 class PlanSummary(msgspec.Struct, frozen=True, kw_only=True):

@@ -35,6 +35,7 @@ from executor.output import Output, drift_summary
 from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
 from executor.statebackend import write_override
+from executor.upload import unpack_source
 from services.infra.crypto import CryptoError, Tampered
 from services.repositories import RepositoryRefused
 
@@ -115,8 +116,13 @@ async def _apply_phase(job: Job) -> None:
 
 
 async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git.Commit:
-    """Clone the repository at the run's commit (`pinned`), else at its branch's head."""
+    """Clone the repository at the run's commit (`pinned`), else at its branch's head;
+    a run of an uploaded configuration unpacks its archive instead (executor/upload.py)."""
     cfg = job.config
+    if job.run.source is not None:
+        unpacked = await unpack_source(job, step_log)
+        check_workdir(job, "in the uploaded configuration")
+        return unpacked
     if pinned and not job.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
     _allowed(job, cfg.repository)
@@ -131,13 +137,19 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
     )
     # Before anything reads the checkout: no link in it may lead out (executor/linksafe.py).
     await asyncio.to_thread(linksafe.check_checkout, job.src)
-    workdir = job.workdir.resolve()
-    if not workdir.is_relative_to(job.src.resolve()):
-        raise StepFailed("checkout", f"directory {cfg.directory!r} is outside the repository")
-    if not workdir.is_dir():
-        raise StepFailed("checkout", f"directory {cfg.directory!r} does not exist at {found.sha}")
+    check_workdir(job, f"at {found.sha}")
     step_log.note(f"checked out {found.sha}")
     return found
+
+
+def check_workdir(job: Job, at: str) -> None:
+    """The workspace's directory is a directory inside the checkout."""
+    directory = job.config.directory
+    workdir = job.workdir.resolve()
+    if not workdir.is_relative_to(job.src.resolve()):
+        raise StepFailed("checkout", f"directory {directory!r} is outside the repository")
+    if not workdir.is_dir():
+        raise StepFailed("checkout", f"directory {directory!r} does not exist {at}")
 
 
 def _allowed(job: Job, repository: str) -> None:
@@ -165,7 +177,7 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     out = Output()
     _write_variables(job, step_log)
     # A speculative plan takes no state lock: it must not contend with an apply's.
-    args = tf.plan_args(job.run.run_type, lock=not job.run.speculative)
+    args = tf.plan_args(job.run.run_type, lock=not job.run.speculative, options=job.run.options)
     code = await _terraform(job, step_log, args, out)
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
@@ -280,6 +292,13 @@ def _write_variables(job: Job, step_log: StepLog) -> None:
     linksafe.write_new(path, data, within=job.src, step="plan", mode=0o600)
     if replaced:
         step_log.note(f"the repository's {tf.VARS_FILE} was replaced by the workspace's")
+    options = job.run.options
+    if options is not None and options.variables:  # the CLI's -var (executor/terraform.py)
+        run_vars = tf.run_variables_file(options.variables)
+        linksafe.write_new(
+            job.workdir / tf.RUN_VARS_FILE, run_vars, within=job.src, step="plan", mode=0o600
+        )
+        step_log.note(f"run variables: {', '.join(sorted(options.variables))}")
     if expressions:
         env = {f"TF_VAR_{name}": value for name, value in expressions.items()}
         job.terraform = replace(job.terraform, extra_env={**job.terraform.extra_env, **env})

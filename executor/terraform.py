@@ -29,6 +29,7 @@ from pathlib import Path
 
 import structlog
 
+from events.values import RunOptions, options_problem
 from executor.errors import SetupError
 from services.infra.childenv import child_env
 
@@ -39,6 +40,7 @@ NULL_PROVIDER_FILE = f"terraform-provider-null_v{NULL_PROVIDER_VERSION}_x4"
 PLATFORM = "linux_amd64"
 PLAN_FILE = "plan.tfplan"
 VARS_FILE = "runplane.auto.tfvars.json"  # the plain variables (plan_args)
+RUN_VARS_FILE = "runplane-run.tfvars"  # a CLI run's own variables (plan_args)
 STATE_FILE = "terraform.tfstate"
 
 # Settings on the executor host that would silently change every command we run.
@@ -306,7 +308,7 @@ def init_args() -> list[str]:
     return ["init", "-input=false", "-no-color"]
 
 
-def plan_args(run_type: str, *, lock: bool = True) -> list[str]:
+def plan_args(run_type: str, *, lock: bool = True, options: RunOptions | None = None) -> list[str]:
     """`terraform plan` for a run type: -destroy for destroy, -refresh-only for drift.
 
     The plain variables are in `VARS_FILE`, written by the executor into the working
@@ -323,7 +325,34 @@ def plan_args(run_type: str, *, lock: bool = True) -> list[str]:
         args.append("-lock=false")
     args += _PLAN_MODE[run_type]
     args.append(f"-var-file={VARS_FILE}")
+    if options is not None:
+        args += _option_args(run_type, options)
     return args
+
+
+def _option_args(run_type: str, options: RunOptions) -> list[str]:
+    problem = options_problem(options)
+    if problem:  # checked at creation; checked again before anything reaches argv
+        raise ValueError(problem)
+    args: list[str] = []
+    if options.refresh_only and "-refresh-only" not in _PLAN_MODE[run_type]:
+        args.append("-refresh-only")
+    if not options.refresh:
+        args.append("-refresh=false")
+    args += [f"-target={a}" for a in options.targets]
+    args += [f"-replace={a}" for a in options.replaces]
+    if options.variables:
+        args.append(f"-var-file={RUN_VARS_FILE}")
+    return args
+
+
+def run_variables_file(variables: Mapping[str, str]) -> bytes:
+    """The run's variables as a `.tfvars` file: `name = <expression>` per line, the
+    expression as the CLI sent it (HCL source: `"text"`, `3`, `["a"]`). A tfvars file
+    takes literal values only (no function calls, no references), so a value can set
+    nothing but variables, which are the run's to set."""
+    lines = [f"{name} = {value}" for name, value in sorted(variables.items())]
+    return ("\n".join(lines) + "\n").encode()
 
 
 def apply_args() -> list[str]:

@@ -290,6 +290,8 @@ class App:
         commit: str = "",
         run_id: str = "",
         speculative: bool | None = None,
+        source: run_agg.ConfigSource | None = None,
+        options: run_agg.RunOptions | None = None,
     ) -> Result:
         """Record a pending run, then enqueue it on its workspace (`enqueue_run`).
 
@@ -304,7 +306,9 @@ class App:
         plan outside the queue (True) whatever the workspace's setting says (None).
         `run_id`: the run's id, derived by the caller from what identifies its cause
         (`derived_id`): if that run exists already, nothing is written and it is answered
-        with `existed` (a redelivered webhook, a second scheduler replica).
+        with `existed` (a redelivered webhook, a second scheduler replica). `source`: an
+        uploaded configuration the executor extracts instead of checking the repository
+        out; `options`: the plan's targets, replaces, refresh and run variables.
 
         A deleted workspace starts no run: `events.errors.Deleted` (an IllegalTransition,
         409 `workspace-deleted`), also when the delete lands between `run.created` and the
@@ -338,6 +342,8 @@ class App:
                 template=steps,
                 cause=cause,
                 commit=commit,
+                source=source,
+                options=options,
             )
             run_events = run_agg.decide(run_agg.INITIAL, create, now=self.clock(), new_id=self.ids)
             appends = self._appends(run_subject(org, ws, new_run), 0, list(run_events))

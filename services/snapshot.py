@@ -106,8 +106,12 @@ class Snapshotter:
         if config is None:
             raise SnapshotFailed("the run has no workspace configuration")
         # A run created for a commit (a webhook's push or pull request) plans exactly it;
-        # else the branch head as of now.
-        commit = run.requested_commit or await self._commit(config.repository, config.branch)
+        # else the branch head as of now. A run of an uploaded configuration (the CLI's)
+        # has no commit: its archive's digest, in run.created, pins what it plans.
+        if run.source is not None:
+            commit = ""
+        else:
+            commit = run.requested_commit or await self._commit(config.repository, config.branch)
         return Snapshot(
             commit=commit,
             variables=variables(config, await self._secret_names(run, config)),
