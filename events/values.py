@@ -115,6 +115,9 @@ class RunOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
     refresh_only: bool = False
     refresh: bool = True  # False: -refresh=false
+    destroy: bool = False  # a plan run that plans a destroy (`terraform plan -destroy`)
+    confirm: bool = False  # the plan waits for approval whatever require_approval says
+    # (the CLI's "yes" is the approval: TFE's apply action)
     targets: list[str] = []  # resource addresses for -target=
     replaces: list[str] = []  # resource addresses for -replace=
     variables: dict[str, str] = {}  # run variables (HCL expressions, as -var takes them)
@@ -143,6 +146,8 @@ def options_problem(options: RunOptions) -> str:
                 return f"{what} address {address[:80]!r} is not a resource address"
     if options.refresh_only and options.replaces:
         return "a refresh-only run replaces nothing"
+    if options.destroy and options.refresh_only:
+        return "a run is a destroy or refresh-only, not both"
     if options.refresh_only and not options.refresh:
         return "a refresh-only run must refresh"
     if len(options.variables) > MAX_RUN_VARIABLES:

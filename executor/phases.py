@@ -97,11 +97,18 @@ async def _plan_phase(job: Job) -> None:
             summary=outcome.summary,
             plan_object=outcome.plan_object,
             plan_digest=outcome.plan_digest,
-            require_approval=bool(approval.setting(job.run.snapshot, "require_approval")),
+            require_approval=_requires_approval(job),
             changes=list(outcome.changes),
             policies=policies,
         )
     )
+
+
+def _requires_approval(job: Job) -> bool:
+    """The workspace's require_approval, or the run's own ask (a CLI run's plan waits
+    for the CLI's "yes", which is an approval: services/tfe/runs.py)."""
+    asked = job.run.options is not None and job.run.options.confirm
+    return asked or bool(approval.setting(job.run.snapshot, "require_approval"))
 
 
 async def _apply_phase(job: Job) -> None:

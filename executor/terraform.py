@@ -335,6 +335,8 @@ def _option_args(run_type: str, options: RunOptions) -> list[str]:
     if problem:  # checked at creation; checked again before anything reaches argv
         raise ValueError(problem)
     args: list[str] = []
+    if options.destroy and "-destroy" not in _PLAN_MODE[run_type]:
+        args.append("-destroy")
     if options.refresh_only and "-refresh-only" not in _PLAN_MODE[run_type]:
         args.append("-refresh-only")
     if not options.refresh:

@@ -59,3 +59,21 @@ def check_workspace_name(value: str) -> str:
             "letters, digits and dashes, starting with a letter or digit",
         )
     return value
+
+
+# Runs and what hangs off them (plans, applies, policy checks) carry their workspace:
+# the CLI names them by id alone, and a run's events are on its workspace's subject.
+RUN_KINDS = ("run", "plan", "apply", "polchk")
+
+
+def run_object_id(kind: str, org: str, ws: str, run: str) -> str:
+    """`run-<org>.<ws>.<run>`, `plan-...`, `apply-...`, `polchk-...`."""
+    return f"{kind}-{org}.{ws}.{run}"
+
+
+def parse_run_object_id(kind: str, value: str) -> tuple[str, str, str]:
+    """(org, ws, run) of an id of `kind`; 404 if it is not one."""
+    parts = value.removeprefix(f"{kind}-").split(".")
+    if not value.startswith(f"{kind}-") or len(parts) != 3 or not all(map(valid_id, parts)):
+        raise not_found(f"{kind} {value!r} not found")
+    return parts[0], parts[1], parts[2]

@@ -8,7 +8,7 @@ from nats.js import JetStreamContext
 from executor.statestore import StateStore
 from services.api.middleware import SELF_AUTHENTICATED
 from services.infra.crypto import KeyRing
-from services.tfe import discovery, login, state, workspaces
+from services.tfe import configs, discovery, login, logs, runs, state, workspaces
 from services.tfe.capability import Signer
 from services.tfe.context import TFE, Tfe, route
 
@@ -25,6 +25,28 @@ PUBLIC = [
     web.get(V2 + "/ping", route(discovery.ping, public=True)),
     # a capability URL: its token is its authority (services/tfe/capability.py)
     web.get(state.DOWNLOAD_PATH + "{token}", route(state.download, public=True)),
+    web.put(configs.UPLOAD_PATH + "{token}", route(configs.upload, public=True)),
+    web.get(logs.READ_PATH + "{phase}/{token}", route(logs.read_log, public=True)),
+]
+RUN = V2 + "/runs/{object_id}"
+# the remote operations: configuration versions, runs, plans, applies, policy checks
+OPERATIONS = [
+    web.post(WS + "/configuration-versions", route(configs.create_config_version)),
+    web.get(V2 + "/configuration-versions/{cv_id}", route(configs.read_config_version)),
+    web.post(V2 + "/runs", route(runs.create_run)),
+    web.get(RUN, route(runs.read_run)),
+    web.get(RUN + "/run-events", route(runs.run_events)),
+    web.post(RUN + "/actions/apply", route(runs.apply_action)),
+    web.post(RUN + "/actions/discard", route(runs.discard_action)),
+    web.post(RUN + "/actions/cancel", route(runs.cancel_action)),
+    web.post(RUN + "/actions/force-cancel", route(runs.cancel_action)),
+    web.get(WS + "/runs", route(runs.list_workspace_runs)),
+    web.get(ORG + "/runs/queue", route(runs.run_queue)),
+    web.get(ORG + "/capacity", route(runs.capacity)),
+    web.get(V2 + "/plans/{object_id}", route(runs.read_plan)),
+    web.get(V2 + "/applies/{object_id}", route(runs.read_apply)),
+    web.get(V2 + "/policy-checks/{object_id}", route(runs.read_policy_check)),
+    web.get(V2 + "/policy-checks/{object_id}/output", route(runs.policy_check_output)),
 ]
 AUTHENTICATED = [
     web.get(V2 + "/account/details", route(workspaces.account_details)),
@@ -44,7 +66,7 @@ AUTHENTICATED = [
     web.post(WS + "/state-versions", route(state.create_state_version)),
     web.get(V2 + "/state-versions/{sv_id}", route(state.read_state_version)),
 ]
-ROUTES = [*PUBLIC, *AUTHENTICATED]
+ROUTES = [*PUBLIC, *AUTHENTICATED, *OPERATIONS]
 
 
 def mount(web_app: web.Application, *, keyring: KeyRing | None, js: JetStreamContext) -> None:
@@ -56,6 +78,7 @@ def mount(web_app: web.Application, *, keyring: KeyRing | None, js: JetStreamCon
     signer = Signer.of(keyring) if keyring is not None else None
     web_app[TFE] = Tfe(signer=signer, states=states)
     web_app[login.USED] = {}
+    web_app[configs.CONFIGS] = configs.ConfigStore.of(js, keyring) if keyring else None
     web_app.add_routes(ROUTES)
     own = web_app.get(SELF_AUTHENTICATED, frozenset())
     resources = {r.path for r in ROUTES}

@@ -161,7 +161,9 @@ def render_workspace(org: str, row: dict[str, Any], who: Principal) -> Doc:
     active = row.get("active_run")
     relationships: dict[str, Any] = {
         "organization": ("organizations", org),
-        "current-run": ("runs", active) if active else None,
+        "current-run": ("runs", ids.run_object_id("run", org, row["name"], active))
+        if active
+        else None,
     }
     return resource("workspaces", ids.workspace_id(org, row["name"]), attrs, relationships)
 

@@ -1,0 +1,95 @@
+"""Plan and apply logs as go-tfe's LogReader reads them: `log-read-url`.
+
+The URL is a capability (services/tfe/capability.py) for one phase's log of one run,
+fetched without an Authorization header. Its answer is the bytes of the log from
+`offset`, at most `limit` of them: the log starts with STX (0x02) and, once the phase
+is over and every line of it is in, ends with ETX (0x03); the reader polls (backing off
+from 0.5 s to 2 s while nothing new comes) until it has read ETX or the plan / apply is
+final. The text is runplane's own step log of the phase (checkout, init, plan or
+apply, policy), already masked by the executor: finished steps from their objects in
+`rp-logs`, the running step's lines from RP_LOGS as they are written
+(services/api/runlog.py), so a line reaches the CLI at its next poll.
+
+The CLI drops the first three lines of an apply log (TFE repeats the plan's header
+there), so an apply log opens with a three-line preamble of ours. STX and ETX inside a
+line are dropped: a tenant's output must not end the CLI's reading early.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from events.run import RunState
+from services.api.runlog import Lines, Target
+from services.infra.eventstore import LATEST
+from services.infra.steplogs import LogError
+from services.tfe.capability import MAX_TTL_S, CapabilityError
+from services.tfe.context import api_of, tfe_of
+from services.tfe.jsonapi import TfeError, not_found
+
+READ_PATH = "/api/v2/capabilities/logs/"
+KINDS = {"plan": "plan-log", "apply": "apply-log"}
+STX, ETX = b"\x02", b"\x03"
+DEFAULT_LIMIT = 64 * 1024
+MAX_LIMIT = 1024 * 1024
+_FRAMING = str.maketrans("", "", "\x02\x03")
+
+
+def read_url(request: web.Request, phase: str, s: RunState) -> str:
+    signer = tfe_of(request).need_signer()
+    token = signer.sign(KINDS[phase], s.org, f"{s.workspace}.{s.run_id}", MAX_TTL_S)
+    return f"{request.url.origin()}{READ_PATH}{phase}/{token}"
+
+
+def _int(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name, "")
+    if raw == "":
+        return default
+    if not raw.isdigit():
+        raise TfeError(422, "invalid query", f"{name} must be a non-negative integer")
+    return int(raw)
+
+
+async def read_log(request: web.Request) -> web.Response:
+    """GET <log-read-url>?offset=N&limit=M."""
+    from services.tfe.runs import is_final_apply, is_final_plan
+
+    phase = request.match_info["phase"]
+    if phase not in KINDS:
+        raise not_found("no such log")
+    signer = tfe_of(request).need_signer()
+    try:
+        org, object_id = signer.verify(request.match_info["token"], KINDS[phase])
+    except CapabilityError as e:
+        raise not_found("no such log") from e
+    ws, _, run_id = object_id.partition(".")
+    offset = _int(request, "offset", 0)
+    limit = min(_int(request, "limit", DEFAULT_LIMIT), MAX_LIMIT)
+    api = api_of(request)
+    loaded = await api.app.load_run(org, ws, run_id, min_seq=LATEST)
+    s = loaded.state
+    if not s.exists:
+        raise not_found("no such log")
+    final = is_final_plan(s) if phase == "plan" else is_final_apply(s)
+    # Every step of a final phase in the read model before its log is called whole.
+    whole = final and await api.projector.wait_for(loaded.seq)
+    text = await _text(api, s, phase, ended=whole)
+    body = STX + text + (ETX if whole else b"")
+    return web.Response(body=body[offset : offset + limit], content_type="text/plain")
+
+
+async def _text(api: object, s: RunState, phase: str, *, ended: bool) -> bytes:
+    from services.api.context import Api
+
+    assert isinstance(api, Api)
+    target = Target(org=s.org, ws=s.workspace, run_id=s.run_id, phase=phase)
+    lines = Lines(api.app.store.nc, api.read, target, ended=ended)
+    out: list[str] = []
+    if phase == "apply":
+        out += [f"runplane: apply of run {s.run_id}", f"workspace {s.org}/{s.workspace}", ""]
+    try:
+        async for batch in lines.batches():
+            out += [line.text.rstrip("\n").translate(_FRAMING) for line in batch]
+    except LogError as e:
+        raise TfeError(503, "unavailable", f"the log store is unavailable: {e}") from e
+    return ("\n".join(out) + "\n").encode() if out else b""
