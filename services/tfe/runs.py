@@ -244,22 +244,17 @@ async def load(request: web.Request, kind: str, role: str = VIEWER) -> tuple[Run
 
 
 async def _position(app: App, request: web.Request, s: RunState) -> int:
-    """How many runs of the workspace are ahead of this pending one (FIFO)."""
+    """How many runs of the workspace are ahead of this pending one (FIFO): the older
+    ones not over yet (the list is newest first)."""
     if s.status != Status.PENDING or s.speculative:
         return 0
     rows = await api_of(request).read.list_runs(s.org, workspace=s.workspace, full=False)
-    ahead = [
-        r
-        for r in rows
-        if r["id"] != s.run_id
-        and r["status"] not in {str(x) for x in _ENDED | _STOPPED}
-        and (r.get("created_at") or "") < _iso_full(s.created_at)
-    ]
-    return len(ahead)
-
-
-def _iso_full(when: datetime | None) -> str:
-    return when.astimezone(UTC).isoformat().replace("+00:00", "Z") if when else ""
+    over = {str(x) for x in _ENDED | _STOPPED}
+    seen = [r["id"] for r in rows]
+    if s.run_id not in seen:
+        return 0
+    older = rows[seen.index(s.run_id) + 1 :]
+    return sum(1 for r in older if r["status"] not in over)
 
 
 # ---------------------------------------------------------------- handlers: runs
@@ -418,7 +413,7 @@ def _row_doc(org: str, ws: str, row: dict[str, Any]) -> Doc:
         "message": row.get("message") or "",
         "created-at": (row.get("created_at") or "").split(".", 1)[0].removesuffix("Z") + "Z",
         "has-changes": bool(row.get("has_changes")),
-        "is-destroy": row.get("run_type") == "destroy",
+        "is-destroy": row.get("type") == "destroy",
     }
     run_id = ids.run_object_id("run", org, ws, row["id"])
     return resource("runs", run_id, attrs, {"workspace": ("workspaces", ids.workspace_id(org, ws))})

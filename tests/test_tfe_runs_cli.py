@@ -1,0 +1,217 @@
+"""The real Terraform 1.0.3 (`backend "remote"`) runs plan and apply on runplane's
+executors, end to end against `runplane up --tls`.
+
+`terraform plan` uploads the working directory, runs a speculative plan remotely and
+prints its log with the right counts; `terraform apply -auto-approve` applies it; an
+apply whose CLI waits at its prompt is approved from runplane's API; `-destroy`
+destroys; a hard-mandatory policy refuses a plan and the CLI shows its message. Every
+run is recorded with cause `cli`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from executor.terraform import TerraformConfig, prepare
+from tests.helpers import eventually
+from tests.procs import Proc, free_port, signal
+from tests.test_tfe_cli import TOKEN, Https, terraform
+
+pytestmark = [pytest.mark.terraform, pytest.mark.slow]
+
+BACKEND = """\
+terraform {{
+  backend "remote" {{
+    hostname     = "{host}"
+    organization = "acme"
+    workspaces {{ name = "{ws}" }}
+  }}
+}}
+"""
+NO_CREATES = """package terraform.creates
+import rego.v1
+
+deny contains msg if {
+  some rc in input.resource_changes
+  rc.type == "null_resource"
+  "create" in rc.change.actions
+  msg := sprintf("no creating %s here", [rc.address])
+}
+"""
+
+
+def resources(n: int) -> str:
+    return "".join(f'resource "null_resource" "r{i}" {{}}\n' for i in range(n))
+
+
+@dataclass
+class Cli:
+    api: Https
+    host: str
+    env: dict[str, str]
+    root: Path
+
+    def workdir(self, ws: str, body: str) -> Path:
+        work = self.root / ws
+        work.mkdir(exist_ok=True)
+        (work / "main.tf").write_text(BACKEND.format(host=self.host, ws=ws) + body)
+        return work
+
+    def tf(self, work: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return terraform(work, self.env, *args)
+
+    async def runs(self, ws: str) -> list[dict[str, Any]]:
+        return list((await self.api.ok("GET", f"/api/v1/orgs/acme/workspaces/{ws}/runs"))["items"])
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.fixture(name="cli")
+async def cli_fixture(tmp_path: Path) -> AsyncIterator[Cli]:
+    data, port = tmp_path / "data", free_port()
+    host = f"localhost:{port}"
+    up = await Proc(
+        ["up", "--tls", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+        tmp_path / "up.log",
+        env={"RUNPLANE_ADMIN_TOKEN": TOKEN},
+    ).start()
+    ca = data.resolve() / "tls" / "ca.pem"
+    api: Https | None = None
+    try:
+
+        async def healthy() -> bool:
+            nonlocal api
+            if not ca.is_file():
+                return False
+            api = api or Https(f"https://{host}", ca)
+            try:
+                return (await api.call("GET", "/healthz"))[0] == 200
+            except (aiohttp.ClientError, ssl.SSLError):
+                return False
+
+        await eventually(healthy, timeout=60, interval=0.1, what="runplane up --tls")
+        assert api is not None
+        await api.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        issued = await api.ok(
+            "POST", "/api/v1/orgs/acme/tokens", {"user": "alice", "role": "admin"}
+        )
+        # the CLI's own provider mirror (the null provider, offline) and its credentials
+        local = prepare(TerraformConfig(), tmp_path / "cli-terraform")
+        rc = local.cli_config
+        rc.write_text(
+            rc.read_text() + f'\ncredentials "{host}" {{\n  token = "{issued["token"]}"\n}}\n'
+        )
+        home = tmp_path / "home"
+        home.mkdir()
+        env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(home),
+            "TF_CLI_CONFIG_FILE": str(rc),
+            "SSL_CERT_FILE": str(ca),
+            "TF_IN_AUTOMATION": "1",
+            "CHECKPOINT_DISABLE": "1",
+        }
+        root = tmp_path / "cli"
+        root.mkdir()
+        yield Cli(api, host, env, root)
+    finally:
+        if api is not None:
+            await api.session.close()
+        code = await up.stop(signal.SIGTERM)
+    assert code == 0, up.output()[-3000:]
+
+
+async def test_plan_then_apply_then_destroy_run_remotely(cli: Cli) -> None:
+    work = cli.workdir("net", resources(3))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+
+    plan = await asyncio.to_thread(cli.tf, work, "plan", "-no-color")
+    out = ok(plan)
+    assert "Plan: 3 to add, 0 to change, 0 to destroy." in out, out
+    assert "null_resource.r2: Plan to create" in out, out
+    (run,) = await cli.runs("net")
+    assert run["type"] == "plan" and run["status"] == "planned"
+    assert run["cause"] == {"kind": "cli", "user": "alice"}
+
+    applied = ok(await asyncio.to_thread(cli.tf, work, "apply", "-auto-approve", "-no-color"))
+    assert "Apply complete! Resources: 3 added, 0 changed, 0 destroyed." in applied, applied
+    pulled = json.loads(ok(cli.tf(work, "state", "pull")))
+    assert sorted(r["name"] for r in pulled["resources"]) == ["r0", "r1", "r2"]
+    latest = (await cli.runs("net"))[0]
+    assert (latest["type"], latest["status"]) == ("apply", "applied")
+    assert latest["cause"]["kind"] == "cli"
+
+    destroyed = ok(
+        await asyncio.to_thread(cli.tf, work, "apply", "-destroy", "-auto-approve", "-no-color")
+    )
+    assert "Resources: 0 added, 0 changed, 3 destroyed." in destroyed, destroyed
+    assert json.loads(ok(cli.tf(work, "state", "pull")))["resources"] == []
+    assert (await cli.runs("net"))[0]["type"] == "destroy"
+
+
+async def test_an_apply_waiting_at_the_cli_prompt_is_approved_from_runplane(cli: Cli) -> None:
+    work = cli.workdir("wait", resources(2))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    proc = subprocess.Popen(
+        [cli.env["PATH"] and "terraform", "apply", "-no-color"],
+        executable=str(_binary()),
+        cwd=work,
+        env=cli.env,
+        stdin=subprocess.PIPE,  # kept open, never answered: the approval comes elsewhere
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        async def waiting() -> dict[str, Any]:
+            runs = await cli.runs("wait")
+            return runs[0] if runs and runs[0]["status"] == "awaiting_approval" else {}
+
+        run = await eventually(waiting, timeout=90, interval=0.2, what="the run to wait")
+        await cli.api.ok(
+            "POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []}
+        )
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "Apply complete! Resources: 2 added, 0 changed, 0 destroyed." in out, out
+    done = (await cli.runs("wait"))[0]
+    assert done["status"] == "applied" and done["approved_by"] == "admin"
+
+
+async def test_a_hard_mandatory_policy_refuses_the_cli_plan_with_its_message(cli: Cli) -> None:
+    policy = {"enforcement": "hard-mandatory", "source": NO_CREATES}
+    await cli.api.ok("PUT", "/api/v1/orgs/acme/policies/no-creates", policy)
+    work = cli.workdir("guarded", resources(1))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    refused = await asyncio.to_thread(cli.tf, work, "plan", "-no-color")
+    text = refused.stdout + refused.stderr
+    assert refused.returncode != 0, text
+    assert "no creating null_resource.r0 here" in text, text
+    assert "hard failed" in text, text
+    (run,) = await cli.runs("guarded")
+    assert run["status"] == "failed"
+
+
+def _binary() -> Path:
+    from executor.terraform import default_binary
+
+    return default_binary()
