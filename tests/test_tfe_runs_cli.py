@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from executor.terraform import TerraformConfig, prepare
+from executor.terraform import TerraformConfig, default_binary, prepare
 from tests.helpers import eventually
 from tests.procs import Proc, free_port, signal
 from tests.test_tfe_cli import TOKEN, Https, terraform
@@ -166,35 +166,40 @@ async def test_plan_then_apply_then_destroy_run_remotely(cli: Cli) -> None:
 async def test_an_apply_waiting_at_the_cli_prompt_is_approved_from_runplane(cli: Cli) -> None:
     work = cli.workdir("wait", resources(2))
     ok(cli.tf(work, "init", "-input=false", "-no-color"))
-    proc = subprocess.Popen(
-        [cli.env["PATH"] and "terraform", "apply", "-no-color"],
-        executable=str(_binary()),
+    proc = await asyncio.create_subprocess_exec(
+        str(default_binary()),
+        "apply",
+        "-no-color",
         cwd=work,
         env=cli.env,
-        stdin=subprocess.PIPE,  # kept open, never answered: the approval comes elsewhere
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        stdin=asyncio.subprocess.PIPE,  # kept open, never answered: approved elsewhere
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
+    assert proc.stdout is not None
+    out = b""
     try:
-
-        async def waiting() -> dict[str, Any]:
-            runs = await cli.runs("wait")
-            return runs[0] if runs and runs[0]["status"] == "awaiting_approval" else {}
-
-        run = await eventually(waiting, timeout=90, interval=0.2, what="the run to wait")
+        # the CLI asks (its prompt has no newline): the run waits for its "yes"
+        while b"Enter a value:" not in out:
+            chunk = await asyncio.wait_for(proc.stdout.read(4096), timeout=90)
+            assert chunk, out.decode()
+            out += chunk
+        (run,) = await cli.runs("wait")
+        assert run["status"] == "awaiting_approval", run
         await cli.api.ok(
             "POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []}
         )
-        out, _ = await asyncio.to_thread(proc.communicate, timeout=120)
+        out += await asyncio.wait_for(proc.stdout.read(), timeout=120)
+        code = await asyncio.wait_for(proc.wait(), timeout=10)
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out
-    assert "Apply complete! Resources: 2 added, 0 changed, 0 destroyed." in out, out
+            await proc.wait()
+    text = out.decode()
+    assert code == 0, text
+    assert "Apply complete! Resources: 2 added, 0 changed, 0 destroyed." in text, text
     done = (await cli.runs("wait"))[0]
-    assert done["status"] == "applied" and done["approved_by"] == "admin"
+    assert done["status"] == "applied" and done["approved_by"] == "admin", done
 
 
 async def test_a_hard_mandatory_policy_refuses_the_cli_plan_with_its_message(cli: Cli) -> None:
@@ -209,9 +214,3 @@ async def test_a_hard_mandatory_policy_refuses_the_cli_plan_with_its_message(cli
     assert "hard failed" in text, text
     (run,) = await cli.runs("guarded")
     assert run["status"] == "failed"
-
-
-def _binary() -> Path:
-    from executor.terraform import default_binary
-
-    return default_binary()
