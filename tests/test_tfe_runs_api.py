@@ -5,6 +5,7 @@ No executor here: runs stay where their creation leaves them (docs/tfe-api.md)."
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import tarfile
@@ -14,8 +15,10 @@ import pytest
 from yarl import URL
 
 from events.run import Status
+from services.infra.steplogs import live_headers, log_subject
 from services.tfe import configs
 from services.tfe.context import TFE
+from tests.helpers import eventually
 from tests.tfe_support import JSONAPI, Tfe, tfe_fixture
 
 __all__ = ["tfe_fixture"]
@@ -332,3 +335,40 @@ async def new_run_as(tfe: Tfe, ws_id: str, cv: str, token: str) -> Any:
         }
     }
     return await tfe.tfe("POST", "/api/v2/runs", token=token, json=body)
+
+
+async def test_a_log_read_with_nothing_new_is_answered_when_a_line_is_written(tfe: Tfe) -> None:
+    """The CLI polls 0.5 to 2 s apart; a read at the log's end is held until the next
+    line, so the line reaches the CLI as it is written (target: within 1 s)."""
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    cv, _ = await uploaded(tfe, ws_id)
+    run = (await new_run(tfe, ws_id, cv)).body["data"]
+    _, _, run_id = run["id"].removeprefix("run-").split(".")
+    plan_id = run["relationships"]["plan"]["data"]["id"]
+    url = URL(
+        (await tfe.tfe("GET", f"/api/v2/plans/{plan_id}")).body["data"]["attributes"][
+            "log-read-url"
+        ]
+    )
+    loop = asyncio.get_running_loop()
+    reading = asyncio.create_task(tfe.raw(f"{url.path}?offset=1&limit=1024"))
+    nc = tfe.app.store.nc  # the API's own connection here
+    subject = log_subject(run_id, "plan", "*")
+
+    async def held() -> bool:  # the read waits at the log's end, subscribed to its lines
+        return any(sub.subject == subject for sub in nc._subs.values())
+
+    await eventually(held, what="the log read to wait")
+    assert not reading.done()
+    js = tfe.app.store.nc.jetstream()
+    written = loop.time()
+    await js.publish(
+        log_subject(run_id, "plan", "plan"),
+        b"null_resource.a: Plan to create",
+        headers=live_headers("stdout", 1),
+    )
+    status, raw = await asyncio.wait_for(reading, timeout=5)
+    latency = loop.time() - written
+    assert (status, raw) == (200, b"null_resource.a: Plan to create\n")
+    assert latency < 1.0, latency

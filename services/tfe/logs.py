@@ -8,7 +8,9 @@ from 0.5 s to 2 s while nothing new comes) until it has read ETX or the plan / a
 final. The text is runplane's own step log of the phase (checkout, init, plan or
 apply, policy), already masked by the executor: finished steps from their objects in
 `rp-logs`, the running step's lines from RP_LOGS as they are written
-(services/api/runlog.py), so a line reaches the CLI at its next poll.
+(services/api/runlog.py). A read with nothing new is held (up to `HOLD_S`) until a
+line is published on the phase's live subject or the phase ends, so a line reaches the
+CLI as it is written, not at its next poll.
 
 The CLI drops the first three lines of an apply log (TFE repeats the plan's header
 there), so an apply log opens with a three-line preamble of ours. STX and ETX inside a
@@ -17,12 +19,19 @@ line are dropped: a tenant's output must not end the CLI's reading early.
 
 from __future__ import annotations
 
-from aiohttp import web
+import asyncio
+import contextlib
+from collections.abc import Callable
 
-from events.run import RunState
+from aiohttp import web
+from nats.aio.msg import Msg
+
+from events import approval
+from events.run import RunState, Status
+from services.api.context import Api
 from services.api.runlog import Lines, Target
 from services.infra.eventstore import LATEST
-from services.infra.steplogs import LogError
+from services.infra.steplogs import LogError, log_subject
 from services.tfe.capability import MAX_TTL_S, CapabilityError
 from services.tfe.context import api_of, tfe_of
 from services.tfe.jsonapi import TfeError, not_found
@@ -33,6 +42,8 @@ STX, ETX = b"\x02", b"\x03"
 DEFAULT_LIMIT = 64 * 1024
 MAX_LIMIT = 1024 * 1024
 _FRAMING = str.maketrans("", "", "\x02\x03")
+HOLD_S = 5.0  # a read with nothing new waits this long for a line (well inside timeouts)
+STATUS_EVERY_S = 0.5  # and looks at the run this often meanwhile (its phase may end)
 
 
 def read_url(request: web.Request, phase: str, s: RunState) -> str:
@@ -57,6 +68,7 @@ async def read_log(request: web.Request) -> web.Response:
     phase = request.match_info["phase"]
     if phase not in KINDS:
         raise not_found("no such log")
+    is_final = is_final_plan if phase == "plan" else is_final_apply
     signer = tfe_of(request).need_signer()
     try:
         org, object_id = signer.verify(request.match_info["token"], KINDS[phase])
@@ -66,22 +78,69 @@ async def read_log(request: web.Request) -> web.Response:
     offset = _int(request, "offset", 0)
     limit = min(_int(request, "limit", DEFAULT_LIMIT), MAX_LIMIT)
     api = api_of(request)
+    nc = api.app.store.nc
+    woken = asyncio.Event()
+
+    async def wake(_: Msg) -> None:
+        woken.set()
+
+    # Subscribed before the first read: a line written between the read and the wait
+    # wakes the wait, so it is never missed for a whole poll.
+    sub = await nc.subscribe(log_subject(run_id, phase, "*"), cb=wake)
+    try:
+        deadline = asyncio.get_running_loop().time() + HOLD_S
+        while True:
+            woken.clear()
+            body, whole = await _body(api, org, ws, run_id, phase, is_final)
+            left = deadline - asyncio.get_running_loop().time()
+            if len(body) > offset or whole or left <= 0:
+                break
+            # Nothing new: held until a line comes (or the phase ends), so the CLI
+            # prints it at once rather than at its next poll (0.5 to 2 s apart).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), timeout=min(left, STATUS_EVERY_S))
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return web.Response(body=body[offset : offset + limit], content_type="text/plain")
+
+
+async def _body(
+    api: Api, org: str, ws: str, run_id: str, phase: str, is_final: Callable[[RunState], bool]
+) -> tuple[bytes, bool]:
     loaded = await api.app.load_run(org, ws, run_id, min_seq=LATEST)
     s = loaded.state
     if not s.exists:
         raise not_found("no such log")
-    final = is_final_plan(s) if phase == "plan" else is_final_apply(s)
     # Every step of a final phase in the read model before its log is called whole.
-    whole = final and await api.projector.wait_for(loaded.seq)
+    whole = is_final(s) and await api.projector.wait_for(loaded.seq)
     text = await _text(api, s, phase, ended=whole)
-    body = STX + text + (ETX if whole else b"")
-    return web.Response(body=body[offset : offset + limit], content_type="text/plain")
+    if whole and phase == "plan":
+        text += _waiting_note(s)
+    return STX + text + (ETX if whole else b""), whole
 
 
-async def _text(api: object, s: RunState, phase: str, *, ended: bool) -> bytes:
-    from services.api.context import Api
+def _waiting_note(s: RunState) -> bytes:
+    """Said at the end of a finished plan whose apply the CLI cannot approve, so the
+    user learns why the CLI stops there (the run waits in runplane)."""
+    if s.status != Status.AWAITING_APPROVAL:
+        return b""
+    lines = []
+    if approval.unacknowledged(s.snapshot, s.destructive, s.acknowledged):
+        lines.append(
+            "runplane: confirm_destructive is on and this plan deletes or replaces "
+            f"{', '.join(s.destructive[:10])}: the CLI cannot acknowledge them; approve "
+            "the run in runplane, acknowledging them"
+        )
+    if approval.setting(s.snapshot, "four_eyes"):
+        lines.append(
+            f"runplane: four_eyes is on: the run's creator ({s.created_by}) may not approve "
+            "it; another approver must, in runplane"
+        )
+    return ("\n".join(lines) + "\n").encode() if lines else b""
 
-    assert isinstance(api, Api)
+
+async def _text(api: Api, s: RunState, phase: str, *, ended: bool) -> bytes:
     target = Target(org=s.org, ws=s.workspace, run_id=s.run_id, phase=phase)
     lines = Lines(api.app.store.nc, api.read, target, ended=ended)
     out: list[str] = []
