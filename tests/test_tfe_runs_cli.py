@@ -214,3 +214,106 @@ async def test_a_hard_mandatory_policy_refuses_the_cli_plan_with_its_message(cli
     assert "hard failed" in text, text
     (run,) = await cli.runs("guarded")
     assert run["status"] == "failed"
+
+
+async def _apply_answering(cli: Cli, work: Path, answer: bytes, *args: str) -> tuple[int, str]:
+    """`terraform apply` that answers its prompt with `answer` once it asks."""
+    proc = await asyncio.create_subprocess_exec(
+        str(default_binary()),
+        "apply",
+        "-no-color",
+        *args,
+        cwd=work,
+        env=cli.env,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    out = b""
+    try:
+        while b"Enter a value:" not in out:
+            chunk = await asyncio.wait_for(proc.stdout.read(4096), timeout=90)
+            assert chunk, out.decode()
+            out += chunk
+        proc.stdin.write(answer)
+        await proc.stdin.drain()
+        out += await asyncio.wait_for(proc.stdout.read(), timeout=120)
+        code = await asyncio.wait_for(proc.wait(), timeout=10)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return code, out.decode()
+
+
+async def test_the_clis_yes_applies_and_its_no_discards(cli: Cli) -> None:
+    work = cli.workdir("prompt", resources(1))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    code, out = await _apply_answering(cli, work, b"no\n")
+    assert code != 0 and "Apply discarded." in out, out
+    assert (await cli.runs("prompt"))[0]["status"] == "discarded"
+    code, out = await _apply_answering(cli, work, b"yes\n")
+    assert code == 0, out
+    assert "Apply complete! Resources: 1 added, 0 changed, 0 destroyed." in out, out
+    done = (await cli.runs("prompt"))[0]
+    assert done["status"] == "applied" and done["approved_by"] == "alice", done
+
+
+async def test_target_replace_and_refresh_only_reach_the_remote_plan(cli: Cli) -> None:
+    work = cli.workdir("flags", resources(3))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    out = ok(
+        await asyncio.to_thread(
+            cli.tf, work, "apply", "-auto-approve", "-no-color", "-target=null_resource.r1"
+        )
+    )
+    assert "Resources: 1 added, 0 changed, 0 destroyed." in out, out
+    state = json.loads(ok(cli.tf(work, "state", "pull")))
+    assert [r["name"] for r in state["resources"]] == ["r1"]
+    out = ok(
+        await asyncio.to_thread(
+            cli.tf,
+            work,
+            "plan",
+            "-no-color",
+            "-replace=null_resource.r1",
+            "-target=null_resource.r1",
+        )
+    )
+    assert "Plan: 1 to add, 0 to change, 1 to destroy." in out, out
+    out = ok(await asyncio.to_thread(cli.tf, work, "plan", "-no-color", "-refresh-only"))
+    # r0 and r2 are not in the state: a normal plan would add them, a refresh-only none
+    assert "Plan: 0 to add, 0 to change, 0 to destroy." in out, out
+    # an address that is none is refused (by the CLI itself here; runplane checks it
+    # again, events.values.ADDRESS_RE: test_tfe_runs_api)
+    bad = await asyncio.to_thread(cli.tf, work, "plan", "-no-color", "-target=null_resource.r1[")
+    assert bad.returncode != 0
+
+
+async def test_confirm_destructive_holds_a_cli_destroy_for_approval_in_runplane(cli: Cli) -> None:
+    work = cli.workdir("careful", resources(1))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    ok(await asyncio.to_thread(cli.tf, work, "apply", "-auto-approve", "-no-color"))
+    await cli.api.ok(
+        "PATCH", "/api/v1/orgs/acme/workspaces/careful/settings", {"confirm_destructive": True}
+    )
+    out = ok(
+        await asyncio.to_thread(cli.tf, work, "apply", "-destroy", "-auto-approve", "-no-color")
+    )
+    # the CLI cannot acknowledge the deletion: it stops, saying where the run waits
+    assert "confirm_destructive is on" in out and "null_resource.r0" in out, out
+    assert "Apply complete" not in out, out
+    run = (await cli.runs("careful"))[0]
+    assert (run["type"], run["status"]) == ("destroy", "awaiting_approval")
+    refused = await cli.api.call(
+        "POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []}
+    )
+    assert refused[0] == 409
+    await cli.api.ok(
+        "POST",
+        f"/api/v1/orgs/acme/runs/{run['id']}/approve",
+        {"acknowledged": ["null_resource.r0"]},
+    )
+    await cli.api.run_to(run["id"], {"applied"})
+    assert json.loads(ok(cli.tf(work, "state", "pull")))["resources"] == []
