@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import shutil
 import tempfile
 from collections.abc import Awaitable
@@ -71,14 +70,10 @@ class ConfigStore:
 
     objects: Objects
     keyring: KeyRing
-    spool: Path  # where an upload streams before it is sealed (a private directory)
 
     @classmethod
     def of(cls, js: JetStreamContext, keyring: KeyRing) -> ConfigStore:
-        spool = Path(tempfile.gettempdir()) / "runplane-tfe-uploads"
-        spool.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(spool, 0o700)
-        return cls(Objects(js), keyring, spool)
+        return cls(Objects(js), keyring)
 
     @staticmethod
     def archive_name(org: str, ws: str, cv: str) -> str:
@@ -90,14 +85,14 @@ class ConfigStore:
 
     async def put_record(self, org: str, ws: str, cv: str, record: Record) -> None:
         name = self.record_name(org, ws, cv)
-        with tempfile.TemporaryDirectory(dir=self.spool) as tmp:
+        with tempfile.TemporaryDirectory(prefix="runplane-tfe-") as tmp:
             path = Path(tmp) / "record"
             path.write_bytes(self.keyring.seal(_encode(record), f"{PLANS_BUCKET}/{name}"))
             await self.objects.upload(PLANS_BUCKET, name, path)
 
     async def record(self, org: str, ws: str, cv: str) -> Record | None:
         name = self.record_name(org, ws, cv)
-        with tempfile.TemporaryDirectory(dir=self.spool) as tmp:
+        with tempfile.TemporaryDirectory(prefix="runplane-tfe-") as tmp:
             path = Path(tmp) / "record"
             if not await self.objects.download(PLANS_BUCKET, name, path, patience=2.0):
                 return None
@@ -226,7 +221,9 @@ async def upload(request: web.Request) -> web.Response:
         raise not_found("no such upload")
     if record.status != "pending":
         raise TfeError(409, "already uploaded", f"configuration version {cv} has its archive")
-    spool = Path(tempfile.mkdtemp(dir=store.spool))
+    # A directory of its own (mkdtemp: new, 0700), never a fixed name in a shared /tmp
+    # that another user could have made first, or made a link.
+    spool = Path(tempfile.mkdtemp(prefix="runplane-tfe-upload-"))
     try:
         clear = spool / "configuration.tar.gz"
         digest, size = await _receive(request, clear)
