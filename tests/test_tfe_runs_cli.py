@@ -74,6 +74,16 @@ class Cli:
     async def runs(self, ws: str) -> list[dict[str, Any]]:
         return list((await self.api.ok("GET", f"/api/v1/orgs/acme/workspaces/{ws}/runs"))["items"])
 
+    async def newest(self, ws: str, status: str) -> dict[str, Any]:
+        """The workspace's newest run once runplane's read model shows it `status` (the
+        CLI may exit before the projection has caught up)."""
+
+        async def probe() -> dict[str, Any]:
+            runs = await self.runs(ws)
+            return runs[0] if runs and runs[0]["status"] == status else {}
+
+        return await eventually(probe, timeout=30, interval=0.1, what=f"{ws}'s run {status}")
+
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 0, result.stdout + result.stderr
@@ -143,16 +153,16 @@ async def test_plan_then_apply_then_destroy_run_remotely(cli: Cli) -> None:
     out = ok(plan)
     assert "Plan: 3 to add, 0 to change, 0 to destroy." in out, out
     assert "null_resource.r2: Plan to create" in out, out
-    (run,) = await cli.runs("net")
-    assert run["type"] == "plan" and run["status"] == "planned"
+    run = await cli.newest("net", "planned")
+    assert run["type"] == "plan" and len(await cli.runs("net")) == 1
     assert run["cause"] == {"kind": "cli", "user": "alice"}
 
     applied = ok(await asyncio.to_thread(cli.tf, work, "apply", "-auto-approve", "-no-color"))
     assert "Apply complete! Resources: 3 added, 0 changed, 0 destroyed." in applied, applied
     pulled = json.loads(ok(cli.tf(work, "state", "pull")))
     assert sorted(r["name"] for r in pulled["resources"]) == ["r0", "r1", "r2"]
-    latest = (await cli.runs("net"))[0]
-    assert (latest["type"], latest["status"]) == ("apply", "applied")
+    latest = await cli.newest("net", "applied")
+    assert latest["type"] == "apply"
     assert latest["cause"]["kind"] == "cli"
 
     destroyed = ok(
@@ -160,7 +170,7 @@ async def test_plan_then_apply_then_destroy_run_remotely(cli: Cli) -> None:
     )
     assert "Resources: 0 added, 0 changed, 3 destroyed." in destroyed, destroyed
     assert json.loads(ok(cli.tf(work, "state", "pull")))["resources"] == []
-    assert (await cli.runs("net"))[0]["type"] == "destroy"
+    assert (await cli.newest("net", "applied"))["type"] == "destroy"
 
 
 async def test_an_apply_waiting_at_the_cli_prompt_is_approved_from_runplane(cli: Cli) -> None:
@@ -198,8 +208,8 @@ async def test_an_apply_waiting_at_the_cli_prompt_is_approved_from_runplane(cli:
     text = out.decode()
     assert code == 0, text
     assert "Apply complete! Resources: 2 added, 0 changed, 0 destroyed." in text, text
-    done = (await cli.runs("wait"))[0]
-    assert done["status"] == "applied" and done["approved_by"] == "admin", done
+    done = await cli.newest("wait", "applied")
+    assert done["approved_by"] == "admin", done
 
 
 async def test_a_hard_mandatory_policy_refuses_the_cli_plan_with_its_message(cli: Cli) -> None:
@@ -212,8 +222,8 @@ async def test_a_hard_mandatory_policy_refuses_the_cli_plan_with_its_message(cli
     assert refused.returncode != 0, text
     assert "no creating null_resource.r0 here" in text, text
     assert "hard failed" in text, text
-    (run,) = await cli.runs("guarded")
-    assert run["status"] == "failed"
+    run = await cli.newest("guarded", "failed")
+    assert run["reason"] == "policy_failed", run
 
 
 async def _apply_answering(cli: Cli, work: Path, answer: bytes, *args: str) -> tuple[int, str]:
@@ -252,12 +262,12 @@ async def test_the_clis_yes_applies_and_its_no_discards(cli: Cli) -> None:
     ok(cli.tf(work, "init", "-input=false", "-no-color"))
     code, out = await _apply_answering(cli, work, b"no\n")
     assert code != 0 and "Apply discarded." in out, out
-    assert (await cli.runs("prompt"))[0]["status"] == "discarded"
+    await cli.newest("prompt", "discarded")
     code, out = await _apply_answering(cli, work, b"yes\n")
     assert code == 0, out
     assert "Apply complete! Resources: 1 added, 0 changed, 0 destroyed." in out, out
-    done = (await cli.runs("prompt"))[0]
-    assert done["status"] == "applied" and done["approved_by"] == "alice", done
+    done = await cli.newest("prompt", "applied")
+    assert done["approved_by"] == "alice", done
 
 
 async def test_target_replace_and_refresh_only_reach_the_remote_plan(cli: Cli) -> None:
@@ -304,8 +314,8 @@ async def test_confirm_destructive_holds_a_cli_destroy_for_approval_in_runplane(
     # the CLI cannot acknowledge the deletion: it stops, saying where the run waits
     assert "confirm_destructive is on" in out and "null_resource.r0" in out, out
     assert "Apply complete" not in out, out
-    run = (await cli.runs("careful"))[0]
-    assert (run["type"], run["status"]) == ("destroy", "awaiting_approval")
+    run = await cli.newest("careful", "awaiting_approval")
+    assert run["type"] == "destroy"
     refused = await cli.api.call(
         "POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []}
     )
