@@ -16,11 +16,18 @@ from events.run import (
     CreateRun,
     RunCreated,
     RunOptions,
+    RunState,
+    Snapshot,
+    Status,
     Workspace,
     decide,
     fold,
 )
 from executor import terraform as tf
+from services.api.auth import Principal
+from services.commands import App
+from services.tfe import logs
+from services.tfe.runs import render_run
 
 AT = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SOURCE = ConfigSource(id="cv-acme.net.01jz", object="config/acme/net/cv.tgz", digest="ab" * 32)
@@ -102,3 +109,49 @@ def test_options_become_separate_arguments() -> None:
 def test_run_variables_file_is_one_assignment_a_line() -> None:
     text = tf.run_variables_file({"b": "2", "a": '"x"'}).decode()
     assert text == 'a = "x"\nb = 2\n'
+
+
+# ---------------------------------------------------------------- the CLI's "yes"
+
+
+def _waiting(**settings: object) -> RunState:
+    snapshot = Snapshot(
+        settings={k: {"value": v, "origin": "workspace"} for k, v in settings.items()}
+    )
+    return RunState(
+        run_id="r1",
+        org="acme",
+        workspace="net",
+        run_type="apply",
+        status=Status.AWAITING_APPROVAL,
+        created_by="alice",
+        snapshot=snapshot,
+        planned=True,
+        has_changes=True,
+        destructive=["null_resource.a"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("settings", "who", "confirmable", "note"),
+    [
+        ({}, "alice", True, ""),
+        ({"four_eyes": True}, "alice", False, "four_eyes is on"),
+        ({"four_eyes": True}, "bob", True, "four_eyes is on"),
+        ({"confirm_destructive": True}, "alice", False, "confirm_destructive is on"),
+        ({"approvers": ["carol"]}, "alice", False, ""),
+    ],
+)
+async def test_the_cli_may_confirm_only_what_runplanes_rule_would_take(
+    app: App, settings: dict[str, object], who: str, confirmable: bool, note: str
+) -> None:
+    """`is-confirmable` (the CLI asks "yes" only then) is the approval rule applied to
+    the caller; a plan the CLI cannot approve ends its log saying why."""
+    await app.create_org("acme", "test")
+    s = _waiting(**settings)
+    doc = await render_run(app, s, Principal(user=who, role="admin", org="acme"))
+    assert doc["attributes"]["actions"]["is-confirmable"] is confirmable
+    assert doc["attributes"]["permissions"]["can-apply"] is confirmable
+    assert doc["attributes"]["status"] == "planned"
+    text = logs._waiting_note(s).decode()
+    assert (note in text) if note else text == "", text
