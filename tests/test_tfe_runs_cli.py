@@ -26,7 +26,7 @@ import pytest
 from executor.terraform import TerraformConfig, default_binary, prepare
 from tests.helpers import eventually
 from tests.procs import Proc, free_port, signal
-from tests.test_tfe_cli import TOKEN, Https, terraform
+from tests.test_tfe_cli import CLOUD_HCL, TOKEN, Https, _newer_terraform, terraform
 
 pytestmark = [pytest.mark.terraform, pytest.mark.slow]
 
@@ -327,3 +327,37 @@ async def test_confirm_destructive_holds_a_cli_destroy_for_approval_in_runplane(
     )
     await cli.api.run_to(run["id"], {"applied"})
     assert json.loads(ok(cli.tf(work, "state", "pull")))["resources"] == []
+
+
+async def test_a_cloud_block_plans_and_applies_remotely_with_run_variables(cli: Cli) -> None:
+    """A newer Terraform's `cloud` block (1.11 here, where the machine has one) runs the
+    same remote operations on an executor running the same version, and sends `-var` as
+    run variables."""
+    newer = _newer_terraform()
+    work = cli.root / "cloud"
+    work.mkdir()
+    (work / "main.tf").write_text(
+        CLOUD_HCL.format(host=cli.host, ws="cloudy").replace('output "greeting"', "# ", 1)
+        + 'variable "who" { type = string }\n'
+        + 'resource "null_resource" "a" { triggers = { who = var.who } }\n'
+        + 'output "who" { value = var.who }\n'
+    )
+
+    def tf(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [newer, *args], cwd=work, env=cli.env, capture_output=True, text=True, timeout=90
+        )
+
+    ok(await asyncio.to_thread(tf, "init", "-input=false", "-no-color"))
+    # the executors run what the workspace's terraform_binary names: Terraform 1.0.3
+    # cannot read a `cloud` block, so this workspace runs the newer one
+    # newer clients' -auto-approve sends `auto-apply` and no apply action: runplane's
+    # require_approval (on by default) would hold the run for an approval in runplane
+    settings = {"terraform_binary": newer, "require_approval": False}
+    await cli.api.ok("PATCH", "/api/v1/orgs/acme/workspaces/cloudy/settings", settings)
+    out = ok(await asyncio.to_thread(tf, "plan", "-no-color", "-var", "who=alice"))
+    assert "Plan: 1 to add, 0 to change, 0 to destroy." in out, out
+    out = ok(await asyncio.to_thread(tf, "apply", "-auto-approve", "-no-color", "-var", "who=bob"))
+    assert "Apply complete! Resources: 1 added" in out, out
+    state = json.loads(ok(await asyncio.to_thread(tf, "state", "pull")))
+    assert state["outputs"]["who"]["value"] == "bob"

@@ -132,6 +132,11 @@ def _waiting_note(s: RunState) -> bytes:
             f"{', '.join(s.destructive[:10])}: the CLI cannot acknowledge them; approve "
             "the run in runplane, acknowledging them"
         )
+    if s.options is not None and not s.options.confirm and not s.speculative:
+        lines.append(
+            "runplane: the workspace requires an approval before apply (require_approval): "
+            "-auto-approve is not one; approve the run in runplane"
+        )
     if approval.setting(s.snapshot, "four_eyes"):
         lines.append(
             f"runplane: four_eyes is on: the run's creator ({s.created_by}) may not approve "

@@ -186,6 +186,7 @@ async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -
             "is-force-cancelable": False,
         },
         "created-at": _iso(s.created_at),
+        "auto-apply": bool(s.options is not None and not s.options.confirm and not s.speculative),
         "has-changes": s.has_changes,
         "is-destroy": _destroying(s),
         "message": s.message,
@@ -285,7 +286,10 @@ async def create_run(request: web.Request) -> web.Response:
             "runplane starts runs of a workspace's repository through its own API; the "
             "TFE API runs uploaded configurations (relationships.configuration-version)",
         )
-    options = _options(attrs, speculative=speculative)
+    # `auto-apply` (newer clients' -auto-approve): no "yes" will come, so the plan does
+    # not wait for one (runplane's own require_approval still holds it).
+    auto_apply = _flag(attrs, "auto-apply", False)
+    options = _options(attrs, confirm=not speculative and not auto_apply)
     destroy = _flag(attrs, "is-destroy", False)
     if speculative:
         run_type = "plan"
@@ -341,7 +345,7 @@ def _addresses(attrs: dict[str, Any], name: str) -> list[str]:
     return list(value)
 
 
-def _options(attrs: dict[str, Any], *, speculative: bool) -> RunOptions:
+def _options(attrs: dict[str, Any], *, confirm: bool) -> RunOptions:
     variables: dict[str, str] = {}
     raw = attrs.get("variables") or []
     if not isinstance(raw, list):
@@ -359,7 +363,7 @@ def _options(attrs: dict[str, Any], *, speculative: bool) -> RunOptions:
         targets=_addresses(attrs, "target-addrs"),
         replaces=_addresses(attrs, "replace-addrs"),
         variables=variables,
-        confirm=not speculative,
+        confirm=confirm,
     )
 
 
