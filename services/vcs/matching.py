@@ -18,6 +18,7 @@ A deleted branch or tag starts nothing.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import posixpath
 import re
 from collections.abc import Sequence
@@ -35,36 +36,104 @@ class Target:
     speculative: bool
 
 
+_ONE, _STAR, _ANY, _DIRS = range(4)  # a character; `*`; `**`; `**/` (none or dirs)
+_Token = tuple[int, "re.Pattern[str] | None", str]  # kind, one character's, literal
+
+
 @lru_cache(maxsize=4096)
-def _compiled(pattern: str) -> re.Pattern[str]:
-    out, i = [], 0
+def _tokens(pattern: str) -> tuple[_Token, ...]:
+    out: list[_Token] = []
+    i = 0
     while i < len(pattern):
         if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
+            out.append((_DIRS, None, ""))
             i += 3
         elif pattern.startswith("**", i):
-            out.append(".*")
+            out.append((_ANY, None, ""))
             i += 2
         elif pattern[i] == "*":
-            out.append("[^/]*")
+            out.append((_STAR, None, ""))
             i += 1
         elif pattern[i] == "?":
-            out.append("[^/]")
+            out.append((_ONE, re.compile("[^/]"), ""))
             i += 1
-        elif pattern[i] == "[" and "]" in pattern[i + 1 :]:
-            end = pattern.index("]", i + 1 + (pattern[i + 1 : i + 2] == "]"))
-            body = pattern[i + 1 : end].replace("\\", "\\\\")
-            out.append("[^" + body[1:] + "]" if body.startswith("!") else "[" + body + "]")
-            i = end + 1
+        elif (one := _class(pattern, i)) is not None:
+            out.append((_ONE, one[0], ""))
+            i = one[1]
         else:
-            out.append(re.escape(pattern[i]))
+            out.append((_ONE, re.compile(re.escape(pattern[i]), re.S), pattern[i]))
             i += 1
-    return re.compile("".join(out), re.S)
+    return tuple(out)
+
+
+def _class(pattern: str, i: int) -> tuple[re.Pattern[str], int] | None:
+    """The character class `[...]` at `i` and the index after it; None if there is none
+    (a `[` is then itself)."""
+    if pattern[i] != "[" or "]" not in pattern[i + 2 :]:
+        return None
+    end = pattern.index("]", i + 1 + (pattern[i + 1 : i + 2] == "]"))
+    body = pattern[i + 1 : end].replace("\\", "\\\\")
+    try:
+        one = re.compile("[^" + body[1:] + "]" if body.startswith("!") else "[" + body + "]", re.S)
+    except re.error:  # `[z-a]`, `[!]`: no class
+        return None
+    return one, end + 1
+
+
+def _closure(tokens: tuple[_Token, ...], states: set[tuple[int, bool]]) -> set[tuple[int, bool]]:
+    """The states reachable without reading a character (a wildcard matching none)."""
+    todo = list(states)
+    while todo:
+        i, inside = todo.pop()
+        if inside or i == len(tokens) or tokens[i][0] == _ONE:
+            continue
+        more = [(i + 1, False)] + ([(i, True)] if tokens[i][0] == _DIRS else [])
+        for s in more:
+            if s not in states:
+                states.add(s)
+                todo.append(s)
+    return states
+
+
+def _step(tokens: tuple[_Token, ...], state: tuple[int, bool], ch: str) -> list[tuple[int, bool]]:
+    i, inside = state
+    if inside:  # within `**/`'s directories: any character, a `/` may end them
+        return [(i, True), (i + 1, False)] if ch == "/" else [(i, True)]
+    if i == len(tokens):
+        return []
+    kind, one, _ = tokens[i]
+    if kind == _ONE:
+        return [(i + 1, False)] if one is not None and one.fullmatch(ch) else []
+    if kind == _DIRS:  # it reads through its `inside` state only
+        return []
+    return [(i, False)] if kind == _ANY or ch != "/" else []
+
+
+def _literals(tokens: tuple[_Token, ...]) -> tuple[str, str]:
+    """The plain text the pattern starts and ends with: every path it matches has them."""
+    plain = [t[2] for t in tokens]
+    head = "".join(itertools.takewhile(bool, plain))
+    tail = "".join(reversed(list(itertools.takewhile(bool, reversed(plain)))))
+    return head, tail if len(head) < len(plain) else ""
 
 
 def glob_match(pattern: str, path: str) -> bool:
-    """Whether a repository path matches a trigger glob (`**` spans directories)."""
-    return _compiled(pattern.lstrip("/")).fullmatch(path) is not None
+    """Whether a repository path matches a trigger glob (`**` spans directories).
+
+    Matched by stepping every position of the pattern at once over the path (time
+    linear in both): a backtracking regex of a tenant's `**a**a**a**a**a` would hold
+    the API's event loop for hours on a path of a few hundred characters.
+    """
+    tokens = _tokens(pattern.lstrip("/"))
+    head, tail = _literals(tokens)
+    if not (path.startswith(head) and path.endswith(tail)) or len(path) < len(head + tail):
+        return False  # most paths are told apart here, before stepping
+    states = _closure(tokens, {(0, False)})
+    for ch in path:
+        states = _closure(tokens, {n for s in states for n in _step(tokens, s, ch)})
+        if not states:
+            return False
+    return (len(tokens), False) in states
 
 
 def changed(binding: dict[str, Any], files: Sequence[str], *, everything: bool) -> bool:
