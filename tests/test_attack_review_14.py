@@ -6,8 +6,15 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import Any
+
+import pytest
+from aiohttp import web
 
 from services.vcs import matching
+from services.vcs.client import Policy, VcsError
+from services.vcs.github import GitHubClient
+from services.vcs.gitlab import GitLabClient
 
 # ---------------------------------------------------------------- trigger globs
 
@@ -52,3 +59,66 @@ def test_trigger_globs_keep_their_meaning() -> None:
     ]
     for pattern, path, hit in cases:
         assert matching.glob_match(pattern, path) is hit, (pattern, path)
+
+
+# ---------------------------------------------------------------- VCS answers
+
+
+class _Flood:
+    """A tenant's VCS answering every call 200 with a JSON body of `size` bytes (a list
+    padded with spaces: cheap to parse, so only the reading costs), counting what it
+    managed to send before the client hung up."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.sent = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> _Flood:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, handle_signals=False)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        assert site._server is not None
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = self.size
+        await resp.prepare(request)
+        chunk = b" " * (1024 * 1024)
+        try:
+            await resp.write(b"[")
+            while self.sent < self.size - 2 - len(chunk):
+                await resp.write(chunk)
+                self.sent += len(chunk)
+            await resp.write(b" " * (self.size - 2 - self.sent) + b"]")
+            self.sent = self.size
+        except (ConnectionError, RuntimeError):
+            pass  # the client hung up
+        return resp
+
+
+@pytest.mark.parametrize("client", [GitHubClient, GitLabClient])
+async def test_a_tenants_vcs_cannot_fill_the_reporters_memory(client: type[Any]) -> None:
+    """Org A's api_url answers the comment lookup with a 48 MiB body: the reporter (one
+    process for every organization's reports) read all of it into memory, as fast as
+    the tenant sent it, for as long as a call may take. It now stops at MAX_ANSWER."""
+    async with _Flood(48 * 1024 * 1024) as vcs:
+        c = client(vcs.url + "/api/v4", "t", Policy(allow=frozenset({"loopback"}), timeout=5))
+        try:
+            with pytest.raises(VcsError, match="more than") as caught:
+                await c.find_comment("acme/net", 7, "<!-- m -->")
+        finally:
+            await c.aclose()
+        assert not caught.value.retryable
+        assert vcs.sent < 24 * 1024 * 1024

@@ -29,6 +29,7 @@ from services.notifications import Refused, guard
 from services.vcs.client import USER_AGENT, Policy, VcsError, error_for
 
 MAX_PAGES = 10  # of 100 comments each, looked through for our comment's marker
+MAX_ANSWER = 8 * 1024 * 1024  # bytes of one answer read, at most (a page of 100 comments)
 
 
 class GuardedBackend(httpcore.AsyncNetworkBackend):
@@ -92,6 +93,18 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
             network_backend=GuardedBackend(allow, timeout=timeout),
         )
 
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """The answer, its body read up to MAX_ANSWER bytes: the tenant's server could
+        otherwise fill the reporter's memory (every organization's) within one call's
+        timeout. Uncompressed only, so the bytes counted are the bytes kept."""
+        request.headers["Accept-Encoding"] = "identity"
+        response = await super().handle_async_request(request)
+        if response.headers.get("Content-Encoding", "identity").lower() != "identity":
+            await response.aclose()
+            raise Refused("the VCS answered a compressed body, which was not asked for")
+        response.stream = _Capped(response.stream, MAX_ANSWER)
+        return response
+
     async def __aexit__(self, *exc: typing.Any) -> None:
         return None
 
@@ -100,6 +113,25 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
 
     async def close(self) -> None:
         await self._pool.aclose()
+
+
+class _Capped(httpx.AsyncByteStream):
+    """A response body that refuses to be more than `limit` bytes."""
+
+    def __init__(self, inner: typing.Any, limit: int) -> None:
+        self.inner = inner
+        self.limit = limit
+
+    async def __aiter__(self) -> typing.AsyncIterator[bytes]:
+        size = 0
+        async for chunk in self.inner:
+            size += len(chunk)
+            if size > self.limit:
+                raise Refused(f"the VCS answered more than {self.limit} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 class GitHubClient:

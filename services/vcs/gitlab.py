@@ -42,6 +42,7 @@ THREADS = 16  # every GitLab call of the process; a connection has `per_connecti
 _POOL = ThreadPoolExecutor(max_workers=THREADS, thread_name_prefix="vcs-gitlab")
 _NO_WAIT: dict[str, Any] = {"obey_rate_limit": False, "retry_transient_errors": False}
 MAX_PAGES = 10
+MAX_ANSWER = 8 * 1024 * 1024  # bytes of one answer read, at most (a page of 100 notes)
 
 
 class _Sockets:
@@ -133,6 +134,25 @@ class GuardedAdapter(requests.adapters.HTTPAdapter):
     ) -> None:
         super().init_poolmanager(connections, maxsize, block, **kw)
         self.poolmanager.pool_classes_by_scheme = self._classes
+
+    def send(  # type: ignore[override]  # stream is always True below, whatever asked
+        self, request: requests.PreparedRequest, stream: bool = False, **kw: Any
+    ) -> requests.Response:
+        """The answer, its body read here up to MAX_ANSWER bytes (decoded: a small gzip
+        counts as what it inflates to), so the tenant's server cannot fill the
+        reporter's memory within one call's timeout."""
+        response = super().send(request, stream=True, **kw)
+        body, size = [], 0
+        try:
+            for chunk in response.iter_content(64 * 1024):
+                size += len(chunk)
+                if size > MAX_ANSWER:
+                    raise Refused(f"the VCS answered more than {MAX_ANSWER} bytes")
+                body.append(chunk)
+        finally:
+            response.close()
+        response._content = b"".join(body)
+        return response
 
 
 def guarded_session(allow: frozenset[str], sockets: _Sockets) -> requests.Session:
