@@ -3,6 +3,7 @@ is an attack by a hostile organization that worked on the tree before its fix.""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -11,10 +12,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from services.vcs import gitlab as gitlab_module
 from services.vcs import matching
 from services.vcs.client import Policy, VcsError
 from services.vcs.github import GitHubClient
 from services.vcs.gitlab import GitLabClient
+from tests.helpers import eventually
 
 # ---------------------------------------------------------------- trigger globs
 
@@ -122,3 +125,63 @@ async def test_a_tenants_vcs_cannot_fill_the_reporters_memory(client: type[Any])
             await c.aclose()
         assert not caught.value.retryable
         assert vcs.sent < 24 * 1024 * 1024
+
+
+def _black_holes(count: int) -> tuple[list[str], int, list[socket.socket]]:
+    """`count` loopback addresses on one port where a connect hangs (each listener's
+    queue filled by one connection it never accepts: further SYNs are dropped)."""
+    held: list[socket.socket] = []
+    addresses = [f"127.0.0.{i}" for i in range(2, 2 + count)]
+    port = 0
+    for address in addresses:
+        listener = socket.socket()
+        listener.bind((address, port))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        held += [listener, socket.create_connection((address, port), 1)]
+    return addresses, port, held
+
+
+async def test_a_tenants_many_addressed_gitlab_frees_its_thread_at_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Org A's api_url names a host of many addresses that never answer a SYN (their
+    DNS is theirs): each call's worker thread tried every address, a timeout each, long
+    after the call was given up at its deadline. 16 threads serve every organization's
+    GitLab calls, so org A's reports (8 at once) kept them all and B's waited. The
+    thread now stops at the first connect that ends past the deadline."""
+    addresses, port, held = _black_holes(6)
+    real = socket.getaddrinfo
+
+    def resolve(host: Any, *a: Any, **kw: Any) -> Any:
+        if host == "vcs.tenant-a.test":
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in addresses]
+        return real(host, *a, **kw)
+
+    ended: list[float] = []
+    connect = gitlab_module._guarded_connect
+
+    def recorded(*a: Any, **kw: Any) -> Any:
+        try:
+            return connect(*a, **kw)
+        finally:
+            ended.append(time.monotonic())
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(gitlab_module, "_guarded_connect", recorded)
+    policy = Policy(allow=frozenset({"loopback"}), timeout=1.0)
+    client = GitLabClient(f"http://vcs.tenant-a.test:{port}/api/v4", "t", policy)
+    started = time.monotonic()
+    try:
+        with pytest.raises(VcsError, match="no answer in time"):
+            await client.find_comment("acme/net", 7, "<!-- m -->")
+
+        async def thread_done() -> bool:
+            return bool(ended)
+
+        await eventually(thread_done, timeout=15, what="the worker thread's connect")
+        # one connect may run past the deadline, never all six (6 s)
+        assert ended[0] - started < 3.0
+    finally:
+        for s in held:
+            s.close()

@@ -92,6 +92,8 @@ def _guarded_connect(conn: Any, allow: frozenset[str], sockets: _Sockets) -> soc
         guard.judge(ip, allow, host)  # Refused: no urllib3 error, so nobody retries it
     last: OSError | None = None
     for ip in ips:
+        if sockets.closed:  # the call is over (its deadline): no thread kept for the rest
+            break
         try:
             sock = socket.create_connection((str(ip), port), conn.timeout, conn.source_address)
         except OSError as e:
