@@ -113,12 +113,24 @@ def initial_state(org: str, ws: str) -> bytes:
     return json.dumps(doc).encode()
 
 
+class _StateHead(msgspec.Struct):
+    serial: int
+    lineage: str = ""
+
+
+_state_head = msgspec.json.Decoder(_StateHead).decode
+
+
 def parse_state(data: bytes) -> tuple[int, str]:
-    """The serial and lineage of a Terraform state file; ValueError if it is not one."""
-    doc = json.loads(data)
-    if not isinstance(doc, dict) or not isinstance(doc.get("serial"), int):
-        raise ValueError("not a Terraform state: no integer serial")
-    return int(doc["serial"]), str(doc.get("lineage", ""))
+    """The serial and lineage of a Terraform state file; ValueError if it is not one.
+
+    Only those two are built: the rest is checked as JSON and skipped, never made into
+    objects (a tenant's 72 MiB state of `{}`s took 1.9 GB and 4 s as `json.loads`)."""
+    try:
+        head = _state_head(data)
+    except msgspec.DecodeError as e:  # not JSON, or no integer serial
+        raise ValueError(f"not a Terraform state: {e}") from e
+    return head.serial, head.lineage
 
 
 class StateStore:

@@ -3,6 +3,10 @@ is an attack by a hostile organization that worked on the tree before its fix.""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import hashlib
+import json
 import socket
 import subprocess
 import sys
@@ -12,12 +16,16 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from executor.statestore import parse_state
 from services.vcs import gitlab as gitlab_module
 from services.vcs import matching
 from services.vcs.client import Policy, VcsError
 from services.vcs.github import GitHubClient
 from services.vcs.gitlab import GitLabClient
 from tests.helpers import eventually
+from tests.tfe_support import Tfe, a_state, tfe_fixture
+
+__all__ = ["tfe_fixture"]
 
 # ---------------------------------------------------------------- trigger globs
 
@@ -185,3 +193,105 @@ async def test_a_tenants_many_addressed_gitlab_frees_its_thread_at_the_deadline(
     finally:
         for s in held:
             s.close()
+
+
+# ---------------------------------------------------------------- TFE state pushes
+
+
+def test_a_pushed_states_bulk_is_checked_not_built_into_objects() -> None:
+    """Org A's operator pushes (TFE `state-versions`, or its Terraform's http backend on
+    an executor) a state whose serial and lineage are right and whose resources are 24
+    MiB of `{}`s: reading the serial built 8 million dicts, about 630 MB of the API
+    process (every organization's) and 1.4 s of its event loop per request, with up to
+    96 MiB a body. Measured in a child process: its peak memory over the state's own."""
+    code = (
+        "import resource\n"
+        "from executor.statestore import parse_state\n"
+        "n = 24 * 1024 * 1024 // 3\n"
+        'data = b\'{"serial": 7, "lineage": "l", "resources": [\' + b\'{},\' * n + b\'{}]}\'\n'
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(parse_state(data), (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
+        " // 1024)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    *head, grown_mb = out.stdout.split()
+    assert " ".join(head) == "(7, 'l')"
+    assert int(grown_mb) < 100, f"parsing grew the process by {grown_mb} MB"
+
+
+def test_a_state_is_still_read_as_before() -> None:
+    assert parse_state(b'{"version": 4, "serial": 3, "lineage": "abc", "x": [1]}') == (3, "abc")
+    assert parse_state(b'{"serial": 0}') == (0, "")
+    for bad in (b"[]", b'{"serial": "1"}', b'{"lineage": "x"}', b"{", b'{"serial": 1.5}'):
+        with pytest.raises(ValueError):
+            parse_state(bad)
+
+
+async def _raw_post(tfe: Tfe, path: str, token: str, length: int, sent: bytes) -> Any:
+    """A POST announcing `length` body bytes of which only `sent` arrive (for now)."""
+    server = tfe.client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/vnd.api+json\r\nContent-Length: {length}\r\n\r\n"
+    )
+    writer.write(head.encode() + sent)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_push_without_the_lock_is_refused_before_its_body_is_read(tfe: Tfe) -> None:
+    """Org A's operator announces a 90 MiB state to a workspace it has not locked: the
+    API read, decoded and parsed all of it before saying 409. Now the 409 comes with
+    not one byte of the body sent."""
+    tokens = await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    path = f"/api/v2/workspaces/{ws_id}/state-versions"
+    reader, writer = await _raw_post(tfe, path, tokens["operator"], 90 << 20, b"")
+    try:
+        status = await asyncio.wait_for(reader.readline(), 10)
+    except TimeoutError:
+        raise AssertionError("the API waited for the body of an unlocked push") from None
+    finally:
+        writer.close()
+    assert b" 409 " in status
+
+
+async def test_one_organizations_pushes_are_read_one_at_a_time(tfe: Tfe) -> None:
+    """While one of org A's pushes is still arriving, A's next waits (each may hold
+    hundreds of MB in the API process); org B's does not."""
+    a, b = await tfe.org("acme"), await tfe.org("beta")
+    a1 = await tfe.cli_workspace("acme", "one", token=a["admin"])
+    a2 = await tfe.cli_workspace("acme", "two", token=a["admin"])
+    b1 = await tfe.cli_workspace("beta", "one", token=b["admin"])
+    for ws_id, token in ((a1, a["operator"]), (a2, a["operator"]), (b1, b["operator"])):
+        assert (await tfe.lock(ws_id, token=token)).status == 200
+    state = a_state(1)
+    raw = json.dumps(state).encode()
+    body = json.dumps(
+        {
+            "data": {
+                "type": "state-versions",
+                "attributes": {
+                    "serial": 1,
+                    "lineage": state["lineage"],
+                    "md5": hashlib.md5(raw).hexdigest(),
+                    "state": base64.b64encode(raw).decode(),
+                },
+            }
+        }
+    ).encode()
+    path = f"/api/v2/workspaces/{a1}/state-versions"
+    reader, writer = await _raw_post(tfe, path, a["operator"], len(body), body[:10])
+    try:
+        assert (await tfe.push(b1, a_state(1), token=b["operator"])).status == 201
+        second = asyncio.create_task(tfe.push(a2, a_state(1), token=a["operator"]))
+        done, _ = await asyncio.wait({second}, timeout=1.0)
+        assert not done, "org A's second push was read beside its first"
+        writer.write(body[10:])
+        await writer.drain()
+        assert b" 201 " in await asyncio.wait_for(reader.readline(), 10)
+        assert (await asyncio.wait_for(second, 10)).status == 201
+    finally:
+        writer.close()

@@ -79,6 +79,7 @@ def mount(web_app: web.Application, *, keyring: KeyRing | None, js: JetStreamCon
     web_app[TFE] = Tfe(signer=signer, states=states)
     web_app[login.USED] = {}
     web_app[configs.CONFIGS] = configs.ConfigStore.of(js, keyring) if keyring else None
+    web_app[state.PUSHES] = {}
     web_app.add_routes(ROUTES)
     own = web_app.get(SELF_AUTHENTICATED, frozenset())
     resources = {r.path for r in ROUTES}

@@ -23,18 +23,21 @@ newer clients' upload URLs (`hosted-state-upload-url`): a version without an inl
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
+from collections.abc import AsyncIterator
 from datetime import UTC
 from typing import Any
 
 import structlog
 from aiohttp import web
 
-from executor.statestore import Head, HeadMoved, StateStoreError, parse_state
-from services.api.auth import OPERATOR, VIEWER
+from executor.statestore import Head, HeadMoved, StateStore, StateStoreError, parse_state
+from services.api.auth import OPERATOR, VIEWER, Principal
 from services.tfe import ids
 from services.tfe.capability import CapabilityError
 from services.tfe.context import api_of, read_json, require, tfe_of
@@ -259,19 +262,59 @@ def _continues(head: Head | None, serial: int, lineage: str, digest: str, force:
         )
 
 
-async def create_state_version(request: web.Request) -> web.Response:
-    """POST /workspaces/:id/state-versions {serial, md5, lineage, state, force}."""
-    org, ws, who = await workspace_by_id(request, OPERATOR)
-    states = tfe_of(request).need_states()
-    data, serial, lineage, force = _decode_state(
-        attributes(await read_json(request), "state-versions")
-    )
-    row = await _existing(request, org, ws)
+class _Gate:
+    """One organization's state pushes, one at a time."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+PUSHES: web.AppKey[dict[str, _Gate]] = web.AppKey("runplane.tfe.pushes", dict)
+
+
+@contextlib.asynccontextmanager
+async def _one_push_at_a_time(request: web.Request, org: str) -> AsyncIterator[None]:
+    """A push holds its body (up to MAX_BODY), its decoding and its state at once: one
+    organization's many concurrent pushes would fill the API process every organization
+    shares. Another organization's waits for none of them."""
+    gates = request.app[PUSHES]
+    gate = gates.setdefault(org, _Gate())
+    gate.users += 1
+    try:
+        async with gate.lock:
+            yield
+    finally:
+        gate.users -= 1
+        if not gate.users:
+            del gates[org]
+
+
+def _writable(row: dict[str, Any], who: Principal) -> None:
     lock = row.get("lock")
     if lock is None or lock.get("holder") != who.user:
         raise TfeError(409, "workspace not locked", "lock the workspace before writing its state")
     if row.get("active_run"):
         raise TfeError(409, "run active", f"run {row['active_run']} is active on the workspace")
+
+
+async def create_state_version(request: web.Request) -> web.Response:
+    """POST /workspaces/:id/state-versions {serial, md5, lineage, state, force}: the
+    lock's holder only, which is checked before the body is read."""
+    org, ws, who = await workspace_by_id(request, OPERATOR)
+    states = tfe_of(request).need_states()
+    _writable(await _existing(request, org, ws), who)
+    async with _one_push_at_a_time(request, org):
+        return await _push(request, org, ws, who, states)
+
+
+async def _push(
+    request: web.Request, org: str, ws: str, who: Principal, states: StateStore
+) -> web.Response:
+    data, serial, lineage, force = _decode_state(
+        attributes(await read_json(request), "state-versions")
+    )
+    _writable(await _existing(request, org, ws), who)
     try:
         holder, _ = await states.holder(org, ws)
         head, revision = await states.head(org, ws)
