@@ -295,3 +295,21 @@ async def test_one_organizations_pushes_are_read_one_at_a_time(tfe: Tfe) -> None
         assert (await asyncio.wait_for(second, 10)).status == 201
     finally:
         writer.close()
+
+
+async def test_tfe_numbers_that_are_not_ascii_digits_are_a_clear_error(tfe: Tfe) -> None:
+    """`page[size]=²` and a state version id of serial `²` (digits to str.isdigit,
+    ValueErrors to int) were 500s with a traceback in the API's log; a 5,000-digit
+    page number too (int's digit limit)."""
+    tokens = await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    lister = "/api/v2/organizations/acme/workspaces"
+    assert (await tfe.tfe("GET", lister, token=tokens["viewer"])).status == 200
+    for query in ("page[size]=²", "page[number]=" + "9" * 5_000, "page[number]=\u0661"):
+        a = await tfe.tfe("GET", f"{lister}?{query}", token=tokens["viewer"])
+        assert a.status == 422, (query, a.status, a.body)
+    _, org_ws = ws_id.split("-", 1)
+    a = await tfe.tfe(
+        "GET", f"/api/v2/state-versions/sv-{org_ws}.².{'0' * 16}", token=tokens["viewer"]
+    )
+    assert a.status == 404, (a.status, a.body)

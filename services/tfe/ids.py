@@ -34,12 +34,17 @@ def parse_state_version_id(value: str) -> tuple[str, str, int, str]:
     """(org, ws, serial, digest prefix) of a state version id; 404 if not one."""
     parts = value.removeprefix("sv-").split(".")
     bad = value[:3] != "sv-" or len(parts) != 4
-    if bad or not valid_id(parts[0]) or not valid_id(parts[1]) or not parts[2].isdigit():
+    if bad or not valid_id(parts[0]) or not valid_id(parts[1]) or not _serial(parts[2]):
         raise not_found(f"state version {value!r} not found")
     digest = parts[3]
     if len(digest) != 16 or any(c not in "0123456789abcdef" for c in digest):
         raise not_found(f"state version {value!r} not found")
     return parts[0], parts[1], int(parts[2]), digest
+
+
+def _serial(text: str) -> bool:
+    """ASCII digits of a serial that int() takes ("²" is a digit to str.isdigit)."""
+    return text.isascii() and text.isdigit() and len(text) <= 19
 
 
 def check_org(value: str) -> str:

@@ -105,7 +105,8 @@ def _positive(request: web.Request, name: str, default: int) -> int:
     raw = request.query.get(name)
     if raw is None or raw == "":
         return default
-    if not raw.isdigit() or int(raw) < 1:
+    # ASCII digits only: "²" is a digit to str.isdigit and a ValueError to int
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9 or int(raw) < 1:
         raise TfeError(422, "invalid query", f"{name} must be a positive integer, got {raw!r}")
     return int(raw)
 
