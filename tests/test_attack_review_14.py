@@ -10,6 +10,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -20,9 +21,12 @@ from executor.statestore import parse_state
 from services.vcs import gitlab as gitlab_module
 from services.vcs import matching
 from services.vcs.client import Policy, VcsError
+from services.vcs.connections import Connection
 from services.vcs.github import GitHubClient
 from services.vcs.gitlab import GitLabClient
+from services.vcs.report import make_client
 from tests.helpers import eventually
+from tests.test_vcs_report_support import FakeVcs
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]
@@ -313,3 +317,48 @@ async def test_tfe_numbers_that_are_not_ascii_digits_are_a_clear_error(tfe: Tfe)
         "GET", f"/api/v2/state-versions/sv-{org_ws}.².{'0' * 16}", token=tokens["viewer"]
     )
     assert a.status == 404, (a.status, a.body)
+
+
+@pytest.mark.parametrize("provider", ["github", "gitlab"])
+async def test_a_tenants_silent_dns_holds_no_thread_another_needs(
+    provider: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Org A's api_url host is on a name server that never answers: each lookup holds a
+    thread however soon its call is given up (getaddrinfo cannot be interrupted), and
+    the reporter's lanes count calls, not threads, so A's successive reports piled up
+    stuck lookups in the threads every organization's calls share (GitHub's: the
+    process's default executor; GitLab's: its 16). Here 40 of A's calls at once stand
+    for that pile; org B's status, to a VCS whose name resolves, then found no thread."""
+    answer = threading.Event()
+    real = socket.getaddrinfo
+
+    def resolve(host: Any, *a: Any, **kw: Any) -> Any:
+        if host == "slow.tenant-a.test":
+            answer.wait(30)  # a name server that does not answer
+            raise socket.gaierror(socket.EAI_AGAIN, "no answer")
+        return real(host, *a, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    policy = Policy(allow=frozenset({"loopback"}), timeout=1.0)
+    prefix = "/api/v4" if provider == "gitlab" else ""
+    a = Connection("c-a", "acme", "a", provider, f"http://slow.tenant-a.test:9{prefix}")
+    try:
+        async with FakeVcs(prefix=prefix) as vcs:
+            b = Connection("c-b", "beta", "b", provider, f"http://localhost:{vcs.port}{prefix}")
+
+            async def status(conn: Connection) -> None:
+                client = make_client(conn, "t", policy)
+                try:
+                    await client.set_status(
+                        "acme/net", "0" * 40, state="pending", context="c", description="", url=""
+                    )
+                finally:
+                    await client.aclose()
+
+            tries = await asyncio.gather(*(status(a) for _ in range(40)), return_exceptions=True)
+            odd = [repr(t) for t in tries if not isinstance(t, VcsError)]
+            assert not odd, odd[:3]
+            await status(b)  # B's status is posted: a thread was there for it
+            assert len(vcs.statuses()) == 1
+    finally:
+        answer.set()

@@ -15,16 +15,23 @@ refused), permanent for any other 4xx and for a refused address.
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.notifications import guard
+from services.notifications import Refused, guard
 
 ALLOW_ENV = "RUNPLANE_VCS_ALLOW"
 TIMEOUT_ENV = "RUNPLANE_VCS_TIMEOUT"  # seconds one call may take, from connect to answer
 SCHEDULE_ENV = "RUNPLANE_VCS_RETRY"  # seconds between tries, comma separated
 USER_AGENT = "runplane-vcs/1"
+THREADS_PER_OWNER = 8  # worker threads one organization's calls may hold, given up or not
 PENDING, SUCCESS, FAILURE = "pending", "success", "failure"
 
 
@@ -67,6 +74,79 @@ class Policy:
         """The delay before the next try of a report tried `delivered` times (None: give
         up: the VCS has failed for the whole schedule)."""
         return self.schedule[delivered - 1] if 0 < delivered <= len(self.schedule) else None
+
+
+class _Threads:
+    """Worker threads held per owner (an organization), counted until each thread ends.
+
+    A call given up at its deadline leaves its thread behind while the thread waits on
+    what the tenant controls (its DNS answering never: getaddrinfo cannot be interrupted).
+    The reporter's lanes count calls, not such threads, so without this one tenant's
+    abandoned lookups would take every thread the process's VCS calls (and, through the
+    default executor, everything else) share."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: dict[str, int] = {}
+
+    def hold(self, owner: str) -> Callable[[], None]:
+        """Count a thread for `owner`; a retryable VcsError if it holds its share."""
+        with self.lock:
+            if self.held.get(owner, 0) >= THREADS_PER_OWNER:
+                raise VcsError("too many calls to this VCS still unanswered", retryable=True)
+            self.held[owner] = self.held.get(owner, 0) + 1
+        done = threading.Event()
+
+        def release() -> None:
+            with self.lock:
+                if done.is_set():
+                    return
+                done.set()
+                self.held[owner] -= 1
+                if not self.held[owner]:
+                    del self.held[owner]
+
+        return release
+
+
+HELD = _Threads()
+_DNS = ThreadPoolExecutor(max_workers=32, thread_name_prefix="vcs-dns")
+
+
+def _lookup(host: str, port: int, release: Callable[[], None]) -> list[guard.IP]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    finally:
+        release()
+    return list(dict.fromkeys(ipaddress.ip_address(str(i[4][0]).split("%")[0]) for i in infos))
+
+
+def _retrieved(future: asyncio.Future[list[guard.IP]]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def resolve(host: str, port: int, *, timeout: float, owner: str) -> list[guard.IP]:
+    """guard.resolve on the VCS clients' own threads, `owner`'s at most
+    THREADS_PER_OWNER of them (a lookup given up keeps its thread until it ends)."""
+    try:
+        return [ipaddress.ip_address(host.strip("[]"))]
+    except ValueError:
+        pass
+    release = HELD.hold(owner)
+    loop = asyncio.get_running_loop()
+    try:
+        future = loop.run_in_executor(_DNS, _lookup, host, port, release)
+    except BaseException:
+        release()
+        raise
+    future.add_done_callback(_retrieved)  # a lookup given up still ends, some day
+    try:
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+    except (OSError, TimeoutError) as e:
+        raise Refused(f"the destination's host {host} does not resolve: {e}") from e
+    except UnicodeError as e:
+        raise Refused(f"the destination's host {host} is not a host name: {e}") from e
 
 
 def allowed_from_env() -> frozenset[str]:

@@ -26,7 +26,7 @@ from githubkit import GitHub, TokenAuthStrategy
 from githubkit.exception import RequestError, RequestFailed, RequestTimeout
 
 from services.notifications import Refused, guard
-from services.vcs.client import USER_AGENT, Policy, VcsError, error_for
+from services.vcs.client import USER_AGENT, Policy, VcsError, error_for, resolve
 
 MAX_PAGES = 10  # of 100 comments each, looked through for our comment's marker
 MAX_ANSWER = 8 * 1024 * 1024  # bytes of one answer read, at most (a page of 100 comments)
@@ -35,9 +35,10 @@ MAX_ANSWER = 8 * 1024 * 1024  # bytes of one answer read, at most (a page of 100
 class GuardedBackend(httpcore.AsyncNetworkBackend):
     """httpcore's network backend, connecting only to addresses the guard allows."""
 
-    def __init__(self, allow: frozenset[str], *, timeout: float = 5.0) -> None:
+    def __init__(self, allow: frozenset[str], *, timeout: float = 5.0, owner: str = "") -> None:
         self.allow = allow
         self.timeout = timeout
+        self.owner = owner  # whose lookups hold the VCS clients' threads (client.resolve)
         self._inner = httpcore.AnyIOBackend()
 
     async def connect_tcp(
@@ -48,7 +49,7 @@ class GuardedBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: typing.Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        addresses = await guard.resolve(host, port, timeout=self.timeout)
+        addresses = await resolve(host, port, timeout=self.timeout, owner=self.owner)
         for ip in addresses:  # one bad address refuses the name whole
             guard.judge(ip, self.allow, host)
         last: Exception | None = None
@@ -83,14 +84,14 @@ class GuardedTransport(httpx.AsyncHTTPTransport):
     so concurrent calls of one client share it.
     """
 
-    def __init__(self, allow: frozenset[str], *, timeout: float = 5.0) -> None:
+    def __init__(self, allow: frozenset[str], *, timeout: float = 5.0, owner: str = "") -> None:
         super().__init__(trust_env=False, retries=0)
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=httpx.create_ssl_context(trust_env=False),
             max_connections=10,
             max_keepalive_connections=2,
             keepalive_expiry=5.0,
-            network_backend=GuardedBackend(allow, timeout=timeout),
+            network_backend=GuardedBackend(allow, timeout=timeout, owner=owner),
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -137,10 +138,10 @@ class _Capped(httpx.AsyncByteStream):
 class GitHubClient:
     """One connection's GitHub: statuses and issue comments (a PR is an issue)."""
 
-    def __init__(self, api_url: str, token: str, policy: Policy) -> None:
+    def __init__(self, api_url: str, token: str, policy: Policy, *, owner: str = "") -> None:
         guard.parse(api_url)  # an http(s) URL with a host, no credentials in it
         self.policy = policy
-        self._transport = GuardedTransport(policy.allow, timeout=policy.timeout)
+        self._transport = GuardedTransport(policy.allow, timeout=policy.timeout, owner=owner)
         self._gh = GitHub(
             TokenAuthStrategy(token),
             base_url=api_url,

@@ -35,7 +35,7 @@ import urllib3.connectionpool
 import urllib3.exceptions
 
 from services.notifications import Refused, guard
-from services.vcs.client import USER_AGENT, Policy, VcsError, error_for
+from services.vcs.client import HELD, USER_AGENT, Policy, VcsError, error_for
 
 T = TypeVar("T")
 THREADS = 16  # every GitLab call of the process; a connection has `per_connection` of them
@@ -176,11 +176,12 @@ def instance_url(api_url: str) -> str:
 class GitLabClient:
     """One connection's GitLab: commit statuses and a merge request's notes."""
 
-    def __init__(self, api_url: str, token: str, policy: Policy) -> None:
+    def __init__(self, api_url: str, token: str, policy: Policy, *, owner: str = "") -> None:
         guard.parse(api_url)
         self.api_url = api_url
         self.token = token
         self.policy = policy
+        self.owner = owner  # whose calls hold the pool's threads (client.HELD)
 
     async def aclose(self) -> None:
         return None
@@ -243,8 +244,15 @@ class GitLabClient:
         the deadline its sockets are shut down, which ends the thread's wait too."""
         sockets = _Sockets()
         timeout = self.policy.timeout
+        release = HELD.hold(self.owner)  # until the thread ends, not the call
 
         def work() -> T:
+            try:
+                return session_call()
+            finally:
+                release()
+
+        def session_call() -> T:
             session = guarded_session(self.policy.allow, sockets)
             gl = gitlab.Gitlab(
                 instance_url(self.api_url),
@@ -259,7 +267,11 @@ class GitLabClient:
             finally:
                 session.close()
 
-        future = asyncio.get_running_loop().run_in_executor(_POOL, work)
+        try:
+            future = asyncio.get_running_loop().run_in_executor(_POOL, work)
+        except BaseException:
+            release()
+            raise
         try:
             async with asyncio.timeout(timeout):
                 return await asyncio.shield(future)

@@ -94,9 +94,9 @@ ClientFactory = Callable[[connections.Connection, str, Policy], Client]
 
 def make_client(conn: connections.Connection, token: str, policy: Policy) -> Client:
     if conn.provider == "github":
-        return GitHubClient(conn.api_url, token, policy)
+        return GitHubClient(conn.api_url, token, policy, owner=conn.org)
     if conn.provider == "gitlab":
-        return GitLabClient(conn.api_url, token, policy)
+        return GitLabClient(conn.api_url, token, policy, owner=conn.org)
     raise VcsError(f"connection {conn.id}: no such provider {conn.provider!r}")
 
 
