@@ -362,3 +362,27 @@ async def test_a_tenants_silent_dns_holds_no_thread_another_needs(
             assert len(vcs.statuses()) == 1
     finally:
         answer.set()
+
+
+def test_one_deliverys_glob_matching_is_bounded_whatever_the_globs_and_paths() -> None:
+    """Linear matching is still 256 pattern positions x 2,800 characters x 2,999 paths x
+    50 globs x each workspace: org A's globs `*?*?...[b]` on 20 workspaces and a signed
+    push of 2,999 long paths held the loop for hours, one step at a time. One delivery
+    now matches for a bounded budget; what is left counts as changed (a run too many)."""
+    code = (
+        "from services.vcs import matching, payloads\n"
+        "glob = '*?' * 127 + '[b]'\n"
+        "rows = [dict(workspace=f'w{i}', run_type='plan', branch='main', directory='.',\n"
+        "             trigger_any_change=False, trigger_paths=[glob] * 50) for i in range(20)]\n"
+        "files = [f'{i:04d}' + 'a' * 2796 for i in range(2999)]\n"
+        "change = payloads.Change(kind='push', branch='main', files=files)\n"
+        "print(len(matching.targets(change, rows)))\n"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired:
+        raise AssertionError("matching one delivery took over 30 s") from None
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["20"]
