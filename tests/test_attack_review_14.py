@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from yarl import URL
 
 from executor.statestore import parse_state
 from services.vcs import gitlab as gitlab_module
@@ -386,3 +387,21 @@ def test_one_deliverys_glob_matching_is_bounded_whatever_the_globs_and_paths() -
         raise AssertionError("matching one delivery took over 30 s") from None
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["20"]
+
+
+async def test_a_log_urls_offset_that_is_not_ascii_digits_is_a_clear_error(tfe: Tfe) -> None:
+    """`?offset=²` on a run's log-read-url (public: the URL is the authority) was a 500
+    with a traceback in the API's log."""
+    from tests.test_tfe_runs_api import new_run, uploaded
+
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    cv, _ = await uploaded(tfe, ws_id, speculative=False)
+    run = (await new_run(tfe, ws_id, cv)).body["data"]
+    plan_id = run["relationships"]["plan"]["data"]["id"]
+    plan = await tfe.tfe("GET", f"/api/v2/plans/{plan_id}")
+    path = URL(plan.body["data"]["attributes"]["log-read-url"]).path
+    assert (await tfe.raw(f"{path}?offset=0&limit=1024"))[0] == 200
+    for query in ("offset=²", "limit=\u0661", "offset=" + "9" * 5_000):
+        status, _ = await tfe.raw(f"{path}?{query}")
+        assert status == 422, (query, status)

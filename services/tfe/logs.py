@@ -56,7 +56,7 @@ def _int(request: web.Request, name: str, default: int) -> int:
     raw = request.query.get(name, "")
     if raw == "":
         return default
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 18:  # "²": a ValueError to int
         raise TfeError(422, "invalid query", f"{name} must be a non-negative integer")
     return int(raw)
 
