@@ -405,3 +405,35 @@ async def test_a_log_urls_offset_that_is_not_ascii_digits_is_a_clear_error(tfe: 
     for query in ("offset=²", "limit=\u0661", "offset=" + "9" * 5_000):
         status, _ = await tfe.raw(f"{path}?{query}")
         assert status == 422, (query, status)
+
+
+async def test_an_operator_cannot_apply_an_upload_in_a_workspace_of_a_repository(
+    tfe: Tfe,
+) -> None:
+    """`prod` takes its code from a repository (reviewed there, pull request by pull
+    request), and an operator may start its runs but change none of its settings. A
+    TFE upload run put any code the operator likes in place of the repository's and
+    applied it with prod's variables and credentials. As in HCP Terraform ("Apply not
+    allowed for workspaces with a VCS connection"), such a workspace takes the CLI's
+    speculative plans only; a CLI workspace still applies its uploads."""
+    from tests.test_tfe_runs_api import uploaded
+
+    tokens = await tfe.org("acme")
+    await tfe.workspace("acme", "prod", repository="https://example.com/infra.git")
+    prod, cli = "ws-acme.prod", await tfe.cli_workspace("acme", "cli", token=tokens["admin"])
+    for ws_id, speculative, destroy, status in (
+        (prod, False, False, 422),
+        (prod, False, True, 422),
+        (prod, True, False, 201),
+        (cli, False, False, 201),
+    ):
+        cv, _ = await uploaded(tfe, ws_id, speculative=speculative)
+        rels = {
+            "workspace": {"data": {"type": "workspaces", "id": ws_id}},
+            "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
+        }
+        body = {"type": "runs", "attributes": {"is-destroy": destroy}, "relationships": rels}
+        a = await tfe.tfe("POST", "/api/v2/runs", token=tokens["operator"], json={"data": body})
+        assert a.status == status, (ws_id, speculative, destroy, a.status, a.body)
+    runs = await tfe.get("/api/v1/orgs/acme/workspaces/prod/runs")
+    assert [r["type"] for r in runs.body["items"]] == ["plan"]

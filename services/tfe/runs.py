@@ -62,6 +62,7 @@ from services.tfe.jsonapi import (
     resource,
     response,
 )
+from services.tfe.workspaces import CLI_REPOSITORY
 
 VIA = "cli"
 _ENDED = {Status.APPLIED, Status.PLANNED, Status.NO_CHANGES, Status.DRIFTED}
@@ -286,6 +287,8 @@ async def create_run(request: web.Request) -> web.Response:
             "runplane starts runs of a workspace's repository through its own API; the "
             "TFE API runs uploaded configurations (relationships.configuration-version)",
         )
+    if not speculative:
+        await _cli_driven(api.app, org, ws)
     # `auto-apply` (newer clients' -auto-approve): no "yes" will come, so the plan does
     # not wait for one (runplane's own require_approval still holds it).
     auto_apply = _flag(attrs, "auto-apply", False)
@@ -313,6 +316,21 @@ async def create_run(request: web.Request) -> web.Response:
     await api.after_write(result.seq)
     doc = await render_run(api.app, result.state, who)
     return response(document(doc), status=201)
+
+
+async def _cli_driven(app: App, org: str, ws: str) -> None:
+    """422 unless the workspace's code is the CLI's uploads: one of a repository has its
+    code reviewed there, and an operator (who may start its runs, not change where its
+    code comes from) must not apply any other with its variables and credentials. Its
+    speculative plans are taken, as HCP Terraform takes them."""
+    w = await app.load_ws(org, ws)
+    if w.state.exists and w.state.config.repository != CLI_REPOSITORY:
+        raise TfeError(
+            422,
+            "apply not allowed",
+            f"Apply not allowed for workspaces with a VCS connection: {ws} runs the code "
+            "of its repository (plan from the CLI, or start its run in runplane)",
+        )
 
 
 def _fields(options: RunOptions) -> dict[str, Any]:
