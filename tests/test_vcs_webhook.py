@@ -16,7 +16,8 @@ import pytest
 from events.run import RunCreated
 from services.commands import derived_id
 from services.infra.streams import EVENTS
-from services.vcs import signing, webhook
+from services.infra.kv import KvError
+from services.vcs import connections, signing, webhook
 from tests.test_api_support import Http
 from tests.test_vcs_support import (
     SECRET,
@@ -120,6 +121,29 @@ async def test_one_delivery_handled_twice_at_once_starts_each_run_once(
     assert all(a.status == 200 for a in answers), [a.body for a in answers]
     created = await _created(vhttp, "acme")
     assert sorted(e.workspace for e in created) == ["db", "net"]
+
+
+async def test_a_secrets_bucket_out_of_reach_answers_503_and_the_redelivery_starts_the_runs(
+    vhttp: Http, gh: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The secrets bucket's leader is being elected (the cluster suite killed its node):
+    the signature cannot be checked yet, so the delivery is a 503 to deliver again, not
+    an internal error; it writes nothing, and the redelivery starts its runs."""
+    conn_id = gh["conn"]["id"]
+    body = _push(["net/a.tf"])
+    real = connections.last_values
+
+    async def electing(*args: Any, **kw: Any) -> Any:
+        raise KvError("reading KV_rp-secrets's last sequence: TimeoutError()")
+
+    monkeypatch.setattr(connections, "last_values", electing)
+    before = await _last_seq(vhttp)
+    refused = await deliver(vhttp, conn_id, "push", body, delivery="election")
+    refused.problem("unavailable", 503)
+    assert await _last_seq(vhttp) == before
+    monkeypatch.setattr(connections, "last_values", real)
+    again = await deliver(vhttp, conn_id, "push", body, delivery="election")
+    assert again.status == 200 and [r["workspace"] for r in again.body["runs"]] == ["net"]
 
 
 async def test_a_push_that_may_be_truncated_starts_every_workspace_of_its_branch(

@@ -19,8 +19,7 @@ from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
 from services.api.problems import Problem, from_domain, from_http
 from services.infra import tracing
-from services.infra.eventstore import StoreError
-from services.infra.heartbeats import BoardError
+from services.infra.directget import InfraError
 
 log = structlog.get_logger("runplane.api")
 
@@ -104,7 +103,9 @@ async def problems(request: web.Request, handler: Handler) -> web.StreamResponse
         if e.status < 400:
             raise
         return from_http(e, request.method, request.path).response()
-    except (StoreError, BoardError, nats.errors.Error) as e:
+    except (InfraError, nats.errors.Error) as e:
+        # any of NATS's stores (the events, a bucket: the secrets' during its leader's
+        # election) out of reach for a moment: retry, not an internal error
         log.warning("event_store_unavailable", error=str(e))
         return Problem("unavailable", "the event store is unavailable; try again").response()
     except Exception:
