@@ -153,3 +153,29 @@ class Hooks:
                 *(self.until_accepted(i, delivery, body) for i in range(len(self.bases)))
             )
         )
+
+
+def write_summary(tmp_path: Path, name: str, summary: dict[str, Any]) -> None:
+    out = tmp_path / f"last_cluster_{name}.json"
+    out.write_text(json.dumps(summary, indent=2))
+    print(f"cluster {name}:", json.dumps(summary), flush=True)
+
+
+async def kill_leader(nats_side: ClusterNats, down_s: float) -> dict[str, Any]:
+    """kill -9 the node leading RP_EVENTS; restart it after `down_s` on its store."""
+    t_kill = time.monotonic()
+    await nats_side.kill()
+    await asyncio.sleep(down_s)
+    await nats_side.start()
+    return {
+        "killed": nats_side.killed[-1],
+        "t_kill": t_kill,
+        "t_back": time.monotonic(),
+        "back_s": round(time.monotonic() - t_kill, 2),
+    }
+
+
+async def kill_components(components: list[Component]) -> None:
+    for c in components:
+        if c.proc and c.proc.proc and c.returncode() is None:
+            await c.kill()
