@@ -15,8 +15,9 @@ import pytest
 
 from events.run import RunCreated
 from services.commands import derived_id
-from services.infra.streams import EVENTS
+from services.infra import kv
 from services.infra.kv import KvError
+from services.infra.streams import EVENTS
 from services.vcs import connections, signing, webhook
 from tests.test_api_support import Http
 from tests.test_vcs_support import (
@@ -131,7 +132,7 @@ async def test_a_secrets_bucket_out_of_reach_answers_503_and_the_redelivery_star
     an internal error; it writes nothing, and the redelivery starts its runs."""
     conn_id = gh["conn"]["id"]
     body = _push(["net/a.tf"])
-    real = connections.last_values
+    real = kv.last_values
 
     async def electing(*args: Any, **kw: Any) -> Any:
         raise KvError("reading KV_rp-secrets's last sequence: TimeoutError()")

@@ -91,6 +91,7 @@ def push_body(files: list[str], commit: str) -> bytes:
 @dataclass
 class Sent:
     at: float  # time.monotonic() as the answer came
+    sent_at: float  # and as the request left
     replica: int
     delivery: str
     status: int  # 0: no answer
@@ -119,7 +120,7 @@ class Hooks:
             "Content-Type": "application/json",
         }
         url = f"{self.bases[replica]}/api/v1/vcs/{self.connection}/webhook"
-        status, payload = 0, None
+        status, payload, sent_at = 0, None, time.monotonic()
         try:
             async with self.session.post(url, data=body, headers=headers) as resp:
                 status = resp.status
@@ -130,7 +131,7 @@ class Hooks:
                     payload = text
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as e:
             payload = repr(e)
-        sent = Sent(time.monotonic(), replica, delivery, status, payload)
+        sent = Sent(time.monotonic(), sent_at, replica, delivery, status, payload)
         self.sent.append(sent)
         return sent
 

@@ -18,15 +18,16 @@ import json
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import nats.errors
 import pytest
 
 from events import run as R
-from events.run_events import RunCreated
+from events.run_events import RunCreated, RunEvent
 from services.commands import derived_id
 from services.infra import replicas as rep
 from services.infra.directget import InfraError
@@ -56,6 +57,8 @@ from tests.reliability.test_cluster import _maybe, _subscribers, replicated
 # run-triggers subscriber follows): a `runplane subscribers` replica killed -9 (either
 # of the two: which one holds the event is the broker's choice; the logs say) and, at
 # the next apply's end, the node leading RP_EVENTS; each restarted.
+
+RUN_EVENTS = get_args(RunEvent)
 
 
 @dataclass
@@ -94,7 +97,8 @@ async def _events(store: EventStore, ws: str, run_id: str) -> list[Envelope]:
 
 
 def _status(envs: list[Envelope]) -> str:
-    return str(R.fold([e.event for e in envs]).status) if envs else ""
+    events = [e.event for e in envs if isinstance(e.event, RUN_EVENTS)]
+    return str(R.fold(events).status) if events else ""
 
 
 async def _ended(store: EventStore, run_id: str, timeout: float) -> Envelope:
@@ -124,7 +128,7 @@ async def _strike(
     t_kill = time.monotonic()
     out: dict[str, Any] = {}
     victim = rng.choice(subs) if kind in ("subscriber", "both") else None
-    kills = [victim.kill()] if victim else []
+    kills: list[Awaitable[object]] = [victim.kill()] if victim else []
     kills += [nats_side.kill()] if kind in ("leader", "both") else []
     await asyncio.gather(*kills)
     out["after_end_s"] = round(time.time() - _at(end), 3)
@@ -187,7 +191,7 @@ async def cluster_triggers(tmp_path: Path, sc: TriggerScenario) -> None:
         for _ in sc.plan:
             made = await api.ok("POST", f"/api/v1/orgs/{ORG}/workspaces/a/runs", {"type": "apply"})
             a_runs.append(str(made["id"]))
-        faults = []
+        faults: list[dict[str, Any]] = []
         for kind, run_id in zip(sc.plan, a_runs, strict=True):
             end = await _ended(store, run_id, sc.settle)
             fault = await _strike(kind, subs, nats_side, rng, sc.down_s, end)
@@ -208,13 +212,15 @@ async def cluster_triggers(tmp_path: Path, sc: TriggerScenario) -> None:
         )
         b_envs = await store.read(f"rp.run.{ORG}.b.>", min_seq=LATEST)
         a_ends = {a: await _ended(store, a, 10) for a in a_runs}
-        created = [e for e in b_envs if isinstance(e.event, RunCreated)]
-        per_run = Counter(e.event.run_id for e in created)
-        got = {e.event.run_id: e for e in created}
+        created = [(e, e.event) for e in b_envs if isinstance(e.event, RunCreated)]
+        # a duplicate: a second run of b for one run of a, whatever its id
+        per_run = Counter(r.cause.source_run if r.cause else "" for _, r in created)
+        got = {r.run_id: (e, r) for e, r in created}
         handled = {s.role: _triggered(s) for s in subs}
         for f in faults:
             b_run = got.get(derived_id("run-trigger", f["a_run"], "b"))
-            f["b_run_after_a_end_s"] = b_run and round(_at(b_run) - _at(a_ends[f["a_run"]]), 2)
+            a_end = a_ends[f["a_run"]]
+            f["b_run_after_a_end_s"] = b_run and round(_at(b_run[0]) - _at(a_end), 2)
             f["handled_by"] = sorted(
                 (role, bool(line["existed"]))
                 for role, lines in handled.items()
@@ -237,8 +243,8 @@ async def cluster_triggers(tmp_path: Path, sc: TriggerScenario) -> None:
         assert [s.role for s in subs if s.returncode() is not None] == []
         assert summary["duplicates"] == 0, per_run
         assert set(got) == set(want), (set(want) - set(got), set(got) - set(want))
-        for run_id, env in got.items():  # each caused by its a run, none otherwise
-            cause = env.event.cause
+        for run_id, (_, run) in got.items():  # each caused by its a run, none otherwise
+            cause = run.cause
             assert cause is not None and cause.kind == "run_trigger", (run_id, cause)
             assert (cause.source_workspace, cause.source_run) == ("a", want[run_id])
         assert settled, "the run-triggers consumer still holds events"
