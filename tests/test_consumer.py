@@ -9,6 +9,7 @@ import asyncio
 from collections import defaultdict
 from typing import Any
 
+import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
@@ -84,6 +85,33 @@ async def test_a_handler_that_returns_has_its_message_acked_once(nc: NATS, app: 
     assert created.num_delivered == 1 and created.state is None
     assert isinstance(created.event, R.RunCreated) and created.seq > 0
     assert [r.type for r in calls.seen] == ["ws.created", "run.created", "ws.run_enqueued"]
+
+
+async def test_a_declaration_jetstream_does_not_answer_is_sent_again_not_fatal(
+    nc: NATS, app: App
+) -> None:
+    """A replica started while its cluster elects a leader: the durable's declaration
+    times out (the cluster suite's subscribers exited 1, "nats: timeout"). It is sent
+    again until answered, and the consumer then delivers."""
+    calls = Calls()
+    unanswered = 2
+
+    async def handle(r: Received) -> None:
+        calls.seen.append(r)
+
+    async def electing(js: JetStreamContext) -> None:
+        nonlocal unanswered
+        if unanswered:
+            unanswered -= 1
+            raise nats.errors.TimeoutError
+        await streams.ensure_subscriber_consumer(js, "t-declare", ALL)
+
+    sub = Subscription(name="t-declare", handle=handle, subjects=ALL)
+    async with Consumer(nc, sub, app=app, declare=electing) as c:
+        await c.ready.wait()
+        await _setup(app, "net")
+        await eventually(calls.count("ws.created"), what="the workspace's event handled")
+    assert unanswered == 0
 
 
 async def test_retry_with_a_delay_brings_the_event_back_after_it(nc: NATS, app: App) -> None:

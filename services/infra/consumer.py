@@ -63,6 +63,10 @@ FAILED_DELAY = 2.0  # an unexpected error: again soon, not at once
 TRANSIENT_DELAY = 0.5  # the broker or the store hiccuped
 OVERFLOW_DELAY = 1.0  # a lane full: its next messages come back later
 LEADERLESS_LOG_S = 30.0  # a fetch answered 503 (no leader) is logged this often
+# A durable's declaration that JetStream does not answer (its meta leader, or the
+# stream's, being elected: a replica restarted with a node of its cluster) is sent again
+# for up to this long before the process gives up; it used to exit 1 at once.
+DECLARE_WAIT_S = 30.0
 FOLDED_KEPT = 10_000  # aggregates whose last folded state is kept (see `_fold`)
 
 
@@ -194,13 +198,26 @@ class Consumer:
         await self.stop()
 
     async def start(self) -> None:
+        deadline = time.monotonic() + DECLARE_WAIT_S
+        while True:
+            try:
+                await self._declared()
+                break
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+                    nats.js.errors.ServiceUnavailableError) as e:  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("consumer_declare_unanswered", consumer=self.durable, error=repr(e))
+                await asyncio.sleep(TRANSIENT_DELAY)
+        self._task = asyncio.create_task(self._run(), name=f"consumer-{self.durable}")
+
+    async def _declared(self) -> None:
         if self._declare is not None:
             await self._declare(self.js)
         else:
             await streams.ensure_subscriber_consumer(
                 self.js, self.sub.name, self.sub.subjects, start=self.sub.start
             )
-        self._task = asyncio.create_task(self._run(), name=f"consumer-{self.durable}")
 
     async def stop(self) -> None:
         """Stop fetching and handling; what is in hand and unsettled is redelivered."""
