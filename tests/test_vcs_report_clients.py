@@ -202,7 +202,8 @@ async def test_a_hanging_vcs_is_given_up_at_the_timeout(vcs: FakeVcs, provider: 
             "acme/net", SHA, state="pending", context="c", description="d", url=""
         )
     assert e.value.retryable is True
-    assert time.monotonic() - started < 3.0
+    # given up at its 0.5 s timeout, not after the hang: bounded loosely, the machine is shared
+    assert time.monotonic() - started < 8.0
 
 
 async def test_a_trickling_gitlab_frees_its_worker_thread_at_the_deadline(vcs: FakeVcs) -> None:
