@@ -91,6 +91,8 @@ async def test_a_refusal_is_answered_again_but_an_unavailable_answer_is_not_kept
     assert idem._entry_of("f", web.Response(status=503, body=b"{}")) is None
     assert idem._entry_of("f", web.Response(status=500, body=b"{}")) is None
     assert idem._entry_of("f", web.Response(status=404, body=b"{}")) is not None
+    assert idem._entry_of("f", web.Response(status=403, body=b"{}")) is None  # rights change
+    assert idem._entry_of("f", web.Response(status=401, body=b"{}")) is None
     assert idem._entry_of("f", web.Response(status=201, body=b"x" * (idem.MAX_ANSWER + 1))) is None
 
 
@@ -256,3 +258,22 @@ async def test_a_slow_holder_keeps_its_key_past_one_lease(http: Http) -> None:
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_refusal_of_the_callers_authority_binds_no_key(http: Http) -> None:
+    """Attack (found by the fuzzer): an organization's admin POSTing what only the admin
+    token may (a new organization) is refused 403 each time, whatever the body under its
+    key, never the key's `reused`; a viewer's refused create leaves its key free too (a
+    403 depends on rights that may be granted within the key's 24 h)."""
+    tokens = await _setup(http)
+    key = _key("k-authority")
+    first = await http.post(f"{V1}/orgs", json={"name": "zz1"}, token=tokens["admin"], headers=key)
+    first.problem("forbidden", 403)
+    other = await http.post(f"{V1}/orgs", json={"name": "zz2"}, token=tokens["admin"], headers=key)
+    other.problem("forbidden", 403)
+    assert idem.REPLAYED not in other.headers
+    viewer = tokens["viewer"]
+    refused = await http.post(RUNS, json={"type": "plan"}, token=viewer, headers=key)
+    refused.problem("forbidden", 403)
+    again = await http.post(RUNS, json={"type": "apply"}, token=viewer, headers=key)
+    again.problem("forbidden", 403)  # not 422: the key was not taken by the refusal

@@ -364,8 +364,13 @@ async def _handled(request: web.Request, handler: Handler) -> web.StreamResponse
 
 
 def _entry_of(fp: str, response: web.StreamResponse) -> Entry | None:
-    """What to keep of an answer: a 2xx or 4xx plain body within `MAX_ANSWER`."""
+    """What to keep of an answer: a 2xx or 4xx plain body within `MAX_ANSWER`, but not
+    a refusal of the caller's authority (401, 403): that depends on the caller's rights at
+    the moment, which may be granted within the 24 h, and a key it bound would answer a
+    caller who may not act here with the key's own refusals (found by the API fuzzer)."""
     if not isinstance(response, web.Response) or response.status >= 500:
+        return None
+    if response.status in (401, 403):
         return None
     body = response.body
     if body is None:
