@@ -13,20 +13,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import ssl
 import subprocess
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from executor.terraform import TerraformConfig, default_binary, prepare
 from tests.helpers import eventually
-from tests.procs import Proc, free_port, signal
-from tests.test_tfe_cli import CLOUD_HCL, TOKEN, Https, _newer_terraform, terraform
+from tests.test_tfe_cli import CLOUD_HCL, Https, _newer_terraform, plane, terraform
 
 pytestmark = [pytest.mark.terraform, pytest.mark.slow]
 
@@ -92,29 +89,7 @@ def ok(result: subprocess.CompletedProcess[str]) -> str:
 
 @pytest.fixture(name="cli")
 async def cli_fixture(tmp_path: Path) -> AsyncIterator[Cli]:
-    data, port = tmp_path / "data", free_port()
-    host = f"localhost:{port}"
-    up = await Proc(
-        ["up", "--tls", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
-        tmp_path / "up.log",
-        env={"RUNPLANE_ADMIN_TOKEN": TOKEN},
-    ).start()
-    ca = data.resolve() / "tls" / "ca.pem"
-    api: Https | None = None
-    try:
-
-        async def healthy() -> bool:
-            nonlocal api
-            if not ca.is_file():
-                return False
-            api = api or Https(f"https://{host}", ca)
-            try:
-                return (await api.call("GET", "/healthz"))[0] == 200
-            except (aiohttp.ClientError, ssl.SSLError):
-                return False
-
-        await eventually(healthy, timeout=60, interval=0.1, what="runplane up --tls")
-        assert api is not None
+    async with plane(tmp_path) as (api, host, ca, _):
         await api.ok("POST", "/api/v1/orgs", {"name": "acme"})
         issued = await api.ok(
             "POST", "/api/v1/orgs/acme/tokens", {"user": "alice", "role": "admin"}
@@ -138,11 +113,6 @@ async def cli_fixture(tmp_path: Path) -> AsyncIterator[Cli]:
         root = tmp_path / "cli"
         root.mkdir()
         yield Cli(api, host, env, root)
-    finally:
-        if api is not None:
-            await api.session.close()
-        code = await up.stop(signal.SIGTERM)
-    assert code == 0, up.output()[-3000:]
 
 
 async def test_plan_then_apply_then_destroy_run_remotely(cli: Cli) -> None:
