@@ -56,9 +56,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from nats.aio.client import Client as NATS
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
-from events.errors import DomainError
 from services.api.auth import PRINCIPAL, bearer
-from services.api.problems import Problem, from_domain, from_http
+from services.api.problems import Problem, refusals
 from services.infra.directget import as_raw, leader_get
 from services.infra.kv import IDEMPOTENCY_BUCKET, KvError
 
@@ -254,7 +253,7 @@ async def idempotent(request: web.Request, handler: Handler) -> web.StreamRespon
     scoped = msgspec.structs.replace(scoped, fingerprint=fp)
     store = request.app[IDEMPOTENCY]
     try:
-        return await _once(store, scoped, lambda: _handled(request, handler))
+        return await _once(store, scoped, lambda: refusals(request, handler))
     except (KvError, TimeoutError, nats.errors.Error) as e:
         log.warning("idempotency_unavailable", error=repr(e))
         raise Problem("unavailable", "the idempotency store is unavailable; try again") from e
@@ -346,21 +345,6 @@ async def _renew(store: Idempotency, req: _Request, held: list[int]) -> None:
         if revision is None:
             return  # taken over: the work goes on, its answer will not be kept
         held[0] = revision
-
-
-async def _handled(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The handler's answer, its refusals as their problem answers (the problems
-    middleware, outside this one, would make the same)."""
-    try:
-        return await handler(request)
-    except Problem as p:
-        return p.response()
-    except DomainError as e:
-        return from_domain(e).response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return from_http(e, request.method, request.path).response()
 
 
 def _entry_of(fp: str, response: web.StreamResponse) -> Entry | None:

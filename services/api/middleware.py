@@ -13,11 +13,10 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from opentelemetry.trace import SpanKind
 
-from events.errors import DomainError
 from services.api import docs, idempotency
 from services.api.auth import PRINCIPAL, authenticate
 from services.api.context import API
-from services.api.problems import Problem, from_domain, from_http
+from services.api.problems import Problem, refusals
 from services.infra import tracing
 from services.infra.directget import InfraError
 
@@ -94,15 +93,9 @@ async def log_requests(request: web.Request, handler: Handler) -> web.StreamResp
 async def problems(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error becomes problem details: never a traceback, never an HTML page."""
     try:
-        return await handler(request)
-    except Problem as p:
-        return p.response()
-    except DomainError as e:
-        return from_domain(e).response()
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return from_http(e, request.method, request.path).response()
+        return await refusals(request, handler)
+    except web.HTTPException:
+        raise  # below 400 (a redirect): every error status was answered by `refusals`
     except (InfraError, nats.errors.Error) as e:
         # any of NATS's stores (the events, a bucket: the secrets' during its leader's
         # election) out of reach for a moment: retry, not an internal error

@@ -6,7 +6,7 @@ an aiohttp HTTP exception or anything unexpected into an `application/problem+js
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -147,3 +147,21 @@ def from_http(exc: web.HTTPException, method: str, path: str) -> Problem:
                 exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
             )
     return Problem(slug, detail, headers=headers)
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def refusals(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The handler's answer, its refusals (a Problem, a domain error, an HTTP error
+    status) as their problem answers; anything else (a redirect included) is raised."""
+    try:
+        return await handler(request)
+    except Problem as p:
+        return p.response()
+    except DomainError as e:
+        return from_domain(e).response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return from_http(e, request.method, request.path).response()
