@@ -48,6 +48,14 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "(also RUNPLANE_BEHIND_TLS_PROXY=1): the web UI's cookies are Secure when it "
             "says https; without it the header is ignored (a client could send it)",
         )
+        p.add_argument(
+            "--terraform-login",
+            choices=("browser", "token"),
+            default=os.environ.get("RUNPLANE_TERRAFORM_LOGIN", "browser"),
+            help="how `terraform login` gets a token (also RUNPLANE_TERRAFORM_LOGIN): browser "
+            "(login.v1: a browser signed in to the web UI allows it), or token (it asks for "
+            "one made at /app/settings/tokens and pasted at its prompt)",
+        )
 
 
 class _RefuseSecret(argparse.Action):
@@ -205,6 +213,7 @@ def options(ns: argparse.Namespace) -> Options:
         replicas=ns.replicas,
         listen=getattr(ns, "listen", "127.0.0.1:8080"),
         behind_tls_proxy=getattr(ns, "behind_tls_proxy", False),
+        terraform_login=getattr(ns, "terraform_login", "browser"),
         admin_token=os.environ.get("RUNPLANE_ADMIN_TOKEN", ""),
         encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
         pool=getattr(ns, "pool", "default"),

@@ -61,6 +61,7 @@ async def _start_api(
         # the scraper's credential for /metrics alone (environment only: never argv)
         metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
         behind_tls_proxy=opts.behind_tls_proxy,
+        browser_login=opts.terraform_login != "token",
     )
     return await stack.enter_async_context(http_site(web_app, opts.listen, _tls(opts)))
 

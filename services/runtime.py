@@ -44,6 +44,7 @@ class Options:
     replicas: int = 0  # of every stream, bucket and consumer; 0: 1 alone, 3 on a cluster
     listen: str = "127.0.0.1:8080"
     behind_tls_proxy: bool = False  # X-Forwarded-Proto is believed (services/ui/sessions.py)
+    terraform_login: str = "browser"  # or "token": no login.v1 (services/tfe/discovery.py)
     admin_token: str = ""
     pool: str = "default"
     terraform_binary: str = ""
@@ -74,6 +75,9 @@ class Options:
             raise ConfigError(f"--replicas wants 1 to {MAX_REPLICAS}, got {self.replicas}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("--tls-cert and --tls-key go together")
+        if self.terraform_login not in ("browser", "token"):
+            wanted = "--terraform-login wants browser or token"
+            raise ConfigError(f"{wanted}, got {self.terraform_login}")
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")

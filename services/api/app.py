@@ -134,6 +134,7 @@ def build_app(
     policy_sandbox: PolicySandbox | None = None,
     metrics_token: str = "",
     behind_tls_proxy: bool = False,
+    browser_login: bool = True,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -142,7 +143,8 @@ def build_app(
     deployment's, services/repositories.py). Without a `policy_sandbox`, policies are
     checked with the deployment's caps (environment). `metrics_token`: a token that
     opens `/metrics` and nothing else (services/api/metrics.py). `behind_tls_proxy`: the
-    web UI believes X-Forwarded-Proto (services/ui/sessions.py).
+    web UI believes X-Forwarded-Proto (services/ui/sessions.py). `browser_login` False:
+    `terraform login` is not offered login.v1 (services/tfe/discovery.py).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -162,5 +164,5 @@ def build_app(
     # the TFE API the Terraform CLI speaks (services/tfe): after the UI, as it adds to
     # the routes that authenticate themselves
     keyring = secret_store.keyring if secret_store is not None else None
-    tfe.mount(web_app, keyring=keyring, js=app.store.nc.jetstream())
+    tfe.mount(web_app, keyring=keyring, js=app.store.nc.jetstream(), browser_login=browser_login)
     return web_app

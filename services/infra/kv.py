@@ -10,7 +10,10 @@
   `UI_SESSION_IDLE_S` is dropped by the bucket itself;
 - `rp-idempotency`: the API's answers to POSTs with an Idempotency-Key
   (services/api/idempotency.py), keyed by a digest of (organization, token, key), sealed
-  with a key only the token gives; each is dropped `IDEMPOTENCY_TTL_S` after its last write.
+  with a key only the token gives; each is dropped `IDEMPOTENCY_TTL_S` after its last write;
+- `rp-login-codes`: `terraform login`'s codes already exchanged (services/tfe/login.py),
+  keyed by a digest of the code, each written with `create` (so by one replica only) and
+  dropped `LOGIN_CODES_KEPT_S` after, once the code has expired anyway.
 """
 
 from __future__ import annotations
@@ -32,15 +35,24 @@ UI_SESSIONS_BUCKET = "rp-ui-sessions"
 UI_SESSION_IDLE_S = 8 * 3600.0  # a session unused this long is gone
 IDEMPOTENCY_BUCKET = "rp-idempotency"
 IDEMPOTENCY_TTL_S = 24 * 3600.0  # how long a POST's answer is given again
+LOGIN_CODES_BUCKET = "rp-login-codes"
+# A login code lives 60 s (services/tfe/login.py CODE_TTL_S); its mark is kept as long
+# again, for replicas whose clocks are apart: a code no replica still takes is forgotten.
+LOGIN_CODES_KEPT_S = 120.0
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
     SECRETS_BUCKET,
     UI_SESSIONS_BUCKET,
     IDEMPOTENCY_BUCKET,
+    LOGIN_CODES_BUCKET,
 )
 # The others keep their keys forever.
-_TTL = {UI_SESSIONS_BUCKET: UI_SESSION_IDLE_S, IDEMPOTENCY_BUCKET: IDEMPOTENCY_TTL_S}
+_TTL = {
+    UI_SESSIONS_BUCKET: UI_SESSION_IDLE_S,
+    IDEMPOTENCY_BUCKET: IDEMPOTENCY_TTL_S,
+    LOGIN_CODES_BUCKET: LOGIN_CODES_KEPT_S,
+}
 _BATCH = 1000
 
 

@@ -3,8 +3,10 @@
 - `GET /.well-known/terraform.json`: the TFE API for every version of it the CLI asks
   for (the `remote` backend of Terraform 1.0 looks up `tfe.v2.1`, the `cloud` block
   `tfe.v2`), `state.v2` (TF_FORCE_LOCAL_BACKEND) and `login.v1` (services/tfe/login.py:
-  `terraform login` by authorization code with PKCE; without it the CLI would ask for a
-  token made in runplane, which it checks with `GET /account/details`).
+  `terraform login` by authorization code with PKCE). A deployment started with
+  `--terraform-login token` (`BROWSER_LOGIN` off) leaves login.v1 out: the CLI then
+  prints `/app/settings/tokens` (services/ui/tokens.py), asks for the token made there
+  and checks it with `GET /account/details`.
 - `GET /api/v2/ping`: 204 with `TFP-API-Version` (go-tfe, and so the CLI, refuses a
   server below 2.5 or without one) and `TFP-AppName`.
 """
@@ -26,11 +28,17 @@ HANDSHAKE = {
     "TFP-AppName": APP_NAME,
     "X-TFE-Version": TFE_VERSION,
 }
+# Whether `terraform login` is offered login.v1 (a browser signed in to the web UI
+# allows it) or, off, asks for a token pasted from `/app/settings/tokens`.
+BROWSER_LOGIN: web.AppKey[bool] = web.AppKey("runplane.tfe.browser_login", bool)
+LOGIN_MODES = ("browser", "token")
 
 
 async def well_known(request: web.Request) -> web.Response:
     from services.tfe.login import SERVICE
 
+    if not request.app.get(BROWSER_LOGIN, True):
+        return web.json_response(SERVICES)
     return web.json_response({**SERVICES, "login.v1": SERVICE})
 
 

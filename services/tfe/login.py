@@ -10,9 +10,15 @@ token: an organization token for the signed-in user, with the session token's ro
 
 The code is a capability (services/tfe/capability.py) naming the organization, user,
 role, challenge and redirect, alive `CODE_TTL_S`: it is worth nothing without the
-verifier only the CLI holds, and a replica takes each code once. The consent form
-carries the session's CSRF token; an admin-token session is refused (the admin token
-is no organization's user).
+verifier only the CLI holds, and it is exchanged once across every api replica: the
+exchange first writes the code's digest into the `rp-login-codes` bucket with `create`,
+which the bucket's stream leader grants to one writer only (services/infra/kv.py). The
+consent form carries the session's CSRF token; an admin-token session is refused (the
+admin token is no organization's user).
+
+Without login.v1 in discovery (`--terraform-login token`, services/tfe/discovery.py)
+the CLI falls back to asking for a token pasted at its prompt, made by the signed-in user
+at `/app/settings/tokens` (services/ui/tokens.py) with `issue_token` below, as here.
 """
 
 from __future__ import annotations
@@ -21,15 +27,20 @@ import base64
 import hashlib
 import hmac
 import html
-import time
 from urllib.parse import urlencode, urlsplit
 
 import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
 from aiohttp import web
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from services.api.auth import authenticate
-from services.api.context import API
+from services.api.context import API, Api
 from services.api.problems import Problem
+from services.infra.kv import LOGIN_CODES_BUCKET
 from services.tfe.capability import CapabilityError
 from services.tfe.context import tfe_of
 from services.ui.sessions import COOKIE, SessionError, check_csrf, check_origin
@@ -47,7 +58,8 @@ SERVICE = {
     "token": TOKEN,
     "ports": list(PORTS),
 }
-_USED_KEPT = 10_000
+
+log = structlog.get_logger("runplane.tfe.login")
 
 
 class Grant(msgspec.Struct, frozen=True, array_like=True):
@@ -204,28 +216,49 @@ async def token(request: web.Request) -> web.Response:
         return _token_error("invalid_grant", "the code verifier does not match")
     if fields.get("redirect_uri", grant.redirect) != grant.redirect:
         return _token_error("invalid_grant", "the redirect is not the one authorized")
-    if not _first_use(request, code):
+    try:
+        first = await request.app[TAKEN].take(code)
+    except (TimeoutError, nats.errors.Error) as e:
+        log.warning("login_code_store_unavailable", error=repr(e))
+        return _token_error("temporarily_unavailable", "try again", status=503)
+    if not first:
         return _token_error("invalid_grant", "the code was used already")
-    api = request.app[API]
-    issued, result = await api.app.issue_token(org, grant.user, grant.role, grant.user)
-    await api.after_write(result.seq)
+    issued = await issue_token(request.app[API], org, grant.user, grant.role)
     return web.json_response(
         {"access_token": issued, "token_type": "bearer"}, headers={"Cache-Control": "no-store"}
     )
 
 
-USED: web.AppKey[dict[str, float]] = web.AppKey("runplane.tfe.used_codes", dict)
+async def issue_token(api: Api, org: str, user: str, role: str) -> str:
+    """A new token of `org` acting as `user` with `role` (the caller's own: never more),
+    recorded as any other (`org.token_issued`, by that user) and in this replica's read
+    model before it is shown: the CLI checks it at once, maybe on this replica."""
+    issued, result = await api.app.issue_token(org, user, role, user)
+    await api.after_write(result.seq)
+    return issued
 
 
-def _first_use(request: web.Request, code: str) -> bool:
-    """Whether this replica sees the code for the first time (codes live a minute)."""
-    used = request.app[USED]
-    now = time.monotonic()
-    if len(used) >= _USED_KEPT:
-        for k in [k for k, at in used.items() if now - at > CODE_TTL_S]:
-            del used[k]
-    key = hashlib.sha256(code.encode()).hexdigest()
-    if key in used:
-        return False
-    used[key] = now
-    return True
+class TakenCodes:
+    """The codes already exchanged, by any replica: the `rp-login-codes` bucket."""
+
+    def __init__(self, js: JetStreamContext) -> None:
+        self.js = js
+        self._kv: KeyValue | None = None
+
+    async def take(self, code: str) -> bool:
+        """Whether this call is the code's first exchange anywhere. The write expects
+        the key's last revision to be none (Nats-Expected-Last-Subject-Sequence 0), which
+        the stream's leader checks and appends in one step: of two replicas taking the
+        same code at once, one is refused. Marks are never deleted (a delete would let
+        the key be written again); the bucket drops them once the code has expired."""
+        if self._kv is None:
+            self._kv = await self.js.key_value(LOGIN_CODES_BUCKET)
+        key = "c." + hashlib.sha256(b"rp-login-code\0" + code.encode()).hexdigest()
+        try:
+            await self._kv.update(key, b"taken", last=0)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
+
+
+TAKEN: web.AppKey[TakenCodes] = web.AppKey("runplane.tfe.taken_codes", TakenCodes)

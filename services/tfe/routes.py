@@ -69,15 +69,23 @@ AUTHENTICATED = [
 ROUTES = [*PUBLIC, *AUTHENTICATED, *OPERATIONS]
 
 
-def mount(web_app: web.Application, *, keyring: KeyRing | None, js: JetStreamContext) -> None:
+def mount(
+    web_app: web.Application,
+    *,
+    keyring: KeyRing | None,
+    js: JetStreamContext,
+    browser_login: bool = True,
+) -> None:
     """Add the TFE routes. They authenticate themselves (JSON:API errors, not problem
     details), so runplane's middleware lets them through: call it after anything else
     that sets `SELF_AUTHENTICATED` (the web UI). `keyring` None: no key, so no
-    capabilities and no state (503)."""
+    capabilities and no state (503). `browser_login` False: discovery offers no login.v1
+    (`terraform login` asks for a pasted token instead)."""
     states = StateStore(js, keyring) if keyring is not None else None
     signer = Signer.of(keyring) if keyring is not None else None
     web_app[TFE] = Tfe(signer=signer, states=states)
-    web_app[login.USED] = {}
+    web_app[login.TAKEN] = login.TakenCodes(js)
+    web_app[discovery.BROWSER_LOGIN] = browser_login
     web_app[configs.CONFIGS] = configs.ConfigStore.of(js, keyring) if keyring else None
     web_app[state.PUSHES] = {}
     web_app.add_routes(ROUTES)

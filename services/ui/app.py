@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.api.context import API
 from services.api.middleware import SELF_AUTHENTICATED, problems
-from services.ui import actions, live, pages, signin
+from services.ui import actions, live, pages, signin, tokens
 from services.ui.sessions import TLS_PROXY, Sessions
 from services.ui.templating import GLOBALS
 from services.ui.web import JINJA, SESSIONS, html_errors
@@ -33,6 +33,8 @@ ROUTES = [
     web.get("/", signin.signin_page, allow_head=False),
     web.post("/signin", signin.signin),
     web.post("/signout", signin.signout),
+    web.get(tokens.TOKENS, tokens.tokens_page, allow_head=False),
+    web.post(tokens.TOKENS, tokens.create_token),
     web.get(ORG, pages.org_page, allow_head=False),
     web.get(ORG + "/live", live.bar_feed, allow_head=False),
     web.get(WS, pages.workspace_page, allow_head=False),
