@@ -5,7 +5,8 @@ up --terraform-login token`): the CLI prints this page's URL and asks for the to
 here, pasted at its prompt, which it checks with `GET /api/v2/account/details`. The page
 says whom a new token acts as; the form (CSRF token, Origin checked) makes one for the
 session's user, organization and role, never more, as login.v1's exchange does
-(services/tfe/login.py `issue_token`: `org.token_issued`), and shows it once (no-store,
+(services/tfe/login.py `issue_token`: `org.token_issued`), and shows it once, in the
+post's own answer (no redirect: the token is kept nowhere to be shown again; no-store,
 never framed: services/ui/web.py SECURITY_HEADERS). An admin-token session is refused:
 the admin token is no organization's user.
 """
