@@ -72,6 +72,7 @@ from events.workspace import (
     RunEnqueued,
     RunReleased,
     SettingsSet,
+    StatePushed,
     VariablesSet,
     WorkspaceCreated,
     WorkspaceDeleted,
@@ -224,6 +225,8 @@ def quiet(event: AnyEvent) -> bool:
             return True  # an admission's `run.queued` follows on the run
         case ConfigChanged() | WorkspaceDeleted() | WorkspacePurged():
             return True  # a deleted workspace holds no run: nothing to admit or release
+        case StatePushed():
+            return True  # recorded while the pusher holds the lock: nothing is admitted
         case (
             OrgCreated()
             | TokenIssued()

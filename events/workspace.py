@@ -99,6 +99,23 @@ class WorkspacePurged(Event, frozen=True, kw_only=True, tag="ws.purged"):
     (services/api/workspaces.py says what else a purge removes)."""
 
 
+class StatePushed(Event, frozen=True, kw_only=True, tag="ws.state_pushed"):
+    """The holder of the workspace's lock (the actor) replaced its state from outside a
+    run: `terraform state push` (and `state rm` / `mv`, every state write of the CLI's
+    backend) through the TFE API (services/tfe/state.py). The version is sealed in
+    `rp-state` as `object`; `previous` is the version it replaced ("" for none), `forced`
+    whether the CLI said `-force` (another lineage, or a serial not above the current)."""
+
+    serial: int
+    lineage: str
+    digest: str  # sha256 of the clear state
+    object: str
+    size: int
+    previous: str = ""
+    forced: bool = False
+    cause: str = "cli"
+
+
 WorkspaceEvent = (
     WorkspaceCreated
     | RunEnqueued
@@ -111,6 +128,7 @@ WorkspaceEvent = (
     | ConfigChanged
     | WorkspaceDeleted
     | WorkspacePurged
+    | StatePushed
 )
 
 
@@ -162,6 +180,20 @@ class PurgeWorkspace(Command, frozen=True, kw_only=True):
     pass
 
 
+class RecordStatePush(Command, frozen=True, kw_only=True):
+    """Record a state version pushed by the actor, who must hold the workspace's lock
+    while no run is active on it (the shell has sealed the version already)."""
+
+    serial: int
+    lineage: str
+    digest: str
+    object: str
+    size: int
+    previous: str = ""
+    forced: bool = False
+    cause: str = "cli"
+
+
 WorkspaceCommand = (
     ChangeConfig
     | DeleteWorkspace
@@ -174,6 +206,7 @@ WorkspaceCommand = (
     | SetSettings
     | LockWorkspace
     | UnlockWorkspace
+    | RecordStatePush
 )
 
 
@@ -198,6 +231,10 @@ class WorkspaceState(msgspec.Struct, frozen=True, kw_only=True):
     version: int = 0
     deleted_at: datetime | None = None  # set once deleted: no command but a purge
     purges: int = 0  # how often the name was purged (each time it starts afresh)
+    # The version the last `ws.state_pushed` of the lock held now put in place ("" none):
+    # while the lock is held and no run active, only pushes move the state head, so a
+    # push must continue from it (two pushes decided on one head cannot both land).
+    pushed: str = ""
 
     @property
     def exists(self) -> bool:
@@ -245,9 +282,9 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
             return msgspec.structs.replace(s, settings=merge(s.settings, event.changes))
         case WorkspaceLocked():
             lock = Lock(holder=event.actor, reason=event.reason, locked_at=event.at)
-            return msgspec.structs.replace(s, lock=lock)
+            return msgspec.structs.replace(s, lock=lock, pushed="")
         case WorkspaceUnlocked():
-            return msgspec.structs.replace(s, lock=None)
+            return msgspec.structs.replace(s, lock=None, pushed="")
         case ConfigChanged():
             assert s.config is not None, "a change of a workspace that was never created"
             return msgspec.structs.replace(s, config=changed(s.config, event.changes))
@@ -255,6 +292,8 @@ def evolve(state: WorkspaceState, event: WorkspaceEvent) -> WorkspaceState:
             return msgspec.structs.replace(s, deleted_at=event.at)
         case WorkspacePurged():
             return WorkspaceState(version=s.version, purges=s.purges + 1)
+        case StatePushed():
+            return msgspec.structs.replace(s, pushed=event.object)
         case _:
             assert_never(event)
 
@@ -374,6 +413,8 @@ def decide(
             return [_lock(state, command, now)]
         case UnlockWorkspace():
             return [_unlock(state, command, now)]
+        case RecordStatePush():
+            return [_state_pushed(state, command, now)]
         case _:
             assert_never(command)
 
@@ -404,6 +445,32 @@ def _unlock(state: WorkspaceState, command: UnlockWorkspace, now: datetime) -> W
             "organization admin may unlock it"
         )
     return WorkspaceUnlocked(at=now, actor=command.actor, holder=lock.holder, reason=lock.reason)
+
+
+def _state_pushed(state: WorkspaceState, command: RecordStatePush, now: datetime) -> StatePushed:
+    """Only the lock's holder writes state, and never under a run: a run admitted since
+    the pusher read the workspace (or a lock taken over by an admin) refuses the push."""
+    if not state.exists:
+        raise NotFound("workspace does not exist")
+    lock = state.lock
+    if lock is None or lock.holder != command.actor:
+        raise IllegalTransition(
+            f"workspace {state.name} is not locked by {command.actor}: "
+            "lock the workspace before writing its state",
+            status="unlocked" if lock is None else "locked",
+        )
+    if state.active:
+        raise IllegalTransition(
+            f"run {state.active} is active on workspace {state.name}", status="busy"
+        )
+    if state.pushed and command.previous != state.pushed:
+        raise IllegalTransition(
+            f"the state of workspace {state.name} changed since it was read "
+            f"(another push put {state.pushed} in place)",
+            status="moved",
+        )
+    fields = msgspec.structs.asdict(command)
+    return StatePushed(at=now, **fields)
 
 
 def _change(state: WorkspaceState, command: ChangeConfig, now: datetime) -> list[WorkspaceEvent]:

@@ -33,9 +33,10 @@ from typing import Any, Protocol, TypeVar
 import structlog
 from aiohttp import web
 
-from events.codec import run_subject
+from events.codec import run_subject, ws_subject
 from events.errors import DomainError
 from events.run import RecordStateVersion, RunCommand, RunState, StateVersionCreated
+from events.workspace import StatePushed
 from executor.linksafe import write_new
 from executor.statestore import (
     Head,
@@ -217,7 +218,8 @@ class StateBackend:
         if pending is None or (head is not None and head.object == pending.object):
             return head, revision
         newer = head is None or (pending.lineage == head.lineage and pending.serial > head.serial)
-        if not newer or not await self._recorded(pending):
+        pushed = not pending.run_id and await self._pushed(pending, head)
+        if not pushed and (not newer or not await self._recorded(pending)):
             return head, revision  # an older entry, or a write still in flight: not ours
         try:
             revision = await self.store.move_head(org, ws, pending, revision)
@@ -226,6 +228,17 @@ class StateBackend:
         log.warning("state_head_recovered", object=pending.object, run_id=pending.run_id)
         await self.store.clear_pending(org, ws)
         return pending, revision
+
+    async def _pushed(self, version: Head, head: Head | None) -> bool:
+        """Whether a user's CLI pushed the version over `head` (`ws.state_pushed`:
+        services/tfe/state.py records it before it moves the head)."""
+        subject = ws_subject(self.job.org, self.job.ws)
+        was = head.object if head is not None else ""
+        for envelope in await self.job.app.store.read(subject, min_seq=LATEST):
+            event = envelope.event
+            if isinstance(event, StatePushed) and event.object == version.object:
+                return event.previous == was
+        return False
 
     async def _recorded(self, version: Head) -> bool:
         """Whether the version's run recorded it (`run.state_version`)."""

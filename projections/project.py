@@ -42,6 +42,7 @@ from events.workspace import (
     RunEnqueued,
     RunReleased,
     SettingsSet,
+    StatePushed,
     VariablesSet,
     WorkspaceCreated,
     WorkspaceDeleted,
@@ -371,6 +372,8 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
         case WorkspacePurged():
             w.delete("workspaces", key)  # the name is free; the audit rows stay
             w.purge_runs(ws["org"], ws["name"])
+        case StatePushed():
+            project_state_version(w, meta, event)  # a row of its versions, as a run's
         case _:
             assert_never(event)
 

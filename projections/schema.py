@@ -15,7 +15,7 @@ from typing import Any
 
 import aiosqlite
 
-VERSION = 13
+VERSION = 14
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -177,7 +177,7 @@ RESOURCE_STATES = Table(  # each resource's stages during the apply (projections
     "error TEXT",
     "updated_at TEXT",
 )
-STATE_VERSIONS = Table(  # run.state_version events (projections/state_versions.py)
+STATE_VERSIONS = Table(  # run.state_version, ws.state_pushed (projections/state_versions.py)
     "state_versions",
     ("org", "workspace", "seq"),
     "org TEXT NOT NULL",
@@ -191,6 +191,8 @@ STATE_VERSIONS = Table(  # run.state_version events (projections/state_versions.
     "size INTEGER",
     "created_at TEXT",
     "recovered INTEGER DEFAULT 0",  # left on disk by a dead executor, recorded at restart
+    "pushed_by TEXT",  # ws.state_pushed: the user whose CLI pushed it (NULL: a run wrote it)
+    "forced INTEGER DEFAULT 0",  # pushed with -force
 )
 EVENTS = Table(
     "events",

@@ -1,7 +1,9 @@
 """State versions and what a run is pinned to: the fold and the queries.
 
-- `state_versions` (`projections/schema.py`): one row per `run.state_version` event, keyed
-  by the event's stream sequence, so a workspace's versions list newest first;
+- `state_versions` (`projections/schema.py`): one row per `run.state_version` event (a
+  run wrote it) and per `ws.state_pushed` event (a user's CLI pushed it: `pushed_by`,
+  no run), keyed by the event's stream sequence, so a workspace's versions list newest
+  first;
 - a run's pins are read from rows that exist already: its snapshot from the run's
   `RunState` (`runs.state_json`), its commit's author and message from its last
   `run.plan_finished` in the audit history.
@@ -18,6 +20,7 @@ import msgspec
 
 from events import runsteps
 from events.run import PlanFinished, RunState, StateVersionCreated
+from events.workspace import StatePushed
 
 if TYPE_CHECKING:
     from projections.project import Meta, Working
@@ -27,7 +30,7 @@ Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 _state = msgspec.json.Decoder(RunState)
 _plan = msgspec.json.Decoder(PlanFinished)
 _NO_STEPS: dict[str, Any] = {"template": None, "steps": [], "current_step": None}
-_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at, recovered"
+_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at, recovered, pushed_by, forced"
 
 
 def _iso(dt: datetime) -> str:
@@ -36,8 +39,13 @@ def _iso(dt: datetime) -> str:
 
 
 def project_state_version(w: Working, meta: Meta, event: object) -> None:
-    """A `run.state_version` event becomes a row of its workspace's versions."""
-    if not isinstance(event, StateVersionCreated):
+    """A `run.state_version` or `ws.state_pushed` event becomes a row of its workspace's
+    versions."""
+    if isinstance(event, StateVersionCreated):
+        own = {"run_id": meta.run_id, "recovered": int(event.recovered), "pushed_by": None}
+    elif isinstance(event, StatePushed):
+        own = {"run_id": None, "recovered": 0, "pushed_by": event.actor}
+    else:
         return
     w.insert(
         "state_versions",
@@ -45,14 +53,14 @@ def project_state_version(w: Working, meta: Meta, event: object) -> None:
             "org": meta.org,
             "workspace": meta.workspace,
             "seq": meta.seq,
-            "run_id": meta.run_id,
             "serial": event.serial,
             "lineage": event.lineage,
             "digest": event.digest,
             "object": event.object,
             "size": event.size,
             "created_at": _iso(event.at),
-            "recovered": int(event.recovered),
+            "forced": int(isinstance(event, StatePushed) and event.forced),
+            **own,
         },
     )
 
@@ -63,7 +71,9 @@ async def state_versions(query: Query, org: str, ws: str) -> list[dict[str, Any]
         f"SELECT {_COLUMNS} FROM state_versions WHERE org = ? AND workspace = ? ORDER BY seq DESC",
         (org, ws),
     )
-    return [{**dict(r), "recovered": bool(r["recovered"])} for r in rows]
+    return [
+        {**dict(r), "recovered": bool(r["recovered"]), "forced": bool(r["forced"])} for r in rows
+    ]
 
 
 async def run_pins(query: Query, run_id: str) -> dict[str, Any]:

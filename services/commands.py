@@ -264,6 +264,11 @@ class App:
             org, name, ws_agg.UnlockWorkspace(actor=actor, admin=admin)
         )
 
+    @tracing.command
+    async def record_state_push(self, org: str, name: str, cmd: ws_agg.RecordStatePush) -> Result:
+        """Record a state version the lock's holder pushed (services/tfe/state.py)."""
+        return await self._workspace_command(org, name, cmd)
+
     async def _workspace_command(self, org: str, name: str, cmd: ws_agg.WorkspaceCommand) -> Result:
         async def attempt() -> Result:
             cur = await self.load_ws(org, name)

@@ -454,6 +454,7 @@ def _samples() -> list[tuple[Any, Any]]:
         W.SettingsSet(at=AT, actor="a", changes={}),
         W.WorkspaceLocked(at=AT, actor="a", reason="x"),
         W.WorkspaceUnlocked(at=AT, actor="a"),
+        W.StatePushed(at=AT, actor="a", serial=1, lineage="l", digest="d", object="o", size=1),
         W.ConfigChanged(at=AT, actor="a", changes={"branch": "prod"}),
         W.WorkspaceDeleted(at=AT, actor="a"),
         W.WorkspacePurged(at=AT, actor="a"),

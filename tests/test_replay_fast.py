@@ -8,7 +8,7 @@ import gc
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from itertools import count, zip_longest
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from events.workspace import (
     RunAdmitted,
     RunEnqueued,
     RunReleased,
+    StatePushed,
     VariablesSet,
     WorkspaceCreated,
     WorkspaceLocked,
@@ -158,6 +159,7 @@ def _interleaved_history(recreate: bool = False) -> Iterator[tuple[str, AnyEvent
             lane.insert(5, ("rp.run.acme.net.nope", b"not json"))
             lane.insert(7, (ws_subject(ORG, ws), WorkspaceUnlocked(at=at, actor="bob")))
             lane.insert(9, (ws_subject(ORG, ws), VariablesSet(at=at, actor="bob", variables={})))
+            lane.insert(4, (ws_subject(ORG, ws), _pushed(at, ws)))  # under bob's lock
         lanes.append(lane)
     for step in zip_longest(*lanes):
         for pair in step:
@@ -183,6 +185,20 @@ def _interleaved_history(recreate: bool = False) -> Iterator[tuple[str, AnyEvent
     )
     yield subject, run_agg.StepStarted(at=at, actor="x", lease_id="l", step="again")
     yield subject, run_agg.RunCanceled(at=at, actor="eve")
+
+
+def _pushed(at: datetime, ws: str) -> StatePushed:
+    """`terraform state push` by bob while he holds the workspace's lock."""
+    return StatePushed(
+        at=at,
+        actor="bob",
+        serial=3,
+        lineage="l-1",
+        digest="ab" * 32,
+        object=f"{ORG}/{ws}/3-abababababababab",
+        size=120,
+        forced=True,
+    )
 
 
 async def _publish(nc: NATS, store: EventStore, *, recreate: bool = False) -> int:
@@ -269,6 +285,8 @@ async def test_replay_in_any_batch_size_equals_the_live_projection(
     live = await _live(nc, store, tmp_path / "live.db")
     assert len(live["skipped"]) == 1
     assert all(live[t] for t in ("runs", "steps", "changes", "resource_states", "workspaces"))
+    pushed = [r for r in live["state_versions"] if "bob" in r]
+    assert len(pushed) == 1 and 3 in pushed[0], live["state_versions"]  # ws.state_pushed
     assert await replay(nc, tmp_path / "replayed.db", batch_size=batch_size) == published - 1
     assert await _dump(tmp_path / "replayed.db") == live
 

@@ -1,7 +1,8 @@
-"""A workspace's state versions, newest first, as recorded by `run.state_version` events.
+"""A workspace's state versions, newest first, as recorded by `run.state_version` events
+(a run wrote it) and `ws.state_pushed` events (a user's CLI pushed it: `pushed_by`).
 
 The versions themselves stay sealed in the object store; this lists what each one is
-(serial, lineage, digest, size, object) and which run wrote it.
+(serial, lineage, digest, size, object) and which run or user wrote it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ async def list_state_versions(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------- OpenAPI
 
+NULL: Doc = {"type": "null"}
+
 SCHEMAS: dict[str, Doc] = {
     "StateVersion": {
         "type": "object",
@@ -34,9 +37,14 @@ SCHEMAS: dict[str, Doc] = {
             "digest": {**STR, "description": "sha256 of the clear state"},
             "object": {**STR, "description": "sealed object in rp-state"},
             "size": {**INT, "description": "bytes of the clear state"},
-            "run_id": STR,
+            "run_id": {"anyOf": [STR, NULL], "description": "null: a user's CLI pushed it"},
             "created_at": TIME,
             "recovered": {**BOOL, "description": "left by a dead executor, recorded at restart"},
+            "pushed_by": {
+                "anyOf": [STR, NULL],
+                "description": "the user whose Terraform CLI pushed it (null: a run wrote it)",
+            },
+            "forced": {**BOOL, "description": "pushed with `terraform state push -force`"},
         },
     },
 }

@@ -8,7 +8,7 @@ from nats.js import JetStreamContext
 from executor.statestore import StateStore
 from services.api.middleware import SELF_AUTHENTICATED
 from services.infra.crypto import KeyRing
-from services.tfe import configs, discovery, login, logs, runs, state, workspaces
+from services.tfe import configs, discovery, login, logs, outputs, runs, state, workspaces
 from services.tfe.capability import Signer
 from services.tfe.context import TFE, Tfe, route
 
@@ -62,7 +62,8 @@ AUTHENTICATED = [
     web.post(WS + "/actions/force-unlock", route(workspaces.force_unlock_workspace)),
     web.get(WS + "/vars", route(workspaces.list_vars)),
     web.get(WS + "/current-state-version", route(state.current_state_version)),
-    web.get(WS + "/current-state-version-outputs", route(state.current_outputs)),
+    web.get(WS + "/current-state-version-outputs", route(outputs.current_outputs)),
+    web.get(V2 + "/state-version-outputs/{output_id}", route(outputs.read_output)),
     web.post(WS + "/state-versions", route(state.create_state_version)),
     web.get(V2 + "/state-versions/{sv_id}", route(state.read_state_version)),
 ]
