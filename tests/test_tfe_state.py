@@ -38,6 +38,7 @@ from services.infra.eventstore import LATEST
 from services.tfe.context import TFE
 from tests.gwt import NOW, Aggregate, given
 from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.ui.support import Browser
 
 __all__ = ["tfe_fixture"]
 
@@ -162,6 +163,9 @@ async def test_a_viewer_never_gets_the_whole_state_but_reads_metadata_and_output
     assert got.status == 403, got.body
     detail = got.body["errors"][0]["detail"]
     assert "operator" in detail and "outputs" in detail and "hunter2" not in json.dumps(got.body)
+    # the workspace says so in go-tfe's permissions
+    shown = await tfe.tfe("GET", f"/api/v2/workspaces/{ws_id}", token=viewer)
+    assert shown.body["data"]["attributes"]["permissions"]["can-read-state-versions"] is False
     # the version's metadata, without a download URL
     read = await tfe.tfe("GET", f"/api/v2/state-versions/{sv['id']}", token=viewer)
     assert read.status == 200 and read.body["data"]["attributes"]["serial"] == 1
@@ -253,6 +257,14 @@ async def test_a_push_is_recorded_with_its_user_serial_digest_and_force(tfe: Tfe
         ("operator-user", True, None),
         ("operator-user", False, None),
     ]
+    # and so does the workspace's page in the web UI
+    browser = Browser(tfe.client.server)
+    try:
+        await browser.signin(tokens["viewer"])
+        page = await browser.get("/orgs/acme/workspaces/net")
+        assert page.status == 200 and "pushed by operator-user (CLI, -force)" in page.text
+    finally:
+        await browser.close()
     # the version's time is its event's
     current = await tfe.tfe(
         "GET", f"/api/v2/workspaces/{ws_id}/current-state-version", token=tokens["operator"]

@@ -154,7 +154,7 @@ def render_workspace(org: str, row: dict[str, Any], who: Principal) -> Doc:
             "can-read-settings": True,
             "can-update": admin,
             "can-update-variable": admin,
-            "can-read-state-versions": True,
+            "can-read-state-versions": operate,  # the whole state: operator and up
             "can-create-state-versions": operate,
         },
     }
