@@ -102,7 +102,7 @@ class WorkspacePurged(Event, frozen=True, kw_only=True, tag="ws.purged"):
 class StatePushed(Event, frozen=True, kw_only=True, tag="ws.state_pushed"):
     """The holder of the workspace's lock (the actor) replaced its state from outside a
     run: `terraform state push` (and `state rm` / `mv`, every state write of the CLI's
-    backend) through the TFE API (services/tfe/state.py). The version is sealed in
+    backend) through the TFE API (services/tfe/state_push.py). The version is sealed in
     `rp-state` as `object`; `previous` is the version it replaced ("" for none), `forced`
     whether the CLI said `-force` (another lineage, or a serial not above the current)."""
 

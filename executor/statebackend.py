@@ -231,7 +231,7 @@ class StateBackend:
 
     async def _pushed(self, version: Head, head: Head | None) -> bool:
         """Whether a user's CLI pushed the version over `head` (`ws.state_pushed`:
-        services/tfe/state.py records it before it moves the head)."""
+        services/tfe/state_push.py records it before it moves the head)."""
         subject = ws_subject(self.job.org, self.job.ws)
         was = head.object if head is not None else ""
         for envelope in await self.job.app.store.read(subject, min_seq=LATEST):

@@ -266,7 +266,7 @@ class App:
 
     @tracing.command
     async def record_state_push(self, org: str, name: str, cmd: ws_agg.RecordStatePush) -> Result:
-        """Record a state version the lock's holder pushed (services/tfe/state.py)."""
+        """Record a state version the lock's holder pushed (services/tfe/state_push.py)."""
         return await self._workspace_command(org, name, cmd)
 
     async def _workspace_command(self, org: str, name: str, cmd: ws_agg.WorkspaceCommand) -> Result:

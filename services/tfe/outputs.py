@@ -25,10 +25,10 @@ from aiohttp import web
 from executor.statestore import Head, StateStoreError
 from services.api.auth import VIEWER, Principal
 from services.tfe import ids
-from services.tfe.context import api_of, require, tfe_of
+from services.tfe.context import require, tfe_of
 from services.tfe.jsonapi import Doc, TfeError, document, listing, not_found, page_of, resource
 from services.tfe.jsonapi import response as answer
-from services.tfe.state import current_head, may_read_state, version_of
+from services.tfe.state import current_head, existing_workspace, may_read_state, version_of
 from services.tfe.workspaces import workspace_by_id
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,127}$")
@@ -87,15 +87,10 @@ async def _outputs(request: web.Request, head: Head) -> dict[str, dict[str, Any]
     return {k: v for k, v in outputs.items() if isinstance(v, dict) and _NAME.fullmatch(k)}
 
 
-async def _existing(request: web.Request, org: str, ws: str) -> None:
-    if await api_of(request).read.get_workspace(org, ws) is None:
-        raise not_found(f"workspace {ws} not found in organization {org}")
-
-
 async def current_outputs(request: web.Request) -> web.Response:
     """GET /workspaces/:id/current-state-version-outputs: every sensitive value null."""
     org, ws, _ = await workspace_by_id(request, VIEWER)
-    await _existing(request, org, ws)
+    await existing_workspace(request, org, ws)
     head, _ = await current_head(request, org, ws)
     if head is None:
         raise not_found(f"workspace {ws} has no state yet")
@@ -111,7 +106,7 @@ async def read_output(request: web.Request) -> web.Response:
     """GET /state-version-outputs/:id: a sensitive value to those who may read state."""
     org, ws, serial, prefix, name = _parse_output_id(request.match_info["output_id"])
     who: Principal = require(request, org, VIEWER)
-    await _existing(request, org, ws)
+    await existing_workspace(request, org, ws)
     version, _ = await version_of(request, org, ws, serial, prefix)
     out = (await _outputs(request, version)).get(name)
     if out is None:

@@ -8,7 +8,17 @@ from nats.js import JetStreamContext
 from executor.statestore import StateStore
 from services.api.middleware import SELF_AUTHENTICATED
 from services.infra.crypto import KeyRing
-from services.tfe import configs, discovery, login, logs, outputs, runs, state, workspaces
+from services.tfe import (
+    configs,
+    discovery,
+    login,
+    logs,
+    outputs,
+    runs,
+    state,
+    state_push,
+    workspaces,
+)
 from services.tfe.capability import Signer
 from services.tfe.context import TFE, Tfe, route
 
@@ -64,7 +74,7 @@ AUTHENTICATED = [
     web.get(WS + "/current-state-version", route(state.current_state_version)),
     web.get(WS + "/current-state-version-outputs", route(outputs.current_outputs)),
     web.get(V2 + "/state-version-outputs/{output_id}", route(outputs.read_output)),
-    web.post(WS + "/state-versions", route(state.create_state_version)),
+    web.post(WS + "/state-versions", route(state_push.create_state_version)),
     web.get(V2 + "/state-versions/{sv_id}", route(state.read_state_version)),
 ]
 ROUTES = [*PUBLIC, *AUTHENTICATED, *OPERATIONS]
@@ -88,7 +98,7 @@ def mount(
     web_app[login.TAKEN] = login.TakenCodes(js)
     web_app[discovery.BROWSER_LOGIN] = browser_login
     web_app[configs.CONFIGS] = configs.ConfigStore.of(js, keyring) if keyring else None
-    web_app[state.PUSHES] = {}
+    web_app[state_push.PUSHES] = {}
     web_app.add_routes(ROUTES)
     own = web_app.get(SELF_AUTHENTICATED, frozenset())
     resources = {r.path for r in ROUTES}
