@@ -7,7 +7,7 @@
   output's value is null in the list, as HCP Terraform answers;
 - `GET /state-version-outputs/:id`: one output, which the CLI asks for each sensitive
   one. Its value only to those who may read state (services/tfe/state.py,
-  `may_read_state`: operator or admin), as HCP Terraform's "read state versions"
+  `may_read_state`: operator, approver or admin), as HCP Terraform's "read state versions"
   permission; to a viewer it is null (the CLI shows `<sensitive>`, `-json` shows null).
 
 An output's id is `wsout-<org>.<ws>.<serial>.<digest16>.<name>`: its state version's id

@@ -6,7 +6,7 @@ is what the next run plans on, and a version a run wrote is what `terraform stat
 pull` gets.
 
 Who reads what (HCP Terraform's "read state versions" against "read state outputs"):
-the whole state, secrets and all, goes only to an operator or admin: the
+the whole state, secrets and all, goes only to an operator, approver or admin: the
 `hosted-state-download-url` of a version is minted for them alone, and
 `current-state-version` (what `state pull` and every state read of the CLI's backend
 start from) answers a viewer 403 saying so. A viewer reads a version's metadata
@@ -57,7 +57,7 @@ _RANK = {role: i for i, role in enumerate(ROLES)}
 
 def may_read_state(who: Principal) -> bool:
     """Whether the caller may read whole states (and sensitive outputs' values): an
-    operator or admin of the organization (the caller's organization is checked first)."""
+    operator, approver or admin of the organization (the caller's organization is checked first)."""
     return who.superuser or _RANK.get(who.role, -1) >= _RANK[OPERATOR]
 
 
@@ -106,8 +106,8 @@ def refuse_whole_state(who: Principal) -> None:
         "state not readable with this role",
         f"role {who.role} may read this workspace's outputs but not its whole state "
         "(`terraform state pull`, and the remote backend's every state read, need the "
-        "operator or admin role); `terraform output` of a cloud block (Terraform >= 1.3) "
-        "reads the outputs alone",
+        "operator, approver or admin role); `terraform output` of a cloud block "
+        "(Terraform >= 1.3) reads the outputs alone",
     )
 
 
