@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Collection
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -39,6 +40,7 @@ from services.secrets import SecretStore
 from services.tfe import logs
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN
+from tests.test_tfe_cli import CLOUD_HCL, _newer_terraform
 from tests.test_tfe_runs_api import new_run, uploaded
 from tests.test_tfe_runs_cli import BACKEND, Cli, cli_fixture, ok, resources
 from tests.tfe_support import Terminal, Tfe, tfe_fixture
@@ -266,9 +268,9 @@ async def _equal(value: Awaitable[int], wanted: int) -> bool:
 @pytest.mark.terraform
 @pytest.mark.slow
 async def test_ctrl_c_on_a_queued_cli_run_asks_and_only_yes_cancels_it(cli: Cli) -> None:
-    """Two applies wait behind a third held at its prompt; Ctrl-C on each: "no" leaves
-    its run in the queue (it runs later and applies), "yes" cancels its run (by the
-    CLI's user), and the queue moves past it."""
+    """Applies wait behind one held at its prompt; Ctrl-C on each: "no" leaves its run
+    in the queue (it runs later and applies), "yes" cancels its run (by the CLI's user),
+    a second Ctrl-C exits at once; the queue moves past the canceled runs."""
     first = cli.workdir("queue", resources(1))
     ok(cli.tf(first, "init", "-input=false", "-no-color"))
     kept = copy_of(cli, first, "queue", "queue-kept", resources(2))
@@ -298,8 +300,27 @@ async def test_ctrl_c_on_a_queued_cli_run_asks_and_only_yes_cancels_it(cli: Cli)
         yes.send("yes\n")
         await expect(yes, rb"The remote operation was successfully cancelled\.")
         yes_code = await asyncio.to_thread(yes.finish)
-
         run = await cli.api.run_to(canceled["id"], {"canceled"})
+
+        # a second Ctrl-C at the question exits at once, canceling nothing: the run of a
+        # CLI gone away is canceled in runplane
+        twice = apply(dropped, cli)
+        terms.append(twice)
+        await expect(twice, QUEUED)
+        seen = {held["id"], waiting["id"], canceled["id"]}
+        left = await newest(cli, "queue", "pending", besides=seen)
+        interrupt(twice)
+        await expect(twice, ASK)
+        interrupt(twice)
+        assert await asyncio.to_thread(twice.finish, 10) == 1, twice.text()
+        # which of the CLI's two listeners takes the second SIGINT first is a race: one
+        # says it exits at once, the other that the question was interrupted
+        said = ("Two interrupts received. Exiting immediately.", "Failed asking to cancel")
+        assert any(words in twice.text() for words in said), twice.text()
+        assert (await cli.api.ok("GET", f"/api/v1/orgs/acme/runs/{left['id']}"))[
+            "status"
+        ] == "pending"
+        await cli.api.ok("POST", f"/api/v1/orgs/acme/runs/{left['id']}/cancel", {})
         assert (await cli.api.ok("GET", f"/api/v1/orgs/acme/runs/{waiting['id']}"))[
             "status"
         ] == "pending"
@@ -374,3 +395,93 @@ async def test_ctrl_c_during_a_cli_apply_stops_the_cli_and_the_apply_completes(c
     state = json.loads(ok(cli.tf(work, "state", "pull")))
     assert [r["name"] for r in state["resources"]] == ["slow"] and state["serial"] >= 1
     await released(cli, "slow")
+
+
+GATE = {
+    "steps": [
+        {"number": 50, "kind": "custom", "name": "gate", "command": "sleep 60"},
+        {"number": 100, "kind": "plan"},
+        {"number": 150, "kind": "approval"},
+        {"number": 200, "kind": "apply"},
+    ]
+}
+
+
+@pytest.mark.terraform
+@pytest.mark.slow
+async def test_ctrl_c_while_a_cli_run_plans_stops_it_on_its_executor(cli: Cli) -> None:
+    """A run its executor is working on (here a custom step before its plan, which the
+    CLI sees as `planning`): "yes" asks it to stop, the executor interrupts the step and
+    reports the run canceled, and the workspace is free for the next run."""
+    await cli.api.ok("PUT", "/api/v1/orgs/acme/templates/gate", GATE)
+    work = cli.workdir("gated", resources(1))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    path = "/api/v1/orgs/acme/workspaces/gated/settings"
+    await cli.api.ok("PATCH", path, {"templates": {"apply": "gate"}})
+    term = apply(work, cli)
+    try:
+        run = await newest(cli, "gated", "running")
+        await expect(term, rb"Waiting for the plan to start")
+        interrupt(term)
+        await expect(term, ASK)
+        term.send("yes\n")
+        await expect(term, rb"The remote operation was successfully cancelled\.")
+        code = await asyncio.to_thread(term.finish, 30)
+    finally:
+        term.close()
+    assert code == 0, term.text()
+    done = await cli.api.run_to(run["id"], {"canceled"})
+    assert done["reason"] == "canceled from the Terraform CLI", done
+    events = await cli.api.ok("GET", f"/api/v1/orgs/acme/runs/{run['id']}/events")
+    kinds = [(e["type"], e["actor"]) for e in events["items"]]
+    assert ("run.stop_requested", "alice") in kinds, kinds
+    assert kinds[-1][0] == "run.canceled" and kinds[-1][1].startswith("executor:"), kinds
+    await released(cli, "gated")
+    # the next run of the workspace runs: plain template again, applied from the CLI
+    await cli.api.ok("PATCH", path, {"templates": {}})
+    out = ok(await asyncio.to_thread(cli.tf, work, "apply", "-auto-approve", "-no-color"))
+    assert "Apply complete! Resources: 1 added, 0 changed, 0 destroyed." in out, out
+
+
+@pytest.mark.terraform
+@pytest.mark.slow
+async def test_ctrl_c_on_a_queued_run_of_a_cloud_block_cancels_it(cli: Cli) -> None:
+    """A newer Terraform's `cloud` block (1.11 here, where the machine has one; no
+    panicwrap there) asks and cancels the same way."""
+    newer = _newer_terraform()
+    first = cli.root / "cloudq"
+    first.mkdir()
+    hcl = CLOUD_HCL.format(host=cli.host, ws="cloudq").replace('output "greeting"', "# ", 1)
+    (first / "main.tf").write_text(hcl + resources(1))
+    init = [newer, f"-chdir={first}", "init", "-input=false", "-no-color"]
+    ok(await asyncio.to_thread(subprocess.run, init, env=cli.env, capture_output=True, text=True))
+    settings = {"terraform_binary": newer}
+    await cli.api.ok("PATCH", "/api/v1/orgs/acme/workspaces/cloudq/settings", settings)
+    second = cli.root / "cloudq-2"
+    shutil.copytree(first, second)
+    (second / "main.tf").write_text(hcl + resources(2))
+
+    holder = Terminal([newer, f"-chdir={first}", "apply", "-no-color"], cli.env)
+    terms = [holder]
+    try:
+        await expect(holder, rb"Enter a value:")
+        held = await newest(cli, "cloudq", "awaiting_approval")
+        term = Terminal([newer, f"-chdir={second}", "apply", "-no-color"], cli.env)
+        terms.append(term)
+        await expect(term, QUEUED)
+        queued = await newest(cli, "cloudq", "pending", besides={held["id"]})
+        interrupt(term)
+        await expect(term, ASK)
+        term.send("yes\n")
+        await expect(term, rb"The remote operation was successfully cancelled\.")
+        code = await asyncio.to_thread(term.finish)
+        done = await cli.api.run_to(queued["id"], {"canceled"})
+        holder.send("yes\n")
+        await expect(holder, rb"Apply complete! Resources: 1 added, 0 changed, 0 destroyed\.")
+        assert await asyncio.to_thread(holder.finish) == 0, holder.text()
+    finally:
+        for t in terms:
+            t.close()
+    assert code == 0 and "Interrupt received." in term.text(), term.text()
+    assert (done["created_by"], done["reason"]) == ("alice", "canceled from the Terraform CLI")
+    await released(cli, "cloudq")
