@@ -202,6 +202,10 @@ async def test_another_organizations_token_cancels_no_cli_run(tfe: Tfe) -> None:
         for action in ("cancel", "force-cancel"):
             refused = await _post(tfe, tfe_id, action, token=token)
             assert refused.status == 404, (action, refused.body)
+    viewer = await tfe.post("/api/v1/orgs/acme/tokens", json={"user": "v", "role": "viewer"})
+    for action in ("cancel", "force-cancel"):
+        refused = await _post(tfe, tfe_id, action, token=viewer.body["token"])
+        assert refused.status == 403, (action, refused.body)
     state = (await tfe.app.load_run("acme", "net", run_id)).state
     assert state.status == "planning" and not state.stop_requested_by
 
