@@ -10,7 +10,10 @@ apply, policy), already masked by the executor: finished steps from their object
 `rp-logs`, the running step's lines from RP_LOGS as they are written
 (services/api/runlog.py). A read with nothing new is held (up to `HOLD_S`) until a
 line is published on the phase's live subject or the phase ends, so a line reaches the
-CLI as it is written, not at its next poll.
+CLI as it is written, not at its next poll. A held read whose client went away (the
+CLI's Ctrl-C cancels its read) ends within `STATUS_EVERY_S`: aiohttp does not cancel a
+handler when its client disconnects, and a read held on for its whole `HOLD_S` would
+keep its subscription and its run reads going for nobody.
 
 The CLI drops the first three lines of an apply log (TFE repeats the plan's header
 there), so an apply log opens with a three-line preamble of ours. STX and ETX inside a
@@ -93,7 +96,7 @@ async def read_log(request: web.Request) -> web.Response:
             woken.clear()
             body, whole = await _body(api, org, ws, run_id, phase, is_final)
             left = deadline - asyncio.get_running_loop().time()
-            if len(body) > offset or whole or left <= 0:
+            if len(body) > offset or whole or left <= 0 or _gone(request):
                 break
             # Nothing new: held until a line comes (or the phase ends), so the CLI
             # prints it at once rather than at its next poll (0.5 to 2 s apart).
@@ -103,6 +106,12 @@ async def read_log(request: web.Request) -> web.Response:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     return web.Response(body=body[offset : offset + limit], content_type="text/plain")
+
+
+def _gone(request: web.Request) -> bool:
+    """Whether the client closed its connection (aiohttp drops the transport then)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _body(

@@ -49,7 +49,7 @@ OPERATIONS = [
     web.post(RUN + "/actions/apply", route(runs.apply_action)),
     web.post(RUN + "/actions/discard", route(runs.discard_action)),
     web.post(RUN + "/actions/cancel", route(runs.cancel_action)),
-    web.post(RUN + "/actions/force-cancel", route(runs.cancel_action)),
+    web.post(RUN + "/actions/force-cancel", route(runs.force_cancel_action)),
     web.get(WS + "/runs", route(runs.list_workspace_runs)),
     web.get(ORG + "/runs/queue", route(runs.run_queue)),
     web.get(ORG + "/capacity", route(runs.capacity)),

@@ -24,6 +24,17 @@ the CLI polling it sees each transition as soon as it is recorded. Statuses map 
 | discarded | discarded | finished | unreachable |
 | failed | errored | errored (finished if planned) | errored / unreachable |
 | canceled | canceled | canceled | canceled / unreachable |
+
+Ctrl-C (Terraform 1.0.3's remote backend, and the `cloud` block's): the CLI stops
+following its run, reads it and, when `actions.is-cancelable`, asks "Do you want to
+cancel the remote operation?" (not with -auto-approve) and POSTs the cancel action.
+`is-cancelable` is exactly when that cancel is taken (`cancelable`, the core's own
+rule): a waiting run (pending, queued, apply_queued) is canceled at once, a planning
+one (or a custom step before the apply) is asked to stop and its executor interrupts
+Terraform; an applying run is not cancelable, as runplane never interrupts an apply
+(the CLI says as much in its header: "If the apply started it will stop streaming the
+logs, but will not stop the apply running remotely"). `is-force-cancelable` once a stop
+was asked and the executor has not stopped yet.
 """
 
 from __future__ import annotations
@@ -37,6 +48,8 @@ from events import approval
 from events import policies as po
 from events.errors import DomainError, Forbidden
 from events.run import (
+    CANCELABLE,
+    STOPPABLE,
     ApproveRun,
     CancelRun,
     Cause,
@@ -133,6 +146,32 @@ def apply_status(s: RunState) -> str:
     return "unreachable" if s.terminal else "pending"
 
 
+def cancelable(s: RunState) -> bool:
+    """Whether a cancel is taken now (events/run_decide.py `_cancel`): a waiting run is
+    canceled, a planning one (or a custom step before the apply) asked to stop, again
+    (nothing more recorded) while it stops; never an apply, nor what runs after it."""
+    if s.status in CANCELABLE:
+        return True
+    return s.status in STOPPABLE and not s.apply_done
+
+
+def force_cancelable(s: RunState) -> bool:
+    """A stop was asked and the executor is still stopping the phase."""
+    return cancelable(s) and s.status in STOPPABLE and bool(s.stop_requested_by)
+
+
+def _not_cancelable(s: RunState) -> str:
+    """Why a cancel is refused, as the CLI prints it (`errors[].detail`)."""
+    if s.status == Status.APPLYING or (s.apply_done and not s.terminal):
+        return (
+            "the run is applying: runplane never interrupts an apply (it could leave the "
+            "state half written); it runs to its end"
+        )
+    if s.status == Status.AWAITING_APPROVAL:
+        return "the run waits for an approval: discard it instead"
+    return f"the run is {s.status}: nothing to cancel"
+
+
 def _applying_failed(s: RunState) -> bool:
     return bool(s.approved_by) and s.planned and s.has_changes
 
@@ -175,16 +214,14 @@ async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -
     org, ws, run = s.org, s.workspace, s.run_id
     confirmable = await _may_approve(app, s, who)
     operate = _may(who, org, OPERATOR)
-    cancelable = s.status in {Status.PENDING, Status.QUEUED, Status.APPLY_QUEUED}
-    cancelable = cancelable or s.status in {Status.PLANNING, Status.RUNNING}
     discardable = s.status == Status.AWAITING_APPROVAL
     options = s.options or RunOptions()
     attrs: Doc = {
         "actions": {
-            "is-cancelable": cancelable,
+            "is-cancelable": cancelable(s),
             "is-confirmable": confirmable,
             "is-discardable": discardable,
-            "is-force-cancelable": False,
+            "is-force-cancelable": force_cancelable(s),
         },
         "created-at": _iso(s.created_at),
         "auto-apply": bool(s.options is not None and not s.options.confirm and not s.speculative),
@@ -195,7 +232,7 @@ async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -
             "can-apply": confirmable,
             "can-cancel": operate,
             "can-discard": operate,
-            "can-force-cancel": False,
+            "can-force-cancel": operate,
             "can-force-execute": False,
         },
         "position-in-queue": position,
@@ -486,10 +523,29 @@ async def discard_action(request: web.Request) -> web.Response:
 
 
 async def cancel_action(request: web.Request) -> web.Response:
-    """POST /runs/:id/actions/cancel (and force-cancel): a waiting run is canceled, a
-    planning one asked to stop (its executor interrupts Terraform)."""
+    """POST /runs/:id/actions/cancel (the CLI's Ctrl-C, answered "yes"): a waiting run is
+    canceled, a planning one asked to stop (its executor interrupts Terraform, then
+    cancels the run); 409 exactly when `is-cancelable` is false."""
     s, who = await load(request, "run", OPERATOR)
+    if not cancelable(s):
+        raise TfeError(409, "transition not allowed", _not_cancelable(s))
     reason = await _comment(request, "canceled from the Terraform CLI")
+    await _act(api_of(request).app, s, CancelRun(actor=who.user, reason=reason))
+    return response(None, status=202)
+
+
+async def force_cancel_action(request: web.Request) -> web.Response:
+    """POST /runs/:id/actions/force-cancel: taken once a cancel was asked and the run is
+    still stopping (`is-force-cancelable`), 409 otherwise. runplane has no harder stop
+    than the one under way: its executor interrupts Terraform and kills it after its
+    grace period, and a dead executor's run is ended by the reaper; so this confirms
+    that stop (a stop asked again records nothing) and never ends the run early, which
+    would let another run write the state while this Terraform may still hold it."""
+    s, who = await load(request, "run", OPERATOR)
+    if not force_cancelable(s):
+        detail = _not_cancelable(s) if not cancelable(s) else "cancel the run first"
+        raise TfeError(409, "transition not allowed", detail)
+    reason = await _comment(request, "force-canceled from the Terraform CLI")
     await _act(api_of(request).app, s, CancelRun(actor=who.user, reason=reason))
     return response(None, status=202)
 
