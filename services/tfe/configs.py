@@ -278,7 +278,8 @@ async def upload(request: web.Request) -> web.Response:
     # the organization's budget, before a byte of the body is read: what it announces,
     # else the cap; the real size once it is stored
     reserve = request.content_length if request.content_length is not None else MAX_UPLOAD
-    await _counted(store.quota.begin_upload(org, cv, reserve))
+    announced = request.content_length is not None
+    await _counted(store.quota.begin_upload(org, cv, reserve, announced=announced))
     try:
         done = await _store_upload(request, store, org, ws, cv, record)
     except BaseException:

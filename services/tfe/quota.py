@@ -241,7 +241,7 @@ class Quota:
 
         await self.change(org, edit)
 
-    async def begin_upload(self, org: str, cv: str, reserve: int) -> None:
+    async def begin_upload(self, org: str, cv: str, reserve: int, *, announced: bool) -> None:
         """Reserve `reserve` bytes for the archive about to be received, before its body
         is read: QuotaError past the organization's budget, 404 if the version is gone
         (expired), 409 if it has its archive or one is being received."""
@@ -257,11 +257,17 @@ class Quota:
                 )
             held = led.held()
             if held + reserve > budget:
+                this = (
+                    f"this upload: {_mib(reserve)}"
+                    if announced
+                    else f"an upload without a Content-Length reserves the cap, {_mib(reserve)}"
+                )
                 raise QuotaError(
                     f"organization {org}'s configuration versions hold {_mib(held)} of its "
-                    f"{_mib(budget)} (this upload: {_mib(reserve)}): start runs of the "
-                    "uploaded ones (a version is deleted when its runs end) or wait until "
-                    "unused ones expire; a .terraformignore file makes the upload smaller"
+                    f"{_mib(budget)} ({this}): start runs of the uploaded ones (a version "
+                    "is deleted when its runs are over) or wait until unused ones expire "
+                    f"({_hours(self.limits.unused_ttl_s)} after their upload); a "
+                    ".terraformignore file makes the upload smaller"
                 )
             taken = msgspec.structs.replace(entry, state="uploading", size=reserve)
             return Ledger(versions={**led.versions, cv: taken})
