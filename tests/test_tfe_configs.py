@@ -92,6 +92,9 @@ async def test_the_limits_are_the_deployments_settings_and_bad_ones_refused() ->
     for bad in ("0", "-1", "lots", "inf", "nan"):
         with pytest.raises(ValueError, match=quota.UNUSED_TTL_ENV):
             Limits.from_env({quota.UNUSED_TTL_ENV: bad})
+    for bad in ("0.5", "2.5", "2001"):  # a count, and a ledger that fits one KV value
+        with pytest.raises(ValueError, match=quota.VERSIONS_PER_ORG_ENV):
+            Limits.from_env({quota.VERSIONS_PER_ORG_ENV: bad})
 
 
 async def test_the_version_past_a_workspaces_unused_limit_is_refused_and_nothing_written(
@@ -114,6 +117,22 @@ async def test_the_version_past_a_workspaces_unused_limit_is_refused_and_nothing
     # another workspace of the organization has slots of its own
     other = await tfe.cli_workspace("acme", "dns")
     assert (await create(tfe, other)).status == 201
+
+
+async def test_an_organization_has_at_most_its_versions_in_the_store(tfe: Tfe) -> None:
+    await tfe.org("acme")
+    spaces = [await tfe.cli_workspace("acme", name) for name in ("a", "b", "c")]
+    for ws_id in spaces:
+        for _ in range(PER_WS if ws_id != spaces[-1] else 2):
+            assert (await create(tfe, ws_id)).status == 201
+    before = await stored(tfe)
+    refused = await create(tfe, spaces[-1])  # its workspace has a slot; the org has none
+    assert refused.status == 422
+    detail = refused.body["errors"][0]["detail"]
+    assert "organization acme has 8 configuration versions in the store (the limit is 8)" in (
+        detail
+    )
+    assert await stored(tfe) == before
 
 
 async def test_an_upload_past_the_organizations_budget_is_refused_before_its_body(
@@ -151,6 +170,30 @@ async def test_an_upload_past_the_organizations_budget_is_refused_before_its_bod
     assert await status_of(tfe, cv["id"]) == "uploaded" and await status_of(tfe, first) == (
         "uploaded"
     )
+
+
+async def test_an_upload_cut_short_gives_its_reservation_back(
+    tfe: Tfe, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body that runs past the cap after its reservation was taken (no Content-Length:
+    the cap reserved): 422, nothing stored, the bytes free again, the version pending."""
+    monkeypatch.setattr(configs, "MAX_UPLOAD", 64 * KIB)
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    cv = await new_config(tfe, ws_id, speculative=True)
+    before = await stored(tfe)
+
+    async def too_long() -> AsyncIterator[bytes]:
+        for _ in range(5):
+            yield bytes(16 * KIB)
+
+    async with tfe.client.put(URL(cv["attributes"]["upload-url"]).path, data=too_long()) as resp:
+        answer = await resp.json(content_type=None)
+    assert resp.status == 422 and answer["errors"][0]["title"] == "configuration too large"
+    assert await stored(tfe) == before
+    entry = (await sweeper_of(tfe).quota.ledger("acme")).versions[cv["id"]]
+    assert (entry.state, entry.size) == ("pending", 0)
+    assert (await put(tfe, cv["attributes"]["upload-url"], archive()))[0] == 200
 
 
 async def test_attack_one_organization_filling_its_quota_refuses_no_other(tfe: Tfe) -> None:
@@ -227,6 +270,30 @@ async def test_expiry_deletes_unused_versions_and_keeps_one_a_live_run_reads(tfe
     assert await sweeper.sweep(later(seconds=1)) == 1
     assert await stored(tfe) == []
     assert (await sweeper.quota.ledger("acme")).versions == {}
+
+
+async def test_a_claim_whose_run_never_landed_holds_its_version_an_hour(tfe: Tfe) -> None:
+    """The api died between claiming a version for a run and recording the run: the
+    version counts as unused after CLAIM_GRACE_S, and goes when unused ones go; beside a
+    live run, a ghost run holds nothing past the grace."""
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    ghost_only = await upload(tfe, ws_id)
+    shared = await upload(tfe, ws_id)
+    q = sweeper_of(tfe).quota
+    await q.claim("acme", ghost_only, "01ghostrun0000000000000000", later())
+    run = await new_run(tfe, ws_id, shared)
+    assert run.status == 201, run.body
+    await q.claim("acme", shared, "01ghostrun0000000000000001", later())
+    sweeper = sweeper_of(tfe)
+    assert await sweeper.sweep(later(hours=2)) == 0  # both a day from their upload
+    assert await sweeper.sweep(later(hours=25)) == 1  # the ghost's: unused for a day
+    assert await status_of(tfe, ghost_only) == 404
+    assert await status_of(tfe, shared) == "uploaded"  # its real run is not over
+    canceled = await tfe.tfe("POST", f"/api/v2/runs/{run.body['data']['id']}/actions/cancel")
+    assert canceled.status in (200, 202)
+    assert await sweeper.sweep(later(hours=2)) == 1
+    assert await stored(tfe) == []
 
 
 async def test_an_upload_a_sweep_took_meanwhile_leaves_nothing_behind(tfe: Tfe) -> None:

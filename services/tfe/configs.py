@@ -34,6 +34,7 @@ from typing import TypeVar
 import msgspec
 import nats.errors
 import nats.js.errors
+import structlog
 from aiohttp import web
 from nats.js import JetStreamContext
 
@@ -51,6 +52,7 @@ from services.tfe.context import api_of, require, tfe_of
 from services.tfe.jsonapi import Doc, TfeError, attributes, document, not_found, resource, response
 from services.tfe.quota import SWEEPER, Conflict, Limits, Quota, Sweeper, sweeping
 
+log = structlog.get_logger(__name__)
 UPLOAD_PATH = "/api/v2/capabilities/configuration-versions/"
 UPLOAD_KIND = "configuration-upload"
 UPLOAD_TTL_S = 900
@@ -100,10 +102,11 @@ class ConfigStore:
         """Every object a version has in the store."""
         return (cls.archive_name(org, ws, cv), cls.record_name(org, ws, cv))
 
-    async def forget(self, org: str, ws: str, cv: str) -> None:
-        """Delete the version's objects (those there are)."""
+    async def forget(self, org: str, ws: str, cv: str, *, archive_only: bool = False) -> None:
+        """Delete the version's objects (those there are), or its archive alone."""
         store = await self.objects.js.object_store(PLANS_BUCKET)
-        for name in self.names(org, ws, cv):
+        names = (self.archive_name(org, ws, cv),) if archive_only else self.names(org, ws, cv)
+        for name in names:
             try:
                 await store.delete(name)
             except nats.js.errors.ObjectNotFoundError:
@@ -239,7 +242,9 @@ async def create_config_version(request: web.Request) -> web.Response:
     try:
         await _stored(store.put_record(org, ws, cv, record))
     except BaseException:
-        await _counted(store.quota.release(org, cv))
+        # the slot is given back once no object of it can be left (a write that timed
+        # out may have landed); else its entry stays, and its sweep deletes both
+        await asyncio.shield(_undo(store.forget(org, ws, cv), store.quota.release(org, cv)))
         raise
     token = signer.sign(UPLOAD_KIND, org, cv, UPLOAD_TTL_S)
     url = f"{request.url.origin()}{UPLOAD_PATH}{token}"
@@ -283,7 +288,10 @@ async def upload(request: web.Request) -> web.Response:
     try:
         done = await _store_upload(request, store, org, ws, cv, record)
     except BaseException:
-        await asyncio.shield(_counted(store.quota.abort_upload(org, cv)))
+        # pending again once its archive cannot be in the store uncounted; else the bytes
+        # stay reserved until its sweep
+        forget = store.forget(org, ws, cv, archive_only=True)
+        await asyncio.shield(_undo(forget, store.quota.abort_upload(org, cv)))
         raise
     now = api_of(request).app.clock()
     if not await _counted(store.quota.end_upload(org, cv, done.size, now)):
@@ -359,6 +367,19 @@ async def _stored(work: Awaitable[T]) -> T:
 
 
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
+
+
+async def _undo(clean: Awaitable[None], then: Awaitable[None]) -> None:
+    """`clean`, then `then`; neither's failure hides the error being answered."""
+    try:
+        await clean
+        await then
+    except (Conflict, *_NATS_ERRORS) as e:
+        log.warning("tfe_config_undo_failed", error=repr(e))
+    finally:
+        for work in (clean, then):  # never awaited when an earlier step failed
+            if asyncio.iscoroutine(work):
+                work.close()
 
 
 async def _counted(work: Awaitable[T]) -> T:

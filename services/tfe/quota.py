@@ -57,7 +57,7 @@ import nats.js.errors
 import structlog
 from aiohttp import web
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from executor.objects import PLANS_BUCKET
 from services.infra.kv import TFE_CONFIGS_BUCKET
@@ -75,6 +75,8 @@ PENDING_TTL_ENV = "RUNPLANE_TFE_CONFIG_PENDING_TTL_S"
 QUOTA_TITLE = "configuration quota exceeded"
 SWEEP_EVERY_S = 300.0
 CLAIM_GRACE_S = 3600.0
+RUNS_PER_VERSION = 20  # the CLI makes one; the bound keeps an entry small
+MAX_VERSIONS_PER_ORG = 2000  # a ledger is one KV value (1 MiB at most): ~330 bytes each
 _CAS_ATTEMPTS = 20
 _MIB = 1024 * 1024
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
@@ -96,13 +98,25 @@ class Limits:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Limits:
         env = os.environ if environ is None else environ
         d = cls()
+        versions = _count(env, VERSIONS_PER_ORG_ENV, d.versions_per_org)
+        if versions > MAX_VERSIONS_PER_ORG:
+            raise ValueError(
+                f"{VERSIONS_PER_ORG_ENV} must be at most {MAX_VERSIONS_PER_ORG}, not {versions}"
+            )
         return cls(
-            pending_per_workspace=int(_setting(env, PENDING_PER_WORKSPACE_ENV, 20)),
-            versions_per_org=int(_setting(env, VERSIONS_PER_ORG_ENV, d.versions_per_org)),
+            pending_per_workspace=_count(env, PENDING_PER_WORKSPACE_ENV, d.pending_per_workspace),
+            versions_per_org=versions,
             bytes_per_org=int(_setting(env, MB_PER_ORG_ENV, d.bytes_per_org / _MIB) * _MIB),
             unused_ttl_s=_setting(env, UNUSED_TTL_ENV, d.unused_ttl_s),
             pending_ttl_s=_setting(env, PENDING_TTL_ENV, d.pending_ttl_s),
         )
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    value = _setting(env, name, default)
+    if value != int(value):
+        raise ValueError(f"{name} must be a whole number, not {env.get(name)!r}")
+    return int(value)
 
 
 def _setting(env: Mapping[str, str], name: str, default: float) -> float:
@@ -170,12 +184,22 @@ class Quota:
         return await self.js.key_value(TFE_CONFIGS_BUCKET)
 
     async def ledger(self, org: str) -> Ledger:
-        kv = await self._kv()
+        return (await self._entry(org))[0]
+
+    async def _entry(self, org: str) -> tuple[Ledger, int]:
+        """The ledger and its revision (0: none yet), read from the bucket's stream
+        leader, not by direct get: on a cluster a follower that is behind would answer
+        an older ledger, and every compare-and-set on it would fail."""
         try:
-            entry = await kv.get(org)
-        except nats.js.errors.KeyNotFoundError:
-            return Ledger()
-        return _decode(entry.value) if entry.value else Ledger()
+            raw = await self.js.get_msg(
+                f"KV_{TFE_CONFIGS_BUCKET}", subject=f"$KV.{TFE_CONFIGS_BUCKET}.{org}"
+            )
+        except nats.js.errors.NotFoundError:
+            return Ledger(), 0
+        revision = int(raw.seq or 0)
+        if (raw.headers or {}).get(KV_OP) in (KV_DEL, KV_PURGE) or not raw.data:
+            return Ledger(), revision
+        return _decode(raw.data), revision
 
     async def change(self, org: str, edit: Callable[[Ledger], Ledger | None]) -> Ledger:
         """Apply `edit` to `org`'s ledger as it is stored, by compare-and-set, again from
@@ -183,19 +207,12 @@ class Quota:
         written) or answer None (nothing to write)."""
         kv = await self._kv()
         for _ in range(_CAS_ATTEMPTS):
-            try:
-                got = await kv.get(org)
-                current, revision = (
-                    _decode(got.value) if got.value else Ledger(),
-                    got.revision,
-                )
-            except nats.js.errors.KeyNotFoundError:
-                current, revision = Ledger(), None
+            current, revision = await self._entry(org)
             new = edit(current)
             if new is None:
                 return current
             try:
-                if revision is None:
+                if not revision:
                     await kv.create(org, _encode(new))
                 else:
                     await kv.update(org, _encode(new), last=revision)
@@ -313,6 +330,13 @@ class Quota:
                 raise TfeError(404, "not found", f"configuration version {cv} has expired")
             if entry.state not in ("uploaded", "consumed"):
                 raise TfeError(409, "configuration not uploaded", f"{cv} has no archive yet")
+            if len(entry.runs) >= RUNS_PER_VERSION:
+                raise TfeError(
+                    409,
+                    "configuration used up",
+                    f"{RUNS_PER_VERSION} runs were made of {cv}: upload the configuration "
+                    "again (terraform plan / apply makes a new version each time)",
+                )
             used = msgspec.structs.replace(
                 entry, state="consumed", runs=(*entry.runs, run), consumed_at=now
             )
