@@ -379,7 +379,8 @@ class Sweeper:
     names: Callable[[str, str, str], tuple[str, ...]]  # (org, ws, cv) -> its objects
 
     async def sweep(self, now: datetime) -> int:
-        """One pass over every organization's ledger; how many versions it deleted."""
+        """One pass over every organization's ledger; how many versions this pass
+        marked for deletion (another sweep at once may have marked others)."""
         kv = await self.quota._kv()
         try:
             orgs = await kv.keys()
@@ -396,8 +397,11 @@ class Sweeper:
         if not doomed:
             return 0
 
+        mine: set[str] = set()
+
         def mark(cur: Ledger) -> Ledger | None:
             # decided again on what is stored now: a claim may have landed since
+            mine.clear()
             changed = {
                 cv: msgspec.structs.replace(e, state="expiring")
                 for cv, e in cur.versions.items()
@@ -408,6 +412,7 @@ class Sweeper:
             }
             if not changed:
                 return None
+            mine.update(changed)
             return Ledger(versions={**cur.versions, **changed})
 
         marked = await self.quota.change(org, mark)
@@ -428,8 +433,8 @@ class Sweeper:
 
         await self.quota.change(org, remove)
         if going:
-            log.info("tfe_configs_swept", org=org, versions=len(going))
-        return len(going)
+            log.info("tfe_configs_swept", org=org, versions=len(going), marked=len(mine))
+        return len(mine)
 
     async def _expired(self, org: str, e: Entry, now: datetime) -> bool:
         limits = self.quota.limits
