@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -16,11 +17,12 @@ import pytest
 from nats.aio.client import Client as NATS
 from yarl import URL
 
-from executor.objects import PLANS_BUCKET
+from executor.objects import PLANS_BUCKET, Objects
 from services.infra.natsserver import EmbeddedNats
 from services.tfe import configs, quota
 from services.tfe.configs import ConfigStore
 from services.tfe.quota import QUOTA_TITLE, SWEEPER, Ledger, Limits, Quota, Sweeper
+from tests.helpers import eventually
 from tests.test_tfe_runs_api import archive, new_config, new_run, put
 from tests.tfe_support import Tfe, tfe_fixture
 
@@ -412,3 +414,45 @@ async def test_a_run_made_while_a_sweep_decides_keeps_its_version(tfe: Tfe) -> N
     assert made[0].status == 201, made[0].body
     assert await stored(tfe) == sorted(ConfigStore.names("acme", "net", cv))
     assert (await first.quota.ledger("acme")).versions[cv].state == "consumed"
+
+
+async def test_objects_no_ledger_names_are_deleted_once_old(tfe: Tfe, tmp_path: Path) -> None:
+    """An archive and a record left by a version made before the ledger (or by an api
+    that died mid-upload): deleted once older than the pending TTL; a version the
+    ledger names, and anything not a configuration (a plan), never."""
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    kept = await upload(tfe, ws_id)
+    js = tfe.api.app.store.nc.jetstream()
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"left behind")
+    orphan = "cv-acme.net.01orphan000000000000000000"
+    objects = Objects(js)
+    for name in (*ConfigStore.names("acme", "net", orphan), "01somerun.tfplan"):
+        await objects.upload(PLANS_BUCKET, name, blob)
+    sweeper = sweeper_of(tfe)
+    assert await sweeper.sweep_orphans(later(minutes=10)) == 0  # too young: maybe mid-write
+    assert await sweeper.sweep_orphans(later(hours=2)) == 2
+    assert await stored(tfe) == sorted(ConfigStore.names("acme", "net", kept))
+    plans = await js.object_store(PLANS_BUCKET)
+    assert (await plans.get_info("01somerun.tfplan")).size == len(b"left behind")
+
+
+@pytest.fixture
+def fast_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every api's sweep every 50 ms, a version never uploaded expiring after 0.2 s."""
+    monkeypatch.setattr(quota, "SWEEP_EVERY_S", 0.05)
+    monkeypatch.setenv(quota.PENDING_TTL_ENV, "0.2")
+
+
+async def test_the_api_sweeps_by_itself(fast_sweep: None, tfe: Tfe) -> None:
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    cv = (await create(tfe, ws_id)).body["data"]["id"]
+    uploaded = await upload(tfe, ws_id)
+
+    async def gone() -> bool:
+        return await status_of(tfe, cv) == 404
+
+    await eventually(gone, timeout=10, what="the never-uploaded version swept")
+    assert await status_of(tfe, uploaded) == "uploaded"  # unused for 24 h only

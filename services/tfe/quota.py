@@ -37,13 +37,17 @@ The sweep (`Sweeper`, in every api process, every `SWEEP_EVERY_S`) deletes:
 Deleting is three steps, each safe to repeat and to run on two replicas at once: mark
 the entries `expiring` (CAS: a claim or an upload racing it loses, or wins and the
 entry is no longer expired), delete their objects (one already gone is fine), remove the
-entries (CAS; only those still `expiring`).
+entries (CAS; only those still `expiring`). Every `ORPHANS_EVERY` sweeps, the objects
+under `tfe-config/` that no ledger names and that were stored more than the pending TTL
+ago are deleted too (`Sweeper.sweep_orphans`): versions made before the ledger existed,
+or an archive whose api died in the one window that can leave one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -74,6 +78,7 @@ PENDING_TTL_ENV = "RUNPLANE_TFE_CONFIG_PENDING_TTL_S"
 
 QUOTA_TITLE = "configuration quota exceeded"
 SWEEP_EVERY_S = 300.0
+ORPHANS_EVERY = 12  # sweeps: the orphans' listing of the whole bucket, hourly
 CLAIM_GRACE_S = 3600.0
 RUNS_PER_VERSION = 20  # the CLI makes one; the bound keeps an entry small
 MAX_VERSIONS_PER_ORG = 2000  # a ledger is one KV value (1 MiB at most): ~330 bytes each
@@ -377,6 +382,7 @@ class Sweeper:
     quota: Quota
     run_over: RunOver
     names: Callable[[str, str, str], tuple[str, ...]]  # (org, ws, cv) -> its objects
+    prefix: str = "tfe-config"  # what the versions' object names start with
 
     async def sweep(self, now: datetime) -> int:
         """One pass over every organization's ledger; how many versions this pass
@@ -436,6 +442,41 @@ class Sweeper:
             log.info("tfe_configs_swept", org=org, versions=len(going), marked=len(mine))
         return len(mine)
 
+    async def sweep_orphans(self, now: datetime) -> int:
+        """Delete the configuration objects no ledger names, stored more than the
+        pending TTL ago: those of versions made before the ledger existed, or the
+        archive of an upload whose api died just after a sweep took its version. A
+        listing of the whole bucket (plans too): run seldom (`ORPHANS_EVERY`)."""
+        store = await self.quota.js.object_store(PLANS_BUCKET)
+        try:
+            infos = await store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return 0
+        old = now - timedelta(seconds=self.quota.limits.pending_ttl_s)
+        ledgers: dict[str, Ledger] = {}
+        deleted = 0
+        for info in infos:
+            parts = (info.name or "").split("/")
+            if len(parts) != 4 or parts[0] != self.prefix or not info.mtime:
+                continue
+            org, cv = parts[1], parts[3].removesuffix(".tar.gz").removesuffix(".json")
+            try:
+                stored_at = datetime.fromisoformat(info.mtime)
+            except ValueError:
+                continue
+            if stored_at.tzinfo is None or stored_at > old:
+                continue
+            if org not in ledgers:
+                ledgers[org] = await self.quota.ledger(org)
+            if cv in ledgers[org].versions:
+                continue
+            with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
+                await store.delete(info.name)
+                deleted += 1
+        if deleted:
+            log.info("tfe_configs_orphans_deleted", objects=deleted)
+        return deleted
+
     async def _expired(self, org: str, e: Entry, now: datetime) -> bool:
         limits = self.quota.limits
         if e.state == "expiring":
@@ -464,19 +505,25 @@ SWEEPER: web.AppKey[Sweeper | None] = web.AppKey("runplane.tfe.sweeper", Sweeper
 
 
 def sweeping(
-    sweeper: Sweeper, clock: Callable[[], datetime], every: float = SWEEP_EVERY_S
+    sweeper: Sweeper, clock: Callable[[], datetime], every: float | None = None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
-    """An aiohttp cleanup context sweeping every `every` seconds (first after a random
-    part of it: replicas started together do not sweep together, though they may)."""
+    """An aiohttp cleanup context sweeping every `every` seconds (`SWEEP_EVERY_S`; the
+    first after a random part of it: replicas started together do not sweep together,
+    though they may), and for orphans every `ORPHANS_EVERY` sweeps."""
+    period = SWEEP_EVERY_S if every is None else every
 
     async def loop() -> None:
-        await asyncio.sleep(random.uniform(0.1, 1.0) * every)
-        while True:
+        await asyncio.sleep(random.uniform(0.1, 1.0) * period)
+        for n in itertools.count():
             try:
                 await sweeper.sweep(clock())
+                if n % ORPHANS_EVERY == 0:
+                    await sweeper.sweep_orphans(clock())
             except (*_NATS_ERRORS, Conflict) as e:
                 log.warning("tfe_configs_sweep_failed", error=repr(e))
-            await asyncio.sleep(every)
+            except Exception:  # a bug must not end the sweeping for the process's life
+                log.exception("tfe_configs_sweep_crashed")
+            await asyncio.sleep(period)
 
     async def ctx(_: web.Application) -> AsyncIterator[None]:
         task: asyncio.Task[Any] = asyncio.create_task(loop())
