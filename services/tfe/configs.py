@@ -46,7 +46,8 @@ from executor.upload import MAX_UPLOAD
 from services.api.auth import OPERATOR, VIEWER
 from services.commands import new_id
 from services.infra.crypto import CryptoError, KeyRing
-from services.tfe import ids, quota
+from services.tfe import ids
+from services.tfe import quota as tfe_quota
 from services.tfe.capability import CapabilityError
 from services.tfe.context import api_of, require, tfe_of
 from services.tfe.jsonapi import Doc, TfeError, attributes, document, not_found, resource, response
@@ -167,7 +168,7 @@ def install(web_app: web.Application, js: JetStreamContext, keyring: KeyRing | N
 
     sweeper = Sweeper(store.quota, run_over, store.names, prefix=PREFIX)
     web_app[SWEEPER] = sweeper
-    web_app.cleanup_ctx.append(sweeping(sweeper, app.clock, quota.SWEEP_EVERY_S))
+    web_app.cleanup_ctx.append(sweeping(sweeper, app.clock, tfe_quota.SWEEP_EVERY_S))
 
 
 def configs_of(request: web.Request) -> ConfigStore:
