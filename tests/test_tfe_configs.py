@@ -5,6 +5,7 @@ real API on real NATS. Time is the sweep's argument, never a sleep."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -14,15 +15,23 @@ from typing import Any
 import msgspec
 import nats.js.errors
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 from yarl import URL
 
 from executor.objects import PLANS_BUCKET, Objects
+from projections.projector import Projector
+from services.api.app import build_app
+from services.api.context import API
+from services.commands import App
+from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
+from services.secrets import SecretStore
 from services.tfe import configs, quota
 from services.tfe.configs import ConfigStore
 from services.tfe.quota import QUOTA_TITLE, SWEEPER, Ledger, Limits, Quota, Sweeper
 from tests.helpers import eventually
+from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_runs_api import archive, new_config, new_run, put
 from tests.tfe_support import Tfe, tfe_fixture
 
@@ -456,3 +465,46 @@ async def test_the_api_sweeps_by_itself(fast_sweep: None, tfe: Tfe) -> None:
 
     await eventually(gone, timeout=10, what="the never-uploaded version swept")
     assert await status_of(tfe, uploaded) == "uploaded"  # unused for 24 h only
+
+
+@contextlib.asynccontextmanager
+async def replica(tfe: Tfe, server: EmbeddedNats, tmp_path: Path) -> AsyncIterator[Tfe]:
+    """A second api process's application: its own NATS connection, App, read model;
+    the deployment's key ring."""
+    conn = await server.connect()
+    try:
+        app = App(EventStore(conn))
+        async with Projector(conn, tmp_path / "replica.sqlite") as projector:
+            assert await projector.wait_for(await tfe.api.app.store.last_seq())
+            web_app = build_app(
+                app=app,
+                projector=projector,
+                admin_token=ADMIN_TOKEN,
+                secret_store=SecretStore(conn, tfe.keyring),
+            )
+            async with TestClient(TestServer(web_app)) as client:
+                other = Tfe(client, web_app[API], app)
+                other.keyring = tfe.keyring
+                yield other
+    finally:
+        await conn.close()
+
+
+async def test_two_api_replicas_share_one_quota_and_race_for_its_last_slot(
+    tfe: Tfe, nats_server: EmbeddedNats, tmp_path: Path
+) -> None:
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    async with replica(tfe, nats_server, tmp_path) as other:
+        assert (await create(tfe, ws_id)).status == 201
+        assert (await create(other, ws_id)).status == 201
+        # one slot left, asked of both at once, several times each
+        answers = await asyncio.gather(*[create(t, ws_id) for t in (tfe, other) * 3])
+        assert sorted(a.status for a in answers) == [201] + [422] * 5
+        assert (await create(other, ws_id)).status == 422
+        ledger = await sweeper_of(other).quota.ledger("acme")
+        assert len(ledger.versions) == PER_WS
+        # a version made on one replica is uploaded through the other's URL, and run there
+        cv = await new_config(tfe, await tfe.cli_workspace("acme", "dns"), speculative=True)
+        assert (await put(other, cv["attributes"]["upload-url"], archive()))[0] == 200
+        assert (await sweeper_of(tfe).quota.ledger("acme")).versions[cv["id"]].state == ("uploaded")

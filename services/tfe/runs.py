@@ -281,8 +281,8 @@ async def create_run(request: web.Request) -> web.Response:
     api = api_of(request)
     run_id = api.app.ids()  # named before it exists: the version is claimed for it
     if cv:
-        source = await configs.source_of(request, org, ws, cv, run=run_id)
         speculative = await _speculative(request, org, ws, cv)
+        source = await configs.source_of(request, org, ws, cv, run=run_id)
     else:
         raise TfeError(
             422,
