@@ -234,18 +234,19 @@ class Quota:
         limits = self.limits
 
         def edit(led: Ledger) -> Ledger:
-            if led.unused_in(ws) >= limits.pending_per_workspace:
+            unused = led.unused_in(ws)
+            if unused >= limits.pending_per_workspace:
                 raise QuotaError(
-                    f"workspace {ws} has {limits.pending_per_workspace} configuration "
-                    f"versions no run has used (the limit is {limits.pending_per_workspace}): "
+                    f"workspace {ws} has {_versions(unused)} no run has used (the limit "
+                    f"is {limits.pending_per_workspace}): "
                     "start a run of one, or wait until they expire (unused uploads are "
                     f"deleted {_hours(limits.unused_ttl_s)} after their upload, versions "
                     f"never uploaded after {_hours(limits.pending_ttl_s)})"
                 )
             if len(led.versions) >= limits.versions_per_org:
                 raise QuotaError(
-                    f"organization {org} has {len(led.versions)} configuration versions in "
-                    f"the store (the limit is {limits.versions_per_org}): they are deleted "
+                    f"organization {org} has {_versions(len(led.versions))} in the store "
+                    f"(the limit is {limits.versions_per_org}): they are deleted "
                     "when their runs end, or unused ones when they expire"
                 )
             entry = Entry(ws=ws, state="pending", created_at=now)
@@ -363,6 +364,10 @@ class Quota:
             return Ledger(versions={**led.versions, cv: back})
 
         await self.change(org, edit)
+
+
+def _versions(n: int) -> str:
+    return f"{n} configuration version{'' if n == 1 else 's'}"
 
 
 def _hours(seconds: float) -> str:
