@@ -13,7 +13,9 @@
   with a key only the token gives; each is dropped `IDEMPOTENCY_TTL_S` after its last write;
 - `rp-login-codes`: `terraform login`'s codes already exchanged (services/tfe/login.py),
   keyed by a digest of the code, each written with `create` (so by one replica only) and
-  dropped `LOGIN_CODES_KEPT_S` after, once the code has expired anyway.
+  dropped `LOGIN_CODES_KEPT_S` after, once the code has expired anyway;
+- `rp-tfe-configs`: `<org>` -> the organization's ledger of configuration versions in
+  `rp-plans` (services/tfe/quota.py), moved with optimistic concurrency.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ LOGIN_CODES_BUCKET = "rp-login-codes"
 # A login code lives 60 s (services/tfe/login.py CODE_TTL_S); its mark is kept as long
 # again, for replicas whose clocks are apart: a code no replica still takes is forgotten.
 LOGIN_CODES_KEPT_S = 120.0
+TFE_CONFIGS_BUCKET = "rp-tfe-configs"
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
@@ -46,6 +49,7 @@ BUCKETS = (
     UI_SESSIONS_BUCKET,
     IDEMPOTENCY_BUCKET,
     LOGIN_CODES_BUCKET,
+    TFE_CONFIGS_BUCKET,
 )
 # The others keep their keys forever.
 _TTL = {

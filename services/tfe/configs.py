@@ -11,6 +11,12 @@ beside it (`<id>.json`, sealed too) says pending or uploaded, with the digest an
 the run made of it carries both in its `run.created` (`events.values.ConfigSource`), and
 the executor checks the digest before it unpacks the archive (executor/upload.py).
 A version is uploaded once: a second PUT is a 409.
+
+What an organization's versions may hold of the shared store is bounded, and the ones no
+run needs are deleted (services/tfe/quota.py): creating a version takes a slot of its
+workspace's unused ones, a PUT reserves its announced size (or the cap) of the
+organization's budget before its body is read, a run made of a version frees its slot,
+and the version is deleted once its runs are over (or unused, after its TTL).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import msgspec
+import nats.errors
+import nats.js.errors
+import structlog
 from aiohttp import web
 from nats.js import JetStreamContext
 
@@ -38,10 +47,13 @@ from services.api.auth import OPERATOR, VIEWER
 from services.commands import new_id
 from services.infra.crypto import CryptoError, KeyRing
 from services.tfe import ids
+from services.tfe import quota as tfe_quota
 from services.tfe.capability import CapabilityError
 from services.tfe.context import api_of, require, tfe_of
 from services.tfe.jsonapi import Doc, TfeError, attributes, document, not_found, resource, response
+from services.tfe.quota import SWEEPER, Conflict, Limits, Quota, Sweeper, sweeping
 
+log = structlog.get_logger(__name__)
 UPLOAD_PATH = "/api/v2/capabilities/configuration-versions/"
 UPLOAD_KIND = "configuration-upload"
 UPLOAD_TTL_S = 900
@@ -70,10 +82,13 @@ class ConfigStore:
 
     objects: Objects
     keyring: KeyRing
+    quota: Quota
 
     @classmethod
-    def of(cls, js: JetStreamContext, keyring: KeyRing) -> ConfigStore:
-        return cls(Objects(js), keyring)
+    def of(
+        cls, js: JetStreamContext, keyring: KeyRing, limits: Limits | None = None
+    ) -> ConfigStore:
+        return cls(Objects(js), keyring, Quota(js, limits or Limits.from_env()))
 
     @staticmethod
     def archive_name(org: str, ws: str, cv: str) -> str:
@@ -82,6 +97,21 @@ class ConfigStore:
     @staticmethod
     def record_name(org: str, ws: str, cv: str) -> str:
         return f"{PREFIX}/{org}/{ws}/{cv}.json"
+
+    @classmethod
+    def names(cls, org: str, ws: str, cv: str) -> tuple[str, ...]:
+        """Every object a version has in the store."""
+        return (cls.archive_name(org, ws, cv), cls.record_name(org, ws, cv))
+
+    async def forget(self, org: str, ws: str, cv: str, *, archive_only: bool = False) -> None:
+        """Delete the version's objects (those there are), or its archive alone."""
+        store = await self.objects.js.object_store(PLANS_BUCKET)
+        names = (self.archive_name(org, ws, cv),) if archive_only else self.names(org, ws, cv)
+        for name in names:
+            try:
+                await store.delete(name)
+            except nats.js.errors.ObjectNotFoundError:
+                pass
 
     async def put_record(self, org: str, ws: str, cv: str, record: Record) -> None:
         name = self.record_name(org, ws, cv)
@@ -118,6 +148,27 @@ class ConfigStore:
 
 
 CONFIGS: web.AppKey[ConfigStore | None] = web.AppKey("runplane.tfe.configs", ConfigStore)
+
+
+def install(web_app: web.Application, js: JetStreamContext, keyring: KeyRing | None) -> None:
+    """The store of configuration versions and its sweep (services/tfe/quota.py), run
+    by this api process beside any other replica's."""
+    from services.api.context import API
+
+    store = ConfigStore.of(js, keyring) if keyring else None
+    web_app[CONFIGS] = store
+    if store is None:
+        web_app[SWEEPER] = None
+        return
+    app = web_app[API].app
+
+    async def run_over(org: str, ws: str, run: str) -> bool | None:
+        loaded = await app.load_run(org, ws, run)
+        return loaded.state.terminal if loaded.state.exists else None
+
+    sweeper = Sweeper(store.quota, run_over, store.names, prefix=PREFIX)
+    web_app[SWEEPER] = sweeper
+    web_app.cleanup_ctx.append(sweeping(sweeper, app.clock, tfe_quota.SWEEP_EVERY_S))
 
 
 def configs_of(request: web.Request) -> ConfigStore:
@@ -188,7 +239,14 @@ async def create_config_version(request: web.Request) -> web.Response:
     signer = tfe_of(request).need_signer()
     cv = config_id(org, ws, new_id())
     record = Record(speculative=speculative, created_at=api_of(request).app.clock())
-    await _stored(store.put_record(org, ws, cv, record))
+    await _counted(store.quota.reserve(org, ws, cv, record.created_at))
+    try:
+        await _stored(store.put_record(org, ws, cv, record))
+    except BaseException:
+        # the slot is given back once no object of it can be left (a write that timed
+        # out may have landed); else its entry stays, and its sweep deletes both
+        await asyncio.shield(_undo(store.forget(org, ws, cv), store.quota.release(org, cv)))
+        raise
     token = signer.sign(UPLOAD_KIND, org, cv, UPLOAD_TTL_S)
     url = f"{request.url.origin()}{UPLOAD_PATH}{token}"
     return response(document(render(request, cv, record, upload_url=url)), status=201)
@@ -221,6 +279,32 @@ async def upload(request: web.Request) -> web.Response:
         raise not_found("no such upload")
     if record.status != "pending":
         raise TfeError(409, "already uploaded", f"configuration version {cv} has its archive")
+    if request.content_length is not None and request.content_length > MAX_UPLOAD:
+        raise _too_large()
+    # the organization's budget, before a byte of the body is read: what it announces,
+    # else the cap; the real size once it is stored
+    reserve = request.content_length if request.content_length is not None else MAX_UPLOAD
+    announced = request.content_length is not None
+    await _counted(store.quota.begin_upload(org, cv, reserve, announced=announced))
+    try:
+        done = await _store_upload(request, store, org, ws, cv, record)
+    except BaseException:
+        # pending again once its archive cannot be in the store uncounted; else the bytes
+        # stay reserved until its sweep
+        forget = store.forget(org, ws, cv, archive_only=True)
+        await asyncio.shield(_undo(forget, store.quota.abort_upload(org, cv)))
+        raise
+    now = api_of(request).app.clock()
+    if not await _counted(store.quota.end_upload(org, cv, done.size, now)):
+        await _stored(store.forget(org, ws, cv))  # a sweep took it meanwhile
+        raise not_found(f"configuration version {cv} has expired")
+    return response(None, status=200)
+
+
+async def _store_upload(
+    request: web.Request, store: ConfigStore, org: str, ws: str, cv: str, record: Record
+) -> Record:
+    """The body received, sealed and stored, then its record: what the record says."""
     # A directory of its own (mkdtemp: new, 0700), never a fixed name in a shared /tmp
     # that another user could have made first, or made a link.
     spool = Path(tempfile.mkdtemp(prefix="runplane-tfe-upload-"))
@@ -238,7 +322,7 @@ async def upload(request: web.Request) -> web.Response:
         size=size,
     )
     await _stored(store.put_record(org, ws, cv, done))
-    return response(None, status=200)
+    return done
 
 
 async def _receive(request: web.Request, dest: Path) -> tuple[str, int]:
@@ -279,12 +363,39 @@ async def _optional_json(request: web.Request) -> object | None:
 async def _stored(work: Awaitable[T]) -> T:
     try:
         return await work
-    except ObjectStoreError as e:
+    except (ObjectStoreError, *_NATS_ERRORS) as e:
         raise TfeError(503, "unavailable", "the object store is unavailable: try again") from e
 
 
-async def source_of(request: web.Request, org: str, ws: str, cv: str) -> ConfigSource:
-    """The run source of an uploaded version of `org`/`ws`; 404 / 409 otherwise."""
+_NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
+
+
+async def _undo(clean: Awaitable[None], then: Awaitable[None]) -> None:
+    """`clean`, then `then`; neither's failure hides the error being answered."""
+    try:
+        await clean
+        await then
+    except (Conflict, *_NATS_ERRORS) as e:
+        log.warning("tfe_config_undo_failed", error=repr(e))
+    finally:
+        for work in (clean, then):  # never awaited when an earlier step failed
+            if asyncio.iscoroutine(work):
+                work.close()
+
+
+async def _counted(work: Awaitable[T]) -> T:
+    """A step of the quota's ledger (services/tfe/quota.py): 503 if NATS failed it."""
+    try:
+        return await work
+    except (Conflict, *_NATS_ERRORS) as e:
+        raise TfeError(
+            503, "unavailable", "the configuration ledger is unavailable: try again"
+        ) from e
+
+
+async def source_of(request: web.Request, org: str, ws: str, cv: str, *, run: str) -> ConfigSource:
+    """The run source of an uploaded version of `org`/`ws`, claimed for `run` (kept
+    until its runs are over: `unclaim` if the run is not made); 404 / 409 otherwise."""
     got_org, got_ws, _ = parse_config_id(cv)
     if (got_org, got_ws) != (org, ws):
         raise not_found(f"configuration version {cv} not found in this workspace")
@@ -294,4 +405,10 @@ async def source_of(request: web.Request, org: str, ws: str, cv: str) -> ConfigS
         raise not_found(f"configuration version {cv} not found")
     if record.status != "uploaded":
         raise TfeError(409, "configuration not uploaded", f"{cv} has no archive yet")
+    await _counted(store.quota.claim(org, cv, run, api_of(request).app.clock()))
     return store.source(org, ws, cv, record)
+
+
+async def unclaim(request: web.Request, org: str, cv: str, run: str) -> None:
+    """The run `source_of` was asked for was not made."""
+    await _counted(configs_of(request).quota.unclaim(org, cv, run))

@@ -97,7 +97,7 @@ def mount(
     web_app[TFE] = Tfe(signer=signer, states=states)
     web_app[login.TAKEN] = login.TakenCodes(js)
     web_app[discovery.BROWSER_LOGIN] = browser_login
-    web_app[configs.CONFIGS] = configs.ConfigStore.of(js, keyring) if keyring else None
+    configs.install(web_app, js, keyring)
     web_app[state_push.PUSHES] = {}
     web_app.add_routes(ROUTES)
     own = web_app.get(SELF_AUTHENTICATED, frozenset())

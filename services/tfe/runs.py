@@ -39,6 +39,7 @@ was asked and the executor has not stopped yet.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,6 +54,7 @@ from events.run import (
     ApproveRun,
     CancelRun,
     Cause,
+    ConfigSource,
     DiscardRun,
     RunOptions,
     RunState,
@@ -61,7 +63,7 @@ from events.run import (
 from services.api.approvals import caller
 from services.api.auth import OPERATOR, VIEWER, Principal
 from services.api.problems import Problem
-from services.commands import App
+from services.commands import App, Result
 from services.infra.eventstore import LATEST
 from services.tfe import configs, ids, logs
 from services.tfe.context import api_of, read_json, require
@@ -314,9 +316,10 @@ async def create_run(request: web.Request) -> web.Response:
     who = require(request, org, OPERATOR)
     cv = _related(rels, "configuration-version", required=False)
     api = api_of(request)
+    run_id = api.app.ids()  # named before it exists: the version is claimed for it
     if cv:
-        source = await configs.source_of(request, org, ws, cv)
         speculative = await _speculative(request, org, ws, cv)
+        source = await configs.source_of(request, org, ws, cv, run=run_id)
     else:
         raise TfeError(
             422,
@@ -324,8 +327,32 @@ async def create_run(request: web.Request) -> web.Response:
             "runplane starts runs of a workspace's repository through its own API; the "
             "TFE API runs uploaded configurations (relationships.configuration-version)",
         )
+    try:
+        result = await _create(api.app, who, org, ws, speculative, source, run_id, attrs)
+    except BaseException:
+        # the claim is taken back unless the run was made after all (its run.created
+        # landed, then something failed): that run reads the version
+        with contextlib.suppress(Exception):
+            if not (await api.app.load_run(org, ws, run_id)).state.exists:
+                await configs.unclaim(request, org, cv, run_id)
+        raise
+    await api.after_write(result.seq)
+    doc = await render_run(api.app, result.state, who)
+    return response(document(doc), status=201)
+
+
+async def _create(
+    app: App,
+    who: Principal,
+    org: str,
+    ws: str,
+    speculative: bool,
+    source: ConfigSource,
+    run_id: str,
+    attrs: dict[str, Any],
+) -> Result:
     if not speculative:
-        await _cli_driven(api.app, org, ws)
+        await _cli_driven(app, org, ws)
     # `auto-apply` (newer clients' -auto-approve): no "yes" will come, so the plan does
     # not wait for one (runplane's own require_approval still holds it).
     auto_apply = _flag(attrs, "auto-apply", False)
@@ -339,7 +366,7 @@ async def create_run(request: web.Request) -> web.Response:
     message = attrs.get("message") or "Queued manually via the Terraform CLI"
     if not isinstance(message, str):
         raise TfeError(422, "invalid attribute", "message must be a string")
-    result = await api.app.create_run(
+    return await app.create_run(
         org,
         ws,
         run_type,
@@ -349,10 +376,8 @@ async def create_run(request: web.Request) -> web.Response:
         speculative=speculative,
         source=source,
         options=options,
+        run_id=run_id,
     )
-    await api.after_write(result.seq)
-    doc = await render_run(api.app, result.state, who)
-    return response(document(doc), status=201)
 
 
 async def _cli_driven(app: App, org: str, ws: str) -> None:
