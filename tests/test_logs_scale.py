@@ -148,6 +148,7 @@ async def read_hashed(http: Http, path: str) -> tuple[int, str, int]:
         return resp.status, h.hexdigest(), size
 
 
+@pytest.mark.slow
 async def test_300_concurrent_readers_of_a_finished_run_get_the_whole_identical_log(
     http: Http, nc: NATS, tmp_path: Path
 ) -> None:
@@ -213,6 +214,7 @@ async def publish_lines(nc: NATS, run_id: str, first: int, last: int) -> None:
     await asyncio.gather(*acks)
 
 
+@pytest.mark.slow
 async def test_300_followers_of_a_live_run_get_every_line_and_their_end(
     http: Http, nc: NATS, tmp_path: Path
 ) -> None:
@@ -371,6 +373,7 @@ async def concurrent_large_reads(http: Http, nc: NATS, tmp_path: Path, readers: 
     return per_reader
 
 
+@pytest.mark.slow
 async def test_readers_of_a_26_mb_log_cost_the_server_a_bounded_amount_each(
     http: Http, nc: NATS, tmp_path: Path
 ) -> None:

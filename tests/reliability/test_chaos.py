@@ -73,6 +73,7 @@ def seed() -> int:
     return int(os.environ.get("RUNPLANE_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
 
 
+@pytest.mark.slow
 async def test_chaos_short(tmp_path: Path) -> None:
     await chaos(tmp_path, SHORT, seed())
 

@@ -429,6 +429,7 @@ NOTIFY_SHORT = NotifyScenario(runs=10, plans=False, pace=0.3, down_s=1.0, settle
 NOTIFY_FULL = NotifyScenario(runs=40, plans=True, pace=1.0, down_s=3.0, settle=300, rounds=3)
 
 
+@pytest.mark.slow
 async def test_cluster_notifications_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     await cluster_notifications(tmp_path, monkeypatch, NOTIFY_SHORT)
 

@@ -73,6 +73,7 @@ SCHEDULES_FULL = ScheduleScenario(
 )
 
 
+@pytest.mark.slow
 async def test_cluster_schedules_short(tmp_path: Path) -> None:
     await cluster_schedules(tmp_path, SCHEDULES_SHORT)
 

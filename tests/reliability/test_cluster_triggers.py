@@ -76,6 +76,7 @@ TRIGGERS_FULL = TriggerScenario(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.terraform
 async def test_cluster_run_triggers_short(tmp_path: Path) -> None:
     await cluster_triggers(tmp_path, TRIGGERS_SHORT)

@@ -73,6 +73,7 @@ HOOKS_SHORT = HookScenario(deliveries=4, pace=0.4, rounds=1, down_s=1.0)
 HOOKS_FULL = HookScenario(deliveries=30, pace=0.5, rounds=3, down_s=3.0)
 
 
+@pytest.mark.slow
 async def test_cluster_webhooks_short(tmp_path: Path) -> None:
     await cluster_webhooks(tmp_path, HOOKS_SHORT)
 
