@@ -9,11 +9,12 @@ final. The text is runplane's own step log of the phase (checkout, init, plan or
 apply, policy), already masked by the executor: finished steps from their objects in
 `rp-logs`, the running step's lines from RP_LOGS as they are written
 (services/api/runlog.py). A read with nothing new is held (up to `HOLD_S`) until a
-line is published on the phase's live subject or the phase ends, so a line reaches the
-CLI as it is written, not at its next poll. A held read whose client went away (the
-CLI's Ctrl-C cancels its read) ends within `STATUS_EVERY_S`: aiohttp does not cancel a
-handler when its client disconnects, and a read held on for its whole `HOLD_S` would
-keep its subscription and its run reads going for nobody.
+line is published on the phase's live subject or an event on the run's subject (the
+phase's end), so a line and the log's end reach the CLI as they are written, not at its
+next poll. A held read whose client went away (the CLI's Ctrl-C cancels its read) ends
+within `STATUS_EVERY_S`: aiohttp does not cancel a handler when its client disconnects,
+and a read held on for its whole `HOLD_S` would keep its subscriptions and its run reads
+going for nobody.
 
 The CLI drops the first three lines of an apply log (TFE repeats the plan's header
 there), so an apply log opens with a three-line preamble of ours. STX and ETX inside a
@@ -30,6 +31,7 @@ from aiohttp import web
 from nats.aio.msg import Msg
 
 from events import approval
+from events.codec import run_subject
 from events.run import RunState, Status
 from services.api.context import Api
 from services.api.runlog import Lines, Target
@@ -88,8 +90,12 @@ async def read_log(request: web.Request) -> web.Response:
         woken.set()
 
     # Subscribed before the first read: a line written between the read and the wait
-    # wakes the wait, so it is never missed for a whole poll.
-    sub = await nc.subscribe(log_subject(run_id, phase, "*"), cb=wake)
+    # wakes the wait, so it is never missed for a whole poll; so does the run's event
+    # that ends the phase (ETX goes out then, not at the next look at the run).
+    subs = [
+        await nc.subscribe(log_subject(run_id, phase, "*"), cb=wake),
+        await nc.subscribe(run_subject(org, ws, run_id), cb=wake),
+    ]
     try:
         deadline = asyncio.get_running_loop().time() + HOLD_S
         while True:
@@ -103,8 +109,9 @@ async def read_log(request: web.Request) -> web.Response:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(woken.wait(), timeout=min(left, STATUS_EVERY_S))
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
     return web.Response(body=body[offset : offset + limit], content_type="text/plain")
 
 
