@@ -198,6 +198,9 @@ def _round_breakdown(
     out["cli_sleep_config_s"] = cv_get and put and cv_get[0] - put[1]
     out["cli_sleep_run_s"] = run_get and post and _silence_before(reqs, post, run_get)
     out["create_to_claim_s"] = _gap(at, "run.created", "run.phase_started")
+    out["created_to_queued_s"] = _gap(at, "run.created", "run.queued")
+    out["queued_to_pinned_s"] = _gap(at, "run.queued", "run.pinned")
+    out["pinned_to_claim_s"] = _gap(at, "run.pinned", "run.phase_started")
     out["claim_to_first_step_s"] = _gap(at, "run.phase_started", "run.step_started")
     out["created_to_plan_finished_s"] = _gap(at, "run.created", "run.plan_finished")
     out["plan_finished_to_etx_s"] = finished and logs and logs[-1][1] - finished
