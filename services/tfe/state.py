@@ -28,8 +28,9 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from events.codec import ws_subject
+from events.codec import run_subject, ws_subject
 from events.org import ROLES
+from events.run import StateVersionCreated
 from events.workspace import StatePushed
 from executor.statestore import Head, HeadMoved, StateStoreError
 from services.api.auth import OPERATOR, VIEWER, Principal
@@ -112,15 +113,20 @@ def refuse_whole_state(who: Principal) -> None:
 
 
 async def current_head(request: web.Request, org: str, ws: str) -> tuple[Head | None, int]:
-    """The workspace's head and its revision, after promoting a pushed version whose
-    event is recorded but whose head move a crash cut short (see the module's doc)."""
+    """The workspace's head and its revision, after promoting a pending version whose
+    event is recorded but whose head move a crash cut short (see the module's doc): a
+    push's, or a run's once the run is over (as a run's state backend would: else the
+    CLI would read, and push over, the state before what the run applied)."""
     states = tfe_of(request).need_states()
     try:
         head, revision = await states.head(org, ws)
         pending = await states.pending(org, ws)
-        if pending is None or pending.run_id or (head and head.object == pending.object):
+        if pending is None or (head and head.object == pending.object):
             return head, revision
-        if not await _promoted(request, org, ws, pending, head):
+        if pending.run_id:
+            if not await _run_recorded(request, org, ws, pending, head):
+                return head, revision
+        elif not await _promoted(request, org, ws, pending, head):
             return head, revision
         revision = await states.move_head(org, ws, pending, revision)
     except HeadMoved:
@@ -142,6 +148,26 @@ async def _promoted(
         event = envelope.event
         if isinstance(event, StatePushed) and event.object == pending.object:
             return event.previous == was
+    return False
+
+
+async def _run_recorded(
+    request: web.Request, org: str, ws: str, pending: Head, head: Head | None
+) -> bool:
+    """Whether `pending` is a newer version its run recorded (`run.state_version`), of a
+    run that is over: a live executor moves its own head, and a promotion under it
+    would refuse its write (executor/statebackend.py `_current`, the same rule)."""
+    newer = head is None or (pending.lineage == head.lineage and pending.serial > head.serial)
+    if not newer:
+        return False
+    app = api_of(request).app
+    loaded = await app.load_run(org, ws, pending.run_id, min_seq=LATEST)
+    if not loaded.state.exists or not loaded.state.terminal:
+        return False
+    for envelope in await app.store.read(run_subject(org, ws, pending.run_id), min_seq=LATEST):
+        event = envelope.event
+        if isinstance(event, StateVersionCreated) and event.object == pending.object:
+            return True
     return False
 
 

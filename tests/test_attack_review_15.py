@@ -1,0 +1,132 @@
+"""Attack review of issue 15's finish (d1f426f..18fde7a): TFE state reads and pushes,
+`terraform login`'s pasted token, Ctrl-C. Real nats-server, real API; a crash "at a
+line" is played by doing the steps the handler does up to that line and no more.
+
+Findings (each test here fails without its fix):
+
+- a run's state version recorded (`run.state_version`) whose head move its executor's
+  death cut short was never promoted by the TFE API's reader, only by a run's state
+  backend: `terraform state pull` served the state before it, and the next CLI push
+  continued from that one and replaced it, losing what the run applied;
+- the promotion of a pushed pending version looked at the first `ws.state_pushed`
+  naming its object: after a rollback (`state push -force` of an earlier version, so
+  the same object name again) a version whose push was never recorded was promoted on
+  an older push's event, and a recorded re-push was never promoted;
+- a push refused at its record dropped "its" sealed version, which is any version of
+  the same serial and content: rolling back to an earlier version and being refused
+  (the lock taken over meanwhile) deleted that earlier version, and two replicas
+  pushing the same state at once deleted the head's own object;
+- a token made at /app/settings/tokens (and by login.v1's exchange) never expired, even
+  when the session's own token does: an expiring token bought a permanent one.
+
+Checked, not findings:
+
+- cross-organization: output ids, state-version ids, force-cancel and the push all
+  check the id's organization against the caller's (404); the tokens page makes a token
+  only for the session's organization, user and role, with its CSRF token and Origin
+  checked, no-store, frame-ancestors 'none', Referrer-Policy same-origin, no redirect
+  (the token is in the POST's answer only, never in a URL), the admin token refused;
+- a viewer: `current-state-version` 403, no download URL on any route, sensitive
+  output values null; its cancel and force-cancel 403;
+- login codes: `create`-like `update(last=0)` on the stream leader takes each code
+  once across replicas; a publish that timed out answers 503 and a retry "used"
+  (fails closed); marks outlive the code (120 s against 60 s);
+- two pushes decided on one head inside one lock: the aggregate's `pushed` refuses the
+  second. Left: a push decided in one lock and recorded in the next lock of the same
+  user is taken with a stale `previous` (its head move then 409s and nothing moves);
+- held log reads: end when the client goes (checked each STATUS_EVERY_S) and after
+  HOLD_S anyway; force-cancel records nothing more than the first cancel.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from events import run as R
+from events.codec import ws_subject
+from events.workspace import StatePushed
+from executor.statestore import StateStore
+from services.commands import new_id
+from services.infra.eventstore import LATEST
+from services.tfe.context import TFE
+from tests.tfe_support import Tfe, a_state, tfe_fixture
+
+__all__ = ["tfe_fixture"]
+
+
+def _states(tfe: Tfe) -> StateStore:
+    states = tfe.client.app[TFE].states
+    assert states is not None
+    return states
+
+
+async def _pushes(tfe: Tfe) -> list[StatePushed]:
+    envelopes = await tfe.app.store.read(ws_subject("acme", "net"), min_seq=LATEST)
+    return [e.event for e in envelopes if isinstance(e.event, StatePushed)]
+
+
+async def _locked_workspace(tfe: Tfe) -> tuple[dict[str, str], str]:
+    tokens = await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    assert (await tfe.lock(ws_id, token=tokens["operator"])).status == 200
+    return tokens, ws_id
+
+
+async def _current(tfe: Tfe, ws_id: str, token: str) -> dict[str, Any]:
+    got = await tfe.tfe("GET", f"/api/v2/workspaces/{ws_id}/current-state-version", token=token)
+    assert got.status == 200, got.body
+    return dict(got.body["data"]["attributes"])
+
+
+# ---------------------------------------------------------------- a run's version lost
+
+
+async def test_a_runs_recorded_version_cut_short_is_what_the_cli_reads_and_continues(
+    tfe: Tfe,
+) -> None:
+    """The executor recorded the run's version, then died before moving the head: the
+    CLI's `state pull` gets that version, and a push continuing the older one is a 409
+    (not a silent replacement of what the run applied)."""
+    tokens = await tfe.org("acme")
+    operator = tokens["operator"]
+    ws_id = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    assert (await tfe.lock(ws_id, token=operator)).status == 200
+    first = a_state(1)
+    assert (await tfe.push(ws_id, first, token=operator)).status == 201
+    unlocked = await tfe.tfe("POST", f"/api/v2/workspaces/{ws_id}/actions/unlock", token=operator)
+    assert unlocked.status == 200
+
+    # a run applies and its executor writes serial 2: sealed, pending, recorded on the
+    # run; the executor dies before the head move, and the reaper fails the run
+    states = _states(tfe)
+    run_id = str((await tfe.app.create_run("acme", "net", "apply", "alice")).state.run_id)
+    assert await tfe.app.admit_next("acme", "net") == run_id
+    lease = new_id()
+    claim = R.ClaimPhase(actor="executor:t", phase="plan", lease_id=lease, executor_id="t")
+    await tfe.app.run_command("acme", "net", run_id, claim)
+    applied = a_state(2, lineage=first["lineage"], outputs={"made": "by the run"})
+    version = await states.put_version("acme", "net", json.dumps(applied).encode(), run_id)
+    await states.mark_pending("acme", "net", version)
+    record = R.RecordStateVersion(
+        actor="executor:t",
+        lease_id=lease,
+        serial=version.serial,
+        lineage=version.lineage,
+        digest=version.digest,
+        object=version.object,
+        size=version.size,
+    )
+    await tfe.app.run_command("acme", "net", run_id, record)
+    await tfe.app.run_command("acme", "net", run_id, R.FailRun(actor="reaper", reason="dead"))
+
+    # alice's CLI: lock, state pull, then a push continuing what it pulled
+    assert (await tfe.lock(ws_id, token=operator)).status == 200
+    current = await _current(tfe, ws_id, operator)
+    assert current["serial"] == 2  # the run's version, not the one before it
+    head, _ = await states.head("acme", "net")
+    assert head is not None and head.object == version.object
+    stale = await tfe.push(ws_id, a_state(2, lineage=first["lineage"]), token=operator)
+    assert stale.status == 409, stale.body  # serial 2 again, other content: not newer
+    kept, _ = await states.head("acme", "net")
+    assert kept is not None and kept.object == version.object
