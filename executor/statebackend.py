@@ -231,13 +231,14 @@ class StateBackend:
 
     async def _pushed(self, version: Head, head: Head | None) -> bool:
         """Whether a user's CLI pushed the version over `head` (`ws.state_pushed`:
-        services/tfe/state_push.py records it before it moves the head)."""
+        services/tfe/state_push.py records it before it moves the head): the last push
+        only, as an earlier one may name the same object (services/tfe/state.py)."""
         subject = ws_subject(self.job.org, self.job.ws)
         was = head.object if head is not None else ""
-        for envelope in await self.job.app.store.read(subject, min_seq=LATEST):
+        for envelope in reversed(await self.job.app.store.read(subject, min_seq=LATEST)):
             event = envelope.event
-            if isinstance(event, StatePushed) and event.object == version.object:
-                return event.previous == was
+            if isinstance(event, StatePushed):
+                return event.object == version.object and event.previous == was
         return False
 
     async def _recorded(self, version: Head) -> bool:

@@ -45,7 +45,7 @@ from typing import Any
 
 from events import run as R
 from events.codec import ws_subject
-from events.workspace import StatePushed
+from events.workspace import RecordStatePush, StatePushed
 from executor.statestore import StateStore
 from services.commands import new_id
 from services.infra.eventstore import LATEST
@@ -130,3 +130,66 @@ async def test_a_runs_recorded_version_cut_short_is_what_the_cli_reads_and_conti
     assert stale.status == 409, stale.body  # serial 2 again, other content: not newer
     kept, _ = await states.head("acme", "net")
     assert kept is not None and kept.object == version.object
+
+
+# ---------------------------------------------------------------- promotion
+
+
+async def test_after_a_rollback_an_unrecorded_push_is_not_promoted_on_an_older_event(
+    tfe: Tfe,
+) -> None:
+    """1 -> 2, then 2 rolled back to 1 (`push -force`): a push of 2's very state again
+    that died before its event must not be promoted on the first push's event (which
+    replaced 1 by 2 too)."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    operator = tokens["operator"]
+    one = a_state(1)
+    two = a_state(2, lineage=one["lineage"])
+    assert (await tfe.push(ws_id, one, token=operator)).status == 201
+    assert (await tfe.push(ws_id, two, token=operator)).status == 201
+    back = await tfe.push(ws_id, one, token=operator, force=True)
+    assert back.status == 201, back.body
+    assert (await _current(tfe, ws_id, operator))["serial"] == 1
+
+    # died before its event: sealed and pending, nothing recorded
+    states = _states(tfe)
+    orphan = await states.put_version("acme", "net", json.dumps(two).encode())
+    await states.mark_pending("acme", "net", orphan)
+    assert len(await _pushes(tfe)) == 3
+    assert (await _current(tfe, ws_id, operator))["serial"] == 1  # not promoted
+    head, _ = await states.head("acme", "net")
+    assert head is not None and head.serial == 1
+
+
+async def test_a_recorded_rollback_cut_short_is_promoted(tfe: Tfe) -> None:
+    """1 -> 2, then the rollback to 1 (`push -force` of 1's very state: 1's object name
+    again) recorded, its head move cut short: the next read promotes it, though the
+    first event naming that object replaced no state at all."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    operator = tokens["operator"]
+    one = a_state(1)
+    two = a_state(2, lineage=one["lineage"])
+    assert (await tfe.push(ws_id, one, token=operator)).status == 201
+    assert (await tfe.push(ws_id, two, token=operator)).status == 201
+    states = _states(tfe)
+    head, _ = await states.head("acme", "net")
+    assert head is not None and head.serial == 2
+    version = await states.put_version("acme", "net", json.dumps(one).encode())
+    await states.mark_pending("acme", "net", version)
+    command = RecordStatePush(
+        actor="operator-user",
+        serial=version.serial,
+        lineage=version.lineage,
+        digest=version.digest,
+        object=version.object,
+        size=version.size,
+        previous=head.object,
+        forced=True,
+    )
+    await tfe.app.record_state_push("acme", "net", command)
+    assert (await _current(tfe, ws_id, operator))["serial"] == 1
+    moved, _ = await states.head("acme", "net")
+    assert moved is not None and moved.object == version.object
+    # and the lock's next push continues from it (the aggregate says 1 is in place)
+    nxt = await tfe.push(ws_id, a_state(3, lineage=one["lineage"]), token=operator)
+    assert nxt.status == 201, nxt.body

@@ -141,13 +141,16 @@ async def current_head(request: web.Request, org: str, ws: str) -> tuple[Head | 
 async def _promoted(
     request: web.Request, org: str, ws: str, pending: Head, head: Head | None
 ) -> bool:
-    """Whether `pending` was decided by a `ws.state_pushed` that replaced `head`."""
+    """Whether `pending` was decided by the last `ws.state_pushed`, which replaced
+    `head`. The last one only: a rollback (`push -force` of an earlier version) names
+    an object again, so an older event naming it says nothing of this pending mark
+    (which may be a push that died before its event)."""
     was = head.object if head is not None else ""
     subject = ws_subject(org, ws)
-    for envelope in await api_of(request).app.store.read(subject, min_seq=LATEST):
+    for envelope in reversed(await api_of(request).app.store.read(subject, min_seq=LATEST)):
         event = envelope.event
-        if isinstance(event, StatePushed) and event.object == pending.object:
-            return event.previous == was
+        if isinstance(event, StatePushed):
+            return event.object == pending.object and event.previous == was
     return False
 
 
