@@ -43,13 +43,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from aiohttp.test_utils import TestClient, TestServer
+
 from events import run as R
 from events.codec import ws_subject
 from events.workspace import RecordStatePush, StatePushed
 from executor.statestore import StateStore
+from services.api.app import build_app
+from services.api.context import API
 from services.commands import new_id
 from services.infra.eventstore import LATEST
+from services.secrets import SecretStore
 from services.tfe.context import TFE
+from tests.test_api_support import ADMIN_TOKEN
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]
@@ -193,3 +199,78 @@ async def test_a_recorded_rollback_cut_short_is_promoted(tfe: Tfe) -> None:
     # and the lock's next push continues from it (the aggregate says 1 is in place)
     nxt = await tfe.push(ws_id, a_state(3, lineage=one["lineage"]), token=operator)
     assert nxt.status == 201, nxt.body
+
+
+# ---------------------------------------------------------------- a refused push
+
+
+async def _second_replica(tfe: Tfe) -> Tfe:
+    """Another api replica: its own web app (and push gate) on the same NATS and key."""
+    web_app = build_app(
+        app=tfe.app,
+        projector=tfe.api.projector,
+        admin_token=ADMIN_TOKEN,
+        secret_store=SecretStore(tfe.app.store.nc, tfe.keyring),
+    )
+    client = TestClient(TestServer(web_app))
+    await client.start_server()
+    other = Tfe(client, web_app[API], tfe.app)
+    other.keyring = tfe.keyring
+    return other
+
+
+async def test_two_replicas_pushing_one_state_at_once_keep_the_heads_object(tfe: Tfe) -> None:
+    """Both read head 1 and seal the same state 2 (the same object); one records, the
+    other is refused (`moved`) and must not delete what is now the head's object."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    operator = tokens["operator"]
+    one = a_state(1)
+    two = a_state(2, lineage=one["lineage"])
+    assert (await tfe.push(ws_id, one, token=operator)).status == 201
+    other = await _second_replica(tfe)
+    try:
+        states = _states(other)
+        put = states.put_version
+        won: list[int] = []
+
+        async def put_then_the_other_replica_pushes(org: str, ws: str, data: bytes) -> Any:
+            version = await put(org, ws, data)
+            won.append((await tfe.push(ws_id, two, token=operator)).status)
+            return version
+
+        states.put_version = put_then_the_other_replica_pushes  # type: ignore[method-assign]
+        lost = await other.push(ws_id, two, token=operator)
+        assert won == [201] and lost.status == 409, lost.body
+    finally:
+        await other.client.close()
+    head, _ = await _states(tfe).head("acme", "net")
+    assert head is not None and head.serial == 2
+    assert json.loads(await _states(tfe).read(head)) == two  # still there
+    assert (await _current(tfe, ws_id, operator))["serial"] == 2
+
+
+async def test_a_refused_rollback_keeps_the_version_it_rolls_back_to(tfe: Tfe) -> None:
+    """1 -> 2, then `push -force` of 1's state, refused at its record (an admin took the
+    lock meanwhile): version 1 (the same object) stays readable."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    operator = tokens["operator"]
+    one = a_state(1)
+    assert (await tfe.push(ws_id, one, token=operator)).status == 201
+    first, _ = await _states(tfe).head("acme", "net")
+    assert (await tfe.push(ws_id, a_state(2, lineage=one["lineage"]), token=operator)).status == 201
+    states = _states(tfe)
+    put = states.put_version
+
+    async def put_then_unlocked(org: str, ws: str, data: bytes) -> Any:
+        version = await put(org, ws, data)
+        await tfe.app.unlock_workspace("acme", "net", "admin-user", admin=True)
+        return version
+
+    states.put_version = put_then_unlocked  # type: ignore[method-assign]
+    refused = await tfe.push(ws_id, one, token=operator, force=True)
+    states.put_version = put  # type: ignore[method-assign]
+    assert refused.status == 409, refused.body
+    assert first is not None
+    assert json.loads(await states.read(first)) == one  # version 1 still opens
+    head, _ = await states.head("acme", "net")
+    assert head is not None and head.serial == 2

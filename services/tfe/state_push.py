@@ -193,7 +193,9 @@ async def _record(
     force: bool,
 ) -> int:
     """`ws.state_pushed`, decided on the workspace's own subject; refused (a lock lost,
-    a run admitted, another push landed), the version is dropped and nothing recorded."""
+    a run admitted, another push landed), nothing is recorded. The sealed version is
+    kept: its object is named by serial and content, so it may be an earlier version
+    (a rollback) or the head another replica's push of the same state just moved to."""
     command = RecordStatePush(
         actor=who.user,
         serial=version.serial,
@@ -208,7 +210,6 @@ async def _record(
     try:
         result = await api_of(request).app.record_state_push(org, ws, command)
     except DomainError:
-        await states.drop_version(version.object)
         await states.clear_pending(org, ws)
         raise
     # Any other failure leaves it unknown whether the event landed: the pending version
