@@ -41,6 +41,7 @@ Checked, not findings:
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -56,9 +57,12 @@ from services.infra.eventstore import LATEST
 from services.secrets import SecretStore
 from services.tfe.context import TFE
 from tests.test_api_support import ADMIN_TOKEN
+from tests.test_tfe_login import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]
+
+HTML = {"Accept": "text/html"}
 
 
 def _states(tfe: Tfe) -> StateStore:
@@ -274,3 +278,40 @@ async def test_a_refused_rollback_keeps_the_version_it_rolls_back_to(tfe: Tfe) -
     assert json.loads(await states.read(first)) == one  # version 1 still opens
     head, _ = await states.head("acme", "net")
     assert head is not None and head.serial == 2
+
+
+# ---------------------------------------------------------------- tokens made by a session
+
+
+async def test_a_token_made_by_an_expiring_sessions_token_expires_with_it(tfe: Tfe) -> None:
+    """A contractor's operator token expires in an hour: the tokens page (and login.v1)
+    must not trade it for one that never expires."""
+    await tfe.org("acme")
+    made = await tfe.post(
+        "/api/v1/orgs/acme/tokens", json={"user": "carol", "role": "operator", "expires_in": 3600}
+    )
+    assert made.status == 201, made.body
+    expiring = made.body["token"]
+    await _signin(tfe, expiring)
+    async with tfe.client.get("/app/settings/tokens", headers=HTML) as r:
+        page = await r.text()
+    csrf = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert csrf, page
+    async with tfe.client.post(
+        "/app/settings/tokens", data={"csrf": csrf.group(1)}, headers=HTML
+    ) as r:
+        assert r.status == 200
+        issued = re.search(r'<code id="new-token">([^<]+)</code>', await r.text())
+    assert issued
+    listed = (await tfe.get("/api/v1/orgs/acme/tokens")).body["items"]
+    expiries = {t["expires_at"] for t in listed if t["user"] == "carol"}
+    assert None not in expiries and len(expiries) == 1, listed  # the same end as its own
+
+    # login.v1's exchange, from the same session
+    verifier, challenge = _pkce()
+    code = await _code(tfe, challenge)
+    status, answer = await _exchange(tfe, code, verifier)
+    assert status == 200, answer
+    listed = (await tfe.get("/api/v1/orgs/acme/tokens")).body["items"]
+    expiries = [t["expires_at"] for t in listed if t["user"] == "carol"]
+    assert len(expiries) == 3 and None not in expiries and len(set(expiries)) == 1, listed

@@ -27,6 +27,7 @@ import base64
 import hashlib
 import hmac
 import html
+from datetime import datetime
 from urllib.parse import urlencode, urlsplit
 
 import msgspec
@@ -40,6 +41,7 @@ from nats.js.kv import KeyValue
 from services.api.auth import authenticate
 from services.api.context import API, Api
 from services.api.problems import Problem
+from services.commands import hash_token
 from services.infra.kv import LOGIN_CODES_BUCKET
 from services.tfe.capability import CapabilityError
 from services.tfe.context import tfe_of
@@ -67,6 +69,7 @@ class Grant(msgspec.Struct, frozen=True, array_like=True):
     role: str
     challenge: str
     redirect: str
+    expires: str = ""  # the session token's end (ISO 8601), which the new one keeps
 
 
 class _Refused(Exception):
@@ -105,15 +108,24 @@ def _checked(params: dict[str, str]) -> tuple[str, str, str]:
     return redirect, challenge, params.get("state", "")
 
 
-async def _session(request: web.Request) -> tuple[str, str, str, str]:
-    """(org, user, role, csrf) of the browser's session, or SessionError."""
+async def _session(request: web.Request) -> tuple[str, str, str, str, str]:
+    """(org, user, role, csrf, expiry) of the browser's session, or SessionError."""
     session = await request.app[SESSIONS].get(request.cookies.get(COOKIE))
     if session is None:
         raise SessionError("not signed in")
-    who = await authenticate(request.app[API], f"Bearer {session.token}")
+    api = request.app[API]
+    who = await authenticate(api, f"Bearer {session.token}")
     if who.org is None:
         raise SessionError("signed in with the admin token, which is no organization's user")
-    return who.org, who.user, who.role, session.csrf
+    return who.org, who.user, who.role, session.csrf, await token_expiry(api, session.token)
+
+
+async def token_expiry(api: Api, token: str) -> str:
+    """When `token` expires (ISO 8601), "" never: a token it makes ends no later, so an
+    expiring token is never traded for one that outlives it."""
+    row = await api.token(hash_token(token))
+    expires = row.get("expires_at") if row is not None else None
+    return str(expires) if expires else ""
 
 
 def _signin_needed(detail: str) -> web.Response:
@@ -133,7 +145,7 @@ async def authorize_page(request: web.Request) -> web.Response:
     except _Refused as e:
         return _page("Not a login request", f"<p>{html.escape(str(e))}.</p>", status=400)
     try:
-        org, user, role, csrf = await _session(request)
+        org, user, role, csrf, _ = await _session(request)
     except (SessionError, Problem) as e:
         return _signin_needed(str(e))
     hidden = "".join(
@@ -170,14 +182,14 @@ async def authorize(request: web.Request) -> web.Response:
     except (SessionError, _Refused, Problem) as e:
         return _page("Refused", f"<p>{html.escape(str(e))}.</p>", status=400)
     try:
-        org, user, role, csrf = await _session(request)
+        org, user, role, csrf, expires = await _session(request)
         check_csrf(fields.get("csrf", ""), csrf)
     except (SessionError, Problem) as e:
         return _signin_needed(str(e))
     if fields.get("decision") != "allow":
         answer = {"error": "access_denied", "state": state}
     else:
-        grant = msgspec.json.encode(Grant(user, role, challenge, redirect)).decode()
+        grant = msgspec.json.encode(Grant(user, role, challenge, redirect, expires)).decode()
         code = tfe_of(request).need_signer().sign(KIND, org, grant, CODE_TTL_S)
         answer = {"code": code, "state": state}
     return web.Response(status=303, headers={"Location": f"{redirect}?{urlencode(answer)}"})
@@ -223,17 +235,19 @@ async def token(request: web.Request) -> web.Response:
         return _token_error("temporarily_unavailable", "try again", status=503)
     if not first:
         return _token_error("invalid_grant", "the code was used already")
-    issued = await issue_token(request.app[API], org, grant.user, grant.role)
+    issued = await issue_token(request.app[API], org, grant.user, grant.role, grant.expires)
     return web.json_response(
         {"access_token": issued, "token_type": "bearer"}, headers={"Cache-Control": "no-store"}
     )
 
 
-async def issue_token(api: Api, org: str, user: str, role: str) -> str:
-    """A new token of `org` acting as `user` with `role` (the caller's own: never more),
-    recorded as any other (`org.token_issued`, by that user) and in this replica's read
-    model before it is shown: the CLI checks it at once, maybe on this replica."""
-    issued, result = await api.app.issue_token(org, user, role, user)
+async def issue_token(api: Api, org: str, user: str, role: str, expires: str = "") -> str:
+    """A new token of `org` acting as `user` with `role` and ending at `expires` (the
+    caller's own: never more, never longer; "" never), recorded as any other
+    (`org.token_issued`, by that user) and in this replica's read model before it is
+    shown: the CLI checks it at once, maybe on this replica."""
+    expires_at = datetime.fromisoformat(expires) if expires else None
+    issued, result = await api.app.issue_token(org, user, role, user, expires_at=expires_at)
     await api.after_write(result.seq)
     return issued
 

@@ -4,7 +4,8 @@ Where `terraform login` sends a person when discovery offers no login.v1 (`runpl
 up --terraform-login token`): the CLI prints this page's URL and asks for the token made
 here, pasted at its prompt, which it checks with `GET /api/v2/account/details`. The page
 says whom a new token acts as; the form (CSRF token, Origin checked) makes one for the
-session's user, organization and role, never more, as login.v1's exchange does
+session's user, organization and role, never more (nor ending later than the
+session's own token), as login.v1's exchange does
 (services/tfe/login.py `issue_token`: `org.token_issued`), and shows it once, in the
 post's own answer (no redirect: the token is kept nowhere to be shown again; no-store,
 never framed: services/ui/web.py SECURITY_HEADERS). An admin-token session is refused:
@@ -19,7 +20,7 @@ from aiohttp import web
 
 from services.api.auth import VIEWER
 from services.api.problems import Problem
-from services.tfe.login import issue_token
+from services.tfe.login import issue_token, token_expiry
 from services.ui.sessions import SessionError
 from services.ui.web import Visit, base, error_page, form, guarded, render, visit_of
 
@@ -63,5 +64,6 @@ async def tokens_page(request: web.Request) -> web.StreamResponse:
 async def create_token(visit: Visit) -> web.StreamResponse:
     """POST: a new token of the session's user and role, shown this once."""
     _organization_user(visit)
-    issued = await issue_token(visit.api, visit.org, visit.who.user, visit.who.role)
+    expires = await token_expiry(visit.api, visit.session.token)  # never outlives it
+    issued = await issue_token(visit.api, visit.org, visit.who.user, visit.who.role, expires)
     return await _page(visit, issued)
