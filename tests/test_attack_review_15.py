@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import re
+import tracemalloc
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -315,3 +316,29 @@ async def test_a_token_made_by_an_expiring_sessions_token_expires_with_it(tfe: T
     listed = (await tfe.get("/api/v1/orgs/acme/tokens")).body["items"]
     expiries = [t["expires_at"] for t in listed if t["user"] == "carol"]
     assert len(expiries) == 3 and None not in expiries and len(set(expiries)) == 1, listed
+
+
+# ---------------------------------------------------------------- outputs of a big state
+
+
+async def test_reading_outputs_builds_nothing_of_the_rest_of_the_state(tfe: Tfe) -> None:
+    """An operator of one organization pushes a state of 2 million empty resources (6
+    MiB); every viewer's outputs read then built all of them (`json.loads`: 24 bytes of
+    state made 150 MB of objects, 2.7 s with the event loop every organization shares
+    held, for a 64 MiB state 1.5 GB). Only the outputs are decoded now: 146 MiB traced
+    before, 22 MiB (the state's bytes) after."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    big = a_state(1, outputs={"shown": "yes"})
+    big["resources"] = [{}] * 2_000_000
+    assert (await tfe.push(ws_id, big, token=tokens["operator"])).status == 201
+    del big
+    path = f"/api/v2/workspaces/{ws_id}/current-state-version-outputs"
+    tracemalloc.start()
+    try:
+        listed = await tfe.tfe("GET", path, token=tokens["viewer"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert listed.status == 200, listed.body
+    assert [o["attributes"]["value"] for o in listed.body["data"]] == ["yes"]
+    assert peak < 60 * 2**20, f"{peak >> 20} MiB to read one output"

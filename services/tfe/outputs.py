@@ -16,10 +16,10 @@ and its name (a Terraform identifier: no dot), so it reads back without a lookup
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from executor.statestore import Head, StateStoreError
@@ -75,13 +75,24 @@ def render_output(
     return resource("state-version-outputs", output_id(org, ws, head, name), attrs)
 
 
+class _Outputs(msgspec.Struct):
+    """A state's root outputs alone: msgspec skips every other member without making it
+    into objects (a tenant's state of 2 million empty resources, 6 MiB, took 150 MB and
+    the event loop every organization shares as `json.loads`)."""
+
+    outputs: Any = None
+
+
 async def _outputs(request: web.Request, head: Head) -> dict[str, dict[str, Any]]:
     """The root outputs of a version's state, by name (bad entries skipped)."""
     try:
-        doc = json.loads(await tfe_of(request).need_states().read(head))
+        data = await tfe_of(request).need_states().read(head)
     except StateStoreError as e:
         raise TfeError(503, "unavailable", "the state version cannot be read now") from e
-    outputs = doc.get("outputs") if isinstance(doc, dict) else None
+    try:
+        outputs = msgspec.json.decode(data, type=_Outputs).outputs
+    except msgspec.DecodeError:
+        return {}
     if not isinstance(outputs, dict):
         return {}
     return {k: v for k, v in outputs.items() if isinstance(v, dict) and _NAME.fullmatch(k)}
