@@ -162,12 +162,14 @@ class StateStore:
     # ------------------------------------------------------------ versions and head
 
     async def head(self, org: str, ws: str) -> tuple[Head | None, int]:
-        """The current version and the head's revision (0: the workspace has no state)."""
+        """The current version and the head's revision (None: the workspace has no state;
+        the revision is then 0, or the purge marker's a purged workspace left, which the
+        first head move of a workspace created again under the name must expect)."""
         data, revision = await self._entry(
             STATE_HEAD_BUCKET, ws_key(org, ws), f"the state head of {org}/{ws}"
         )
         if data is None:
-            return None, 0
+            return None, revision
         return msgspec.json.decode(data, type=Head), revision
 
     async def read(self, head: Head) -> bytes:

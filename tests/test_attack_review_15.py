@@ -342,3 +342,27 @@ async def test_reading_outputs_builds_nothing_of_the_rest_of_the_state(tfe: Tfe)
     assert listed.status == 200, listed.body
     assert [o["attributes"]["value"] for o in listed.body["data"]] == ["yes"]
     assert peak < 60 * 2**20, f"{peak >> 20} MiB to read one output"
+
+
+# ---------------------------------------------------------------- purge
+
+
+async def test_a_workspace_created_again_after_a_purge_takes_a_push(tfe: Tfe) -> None:
+    """The purge leaves a purge marker on the head's key: the new workspace's first head
+    move must expect that revision, not none (else every state write of it is refused,
+    a run's applied state as much as a push, and the push's event lies)."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    operator = tokens["operator"]
+    assert (await tfe.push(ws_id, a_state(1), token=operator)).status == 201
+    unlocked = await tfe.tfe("POST", f"/api/v2/workspaces/{ws_id}/actions/unlock", token=operator)
+    assert unlocked.status == 200
+    assert (await tfe.call("DELETE", "/api/v1/orgs/acme/workspaces/net")).status == 204
+    assert (await tfe.post("/api/v1/orgs/acme/workspaces/net/purge")).status == 204
+
+    again = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    assert (await tfe.lock(again, token=operator)).status == 200
+    fresh = a_state(1, outputs={"owner": "the new team"})
+    pushed = await tfe.push(again, fresh, token=operator)
+    assert pushed.status == 201, pushed.body
+    head, _ = await _states(tfe).head("acme", "net")
+    assert head is not None and json.loads(await _states(tfe).read(head)) == fresh
