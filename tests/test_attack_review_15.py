@@ -40,6 +40,7 @@ Checked, not findings:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import tracemalloc
@@ -345,6 +346,42 @@ async def test_reading_outputs_builds_nothing_of_the_rest_of_the_state(tfe: Tfe)
 
 
 # ---------------------------------------------------------------- purge
+
+
+async def test_a_workspace_created_again_after_a_purge_inherits_no_pending_state(
+    tfe: Tfe,
+) -> None:
+    """The old workspace's push was recorded and its head move cut short (pending);
+    the admin deletes and purges it, which removes its head and lock: a workspace
+    created again under the name must start from no state, not promote the old one's
+    pending version (its event is still on the workspace's subject)."""
+    tokens, ws_id = await _locked_workspace(tfe)
+    operator = tokens["operator"]
+    states = _states(tfe)
+    old = a_state(1, outputs={"owner": "the old team"})
+    version = await states.put_version("acme", "net", json.dumps(old).encode())
+    await states.mark_pending("acme", "net", version)
+    command = RecordStatePush(
+        actor="operator-user",
+        serial=version.serial,
+        lineage=version.lineage,
+        digest=version.digest,
+        object=version.object,
+        size=version.size,
+    )
+    await tfe.app.record_state_push("acme", "net", command)
+    unlocked = await tfe.tfe("POST", f"/api/v2/workspaces/{ws_id}/actions/unlock", token=operator)
+    assert unlocked.status == 200
+    assert (await tfe.call("DELETE", "/api/v1/orgs/acme/workspaces/net")).status == 204
+    assert (await tfe.post("/api/v1/orgs/acme/workspaces/net/purge")).status == 204
+
+    again = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    path = f"/api/v2/workspaces/{again}/current-state-version"
+    got = await asyncio.wait_for(tfe.tfe("GET", path, token=tokens["admin"]), 20)
+    assert got.status == 404, got.body  # no state: the old team's is not inherited
+    assert await states.pending("acme", "net") is None
+    head, _ = await states.head("acme", "net")
+    assert head is None
 
 
 async def test_a_workspace_created_again_after_a_purge_takes_a_push(tfe: Tfe) -> None:

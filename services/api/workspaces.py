@@ -9,8 +9,8 @@ its runs, their events, its audit rows stay readable.
 Purge (`POST .../workspaces/{ws}/purge`, an organization admin; a second, explicit step,
 so that freeing a name is never a side effect of a delete) frees the name of a deleted
 workspace. It removes what a new workspace of that name would otherwise inherit: its
-sealed secret variables (`rp-secrets`), its managed state's head and lock
-(`rp-state-head`, `rp-state-locks`; the state versions themselves stay in `rp-state`,
+sealed secret variables (`rp-secrets`), its managed state's head, pending version and
+lock (`rp-state-head`, `rp-state-locks`; the state versions themselves stay in `rp-state`,
 named by their `run.state_version` events, for an operator to restore), its
 notification configurations, its schedules and the run triggers it follows or is
 followed by; then it records `ws.purged`, after which the aggregate
@@ -34,6 +34,7 @@ from aiohttp import web
 from events import notification as nt
 from events import schedule as sc
 from events.workspace import CONFIG_MEMBERS, VCS_RUN_TYPES
+from executor.statestore import pending_key, ws_key
 from services.api import secrets
 from services.api import vcs as vcs_api
 from services.api.auth import ADMIN
@@ -118,9 +119,15 @@ async def _remove_attached(request: web.Request, api: Api, org: str, ws: str, us
         for name in await store.names(org, ws):
             await store.delete(org, ws, name)
     js = api.app.store.nc.jetstream()
-    for bucket in (STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET):
+    # the head, its pending version (a write cut short before its head move, which the
+    # next reader would promote into the new workspace) and the lock
+    for bucket, key in (
+        (STATE_HEAD_BUCKET, ws_key(org, ws)),
+        (STATE_HEAD_BUCKET, pending_key(org, ws)),
+        (STATE_LOCKS_BUCKET, ws_key(org, ws)),
+    ):
         try:
-            await (await js.key_value(bucket)).purge(f"{org}.{ws}")
+            await (await js.key_value(bucket)).purge(key)
         except nats.errors.Error as e:
             raise Problem("unavailable", f"removing the workspace's {bucket}: {e}") from e
     for config in await outbox.configs(api.app.store, org):

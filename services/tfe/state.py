@@ -129,8 +129,11 @@ async def current_head(request: web.Request, org: str, ws: str) -> tuple[Head | 
         elif not await _promoted(request, org, ws, pending, head):
             return head, revision
         revision = await states.move_head(org, ws, pending, revision)
-    except HeadMoved:
-        return await current_head(request, org, ws)
+    except HeadMoved:  # another reader promoted it, or a writer moved on: theirs
+        try:
+            return await states.head(org, ws)
+        except StateStoreError as e:
+            raise TfeError(503, "unavailable", str(e)) from e
     except StateStoreError as e:
         raise TfeError(503, "unavailable", str(e)) from e
     log.warning("tfe_state_head_recovered", org=org, ws=ws, object=pending.object)
