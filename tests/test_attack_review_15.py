@@ -17,7 +17,21 @@ Findings (each test here fails without its fix):
   (the lock taken over meanwhile) deleted that earlier version, and two replicas
   pushing the same state at once deleted the head's own object;
 - a token made at /app/settings/tokens (and by login.v1's exchange) never expired, even
-  when the session's own token does: an expiring token bought a permanent one.
+  when the session's own token does: an expiring token bought a permanent one;
+- the outputs endpoints (a viewer's) `json.loads` the whole state: one organization's
+  operator pushes a state of millions of empty resources and every outputs read builds
+  them all, memory and the event loop every organization shares;
+- after a purge the head's key holds a purge marker, but a head read gave revision 0:
+  a workspace created again under the name had every head move refused (its first CLI
+  push 409'd after its event was recorded; a run's applied state likewise);
+- a purge left the state's pending mark: a push (or a run's write) cut short before
+  its head move, then delete and purge, and the workspace created again promoted the
+  old one's state on its first read (and, with the revision above, retried forever).
+
+Seen, not fixed here (older than this round): the executor's state backend drops "its"
+version when a fenced write is refused (executor/statebackend.py `_record`), the same
+object-name collision as the push's; a login.v1 or tokens-page token outlives the
+revocation of the session's token (it has no parent to be revoked with).
 
 Checked, not findings:
 
