@@ -70,8 +70,9 @@ async def test_the_same_state_pushed_through_two_replicas_at_once_is_kept_once(
     """The CLI's retry of a push whose first try still runs, sent by a load balancer to
     the other replica: both read the same head and seal the same object; the first to
     record wins. The other's refusal must not drop the object the winner's event and
-    head name (it did: the state then failed to open), and it is answered as the
-    winner's, 201, recorded once."""
+    head name (it did before 6355a86: the state then failed to open), and it is
+    answered as the winner's, 201 (its bytes are recorded: a 409 made the CLI report a
+    push that landed as failed), recorded once."""
     tokens, ws_id, _ = await _with_state(tfe, {})
     operator = tokens["operator"]
     head, _ = await _states(tfe).head("acme", "net")

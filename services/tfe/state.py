@@ -177,6 +177,15 @@ async def _run_recorded(
     return False
 
 
+async def last_pushed(request: web.Request, org: str, ws: str) -> StatePushed | None:
+    """The workspace's last `ws.state_pushed`, as the stream's leader has it."""
+    subject = ws_subject(org, ws)
+    for envelope in reversed(await api_of(request).app.store.read(subject, min_seq=LATEST)):
+        if isinstance(envelope.event, StatePushed):
+            return envelope.event
+    return None
+
+
 async def existing_workspace(request: web.Request, org: str, ws: str) -> dict[str, Any]:
     row = await api_of(request).read.get_workspace(org, ws)
     if row is None:

@@ -23,7 +23,14 @@ the pending version if, and only if, its event is recorded and names the current
 as the one it replaced. So no head moves without its event, and no event stays without
 its head but one whose head was moved meanwhile by a writer outside these rules
 (logged as `tfe_state_head_moved`; the event's `previous` shows it). A refused push (a
-stale serial, no lock, a lie about the state) writes no event.
+stale serial, no lock, a lie about the state) writes no event. A push refused only
+because the same bytes over the same head were recorded meanwhile through another
+replica (the CLI's retry of a try still running elsewhere) is answered 201 as that one;
+a push whose head move finds its version already promoted by a reader is done, not a
+409; a refused push clears the pending mark only if it is still its own. A push refused
+because the lock's last recorded push is not the head it read (that push's head move
+failed after a racing push replaced its pending mark, so no read promotes it) puts the
+recorded version in place if it replaced that head.
 
 Not yet here: newer clients' upload URLs (`hosted-state-upload-url`): a version without
 an inline `state` is refused with a 422 that says so.
@@ -42,13 +49,19 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from events.errors import DomainError
-from events.workspace import RecordStatePush
+from events.errors import DomainError, IllegalTransition
+from events.workspace import RecordStatePush, StatePushed
 from executor.statestore import Head, HeadMoved, StateStore, StateStoreError, parse_state
 from services.api.auth import OPERATOR, Principal
 from services.tfe.context import api_of, read_json, tfe_of
 from services.tfe.jsonapi import TfeError, attributes, document, response
-from services.tfe.state import current_head, existing_workspace, recorded_at, render
+from services.tfe.state import (
+    current_head,
+    existing_workspace,
+    last_pushed,
+    recorded_at,
+    render,
+)
 from services.tfe.workspaces import workspace_by_id
 
 log = structlog.get_logger("runplane.tfe")
@@ -175,7 +188,9 @@ async def _push(
         await states.mark_pending(org, ws, version)
     except StateStoreError as e:
         raise TfeError(503, "unavailable", str(e)) from e
-    seq = await _record(request, org, ws, who, version, head, force)
+    seq = await _record(request, org, ws, who, version, head, revision, force)
+    if seq is None:  # the same bytes, pushed at once elsewhere, were recorded: ours too
+        return await _theirs(request, org, ws, version, who)
     await _move(request, org, ws, version, revision)
     log.info("tfe_state_pushed", org=org, ws=ws, serial=serial, user=who.user, force=force)
     await api_of(request).after_write(seq)
@@ -190,12 +205,14 @@ async def _record(
     who: Principal,
     version: Head,
     head: Head | None,
+    revision: int,
     force: bool,
-) -> int:
+) -> int | None:
     """`ws.state_pushed`, decided on the workspace's own subject; refused (a lock lost,
     a run admitted, another push landed), nothing is recorded. The sealed version is
     kept: its object is named by serial and content, so it may be an earlier version
-    (a rollback) or the head another replica's push of the same state just moved to."""
+    (a rollback) or the head another replica's push of the same state just moved to.
+    None: refused because that push, of these bytes over the same head, was recorded."""
     command = RecordStatePush(
         actor=who.user,
         serial=version.serial,
@@ -209,12 +226,59 @@ async def _record(
     states = tfe_of(request).need_states()
     try:
         result = await api_of(request).app.record_state_push(org, ws, command)
-    except DomainError:
-        await states.clear_pending(org, ws)
+    except DomainError as e:
+        last = await last_pushed(request, org, ws)
+        if last is not None and (last.object, last.previous) == (version.object, command.previous):
+            return None  # the CLI's retry, sent elsewhere while this try ran, won
+        await _clear_if_ours(states, org, ws, version)
+        if isinstance(e, IllegalTransition) and e.status == "moved" and last is not None:
+            await _finish_recorded(request, org, ws, last, head, revision)
         raise
     # Any other failure leaves it unknown whether the event landed: the pending version
     # stays, and `current_head` promotes it only if its event is recorded.
     return int(result.seq)
+
+
+async def _clear_if_ours(states: StateStore, org: str, ws: str, version: Head) -> None:
+    """Clear the pending mark only if it is still this push's: a racing push that won
+    may have marked its own since, which its head move (or the next read) needs."""
+    with contextlib.suppress(StateStoreError):
+        if await states.pending(org, ws) == version:
+            await states.clear_pending(org, ws)
+
+
+async def _finish_recorded(
+    request: web.Request, org: str, ws: str, last: StatePushed, head: Head | None, revision: int
+) -> None:
+    """Refused because the lock's last recorded push is not the head read: a push whose
+    head move failed after a racing push replaced its pending mark, which no read
+    promotes then. Put it in place if it replaced `head` (what its event says), so the
+    CLI's next try continues from it instead of being refused while the lock is held."""
+    if last.previous != (head.object if head is not None else ""):
+        return
+    recorded = Head(
+        object=last.object,
+        serial=last.serial,
+        lineage=last.lineage,
+        digest=last.digest,
+        size=last.size,
+    )
+    try:
+        await tfe_of(request).need_states().move_head(org, ws, recorded, revision)
+    except StateStoreError:  # moved meanwhile (HeadMoved) or unreachable: the next try
+        return
+    log.warning("tfe_state_head_recovered", org=org, ws=ws, object=last.object)
+
+
+async def _theirs(
+    request: web.Request, org: str, ws: str, version: Head, who: Principal
+) -> web.Response:
+    """201 for a push whose bytes another push recorded over the same head: they are on
+    record, and the head (promoted by this read if the winner has not moved it yet)
+    follows them."""
+    await current_head(request, org, ws)
+    created = await recorded_at(request, org, ws, version)
+    return response(document(render(request, org, ws, version, created, who)), status=201)
 
 
 async def _move(request: web.Request, org: str, ws: str, version: Head, revision: int) -> None:
@@ -223,9 +287,19 @@ async def _move(request: web.Request, org: str, ws: str, version: Head, revision
     try:
         await states.move_head(org, ws, version, revision)
     except HeadMoved as e:
+        if await _is_head(states, org, ws, version):
+            return  # a reader (or a push of the same bytes) promoted it first: done
         log.error("tfe_state_head_moved", org=org, ws=ws, object=version.object)
         raise TfeError(409, "state changed", "the workspace's state changed meanwhile") from e
     except StateStoreError as e:
         # recorded but not moved: the next read promotes it (`current_head`)
         raise TfeError(503, "unavailable", str(e)) from e
     await states.clear_pending(org, ws)
+
+
+async def _is_head(states: StateStore, org: str, ws: str, version: Head) -> bool:
+    try:
+        head, _ = await states.head(org, ws)
+    except StateStoreError as e:
+        raise TfeError(503, "unavailable", str(e)) from e
+    return head is not None and head.object == version.object
