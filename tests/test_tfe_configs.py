@@ -15,25 +15,18 @@ from typing import Any
 import msgspec
 import nats.js.errors
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 from yarl import URL
 
 from executor.objects import PLANS_BUCKET, Objects
-from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra.eventstore import EventStore
 from services.infra.natsserver import EmbeddedNats
-from services.secrets import SecretStore
 from services.tfe import configs, quota
 from services.tfe.configs import ConfigStore
 from services.tfe.quota import QUOTA_TITLE, SWEEPER, Ledger, Limits, Quota, Sweeper
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_runs_api import archive, new_config, new_run, put
 from tests.tfe_support import Tfe, tfe_fixture
+from tests.tfe_support import replica as support_replica
 
 __all__ = ["tfe_fixture"]
 
@@ -473,19 +466,9 @@ async def replica(tfe: Tfe, server: EmbeddedNats, tmp_path: Path) -> AsyncIterat
     the deployment's key ring."""
     conn = await server.connect()
     try:
-        app = App(EventStore(conn))
-        async with Projector(conn, tmp_path / "replica.sqlite") as projector:
-            assert await projector.wait_for(await tfe.api.app.store.last_seq())
-            web_app = build_app(
-                app=app,
-                projector=projector,
-                admin_token=ADMIN_TOKEN,
-                secret_store=SecretStore(conn, tfe.keyring),
-            )
-            async with TestClient(TestServer(web_app)) as client:
-                other = Tfe(client, web_app[API], app)
-                other.keyring = tfe.keyring
-                yield other
+        async with support_replica(conn, tfe.keyring, tmp_path / "replica.sqlite") as other:
+            assert await other.api.projector.wait_for(await tfe.api.app.store.last_seq())
+            yield other
     finally:
         await conn.close()
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -16,43 +15,17 @@ import aiohttp
 import nats
 import nats.errors
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
-from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
 from services.infra import streams
 from services.infra.crypto import KeyRing
-from services.infra.eventstore import EventStore
 from services.infra.kv import LOGIN_CODES_BUCKET, UI_SESSIONS_BUCKET
-from services.secrets import SecretStore
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_login import _code, _exchange, _pkce, _signin
-from tests.tfe_support import Tfe, tfe_fixture
+from tests.tfe_support import Tfe, replica, tfe_fixture
 
 __all__ = ["tfe_fixture"]
-
-
-@asynccontextmanager
-async def replica(nc: NATS, keyring: KeyRing, path: Path) -> AsyncIterator[Tfe]:
-    """Another api replica: its own App, projector and read model on `nc`, the
-    deployment's one key ring."""
-    app = App(EventStore(nc))
-    async with Projector(nc, path) as projector:
-        web_app = build_app(
-            app=app,
-            projector=projector,
-            admin_token=ADMIN_TOKEN,
-            secret_store=SecretStore(nc, keyring),
-        )
-        async with TestClient(TestServer(web_app)) as client:
-            t = Tfe(client, web_app[API], app)
-            t.keyring = keyring
-            yield t
 
 
 async def test_a_code_exchanged_at_one_replica_is_refused_at_the_other(

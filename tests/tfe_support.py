@@ -28,6 +28,7 @@ from services.api.app import build_app
 from services.api.context import API
 from services.commands import App
 from services.infra.crypto import KeyRing
+from services.infra.eventstore import EventStore
 from services.secrets import SecretStore
 from tests.test_api_support import ADMIN_TOKEN, Answer, Http
 
@@ -100,21 +101,38 @@ def a_state(
     }
 
 
+@contextlib.asynccontextmanager
+async def web_replica(
+    app: App, projector: Projector, nc: NATS, keyring: KeyRing
+) -> AsyncIterator[Tfe]:
+    """An api replica's web app over `app` and `projector`, with the deployment's key ring."""
+    web_app = build_app(
+        app=app,
+        projector=projector,
+        admin_token=ADMIN_TOKEN,
+        secret_store=SecretStore(nc, keyring),
+    )
+    async with TestClient(TestServer(web_app)) as client:
+        t = Tfe(client, web_app[API], app)
+        t.keyring = keyring
+        yield t
+
+
+@contextlib.asynccontextmanager
+async def replica(nc: NATS, keyring: KeyRing, path: Path) -> AsyncIterator[Tfe]:
+    """An api replica: its own App, projector and read model (at `path`) on `nc`, the
+    deployment's one key ring."""
+    app = App(EventStore(nc))
+    async with Projector(nc, path) as projector, web_replica(app, projector, nc, keyring) as t:
+        yield t
+
+
 @pytest.fixture(name="tfe")
 async def tfe_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Tfe]:
     async with Projector(nc, tmp_path / "rm.sqlite") as projector:
         started = await app.create_org("tfe-test-fixture", "test")
         assert await projector.wait_for(started.seq)
-        keyring = KeyRing.generate()
-        web_app = build_app(
-            app=app,
-            projector=projector,
-            admin_token=ADMIN_TOKEN,
-            secret_store=SecretStore(nc, keyring),
-        )
-        async with TestClient(TestServer(web_app)) as client:
-            t = Tfe(client, web_app[API], app)
-            t.keyring = keyring
+        async with web_replica(app, projector, nc, KeyRing.generate()) as t:
             yield t
 
 

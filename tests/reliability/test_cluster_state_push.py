@@ -37,8 +37,7 @@ import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from typing import Any
 import aiohttp
 import nats
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 from yarl import URL
 
@@ -55,9 +53,6 @@ from events.workspace import StatePushed
 from executor import Executor
 from executor.statebackend import USER, StateBackend
 from executor.statestore import Head, StateStore, StateStoreError, version_object
-from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
 from services.commands import App
 from services.infra import streams
 from services.infra.crypto import KeyRing
@@ -72,9 +67,8 @@ from tests.cluster_support import NatsCluster, Node
 from tests.helpers import eventually
 from tests.plane_support import commit
 from tests.reliability.cluster_events_support import write_summary
-from tests.test_api_support import ADMIN_TOKEN
 from tests.test_executor import git
-from tests.tfe_support import Tfe, a_state
+from tests.tfe_support import Tfe, a_state, replica
 
 pytestmark = pytest.mark.slow
 
@@ -105,24 +99,6 @@ async def test_cluster_state_push_long(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- the plane
-
-
-@asynccontextmanager
-async def replica(nc: NATS, keyring: KeyRing, path: Path) -> AsyncIterator[Tfe]:
-    """An api replica: its own App, projector and read model on `nc`, the deployment's
-    one key ring (as tests/test_tfe_login_replicas.py makes them)."""
-    app = App(EventStore(nc))
-    async with Projector(nc, path) as projector:
-        web_app = build_app(
-            app=app,
-            projector=projector,
-            admin_token=ADMIN_TOKEN,
-            secret_store=SecretStore(nc, keyring),
-        )
-        async with TestClient(TestServer(web_app)) as client:
-            t = Tfe(client, web_app[API], app)
-            t.keyring = keyring
-            yield t
 
 
 async def connect_first_to(cluster: NatsCluster, node: Node) -> NATS:
