@@ -299,6 +299,35 @@ async def test_confirm_destructive_holds_a_cli_destroy_for_approval_in_runplane(
     assert json.loads(ok(cli.tf(work, "state", "pull")))["resources"] == []
 
 
+async def test_four_eyes_holds_a_cli_apply_for_another_person_in_runplane(cli: Cli) -> None:
+    """four_eyes: the CLI's user (alice) created the run, so the CLI is not asked to
+    confirm it (`is-confirmable` false): its log says why and it stops; alice cannot
+    approve it in runplane either, another person can, and the apply follows."""
+    work = cli.workdir("pair", resources(1))
+    ok(cli.tf(work, "init", "-input=false", "-no-color"))
+    await cli.api.ok("PATCH", "/api/v1/orgs/acme/workspaces/pair/settings", {"four_eyes": True})
+    out = ok(await asyncio.to_thread(cli.tf, work, "apply", "-auto-approve", "-no-color"))
+    assert "four_eyes is on" in out, out
+    assert "Apply complete" not in out, out
+    run = await cli.newest("pair", "awaiting_approval")
+    assert run["cause"]["kind"] == "cli" and run["created_by"] == "alice", run
+    issued = await cli.api.ok(
+        "POST", "/api/v1/orgs/acme/tokens", {"user": "alice", "role": "admin"}
+    )
+    alice = Https(cli.api.base, Path(cli.env["SSL_CERT_FILE"]), issued["token"])
+    try:
+        status, problem = await alice.call(
+            "POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []}
+        )
+    finally:
+        await alice.session.close()
+    assert status == 403 and "four_eyes" in problem["detail"], (status, problem)
+    await cli.api.ok("POST", f"/api/v1/orgs/acme/runs/{run['id']}/approve", {"acknowledged": []})
+    done = await cli.api.run_to(run["id"], {"applied"})
+    assert done["approved_by"] == "admin", done
+    assert len(json.loads(ok(cli.tf(work, "state", "pull")))["resources"]) == 1
+
+
 async def test_a_cloud_block_plans_and_applies_remotely_with_run_variables(cli: Cli) -> None:
     """A newer Terraform's `cloud` block (1.11 here, where the machine has one) runs the
     same remote operations on an executor running the same version, and sends `-var` as
