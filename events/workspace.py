@@ -192,6 +192,10 @@ class RecordStatePush(Command, frozen=True, kw_only=True):
     previous: str = ""
     forced: bool = False
     cause: str = "cli"
+    # When the lock the pusher read the head under was taken (None: not known): a push
+    # that stalled past an unlock, a run and a new lock of the same holder would
+    # otherwise be taken with a `previous` from before that run.
+    lock_since: datetime | None = None
 
 
 WorkspaceCommand = (
@@ -463,6 +467,12 @@ def _state_pushed(state: WorkspaceState, command: RecordStatePush, now: datetime
         raise IllegalTransition(
             f"run {state.active} is active on workspace {state.name}", status="busy"
         )
+    if command.lock_since is not None and command.lock_since != lock.locked_at:
+        raise IllegalTransition(
+            f"workspace {state.name} was locked again since its state was read: "
+            "read it and push again",
+            status="relocked",
+        )
     if state.pushed and command.previous != state.pushed:
         raise IllegalTransition(
             f"the state of workspace {state.name} changed since it was read "
@@ -470,6 +480,7 @@ def _state_pushed(state: WorkspaceState, command: RecordStatePush, now: datetime
             status="moved",
         )
     fields = msgspec.structs.asdict(command)
+    del fields["lock_since"]  # the decision's, not the record's
     return StatePushed(at=now, **fields)
 
 

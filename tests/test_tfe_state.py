@@ -18,6 +18,7 @@ import json
 from datetime import timedelta
 from typing import Any
 
+import msgspec
 from yarl import URL
 
 from events import workspace as ws_agg
@@ -124,6 +125,20 @@ def test_a_new_lock_starts_from_whatever_head_runs_left() -> None:
     given(WS, CREATED, LOCKED, _pushed(), unlocked, LOCKED).when(_push("acme/net/9-ff")).then(
         _pushed("acme/net/9-ff")
     )
+
+
+def test_a_push_decided_under_an_earlier_lock_is_refused() -> None:
+    """A push that read the head under one lock and reaches the record after an unlock,
+    a run and a new lock of the same holder: its `previous` is from before that run,
+    so it is refused (`relocked`), not recorded as replacing a head it never saw."""
+    unlocked = WorkspaceUnlocked(at=EARLIER, actor="alice", holder="alice")
+    again = WorkspaceLocked(at=NOW, actor="alice", reason="Locked by Terraform")
+    history = [CREATED, LOCKED, unlocked, again]
+    stale = msgspec.structs.replace(_push("acme/net/1-00"), lock_since=LOCKED.at)
+    error = given(WS, *history).when(stale).then_error(IllegalTransition)
+    assert error.status == "relocked" and "locked again" in str(error)
+    fresh = msgspec.structs.replace(stale, lock_since=again.at)
+    given(WS, *history).when(fresh).then(_pushed("acme/net/1-00"))
 
 
 # ---------------------------------------------------------------- reading

@@ -14,7 +14,8 @@ A push is taken only:
 A push is recorded as `ws.state_pushed` (events/workspace.py) before the head moves:
 the event is the decision (the workspace aggregate checks, on its own subject and at
 the moment of the append, that the pusher holds the lock, that no run is active and
-that no other push landed since the head was read), and the head follows it. Event
+that no other push landed since the head was read, nor the lock was taken again: a push
+names the lock it read the head under), and the head follows it. Event
 first, because the other order could leave a head moved by nobody on record, which is
 what the record is for. Between the two the version is marked pending (as a run's is,
 executor/statebackend.py): a crash there leaves an event whose head has not moved, and
@@ -44,6 +45,7 @@ import binascii
 import contextlib
 import hashlib
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -146,12 +148,18 @@ async def _one_push_at_a_time(request: web.Request, org: str) -> AsyncIterator[N
             del gates[org]
 
 
-def _writable(row: dict[str, Any], who: Principal) -> None:
+def _writable(row: dict[str, Any], who: Principal) -> datetime | None:
+    """When the caller's lock was taken, as the read model has it (None: not known);
+    refused if the caller holds no lock there or a run is active."""
     lock = row.get("lock")
     if lock is None or lock.get("holder") != who.user:
         raise TfeError(409, "workspace not locked", "lock the workspace before writing its state")
     if row.get("active_run"):
         raise TfeError(409, "run active", f"run {row['active_run']} is active on the workspace")
+    try:
+        return datetime.fromisoformat(str(lock["locked_at"]))
+    except (KeyError, ValueError):
+        return None
 
 
 async def create_state_version(request: web.Request) -> web.Response:
@@ -170,7 +178,7 @@ async def _push(
     data, serial, lineage, force = _decode_state(
         attributes(await read_json(request), "state-versions")
     )
-    _writable(await existing_workspace(request, org, ws), who)
+    lock_since = _writable(await existing_workspace(request, org, ws), who)
     try:
         holder, _ = await states.holder(org, ws)
     except StateStoreError as e:
@@ -188,7 +196,7 @@ async def _push(
         await states.mark_pending(org, ws, version)
     except StateStoreError as e:
         raise TfeError(503, "unavailable", str(e)) from e
-    seq = await _record(request, org, ws, who, version, head, revision, force)
+    seq = await _record(request, org, ws, who, version, head, revision, force, lock_since)
     if seq is None:  # the same bytes, pushed at once elsewhere, were recorded: ours too
         return await _theirs(request, org, ws, version, who)
     await _move(request, org, ws, version, revision)
@@ -207,6 +215,7 @@ async def _record(
     head: Head | None,
     revision: int,
     force: bool,
+    lock_since: datetime | None,
 ) -> int | None:
     """`ws.state_pushed`, decided on the workspace's own subject; refused (a lock lost,
     a run admitted, another push landed), nothing is recorded. The sealed version is
@@ -222,6 +231,7 @@ async def _record(
         size=version.size,
         previous=head.object if head is not None else "",
         forced=force,
+        lock_since=lock_since,
     )
     states = tfe_of(request).need_states()
     try:
