@@ -62,6 +62,16 @@ class Chrome:
         return found
 
     async def text(self, selector: str) -> str:
+        """The element's text; looked up again if the live feed swapped it between the
+        lookup and the read (StaleElementReferenceException: seen under load)."""
+        from selenium.common.exceptions import StaleElementReferenceException
+
+        for _ in range(20):
+            element = await self.css(selector)
+            try:
+                return str(await self.call(lambda e=element: e.text))
+            except StaleElementReferenceException:
+                continue
         element = await self.css(selector)
         return str(await self.call(lambda: element.text))
 
