@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -314,8 +315,13 @@ class StateBackend:
         try:
             await _retrying(lambda: job.report(record))
         except DomainError as e:
-            await self.store.drop_version(head.object)
-            await self.store.clear_pending(job.org, job.ws)  # never recorded: not a version
+            # Never recorded: not a version. Its sealed object is kept: objects are named
+            # by serial and content, so it may be one a head names (the same state written
+            # by another run or a CLI push). The pending mark is cleared only if it is
+            # still this write's.
+            with contextlib.suppress(StateStoreError):
+                if await self.store.pending(job.org, job.ws) == head:
+                    await self.store.clear_pending(job.org, job.ws)
             return self._refuse(409, f"state version not recorded: {e}")
         try:
             self._revision = await self.store.move_head(job.org, job.ws, head, self._revision)

@@ -235,14 +235,6 @@ class StateStore:
         except (*_NATS_ERRORS, StateStoreError):
             log.warning("state_pending_not_cleared", org=org, ws=ws)
 
-    async def drop_version(self, name: str) -> None:
-        """Best effort: remove a version that never became the head."""
-        try:
-            store = await self.js.object_store(STATE_BUCKET)
-            await store.delete(name)
-        except _NATS_ERRORS:
-            pass
-
     async def move_head(self, org: str, ws: str, head: Head, last: int) -> int:
         """Point the head at `head` if it is still at revision `last`; the new revision."""
         kv = await self._kv(STATE_HEAD_BUCKET)
