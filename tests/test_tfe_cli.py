@@ -133,8 +133,21 @@ async def browser(base: str, ca: Path, token: str, authz_url: str) -> None:
             assert r.status == 303, await r.text()
             back = r.headers["Location"]
     assert back.startswith("http://localhost:100") and "code=" in back
-    async with aiohttp.ClientSession() as plain, plain.get(URL(back, encoded=True)) as r:
-        assert r.status == 200  # Terraform's listener took the code
+
+    async def callback(plain: aiohttp.ClientSession) -> int | None:
+        # Refused now and then beside other suites (twice today, cause not found: the
+        # listener is bound before the URL is printed): asked again for a few seconds.
+        try:
+            async with plain.get(URL(back, encoded=True)) as r:
+                return r.status
+        except aiohttp.ClientConnectorError:
+            return None
+
+    async with aiohttp.ClientSession() as plain:
+        status = await eventually(
+            lambda: callback(plain), timeout=10, interval=0.25, what="Terraform's listener"
+        )
+    assert status == 200  # Terraform's listener took the code
 
 
 async def login_v1(binary: str, host: str, ca: Path, token: str, env: dict[str, str]) -> str:
