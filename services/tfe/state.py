@@ -149,12 +149,8 @@ async def _promoted(
     an object again, so an older event naming it says nothing of this pending mark
     (which may be a push that died before its event)."""
     was = head.object if head is not None else ""
-    subject = ws_subject(org, ws)
-    for envelope in reversed(await api_of(request).app.store.read(subject, min_seq=LATEST)):
-        event = envelope.event
-        if isinstance(event, StatePushed):
-            return event.object == pending.object and event.previous == was
-    return False
+    last = await last_pushed(request, org, ws)
+    return last is not None and last.object == pending.object and last.previous == was
 
 
 async def _run_recorded(
