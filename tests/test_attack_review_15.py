@@ -65,7 +65,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from events import run as R
 from events.codec import ws_subject
-from events.workspace import RecordStatePush, StatePushed
+from events.workspace import StatePushed
 from executor.statebackend import StateBackend
 from executor.statestore import StateStore
 from services.api.app import build_app
@@ -76,7 +76,7 @@ from services.secrets import SecretStore
 from services.tfe.context import TFE
 from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_login import _code, _exchange, _pkce, _signin
-from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.tfe_support import Tfe, a_state, push_of, tfe_fixture
 
 __all__ = ["tfe_fixture"]
 
@@ -204,16 +204,7 @@ async def test_a_recorded_rollback_cut_short_is_promoted(tfe: Tfe) -> None:
     assert head is not None and head.serial == 2
     version = await states.put_version("acme", "net", json.dumps(one).encode())
     await states.mark_pending("acme", "net", version)
-    command = RecordStatePush(
-        actor="operator-user",
-        serial=version.serial,
-        lineage=version.lineage,
-        digest=version.digest,
-        object=version.object,
-        size=version.size,
-        previous=head.object,
-        forced=True,
-    )
+    command = push_of(version, "operator-user", head.object, forced=True)
     await tfe.app.record_state_push("acme", "net", command)
     assert (await _current(tfe, ws_id, operator))["serial"] == 1
     moved, _ = await states.head("acme", "net")
@@ -412,14 +403,7 @@ async def test_a_workspace_created_again_after_a_purge_inherits_no_pending_state
     old = a_state(1, outputs={"owner": "the old team"})
     version = await states.put_version("acme", "net", json.dumps(old).encode())
     await states.mark_pending("acme", "net", version)
-    command = RecordStatePush(
-        actor="operator-user",
-        serial=version.serial,
-        lineage=version.lineage,
-        digest=version.digest,
-        object=version.object,
-        size=version.size,
-    )
+    command = push_of(version, "operator-user")
     await tfe.app.record_state_push("acme", "net", command)
     unlocked = await tfe.tfe("POST", f"/api/v2/workspaces/{ws_id}/actions/unlock", token=operator)
     assert unlocked.status == 200

@@ -16,7 +16,7 @@ from executor.statestore import Head
 from tests.helpers import eventually
 from tests.test_tfe_login_replicas import replica
 from tests.test_tfe_state import _pushes, _states, _with_state
-from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.tfe_support import Tfe, a_state, push_of, tfe_fixture
 
 __all__ = ["tfe_fixture"]
 
@@ -37,15 +37,7 @@ async def test_a_push_recorded_but_never_in_place_is_put_in_place_by_the_next_pu
     assert head is not None
     won = a_state(2, lineage=head.lineage, outputs={"by": "winner"})
     version = await states.put_version("acme", "net", json.dumps(won).encode())
-    command = RecordStatePush(
-        actor="operator-user",
-        serial=2,
-        lineage=version.lineage,
-        digest=version.digest,
-        object=version.object,
-        size=version.size,
-        previous=first.object,
-    )
+    command = push_of(version, "operator-user", first.object)
     await tfe.app.record_state_push("acme", "net", command)  # recorded; no pending mark
 
     lost = a_state(2, lineage=head.lineage, outputs={"by": "loser"})

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from events.run import Workspace
-from events.workspace import RecordStatePush
 from executor.statestore import StateStore
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -23,6 +22,7 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     plane_fixture,
 )
 from tests.state_support import current_state
+from tests.tfe_support import push_of
 
 pytestmark = pytest.mark.terraform
 
@@ -51,15 +51,7 @@ async def test_a_run_plans_on_a_cli_push_whose_head_move_a_crash_cut_short(
     await plane.app.lock_workspace("acme", "net", "Locked by Terraform", "alice")
     version = await states.put_version("acme", "net", json.dumps(state).encode())
     await states.mark_pending("acme", "net", version)
-    push = RecordStatePush(
-        actor="alice",
-        serial=version.serial,
-        lineage=version.lineage,
-        digest=version.digest,
-        object=version.object,
-        size=version.size,
-        previous=head.object,
-    )
+    push = push_of(version, "alice", head.object)
     await plane.app.record_state_push("acme", "net", push)
     await plane.app.unlock_workspace("acme", "net", "alice", admin=True)
 
