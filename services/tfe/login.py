@@ -11,10 +11,10 @@ token: an organization token for the signed-in user, with the session token's ro
 The code is a capability (services/tfe/capability.py) naming the organization, user,
 role, challenge and redirect, alive `CODE_TTL_S`: it is worth nothing without the
 verifier only the CLI holds, and it is exchanged once across every api replica: the
-exchange first writes the code's digest into the `rp-login-codes` bucket with `create`,
-which the bucket's stream leader grants to one writer only (services/infra/kv.py). The
-consent form carries the session's CSRF token; an admin-token session is refused (the
-admin token is no organization's user).
+exchange first writes the code's digest into the `rp-login-codes` bucket expecting no
+earlier value (`update(last=0)`), which the bucket's stream leader grants to one writer
+only (services/infra/kv.py). The consent form carries the session's CSRF token; an
+admin-token session is refused (the admin token is no organization's user).
 
 Without login.v1 in discovery (`--terraform-login token`, services/tfe/discovery.py)
 the CLI falls back to asking for a token pasted at its prompt, made by the signed-in user
