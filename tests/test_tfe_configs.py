@@ -277,6 +277,18 @@ async def test_expiry_deletes_unused_versions_and_keeps_one_a_live_run_reads(tfe
     assert (await sweeper.quota.ledger("acme")).versions == {}
 
 
+async def test_the_sweep_lists_every_organization_every_time(tfe: Tfe) -> None:
+    """The sweep's list of ledgers is the stream leader's, read whole each time: with
+    nats-py's `kv.keys()` about 1 listing in 300 came back empty (its watcher ended
+    before its first message), and that sweep swept nothing (CI failed on it)."""
+    q = sweeper_of(tfe).quota
+    assert await q.orgs() == []  # the bucket empty: no ledger yet
+    for org in ("acme", "globex", "initech"):
+        await q.change(org, lambda led: Ledger(versions=dict(led.versions)))
+    listings = [await q.orgs() for _ in range(400)]
+    assert all(got == ["acme", "globex", "initech"] for got in listings)
+
+
 async def test_a_claim_whose_run_never_landed_holds_its_version_an_hour(tfe: Tfe) -> None:
     """The api died between claiming a version for a run and recording the run: the
     version counts as unused after CLAIM_GRACE_S, and goes when unused ones go; beside a
