@@ -169,13 +169,21 @@ async def _flush(db: aiosqlite.Connection, w: Working, seq: int) -> None:
 
 
 async def _purge(db: aiosqlite.Connection, org: str, ws: str) -> None:
-    """Delete the stored rows of a purged workspace's runs and state versions (what the
-    batch held of them `Working.purge_runs` dropped already)."""
+    for sql, params in purge_statements(org, ws):
+        await db.execute(sql, params)
+
+
+def purge_statements(org: str, ws: str) -> list[tuple[str, tuple[str, str]]]:
+    """The deletes of a purged workspace's stored runs (their rows in every run table) and
+    state versions, run before the batch's other writes (what the batch held of them
+    `Working.purge_runs` dropped already). The live flush and the replay's writer
+    (projections/fill.py) both run these."""
     ids = "SELECT id FROM runs WHERE org = ? AND workspace = ?"
-    for table in PURGED_BY_RUN[1:]:
-        await db.execute(f"DELETE FROM {table} WHERE run_id IN ({ids})", (org, ws))
-    await db.execute("DELETE FROM runs WHERE org = ? AND workspace = ?", (org, ws))
-    await db.execute("DELETE FROM state_versions WHERE org = ? AND workspace = ?", (org, ws))
+    tables = PURGED_BY_RUN[1:]
+    out = [(f"DELETE FROM {table} WHERE run_id IN ({ids})", (org, ws)) for table in tables]
+    out.append(("DELETE FROM runs WHERE org = ? AND workspace = ?", (org, ws)))
+    out.append(("DELETE FROM state_versions WHERE org = ? AND workspace = ?", (org, ws)))
+    return out
 
 
 def changed(w: Working) -> list[tuple[Table, list[Key], list[tuple[Any, ...]]]]:

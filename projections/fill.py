@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 from events.run import RunCreated
 from events.workspace import WorkspaceCreated
 from projections import changes, schema
-from projections.batch import Item, changed, decode_item, fold, needed
+from projections.batch import Item, changed, decode_item, fold, needed, purge_statements
 from projections.ordered import Delivered, OrderedReader
 from projections.project import Working, finish
 from projections.schema import CHANGES, RESOURCE_STATES, RUNS, STEPS, WORKSPACES, Key, Row, Table
@@ -100,8 +100,11 @@ class Writer:
 
 
 def statements(w: Working, seq: int) -> list[Statement]:
-    """The batch's writes as multi-row statements, in `apply_batch`'s order."""
-    out: list[Statement] = []
+    """The batch's writes as multi-row statements, in `apply_batch`'s order: a purged
+    workspace's deletes first."""
+    out: list[Statement] = [
+        (sql, list(params)) for org, ws in w.purged for sql, params in purge_statements(org, ws)
+    ]
     for table, deletes, upserts in changed(w):
         for chunk in _chunks(deletes):
             out.append((_delete_sql(table, len(chunk)), list(chain.from_iterable(chunk))))
@@ -287,6 +290,9 @@ class Rows:
         """Take in the batch's writes (just queued for the file), then forget the least
         recently used runs and workspaces beyond the limits."""
         held, written = self.runs, self.written_runs
+        for org, ws in w.purged:  # before the batch's rows: a run made after is kept
+            for run_id in [r for r, agg in held.items() if _of(agg, org, ws)]:
+                del held[run_id]
         for name in _RUN_NAMES:
             for key, row in w.dirty.get(name, {}).items():
                 run_id = key[0]
@@ -309,6 +315,11 @@ class Rows:
             del held[next(iter(held))]
         while len(self.workspaces) > self.max_workspaces:
             del self.workspaces[next(iter(self.workspaces))]
+
+
+def _of(agg: dict[str, dict[Key, Row]], org: str, ws: str) -> bool:
+    """Whether a held run is one of workspace `org`/`ws`'s (by its `runs` row)."""
+    return any((r["org"], r["workspace"]) == (org, ws) for r in agg[RUNS.name].values())
 
 
 def _empty_run() -> dict[str, dict[Key, Row]]:
