@@ -16,6 +16,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events.run import FailRun, PhaseStarted, StateVersionCreated, Workspace
+from executor import statebackend
 from executor.statestore import StateStore, StateStoreError
 from executor.worker import default_jobs_dir
 from services.commands import App
@@ -259,6 +260,9 @@ async def test_a_version_recorded_but_not_yet_the_head_is_promoted_by_the_next_r
 
     run2_open = True
     monkeypatch.setattr(StateStore, "move_head", crashing)
+    # Terraform retries each refused push (TF_HTTP_RETRY_*): the shortest waits it takes
+    monkeypatch.setattr(statebackend, "RETRY_WAIT_MIN_S", 1)
+    monkeypatch.setattr(statebackend, "RETRY_WAIT_MAX_S", 1)
     commit(repo, counted(3))
     run2 = await plane.start("net")
     await plane.reaches("net", run2, "awaiting_approval")
