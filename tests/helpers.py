@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
+
+import nats.js.errors
+from nats.aio.client import Client as NATS
 
 T = TypeVar("T")
 
@@ -42,3 +46,22 @@ def shared_file(path: Path) -> Path:
     path.touch()
     path.chmod(0o666)
     return path
+
+
+async def kv_keys(nc: NATS, bucket: str) -> list[str]:
+    """The keys a KV bucket holds a value for now, sorted, from its stream's leader (its
+    subjects, then a get of each: a deleted key keeps a marker). Not nats-py's
+    `kv.keys()`, which can answer "no keys" for a bucket that has some (its watcher may
+    end before its first message arrives)."""
+    js = nc.jetstream()
+    prefix = f"$KV.{bucket}."
+    info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
+    kv = await js.key_value(bucket)
+    out = []
+    for subject in sorted(info.state.subjects or {}):
+        key = subject[len(prefix) :]
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            entry = await kv.get(key)
+            if entry.value is not None:
+                out.append(key)
+    return out

@@ -51,6 +51,7 @@ from services.secrets import SecretStore
 from services.triggers import graph
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
+from tests.helpers import kv_keys
 from tests.test_api_support import ADMIN_TOKEN, Http
 from tests.test_vcs_support import connection
 
@@ -300,9 +301,8 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     rows = await http.get(f"{V1}/orgs/acme/workspaces?deleted=true")
     assert [w["name"] for w in rows.body["items"]] == ["dep", "dns"]
     (await http.get(WS)).problem("not-found", 404)
-    secrets = await nc.jetstream().key_value(SECRETS_BUCKET)
-    assert not [k for k in await _keys(secrets) if k.startswith("acme.net.")]
-    assert "acme.net" not in await _keys(head)
+    assert not [k for k in await kv_keys(nc, SECRETS_BUCKET) if k.startswith("acme.net.")]
+    assert "acme.net" not in await kv_keys(nc, STATE_HEAD_BUCKET)
     schedules, _ = await schedule_store.load(http.app, "acme", "net", latest=True)
     assert schedules.schedules == {}
     g = (await graph.load(http.app, "acme")).state
@@ -339,13 +339,6 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     kinds = [(r["type"], r["actor"]) for r in audit]
     assert ("ws.deleted", "admin") in kinds and ("ws.purged", "admin-user") in kinds
     assert kinds.index(("ws.purged", "admin-user")) < len(kinds) - 1  # then created again
-
-
-async def _keys(bucket: Any) -> list[str]:
-    try:
-        return list(await bucket.keys())
-    except Exception:  # noqa: BLE001 - nats-py raises NoKeysError for an empty bucket
-        return []
 
 
 async def test_another_orgs_admin_cannot_patch_delete_or_purge(http: Http) -> None:

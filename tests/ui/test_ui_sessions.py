@@ -21,7 +21,7 @@ from services.infra import kv, streams
 from services.infra.eventstore import EventStore
 from services.ui.sessions import Sessions, _key
 from tests.cluster_support import NatsCluster
-from tests.helpers import eventually
+from tests.helpers import eventually, kv_keys
 from tests.test_api_support import ADMIN_TOKEN, Http
 from tests.test_stale_reads import PAYLOAD, Lagging, trials
 from tests.ui.support import Browser, Page
@@ -57,11 +57,7 @@ async def _bucket_dump(nc: NATS) -> list[bytes]:
     """Every key and value the sessions bucket holds now."""
     bucket = await nc.jetstream().key_value(kv.UI_SESSIONS_BUCKET)
     out: list[bytes] = []
-    try:
-        keys = await bucket.keys()
-    except nats.js.errors.NoKeysError:
-        return out
-    for key in keys:
+    for key in await kv_keys(nc, kv.UI_SESSIONS_BUCKET):
         entry = await bucket.get(key)
         out += [key.encode(), entry.value or b""]
     return out
