@@ -418,14 +418,22 @@ async def cluster_state_push(tmp_path: Path, sc: Scenario) -> None:
         )
         ran_on = await run_reads(tfes[1].app, states)
         stored, _ = await states.head(ORG, WS)
-        opens = {}
+        opens: dict[str, bool | str] = {}
+        read_timeouts = 0
         for e in chain:
-            try:
-                opens[e.object] = (
-                    hashlib.sha256(await states.read(_head_of(e))).hexdigest() == e.digest
-                )
-            except Exception as err:  # noqa: BLE001  # what failed is the finding
-                opens[e.object] = repr(err)
+            for attempt in range(5):
+                try:
+                    opens[e.object] = (
+                        hashlib.sha256(await states.read(_head_of(e))).hexdigest() == e.digest
+                    )
+                except Exception as err:  # noqa: BLE001  # what failed is the finding
+                    opens[e.object] = repr(err)
+                    # a read's API request timing out is not a lost version: asked again
+                    # (once in a long run, 1 of 93 reads just after the faults)
+                    if "TimeoutError" in repr(err) and attempt < 4:
+                        read_timeouts += 1
+                        continue
+                break
 
         answers: dict[str, list[int]] = {}
         for s in p.sent:
@@ -443,6 +451,7 @@ async def cluster_state_push(tmp_path: Path, sc: Scenario) -> None:
             "states": len(answers),
             "answers": dict(Counter(s.status for s in p.sent)),
             "events": len(chain),
+            "read_timeouts": read_timeouts,
             "acked": len(acked),
             "refused": len(refused),
             "lost": len(lost),
