@@ -74,9 +74,10 @@ from services.commands import App, new_id
 from services.infra.eventstore import LATEST
 from services.secrets import SecretStore
 from services.tfe.context import TFE
+from services.tfe.state_push import push_command
 from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_login import _code, _exchange, _pkce, _signin
-from tests.tfe_support import Tfe, a_state, push_of, tfe_fixture
+from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]
 
@@ -204,7 +205,7 @@ async def test_a_recorded_rollback_cut_short_is_promoted(tfe: Tfe) -> None:
     assert head is not None and head.serial == 2
     version = await states.put_version("acme", "net", json.dumps(one).encode())
     await states.mark_pending("acme", "net", version)
-    command = push_of(version, "operator-user", head.object, forced=True)
+    command = push_command(version, "operator-user", head.object, forced=True)
     await tfe.app.record_state_push("acme", "net", command)
     assert (await _current(tfe, ws_id, operator))["serial"] == 1
     moved, _ = await states.head("acme", "net")
@@ -403,7 +404,7 @@ async def test_a_workspace_created_again_after_a_purge_inherits_no_pending_state
     old = a_state(1, outputs={"owner": "the old team"})
     version = await states.put_version("acme", "net", json.dumps(old).encode())
     await states.mark_pending("acme", "net", version)
-    command = push_of(version, "operator-user")
+    command = push_command(version, "operator-user")
     await tfe.app.record_state_push("acme", "net", command)
     unlocked = await tfe.tfe("POST", f"/api/v2/workspaces/{ws_id}/actions/unlock", token=operator)
     assert unlocked.status == 200

@@ -37,8 +37,9 @@ from events.workspace import (
 from executor.statestore import StateStore
 from services.infra.eventstore import LATEST
 from services.tfe.context import TFE
+from services.tfe.state_push import push_command
 from tests.gwt import NOW, Aggregate, given
-from tests.tfe_support import Tfe, a_state, push_of, tfe_fixture
+from tests.tfe_support import Tfe, a_state, tfe_fixture
 from tests.ui.support import Browser
 
 __all__ = ["tfe_fixture"]
@@ -340,7 +341,7 @@ async def test_a_crash_between_the_event_and_the_head_is_repaired_by_the_next_re
         "acme", "net", json.dumps(a_state(3, lineage=head.lineage)).encode()
     )
     await states.mark_pending("acme", "net", version)
-    command = push_of(version, "operator-user", first.object)
+    command = push_command(version, "operator-user", first.object)
     await tfe.app.record_state_push("acme", "net", command)
     got = await tfe.tfe(
         "GET", f"/api/v2/workspaces/{ws_id}/current-state-version", token=tokens["operator"]

@@ -13,10 +13,11 @@ from nats.aio.client import Client as NATS
 
 from events.workspace import RecordStatePush
 from executor.statestore import Head
+from services.tfe.state_push import push_command
 from tests.helpers import eventually
 from tests.test_tfe_login_replicas import replica
 from tests.test_tfe_state import _pushes, _states, _with_state
-from tests.tfe_support import Tfe, a_state, push_of, tfe_fixture
+from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]
 
@@ -37,7 +38,7 @@ async def test_a_push_recorded_but_never_in_place_is_put_in_place_by_the_next_pu
     assert head is not None
     won = a_state(2, lineage=head.lineage, outputs={"by": "winner"})
     version = await states.put_version("acme", "net", json.dumps(won).encode())
-    command = push_of(version, "operator-user", first.object)
+    command = push_command(version, "operator-user", first.object)
     await tfe.app.record_state_push("acme", "net", command)  # recorded; no pending mark
 
     lost = a_state(2, lineage=head.lineage, outputs={"by": "loser"})

@@ -16,13 +16,13 @@ import pytest
 
 from events.run import Workspace
 from executor.statestore import StateStore
+from services.tfe.state_push import push_command
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
 from tests.state_support import current_state
-from tests.tfe_support import push_of
 
 pytestmark = pytest.mark.terraform
 
@@ -51,7 +51,7 @@ async def test_a_run_plans_on_a_cli_push_whose_head_move_a_crash_cut_short(
     await plane.app.lock_workspace("acme", "net", "Locked by Terraform", "alice")
     version = await states.put_version("acme", "net", json.dumps(state).encode())
     await states.mark_pending("acme", "net", version)
-    push = push_of(version, "alice", head.object)
+    push = push_command(version, "alice", head.object)
     await plane.app.record_state_push("acme", "net", push)
     await plane.app.unlock_workspace("acme", "net", "alice", admin=True)
 

@@ -23,8 +23,6 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
-from events.workspace import RecordStatePush
-from executor.statestore import Head
 from projections.projector import Projector
 from services.api.app import build_app
 from services.api.context import API
@@ -136,20 +134,6 @@ async def tfe_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Tfe]:
         assert await projector.wait_for(started.seq)
         async with web_replica(app, projector, nc, KeyRing.generate()) as t:
             yield t
-
-
-def push_of(version: Head, actor: str, previous: str = "", forced: bool = False) -> RecordStatePush:
-    """The `ws.state_pushed` command of a sealed version, as the push handler makes it."""
-    return RecordStatePush(
-        actor=actor,
-        serial=version.serial,
-        lineage=version.lineage,
-        digest=version.digest,
-        object=version.object,
-        size=version.size,
-        previous=previous,
-        forced=forced,
-    )
 
 
 def b64(data: bytes) -> str:

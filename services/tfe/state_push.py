@@ -206,6 +206,28 @@ async def _push(
     return response(document(render(request, org, ws, version, created, who)), status=201)
 
 
+def push_command(
+    version: Head,
+    actor: str,
+    previous: str = "",
+    forced: bool = False,
+    lock_since: datetime | None = None,
+) -> RecordStatePush:
+    """The `ws.state_pushed` command of a sealed version replacing the head `previous`
+    (an object name, "" for none)."""
+    return RecordStatePush(
+        actor=actor,
+        serial=version.serial,
+        lineage=version.lineage,
+        digest=version.digest,
+        object=version.object,
+        size=version.size,
+        previous=previous,
+        forced=forced,
+        lock_since=lock_since,
+    )
+
+
 async def _record(
     request: web.Request,
     org: str,
@@ -222,17 +244,8 @@ async def _record(
     kept: its object is named by serial and content, so it may be an earlier version
     (a rollback) or the head another replica's push of the same state just moved to.
     None: refused because that push, of these bytes over the same head, was recorded."""
-    command = RecordStatePush(
-        actor=who.user,
-        serial=version.serial,
-        lineage=version.lineage,
-        digest=version.digest,
-        object=version.object,
-        size=version.size,
-        previous=head.object if head is not None else "",
-        forced=force,
-        lock_since=lock_since,
-    )
+    previous = head.object if head is not None else ""
+    command = push_command(version, who.user, previous, force, lock_since)
     states = tfe_of(request).need_states()
     try:
         result = await api_of(request).app.record_state_push(org, ws, command)
