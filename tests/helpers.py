@@ -12,6 +12,8 @@ from typing import TypeVar
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
+from services.infra.kv import stored_keys
+
 T = TypeVar("T")
 
 
@@ -49,17 +51,11 @@ def shared_file(path: Path) -> Path:
 
 
 async def kv_keys(nc: NATS, bucket: str) -> list[str]:
-    """The keys a KV bucket holds a value for now, sorted, from its stream's leader (its
-    subjects, then a get of each: a deleted key keeps a marker). Not nats-py's
-    `kv.keys()`, which can answer "no keys" for a bucket that has some (its watcher may
-    end before its first message arrives)."""
-    js = nc.jetstream()
-    prefix = f"$KV.{bucket}."
-    info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
-    kv = await js.key_value(bucket)
+    """The keys a KV bucket holds a value for now, sorted: those its stream's leader
+    holds (`stored_keys`), less the deleted ones (a deleted key keeps a marker)."""
+    kv = await nc.jetstream().key_value(bucket)
     out = []
-    for subject in sorted(info.state.subjects or {}):
-        key = subject[len(prefix) :]
+    for key in await stored_keys(nc.jetstream(), bucket):
         with contextlib.suppress(nats.js.errors.KeyNotFoundError):
             entry = await kv.get(key)
             if entry.value is not None:

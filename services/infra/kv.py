@@ -12,7 +12,8 @@
   (services/api/idempotency.py), keyed by a digest of (organization, token, key), sealed
   with a key only the token gives; each is dropped `IDEMPOTENCY_TTL_S` after its last write;
 - `rp-login-codes`: `terraform login`'s codes already exchanged (services/tfe/login.py),
-  keyed by a digest of the code, each written with `create` (so by one replica only) and
+  keyed by a digest of the code, each written expecting no earlier value
+  (`update(last=0)`: so by one replica only) and
   dropped `LOGIN_CODES_KEPT_S` after, once the code has expired anyway;
 - `rp-tfe-configs`: `<org>` -> the organization's ledger of configuration versions in
   `rp-plans` (services/tfe/quota.py), moved with optimistic concurrency.
@@ -83,6 +84,21 @@ async def declare_buckets(nc: NATS, js: JetStreamContext, *, replicas: int) -> N
             )
         else:
             await rep.raise_stream(nc, f"KV_{bucket}", replicas)
+
+
+async def stored_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """The keys `bucket`'s stream holds a message for (a deleted key's marker included),
+    sorted, as the stream's leader has them: stream info's subjects, at or past every
+    acknowledged write. Not nats-py's `kv.keys()`: it lists with a consumer and can end
+    before the first message arrives, answering "no keys" for a bucket that has some
+    (seen about 1 listing in 300). The server names at most 100,000 subjects in one
+    answer, which nats-py does not page."""
+    prefix = f"$KV.{bucket}."
+    try:
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=prefix + ">")
+    except nats.js.errors.NotFoundError:
+        return []
+    return sorted(s[len(prefix) :] for s in info.state.subjects or {})
 
 
 async def last_values(

@@ -64,7 +64,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from executor.objects import PLANS_BUCKET
-from services.infra.kv import TFE_CONFIGS_BUCKET
+from services.infra.kv import TFE_CONFIGS_BUCKET, stored_keys
 from services.infra.tasks import cancel_and_wait
 from services.tfe.jsonapi import TfeError
 
@@ -189,19 +189,8 @@ class Quota:
         return await self.js.key_value(TFE_CONFIGS_BUCKET)
 
     async def orgs(self) -> list[str]:
-        """The organizations that have a ledger, as the bucket stream's leader has them
-        (stream info's subjects). Not `kv.keys()`: nats-py lists keys with a consumer
-        and can end the listing before its first message arrives, answering "no keys"
-        for a bucket that has some (seen: a sweep that swept nothing, about 1 in 300
-        listings). The server names at most 100,000 subjects in one answer, which
-        nats-py does not page: far more organizations than one deployment serves."""
-        stream = f"KV_{TFE_CONFIGS_BUCKET}"
-        prefix = f"$KV.{TFE_CONFIGS_BUCKET}."
-        try:
-            info = await self.js.stream_info(stream, subjects_filter=prefix + ">")
-        except nats.js.errors.NotFoundError:
-            return []
-        return sorted(s[len(prefix) :] for s in info.state.subjects or {})
+        """The organizations that have a ledger (ledgers are emptied, never deleted)."""
+        return await stored_keys(self.js, TFE_CONFIGS_BUCKET)
 
     async def ledger(self, org: str) -> Ledger:
         return (await self._entry(org))[0]
