@@ -230,8 +230,11 @@ async def test_public_and_unkeyed_routes_are_left_alone(http: Http) -> None:
 
 async def test_a_slow_holder_keeps_its_key_past_one_lease(http: Http) -> None:
     """The reservation's lease is renewed while the work runs: a racing request waits
-    through several leases and is told 409, it never does the work a second time."""
-    store = idem.Idempotency(http.api.app.store.nc, lease_s=0.3, wait_s=1.2)
+    through several leases and is told 409, it never does the work a second time. (A
+    lease of 1 s, renewed every third of it: with 0.3 s, the renewal waited past the
+    lease once in CI, the event loop busy beside other suites, and the racer took the
+    key: the product's lease is 30 s.)"""
+    store = idem.Idempotency(http.api.app.store.nc, lease_s=1.0, wait_s=4.0)
     req = idem._Request(token="t", kv_key=idem.bucket_key("acme", "d", "slow"), fingerprint="f")
     release, ran = asyncio.Event(), []
 
