@@ -8,6 +8,7 @@ batch half-applied. Answers that need two tables read both in one snapshot.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -84,23 +85,37 @@ class ReadModel:
 
     # ------------------------------------------------------------ plumbing
 
+    # A query runs to its last row in one call on the connection's thread, cancelled or
+    # not: a cursor left part-read (its caller cancelled between execute and fetch) would
+    # hold its read snapshot, and the connection's next query would read that old state.
+
     async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[aiosqlite.Row]:
-        async with self.db.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+        return list(await self.db.execute_fetchall(sql, params))
 
     async def _one(self, sql: str, params: Sequence[Any] = ()) -> aiosqlite.Row | None:
-        async with self.db.execute(sql, params) as cur:
-            return await cur.fetchone()
+        rows = await self._all(sql, params)
+        return rows[0] if rows else None
 
     @asynccontextmanager
     async def _snapshot(self) -> AsyncIterator[None]:
-        """One read transaction; serialized, since the connection is shared by callers."""
+        """One read transaction; serialized, since the connection is shared by callers.
+
+        A cancelled await does not withdraw its statement: aiosqlite runs what it has
+        queued, in order. So BEGIN is queued inside the `try`, and its COMMIT always
+        queued after it, even when the caller was cancelled waiting for the BEGIN (a
+        BEGIN left open would pin every later read of the connection to an old snapshot,
+        and refuse the next BEGIN)."""
         async with self._snapshot_lock:
-            await self.db.execute("BEGIN")
             try:
+                await self.db.execute("BEGIN")
                 yield
             finally:
-                await self.db.execute("COMMIT")
+                try:
+                    await self.db.execute("COMMIT")
+                except sqlite3.OperationalError:
+                    if self.db.in_transaction:
+                        raise
+                    # the BEGIN itself failed: its error is the one to see
 
     # ------------------------------------------------------------ organizations
 

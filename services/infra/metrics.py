@@ -157,8 +157,7 @@ class Metrics:
     async def _rows(self, sql: str) -> list[Any]:
         if self._db is None:
             self._db = await ReadModel.open(self.db_path)
-        async with self._db.db.execute(sql) as cur:
-            return list(await cur.fetchall())
+        return list(await self._db.db.execute_fetchall(sql))  # whole, even if cancelled
 
     async def _runs(self) -> dict[str, int]:
         rows = await self._rows("SELECT status, COUNT(*) FROM runs GROUP BY status")

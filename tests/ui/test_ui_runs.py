@@ -236,8 +236,14 @@ async def test_stop_on_a_planning_run_interrupts_terraform_and_an_applying_run_h
     await plane.reaches("net", applying, "awaiting_approval")
     await plane.approve(applying)
     await plane.reaches("net", applying, "applying")
-    page = await b.get(f"/orgs/acme/runs/{applying}")
-    assert 'id="cancel"' not in page.text and "cannot be stopped" in page.text
+
+    async def shows_applying() -> Any:  # the page reads the read model, maybe a step behind
+        page = await b.get(f"/orgs/acme/runs/{applying}")
+        assert "cannot be stopped" in page.text, page.text[:300]
+        return page
+
+    page = await eventually(shows_applying, timeout=10, what="the page shows it applying")
+    assert 'id="cancel"' not in page.text
     csrf = page.csrf
     refused = await b.post(f"/orgs/acme/runs/{applying}/cancel", {"reason": "now"}, csrf=csrf)
     assert refused.status == 409 and "corrupt state" in refused.text, refused.text[:500]
