@@ -59,8 +59,8 @@ async def apply_batch(
     if not items:
         return Applied(after, 0, 0)
     w = Working()
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    try:  # BEGIN inside: cancelled while queued, it runs anyway, and so must the ROLLBACK
+        await db.execute("BEGIN IMMEDIATE")
         await _prefetch(db, w, items)
         skipped = fold(w, items)
         finish(w)

@@ -8,7 +8,9 @@ read model is only ever a fold of the stream.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -414,14 +416,15 @@ async def _drop_all(db: aiosqlite.Connection) -> None:
 
 async def reset(db: aiosqlite.Connection) -> None:
     """Empty every table and move the checkpoint back to 0, in one transaction."""
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    try:  # BEGIN inside: cancelled while queued, it runs anyway, and so must the ROLLBACK
+        await db.execute("BEGIN IMMEDIATE")
         for table in TABLES:
             await db.execute(f"DELETE FROM {table.name}")
         await db.execute("INSERT INTO checkpoint (id, seq) VALUES (1, 0)")
         await db.execute("COMMIT")
     except BaseException:
-        await db.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.OperationalError):  # no transaction: BEGIN failed
+            await db.execute("ROLLBACK")
         raise
 
 

@@ -4,9 +4,15 @@ shared read connection as it found it: no transaction left open, every later rea
 from __future__ import annotations
 
 import asyncio
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
+from events.codec import encode, org_subject
+from events.org import OrgCreated
 from projections import schema
+from projections.batch import apply_batch
+from projections.ordered import Delivered
 from projections.readmodel import ReadModel
 
 
@@ -33,6 +39,40 @@ async def test_a_read_cancelled_at_any_await_leaves_no_transaction_open(tmp_path
             assert await read.get_org(name) is not None, f"round {round_}: a stale read"
             assert await read.list_workspaces("acme") == []
             assert not read.db.in_transaction, f"round {round_}: a transaction left open"
+    finally:
+        await read.close()
+        await writer.close()
+
+
+async def test_a_batch_cancelled_at_any_await_leaves_the_writer_free(tmp_path: Path) -> None:
+    """The projector's writer, cancelled (a process stopping, a projector restarted) at
+    any await of a batch, commits nothing half and takes the next batch."""
+    path = tmp_path / "read.db"
+    writer = await schema.connect(path)
+    read = await ReadModel.open(path)
+    now = datetime.now(UTC)
+
+    def created(seq: int) -> Delivered:
+        event = OrgCreated(name=f"o{seq}", at=now, actor="admin")
+        return Delivered(seq, org_subject(f"o{seq}"), encode(event), time.time_ns())
+
+    try:
+        seq = 0
+        for round_ in range(120):
+            seq += 1
+            task = asyncio.create_task(apply_batch(writer, [created(seq)], after=seq - 1))
+            for _ in range(round_ % 8):
+                await asyncio.sleep(0)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            at = await schema.checkpoint(writer)
+            assert at in (seq - 1, seq), f"round {round_}"
+            # all or nothing: the org is there if and only if the checkpoint moved
+            assert (await read.get_org(f"o{seq}") is not None) == (at == seq), f"round {round_}"
+            assert not writer.in_transaction, f"round {round_}: the writer's BEGIN left open"
+            seq += 1
+            after = await apply_batch(writer, [created(seq)], after=at)
+            assert after.last_seq == seq and await read.get_org(f"o{seq}") is not None
     finally:
         await read.close()
         await writer.close()
