@@ -82,7 +82,9 @@ async def test_a_failing_provisioner_fails_its_resource_and_stops_what_follows(
     assert run.status == "failed"
     assert run.reason == "apply_failed"
     assert "null_resource.b" in run.error_message and "exit status 3" in run.error_message
-    items = (await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/resources")).body["items"]
+    seq = str(await plane.app.store.last_seq())  # read once the projection holds the end
+    path = f"/api/v1/orgs/acme/runs/{run_id}/resources"
+    items = (await plane.http.get(path, headers={"RP-Min-Seq": seq})).body["items"]
     states = {r["address"]: r["state"] for r in items}
     assert states == {
         "null_resource.a": "done",
