@@ -51,6 +51,7 @@ class Cli:
             k: v for k, v in os.environ.items() if k not in ("RUNPLANE_TOKEN", "RUNPLANE_URL")
         }
         self.env |= {"PYTHONPATH": str(ROOT), "XDG_CONFIG_HOME": str(home), **env}
+        self.env.setdefault("PYTHONFAULTHANDLER", "1")  # a hung CLI's stacks, on SIGABRT
 
     @property
     def credentials(self) -> Path:
@@ -96,7 +97,13 @@ class Cli:
             assert line, f"ended before {after!r}: {seen}"
             seen.append(line.decode())
         proc.send_signal(signal.SIGINT)
-        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        collect = asyncio.ensure_future(proc.communicate())
+        done, _ = await asyncio.wait([collect], timeout=60)
+        if not done:  # hung: faulthandler (PYTHONFAULTHANDLER) prints where, on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            out, err = await asyncio.wait_for(collect, 30)
+            raise AssertionError(f"still running 60 s after SIGINT: {err.decode()[-4000:]}")
+        out, err = collect.result()
         assert proc.returncode is not None
         return Done(proc.returncode, "".join(seen) + out.decode(), err.decode())
 
