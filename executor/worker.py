@@ -404,7 +404,7 @@ class Executor:
             f"phase {job.phase}", org=job.org, workspace=job.ws, run_id=job.run_id, phase=job.phase
         )
         job.task = asyncio.create_task(run_phase(job), name=f"{job.run_id}-{job.phase}")
-        beat = asyncio.create_task(self._heartbeat(job))
+        beat = asyncio.create_task(self._heartbeat(job), name=f"{job.run_id}-{job.phase}-beat")
         try:
             if self._stopping.is_set():  # stop() came while we were claiming
                 job.cancel(STOPPED)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -41,6 +44,30 @@ def pytest_configure(config: pytest.Config) -> None:
     base = Path(tempfile.mkdtemp(prefix="rp-tests-", dir=top))
     os.chmod(base, 0o711)
     config.option.basetemp = str(base / "t")
+
+
+@pytest.fixture(autouse=True)
+async def _no_phase_outlives_its_test() -> AsyncIterator[None]:
+    """Tests share one event loop: a phase (or its heartbeat) still running once the
+    test's fixtures are down is an executor that stopped without it. Reported with the
+    test's name, then cancelled, so it spills into no other test."""
+    before = set(asyncio.all_tasks())
+    yield
+    left = [
+        t
+        for t in asyncio.all_tasks() - before
+        if not t.done() and _PHASE_TASK.fullmatch(t.get_name())
+    ]
+    if not left:
+        return
+    for t in left:
+        t.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+    names = sorted(t.get_name() for t in left)
+    warnings.warn(f"phase tasks outlived the test: {names}", stacklevel=1)
+
+
+_PHASE_TASK = re.compile(r"[0-9a-z]{26}-(plan|apply|custom-[0-9]+)(-beat)?")  # executor/worker.py
 
 
 @pytest.fixture(autouse=True)
