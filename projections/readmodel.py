@@ -58,7 +58,8 @@ class ReadModel:
 
     def __init__(self, db: aiosqlite.Connection) -> None:
         self.db = db
-        self._snapshot_lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one snapshot at a time, no query inside another's
+        self._holder: asyncio.Task[Any] | None = None  # the task whose snapshot is open
 
     @classmethod
     async def open(cls, path: Path) -> ReadModel:
@@ -90,30 +91,44 @@ class ReadModel:
     # hold its read snapshot, and the connection's next query would read that old state.
 
     async def _all(self, sql: str, params: Sequence[Any] = ()) -> list[aiosqlite.Row]:
-        return list(await self.db.execute_fetchall(sql, params))
+        if self._holding():  # a query of the snapshot this task holds
+            return list(await self.db.execute_fetchall(sql, params))
+        async with self._lock:  # never inside another caller's snapshot: it may be older
+            return list(await self.db.execute_fetchall(sql, params))
 
     async def _one(self, sql: str, params: Sequence[Any] = ()) -> aiosqlite.Row | None:
         rows = await self._all(sql, params)
         return rows[0] if rows else None
 
+    def _holding(self) -> bool:
+        return self._holder is not None and self._holder is asyncio.current_task()
+
     @asynccontextmanager
     async def _snapshot(self) -> AsyncIterator[None]:
-        """One read transaction; serialized, since the connection is shared by callers.
+        """One read transaction; serialized, since the connection is shared by callers:
+        a query of another caller waits for its end (within it, it would read the
+        snapshot's older state, whatever RP-Min-Seq it waited for).
 
         A cancelled await does not withdraw its statement: aiosqlite runs what it has
         queued, in order. So BEGIN is queued inside the `try`, and its COMMIT always
         queued after it, even when the caller was cancelled waiting for the BEGIN (a
         BEGIN left open would pin every later read of the connection to an old snapshot,
         and refuse the next BEGIN)."""
-        async with self._snapshot_lock:
+        if self._holding():  # already within this task's snapshot
+            yield
+            return
+        async with self._lock:
+            self._holder = asyncio.current_task()
             try:
                 await self.db.execute("BEGIN")
                 yield
             finally:
+                self._holder = None
                 try:
                     await self.db.execute("COMMIT")
                 except sqlite3.OperationalError:
                     if self.db.in_transaction:
+                        await self.db.execute("ROLLBACK")
                         raise
                     # the BEGIN itself failed: its error is the one to see
 
@@ -216,12 +231,14 @@ class ReadModel:
 
         With what it is pinned to: its snapshot, its commit's author and message.
         """
-        row = await self._one(
-            f"SELECT {_RUN_COLS} FROM runs WHERE id = ? AND org = ?", (run_id, org)
-        )
-        if row is None:
-            return None
-        return _run(row) | await state_versions.run_pins(self._all, run_id)
+        async with self._snapshot():  # the pins from the same moment as the row
+            row = await self._one(
+                f"SELECT {_RUN_COLS} FROM runs WHERE id = ? AND org = ?", (run_id, org)
+            )
+            if row is None:
+                return None
+            pins = await state_versions.run_pins(self._all, run_id)
+        return _run(row) | pins
 
     async def state_versions(self, org: str, ws: str) -> list[dict[str, Any]]:
         """The workspace's state versions, newest first."""

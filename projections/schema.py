@@ -8,6 +8,7 @@ read model is only ever a fold of the stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import operator
 import sqlite3
@@ -365,6 +366,15 @@ async def connect(path: Path, *, fast_unsafe: bool = False) -> aiosqlite.Connect
     no journal, no fsync until the end.
     """
     db = await aiosqlite.connect(path, isolation_level=None)
+    try:
+        await _prepare(db, fast_unsafe=fast_unsafe)
+    except BaseException:  # a connection half set up (the write lock, maybe) goes now
+        await asyncio.shield(db.close())
+        raise
+    return db
+
+
+async def _prepare(db: aiosqlite.Connection, *, fast_unsafe: bool) -> None:
     if fast_unsafe:
         await db.execute("PRAGMA journal_mode = OFF")
         await db.execute("PRAGMA synchronous = OFF")
@@ -377,15 +387,14 @@ async def connect(path: Path, *, fast_unsafe: bool = False) -> aiosqlite.Connect
     await db.execute("PRAGMA busy_timeout = 5000")
     # A replay builds the secondary indexes once at the end: faster than row by row.
     await _ensure_schema(db, indexes=not fast_unsafe)
-    return db
 
 
 async def _ensure_schema(db: aiosqlite.Connection, *, indexes: bool) -> None:
     async with db.execute("PRAGMA user_version") as cur:
         row = await cur.fetchone()
     version = row[0] if row else 0
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    try:  # BEGIN inside: cancelled while queued, it runs anyway, and so must the ROLLBACK
+        await db.execute("BEGIN IMMEDIATE")
         if version != VERSION:
             await _drop_all(db)
         for table in TABLES:
@@ -396,7 +405,8 @@ async def _ensure_schema(db: aiosqlite.Connection, *, indexes: bool) -> None:
         await db.execute(f"PRAGMA user_version = {VERSION}")
         await db.execute("COMMIT")
     except BaseException:
-        await db.execute("ROLLBACK")
+        with contextlib.suppress(sqlite3.OperationalError):  # no transaction: BEGIN failed
+            await db.execute("ROLLBACK")
         raise
 
 

@@ -21,14 +21,19 @@ async def test_a_read_cancelled_at_any_await_leaves_no_transaction_open(tmp_path
     writer = await schema.connect(path)
     read = await ReadModel.open(path)
     try:
-        for round_ in range(300):
-            spins = round_ // 2 % 6  # cancel at the lock, at BEGIN, within, at COMMIT, after
+        for round_ in range(400):
             # a snapshot read (two tables, one transaction) and a plain one
             read_of = read.list_workspaces("acme") if round_ % 2 else read.get_org("o0")
             task = asyncio.create_task(read_of)
-            for _ in range(spins):
-                await asyncio.sleep(0)
+            if round_ < 200:  # at the lock, at BEGIN, within, at COMMIT, after: by turns
+                for _ in range(round_ // 2 % 6):
+                    await asyncio.sleep(0)
+            else:  # once the connection's thread has answered some of it
+                await asyncio.sleep(0.0002 * (round_ % 10))
             task.cancel()
+            if round_ % 3 == 0:  # and again, in its COMMIT or its way out
+                await asyncio.sleep(0)
+                task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             name = f"o{round_}"
             await writer.execute(
@@ -73,6 +78,26 @@ async def test_a_batch_cancelled_at_any_await_leaves_the_writer_free(tmp_path: P
             seq += 1
             after = await apply_batch(writer, [created(seq)], after=at)
             assert after.last_seq == seq and await read.get_org(f"o{seq}") is not None
+    finally:
+        await read.close()
+        await writer.close()
+
+
+async def test_a_read_waits_for_another_callers_snapshot(tmp_path: Path) -> None:
+    """A query never runs inside another caller's read transaction: it would answer from
+    that snapshot, older than what the caller waited for (RP-Min-Seq)."""
+    path = tmp_path / "read.db"
+    writer = await schema.connect(path)
+    read = await ReadModel.open(path)
+    try:
+        async with read._snapshot():  # another caller's two-table read, under way
+            assert await read.get_org("late") is None  # its snapshot begins here
+            await writer.execute(
+                "INSERT INTO orgs (name, created_at, created_by) VALUES ('late', '', 'a')"
+            )
+            fresh = asyncio.create_task(read.get_org("late"))  # asked after the commit
+            await asyncio.sleep(0.05)
+        assert await fresh is not None
     finally:
         await read.close()
         await writer.close()
