@@ -485,7 +485,9 @@ class Executor:
         """Beat every interval; interrupt the phase once the run's lease is no longer ours,
         or once someone asked to stop it (checked on every beat)."""
         subject = heartbeat_subject(job.run_id, job.phase)
-        while True:
+        # Until its phase is over, even if the cancel that ends it is lost (Python 3.11's
+        # wait_for, which nats-py's requests use, can swallow one that meets an answer).
+        while job.task is None or not job.task.done():
             await self._beat(subject, job)
             timeout = job.config.heartbeat_timeout
             await asyncio.sleep(beat_interval(self.heartbeat_interval, timeout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -343,3 +344,37 @@ def _exists(path: Path) -> Callable[[], Any]:
         return path.exists()
 
     return probe
+
+
+async def test_a_heartbeat_whose_cancel_is_lost_still_ends_with_its_phase(
+    h: Harness, repo: Path, executor: Executor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancellation swallowed under the heartbeat (as Python 3.11's wait_for may, in a
+    NATS request) must not leave it beating for the rest of the process's life."""
+    lost = []
+    beat = executor._beat
+
+    async def swallowing(subject: str, job: Any) -> None:
+        await beat(subject, job)
+        if lost:  # lost once is enough
+            return
+        try:
+            await asyncio.sleep(3600)  # until the phase is over: its beat's cancel, lost
+        except asyncio.CancelledError:
+            lost.append(job.run_id)
+
+    monkeypatch.setattr(executor, "_beat", swallowing)
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo), variables={"n": "1"}))
+    run_id = await h.start_run("net")
+    await h.reaches("net", run_id, "awaiting_approval")
+
+    def beating() -> list[asyncio.Task[Any]]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == f"{run_id}-plan-beat"]
+
+    async def over() -> bool:
+        assert lost == [run_id], lost
+        assert not beating(), "the plan's heartbeat beats on"
+        return True
+
+    await eventually(over, timeout=10, what="the heartbeat ended")
