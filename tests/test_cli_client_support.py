@@ -61,6 +61,10 @@ class Cli:
         self, *args: str, env: dict[str, str] | None = None, umask: int | None = None
     ) -> asyncio.subprocess.Process:
         def preexec() -> None:
+            # Ctrl-C reaches the CLI as it does a terminal's foreground job: a suite started
+            # in the background (`cmd &` without job control) has SIGINT ignored, which its
+            # children inherit, and the CLI keeps an ignored SIGINT ignored, as it should.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             if umask is not None:
                 os.umask(umask)
 
