@@ -21,9 +21,9 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from services.infra import streams
-from services.infra.natsclient import NatsAuth, client_env
-from services.infra.natsserver import EmbeddedNats
+from infra import streams
+from infra.natsclient import NatsAuth, client_env
+from infra.natsserver import EmbeddedNats
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -207,7 +207,7 @@ def machine() -> dict[str, Any]:
         pass
     import msgspec
 
-    from services.infra.natsserver import server_binary
+    from infra.natsserver import server_binary
 
     return {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -18,8 +18,8 @@ from events.run import (
     StartStep,
     Workspace,
 )
-from services.commands import App
-from services.infra.eventstore import EventStore
+from infra.eventstore import EventStore
+from services.app.commands import App
 
 from .common import Firehose
 

@@ -1,7 +1,7 @@
 """notifications: event to delivery latency, and fan-out with one destination hanging.
 
 Each part starts its own nats-server (`private_server`) and runs the notifications
-subscriber as `runplane subscribers` runs it (`services/notifications/subscriber.py`
+subscriber as `runplane subscribers` runs it (`services/processes/notifications/subscriber.py`
 `serving`: the shared consumer loop over `rp.run.>` with each run's state, configurations
 read from the log, each delivery scheduled in the log, sent on its destination's lane,
 its attempt recorded, tokens opened from the sealed store), with real local HTTP
@@ -45,13 +45,13 @@ from aiohttp import web
 from bench.common import Result, connected, ms, percentile, private_server
 from events import notification as nt
 from events import run as R
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import EventStore
-from services.notifications import outbox, signing
-from services.notifications.delivery import Policy
-from services.notifications.subscriber import serving
-from services.notifications.tokens import TokenStore
+from infra.crypto import KeyRing
+from infra.eventstore import EventStore
+from services.app.commands import App
+from services.processes.notifications import outbox, signing
+from services.processes.notifications.delivery import Policy
+from services.processes.notifications.subscriber import serving
+from services.processes.notifications.tokens import TokenStore
 
 TOKEN = "bench-notify-token"
 KEYS = KeyRing.generate()
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_serve_receiver(args.hang))
         return 0
     from bench.run import table
-    from services import logs
+    from infra import logs
 
     logs.configure("console", "error")
     load = os.getloadavg()

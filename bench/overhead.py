@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--isolation", default="auto", choices=("auto", "user", "bwrap", "none"))
     args = p.parse_args(argv)
-    from services import logs
+    from infra import logs
 
     logs.configure("console", "error")
     print(json.dumps(asyncio.run(overhead(args.rounds, args.isolation)), indent=2))

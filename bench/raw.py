@@ -22,7 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events.codec import AnyEvent, encode
 from events.run import RunCreated, Workspace
-from services.infra.streams import EVENTS
+from infra.streams import EVENTS
 
 from .common import percentile
 

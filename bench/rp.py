@@ -23,10 +23,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from events.run import Workspace
+from infra import streams
+from infra.eventstore import EventStore
 from projections.replay import replay
-from services.commands import App
-from services.infra import streams
-from services.infra.eventstore import EventStore
+from services.app.commands import App
 
 from . import history, raw
 from .common import (
@@ -117,11 +117,11 @@ class Watch:
 async def runplane_process(
     command: str, url: str, data_dir: Path, ready: str, env: dict[str, str], *extra: str
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """`python -m services.cli <command>` against our server, until it prints `ready`."""
+    """`python -m services.root.cli <command>` against our server, until it prints `ready`."""
     proc = await asyncio.create_subprocess_exec(
         PY,
         "-m",
-        "services.cli",
+        "services.root.cli",
         command,
         "--nats-url",
         url,

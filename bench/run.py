@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     # The smoke run (tests/test_bench_smoke.py) leaves out Terraform's benchmark.
     only = set(args.only or (n for n in NAMES if not (args.smoke and n == "overhead")))
 
-    from services import logs
+    from infra import logs
 
     logs.configure("console", "error")
     started = time.perf_counter()

@@ -251,7 +251,7 @@ def _start(root: Path, port: int, tree: Path | None, log: IO[bytes]) -> subproce
         env["PYTHONPATH"] = str(tree.resolve())
     argv = ["up", "--tls", "--no-demo", "--data-dir", str(root / "data")]
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *argv, "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "services.root.cli", *argv, "--listen", f"127.0.0.1:{port}"],
         env=env,
         cwd=tree or None,
         stdout=log,

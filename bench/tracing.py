@@ -1,7 +1,7 @@
 """tracing: what the request span costs the api when no exporter is configured.
 
 One process, one nats-server, one read model; the api served twice, with and without the
-tracing middleware (services/api/middleware.py `trace_requests`), tracing set up as
+tracing middleware (services/surfaces/api/middleware.py `trace_requests`), tracing set up as
 `runplane api` sets it up (no collector named). `GET /api/v1/orgs/{org}/runs/{run}` with
 the admin token in chunks of 200, alternating which goes first, so that both see the same
 noise of a shared machine. Prints one JSON line: p50, p99 and mean of each.
@@ -30,14 +30,14 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-import services.api.app as api_app
+import services.surfaces.api.app as api_app
 from events.run import Workspace
+from infra import streams, tracing
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
 from projections.projector import Projector
-from services.api.middleware import MIDDLEWARES, trace_requests
-from services.commands import App
-from services.infra import streams, tracing
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.surfaces.api.middleware import MIDDLEWARES, trace_requests
 
 CHUNK = 200
 TOKEN = "bench-tracing-token"

@@ -28,12 +28,12 @@ import msgspec
 from aiohttp.test_utils import TestClient, TestServer
 
 from events.run import RunState
+from infra import streams
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
 from projections.projector import Projector
-from services.api.app import build_app
-from services.commands import App
-from services.infra import streams
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.surfaces.api.app import build_app
 
 ADMIN = "bench-admin-token"
 STATE = msgspec.json.encode(RunState(org="bench", run_type="apply")).decode()

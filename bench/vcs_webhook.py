@@ -30,15 +30,15 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from events.values import Workspace
+from infra import streams
+from infra.crypto import KeyRing
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
 from projections.projector import Projector
-from services.api.app import build_app
-from services.commands import App
-from services.infra import streams
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
-from services.secrets import SecretStore
-from services.vcs import signing
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.processes.vcs import signing
+from services.surfaces.api.app import build_app
 
 ADMIN = "bench-admin-token"
 ORG = "bench"

@@ -8,7 +8,7 @@ Three kinds of subject, all under the organization's `rp.org.<org>.` (the stream
   organization by the team it names, then proven by that organization's signing secret),
   whether a bot token is set, and which Slack user is which runplane user. The signing
   secret and the bot token themselves are sealed in the secrets bucket
-  (services/chat/config.py): an event says only that they were set.
+  (services/processes/chat/config.py): an event says only that they were set.
 - `rp.org.<org>.chat.slack.req.<id>` (`request_subject`): one signed request from Slack,
   recorded before it is answered (so the work it asks for is never lost), then the
   record that it was worked (`chat.slack_request_done`). Its id is derived from the
@@ -82,7 +82,7 @@ class SlackUserUnmapped(Event, frozen=True, kw_only=True, tag="chat.slack_user_u
 
 class SlackRequestReceived(Event, frozen=True, kw_only=True, tag="chat.slack_request_received"):
     """A signed request from Slack, as it came (its `actor` is the Slack user id).
-    `response_url` is sealed (services/chat/config.py): it lets its holder post in the
+    `response_url` is sealed (services/processes/chat/config.py): it lets its holder post in the
     channel for 30 minutes."""
 
     request_id: str

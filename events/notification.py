@@ -5,7 +5,7 @@ the two add up: a run of a workspace is notified to every enabled configuration 
 organization and of itself whose triggers name what happened. Each configuration is an
 aggregate of its own on `rp.org.<org>.notify.<id>`; its token (write-only) is never in an
 event: the event says only whether one is set (`has_token`), and the sealed value lives
-in the secrets bucket (services/notifications/tokens.py).
+in the secrets bucket (services/processes/notifications/tokens.py).
 
 A delivery is one (configuration, triggering event, trigger): its id is derived from
 those three (`delivery_id`), so a crash and a retry reuse it, and it is an aggregate of

@@ -1,6 +1,6 @@
 """Policy sets: OPA Rego modules attached to an organization, a folder or a workspace,
 checked against the plan. Pure (compiling and evaluating Rego lives in
-services/policyeval.py, the only module that imports regopy).
+infra/policy/evaluate.py, the only module that imports regopy).
 
 Enforcement levels:
 

@@ -10,21 +10,21 @@ ended, a phase waiting for an executor. Nothing here reads the clock or the stre
 Actions (all idempotent to carry out, so a redelivered event is harmless):
 
 - `Admit`: an admission attempt on a workspace (it also releases a terminal run still
-  holding it: services/commands.py `admit_next`);
+  holding it: services/app/commands.py `admit_next`);
 - `Enqueue`: a created run must be on its workspace's queue (its creator's second append;
   the scheduler repairs it for a creator that died);
 - `AdmitSpeculative`: a speculative plan is admitted at once, outside the queue;
 - `Dispatch`: a phase waits for an executor (`phase`), or the admitted run waits for its
   snapshot first (`pin`);
-- `Watch`: the reaper's board (services/scheduler/watch.py): a claimed phase gets a beat
+- `Watch`: the reaper's board (services/processes/scheduler/watch.py): a claimed phase gets a beat
   on its lease's behalf (`adopt`), ended phases' entries are purged (`purge`, and the
   custom steps' with `custom`);
-- `Deadline`: the run's limits marker may have moved (services/scheduler/limits.py);
+- `Deadline`: the run's limits marker may have moved (services/processes/scheduler/limits.py);
 - `Notify`: a notification trigger, named as HCP Terraform names them (plus runplane's
   own `run:drifted`, `run:policy_failed`, `run:discarded`, `run:canceled`);
 - `Follow`: a run ended `applied` having changed something (its apply's summary, else
   its plan's, counts a resource): the workspaces that follow its workspace each get a
-  run (services/triggers/subscriber.py).
+  run (services/processes/triggers/subscriber.py).
 """
 
 from __future__ import annotations

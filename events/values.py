@@ -36,7 +36,7 @@ class Workspace(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_timeout: int = 600
     dispatch_timeout: int = 0
     managed_state: bool = True
-    # Which webhooks start its runs (services/vcs): the connection, and what must change.
+    # Which webhooks start its runs (services/processes/vcs): the connection, and what must change.
     vcs_connection: str = ""  # "" none
     trigger_paths: list[str] = []  # globs on repository paths; [] anything under `directory`
     trigger_any_change: bool = False  # any changed file of the repository triggers it

@@ -5,7 +5,7 @@ Enterprise and a self-hosted GitLab work) is an aggregate of its own on
 `rp.org.<org>.vcs.<id>`; its id is made by the server and is unique across the
 deployment, so the webhook URL (`/api/v1/vcs/<id>/webhook`) names it alone. Its webhook
 secret and its token are write-only: events say only whether each is set (`has_secret`,
-`has_token`); the sealed values live in the secrets bucket (services/vcs/connections.py).
+`has_token`); the sealed values live in the secrets bucket (services/processes/vcs/connections.py).
 
 An accepted delivery is recorded on `rp.org.<org>.vcs.<id>.d.<digest of the delivery id>`
 with the runs it started, appended expecting that subject empty: a redelivery, through

@@ -34,7 +34,7 @@ class PrRow(msgspec.Struct, frozen=True, kw_only=True):
     workspace: str
     run_id: str
     commit: str
-    status: str  # a word of runplane's vocabulary (services/vcs/report.py WORDS)
+    status: str  # a word of runplane's vocabulary (services/processes/vcs/report.py WORDS)
     add: int | None = None
     change: int | None = None
     destroy: int | None = None

@@ -96,13 +96,13 @@ class WorkspaceDeleted(Event, frozen=True, kw_only=True, tag="ws.deleted"):
 
 class WorkspacePurged(Event, frozen=True, kw_only=True, tag="ws.purged"):
     """A deleted workspace's name is free again: the state folds to one never created
-    (services/api/workspaces.py says what else a purge removes)."""
+    (services/surfaces/api/workspaces.py says what else a purge removes)."""
 
 
 class StatePushed(Event, frozen=True, kw_only=True, tag="ws.state_pushed"):
     """The holder of the workspace's lock (the actor) replaced its state from outside a
     run: `terraform state push` (and `state rm` / `mv`, every state write of the CLI's
-    backend) through the TFE API (services/tfe/state_push.py). The version is sealed in
+    backend) through the TFE API (services/surfaces/tfe/state_push.py). The version is sealed in
     `rp-state` as `object`; `previous` is the version it replaced ("" for none), `forced`
     whether the CLI said `-force` (another lineage, or a serial not above the current)."""
 
@@ -333,7 +333,7 @@ def repository_problem(repository: str) -> tuple[str, str]:
     """`(rule, why)` if no deployment may take `repository`, else `("", "")`: control
     characters, a leading `-` (an option to git), or git's `transport::address` form,
     which runs a remote helper (`ext::` runs any command). Which sources a deployment
-    allows is the shell's to check (services/repositories.py)."""
+    allows is the shell's to check (services/app/repositories.py)."""
     if not repository or _CONTROL.search(repository) or repository.startswith("-"):
         return "malformed", f"repository {repository!r} is not a git URL or path"
     if _REMOTE_HELPER.match(repository):

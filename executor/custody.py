@@ -26,8 +26,8 @@ from executor.linksafe import open_regular
 from executor.objects import Objects
 from executor.statebackend import ERRORED_STATE, StateBackend
 from executor.statestore import StateStore
-from services.infra.crypto import KeyRing, load_keyring
-from services.secrets import secret_names
+from infra.crypto import KeyRing, load_keyring
+from services.app.secrets import secret_names
 
 if TYPE_CHECKING:
     from executor.job import Job
@@ -62,7 +62,7 @@ class Vault:
     async def download_sealed(self, bucket: str, name: str, dest: Path) -> bool:
         """Fetch and open object `name` into `dest`; False if there is no such object.
 
-        Raises `services.infra.crypto.Tampered` or `UnknownKey` if it does not open.
+        Raises `infra.crypto.Tampered` or `UnknownKey` if it does not open.
         """
         sealed = dest.with_name(f".{dest.name}.sealed")
         try:

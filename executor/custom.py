@@ -6,7 +6,7 @@ else the branch head), then runs the step's command with `/bin/sh -c` in the wor
 directory of the checkout, through the same process runner as Terraform: logged live and
 masked, interrupted (SIGINT to its process group) when the run is stopped or the executor
 stops. Its environment is the host's without runplane's own variables
-(`services/infra/childenv.py`), the run's variables as `TF_VAR_<name>` (secret ones too,
+(`infra/childenv.py`), the run's variables as `TF_VAR_<name>` (secret ones too,
 masked in the log), and `RUNPLANE_RUN_ID`, `RUNPLANE_STEP` (the step's number),
 `RUNPLANE_STEP_NAME`, `RUNPLANE_ORG`, `RUNPLANE_WORKSPACE`, and `RUNPLANE_APPLIED` (`true`
 once the run's apply or destroy step ran, else `false`: for a step that says `always`).
@@ -27,7 +27,7 @@ from executor import git, process
 from executor.errors import StepFailed
 from executor.job import Job, step
 from executor.process import StepLog
-from services.infra.childenv import child_env
+from infra.childenv import child_env
 
 REASON = "step_failed"
 SHELL = "/bin/sh"

@@ -48,7 +48,7 @@ from executor import process
 from executor.errors import StepFailed
 from executor.output import Masker, Output
 from executor.process import StepLog
-from services.infra.childenv import git_env
+from infra.childenv import git_env
 
 log = structlog.get_logger(__name__)
 

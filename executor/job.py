@@ -27,10 +27,10 @@ from executor.objects import LOGS_BUCKET, Objects, log_object
 from executor.output import Masker, masked_command
 from executor.process import StepLog
 from executor.terraform import Terraform
-from services.commands import App
-from services.infra import tracing
-from services.policysandbox import PolicySandbox
-from services.repositories import Sources
+from infra import tracing
+from infra.policy.sandbox import PolicySandbox
+from services.app.commands import App
+from services.app.repositories import Sources
 
 log = structlog.get_logger(__name__)
 

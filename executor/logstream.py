@@ -1,6 +1,6 @@
 """Live step logs: every line a step's process writes, masked, to RP_LOGS and to its file.
 
-The formats are in `services/infra/steplogs.py`. A line is handed to a bounded buffer
+The formats are in `infra/steplogs.py`. A line is handed to a bounded buffer
 (no await) and sent by a background task in batches: every line but the last of a batch
 as a core publish (the stream captures it), the last with `js.publish`, whose
 acknowledgement confirms the whole batch (JetStream stores one connection's messages in
@@ -36,7 +36,7 @@ from nats.aio.client import Client as NATS
 from events.codec import valid_id
 from executor.output import Masker, readable
 from executor.process import StepLog
-from services.infra.steplogs import STREAMS, encode_record, live_headers, log_subject
+from infra.steplogs import STREAMS, encode_record, live_headers, log_subject
 
 if TYPE_CHECKING:
     from executor.job import Job
@@ -174,7 +174,7 @@ _OWN_BACKEND_CHATTER = re.compile(
 class LiveStepLog(StepLog):
     """A step's log: masked lines numbered per step, to the file and the live stream.
 
-    The file holds JSON-lines records (`services.infra.steplogs`), stdout and stderr apart.
+    The file holds JSON-lines records (`infra.steplogs`), stdout and stderr apart.
     """
 
     def __init__(self, path: Path, masker: Masker, live: LivePublisher | None) -> None:

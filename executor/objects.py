@@ -31,7 +31,7 @@ from nats.js.object_store import (
 )
 
 from executor.errors import ObjectStoreError
-from services.infra.streams import LOGS_BUCKET, PLANS_BUCKET, STATE_BUCKET
+from infra.streams import LOGS_BUCKET, PLANS_BUCKET, STATE_BUCKET
 
 __all__ = ["LOGS_BUCKET", "PLANS_BUCKET", "STATE_BUCKET", "Objects", "sha256_file"]
 

@@ -36,8 +36,8 @@ from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
 from executor.statebackend import write_override
 from executor.upload import unpack_source
-from services.infra.crypto import CryptoError, Tampered
-from services.repositories import RepositoryRefused
+from infra.crypto import CryptoError, Tampered
+from services.app.repositories import RepositoryRefused
 
 log = structlog.get_logger(__name__)
 
@@ -106,7 +106,7 @@ async def _plan_phase(job: Job) -> None:
 
 def _requires_approval(job: Job) -> bool:
     """The workspace's require_approval, or the run's own ask (a CLI run's plan waits
-    for the CLI's "yes", which is an approval: services/tfe/runs.py)."""
+    for the CLI's "yes", which is an approval: services/surfaces/tfe/runs.py)."""
     asked = job.run.options is not None and job.run.options.confirm
     return asked or bool(approval.setting(job.run.snapshot, "require_approval"))
 
@@ -161,7 +161,7 @@ def check_workdir(job: Job, at: str) -> None:
 
 def _allowed(job: Job, repository: str) -> None:
     """Refuse a repository the deployment does not take, or one inside this executor's
-    own directories (services/repositories.py), before git touches it."""
+    own directories (services/app/repositories.py), before git touches it."""
     sources = job.sources.guarding(job.root.parent, "the executor's job directories")
     try:
         sources.check(repository)

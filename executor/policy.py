@@ -4,7 +4,7 @@ against the plan's JSON (`terraform show -json`), each result written to the ste
 The verdict is the core's (events/run.py on `FinishPlan.policies`): a hard-mandatory
 failure fails the run `policy_failed`, a soft-mandatory one makes it wait for approval.
 The step itself fails only if the policies could not be checked at all: the sets run in
-the policy sandbox (services/policysandbox.py), and one that passes its memory or time cap
+the policy sandbox (infra/policy/sandbox.py), and one that passes its memory or time cap
 fails the run `policy_limit_exceeded`, naming the set and the cap, whatever its
 enforcement (the plan was not checked).
 
@@ -24,7 +24,7 @@ from events import policies as po
 from events.policies import PolicyResult
 from executor.errors import StepFailed
 from executor.process import StepLog
-from services.policysandbox import PolicyLimitExceeded, SandboxError
+from infra.policy.sandbox import PolicyLimitExceeded, SandboxError
 
 if TYPE_CHECKING:
     from executor.job import Job

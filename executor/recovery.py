@@ -32,8 +32,8 @@ from events.codec import run_subject
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RecoverStateVersion, RunState, StateVersionCreated
 from executor.statestore import HeadMoved, StateStore, parse_state
-from services.commands import App, new_id
-from services.infra.heartbeats import DEADLINE, Board
+from infra.heartbeats import DEADLINE, Board
+from services.app.commands import App, new_id
 
 log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """Fetching a phase's secret variables: by request-reply under the phase's lease, never stored.
 
-The values come back sealed for this run and lease (see `services/secrets.py`), are opened
+The values come back sealed for this run and lease (see `services/app/secrets.py`), are opened
 in memory, handed to Terraform as `TF_VAR_<name>` in its environment (never on its command
 line, never in a file) and added to the masker, so no log line leaving the executor shows
 them.
@@ -14,8 +14,8 @@ from nats.aio.client import Client as NATS
 from events import wire
 from events.wire import SecretsRequest
 from executor.errors import StepFailed
-from services.infra.crypto import CryptoError, KeyRing
-from services.secrets import reply_context, secrets_subject
+from infra.crypto import CryptoError, KeyRing
+from services.app.secrets import reply_context, secrets_subject
 
 REASON = "secrets_unavailable"
 

@@ -48,8 +48,8 @@ from executor.statestore import (
     initial_state,
     parse_state,
 )
-from services.commands import App
-from services.infra.eventstore import LATEST, StoreError
+from infra.eventstore import LATEST, StoreError
+from services.app.commands import App
 
 log = structlog.get_logger(__name__)
 
@@ -232,8 +232,8 @@ class StateBackend:
 
     async def _pushed(self, version: Head, head: Head | None) -> bool:
         """Whether a user's CLI pushed the version over `head` (`ws.state_pushed`:
-        services/tfe/state_push.py records it before it moves the head): the last push
-        only, as an earlier one may name the same object (services/tfe/state.py)."""
+        services/surfaces/tfe/state_push.py records it before it moves the head): the last push
+        only, as an earlier one may name the same object (services/surfaces/tfe/state.py)."""
         subject = ws_subject(self.job.org, self.job.ws)
         was = head.object if head is not None else ""
         for envelope in reversed(await self.job.app.store.read(subject, min_seq=LATEST)):

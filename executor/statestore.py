@@ -30,9 +30,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from executor.errors import ExecutorError
-from services.infra.crypto import CryptoError, KeyRing
-from services.infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
-from services.infra.streams import STATE_BUCKET, WRONG_LAST_SEQUENCES
+from infra.crypto import CryptoError, KeyRing
+from infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
+from infra.streams import STATE_BUCKET, WRONG_LAST_SEQUENCES
 
 log = structlog.get_logger(__name__)
 

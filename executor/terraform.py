@@ -31,7 +31,7 @@ import structlog
 
 from events.values import RunOptions, options_problem
 from executor.errors import SetupError
-from services.infra.childenv import child_env
+from infra.childenv import child_env
 
 log = structlog.get_logger(__name__)
 

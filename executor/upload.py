@@ -1,7 +1,7 @@
 """A configuration the Terraform CLI uploaded, unpacked as a run's checkout.
 
 A CLI run's configuration is not a repository but a tar.gz of the user's working
-directory (a TFE configuration version, services/tfe/configs.py), sealed in the object
+directory (a TFE configuration version, services/surfaces/tfe/configs.py), sealed in the object
 store with its sha256 recorded in `run.created` (`events.values.ConfigSource`). The
 archive is the tenant's, made by anyone with a token, so it is hostile input, and the
 extraction here is written as the checkout's jail is (executor/linksafe.py):
@@ -42,7 +42,7 @@ from executor import linksafe
 from executor.errors import StepFailed
 from executor.git import Commit
 from executor.objects import sha256_file
-from services.infra.crypto import CryptoError, Tampered
+from infra.crypto import CryptoError, Tampered
 
 if TYPE_CHECKING:
     from executor.job import Job
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 UNSAFE_ARCHIVE = "unsafe_archive"
 DIGEST_MISMATCH = "config_digest_mismatch"
-MAX_UPLOAD = 32 * 1024 * 1024  # the compressed archive (services/tfe/configs.py caps it)
+MAX_UPLOAD = 32 * 1024 * 1024  # the compressed archive (services/surfaces/tfe/configs.py caps it)
 MAX_UNPACKED = 128 * 1024 * 1024  # bytes read out of the gzip stream, tar headers included
 MAX_FILES = 10_000
 MAX_NAME = 4096

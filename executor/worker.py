@@ -40,14 +40,14 @@ from executor.isolation import Isolation, Jail, private_dir, remove_tree
 from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
-from services.commands import App, new_id
-from services.infra import tracing
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import LATEST
-from services.infra.heartbeats import Board, beat_interval
-from services.infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
-from services.policysandbox import PolicySandbox
-from services.repositories import Sources
+from infra import tracing
+from infra.crypto import KeyRing
+from infra.eventstore import LATEST
+from infra.heartbeats import Board, beat_interval
+from infra.policy.sandbox import PolicySandbox
+from infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
+from services.app.commands import App, new_id
+from services.app.repositories import Sources
 
 log = structlog.get_logger(__name__)
 
@@ -502,7 +502,7 @@ class Executor:
             lease_id=job.lease_id,
             executor_id=self.executor_id,
             at=job.now(),
-            # So the reaper needs no lookup to judge the beat (services/infra/heartbeats.py).
+            # So the reaper needs no lookup to judge the beat (infra/heartbeats.py).
             org=job.org,
             workspace=job.ws,
             timeout=job.config.heartbeat_timeout,

@@ -31,7 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.infra.tasks import cancel_and_wait
+from infra.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

@@ -320,7 +320,7 @@ def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
             | PolicySaved()
             | PolicyDeleted()
         ):
-            pass  # read from the organization aggregate itself (services/api/settings.py)
+            pass  # read from the organization aggregate itself (services/surfaces/api/settings.py)
         case _:
             assert_never(event)
 
@@ -361,7 +361,7 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
         case WorkspaceUnlocked():
             w.put("workspaces", ws | {"lock_json": None})
         case SettingsSet():
-            pass  # read from the workspace aggregate itself (services/api/settings.py)
+            pass  # read from the workspace aggregate itself (services/surfaces/api/settings.py)
         case ConfigChanged():
             cfg = changed(_config_of(ws), event.changes)
             w.put("workspaces", ws | _config_columns(cfg))

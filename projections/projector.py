@@ -17,12 +17,12 @@ import aiosqlite
 import structlog
 from nats.aio.client import Client as NATS
 
+from infra.streams import EVENTS
+from infra.tasks import cancel_and_wait
 from projections import schema
 from projections.batch import apply_batch
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
-from services.infra.streams import EVENTS
-from services.infra.tasks import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 

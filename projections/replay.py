@@ -22,10 +22,10 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client as NATS
 
+from infra.streams import EVENTS
 from projections import schema
 from projections.fill import Writer, create_indexes, fill, replay_runtime
 from projections.ordered import OrderedReader
-from services.infra.streams import EVENTS
 
 log = structlog.get_logger(__name__)
 

@@ -3,7 +3,7 @@
 `schedule_fires` (`projections/schema.py`): one row per `org.schedule_fired` or
 `org.schedule_skipped`, keyed by its schedule and stream sequence, so a schedule's
 history lists newest first (the definitions themselves are read from their subject,
-services/schedules/store.py: no row for them).
+services/processes/schedules/store.py: no row for them).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ async def bindings(
     may concern a change: on `branch` (None: any), and, when `files` is given (a push
     whose file list is complete), only those whose directory holds a changed file or
     that judge by trigger paths or any change; with `tags`, only those with tag patterns.
-    What is left is judged by `services.vcs.matching`; this only keeps a push from
+    What is left is judged by `services.processes.vcs.matching`; this only keeps a push from
     reading every workspace of a busy repository."""
     keys = sorted({k for k in repo_keys if k})
     if not keys:

@@ -27,8 +27,8 @@ import nats
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from services.infra.natsclient import NatsAuth, client_env
-from services.infra.natsserver import (
+from infra.natsclient import NatsAuth, client_env
+from infra.natsserver import (
     _die_with_parent,
     server_binary,
     server_credentials,

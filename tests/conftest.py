@@ -18,11 +18,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from executor import Executor
-from services.commands import App
-from services.infra import streams
-from services.infra.eventstore import EventStore
-from services.infra.natsclient import client_env
-from services.infra.natsserver import EmbeddedNats
+from infra import streams
+from infra.eventstore import EventStore
+from infra.natsclient import client_env
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App
 from tests.provider import fake_provider_mirror
 
 _OLD_BASETEMP_S = 6 * 3600

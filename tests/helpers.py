@@ -12,7 +12,7 @@ from typing import TypeVar
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
-from services.infra.kv import stored_keys
+from infra.kv import stored_keys
 
 T = TypeVar("T")
 

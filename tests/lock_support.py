@@ -14,8 +14,8 @@ from nats.aio.client import Client as NATS
 from events.run import ClaimPhase, RunCommand
 from executor.statebackend import USER, StateBackend
 from executor.statestore import StateStore
-from services.commands import App
-from services.infra.crypto import KeyRing
+from infra.crypto import KeyRing
+from services.app.commands import App
 
 
 @dataclass

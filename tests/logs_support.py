@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from events.run import Workspace
-from services.commands import App
+from services.app.commands import App
 from tests.test_executor import Harness, commit
 
 # Prints on stdout and stderr (local-exec merges both into Terraform's output), a URL with

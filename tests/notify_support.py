@@ -16,13 +16,13 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
+from infra.crypto import KeyRing
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.notifications import signing
-from services.secrets import SecretStore
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.processes.notifications import signing
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.test_api_support import ADMIN_TOKEN, Http
 
 

@@ -16,14 +16,14 @@ from nats.aio.client import Client as NATS
 
 from events.run import RunState
 from executor import Executor
+from infra.crypto import KeyRing
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.scheduler.scheduler import Scheduler
-from services.secrets import SecretsResponder, SecretStore
-from services.snapshot import Snapshotter
+from services.app.commands import App
+from services.app.secrets import SecretsResponder, SecretStore
+from services.app.snapshot import Snapshotter
+from services.processes.scheduler.scheduler import Scheduler
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN, Http
 from tests.test_executor import git

@@ -17,7 +17,7 @@ import aiohttp
 
 from tests.helpers import eventually
 
-RUNPLANE = [sys.executable, "-m", "services.cli"]
+RUNPLANE = [sys.executable, "-m", "services.root.cli"]
 TEST_KEY = base64.b64encode(bytes(range(32))).decode()  # tests only
 ROOT = Path(__file__).resolve().parent.parent
 

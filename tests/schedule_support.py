@@ -8,8 +8,8 @@ from typing import Any
 
 from events import run as R
 from events import schedule as sc
-from services.commands import App
-from services.schedules import store
+from services.app.commands import App
+from services.processes.schedules import store
 
 T0 = datetime(2026, 3, 1, 0, 0, 30, tzinfo=UTC)  # the schedules are made at 00:00:30
 MINUTE = timedelta(minutes=1)

@@ -30,17 +30,17 @@ from events.run import (
     Snapshot,
     StartStep,
 )
+from infra.crypto import KeyRing
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.chat import signing
-from services.chat.config import ChatConfig
-from services.chat.poster import Poster
-from services.chat.updates import Updater
-from services.chat.worker import Worker
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.secrets import SecretStore
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.processes.chat import signing
+from services.processes.chat.config import ChatConfig
+from services.processes.chat.poster import Poster
+from services.processes.chat.updates import Updater
+from services.processes.chat.worker import Worker
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.test_api_support import ADMIN_TOKEN, Answer, Http
 
 STEPS = ("checkout", "init", "plan")

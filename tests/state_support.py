@@ -9,8 +9,8 @@ from typing import Any
 from nats.aio.client import Client as NATS
 
 from executor.statestore import StateStore
-from services.infra.crypto import KeyRing
-from services.infra.streams import PLANS_BUCKET
+from infra.crypto import KeyRing
+from infra.streams import PLANS_BUCKET
 
 
 async def current_state(nc: NATS, keyring: KeyRing, org: str, ws: str) -> dict[str, Any] | None:

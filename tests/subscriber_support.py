@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from services.infra.consumer import Received, Subscription
-from services.subscribers.registry import SubscriberContext
+from infra.consumer import Received, Subscription
+from services.processes.subscribers.registry import SubscriberContext
 
 
 def _note(phase: str, r: Received) -> None:

@@ -22,9 +22,9 @@ from events.run import (
     PlanSummary,
     StartStep,
 )
-from services.api import render
-from services.api.app import build_app
-from services.commands import App, Result
+from services.app.commands import App, Result
+from services.surfaces.api import render
+from services.surfaces.api.app import build_app
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 V1 = "/api/v1"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from services.api import docs
+from services.surfaces.api import docs
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.api.app import ROUTES, build_app
-from services.api.middleware import PUBLIC
+from services.surfaces.api.app import ROUTES, build_app
+from services.surfaces.api.middleware import PUBLIC
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 V1 = "/api/v1"

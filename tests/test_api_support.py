@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API, Api
-from services.commands import App
+from services.app.commands import App
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API, Api
 
 ADMIN_TOKEN = "test-admin-token"
 PROBLEM = "application/problem+json"

@@ -15,15 +15,15 @@ from events import notification as nt
 from events import run as R
 from events.codec import run_subject
 from events.run import RunApproved, RunDiscarded
-from services.chat import signing
-from services.chat import text as tx
-from services.chat.poster import Poster
-from services.commands import App
-from services.infra.eventstore import EventStore
-from services.notifications import outbox
-from services.notifications.delivery import Dispatcher, Policy
-from services.notifications.subscriber import Notifier
-from services.notifications.tokens import TokenError
+from infra.eventstore import EventStore
+from services.app.commands import App
+from services.processes.chat import signing
+from services.processes.chat import text as tx
+from services.processes.chat.poster import Poster
+from services.processes.notifications import outbox
+from services.processes.notifications.delivery import Dispatcher, Policy
+from services.processes.notifications.subscriber import Notifier
+from services.processes.notifications.tokens import TokenError
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
 from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture

@@ -19,13 +19,13 @@ from aiohttp import web
 from yarl import URL
 
 from executor.statestore import parse_state
-from services.vcs import gitlab as gitlab_module
-from services.vcs import matching
-from services.vcs.client import Policy, VcsError
-from services.vcs.connections import Connection
-from services.vcs.github import GitHubClient
-from services.vcs.gitlab import GitLabClient
-from services.vcs.report import make_client
+from services.processes.vcs import gitlab as gitlab_module
+from services.processes.vcs import matching
+from services.processes.vcs.client import Policy, VcsError
+from services.processes.vcs.connections import Connection
+from services.processes.vcs.github import GitHubClient
+from services.processes.vcs.gitlab import GitLabClient
+from services.processes.vcs.report import make_client
 from tests.helpers import eventually
 from tests.test_vcs_report_support import FakeVcs
 from tests.tfe_support import Tfe, a_state, tfe_fixture
@@ -42,7 +42,7 @@ def test_a_tenants_trigger_glob_cannot_hold_the_api_on_one_path() -> None:
     organization's requests waiting. Matched in a child process, so the old code fails
     this test at its deadline instead of hanging it."""
     code = (
-        "from services.vcs import matching;"
+        "from services.processes.vcs import matching;"
         "print(matching.glob_match('**a' * 8 + '**b', 'a' * 300),"
         " matching.glob_match('**a' * 80 + 'b', 'a' * 4096))"
     )
@@ -371,7 +371,7 @@ def test_one_deliverys_glob_matching_is_bounded_whatever_the_globs_and_paths() -
     push of 2,999 long paths held the loop for hours, one step at a time. One delivery
     now matches for a bounded budget; what is left counts as changed (a run too many)."""
     code = (
-        "from services.vcs import matching, payloads\n"
+        "from services.processes.vcs import matching, payloads\n"
         "glob = '*?' * 127 + '[b]'\n"
         "rows = [dict(workspace=f'w{i}', run_type='plan', branch='main', directory='.',\n"
         "             trigger_any_change=False, trigger_paths=[glob] * 50) for i in range(20)]\n"

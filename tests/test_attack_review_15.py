@@ -68,13 +68,13 @@ from events.codec import ws_subject
 from events.workspace import StatePushed
 from executor.statebackend import StateBackend
 from executor.statestore import StateStore
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App, new_id
-from services.infra.eventstore import LATEST
-from services.secrets import SecretStore
-from services.tfe.context import TFE
-from services.tfe.state_push import push_command
+from infra.eventstore import LATEST
+from services.app.commands import App, new_id
+from services.app.secrets import SecretStore
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
+from services.surfaces.tfe.context import TFE
+from services.surfaces.tfe.state_push import push_command
 from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_login import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, a_state, tfe_fixture

@@ -9,11 +9,11 @@ from datetime import UTC, datetime
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.commands import App
-from services.infra.eventstore import EventStore
-from services.infra.heartbeats import Board, BoardError, Follower, body, subject
-from services.infra.natsserver import EmbeddedNats
-from services.scheduler.reaper import Reaper
+from infra.eventstore import EventStore
+from infra.heartbeats import Board, BoardError, Follower, body, subject
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.processes.scheduler.reaper import Reaper
 from tests.helpers import eventually
 
 ENTRIES = 2000

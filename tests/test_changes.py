@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from events.run import Workspace
 from executor import Executor, TerraformConfig
 from projections import ReadModel, replay
-from services.commands import App
+from services.app.commands import App
 from tests.helpers import eventually
 from tests.provider import REQUIRED_PROVIDERS
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture

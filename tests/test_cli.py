@@ -13,7 +13,7 @@ from tests.procs import ROOT, TEST_KEY
 
 def runplane(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.root.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from services.client.credentials import Credentials, Login
+from services.surfaces.client.credentials import Credentials, Login
 from tests.procs import RUNPLANE, free_port
 from tests.test_cli_client_support import ESC, Cli, self_signed, serve
 

@@ -1,4 +1,4 @@
-"""The one consumer loop (services/infra/consumer.py) against real JetStream: how a
+"""The one consumer loop (infra/consumer.py) against real JetStream: how a
 handler's outcome settles its message, lanes (in order within, in parallel across, a
 stuck one holding nobody else), in-progress ticks, state folded through the event, and a
 subscriber that falls behind never slowing admission."""
@@ -17,11 +17,11 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from events import run as R
 from events.errors import Invalid
-from services.commands import App
-from services.infra import consumer as C
-from services.infra import streams
-from services.infra.consumer import Consumer, Received, Retry, Subscription
-from services.scheduler.scheduler import Scheduler
+from infra import consumer as C
+from infra import streams
+from infra.consumer import Consumer, Received, Retry, Subscription
+from services.app.commands import App
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 
 ORG = "acme"

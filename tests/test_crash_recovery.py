@@ -27,11 +27,11 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from executor import recovery
 from executor.statestore import Head, StateStore
-from services.commands import App
-from services.infra.crypto import load_keyring
-from services.infra.natsserver import EmbeddedNats
-from services.scheduler.reaper import Reaper
-from services.scheduler.scheduler import Scheduler
+from infra.crypto import load_keyring
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.processes.scheduler.reaper import Reaper
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.procs import Proc
 from tests.test_executor import commit

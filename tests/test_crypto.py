@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.infra.crypto import (
+from infra.crypto import (
     HEADER_BYTES,
     KEY_FILE,
     KeyConfigError,

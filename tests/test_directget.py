@@ -1,4 +1,4 @@
-"""One direct-get reader (services/infra/directget.py) under the event store, the KV
+"""One direct-get reader (infra/directget.py) under the event store, the KV
 buckets, the step logs and the heartbeat board: one error root with `retryable`, and
 reads that share one inbox subscription instead of subscribing each time."""
 
@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.infra import kv, steplogs
-from services.infra.directget import DirectReader, InfraError, ReadError, as_raw
-from services.infra.eventstore import EventStore, StoreError
-from services.infra.heartbeats import Board, BoardError, body, subject
-from services.infra.streams import LOGS
+from infra import kv, steplogs
+from infra.directget import DirectReader, InfraError, ReadError, as_raw
+from infra.eventstore import EventStore, StoreError
+from infra.heartbeats import Board, BoardError, body, subject
+from infra.streams import LOGS
 
 
 async def test_every_adapters_error_is_an_infra_error_that_may_be_retried(nc: NATS) -> None:

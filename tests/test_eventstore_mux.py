@@ -10,9 +10,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events.org import OrgCreated, TokenIssued
-from services.infra import eventstore
-from services.infra.eventstore import Append, EventStore, StoreError, wait_for_stream
-from services.infra.natsserver import EmbeddedNats
+from infra import eventstore
+from infra.eventstore import Append, EventStore, StoreError, wait_for_stream
+from infra.natsserver import EmbeddedNats
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 

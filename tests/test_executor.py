@@ -26,8 +26,8 @@ from events.run import (
 )
 from executor import Executor
 from executor.objects import PLANS_BUCKET
-from services.commands import App
-from services.infra.streams import DISPATCH, dispatch_subject, executor_consumer
+from infra.streams import DISPATCH, dispatch_subject, executor_consumer
+from services.app.commands import App
 from tests.helpers import eventually
 from tests.state_support import current_state, opened_plan
 

@@ -25,9 +25,9 @@ from executor.git import GitCache
 from executor.objects import LOGS_BUCKET, Objects
 from executor.output import Masker
 from executor.process import StepLog
-from services.commands import App
-from services.infra.streams import declare, dispatch_subject
-from services.snapshot import Snapshotter
+from infra.streams import declare, dispatch_subject
+from services.app.commands import App
+from services.app.snapshot import Snapshotter
 from tests.helpers import eventually
 from tests.test_executor import git as sh
 

@@ -1,6 +1,6 @@
 """A writer that dies between the appends of a step that spans two aggregates (create,
 admission, release, pinning) leaves a state the scheduler finishes or heals: no run is
-lost, stuck or admitted twice (services/commands.py, module docstring)."""
+lost, stuck or admitted twice (services/app/commands.py, module docstring)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from events import workspace as W
 from events.codec import tag_of
 from events.errors import IllegalTransition
 from events.templates import SaveTemplate, TemplateStep
-from services.commands import App
-from services.infra import streams
-from services.infra.eventstore import Append, EventStore, StoreError
-from services.scheduler import scheduler as sched
-from services.scheduler.scheduler import Scheduler
-from services.snapshot import SnapshotFailed
+from infra import streams
+from infra.eventstore import Append, EventStore, StoreError
+from services.app.commands import App
+from services.app.snapshot import SnapshotFailed
+from services.processes.scheduler import scheduler as sched
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 
 ORG = "acme"

@@ -9,8 +9,8 @@ import pytest
 
 from events.errors import Conflict
 from events.workspace import RunEnqueued
-from services.infra.childenv import child_env, git_env
-from services.infra.eventstore import Append, EventStore
+from infra.childenv import child_env, git_env
+from infra.eventstore import Append, EventStore
 
 AT = datetime(2026, 1, 1, tzinfo=UTC)
 

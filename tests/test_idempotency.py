@@ -1,4 +1,4 @@
-"""Idempotency-Key on the API's POSTs (services/api/idempotency.py): a retry answers the
+"""Idempotency-Key on the API's POSTs (services/surfaces/api/idempotency.py): a retry answers the
 first answer again, another request under the key is refused, keys are per organization
 and token, racing requests do the work once, and a crashed holder blocks a key for a
 lease, not 24 h. Real nats-server and bucket; no mocks."""
@@ -13,10 +13,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.api import idempotency as idem
-from services.api.app import build_app
-from services.api.context import API
-from services.infra.kv import IDEMPOTENCY_BUCKET
+from infra.kv import IDEMPOTENCY_BUCKET
+from services.surfaces.api import idempotency as idem
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.helpers import eventually, kv_keys
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 

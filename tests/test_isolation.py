@@ -25,7 +25,7 @@ from events.run import Workspace
 from executor import isolation
 from executor.isolation import Isolation, adopt, kill_uid
 from executor.worker import Executor, default_jobs_dir
-from services.commands import App
+from services.app.commands import App
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
 from tests.test_executor import Harness, commit, git

@@ -21,11 +21,11 @@ from events.run import FailRun, StepFinished, Workspace
 from executor import Executor
 from executor import terraform as tf
 from executor.git import GitCache
-from services.cli import options, parser
-from services.commands import App
-from services.infra.natsserver import EmbeddedNats
-from services.repositories import RepositoryRefused, Sources
-from services.runtime import ConfigError
+from infra.natsserver import EmbeddedNats
+from infra.options import ConfigError
+from services.app.commands import App
+from services.app.repositories import RepositoryRefused, Sources
+from services.root.cli import options, parser
 from tests.procs import Client, Proc, free_port, wait_healthy
 from tests.test_executor import Harness, git
 

@@ -10,8 +10,8 @@ import pytest
 
 from events import run as R
 from events.errors import IllegalTransition
-from services.commands import App
-from services.infra.eventstore import EventStore
+from infra.eventstore import EventStore
+from services.app.commands import App
 
 ORG = "acme"
 

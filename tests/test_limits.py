@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from events import run as R
-from services.commands import App
-from services.infra.heartbeats import DEADLINE, Beat, Board
-from services.scheduler.limits import refresh
-from services.scheduler.reaper import Reaper
+from infra.heartbeats import DEADLINE, Beat, Board
+from services.app.commands import App
+from services.processes.scheduler.limits import refresh
+from services.processes.scheduler.reaper import Reaper
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,

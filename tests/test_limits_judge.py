@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from events.run import RunState, Snapshot, Status
-from services.infra.heartbeats import Beat, Body
-from services.scheduler.limits import Limit, deadlines, judge, stale
+from infra.heartbeats import Beat, Body
+from services.processes.scheduler.limits import Limit, deadlines, judge, stale
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

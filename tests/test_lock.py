@@ -11,9 +11,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
-from services.commands import App, new_id
-from services.infra import streams
-from services.scheduler.scheduler import Scheduler
+from infra import streams
+from services.app.commands import App, new_id
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers `http`
 

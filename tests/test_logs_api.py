@@ -16,10 +16,10 @@ from nats.aio.client import Client as NATS
 
 from events.run import FailRun
 from executor import Executor
-from services.api.runlog import StepCursor
-from services.infra.steplogs import LogLine, decode_records, read_live
-from services.infra.streams import LOGS
-from services.logs_cli import sse_events
+from infra.steplogs import LogLine, decode_records, read_live
+from infra.streams import LOGS
+from services.surfaces.api.runlog import StepCursor
+from services.surfaces.client.logs import sse_events
 from tests.helpers import eventually
 from tests.logs_support import (  # noqa: F401  # registers the fixtures
     harness_fixture,

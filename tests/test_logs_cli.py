@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.infra.natsserver import EmbeddedNats
+from infra.natsserver import EmbeddedNats
 from tests.helpers import eventually
 from tests.logs_support import SECRET, TALKING_TF
 from tests.procs import ROOT, RUNPLANE, Client, Proc, free_port, wait_healthy

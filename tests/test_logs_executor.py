@@ -18,7 +18,7 @@ from events.run import StepFinished
 from executor import Executor, process
 from executor.logstream import LivePublisher, LiveStepLog
 from executor.output import Masker
-from services.infra.steplogs import (
+from infra.steplogs import (
     LINE_HEADER,
     LogLine,
     Record,

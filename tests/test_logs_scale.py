@@ -24,8 +24,8 @@ from nats.aio.client import Client as NATS
 
 from events.run import ClaimPhase, FinishPlan, FinishStep, PlanSummary, StartStep
 from executor.objects import LOGS_BUCKET, Objects, log_object
-from services.infra.steplogs import encode_record, live_headers, log_subject
-from services.logs_cli import sse_events
+from infra.steplogs import encode_record, live_headers, log_subject
+from services.surfaces.client.logs import sse_events
 from tests.helpers import eventually
 from tests.procs import ROOT, RUNPLANE
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture

@@ -1,4 +1,4 @@
-"""`GET /metrics` (services/infra/metrics.py, services/api/metrics.py): runs by status,
+"""`GET /metrics` (infra/metrics.py, services/surfaces/api/metrics.py): runs by status,
 queue depth, consumer lag and notification attempts read from the real read model and
 the real JetStream consumers; and who may read them: the admin token or the metrics
 token, never an organization's token (its admin's included), and no label that names a
@@ -17,11 +17,11 @@ from nats.aio.client import Client as NATS
 from nats.js.api import AckPolicy, ConsumerConfig
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.api.app import build_app
-from services.api.context import API
-from services.api.metrics import METRICS
-from services.infra import streams
-from services.infra.metrics import Metrics
+from infra import streams
+from infra.metrics import Metrics
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
+from services.surfaces.api.metrics import METRICS
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
 
 METRICS_TOKEN = "rp_metrics_test_token_0123456789"
@@ -109,7 +109,7 @@ async def test_runs_by_status_queue_depth_and_consumer_lag(plane: Http, nc: NATS
 async def test_notification_attempts_are_counted_by_outcome_when_the_table_exists(
     plane: Http,
 ) -> None:
-    """The read model's `notify_attempts` (services/notifications' attempts) are counted
+    """The read model's `notify_attempts` (services/processes/notifications' attempts) are counted
     by outcome; an outcome runplane does not know is `other`, never a label of its own
     (a value in the table cannot add series)."""
     db = sqlite3.connect(plane.api.projector.db_path)

@@ -15,10 +15,10 @@ import nats
 import nats.errors
 import pytest
 
-from services.cli import options, parser
-from services.infra.childenv import child_env
-from services.infra.natsclient import NatsAuth, NatsSettingError, client_env, server_list
-from services.infra.natsserver import CREDENTIALS_FILE, EmbeddedNats
+from infra.childenv import child_env
+from infra.natsclient import NatsAuth, NatsSettingError, client_env, server_list
+from infra.natsserver import CREDENTIALS_FILE, EmbeddedNats
+from services.root.cli import options, parser
 from tests.procs import ROOT, TEST_KEY, Proc, descendants, free_port, wait_healthy
 
 
@@ -116,7 +116,7 @@ def _not_private(root: Path) -> list[str]:
 def _runplane(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("RUNPLANE_NATS_")}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.root.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

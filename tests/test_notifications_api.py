@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from events import notification as nt
-from services.infra.streams import EVENTS
+from infra.streams import EVENTS
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the `nhttp` fixture
 from tests.test_api_support import Http
@@ -251,9 +251,9 @@ async def test_a_run_created_through_the_api_is_notified_by_the_subscriber(
     """End to end: configurations made through the API (token sealed by the API), the
     subscriber on the shared consumer loop opening it with the same key, a run created
     through the API; the organization's and the workspace's configurations both send."""
-    from services.api import secrets as secrets_api
-    from services.notifications.delivery import Policy
-    from services.notifications.subscriber import serving
+    from services.processes.notifications.delivery import Policy
+    from services.processes.notifications.subscriber import serving
+    from services.surfaces.api import secrets as secrets_api
 
     keyring = nhttp.client.app[secrets_api.SECRETS].keyring
     policy = Policy(allow=frozenset({"loopback"}), schedule=(0.1,))

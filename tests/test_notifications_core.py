@@ -13,7 +13,7 @@ import pytest
 
 from events import notification as nt
 from events.errors import AlreadyExists, Invalid, NotFound
-from services.notifications import Refused, formats, guard, signing
+from services.processes.notifications import Refused, formats, guard, signing
 
 AT = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 

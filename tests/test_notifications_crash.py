@@ -14,11 +14,11 @@ from nats.aio.client import Client as NATS
 from events import notification as nt
 from events import run as R
 from events.codec import run_subject
-from services.commands import App
-from services.infra.crypto import parse_keys
-from services.infra.natsserver import EmbeddedNats
-from services.notifications import outbox
-from services.notifications.tokens import TokenStore
+from infra.crypto import parse_keys
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.processes.notifications import outbox
+from services.processes.notifications.tokens import TokenStore
 from tests.helpers import eventually
 from tests.notify_support import Receiver
 from tests.procs import TEST_KEY, Proc

@@ -18,11 +18,11 @@ from nats.aio.client import Client as NATS
 from events import notification as nt
 from events import run as R
 from events.codec import run_subject
-from services.commands import App
-from services.infra.eventstore import EventStore
-from services.notifications import formats, outbox
-from services.notifications.delivery import Dispatcher, Job, Policy
-from services.notifications.subscriber import Notifier
+from infra.eventstore import EventStore
+from services.app.commands import App
+from services.processes.notifications import formats, outbox
+from services.processes.notifications.delivery import Dispatcher, Job, Policy
+from services.processes.notifications.subscriber import Notifier
 from tests.helpers import eventually
 from tests.notify_support import Receiver
 

@@ -11,9 +11,9 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from events.run import CancelRun, Workspace
-from services import logs
-from services.commands import App
-from services.runwatch import RunWatch
+from infra import logs
+from services.app.commands import App
+from services.processes.runwatch import RunWatch
 from tests.helpers import eventually
 
 

@@ -1,5 +1,5 @@
 """Policies are an organization admin's code: the attacks, at save and at run time, with
-real Terraform through the HTTP API (services/policysandbox.py).
+real Terraform through the HTTP API (infra/policy/sandbox.py).
 
 - `opa.runtime()` answers the evaluating process's environment: the admin token and the
   NATS credentials were one policy away (at save as an oracle: the check fails or not on
@@ -332,7 +332,7 @@ async def test_the_child_is_confined_and_its_caps_are_the_callers() -> None:
     """A busy set in a sandbox of 128 MB and 3 s: while it runs, its child has no
     environment, no supplementary groups, nobody's uid and gid (we run as root), its
     address space capped; it is stopped at 3 s, naming the set that ran."""
-    from services.policysandbox import PolicyLimitExceeded, PolicySandbox
+    from infra.policy.sandbox import PolicyLimitExceeded, PolicySandbox
 
     sandbox = PolicySandbox(memory_mb=128, timeout_s=3)
     sets = [
@@ -342,7 +342,7 @@ async def test_the_child_is_confined_and_its_caps_are_the_callers() -> None:
     evaluation = asyncio.create_task(sandbox.evaluate(sets, {"x": True}))
 
     async def child() -> int:
-        running = _children_running("services.policyeval")
+        running = _children_running("infra.policy.evaluate")
         assert len(running) == 1, running
         pid = running[0]
         assert _status(pid)["Uid"].split()[0] == str(65534 if os.geteuid() == 0 else os.getuid())
@@ -368,12 +368,12 @@ async def test_the_child_is_confined_and_its_caps_are_the_callers() -> None:
     with pytest.raises(PolicyLimitExceeded) as caught:
         await evaluation
     assert (caught.value.limit, str(caught.value)) == ("time", "policy busy ran longer than 3 s")
-    assert _children_running("services.policyeval") == []
+    assert _children_running("infra.policy.evaluate") == []
 
 
 async def test_a_policy_that_prints_cannot_forge_its_answer() -> None:
     """rego-cpp's print() writes to fd 1: a fake "passed" line goes nowhere."""
-    from services.policysandbox import PolicySandbox
+    from infra.policy.sandbox import PolicySandbox
 
     forged = json.dumps({"passed": True, "messages": []}).replace('"', '\\"')
     source = f'package forged\nimport rego.v1\n\ndeny contains "real" if {{ print("{forged}") }}\n'
@@ -392,7 +392,7 @@ async def test_a_policy_that_prints_cannot_forge_its_answer() -> None:
     ],
 )
 async def test_the_memory_cap_is_the_callers(condition: str, memory_mb: int) -> None:
-    from services.policysandbox import PolicyLimitExceeded, PolicySandbox
+    from infra.policy.sandbox import PolicyLimitExceeded, PolicySandbox
 
     sandbox = PolicySandbox(memory_mb=memory_mb, timeout_s=30)
     with pytest.raises(PolicyLimitExceeded) as caught:
@@ -403,7 +403,7 @@ async def test_the_memory_cap_is_the_callers(condition: str, memory_mb: int) -> 
 
 
 def test_the_caps_and_identity_are_deployment_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.policysandbox import PolicySandbox
+    from infra.policy.sandbox import PolicySandbox
 
     monkeypatch.setenv("RUNPLANE_POLICY_MEMORY_MB", "300")
     monkeypatch.setenv("RUNPLANE_POLICY_TIMEOUT_S", "2.5")

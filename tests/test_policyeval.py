@@ -1,6 +1,6 @@
-"""services/policyeval.py on its own: compiling Rego with regopy, and each set's verdict on
+"""infra/policy/evaluate.py on its own: compiling Rego with regopy, and each set's verdict on
 a plan's JSON, in this process (what the policy sandbox's child runs), and the same
-answers through the sandbox (services/policysandbox.py). No NATS, no Terraform."""
+answers through the sandbox (infra/policy/sandbox.py). No NATS, no Terraform."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from events.errors import Invalid
 from events.policies import PolicySet
 from executor.policy import sensitive_strings
-from services.policyeval import InvalidPolicy, compile_check, evaluate, package_of
-from services.policysandbox import PolicySandbox
+from infra.policy.evaluate import InvalidPolicy, compile_check, evaluate, package_of
+from infra.policy.sandbox import PolicySandbox
 
 NO_DELETES = """package terraform.deletes
 import rego.v1

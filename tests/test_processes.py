@@ -10,11 +10,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events.run import Workspace
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
 from projections.readmodel import ReadModel
-from services.commands import App
-from services.demo import DEMO_ORG, DEMO_WS, ensure_demo, make_demo_repo
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.root.demo import DEMO_ORG, DEMO_WS, ensure_demo, make_demo_repo
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
 from tests.test_scheduler import FakeExecutor, check_history

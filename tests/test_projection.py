@@ -28,12 +28,12 @@ from events.run import (
     StartStep,
     Workspace,
 )
+from infra import streams
+from infra.eventstore import EventStore, wait_for_stream
+from infra.natsserver import EmbeddedNats
 from projections import Projector, replay
 from projections.readmodel import ReadModel
-from services.commands import App, Result, hash_token
-from services.infra import streams
-from services.infra.eventstore import EventStore, wait_for_stream
-from services.infra.natsserver import EmbeddedNats
+from services.app.commands import App, Result, hash_token
 from tests.helpers import eventually
 
 ORG = "acme"

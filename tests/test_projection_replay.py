@@ -13,13 +13,13 @@ from events.codec import encode, run_subject, ws_subject
 from events.org import OrgCreated
 from events.run import PlanFinished, PlanSummary, RunCreated, RunQueued, Workspace
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased, WorkspaceCreated
+from infra.eventstore import EventStore
 from projections import Projector, ReplayError, replay
 from projections.batch import apply_batch
 from projections.ordered import OrderedReader
 from projections.readmodel import ReadModel
 from projections.schema import connect
-from services.commands import App
-from services.infra.eventstore import EventStore
+from services.app.commands import App
 from tests.test_projection import ORG, settle, varied_history
 
 

@@ -677,6 +677,6 @@ def test_a_quiet_event_calls_for_nothing_whatever_the_state_and_no_other_is_quie
 
 def test_the_phases_a_run_end_purges_are_the_boards() -> None:
     """`react` is pure (no services import): its copy of the board's phases must agree."""
-    from services.infra.heartbeats import PHASES
+    from infra.heartbeats import PHASES
 
     assert rx.PHASES == PHASES

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from services.processes import quickstart
+from services.root.processes import quickstart
 from tests.procs import ROOT, Client, Proc, free_port, wait_healthy
 
 pytestmark = pytest.mark.terraform
@@ -57,7 +57,7 @@ def _clone(tmp: Path) -> Path:
     shutil.copy(ROOT / "dev", clone / "dev")
     shutil.copy(ROOT / "pyproject.toml", clone / "pyproject.toml")
     script = clone / ".venv" / "bin" / "runplane"
-    script.write_text(f'#!/bin/sh\nexec {sys.executable} -m services.cli "$@"\n')
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} -m services.root.cli "$@"\n')
     script.chmod(0o755)
     (clone / ".venv" / "bin" / "python").symlink_to(sys.executable)
     (clone / ".venv" / ".runplane-installed").touch()

@@ -18,13 +18,13 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events.errors import IllegalTransition
 from events.workspace import RunReleased
-from services.commands import App, new_id
-from services.infra import heartbeats
-from services.infra.eventstore import EventStore
-from services.infra.heartbeats import Board, body, subject
-from services.infra.natsserver import EmbeddedNats
-from services.scheduler.reaper import Reaper, Verdict, silent_guard
-from services.scheduler.scheduler import Scheduler
+from infra import heartbeats
+from infra.eventstore import EventStore
+from infra.heartbeats import Board, body, subject
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App, new_id
+from services.processes.scheduler.reaper import Reaper, Verdict, silent_guard
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 
 ORG = "acme"
@@ -194,7 +194,7 @@ async def test_an_executor_dead_between_claim_and_first_beat_is_reaped(
 
 async def test_the_claimed_beat_never_overwrites_the_executors_own(app: App, board: Board) -> None:
     """Adopting a lease that already beat publishes nothing (no older news over newer)."""
-    from services.scheduler.watch import adopt
+    from services.processes.scheduler.watch import adopt
 
     await workspace(app, "net", heartbeat=60)
     run_id = await queued_run(app, "net")

@@ -10,12 +10,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
-from services.commands import App
-from services.infra.heartbeats import Beat, Board, Body, beat_interval, server_time
-from services.infra.streams import DISPATCH, executor_consumer
-from services.scheduler.reaper import Reaper, Verdict, judge
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.watch import mark_dispatched
+from infra.heartbeats import Beat, Board, Body, beat_interval, server_time
+from infra.streams import DISPATCH, executor_consumer
+from services.app.commands import App
+from services.processes.scheduler.reaper import Reaper, Verdict, judge
+from services.processes.scheduler.scheduler import Scheduler
+from services.processes.scheduler.watch import mark_dispatched
 from tests.helpers import eventually
 from tests.test_core_run import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
 from tests.test_reaper import ORG, beat, claim, failures, queued_run, reaches, state, workspace

@@ -22,11 +22,11 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from executor.worker import default_jobs_dir
-from services.commands import App
-from services.infra.natsserver import EmbeddedNats
-from services.infra.streams import DISPATCH, dispatch_subject, executor_consumer
-from services.scheduler.reaper import Reaper
-from services.scheduler.scheduler import Scheduler
+from infra.natsserver import EmbeddedNats
+from infra.streams import DISPATCH, dispatch_subject, executor_consumer
+from services.app.commands import App
+from services.processes.scheduler.reaper import Reaper
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.procs import Proc, descendants
 from tests.test_executor import MAIN_TF, commit

@@ -21,12 +21,12 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
-from services.commands import App
-from services.infra import streams
-from services.infra.heartbeats import DEADLINE, Beat, Board, subject
-from services.scheduler import watch
-from services.scheduler.reaper import Reaper, Verdict, judge, queued
-from services.scheduler.scheduler import Scheduler
+from infra import streams
+from infra.heartbeats import DEADLINE, Beat, Board, subject
+from services.app.commands import App
+from services.processes.scheduler import watch
+from services.processes.scheduler.reaper import Reaper, Verdict, judge, queued
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
 from tests.test_core_run import HISTORIES

@@ -46,6 +46,7 @@ from events.workspace import (
     WorkspaceLocked,
     WorkspaceUnlocked,
 )
+from infra.eventstore import EventStore
 from projections import Projector, replay
 from projections import fill as fill_mod
 from projections.batch import apply_batch
@@ -54,7 +55,6 @@ from projections.ordered import Delivered, OrderedReader
 from projections.project import Working
 from projections.readmodel import ReadModel
 from projections.schema import BY_NAME, EVENTS, TABLES, connect
-from services.infra.eventstore import EventStore
 from tests.test_projection_fold import T0, decide_all
 
 ORG = "acme"

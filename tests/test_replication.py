@@ -17,11 +17,12 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from services import natsstatus
-from services.infra import replicas as rep
-from services.infra import streams
-from services.infra.natsserver import EmbeddedNats
-from services.runtime import ConfigError, Options, nats_connection
+from infra import replicas as rep
+from infra import streams
+from infra.natsserver import EmbeddedNats
+from infra.options import ConfigError, Options
+from services.root import natsstatus
+from services.root.runtime import nats_connection
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.procs import ROOT, TEST_KEY
@@ -71,7 +72,7 @@ async def test_more_replicas_than_servers_is_one_clear_error(
     }
     done = await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "services.cli", "up", "--data-dir", str(tmp_path / "d")],
+        [sys.executable, "-m", "services.root.cli", "up", "--data-dir", str(tmp_path / "d")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -111,7 +112,7 @@ async def test_nats_status_finds_the_server_of_a_running_up(tmp_path: Path) -> N
         args = ["nats", "status", "--data-dir", str(tmp_path / "data")]
         done = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "services.cli", *args],
+            [sys.executable, "-m", "services.root.cli", *args],
             capture_output=True,
             text=True,
             cwd=ROOT,

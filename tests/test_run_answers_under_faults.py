@@ -16,10 +16,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
+from infra.heartbeats import Board, BoardError, subject
 from projections import projector as projector_module
-from services.api import runs as runs_api
-from services.commands import App
-from services.infra.heartbeats import Board, BoardError, subject
+from services.app.commands import App
+from services.surfaces.api import runs as runs_api
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 from tests.test_reaper import ORG, beat, claim, queued_run, workspace
 

@@ -15,8 +15,8 @@ import pytest
 from events import vcs
 from events.errors import Invalid
 from events.run import Cause, RunCreated
-from services.commands import derived_id, new_id
-from services.vcs import connections as vcs_connections
+from services.app.commands import derived_id, new_id
+from services.processes.vcs import connections as vcs_connections
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -150,8 +150,8 @@ async def test_a_bad_cause_or_commit_is_refused_and_writes_nothing(
 def test_notifications_and_the_ui_show_the_cause() -> None:
     """The notification payload's `runplane.cause`, the UI run page's words for it."""
     from events.run import INITIAL, CreateRun, Workspace, decide, fold
-    from services.notifications import formats
-    from services.ui.pages import _cause
+    from services.processes.notifications import formats
+    from services.surfaces.ui.pages import _cause
 
     sha = "ab" * 20
     cause = Cause(kind="vcs", provider="gitlab", event="push", commit=sha, ref="refs/heads/main")
@@ -194,7 +194,7 @@ async def test_a_workspace_keeps_its_vcs_binding_and_refuses_bad_globs(
         "trigger_tags": ["v*"],
         "vcs_run_type": "plan",
     }
-    # a workspace may name only a connection of its organization (services/api/vcs.py)
+    # a workspace may name only a connection of its organization (services/surfaces/api/vcs.py)
     (await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)).problem(
         "invalid-command", 422
     )

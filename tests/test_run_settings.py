@@ -13,9 +13,9 @@ import nats.js.errors
 import pytest
 
 from executor import terraform as tf
-from services.cli import options, parser
-from services.infra import streams
-from services.scheduler.reaper import Reaper
+from infra import streams
+from services.processes.scheduler.reaper import Reaper
+from services.root.cli import options, parser
 from tests.helpers import eventually, shared_file
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,

@@ -16,10 +16,10 @@ from events import run_triggers as rt
 from events.errors import AlreadyExists, Conflict, NotFound
 from events.react import Follow
 from events.values import Cause, ResourceChange, Snapshot, Workspace
-from services.commands import App, derived_id
-from services.infra.eventstore import Append, Envelope, EventStore
-from services.triggers import graph
-from services.triggers.subscriber import Triggers
+from infra.eventstore import Append, Envelope, EventStore
+from services.app.commands import App, derived_id
+from services.processes.triggers import graph
+from services.processes.triggers.subscriber import Triggers
 from tests.gwt import NOW, Aggregate, given
 from tests.test_api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from events import run as R
-from services.commands import derived_id
-from services.infra.consumer import Consumer, Received
-from services.triggers.subscriber import Triggers, subscription
+from infra.consumer import Consumer, Received
+from services.app.commands import derived_id
+from services.processes.triggers.subscriber import Triggers, subscription
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,

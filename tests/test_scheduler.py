@@ -17,11 +17,11 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events.errors import IllegalTransition
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased
-from services.commands import App, new_id
-from services.infra import streams
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
-from services.scheduler.scheduler import Scheduler
+from infra import streams
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App, new_id
+from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from events import schedule as sc
-from services.schedules.loop import ScheduleLoop, run_id_for
+from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # the `http` fixture
 
 V1 = "/api/v1/orgs"

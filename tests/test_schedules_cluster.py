@@ -18,11 +18,11 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from events import schedule as sc
-from services.commands import App
-from services.infra import streams
-from services.infra.eventstore import EventStore
-from services.schedules import store
-from services.schedules.loop import ScheduleLoop, run_id_for
+from infra import streams
+from infra.eventstore import EventStore
+from services.app.commands import App
+from services.processes.schedules import store
+from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from tests.cluster_support import NatsCluster
 from tests.schedule_support import Clock, fires_of, make_schedule, minute_at, runs_of
 

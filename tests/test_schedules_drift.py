@@ -15,10 +15,10 @@ import pytest
 
 from events.run import Workspace
 from executor import Executor
-from services.api import secrets as secrets_api
-from services.notifications.delivery import Policy
-from services.notifications.subscriber import serving
-from services.schedules.loop import ScheduleLoop, run_id_for
+from services.processes.notifications.delivery import Policy
+from services.processes.notifications.subscriber import serving
+from services.processes.schedules.loop import ScheduleLoop, run_id_for
+from services.surfaces.api import secrets as secrets_api
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the `nhttp` fixture
 from tests.test_api_support import Http

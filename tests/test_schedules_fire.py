@@ -1,4 +1,4 @@
-"""The schedule loop (services/schedules/loop.py) on a real nats-server, over a simulated
+"""The schedule loop (services/processes/schedules/loop.py) on a real nats-server, over a simulated
 clock (each `tick(now)` is given its time: nothing sleeps): two replicas racing fire each
 time exactly once; a fire while a run of the schedule waits is skipped and recorded, one
 while another run holds the workspace is queued; missed fires are one fire or one skip;
@@ -19,11 +19,11 @@ from events import run as R
 from events import schedule as sc
 from events.run_events import Status
 from events.templates import DeleteTemplate, SaveTemplate, TemplateStep
-from services.commands import App, Result
-from services.infra.eventstore import Append, EventStore
-from services.infra.natsserver import EmbeddedNats
-from services.schedules import store
-from services.schedules.loop import ScheduleLoop, run_id_for
+from infra.eventstore import Append, EventStore
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App, Result
+from services.processes.schedules import store
+from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from tests.helpers import eventually
 from tests.schedule_support import T0, Clock, cancel, fires_of, make_schedule, minute_at, runs_of
 

@@ -13,11 +13,11 @@ import pytest
 
 from events import run as R
 from events import schedule as sc
-from services.commands import App
-from services.demo import make_demo_repo
-from services.infra.natsserver import EmbeddedNats
-from services.schedules import store
-from services.schedules.loop import run_id_for
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.processes.schedules import store
+from services.processes.schedules.loop import run_id_for
+from services.root.demo import make_demo_repo
 from tests.helpers import eventually
 from tests.procs import Proc
 from tests.schedule_support import fires_of, runs_of

@@ -13,11 +13,11 @@ from nats.aio.client import Client as NATS
 from events.run import ClaimPhase, FailRun, Workspace
 from executor import secrets as executor_secrets
 from executor.errors import StepFailed
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.infra.kv import SECRETS_BUCKET
-from services.infra.streams import LOGS_BUCKET
-from services.secrets import SecretsResponder, SecretStore
+from infra.crypto import KeyRing
+from infra.kv import SECRETS_BUCKET
+from infra.streams import LOGS_BUCKET
+from services.app.commands import App
+from services.app.secrets import SecretsResponder, SecretStore
 from tests.canary_support import assert_no_file_holds, assert_no_stream_holds
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures

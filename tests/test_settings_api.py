@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from events.settings import SPECS
-from services.scheduler.reaper import Reaper
+from services.processes.scheduler.reaper import Reaper
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,

@@ -13,12 +13,12 @@ import pytest
 
 from events import chat as chat_agg
 from events.run import CancelRun, ResourceChange, RunApproved, RunDiscarded
-from services.chat import signing
-from services.chat import text as tx
-from services.chat.subscriber import build
-from services.chat.worker import digest_of
-from services.infra.consumer import Consumer
-from services.infra.eventstore import Append
+from infra.consumer import Consumer
+from infra.eventstore import Append
+from services.processes.chat import signing
+from services.processes.chat import text as tx
+from services.processes.chat.subscriber import build
+from services.processes.chat.worker import digest_of
 from tests.helpers import eventually
 from tests.slack_support import (  # noqa: F401  # registers the fixture
     Slack,

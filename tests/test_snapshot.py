@@ -12,7 +12,7 @@ import pytest
 
 from events.codec import tag_of
 from events.run import PlanFinished, RunFailed, RunState, Workspace
-from services import snapshot
+from services.app import snapshot
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,

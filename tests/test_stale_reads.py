@@ -42,12 +42,12 @@ from events.codec import org_subject
 from events.org import OrgCreated
 from events.run import Status
 from executor.statestore import StateStore, StateStoreError, ws_key
-from services.commands import App
-from services.infra import kv, streams
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import Append, EventStore, StoreError, floor
-from services.infra.heartbeats import DEADLINE, Beat, Board, BoardError, body, subject
-from services.scheduler import limits
+from infra import kv, streams
+from infra.crypto import KeyRing
+from infra.eventstore import Append, EventStore, StoreError, floor
+from infra.heartbeats import DEADLINE, Beat, Board, BoardError, body, subject
+from services.app.commands import App
+from services.processes.scheduler import limits
 from tests.cluster_support import NatsCluster, Node
 from tests.test_reaper import ORG, queued_run, state, workspace
 

@@ -19,10 +19,10 @@ from events.run import FailRun, PhaseStarted, StateVersionCreated, Workspace
 from executor import statebackend
 from executor.statestore import StateStore, StateStoreError
 from executor.worker import default_jobs_dir
-from services.commands import App
-from services.infra.crypto import KeyRing, encode_key
-from services.infra.natsserver import EmbeddedNats
-from services.infra.streams import PLANS_BUCKET, STATE_BUCKET
+from infra.crypto import KeyRing, encode_key
+from infra.natsserver import EmbeddedNats
+from infra.streams import PLANS_BUCKET, STATE_BUCKET
+from services.app.commands import App
 from tests.helpers import eventually
 from tests.lock_support import backends
 from tests.plane_support import (  # noqa: F401  # registers the fixtures

@@ -11,13 +11,13 @@ from nats.aio.client import Client as NATS
 from nats.js.api import DeliverPolicy
 
 from events import run as R
-from services.commands import App
-from services.infra import streams
-from services.infra.natsserver import EmbeddedNats
-from services.runtime import ConfigError, Options
-from services.subscribers import registry
-from services.subscribers.host import MODULES_ENV, Host, all_subscriptions
-from services.subscribers.registry import SubscriberContext
+from infra import streams
+from infra.natsserver import EmbeddedNats
+from infra.options import ConfigError, Options
+from services.app.commands import App
+from services.processes.subscribers import registry
+from services.processes.subscribers.host import MODULES_ENV, Host, all_subscriptions
+from services.processes.subscribers.registry import SubscriberContext
 from tests.helpers import eventually
 from tests.procs import Proc
 

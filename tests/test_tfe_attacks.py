@@ -15,9 +15,9 @@ import msgspec
 import pytest
 from yarl import URL
 
-from services.infra.crypto import KeyRing
-from services.tfe.capability import CapabilityError, Signer
-from services.tfe.context import TFE
+from infra.crypto import KeyRing
+from services.surfaces.tfe.capability import CapabilityError, Signer
+from services.surfaces.tfe.context import TFE
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]

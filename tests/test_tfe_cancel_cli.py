@@ -34,10 +34,10 @@ from yarl import URL
 
 from events.run import ApproveRun, CancelRun, ClaimPhase, FinishPlan, PlanSummary
 from executor.terraform import default_binary
-from services.api.app import build_app
-from services.infra.steplogs import log_subject
-from services.secrets import SecretStore
-from services.tfe import logs
+from infra.steplogs import log_subject
+from services.app.secrets import SecretStore
+from services.surfaces.api.app import build_app
+from services.surfaces.tfe import logs
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_cli import CLOUD_HCL, _newer_terraform
@@ -212,7 +212,7 @@ async def test_another_organizations_token_cancels_no_cli_run(tfe: Tfe) -> None:
 
 @asynccontextmanager
 async def served_as_runplane_serves(tfe: Tfe) -> AsyncIterator[str]:
-    """tfe's API on a second app run as services/runtime.py runs it: aiohttp's test
+    """tfe's API on a second app run as services/root/runtime.py runs it: aiohttp's test
     server cancels a handler whose client went away, runplane's runner does not."""
     web_app = build_app(
         app=tfe.app,

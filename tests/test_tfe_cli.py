@@ -27,7 +27,7 @@ import pytest
 from yarl import URL
 
 from executor.terraform import default_binary
-from services.tfe.login import AUTHZ
+from services.surfaces.tfe.login import AUTHZ
 from tests.helpers import eventually
 from tests.procs import Proc, free_port, signal
 from tests.tfe_support import Terminal

@@ -1,5 +1,5 @@
 """What an organization's configuration versions may hold of the shared object store, and
-the sweep that deletes the ones no run needs (services/tfe/quota.py), through runplane's
+the sweep that deletes the ones no run needs (services/surfaces/tfe/quota.py), through runplane's
 real API on real NATS. Time is the sweep's argument, never a sleep."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from nats.aio.client import Client as NATS
 from yarl import URL
 
 from executor.objects import PLANS_BUCKET, Objects
-from services.infra.natsserver import EmbeddedNats
-from services.tfe import configs, quota
-from services.tfe.configs import ConfigStore
-from services.tfe.quota import QUOTA_TITLE, SWEEPER, Ledger, Limits, Quota, Sweeper
+from infra.natsserver import EmbeddedNats
+from services.surfaces.tfe import configs, quota
+from services.surfaces.tfe.configs import ConfigStore
+from services.surfaces.tfe.quota import QUOTA_TITLE, SWEEPER, Ledger, Limits, Quota, Sweeper
 from tests.helpers import eventually
 from tests.test_tfe_runs_api import archive, new_config, new_run, put
 from tests.tfe_support import Tfe, tfe_fixture

@@ -11,8 +11,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.infra import kv, streams
-from services.tfe.quota import Limits, Quota, QuotaError
+from infra import kv, streams
+from services.surfaces.tfe.quota import Limits, Quota, QuotaError
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 

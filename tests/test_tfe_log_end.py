@@ -1,5 +1,5 @@
 """The end of a phase's log (ETX) reaches a held read when the phase ends, not at the
-read's next look at the run (services/tfe/logs.py): the CLI's `terraform plan` ends that
+read's next look at the run (services/surfaces/tfe/logs.py): the CLI's `terraform plan` ends that
 much sooner (it was up to 0.5 s, 0.25 s on average, of every remote plan)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from yarl import URL
 
-from services.infra.steplogs import log_subject
-from services.tfe import logs
+from infra.steplogs import log_subject
+from services.surfaces.tfe import logs
 from tests.helpers import eventually
 from tests.test_tfe_runs_api import new_run, uploaded
 from tests.tfe_support import Tfe, tfe_fixture

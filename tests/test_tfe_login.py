@@ -1,4 +1,4 @@
-"""`terraform login` by login.v1 (services/tfe/login.py): the browser's session, the
+"""`terraform login` by login.v1 (services/surfaces/tfe/login.py): the browser's session, the
 consent form's CSRF token, the redirect to the CLI's own listener and the PKCE verifier
 are each required; a code is taken once, expires, and buys a token no stronger than the
 session's. Each test shows the legitimate path working first."""
@@ -13,7 +13,7 @@ import secrets
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
-from services.tfe.context import TFE
+from services.surfaces.tfe.context import TFE
 from tests.test_api_support import ADMIN_TOKEN
 from tests.tfe_support import Tfe, tfe_fixture
 

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from executor.terraform import default_binary
-from services.ui.tokens import TOKENS
+from services.surfaces.ui.tokens import TOKENS
 from tests.test_tfe_cli import HCL, ok, plane, terraform
 from tests.tfe_support import Terminal
 

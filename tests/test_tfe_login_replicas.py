@@ -1,4 +1,4 @@
-"""login.v1's codes are exchanged once across every api replica (services/tfe/login.py
+"""login.v1's codes are exchanged once across every api replica (services/surfaces/tfe/login.py
 `TakenCodes`: the `rp-login-codes` bucket, written with `create`), not once per replica:
 two api applications on the same NATS, each with its own read model, as two `runplane
 api` processes are; and on a three-node cluster with the bucket's leader killed."""
@@ -17,9 +17,9 @@ import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from services.infra import streams
-from services.infra.crypto import KeyRing
-from services.infra.kv import LOGIN_CODES_BUCKET, UI_SESSIONS_BUCKET
+from infra import streams
+from infra.crypto import KeyRing
+from infra.kv import LOGIN_CODES_BUCKET, UI_SESSIONS_BUCKET
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.test_tfe_login import _code, _exchange, _pkce, _signin

@@ -1,5 +1,5 @@
 """`terraform login`'s fallback: discovery without login.v1 (`--terraform-login token`) and
-the web UI's `/app/settings/tokens` (services/ui/tokens.py), which makes the token the
+the web UI's `/app/settings/tokens` (services/surfaces/ui/tokens.py), which makes the token the
 CLI asks for. The page needs a session of an organization's user, the form its CSRF
 token and our origin; the token is the session's user, organization and role, shown
 once, never framed. Each test shows the legitimate path working first."""
@@ -13,11 +13,11 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from services import cli
-from services.api.app import build_app
-from services.api.context import API
-from services.secrets import SecretStore
-from services.ui.tokens import TOKENS
+from services.app.secrets import SecretStore
+from services.root import cli
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
+from services.surfaces.ui.tokens import TOKENS
 from tests.procs import ROOT
 from tests.test_api_support import ADMIN_TOKEN
 from tests.test_tfe_login import _signin
@@ -190,7 +190,7 @@ def test_the_setting_is_a_flag_or_the_environment_and_a_bad_value_is_one_line(
     assert cli.options(cli.parser().parse_args(["api"])).terraform_login == "token"
     for argv, env in ((["--terraform-login", "both"], "browser"), ([], "both")):
         out = subprocess.run(
-            [sys.executable, "-m", "services.cli", "api", *argv],
+            [sys.executable, "-m", "services.root.cli", "api", *argv],
             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "RUNPLANE_TERRAFORM_LOGIN": env},
             cwd=ROOT,
             capture_output=True,

@@ -15,9 +15,9 @@ import pytest
 from yarl import URL
 
 from events.run import Status
-from services.infra.steplogs import live_headers, log_subject
-from services.tfe import configs
-from services.tfe.context import TFE
+from infra.steplogs import live_headers, log_subject
+from services.surfaces.tfe import configs
+from services.surfaces.tfe.context import TFE
 from tests.helpers import eventually
 from tests.tfe_support import JSONAPI, Tfe, tfe_fixture
 

@@ -24,10 +24,10 @@ from events.run import (
     fold,
 )
 from executor import terraform as tf
-from services.api.auth import Principal
-from services.commands import App
-from services.tfe import logs
-from services.tfe.runs import render_run
+from services.app.commands import App
+from services.surfaces.api.auth import Principal
+from services.surfaces.tfe import logs
+from services.surfaces.tfe.runs import render_run
 
 AT = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SOURCE = ConfigSource(id="cv-acme.net.01jz", object="config/acme/net/cv.tgz", digest="ab" * 32)

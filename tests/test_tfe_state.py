@@ -35,9 +35,9 @@ from events.workspace import (
     WorkspaceUnlocked,
 )
 from executor.statestore import StateStore
-from services.infra.eventstore import LATEST
-from services.tfe.context import TFE
-from services.tfe.state_push import push_command
+from infra.eventstore import LATEST
+from services.surfaces.tfe.context import TFE
+from services.surfaces.tfe.state_push import push_command
 from tests.gwt import NOW, Aggregate, given
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 from tests.ui.support import Browser

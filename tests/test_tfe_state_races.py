@@ -1,4 +1,4 @@
-"""State pushes racing through several api replicas (services/tfe/state_push.py): what a
+"""State pushes racing through several api replicas (services/surfaces/tfe/state_push.py): what a
 losing push leaves behind. The cluster run of the same (with kill -9) is
 tests/reliability/test_cluster_state_push.py."""
 
@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 
 from events.workspace import RecordStatePush
 from executor.statestore import Head
-from services.tfe.state_push import push_command
+from services.surfaces.tfe.state_push import push_command
 from tests.helpers import eventually
 from tests.test_tfe_login_replicas import replica
 from tests.test_tfe_state import _pushes, _states, _with_state

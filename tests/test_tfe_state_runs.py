@@ -1,7 +1,7 @@
 """A CLI push cut short between its event and its head move is what the next run plans on.
 
 The TFE API records `ws.state_pushed` before it moves the state head
-(services/tfe/state_push.py). If the api dies in between, the workspace is unlocked
+(services/surfaces/tfe/state_push.py). If the api dies in between, the workspace is unlocked
 later and a runplane run is the next reader: its executor's state backend promotes the
 pending version because its event names the head it replaced, so the run plans on the
 state the user pushed, not the one before it. Real nats-server, real Terraform.
@@ -16,7 +16,7 @@ import pytest
 
 from events.run import Workspace
 from executor.statestore import StateStore
-from services.tfe.state_push import push_command
+from services.surfaces.tfe.state_push import push_command
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,

@@ -1,4 +1,4 @@
-"""HTTPS for the API (services/tfe/tls.py): the local CA and its certificate, a given
+"""HTTPS for the API (services/surfaces/tfe/tls.py): the local CA and its certificate, a given
 pair, and the flags' errors as one line."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from cryptography import x509
 
-from services.infra.natsserver import EmbeddedNats
-from services.tfe import tls
+from infra.natsserver import EmbeddedNats
+from services.surfaces.tfe import tls
 from tests.helpers import eventually
 from tests.procs import ROOT, TEST_KEY, Proc, free_port
 
@@ -89,7 +89,7 @@ def test_runplane_api_with_half_a_pair_says_so_in_one_line(tmp_path: Path) -> No
         [
             sys.executable,
             "-m",
-            "services.cli",
+            "services.root.cli",
             "api",
             "--nats-url",
             "nats://127.0.0.1:1",

@@ -19,14 +19,14 @@ from events import org
 from events.codec import org_subject
 from events.errors import Invalid, NotFound
 from events.org import RevokeToken, TokenIssued, TokenRevoked, TokenUsed, uses_subject
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
 from projections import replay
 from projections.projector import Projector
 from projections.readmodel import ReadModel
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
+from services.app.commands import App
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.gwt import NOW, Aggregate, given
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`

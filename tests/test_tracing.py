@@ -1,4 +1,4 @@
-"""Traces (services/infra/tracing.py): one trace from an HTTP create through the events'
+"""Traces (infra/tracing.py): one trace from an HTTP create through the events'
 NATS headers, the scheduler's dispatch and the executor's phase and steps, over real NATS
 and real Terraform; what a caller's headers may put in the stream; and the OTLP/HTTP
 exporter, configured by the environment of a real process, against a local collector."""
@@ -24,10 +24,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from events.run import Workspace
-from services.commands import App
-from services.infra import tracing
-from services.infra.consumer import Consumer, Received, Subscription
-from services.infra.streams import EVENTS, dispatch_subject
+from infra import tracing
+from infra.consumer import Consumer, Received, Subscription
+from infra.streams import EVENTS, dispatch_subject
+from services.app.commands import App
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -192,8 +192,8 @@ async def test_one_trace_from_the_http_create_to_its_notification(
     are each delivered by the notifications subscriber in a `notify <trigger>` span of
     the caller's trace, whose `traceparent` the receiver gets in the delivery's headers;
     the scheduled delivery's event carries it too."""
-    from services.notifications.delivery import Policy
-    from services.notifications.subscriber import serving
+    from services.processes.notifications.delivery import Policy
+    from services.processes.notifications.subscriber import serving
     from tests.notify_support import Receiver
 
     monkeypatch.setenv("RUNPLANE_NOTIFY_ALLOW", "loopback")
@@ -302,7 +302,7 @@ async def test_what_a_callers_trace_headers_may_put_in_the_stream(
 
 
 COLLECTOR_PROBE = """
-from services.infra import tracing
+from infra import tracing
 tracing.setup("probe-service")
 with tracing.span("probe-span", run_id="r1"):
     pass
@@ -376,7 +376,7 @@ async def _probe(env: dict[str, str], script: str = COLLECTOR_PROBE) -> str:
 
 QUIET_PROBE = """
 import json, sys
-from services.infra import tracing
+from infra import tracing
 tracing.setup("quiet")
 out = {}
 with tracing.span_from_headers("root", {}) as root:
@@ -414,7 +414,7 @@ async def test_without_an_exporter_nothing_is_recorded_but_the_trace_id_travels(
 async def test_a_subscribers_delivery_is_a_span_of_the_events_trace(
     nc: NATS, app: App, spans: Recorder
 ) -> None:
-    """The consumer loop (services/infra/consumer.py) hands each message to its handler
+    """The consumer loop (infra/consumer.py) hands each message to its handler
     inside a `deliver rp-sub-<name>` span, the child of the span that appended the event:
     the handler runs in the writer's trace, and what it appends carries it on."""
     seen: dict[str, str] = {}

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from services import trust
-from services.infra.crypto import KEY_FILE
-from services.runtime import ConfigError, Options
+from infra.crypto import KEY_FILE
+from infra.options import ConfigError, Options
+from services.root import trust
 from tests.procs import ROOT
 
 
 def runplane(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "RUNPLANE_CONNECT_TIMEOUT": "2", "RUNPLANE_ENCRYPTION_KEY": ""}
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-m", "services.root.cli", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,

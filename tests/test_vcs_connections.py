@@ -10,10 +10,10 @@ import pytest
 
 from events import vcs
 from events.codec import encode
-from services.api.secrets import SECRETS
-from services.infra.kv import SECRETS_BUCKET
-from services.infra.streams import EVENTS
-from services.vcs import connections as conns
+from infra.kv import SECRETS_BUCKET
+from infra.streams import EVENTS
+from services.processes.vcs import connections as conns
+from services.surfaces.api.secrets import SECRETS
 from tests.test_api_support import Http
 from tests.test_vcs_support import SECRET, V1, connection, deliver, fixture, vhttp_fixture
 

@@ -13,7 +13,7 @@ import pytest
 
 from events import vcs
 from events.errors import Invalid
-from services.vcs import BadPayload, matching, payloads, signing
+from services.processes.vcs import BadPayload, matching, payloads, signing
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vcs"
 NOW = datetime(2026, 12, 1, tzinfo=UTC)

@@ -20,13 +20,13 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events.codec import run_subject
 from events.values import Cause, PlanSummary
-from services.commands import App
-from services.infra.consumer import Consumer, Received, Retry
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import Append, EventStore
-from services.secrets import SecretStore
-from services.vcs.client import Policy
-from services.vcs.report import Reporter, lookup_for, subscription
+from infra.consumer import Consumer, Received, Retry
+from infra.crypto import KeyRing
+from infra.eventstore import Append, EventStore
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.processes.vcs.client import Policy
+from services.processes.vcs.report import Reporter, lookup_for, subscription
 from tests.helpers import eventually
 from tests.test_vcs_report_support import Call, FakeVcs, OutsideConnects
 from tests.test_vcs_support import saved_connection

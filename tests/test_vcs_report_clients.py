@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.vcs.client import Gone, Policy, VcsError
-from services.vcs.github import GitHubClient
-from services.vcs.gitlab import GitLabClient
+from services.processes.vcs.client import Gone, Policy, VcsError
+from services.processes.vcs.github import GitHubClient
+from services.processes.vcs.gitlab import GitLabClient
 from tests.test_vcs_report_support import FakeVcs, OutsideConnects
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
@@ -210,7 +210,7 @@ async def test_a_trickling_gitlab_frees_its_worker_thread_at_the_deadline(vcs: F
     """A server sending a byte every 0.2 s never trips a per-read timeout; the call's
     deadline shuts its sockets, so the worker thread python-gitlab runs in is free again
     (what a hostile GitLab could otherwise hold for ever, one thread per call)."""
-    from services.vcs import gitlab as glmod
+    from services.processes.vcs import gitlab as glmod
 
     vcs.trickle = True
     client = _client("gitlab", vcs.url, Policy(allow=frozenset({"loopback"}), timeout=0.6))

@@ -17,13 +17,13 @@ import pytest
 from events import vcs_report as vr
 from events.react import POLICY_REASON, SUCCEEDED
 from events.run import RunState, Status
-from services.infra.consumer import Retry
-from services.infra.eventstore import Append, EventStore
-from services.vcs import comment
-from services.vcs.client import Policy
-from services.vcs.github import GitHubClient
-from services.vcs.prrun import verdict
-from services.vcs.report import PrRun, Reporter, Verdict
+from infra.consumer import Retry
+from infra.eventstore import Append, EventStore
+from services.processes.vcs import comment
+from services.processes.vcs.client import Policy
+from services.processes.vcs.github import GitHubClient
+from services.processes.vcs.prrun import verdict
+from services.processes.vcs.report import PrRun, Reporter, Verdict
 from tests.test_vcs_report_support import FakeVcs
 
 SHA1 = "1111111111111111111111111111111111111111"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from events.values import Cause
-from services.infra.consumer import Consumer
-from services.vcs.client import Policy
-from services.vcs.report import Reporter, lookup_for, subscription
+from infra.consumer import Consumer
+from services.processes.vcs.client import Policy
+from services.processes.vcs.report import Reporter, lookup_for, subscription
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,

@@ -13,13 +13,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
+from infra.crypto import KeyRing
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.secrets import SecretStore
-from services.vcs import signing
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.processes.vcs import signing
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.test_api_support import ADMIN_TOKEN, Answer, Http
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vcs"
@@ -127,7 +127,7 @@ async def saved_connection(
     from datetime import UTC, datetime
 
     from events import vcs
-    from services.vcs import connections
+    from services.processes.vcs import connections
 
     save = vcs.SaveConnection(
         actor="test",

@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 
 from events.run import RunCreated
-from services.commands import derived_id
-from services.infra import kv
-from services.infra.kv import KvError
-from services.infra.streams import EVENTS
-from services.vcs import connections, signing, webhook
+from infra import kv
+from infra.kv import KvError
+from infra.streams import EVENTS
+from services.app.commands import derived_id
+from services.processes.vcs import connections, signing
+from services.surfaces.webhooks import vcs as webhook
 from tests.helpers import eventually
 from tests.test_api_support import Http
 from tests.test_vcs_support import (

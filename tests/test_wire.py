@@ -16,8 +16,8 @@ from events import wire
 from events.run import RunState
 from events.wire import Dispatch, Heartbeat, SecretsReply, SecretsRequest
 from executor.worker import parse_dispatch
-from services.infra.heartbeats import body, parse
-from services.scheduler import watch
+from infra.heartbeats import body, parse
+from services.processes.scheduler import watch
 
 AT = datetime(2026, 12, 1, 11, 36, 1, 123456, tzinfo=UTC)
 
@@ -35,7 +35,7 @@ class OldDispatch(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class OldBody(msgspec.Struct, frozen=True, kw_only=True):
-    """services/infra/heartbeats.py's `Body` before events/wire.py."""
+    """infra/heartbeats.py's `Body` before events/wire.py."""
 
     lease_id: str = ""
     executor_id: str = ""
@@ -52,7 +52,7 @@ class OldBody(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class OldSecretsRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """services/secrets.py's request before events/wire.py (unknown fields refused)."""
+    """services/app/secrets.py's request before events/wire.py (unknown fields refused)."""
 
     run_id: str
     lease_id: str

@@ -34,21 +34,21 @@ from events.workspace import (
     WorkspaceDeleted,
     WorkspacePurged,
 )
+from infra import streams
+from infra.crypto import KeyRing
+from infra.eventstore import LATEST, Append, EventStore
+from infra.kv import SECRETS_BUCKET, STATE_HEAD_BUCKET
 from projections import replay
 from projections.projector import Projector
 from projections.readmodel import ReadModel
-from services import repositories
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra import streams
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import LATEST, Append, EventStore
-from services.infra.kv import SECRETS_BUCKET, STATE_HEAD_BUCKET
-from services.notifications import outbox
-from services.schedules import store as schedule_store
-from services.secrets import SecretStore
-from services.triggers import graph
+from services.app import repositories
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.processes.notifications import outbox
+from services.processes.schedules import store as schedule_store
+from services.processes.triggers import graph
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
 from tests.helpers import kv_keys

@@ -23,13 +23,13 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
+from infra.crypto import KeyRing
+from infra.eventstore import EventStore
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import EventStore
-from services.secrets import SecretStore
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.test_api_support import ADMIN_TOKEN, Answer, Http
 
 JSONAPI = "application/vnd.api+json"

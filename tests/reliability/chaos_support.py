@@ -28,10 +28,10 @@ import aiohttp
 import nats
 from nats.aio.client import Client as NATS
 
+from infra.eventstore import EventStore
+from infra.natsserver import _die_with_parent, server_binary
+from infra.streams import EVENTS
 from projections.readmodel import ReadModel
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import _die_with_parent, server_binary
-from services.infra.streams import EVENTS
 from tests.cluster_support import NatsCluster, Node
 from tests.helpers import shared_file
 from tests.procs import Proc, descendants, free_port

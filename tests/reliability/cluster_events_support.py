@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from services.vcs import signing
+from services.processes.vcs import signing
 from tests.cluster_support import NatsCluster
 from tests.procs import free_port
 from tests.reliability.chaos_support import ClusterNats, Component

@@ -11,7 +11,7 @@ from typing import Any
 
 from events import run as R
 from events import workspace as W
-from services.infra.eventstore import EventStore
+from infra.eventstore import EventStore
 
 # Past `pending` and not terminal: the run holds its workspace.
 ACTIVE = frozenset(R.Status) - R.TERMINAL - {R.Status.PENDING}

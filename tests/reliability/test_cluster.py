@@ -45,20 +45,20 @@ import nats.errors
 import pytest
 
 from events import notification as nt
-from services import natsstatus
-from services.chat import subscriber as chat
-from services.cli import options, parser
-from services.infra import replicas as rep
-from services.infra.eventstore import EventStore
-from services.infra.kv import BUCKETS
-from services.infra.streams import (
+from infra import replicas as rep
+from infra.eventstore import EventStore
+from infra.kv import BUCKETS
+from infra.streams import (
     EVENTS,
     OBJECT_BUCKETS,
     SCHEDULER_CONSUMER,
     executor_consumer,
     subscriber_consumer,
 )
-from services.notifications import subscriber as notifications
+from services.processes.chat import subscriber as chat
+from services.processes.notifications import subscriber as notifications
+from services.root import natsstatus
+from services.root.cli import options, parser
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.notify_support import Receiver
@@ -391,7 +391,8 @@ def test_the_deploy_readme_names_everything_runplane_declares_and_reads() -> Non
     assert "`runplane-subscribers@<n>`" in readme  # without one, no notification is sent
     assert [n for n in names if f"`{n}`" not in readme and f"> {n}`" not in readme] == []
     # Every variable the environment file of the README sets is one runplane reads.
-    source = "\n".join(p.read_text() for p in (DEPLOY.parent / "services").rglob("*.py"))
+    product = ("services", "infra", "executor", "projections", "events")
+    source = "\n".join(p.read_text() for d in product for p in (DEPLOY.parent / d).rglob("*.py"))
     env_file = re.findall(r"^\s+(RUNPLANE_\w+)=", readme, re.M)
     assert {"RUNPLANE_ADMIN_TOKEN", "RUNPLANE_ENCRYPTION_KEY", "RUNPLANE_NATS_URL"} <= set(env_file)
     assert [v for v in env_file if v not in source] == []

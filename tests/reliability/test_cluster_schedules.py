@@ -44,11 +44,11 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events import schedule as sc
 from events.run_events import RunCreated
-from services.commands import App
-from services.infra import streams
-from services.infra.eventstore import LATEST, EventStore
-from services.infra.streams import EVENTS
-from services.schedules.loop import ScheduleLoop, run_id_for
+from infra import streams
+from infra.eventstore import LATEST, EventStore
+from infra.streams import EVENTS
+from services.app.commands import App
+from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from tests.cluster_support import NatsCluster
 from tests.reliability.chaos_support import ClusterNats
 from tests.reliability.cluster_events_support import write_summary

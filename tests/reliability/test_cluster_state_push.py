@@ -1,4 +1,4 @@
-"""CLI state pushes through the TFE API (services/tfe/state_push.py) on a three-node
+"""CLI state pushes through the TFE API (services/surfaces/tfe/state_push.py) on a three-node
 JetStream cluster (tests/cluster_support.py, replicas 3) while kill -9 strikes.
 
 Two api replicas (each its own App, projector and read model, the deployment's one key
@@ -53,16 +53,16 @@ from events.workspace import StatePushed
 from executor import Executor
 from executor.statebackend import USER, StateBackend
 from executor.statestore import Head, StateStore, StateStoreError, version_object
-from services.commands import App
-from services.infra import streams
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import LATEST, EventStore
-from services.infra.kv import STATE_HEAD_BUCKET
-from services.infra.streams import EVENTS
-from services.scheduler.scheduler import Scheduler
-from services.secrets import SecretsResponder, SecretStore
-from services.snapshot import Snapshotter
-from services.tfe import ids
+from infra import streams
+from infra.crypto import KeyRing
+from infra.eventstore import LATEST, EventStore
+from infra.kv import STATE_HEAD_BUCKET
+from infra.streams import EVENTS
+from services.app.commands import App
+from services.app.secrets import SecretsResponder, SecretStore
+from services.app.snapshot import Snapshotter
+from services.processes.scheduler.scheduler import Scheduler
+from services.surfaces.tfe import ids
 from tests.cluster_support import NatsCluster, Node
 from tests.helpers import eventually
 from tests.plane_support import commit

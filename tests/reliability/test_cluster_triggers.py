@@ -28,12 +28,12 @@ import pytest
 
 from events import run as R
 from events.run_events import RunCreated, RunEvent
-from services.commands import derived_id
-from services.infra import replicas as rep
-from services.infra.directget import InfraError
-from services.infra.eventstore import LATEST, Envelope, EventStore
-from services.infra.streams import EVENTS, subscriber_consumer
-from services.triggers import subscriber as run_triggers
+from infra import replicas as rep
+from infra.directget import InfraError
+from infra.eventstore import LATEST, Envelope, EventStore
+from infra.streams import EVENTS, subscriber_consumer
+from services.app.commands import derived_id
+from services.processes.triggers import subscriber as run_triggers
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.reliability.chaos_support import (

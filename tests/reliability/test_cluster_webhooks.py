@@ -26,9 +26,9 @@ import pytest
 
 from events import vcs
 from events.run_events import RunCreated
-from services.commands import derived_id
-from services.infra.eventstore import EventStore
-from services.infra.streams import EVENTS
+from infra.eventstore import EventStore
+from infra.streams import EVENTS
+from services.app.commands import derived_id
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.reliability.chaos_support import (

@@ -31,16 +31,16 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
+from infra import streams
+from infra.crypto import KeyRing
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
 from projections.projector import Projector
-from services.api import middleware
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra import streams
-from services.infra.crypto import KeyRing
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
-from services.secrets import SecretStore
+from services.app.commands import App
+from services.app.secrets import SecretStore
+from services.surfaces.api import middleware
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.reliability.support import ThreadLoop
 
 ADMIN = f"fuzz-admin-{secrets.token_hex(8)}"

@@ -1,5 +1,5 @@
 """A hypothesis state machine of the run lifecycle and the workspace queue, driven through
-`services.commands.App` against the real event store (a real nats-server started for the
+`services.app.commands.App` against the real event store (a real nats-server started for the
 test; the broker is never mocked).
 
 Hypothesis' stateful tests are synchronous, so every step runs its coroutine on one event
@@ -36,10 +36,10 @@ from hypothesis.stateful import (
 
 from events import run as R
 from events.errors import DomainError, Forbidden, IllegalTransition, StaleLease
-from services.commands import App, new_id
-from services.infra import streams
-from services.infra.eventstore import EventStore
-from services.infra.natsserver import EmbeddedNats
+from infra import streams
+from infra.eventstore import EventStore
+from infra.natsserver import EmbeddedNats
+from services.app.commands import App, new_id
 from tests.reliability.history import replay
 from tests.reliability.support import ThreadLoop
 

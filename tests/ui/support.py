@@ -16,9 +16,9 @@ from nats.aio.client import Client as NATS
 from yarl import URL
 
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
+from services.app.commands import App
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
 from tests.test_api_support import ADMIN_TOKEN, Http
 
 _CSRF = re.compile(r'name="csrf" value="([^"]*)"')

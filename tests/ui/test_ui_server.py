@@ -13,10 +13,10 @@ from aiohttp.test_utils import BaseTestServer, TestClient, TestServer, make_mock
 from nats.aio.client import Client as NATS
 
 from projections.projector import Projector
-from services.api.app import build_app
-from services.commands import App
-from services.processes import banner
-from services.ui.sessions import COOKIE, Sessions, set_cookie
+from services.app.commands import App
+from services.root.processes import banner
+from services.surfaces.api.app import build_app
+from services.surfaces.ui.sessions import COOKIE, Sessions, set_cookie
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN
 from tests.ui.support import Page, Ui, ui_fixture  # noqa: F401  # the fixture

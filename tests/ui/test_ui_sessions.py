@@ -13,13 +13,13 @@ import pytest
 from aiohttp.test_utils import BaseTestServer, TestClient, TestServer
 from nats.aio.client import Client as NATS
 
+from infra import kv, streams
+from infra.eventstore import EventStore
 from projections.projector import Projector
-from services.api.app import build_app
-from services.api.context import API
-from services.commands import App
-from services.infra import kv, streams
-from services.infra.eventstore import EventStore
-from services.ui.sessions import Sessions, _key
+from services.app.commands import App
+from services.surfaces.api.app import build_app
+from services.surfaces.api.context import API
+from services.surfaces.ui.sessions import Sessions, _key
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually, kv_keys
 from tests.test_api_support import ADMIN_TOKEN, Http

@@ -1,1 +1,0 @@
-"""The HTTP API (aiohttp): see `services.api.app.build_app`."""

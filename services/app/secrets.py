@@ -1,0 +1,173 @@
+"""Secret variables: stored only sealed, handed to an executor only under its current lease.
+
+Values live in the KV bucket `rp-secrets`, one key per variable (`<org>.<ws>.<name>`), each
+sealed with the key ring and bound to its key name, so a value copied under another key does
+not open. Events carry the names only.
+
+An executor asks at the start of a phase with a request to `rp.secrets.<org>.<ws>` carrying
+`{"run_id", "lease_id"}` (`events.wire.SecretsRequest`; the reply is a `SecretsReply`).
+The `SecretsResponder` (run beside the scheduler, which holds the key) answers only if that
+lease is the run's current one, with the values of the secret variables the run was pinned
+to (its snapshot), sealed again for that run and lease. No stream captures `rp.secrets.>`:
+the request and its answer are never stored.
+"""
+
+from __future__ import annotations
+
+import re
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import nats.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from events import wire
+from events.codec import valid_id
+from events.run import RunState
+from events.wire import SecretsReply
+from infra.crypto import CryptoError, KeyRing
+from infra.kv import SECRETS_BUCKET, last_values
+
+if TYPE_CHECKING:  # the app imports the snapshot, which imports this module
+    from services.app.commands import App
+
+log = structlog.get_logger(__name__)
+
+SUBJECT_PREFIX = "rp.secrets"
+QUEUE = "rp-secrets"
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,127}$")
+MAX_VALUE = 64 * 1024
+
+
+class SecretError(Exception):
+    """A secret could not be stored, read or handed over."""
+
+    retryable = False
+
+
+def valid_name(name: str) -> bool:
+    """A Terraform variable name (letters, digits, `_`, `-`; not starting with a digit)."""
+    return NAME_RE.fullmatch(name) is not None
+
+
+def secrets_subject(org: str, ws: str) -> str:
+    return f"{SUBJECT_PREFIX}.{org}.{ws}"
+
+
+def reply_context(run_id: str, lease_id: str) -> str:
+    """What a sealed answer is bound to: it opens only for this run and lease."""
+    return f"secrets:{run_id}:{lease_id}"
+
+
+def secret_names(run: RunState) -> list[str]:
+    """The secret variables a run is pinned to: its snapshot's, else its workspace's."""
+    if run.snapshot is not None:
+        return sorted(v.name for v in run.snapshot.variables if v.sensitive)
+    return sorted(run.config.secret_variables) if run.config else []
+
+
+class SecretStore:
+    """Sealed secret values in KV, read and written by the api and the scheduler."""
+
+    def __init__(self, nc: NATS, keyring: KeyRing) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.keyring = keyring
+
+    @staticmethod
+    def key(org: str, ws: str, name: str) -> str:
+        return f"{org}.{ws}.{name}"
+
+    async def put(self, org: str, ws: str, name: str, value: str) -> None:
+        key = self.key(org, ws, name)
+        kv = await self.js.key_value(SECRETS_BUCKET)
+        await kv.put(key, self.keyring.seal(value.encode(), key))
+
+    async def delete(self, org: str, ws: str, name: str) -> bool:
+        """Remove a secret variable; False if there was none."""
+        if name not in await self.names(org, ws):
+            return False
+        kv = await self.js.key_value(SECRETS_BUCKET)
+        await kv.purge(self.key(org, ws, name))
+        return True
+
+    async def names(self, org: str, ws: str) -> list[str]:
+        return sorted(await self._sealed(org, ws))
+
+    async def values(self, org: str, ws: str, names: list[str]) -> dict[str, str]:
+        """The clear values of `names`; SecretError if one is missing or does not open."""
+        sealed = await self._sealed(org, ws)
+        missing = sorted(set(names) - set(sealed))
+        if missing:
+            raise SecretError(f"secret variable(s) {', '.join(missing)} no longer exist")
+        try:
+            return {n: self.keyring.open(sealed[n], self.key(org, ws, n)).decode() for n in names}
+        except CryptoError as e:
+            raise SecretError(f"a secret variable of {org}/{ws} does not open: {e}") from e
+
+    async def _sealed(self, org: str, ws: str) -> dict[str, bytes]:
+        found = await last_values(self.nc, SECRETS_BUCKET, f"{org}.{ws}.*")
+        return {k.rsplit(".", 1)[1]: v for k, v in found.items() if v}
+
+
+class SecretsResponder:
+    """Answers executors' secret requests; an async context manager, one or many replicas."""
+
+    def __init__(self, nc: NATS, app: App, store: SecretStore) -> None:
+        self.nc = nc
+        self.app = app
+        self.store = store
+        self._sub: Subscription | None = None
+
+    async def __aenter__(self) -> SecretsResponder:
+        self._sub = await self.nc.subscribe(f"{SUBJECT_PREFIX}.*.*", queue=QUEUE, cb=self._on)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    async def _on(self, msg: Msg) -> None:
+        _, _, org, ws = msg.subject.split(".")
+        try:
+            reply = await self.answer(org, ws, msg.data)
+        except Exception as e:  # an answer is owed whatever failed; the cause is logged
+            log.exception("secrets_request_failed", org=org, workspace=ws)
+            reply = SecretsReply(error=f"the secrets responder failed: {type(e).__name__}")
+        try:
+            await msg.respond(wire.encode(reply))
+        except nats.errors.Error as e:
+            log.warning("secrets_reply_failed", error=repr(e))
+
+    async def answer(self, org: str, ws: str, data: bytes) -> SecretsReply:
+        """The reply: the values sealed for the current lease, else why not."""
+        try:
+            req = wire.decode_secrets_request(data)
+        except wire.WireError as e:
+            return SecretsReply(error=str(e))
+        if not all(valid_id(x) for x in (org, ws, req.run_id)):
+            return SecretsReply(error="ids are not subject-safe tokens")
+        run: RunState = (await self.app.load_run(org, ws, req.run_id)).state
+        if not run.exists or run.terminal or not run.lease_id or run.lease_id != req.lease_id:
+            log.warning("secrets_refused", org=org, workspace=ws, run_id=req.run_id)
+            return SecretsReply(
+                error=f"lease {req.lease_id} is not the current lease of run {req.run_id}"
+            )
+        try:
+            values = await self.store.values(org, ws, secret_names(run))
+        except SecretError as e:
+            return SecretsReply(error=str(e))
+        sealed = self.store.keyring.seal(
+            wire.encode(values), reply_context(req.run_id, req.lease_id)
+        )
+        log.info("secrets_handed_over", org=org, workspace=ws, run_id=req.run_id, n=len(values))
+        return SecretsReply(sealed=sealed)

@@ -1,0 +1,125 @@
+"""The admission snapshot: what a run is pinned to before any executor sees it.
+
+The scheduler resolves the workspace branch's head with `git ls-remote` (bounded by a
+timeout), lists the variable names with their origins (secret values never: only the
+names of the secret variables stored for the workspace), and copies the effective
+settings. The plan then checks out exactly that commit, however far the branch has moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from events.errors import DomainError
+from events.inherit import config_settings
+from events.run import RunState, Snapshot, VariableRef, Workspace
+from events.settings import effective
+from infra.childenv import git_env, kill_group
+from services.app.secrets import SecretStore
+
+# A slow remote holds only its workspace's lane, marked in progress while it waits.
+DEFAULT_TIMEOUT = 20.0
+_SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
+_MAX_ERROR = 2000
+
+
+class SnapshotFailed(DomainError):
+    """The snapshot cannot be taken (the branch cannot be resolved); the run fails."""
+
+    code = "checkout-failed"
+
+
+async def resolve_commit(repository: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT) -> str:
+    """The sha `refs/heads/<branch>` points at in `repository`; SnapshotFailed if none."""
+    ref = f"refs/heads/{branch}"
+    proc = await asyncio.create_subprocess_exec(
+        *("git", "ls-remote", "--exit-code", "--", repository, ref),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=git_env(),
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError as e:
+        await kill_group(proc)
+        raise SnapshotFailed(f"git ls-remote {repository} timed out after {timeout:g}s") from e
+    if proc.returncode == 2:
+        raise SnapshotFailed(f"branch {branch!r} not found in {repository}")
+    if proc.returncode != 0:
+        text = err.decode(errors="replace").strip()[-_MAX_ERROR:]
+        raise SnapshotFailed(f"git ls-remote {repository} failed (exit {proc.returncode}): {text}")
+    return _sha_of(out.decode(errors="replace"), ref, repository)
+
+
+def _sha_of(listing: str, ref: str, repository: str) -> str:
+    for line in listing.splitlines():
+        sha, _, name = line.partition("\t")
+        if name == ref and _SHA.fullmatch(sha):
+            return sha
+    raise SnapshotFailed(f"git ls-remote {repository} did not list {ref}")
+
+
+def variables(config: Workspace, secret_names: list[str]) -> list[VariableRef]:
+    """Plain variables, then secret ones, each by name with its origin."""
+    plain = [VariableRef(name=n, origin="workspace") for n in sorted(config.variables)]
+    hidden = [VariableRef(name=n, origin="workspace", sensitive=True) for n in secret_names]
+    return plain + hidden
+
+
+def settings(config: Workspace) -> dict[str, Any]:
+    """The settings the run executes under, each `{"value", "origin"}`, as far as the
+    workspace's configuration knows them. The scheduler's `App` overlays the effective
+    settings resolved along organization -> folders -> workspace (services/app/commands.py)."""
+    return {
+        **effective([("workspace", config_settings(config))]),
+        "managed_state": {"value": config.managed_state, "origin": "workspace"},
+    }
+
+
+class Snapshotter:
+    """Takes a run's snapshot at admission; the scheduler's `App` calls it."""
+
+    def __init__(self, secrets: SecretStore | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+        self.secrets = secrets
+        self.timeout = timeout
+        # One `git ls-remote` per repository and branch at a time: admissions that ask
+        # while one runs share its answer (the branch head as of at most one query ago;
+        # at 10,000 workspaces the spawns were half the scheduler's time: bench/README.md).
+        self._resolving: dict[tuple[str, str], asyncio.Future[str]] = {}
+
+    async def _commit(self, repository: str, branch: str) -> str:
+        key = (repository, branch)
+        running = self._resolving.get(key)
+        if running is None:
+            query = resolve_commit(repository, branch, timeout=self.timeout)
+            running = asyncio.ensure_future(query)
+            self._resolving[key] = running
+            running.add_done_callback(lambda _: self._resolving.pop(key, None))
+        return await asyncio.shield(running)
+
+    async def __call__(self, run: RunState) -> Snapshot:
+        config = run.config
+        if config is None:
+            raise SnapshotFailed("the run has no workspace configuration")
+        # A run created for a commit (a webhook's push or pull request) plans exactly it;
+        # else the branch head as of now. A run of an uploaded configuration (the CLI's)
+        # has no commit: its archive's digest, in run.created, pins what it plans.
+        if run.source is not None:
+            commit = ""
+        else:
+            commit = run.requested_commit or await self._commit(config.repository, config.branch)
+        return Snapshot(
+            commit=commit,
+            variables=variables(config, await self._secret_names(run, config)),
+            settings=settings(config),
+        )
+
+    async def _secret_names(self, run: RunState, config: Workspace) -> list[str]:
+        """The secret variables stored now; without a store, the names the workspace had."""
+        if self.secrets is None:
+            return sorted(config.secret_variables)
+        return await self.secrets.names(run.org, run.workspace)

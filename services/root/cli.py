@@ -1,0 +1,289 @@
+"""The `runplane` console script: `up`, `api`, `scheduler`, `executor`, `subscribers`,
+`replay`, `logs`, `nats status`; as the API's client: `login`, `logout`, `run`, `workspace`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import structlog
+
+from infra import logs
+from infra.natsclient import NatsAuth
+from infra.options import ConfigError, Options, prepare_data_dir, private_files
+from services.app import repositories
+from services.surfaces.client import commands as client
+from services.surfaces.client import logs as logs_cli
+
+log = structlog.get_logger(__name__)
+
+
+def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
+    p.add_argument(
+        "--data-dir", type=Path, default=Path(os.environ.get("RUNPLANE_DATA_DIR", ".runplane"))
+    )
+    _nats_opts(p)
+    p.add_argument(
+        "--log-format",
+        choices=logs.FORMATS,
+        default="auto",
+        help="auto: on a terminal `people` for up (a line per run transition, warnings), "
+        "`console` for the others; JSON when stderr is not a terminal",
+    )
+    p.add_argument(
+        "--allowed-repos",
+        default=os.environ.get("RUNPLANE_ALLOWED_REPOS", ""),
+        help="comma-separated repository sources workspaces may name: schemes (https://), "
+        "hosts, path prefixes (/srv/git/); default: remote URLs only (up: local paths too)",
+    )
+    if listen:
+        p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
+        p.add_argument(
+            "--behind-tls-proxy",
+            action="store_true",
+            default=os.environ.get("RUNPLANE_BEHIND_TLS_PROXY", "") in ("1", "true", "yes"),
+            help="browsers reach the API through a TLS proxy that sets X-Forwarded-Proto "
+            "(also RUNPLANE_BEHIND_TLS_PROXY=1): the web UI's cookies are Secure when it "
+            "says https; without it the header is ignored (a client could send it)",
+        )
+        p.add_argument(
+            "--terraform-login",
+            choices=("browser", "token"),
+            default=os.environ.get("RUNPLANE_TERRAFORM_LOGIN", "browser"),
+            help="how `terraform login` gets a token (also RUNPLANE_TERRAFORM_LOGIN): browser "
+            "(login.v1: a browser signed in to the web UI allows it), or token (it asks for "
+            "one made at /app/settings/tokens and pasted at its prompt)",
+        )
+
+
+class _RefuseSecret(argparse.Action):
+    """`--nats-password VALUE` would put the secret in argv (and, being a prefix of
+    `--nats-password-file`, argparse would read it as a file name and print it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object, **__: object) -> None:
+        env = self.option_strings[0].removeprefix("--").upper().replace("-", "_")
+        parser.error(
+            f"{self.option_strings[0]} would put the secret on the command line: "
+            f"set RUNPLANE_{env} or use {self.option_strings[0]}-file"
+        )
+
+
+def _nats_opts(p: argparse.ArgumentParser) -> None:
+    """Where NATS is and how to authenticate. Secrets are never taken on the command line
+    (any local user can read argv in /proc): a password or token comes from the
+    environment or from a file named here."""
+    g = p.add_argument_group("NATS (each flag also RUNPLANE_NATS_*; secrets: env or file)")
+    g.add_argument(
+        "--nats-url",
+        action="append",
+        dest="nats_urls",
+        metavar="URL[,URL...]",
+        help="use these NATS servers (repeatable, or comma separated) instead of starting one",
+    )
+    g.add_argument("--nats-user", default="", help="user (password: RUNPLANE_NATS_PASSWORD)")
+    for secret in ("--nats-password", "--nats-token"):
+        g.add_argument(secret, nargs="?", action=_RefuseSecret, help=argparse.SUPPRESS)
+    g.add_argument("--nats-password-file", default="", metavar="PATH", help="file with a password")
+    g.add_argument("--nats-token-file", default="", metavar="PATH", help="file with a token")
+    g.add_argument("--nats-nkey", default="", metavar="PATH", help="nkey seed file")
+    g.add_argument("--nats-creds", default="", metavar="PATH", help="credentials (.creds) file")
+    g.add_argument("--nats-tls-ca", default="", metavar="PATH", help="CA to verify servers")
+    g.add_argument("--nats-tls-cert", default="", metavar="PATH", help="client certificate")
+    g.add_argument("--nats-tls-key", default="", metavar="PATH", help="client certificate key")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_REPLICAS", "0") or 0),
+        help="replicas of every stream, bucket and consumer (default: 1 alone, 3 on a "
+        "cluster); existing ones are never lowered",
+    )
+
+
+_NATS_FLAGS: tuple[str, ...] = ("user", "password_file", "token_file", "nkey", "creds")
+_NATS_FLAGS += ("tls_ca", "tls_cert", "tls_key")
+
+
+def _nats_auth(ns: argparse.Namespace) -> NatsAuth:
+    flags = {name: getattr(ns, f"nats_{name}", "") for name in _NATS_FLAGS}
+    return NatsAuth.from_env(os.environ, **flags)
+
+
+def _executor_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pool", default=os.environ.get("RUNPLANE_POOL", "default"))
+    p.add_argument(
+        "--terraform-binary",
+        default=os.environ.get("RUNPLANE_TERRAFORM_BINARY", ""),
+        help="terraform or tofu binary (default: the bundled Terraform 1.0.3)",
+    )
+    mirrors = [m for m in os.environ.get("RUNPLANE_PROVIDER_MIRRORS", "").split(":") if m]
+    p.add_argument(
+        "--provider-mirror",
+        dest="provider_mirrors",
+        action="append",
+        type=Path,
+        default=[Path(m) for m in mirrors],
+        help="extra filesystem mirror of providers (repeatable)",
+    )
+    p.add_argument(
+        "--isolation",
+        choices=("auto", "user", "bwrap", "none"),
+        default=os.environ.get("RUNPLANE_ISOLATION", "auto"),
+        help="who jobs run as: a uid of their own (user, needs root), a bubblewrap sandbox "
+        "(bwrap), or the executor itself (none); auto: the first that works",
+    )
+
+
+def _tls_opts(p: argparse.ArgumentParser, *, local: bool) -> None:
+    """HTTPS for the API (the Terraform CLI speaks only HTTPS): services/surfaces/tfe/tls.py."""
+    g = p.add_argument_group("TLS")
+    if local:
+        g.add_argument(
+            "--tls",
+            action="store_true",
+            help="serve HTTPS: the given --tls-cert/--tls-key, or a certificate of a local "
+            "CA made in the data directory (its path is printed to trust)",
+        )
+        g.add_argument(
+            "--tls-name",
+            dest="tls_names",
+            action="append",
+            default=[],
+            metavar="NAME",
+            help="a host name or address the local certificate also covers (repeatable)",
+        )
+    g.add_argument("--tls-cert", default="", metavar="PATH", help="certificate chain (PEM)")
+    g.add_argument("--tls-key", default="", metavar="PATH", help="its private key (PEM)")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="runplane", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run everything on this machine (embedded NATS by default)")
+    _common(up, listen=True)
+    _executor_opts(up)
+    up.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo workspace")
+    _tls_opts(up, local=True)
+    api = sub.add_parser("api", help="run the HTTP API and its projector")
+    _common(api, listen=True)
+    _tls_opts(api, local=False)
+    sched = sub.add_parser("scheduler", help="run admission and dispatch")
+    _common(sched)
+    subs = sub.add_parser("subscribers", help="run every subscriber of the event log")
+    _common(subs)
+    ex = sub.add_parser("executor", help="run an executor")
+    _common(ex)
+    _executor_opts(ex)
+    rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
+    _common(rp)
+    logs_cli.add_parser(sub)
+    client.add_parsers(sub)
+    nats_cmd = sub.add_parser("nats", help="inspect runplane's streams, buckets and consumers")
+    nats_sub = nats_cmd.add_subparsers(dest="nats_command", required=True)
+    status = nats_sub.add_parser(
+        "status", help="replicas, leader, lag and messages of everything runplane declares"
+    )
+    _common(status)
+    status.add_argument(
+        "--repair", action="store_true", help="raise what has fewer replicas than the setting"
+    )
+    return root
+
+
+def _nats_url(ns: argparse.Namespace) -> str:
+    """Flags, else RUNPLANE_NATS_URL: each may hold several comma-separated servers."""
+    given = ns.nats_urls or [os.environ.get("RUNPLANE_NATS_URL", "")]
+    return ",".join(u for u in given if u)
+
+
+def options(ns: argparse.Namespace) -> Options:
+    """The process's options; ConfigError for a setting that cannot be used."""
+    default = repositories.DEFAULTS.get(ns.command, repositories.API_DEFAULT)
+    allowed = getattr(ns, "allowed_repos", "") or default
+    try:
+        repositories.Sources.parse(allowed)
+    except ValueError as e:
+        raise ConfigError(f"--allowed-repos: {e}") from e
+    return Options(
+        allowed_repos=allowed,
+        data_dir=ns.data_dir,
+        nats_url=_nats_url(ns),
+        nats_auth=_nats_auth(ns),
+        replicas=ns.replicas,
+        listen=getattr(ns, "listen", "127.0.0.1:8080"),
+        behind_tls_proxy=getattr(ns, "behind_tls_proxy", False),
+        terraform_login=getattr(ns, "terraform_login", "browser"),
+        admin_token=os.environ.get("RUNPLANE_ADMIN_TOKEN", ""),
+        encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
+        pool=getattr(ns, "pool", "default"),
+        terraform_binary=getattr(ns, "terraform_binary", ""),
+        provider_mirrors=list(getattr(ns, "provider_mirrors", []) or []),
+        demo=getattr(ns, "demo", True),
+        isolation=getattr(ns, "isolation", "auto"),
+        tls=getattr(ns, "tls", False),
+        tls_cert=getattr(ns, "tls_cert", ""),
+        tls_key=getattr(ns, "tls_key", ""),
+        tls_names=list(getattr(ns, "tls_names", []) or []),
+    )
+
+
+async def _dispatch(command: str, opts: Options) -> None:
+    from services.root import processes
+
+    runners = {
+        "up": processes.up,
+        "api": processes.api,
+        "scheduler": processes.scheduler,
+        "executor": processes.executor,
+        "subscribers": processes.subscribers,
+        "replay": processes.replay,
+    }
+    prepare_data_dir(opts.data_dir)
+    async with AsyncExitStack() as stack:
+        await runners[command](opts, stack)
+
+
+async def _nats_command(ns: argparse.Namespace, opts: Options) -> int:
+    from services.root import natsstatus
+
+    async with AsyncExitStack() as stack:
+        return await natsstatus.status(opts, stack, repair=ns.repair, out=sys.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    if ns.command == "logs":  # an API client: no NATS, no structlog
+        return logs_cli.main(ns)
+    if ns.command in client.COMMANDS:  # likewise
+        return client.main(ns)
+    private_files()  # before anything is written into the data directory
+    logs.configure(ns.log_format, for_people=ns.command == "up")
+    try:
+        opts = options(ns)
+        opts.check()
+        if ns.command == "nats":
+            return asyncio.run(_nats_command(ns, opts))
+        asyncio.run(_dispatch(ns.command, opts))
+    except ConfigError as e:
+        print(f"runplane: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        print(
+            f"runplane: {e.strerror or e}: {getattr(e, 'filename', '') or ''}".rstrip(": "),
+            file=sys.stderr,
+        )
+        return 1
+    except Exception as e:  # one line for the user, the details in the log
+        log.exception("fatal")
+        print(f"runplane: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

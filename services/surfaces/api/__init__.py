@@ -1,0 +1,1 @@
+"""The HTTP API (aiohttp): see `services.surfaces.api.app.build_app`."""

@@ -1,0 +1,168 @@
+"""The HTTP API: commands in through `App`, queries out of this replica's projection.
+
+`build_app` wires handlers and middlewares around the adapters it is given; the process's
+composition root owns their lifetimes (the projector is an async context manager).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from infra.metrics import Metrics
+from infra.policy.sandbox import PolicySandbox
+from services.app.commands import App
+from services.app.repositories import Sources
+from services.app.secrets import SecretStore
+from services.surfaces.api import (
+    changes,
+    chat,
+    docs,
+    groups,
+    idempotency,
+    locks,
+    logs,
+    metrics,
+    openapi,
+    orgs,
+    runs,
+    secrets,
+    state,
+    whoami,
+    workspaces,
+)
+from services.surfaces.api import notifications as notifications_api
+from services.surfaces.api import policies as policies_api
+from services.surfaces.api import run_triggers as run_triggers_api
+from services.surfaces.api import schedules as schedules_api
+from services.surfaces.api import settings as settings_api
+from services.surfaces.api import templates as templates_api
+from services.surfaces.api import vcs as vcs_api
+from services.surfaces.api.common import json_response
+from services.surfaces.api.context import API, Api
+from services.surfaces.api.middleware import MIDDLEWARES
+from services.surfaces.tfe import routes as tfe
+from services.surfaces.ui import app as ui
+
+if TYPE_CHECKING:
+    from projections.projector import Projector
+
+V1 = "/api/v1"
+ORG = V1 + "/orgs/{org}"
+RUN = ORG + "/runs/{run}"
+WS = ORG + "/workspaces/{ws}"
+
+
+async def openapi_document(request: web.Request) -> web.Response:
+    return json_response(request.app[OPENAPI])
+
+
+OPENAPI: web.AppKey[dict[str, object]] = web.AppKey("runplane.openapi", dict)
+
+ROUTES = [
+    web.get("/healthz", orgs.healthz, allow_head=False),
+    web.get("/metrics", metrics.metrics, allow_head=False),
+    web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
+    *docs.ROUTES,
+    *whoami.ROUTES,
+    web.post(V1 + "/orgs", orgs.create_org),
+    web.get(ORG, orgs.get_org, allow_head=False),
+    web.post(ORG + "/tokens", orgs.create_token),
+    web.get(ORG + "/tokens", orgs.list_tokens, allow_head=False),
+    web.delete(ORG + "/tokens/{token}", orgs.revoke_token),
+    web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
+    web.get(ORG + "/folders", settings_api.list_folders, allow_head=False),
+    web.post(ORG + "/folders", settings_api.create_folder),
+    web.get(ORG + "/groups", groups.list_groups, allow_head=False),
+    web.post(ORG + "/groups", groups.create_group),
+    web.put(ORG + "/groups/{group}/members", groups.set_group_members),
+    web.get(ORG + "/templates", templates_api.list_templates, allow_head=False),
+    web.get(ORG + "/templates/{template}", templates_api.get_template, allow_head=False),
+    web.put(ORG + "/templates/{template}", templates_api.put_template),
+    web.delete(ORG + "/templates/{template}", templates_api.delete_template),
+    web.get(ORG + "/policies", policies_api.list_policies, allow_head=False),
+    web.get(ORG + "/policies/{policy}", policies_api.get_policy, allow_head=False),
+    web.put(ORG + "/policies/{policy}", policies_api.put_policy),
+    web.delete(ORG + "/policies/{policy}", policies_api.delete_policy),
+    web.get(ORG + "/settings", settings_api.get_org_settings, allow_head=False),
+    web.patch(ORG + "/settings", settings_api.patch_org_settings),
+    web.get(ORG + "/folders/{folder}/settings", settings_api.get_folder_settings, allow_head=False),
+    web.patch(ORG + "/folders/{folder}/settings", settings_api.patch_folder_settings),
+    web.get(WS + "/settings", settings_api.get_workspace_settings, allow_head=False),
+    web.patch(WS + "/settings", settings_api.patch_workspace_settings),
+    web.post(ORG + "/workspaces", orgs.create_workspace),
+    web.get(WS, orgs.get_workspace, allow_head=False),
+    web.patch(WS, orgs.update_workspace),
+    web.delete(WS, workspaces.delete_workspace),
+    web.post(WS + "/purge", workspaces.purge_workspace),
+    web.get(WS + "/runs", runs.list_workspace_runs, allow_head=False),
+    web.get(WS + "/state-versions", state.list_state_versions, allow_head=False),
+    web.put(WS + "/secret-variables/{name}", secrets.put_secret),
+    web.delete(WS + "/secret-variables/{name}", secrets.delete_secret),
+    web.post(WS + "/runs", runs.create_run),
+    web.post(WS + "/lock", locks.lock_workspace),
+    web.post(WS + "/unlock", locks.unlock_workspace),
+    web.get(ORG + "/runs", runs.list_runs, allow_head=False),
+    web.get(RUN, runs.get_run, allow_head=False),
+    web.post(RUN + "/approve", runs.approve_run),
+    web.post(RUN + "/discard", runs.discard_run),
+    web.post(RUN + "/cancel", runs.cancel_run),
+    web.post(RUN + "/rerun", runs.rerun),
+    web.get(RUN + "/events", runs.run_events, allow_head=False),
+    web.get(RUN + "/steps", runs.run_steps, allow_head=False),
+    web.get(RUN + "/changes", changes.run_changes, allow_head=False),
+    web.get(RUN + "/resources", changes.run_resources, allow_head=False),
+    web.get(RUN + "/logs", logs.run_logs, allow_head=False),
+    *notifications_api.routes(ORG, WS),
+    *run_triggers_api.routes(WS),
+    *schedules_api.routes(WS),
+    *chat.ROUTES,
+    *vcs_api.routes(ORG),
+]
+
+
+def build_app(
+    *,
+    app: App,
+    projector: Projector,
+    admin_token: str,
+    ready: Callable[[], bool] | None = None,
+    secret_store: SecretStore | None = None,
+    repositories: Sources | None = None,
+    policy_sandbox: PolicySandbox | None = None,
+    metrics_token: str = "",
+    behind_tls_proxy: bool = False,
+    browser_login: bool = True,
+) -> web.Application:
+    """The aiohttp application of the API over `app` (writes) and `projector` (reads).
+
+    Without a `secret_store` (no encryption key) secret variables answer 503. Without
+    `repositories` a workspace may name any repository (the processes pass the
+    deployment's, services/app/repositories.py). Without a `policy_sandbox`, policies are
+    checked with the deployment's caps (environment). `metrics_token`: a token that
+    opens `/metrics` and nothing else (services/surfaces/api/metrics.py). `behind_tls_proxy`: the
+    web UI believes X-Forwarded-Proto (services/surfaces/ui/sessions.py). `browser_login` False:
+    `terraform login` is not offered login.v1 (services/surfaces/tfe/discovery.py).
+    """
+    web_app = web.Application(middlewares=MIDDLEWARES)
+    web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
+    web_app[idempotency.IDEMPOTENCY] = idempotency.Idempotency(app.store.nc)
+    if secret_store is not None:
+        web_app[secrets.SECRETS] = secret_store
+    if repositories is not None:
+        web_app[orgs.SOURCES] = repositories
+    web_app[policies_api.SANDBOX] = policy_sandbox or PolicySandbox()
+    web_app[OPENAPI] = openapi.document()
+    web_app[metrics.METRICS] = deployment_metrics = Metrics(app.store.nc, projector.db_path)
+    web_app[metrics.METRICS_TOKEN] = metrics.token_digest(metrics_token)
+    web_app.on_cleanup.append(lambda _: deployment_metrics.close())
+    web_app.add_routes(ROUTES)
+    # the web UI: its own routes, authenticated by its session cookie
+    ui.mount(web_app, behind_tls_proxy=behind_tls_proxy)
+    # the TFE API the Terraform CLI speaks (services/surfaces/tfe): after the UI, as it adds to
+    # the routes that authenticate themselves
+    keyring = secret_store.keyring if secret_store is not None else None
+    tfe.mount(web_app, keyring=keyring, js=app.store.nc.jetstream(), browser_login=browser_login)
+    return web_app

@@ -1,0 +1,234 @@
+"""Handlers for organizations, their tokens and their workspaces."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from aiohttp import web
+
+from events.org import RevokeToken
+from events.run import Workspace
+from projections.project import iso
+from services.app import repositories
+from services.surfaces.api import render, secrets, workspaces
+from services.surfaces.api import vcs as vcs_api
+from services.surfaces.api.auth import ADMIN, PRINCIPAL, VIEWER
+from services.surfaces.api.bodies import (
+    MAX_TOKEN_LIFETIME_S,
+    CreateOrgBody,
+    CreateTokenBody,
+    CreateWorkspaceBody,
+    UpdateWorkspaceBody,
+    check_name,
+    check_timeouts,
+    read_body,
+)
+from services.surfaces.api.common import (
+    SEQ_HEADER,
+    Row,
+    items,
+    json_response,
+    path_id,
+    scope,
+    written,
+)
+from services.surfaces.api.context import API, Api
+from services.surfaces.api.problems import Problem
+
+PREFIX = "/api/v1"
+MAX_TOKEN_LIFETIME = timedelta(seconds=MAX_TOKEN_LIFETIME_S)
+# The repository sources this API takes (services/app/repositories.py); absent: any.
+SOURCES: web.AppKey[repositories.Sources] = web.AppKey("runplane.sources", repositories.Sources)
+
+
+async def _existing_org(api: Api, org: str) -> Row:
+    row = await api.read.get_org(org)
+    if row is None:
+        raise Problem("not-found", f"organization {org} not found")
+    return row
+
+
+async def create_org(request: web.Request) -> web.Response:
+    """POST /orgs: the admin token only."""
+    if not request[PRINCIPAL].superuser:
+        raise Problem("forbidden", "only the admin token may create organizations")
+    body = await read_body(request, CreateOrgBody)
+    name = check_name("name", body.name)
+    api = request.app[API]
+    result = await api.app.create_org(name, request[PRINCIPAL].user)
+    return await written(
+        api,
+        result.seq,
+        lambda: api.read.get_org(name),
+        lambda: render.org(result.state, request[PRINCIPAL].user),
+        status=201,
+        location=f"{PREFIX}/orgs/{name}",
+    )
+
+
+async def get_org(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    return json_response(await _existing_org(api, org))
+
+
+async def create_token(request: web.Request) -> web.Response:
+    """POST /orgs/{org}/tokens: the only answer that ever shows the clear token."""
+    api, org, who = scope(request, ADMIN)
+    body = await read_body(request, CreateTokenBody, optional=True)
+    expires_at = token_expiry(body, api.app.clock())
+    token, result = await api.app.issue_token(
+        org, body.user, body.role, who.user, expires_at=expires_at
+    )
+    await api.after_write(result.seq)  # so the token works here at once
+    issued = result.events[-1]
+    answer = {
+        "token": token,
+        "token_id": issued.token_id,
+        "user": issued.user,
+        "role": issued.role,
+        "org": org,
+        "expires_at": iso(issued.expires_at) if issued.expires_at else None,
+    }
+    return json_response(answer, status=201, headers={SEQ_HEADER: str(result.seq)})
+
+
+def token_expiry(body: CreateTokenBody, now: datetime) -> datetime | None:
+    """When a new token expires: `expires_in` seconds from now, or `expires_at`."""
+    if body.expires_in is not None and body.expires_at is not None:
+        raise Problem("invalid-command", "give expires_in or expires_at, not both")
+    if body.expires_in is not None:
+        if not 1 <= body.expires_in <= MAX_TOKEN_LIFETIME_S:
+            raise Problem(
+                "invalid-command",
+                f"expires_in must be between 1 and {MAX_TOKEN_LIFETIME_S} seconds, "
+                f"got {body.expires_in}",
+            )
+        return now + timedelta(seconds=body.expires_in)
+    if body.expires_at is not None and body.expires_at > now + MAX_TOKEN_LIFETIME:
+        raise Problem("invalid-command", f"expires_at is more than {MAX_TOKEN_LIFETIME} away")
+    return body.expires_at  # one in the past is refused by the core (events/org.py)
+
+
+async def list_tokens(request: web.Request) -> web.Response:
+    """GET /orgs/{org}/tokens: the tokens not revoked, never their secret nor its hash."""
+    api, org, _ = scope(request, ADMIN)
+    await _existing_org(api, org)
+    now = iso(api.app.clock())
+    rows = await api.read.list_tokens(org)
+    return items(
+        [r | {"expired": r["expires_at"] is not None and r["expires_at"] <= now} for r in rows]
+    )
+
+
+async def revoke_token(request: web.Request) -> web.Response:
+    """DELETE /orgs/{org}/tokens/{token}: from the answer on, the token is refused on
+    every replica (services/surfaces/api/auth.py); revoking it again changes nothing."""
+    api, org, who = scope(request, ADMIN)
+    token_id = path_id(request, "token")
+    result = await api.app.org_command(org, RevokeToken(actor=who.user, token_id=token_id))
+    await api.after_write(result.seq)
+    return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
+
+
+async def create_workspace(request: web.Request) -> web.Response:
+    api, org, who = scope(request, ADMIN)
+    body = await read_body(request, CreateWorkspaceBody)
+    name = check_name("name", body.name)
+    check_timeouts(body)
+    check_repository(request, body.repository)
+    secrets.check_secret_names(body.secret_variables, body.variables)
+    if body.secret_variables:
+        secrets.store_of(request)  # 503 now, before anything is written, if there is none
+    config = Workspace(
+        repository=body.repository,
+        branch=body.branch,
+        directory=body.directory,
+        variables=dict(body.variables),
+        secret_variables=sorted(body.secret_variables),  # names only: values are sealed
+        heartbeat_timeout=body.heartbeat_timeout,
+        dispatch_timeout=body.dispatch_timeout,
+        managed_state=body.managed_state,
+        vcs_connection=check_name("vcs_connection", body.vcs_connection)
+        if body.vcs_connection
+        else "",
+        trigger_paths=list(body.trigger_paths),
+        trigger_any_change=body.trigger_any_change,
+        trigger_tags=list(body.trigger_tags),
+        vcs_run_type=body.vcs_run_type,
+    )
+    if config.vcs_connection:
+        await vcs_api.check_binding(api, org, config.vcs_connection)  # the org's own only
+    folder = check_name("folder", body.folder) if body.folder else ""
+    result = await api.app.create_workspace(org, name, config, who.user, folder=folder)
+    await secrets.store_all(request, org, name, body.secret_variables)
+    return await secrets.workspace_written(
+        request,
+        api,
+        org,
+        name,
+        result,
+        who.user,
+        status=201,
+        location=f"{PREFIX}/orgs/{org}/workspaces/{name}",
+    )
+
+
+def check_repository(request: web.Request, repository: str) -> None:
+    """422 `repository-not-allowed`, naming the rule, for a repository the deployment
+    does not take or one inside runplane's own directories."""
+    sources = request.app.get(SOURCES)
+    if sources is None:
+        return
+    try:
+        sources.check(repository)
+    except repositories.RepositoryRefused as e:
+        raise Problem("repository-not-allowed", str(e), rule=e.rule) from e
+
+
+async def update_workspace(request: web.Request) -> web.Response:
+    """PATCH .../workspaces/{ws}: its plain variables and configuration members
+    (`ws.variables_set`, `ws.config_changed`); runs already created keep theirs."""
+    api, org, who = scope(request, ADMIN)
+    ws = path_id(request, "ws")
+    body = await read_body(request, UpdateWorkspaceBody)
+    changes = workspaces.config_changes(body)
+    if body.variables is None and not changes:
+        raise Problem("invalid-command", "nothing to change: give variables or a config member")
+    if await api.read.get_workspace(org, ws) is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    if "repository" in changes:
+        check_repository(request, changes["repository"])
+    await workspaces.check_config(api, org, changes)
+    result = None
+    if changes:
+        result = await api.app.change_workspace(org, ws, changes, who.user)
+    if body.variables is not None:
+        await secrets.check_plain_names(request, org, ws, body.variables)
+        result = await api.app.set_variables(org, ws, dict(body.variables), who.user)
+    assert result is not None
+    return await secrets.workspace_written(request, api, org, ws, result, who.user)
+
+
+async def list_workspaces(request: web.Request) -> web.Response:
+    """GET .../workspaces: the live ones; `?deleted=true` adds those deleted (not purged)."""
+    api, org, _ = scope(request, VIEWER)
+    await _existing_org(api, org)
+    deleted = request.query.get("deleted", "false")
+    if deleted not in ("true", "false"):
+        raise Problem("invalid-query", "deleted must be true or false")
+    return items(await api.read.list_workspaces(org, deleted=deleted == "true"))
+
+
+async def get_workspace(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    ws = path_id(request, "ws")
+    row = await secrets.workspace_shown(request, api, org, ws)
+    if row is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    return json_response(row)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    if request.app[API].ready():
+        return json_response({"status": "ok"})
+    raise Problem("not-ready", "starting up or shutting down")

@@ -1,0 +1,72 @@
+"""A workspace's state versions, newest first, as recorded by `run.state_version` events
+(a run wrote it) and `ws.state_pushed` events (a user's CLI pushed it: `pushed_by`).
+
+The versions themselves stay sealed in the object store; this lists what each one is
+(serial, lineage, digest, size, object) and which run or user wrote it.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from services.surfaces.api.auth import VIEWER
+from services.surfaces.api.common import items, path_id, scope
+from services.surfaces.api.problems import Problem
+from services.surfaces.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, ref
+
+
+async def list_state_versions(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    ws = path_id(request, "ws")
+    if await api.read.get_workspace(org, ws) is None:
+        raise Problem("not-found", f"workspace {ws} not found")
+    return items(await api.read.state_versions(org, ws))
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+NULL: Doc = {"type": "null"}
+
+SCHEMAS: dict[str, Doc] = {
+    "StateVersion": {
+        "type": "object",
+        "required": ["serial", "lineage", "digest", "object", "size", "run_id", "created_at"],
+        "properties": {
+            "serial": INT,
+            "lineage": STR,
+            "digest": {**STR, "description": "sha256 of the clear state"},
+            "object": {**STR, "description": "sealed object in rp-state"},
+            "size": {**INT, "description": "bytes of the clear state"},
+            "run_id": {"anyOf": [STR, NULL], "description": "null: a user's CLI pushed it"},
+            "created_at": TIME,
+            "recovered": {**BOOL, "description": "left by a dead executor, recorded at restart"},
+            "pushed_by": {
+                "anyOf": [STR, NULL],
+                "description": "the user whose Terraform CLI pushed it (null: a run wrote it)",
+            },
+            "forced": {**BOOL, "description": "pushed with `terraform state push -force`"},
+        },
+    },
+}
+SCHEMAS["StateVersionList"] = list_of("StateVersion")
+PATHS: dict[str, Doc] = {
+    "/api/v1/orgs/{org}/workspaces/{ws}/state-versions": {
+        "get": {
+            "operationId": "listStateVersions",
+            "summary": "The workspace's state versions, newest first",
+            "parameters": [
+                {"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "min_seq")
+            ],
+            "responses": {
+                "200": {
+                    "description": "StateVersionList",
+                    "content": {"application/json": {"schema": ref("StateVersionList")}},
+                },
+                **{
+                    str(c): {"$ref": f"#/components/responses/{c}"}
+                    for c in (400, 401, 404, 422, 503)
+                },
+            },
+        }
+    },
+}

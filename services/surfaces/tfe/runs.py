@@ -1,0 +1,676 @@
+"""Runs, plans, applies and policy checks, as the CLI's remote operations drive them.
+
+`terraform plan` makes a speculative run of an uploaded configuration; `terraform apply`
+a run whose plan waits for the CLI's "yes" (the apply action: an approval under
+runplane's rules, so four-eyes, approvers and confirm_destructive hold), or for an
+approval given in runplane's API, UI or chat while the CLI waits. Every run is
+`App.create_run` with `Cause(kind="cli")`, the configuration as its source and the
+CLI's -refresh-only / -target / -replace / -var as its options: the workspace's FIFO
+queue, policies and audit are the same as for any run.
+
+A run's TFE view is folded from its events (`App.load_run`), never the read model, so
+the CLI polling it sees each transition as soon as it is recorded. Statuses map as:
+
+| runplane | TFE run | plan | apply |
+|---|---|---|---|
+| pending | pending | pending | pending |
+| queued (plan) | plan_queued | queued | pending |
+| planning | planning | running | pending |
+| awaiting_approval | planned / policy_checked | finished | pending |
+| apply_queued | apply_queued | finished | queued |
+| applying | applying | finished | running |
+| applied | applied | finished | finished |
+| planned, no_changes, drifted | planned_and_finished | finished | unreachable |
+| discarded | discarded | finished | unreachable |
+| failed | errored | errored (finished if planned) | errored / unreachable |
+| canceled | canceled | canceled | canceled / unreachable |
+
+Ctrl-C (Terraform 1.0.3's remote backend, and the `cloud` block's): the CLI stops
+following its run, reads it and, when `actions.is-cancelable`, asks "Do you want to
+cancel the remote operation?" (not with -auto-approve) and POSTs the cancel action.
+`is-cancelable` is exactly when that cancel is taken (`cancelable`, the core's own
+rule): a waiting run (pending, queued, apply_queued) is canceled at once, a planning
+one (or a custom step before the apply) is asked to stop and its executor interrupts
+Terraform; an applying run is not cancelable, as runplane never interrupts an apply
+(the CLI says as much in its header: "If the apply started it will stop streaming the
+logs, but will not stop the apply running remotely"). `is-force-cancelable` once a stop
+was asked and the executor has not stopped yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from events import approval
+from events import policies as po
+from events.errors import DomainError, Forbidden
+from events.run import (
+    CANCELABLE,
+    STOPPABLE,
+    ApproveRun,
+    CancelRun,
+    Cause,
+    ConfigSource,
+    DiscardRun,
+    RunOptions,
+    RunState,
+    Status,
+)
+from infra.eventstore import LATEST
+from services.app.commands import App, Result
+from services.surfaces.api.approvals import caller
+from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
+from services.surfaces.api.problems import Problem
+from services.surfaces.tfe import configs, ids, logs
+from services.surfaces.tfe.context import api_of, read_json, require
+from services.surfaces.tfe.jsonapi import (
+    Doc,
+    TfeError,
+    document,
+    listing,
+    not_found,
+    page_of,
+    resource,
+    response,
+)
+from services.surfaces.tfe.workspaces import CLI_REPOSITORY
+
+VIA = "cli"
+_ENDED = {Status.APPLIED, Status.PLANNED, Status.NO_CHANGES, Status.DRIFTED}
+_STOPPED = {Status.DISCARDED, Status.FAILED, Status.CANCELED}
+
+
+# ---------------------------------------------------------------- statuses
+
+
+def run_status(s: RunState) -> str:
+    match s.status:
+        case Status.PENDING:
+            return "pending"
+        case Status.QUEUED:
+            return "apply_queued" if s.planned else "plan_queued"
+        case Status.PLANNING:
+            return "planning"
+        case Status.RUNNING:
+            return "applying" if s.planned else "planning"
+        case Status.AWAITING_APPROVAL:
+            return "policy_checked" if s.policies else "planned"
+        case Status.APPLY_QUEUED:
+            return "apply_queued"
+        case Status.APPLYING:
+            return "applying"
+        case Status.APPLIED:
+            return "applied"
+        case Status.PLANNED | Status.NO_CHANGES | Status.DRIFTED:
+            return "planned_and_finished"
+        case Status.DISCARDED:
+            return "discarded"
+        case Status.FAILED:
+            return "errored"
+        case Status.CANCELED:
+            return "canceled"
+    return "pending"
+
+
+def plan_status(s: RunState) -> str:
+    if s.planned:
+        return "finished"
+    match s.status:
+        case Status.PENDING:
+            return "pending"
+        case Status.QUEUED:
+            return "queued"
+        case Status.PLANNING | Status.RUNNING:
+            return "running"
+        case Status.FAILED:
+            return "errored"
+        case Status.CANCELED | Status.DISCARDED:
+            return "canceled"
+    return "unreachable" if s.status in _ENDED else "pending"
+
+
+def apply_status(s: RunState) -> str:
+    match s.status:
+        case Status.APPLY_QUEUED:
+            return "queued"
+        case Status.APPLYING:
+            return "running"
+        case Status.APPLIED:
+            return "finished"
+        case Status.FAILED if s.phase == "apply" or s.apply_done or _applying_failed(s):
+            return "errored"
+        case Status.CANCELED if s.approved_by:
+            return "canceled"
+    return "unreachable" if s.terminal else "pending"
+
+
+def cancelable(s: RunState) -> bool:
+    """Whether a cancel is taken now (events/run_decide.py `_cancel`): a waiting run is
+    canceled, a planning one (or a custom step before the apply) asked to stop, again
+    (nothing more recorded) while it stops; never an apply, nor what runs after it."""
+    if s.status in CANCELABLE:
+        return True
+    return s.status in STOPPABLE and not s.apply_done
+
+
+def force_cancelable(s: RunState) -> bool:
+    """A stop was asked and the executor is still stopping the phase."""
+    return cancelable(s) and s.status in STOPPABLE and bool(s.stop_requested_by)
+
+
+def _not_cancelable(s: RunState) -> str:
+    """Why a cancel is refused, as the CLI prints it (`errors[].detail`)."""
+    if s.status == Status.APPLYING or (s.apply_done and not s.terminal):
+        return (
+            "the run is applying: runplane never interrupts an apply (it could leave the "
+            "state half written); it runs to its end"
+        )
+    if s.status == Status.AWAITING_APPROVAL:
+        return "the run waits for an approval: discard it instead"
+    return f"the run is {s.status}: nothing to cancel"
+
+
+def _applying_failed(s: RunState) -> bool:
+    return bool(s.approved_by) and s.planned and s.has_changes
+
+
+def is_final_plan(s: RunState) -> bool:
+    return plan_status(s) in ("finished", "errored", "canceled", "unreachable")
+
+
+def is_final_apply(s: RunState) -> bool:
+    return apply_status(s) in ("finished", "errored", "canceled", "unreachable")
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _iso(when: datetime | None) -> str | None:
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
+
+
+def _destroying(s: RunState) -> bool:
+    return s.run_type == "destroy" or bool(s.options and s.options.destroy)
+
+
+async def _may_approve(app: App, s: RunState, who: Principal) -> bool:
+    """Whether the caller's "yes" would be taken: the approval rule on the run's own
+    settings (four-eyes, approvers), and nothing destructive left to acknowledge (the
+    CLI cannot acknowledge: confirm_destructive's runs wait for approval elsewhere)."""
+    if s.status != Status.AWAITING_APPROVAL:
+        return False
+    groups = (await app.load_org(s.org)).state.groups
+    me = approval.Caller(user=who.user, role=who.role, superuser=who.superuser)
+    try:
+        approval.check("approve", me, creator=s.created_by, snapshot=s.snapshot, groups=groups)
+    except Forbidden:
+        return False
+    return not approval.unacknowledged(s.snapshot, s.destructive, s.acknowledged)
+
+
+async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -> Doc:
+    org, ws, run = s.org, s.workspace, s.run_id
+    confirmable = await _may_approve(app, s, who)
+    operate = _may(who, org, OPERATOR)
+    discardable = s.status == Status.AWAITING_APPROVAL
+    options = s.options or RunOptions()
+    attrs: Doc = {
+        "actions": {
+            "is-cancelable": cancelable(s),
+            "is-confirmable": confirmable,
+            "is-discardable": discardable,
+            "is-force-cancelable": force_cancelable(s),
+        },
+        "created-at": _iso(s.created_at),
+        "auto-apply": bool(s.options is not None and not s.options.confirm and not s.speculative),
+        "has-changes": s.has_changes,
+        "is-destroy": _destroying(s),
+        "message": s.message,
+        "permissions": {
+            "can-apply": confirmable,
+            "can-cancel": operate,
+            "can-discard": operate,
+            "can-force-cancel": operate,
+            "can-force-execute": False,
+        },
+        "position-in-queue": position,
+        "refresh": options.refresh,
+        "refresh-only": options.refresh_only or s.run_type == "drift",
+        "replace-addrs": options.replaces,
+        "target-addrs": options.targets,
+        "source": "tfe-api" if s.source is not None else "runplane",
+        "status": run_status(s),
+        "status-timestamps": {"plan-queueable-at": _iso(s.created_at)},
+        "speculative": s.speculative,
+        "variables": [{"key": k, "value": v} for k, v in sorted(options.variables.items())],
+    }
+    checks = [("policy-checks", ids.run_object_id("polchk", org, ws, run))] if s.policies else []
+    relationships: dict[str, Any] = {
+        "workspace": ("workspaces", ids.workspace_id(org, ws)),
+        "plan": ("plans", ids.run_object_id("plan", org, ws, run)),
+        "apply": ("applies", ids.run_object_id("apply", org, ws, run)),
+        "configuration-version": ("configuration-versions", s.source.id) if s.source else None,
+        "cost-estimate": None,
+        "created-by": ("users", f"user-{s.created_by}"),
+        "policy-checks": {"data": [{"type": t, "id": i} for t, i in checks]},
+    }
+    links = {"self": f"/api/v2/runs/{ids.run_object_id('run', org, ws, run)}"}
+    return resource("runs", ids.run_object_id("run", org, ws, run), attrs, relationships, links)
+
+
+def _may(who: Principal, org: str, role: str) -> bool:
+    try:
+        who.require(org, role)
+    except Problem:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- loading
+
+
+async def load(request: web.Request, kind: str, role: str = VIEWER) -> tuple[RunState, Principal]:
+    """The run an id of `kind` names, once the caller may `role` in its organization."""
+    raw = request.match_info["object_id"]
+    org, ws, run = ids.parse_run_object_id(kind, raw)
+    who = require(request, org, role)
+    loaded = await api_of(request).app.load_run(org, ws, run, min_seq=LATEST)
+    if not loaded.state.exists or loaded.state.workspace != ws:
+        raise not_found(f"{kind} {raw!r} not found")
+    return loaded.state, who
+
+
+async def _position(app: App, request: web.Request, s: RunState) -> int:
+    """How many runs of the workspace are ahead of this pending one (FIFO): the older
+    ones not over yet (the list is newest first)."""
+    if s.status != Status.PENDING or s.speculative:
+        return 0
+    rows = await api_of(request).read.list_runs(s.org, workspace=s.workspace, full=False)
+    over = {str(x) for x in _ENDED | _STOPPED}
+    seen = [r["id"] for r in rows]
+    if s.run_id not in seen:
+        return 0
+    older = rows[seen.index(s.run_id) + 1 :]
+    return sum(1 for r in older if r["status"] not in over)
+
+
+# ---------------------------------------------------------------- handlers: runs
+
+
+async def create_run(request: web.Request) -> web.Response:
+    """POST /runs: a run of an uploaded configuration, its options from the CLI's flags."""
+    body = await read_json(request, limit=1024 * 1024)
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, dict) or data.get("type") not in (None, "runs"):
+        raise TfeError(422, "invalid body", "a JSON:API document of type runs is required")
+    attrs = data.get("attributes") or {}
+    rels = data.get("relationships") or {}
+    if not isinstance(attrs, dict) or not isinstance(rels, dict):
+        raise TfeError(422, "invalid body", "attributes and relationships must be objects")
+    ws_id = _related(rels, "workspace")
+    org, ws = ids.parse_workspace_id(ws_id)
+    who = require(request, org, OPERATOR)
+    cv = _related(rels, "configuration-version", required=False)
+    api = api_of(request)
+    run_id = api.app.ids()  # named before it exists: the version is claimed for it
+    if cv:
+        speculative = await _speculative(request, org, ws, cv)
+        source = await configs.source_of(request, org, ws, cv, run=run_id)
+    else:
+        raise TfeError(
+            422,
+            "configuration version required",
+            "runplane starts runs of a workspace's repository through its own API; the "
+            "TFE API runs uploaded configurations (relationships.configuration-version)",
+        )
+    try:
+        result = await _create(api.app, who, org, ws, speculative, source, run_id, attrs)
+    except BaseException:
+        # the claim is taken back unless the run was made after all (its run.created
+        # landed, then something failed): that run reads the version
+        with contextlib.suppress(Exception):
+            if not (await api.app.load_run(org, ws, run_id)).state.exists:
+                await configs.unclaim(request, org, cv, run_id)
+        raise
+    await api.after_write(result.seq)
+    doc = await render_run(api.app, result.state, who)
+    return response(document(doc), status=201)
+
+
+async def _create(
+    app: App,
+    who: Principal,
+    org: str,
+    ws: str,
+    speculative: bool,
+    source: ConfigSource,
+    run_id: str,
+    attrs: dict[str, Any],
+) -> Result:
+    if not speculative:
+        await _cli_driven(app, org, ws)
+    # `auto-apply` (newer clients' -auto-approve): no "yes" will come, so the plan does
+    # not wait for one (runplane's own require_approval still holds it).
+    auto_apply = _flag(attrs, "auto-apply", False)
+    options = _options(attrs, confirm=not speculative and not auto_apply)
+    destroy = _flag(attrs, "is-destroy", False)
+    if speculative:
+        run_type = "plan"
+        options = RunOptions(**{**_fields(options), "destroy": destroy})
+    else:
+        run_type = "destroy" if destroy else "apply"
+    message = attrs.get("message") or "Queued manually via the Terraform CLI"
+    if not isinstance(message, str):
+        raise TfeError(422, "invalid attribute", "message must be a string")
+    return await app.create_run(
+        org,
+        ws,
+        run_type,
+        who.user,
+        message[:2000],
+        cause=Cause(kind="cli", user=who.user),
+        speculative=speculative,
+        source=source,
+        options=options,
+        run_id=run_id,
+    )
+
+
+async def _cli_driven(app: App, org: str, ws: str) -> None:
+    """422 unless the workspace's code is the CLI's uploads: one of a repository has its
+    code reviewed there, and an operator (who may start its runs, not change where its
+    code comes from) must not apply any other with its variables and credentials. Its
+    speculative plans are taken, as HCP Terraform takes them."""
+    w = await app.load_ws(org, ws)
+    if w.state.exists and w.state.config.repository != CLI_REPOSITORY:
+        raise TfeError(
+            422,
+            "apply not allowed",
+            f"Apply not allowed for workspaces with a VCS connection: {ws} runs the code "
+            "of its repository (plan from the CLI, or start its run in runplane)",
+        )
+
+
+def _fields(options: RunOptions) -> dict[str, Any]:
+    return {f: getattr(options, f) for f in options.__struct_fields__}
+
+
+def _related(rels: dict[str, Any], name: str, *, required: bool = True) -> str:
+    rel = rels.get(name)
+    data = rel.get("data") if isinstance(rel, dict) else None
+    if isinstance(data, dict) and isinstance(data.get("id"), str):
+        return str(data["id"])
+    if required:
+        raise TfeError(422, "invalid body", f"relationships.{name}.data.id is required")
+    return ""
+
+
+def _flag(attrs: dict[str, Any], name: str, default: bool) -> bool:
+    value = attrs.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise TfeError(422, "invalid attribute", f"{name} must be a boolean")
+    return value
+
+
+def _addresses(attrs: dict[str, Any], name: str) -> list[str]:
+    value = attrs.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        raise TfeError(422, "invalid attribute", f"{name} must be a list of strings")
+    return list(value)
+
+
+def _options(attrs: dict[str, Any], *, confirm: bool) -> RunOptions:
+    variables: dict[str, str] = {}
+    raw = attrs.get("variables") or []
+    if not isinstance(raw, list):
+        raise TfeError(422, "invalid attribute", "variables must be a list of {key, value}")
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("key"), str):
+            raise TfeError(422, "invalid attribute", "each variable needs a key and a value")
+        value = item.get("value")
+        if not isinstance(value, str):
+            raise TfeError(422, "invalid attribute", f"variable {item['key']}: value is a string")
+        variables[item["key"]] = value
+    return RunOptions(
+        refresh_only=_flag(attrs, "refresh-only", False),
+        refresh=_flag(attrs, "refresh", True),
+        targets=_addresses(attrs, "target-addrs"),
+        replaces=_addresses(attrs, "replace-addrs"),
+        variables=variables,
+        confirm=confirm,
+    )
+
+
+async def _speculative(request: web.Request, org: str, ws: str, cv: str) -> bool:
+    record = await configs.configs_of(request).record(org, ws, cv)
+    return bool(record and record.speculative)
+
+
+async def read_run(request: web.Request) -> web.Response:
+    """GET /runs/:id (any `include=`: ignored)."""
+    s, who = await load(request, "run")
+    app = api_of(request).app
+    doc = await render_run(app, s, who, await _position(app, request, s))
+    return response(document(doc))
+
+
+async def list_workspace_runs(request: web.Request) -> web.Response:
+    """GET /workspaces/:id/runs: newest first; the CLI counts the runs ahead of its own."""
+    org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
+    require(request, org, VIEWER)
+    api = api_of(request)
+    if await api.read.get_workspace(org, ws) is None:
+        raise not_found(f"workspace {ws} not found in organization {org}")
+    rows = await api.read.list_runs(org, workspace=ws, full=False)
+    items = [_row_doc(org, ws, r) for r in rows]
+    return response(listing(items, page_of(request)))
+
+
+_ROW_STATUS = {
+    "pending": "pending",
+    "queued": "plan_queued",
+    "planning": "planning",
+    "running": "planning",
+    "awaiting_approval": "planned",
+    "apply_queued": "apply_queued",
+    "applying": "applying",
+    "applied": "applied",
+    "planned": "planned_and_finished",
+    "no_changes": "planned_and_finished",
+    "drifted": "planned_and_finished",
+    "discarded": "discarded",
+    "failed": "errored",
+    "canceled": "canceled",
+}
+
+
+def _row_doc(org: str, ws: str, row: dict[str, Any]) -> Doc:
+    """A run of the read model, in the few attributes a list is read for."""
+    attrs = {
+        "status": _ROW_STATUS.get(str(row.get("status")), "pending"),
+        "message": row.get("message") or "",
+        "created-at": (row.get("created_at") or "").split(".", 1)[0].removesuffix("Z") + "Z",
+        "has-changes": bool(row.get("has_changes")),
+        "is-destroy": row.get("type") == "destroy",
+    }
+    run_id = ids.run_object_id("run", org, ws, row["id"])
+    return resource("runs", run_id, attrs, {"workspace": ("workspaces", ids.workspace_id(org, ws))})
+
+
+async def run_queue(request: web.Request) -> web.Response:
+    """GET /organizations/:org/runs/queue: runplane queues per workspace (the CLI reads
+    the workspace's runs for its position), and executors pull in FIFO order: no org-wide
+    queue to show."""
+    org = ids.check_org(request.match_info["org"])
+    require(request, org, VIEWER)
+    return response(listing([], page_of(request)))
+
+
+async def capacity(request: web.Request) -> web.Response:
+    org = ids.check_org(request.match_info["org"])
+    require(request, org, VIEWER)
+    attrs = {"pending": 0, "running": 0}
+    return response(document(resource("organization-capacity", org, attrs)))
+
+
+async def run_events(request: web.Request) -> web.Response:
+    """GET /runs/:id/run-events: Terraform >= 1.5 reads it; nothing to show."""
+    await load(request, "run")
+    return response(listing([], page_of(request)))
+
+
+# ---------------------------------------------------------------- handlers: actions
+
+
+async def apply_action(request: web.Request) -> web.Response:
+    """POST /runs/:id/actions/apply: the CLI's "yes", an approval under runplane's rule."""
+    s, who = await load(request, "run", OPERATOR)
+    api = api_of(request)
+    command = ApproveRun(actor=who.user, caller=await caller(api, s.org, who), via=VIA)
+    await _act(api.app, s, command)
+    return response(None, status=202)
+
+
+async def discard_action(request: web.Request) -> web.Response:
+    s, who = await load(request, "run", OPERATOR)
+    api = api_of(request)
+    reason = await _comment(request, "discarded from the Terraform CLI")
+    asking = await caller(api, s.org, who)
+    command = DiscardRun(actor=who.user, reason=reason, caller=asking, via=VIA)
+    await _act(api.app, s, command)
+    return response(None, status=202)
+
+
+async def cancel_action(request: web.Request) -> web.Response:
+    """POST /runs/:id/actions/cancel (the CLI's Ctrl-C, answered "yes"): a waiting run is
+    canceled, a planning one asked to stop (its executor interrupts Terraform, then
+    cancels the run); 409 exactly when `is-cancelable` is false."""
+    s, who = await load(request, "run", OPERATOR)
+    if not cancelable(s):
+        raise TfeError(409, "transition not allowed", _not_cancelable(s))
+    reason = await _comment(request, "canceled from the Terraform CLI")
+    await _act(api_of(request).app, s, CancelRun(actor=who.user, reason=reason))
+    return response(None, status=202)
+
+
+async def force_cancel_action(request: web.Request) -> web.Response:
+    """POST /runs/:id/actions/force-cancel: taken once a cancel was asked and the run is
+    still stopping (`is-force-cancelable`), 409 otherwise. runplane has no harder stop
+    than the one under way: its executor interrupts Terraform and kills it after its
+    grace period, and a dead executor's run is ended by the reaper; so this confirms
+    that stop (a stop asked again records nothing) and never ends the run early, which
+    would let another run write the state while this Terraform may still hold it."""
+    s, who = await load(request, "run", OPERATOR)
+    if not force_cancelable(s):
+        detail = _not_cancelable(s) if not cancelable(s) else "cancel the run first"
+        raise TfeError(409, "transition not allowed", detail)
+    reason = await _comment(request, "force-canceled from the Terraform CLI")
+    await _act(api_of(request).app, s, CancelRun(actor=who.user, reason=reason))
+    return response(None, status=202)
+
+
+async def _comment(request: web.Request, default: str) -> str:
+    if not request.can_read_body:
+        return default
+    body = await read_json(request, limit=64 * 1024)
+    comment = body.get("comment") if isinstance(body, dict) else None
+    return comment[:1000] if isinstance(comment, str) and comment else default
+
+
+async def _act(app: App, s: RunState, command: Any) -> None:
+    """The command on the run; a refusal the CLI reads as 409 (not allowed now)."""
+    try:
+        await app.run_command(s.org, s.workspace, s.run_id, command)
+    except Forbidden as e:
+        raise TfeError(409, "transition not allowed", str(e)) from e
+    except approval.Unacknowledged as e:
+        raise TfeError(
+            409,
+            "transition not allowed",
+            f"{e}: confirm_destructive needs them acknowledged in runplane (the CLI cannot)",
+        ) from e
+    except DomainError as e:
+        if e.retryable:
+            raise
+        raise TfeError(409, "transition not allowed", str(e)) from e
+
+
+# ---------------------------------------------------------------- plans, applies, checks
+
+
+async def read_plan(request: web.Request) -> web.Response:
+    s, _ = await load(request, "plan")
+    summary = s.plan_summary
+    attrs = {
+        "has-changes": s.has_changes,
+        "resource-additions": summary.add if summary else 0,
+        "resource-changes": summary.change if summary else 0,
+        "resource-destructions": summary.destroy if summary else 0,
+        "status": plan_status(s),
+        "status-timestamps": {"queued-at": _iso(s.created_at)},
+        "log-read-url": logs.read_url(request, "plan", s),
+    }
+    return response(document(resource("plans", request.match_info["object_id"], attrs)))
+
+
+async def read_apply(request: web.Request) -> web.Response:
+    s, _ = await load(request, "apply")
+    summary = s.apply_summary
+    attrs = {
+        "resource-additions": summary.add if summary else 0,
+        "resource-changes": summary.change if summary else 0,
+        "resource-destructions": summary.destroy if summary else 0,
+        "status": apply_status(s),
+        "status-timestamps": {},
+        "log-read-url": logs.read_url(request, "apply", s),
+    }
+    return response(document(resource("applies", request.match_info["object_id"], attrs)))
+
+
+def _policy_status(s: RunState) -> str:
+    if po.hard_failures(s.policies):
+        return "hard_failed"
+    if po.soft_failures(s.policies):
+        return "soft_failed"
+    return "passed"
+
+
+async def read_policy_check(request: web.Request) -> web.Response:
+    s, _ = await load(request, "polchk")
+    failed = [p for p in s.policies if not p.passed]
+    attrs = {
+        "actions": {"is-overridable": False},
+        "permissions": {"can-override": False},
+        "result": {
+            "advisory-failed": 0,
+            "duration": 0,
+            "hard-failed": len(po.hard_failures(s.policies)),
+            "passed": len(s.policies) - len(failed),
+            "soft-failed": len(po.soft_failures(s.policies)),
+            "total-failed": len(failed),
+            "result": not failed,
+        },
+        "scope": "organization",
+        "status": _policy_status(s),
+        "status-timestamps": {},
+    }
+    return response(document(resource("policy-checks", request.match_info["object_id"], attrs)))
+
+
+async def policy_check_output(request: web.Request) -> web.Response:
+    """GET /policy-checks/:id/output: each policy set's verdict and its messages."""
+    s, _ = await load(request, "polchk")
+    lines: list[str] = []
+    for p in s.policies:
+        verdict = "passed" if p.passed else "failed"
+        lines.append(f"{p.name} ({p.enforcement}, {p.scope}): {verdict}")
+        lines += [f"  {m}" for m in p.messages]
+    if s.status == Status.AWAITING_APPROVAL and po.soft_failures(s.policies):
+        lines.append("a soft-mandatory policy failed: the run waits for an approval in runplane")
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

@@ -1,1 +1,0 @@
-"""The web UI, served by the api process (services/ui/app.py)."""
