@@ -57,6 +57,13 @@ class Conflict(DomainError):
     code = "conflict"
 
 
+class SnapshotFailed(DomainError):
+    """A run's admission snapshot cannot be taken (its branch cannot be resolved: the
+    shell's `git ls-remote`, services/app/snapshot.py); the run fails."""
+
+    code = "checkout-failed"
+
+
 class Deleted(IllegalTransition):
     """The aggregate was deleted: it keeps its history, but takes no new command (a
     workspace's name is free again only once it is purged)."""

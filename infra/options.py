@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra import natsclient
+from infra.crypto import KeyConfigError, KeyRing, load_keyring
 from infra.natsclient import NatsAuth
 from infra.replicas import MAX_REPLICAS
 
@@ -103,3 +104,16 @@ def prepare_data_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.stat().st_mode & 0o077:
         path.chmod(0o700)
+
+
+def keyring(opts: Options, *, create: bool = False) -> KeyRing:
+    """The deployment's keys; with `create`, a missing key file is generated once.
+
+    `runplane up` generates the key once into its data directory and every component it
+    runs shares it; a standalone `api`, `scheduler` or `executor` takes it from
+    `RUNPLANE_ENCRYPTION_KEY` or from `<data-dir>/encryption.key`, and refuses to start
+    without one (one line saying how to provide it)."""
+    try:
+        return load_keyring(opts.encryption_key, opts.data_dir, create=create)
+    except KeyConfigError as e:
+        raise ConfigError(str(e)) from e

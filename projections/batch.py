@@ -20,16 +20,9 @@ from events.run import RunCreated
 from events.workspace import WorkspaceCreated
 from projections.changes import prefetch as prefetch_changes
 from projections.ordered import Delivered
-from projections.project import (
-    PURGED_BY_RUN,
-    Meta,
-    Unprojectable,
-    Working,
-    finish,
-    meta_of,
-    project_event,
-)
+from projections.project import finish, project_event
 from projections.schema import EVENTS, RUNS, STEPS, TABLES, WORKSPACES, Key, Table
+from projections.working import PURGED_BY_RUN, Meta, Unprojectable, Working, meta_of
 
 log = structlog.get_logger(__name__)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import aiosqlite
 import msgspec
@@ -36,9 +36,7 @@ from events.run import (
 )
 from events.values import CHANGE_GROUPS, ResourceChange
 from projections.schema import CHANGES, RESOURCE_STATES, Row, Table
-
-if TYPE_CHECKING:
-    from projections.project import Meta, Working
+from projections.working import Meta, Working, iso
 
 _json = msgspec.json.Encoder(order="sorted")
 _CHUNK = 400  # pairs per IN (VALUES ...) list, under SQLite's variable limit
@@ -47,13 +45,6 @@ _OPEN = ("applying", "done")  # a stage a report of the same action still moves
 
 
 # ---------------------------------------------------------------- folds
-
-
-def _iso(at: datetime) -> str:
-    # Imported here, not at the top: projections.project imports this module.
-    from projections.project import iso
-
-    return iso(at)
 
 
 def project_changes(
@@ -109,7 +100,7 @@ def _all_pending(w: Working, run_id: str, at: datetime) -> None:
             w.put(
                 "resource_states",
                 _state_row(
-                    run_id, change["address"], 0, change["action"], "pending", None, _iso(at)
+                    run_id, change["address"], 0, change["action"], "pending", None, iso(at)
                 ),
             )
 
@@ -132,9 +123,7 @@ def _stage_row(w: Working, run_id: str, event: ResourceStateChanged) -> Row:
     )
     stage = len(stages) - 1 if moves_last else len(stages)
     error = event.error or None
-    return _state_row(
-        run_id, event.address, stage, event.action, event.state, error, _iso(event.at)
-    )
+    return _state_row(run_id, event.address, stage, event.action, event.state, error, iso(event.at))
 
 
 def _close_stages(w: Working, run_id: str, at: datetime, run: RunState) -> None:
@@ -142,11 +131,11 @@ def _close_stages(w: Working, run_id: str, at: datetime, run: RunState) -> None:
     ended = f"the run ended ({run.status}{': ' + run.reason if run.reason else ''})"
     for row in w.rows_of("resource_states", run_id):
         if row["state"] == "pending":
-            w.put("resource_states", row | {"state": "not_applied", "updated_at": _iso(at)})
+            w.put("resource_states", row | {"state": "not_applied", "updated_at": iso(at)})
         elif row["state"] == "applying":
             error = f"{ended} before this change finished"
             w.put(
-                "resource_states", row | {"state": "failed", "error": error, "updated_at": _iso(at)}
+                "resource_states", row | {"state": "failed", "error": error, "updated_at": iso(at)}
             )
 
 

@@ -4,7 +4,7 @@ history only: the subscriber reads them from their own subjects (events/chat.py)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, assert_never
+from typing import assert_never
 
 from events.chat import (
     ChatEvent,
@@ -16,14 +16,10 @@ from events.chat import (
     SlackUserMapped,
     SlackUserUnmapped,
 )
-
-if TYPE_CHECKING:  # project.py imports this module
-    from projections.project import Meta, Working
+from projections.working import Meta, Working, iso
 
 
 def project_chat(w: Working, meta: Meta, event: ChatEvent) -> None:
-    from projections.project import iso  # a cycle at import time otherwise
-
     org = meta.org
     match event:
         case SlackConfigured():

@@ -39,8 +39,9 @@ from events.workspace import WorkspaceCreated
 from projections import changes, schema
 from projections.batch import Item, changed, decode_item, fold, needed, purge_statements
 from projections.ordered import Delivered, OrderedReader
-from projections.project import Working, finish
+from projections.project import finish
 from projections.schema import CHANGES, RESOURCE_STATES, RUNS, STEPS, WORKSPACES, Key, Row, Table
+from projections.working import Working
 
 T = TypeVar("T")
 

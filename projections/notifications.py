@@ -12,16 +12,13 @@ No fold reads a row back: nothing to prefetch.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiosqlite
 import msgspec
 
 from events import notification as nt
-
-if TYPE_CHECKING:
-    from projections.project import Meta, Working
+from projections.working import Meta, Working, iso
 
 Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 _json = msgspec.json.Encoder()
@@ -33,11 +30,6 @@ _ATTEMPT_COLS = (
     "delivery_id, attempt, trig, run_id, at, status_code, excerpt, error, outcome, next_retry_at"
 )
 MAX_ATTEMPTS = 1000
-
-
-def _iso(dt: datetime) -> str:
-    """As `projections.project.iso`: UTC, microseconds, a Z (text order is time order)."""
-    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def project_notification(w: Working, meta: Meta, event: nt.NotificationEvent) -> None:
@@ -64,9 +56,9 @@ def _config_row(event: nt.ConfigSaved) -> dict[str, Any]:
         "triggers_json": _json.encode(c.triggers).decode(),
         "enabled": int(c.enabled),
         "has_token": int(c.has_token),
-        "created_at": _iso(c.created_at),
+        "created_at": iso(c.created_at),
         "created_by": c.created_by,
-        "updated_at": _iso(event.at),
+        "updated_at": iso(event.at),
     }
 
 
@@ -79,12 +71,12 @@ def _attempt_row(meta: Meta, e: nt.DeliveryAttempted) -> dict[str, Any]:
         "attempt": e.attempt,
         "trig": e.trigger,
         "run_id": e.run_id or None,
-        "at": _iso(e.at),
+        "at": iso(e.at),
         "status_code": e.status_code or None,
         "excerpt": e.excerpt,
         "error": e.error or None,
         "outcome": e.outcome,
-        "next_retry_at": _iso(e.next_retry_at) if e.next_retry_at else None,
+        "next_retry_at": iso(e.next_retry_at) if e.next_retry_at else None,
     }
 
 

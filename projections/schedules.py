@@ -9,24 +9,16 @@ services/processes/schedules/store.py: no row for them).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiosqlite
 
 from events import schedule as sc
-
-if TYPE_CHECKING:
-    from projections.project import Meta, Working
+from projections.working import Meta, Working, iso
 
 Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 MAX_FIRES = 100  # the newest a list answers
 _COLS = "fire_time, outcome, run_id, reason, waiting_run, missed, detail, at"
-
-
-def _iso(dt: datetime) -> str:
-    """As `projections.project.iso`: UTC, microseconds, a Z (text order is time order)."""
-    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def project_schedule(w: Working, meta: Meta, event: sc.ScheduleEvent) -> None:
@@ -45,14 +37,14 @@ def _fire_row(meta: Meta, e: sc.ScheduleFired | sc.ScheduleSkipped) -> dict[str,
         "seq": meta.seq,
         "org": parts[2],
         "workspace": parts[4],
-        "fire_time": _iso(e.fire_time),
+        "fire_time": iso(e.fire_time),
         "outcome": "fired" if fired else "skipped",
         "run_id": e.run_id if isinstance(e, sc.ScheduleFired) else None,
         "reason": None if isinstance(e, sc.ScheduleFired) else e.reason,
         "waiting_run": None if isinstance(e, sc.ScheduleFired) else e.waiting_run or None,
         "missed": e.missed,
         "detail": None if isinstance(e, sc.ScheduleFired) else e.detail or None,
-        "at": _iso(e.at),
+        "at": iso(e.at),
     }
 
 

@@ -12,8 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiosqlite
 import msgspec
@@ -21,9 +20,7 @@ import msgspec
 from events import runsteps
 from events.run import PlanFinished, RunState, StateVersionCreated
 from events.workspace import StatePushed
-
-if TYPE_CHECKING:
-    from projections.project import Meta, Working
+from projections.working import Meta, Working, iso
 
 Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 
@@ -31,11 +28,6 @@ _state = msgspec.json.Decoder(RunState)
 _plan = msgspec.json.Decoder(PlanFinished)
 _NO_STEPS: dict[str, Any] = {"template": None, "steps": [], "current_step": None}
 _COLUMNS = "serial, lineage, digest, object, size, run_id, created_at, recovered, pushed_by, forced"
-
-
-def _iso(dt: datetime) -> str:
-    """As `projections.project.iso`: UTC, microseconds, a Z (text order is time order)."""
-    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def project_state_version(w: Working, meta: Meta, event: object) -> None:
@@ -58,7 +50,7 @@ def project_state_version(w: Working, meta: Meta, event: object) -> None:
             "digest": event.digest,
             "object": event.object,
             "size": event.size,
-            "created_at": _iso(event.at),
+            "created_at": iso(event.at),
             "forced": int(isinstance(event, StatePushed) and event.forced),
             **own,
         },

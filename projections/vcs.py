@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiosqlite
 import msgspec
 
 from events import vcs
 from events.values import Workspace
-
-if TYPE_CHECKING:
-    from projections.project import Meta, Working
+from projections.working import Meta, Working, iso
 
 Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 _json = msgspec.json.Encoder()
@@ -36,11 +33,6 @@ _BINDING_COLS = (
 )
 MAX_BINDINGS = 10_000  # rows one webhook reads at most
 MAX_PREFIXES = 500  # directories named in one query; beyond, every row is read and judged
-
-
-def iso(dt: datetime) -> str:
-    """As `projections.project.iso`: UTC, microseconds, a Z (text order is time order)."""
-    return dt.astimezone(UTC).replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def project_vcs(w: Working, meta: Meta, event: vcs.VcsEvent) -> None:

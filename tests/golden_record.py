@@ -29,7 +29,8 @@ from events import templates as te
 from events.approval import Caller
 from events.codec import encode, run_subject
 from events.values import AttributeChange, PlanSummary, ResourceChange, Snapshot, Workspace
-from projections.project import Working, finish, meta_of, project_event
+from projections.project import finish, project_event
+from projections.working import Working, meta_of
 
 GOLDEN = Path(__file__).parent / "golden"
 T0 = datetime(2026, 11, 3, 9, 0, tzinfo=UTC)

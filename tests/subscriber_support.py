@@ -11,7 +11,7 @@ import asyncio
 import os
 
 from infra.consumer import Received, Subscription
-from services.processes.subscribers.registry import SubscriberContext
+from services.processes.subscribers.context import SubscriberContext
 
 
 def _note(phase: str, r: Received) -> None:

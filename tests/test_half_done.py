@@ -16,12 +16,11 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events import workspace as W
 from events.codec import tag_of
-from events.errors import IllegalTransition
+from events.errors import IllegalTransition, SnapshotFailed
 from events.templates import SaveTemplate, TemplateStep
 from infra import streams
 from infra.eventstore import Append, EventStore, StoreError
 from services.app.commands import App
-from services.app.snapshot import SnapshotFailed
 from services.processes.scheduler import scheduler as sched
 from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually

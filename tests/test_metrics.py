@@ -1,4 +1,4 @@
-"""`GET /metrics` (infra/metrics.py, services/surfaces/api/metrics.py): runs by status,
+"""`GET /metrics` (projections/metrics.py, services/surfaces/api/metrics.py): runs by status,
 queue depth, consumer lag and notification attempts read from the real read model and
 the real JetStream consumers; and who may read them: the admin token or the metrics
 token, never an organization's token (its admin's included), and no label that names a
@@ -18,7 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from prometheus_client.parser import text_string_to_metric_families
 
 from infra import streams
-from infra.metrics import Metrics
+from projections.metrics import Metrics
 from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
 from services.surfaces.api.metrics import METRICS

@@ -29,7 +29,8 @@ from events.run import (
     Workspace,
 )
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased, WorkspaceCreated
-from projections.project import Unprojectable, Working, finish, iso, meta_of, project_event
+from projections.project import finish, project_event
+from projections.working import Unprojectable, Working, iso, meta_of
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 CONFIG = Workspace(repository="/repo")

@@ -52,9 +52,9 @@ from projections import fill as fill_mod
 from projections.batch import apply_batch
 from projections.fill import Rows, Writer, create_indexes, fill, replay_runtime, statements
 from projections.ordered import Delivered, OrderedReader
-from projections.project import Working
 from projections.readmodel import ReadModel
 from projections.schema import BY_NAME, EVENTS, TABLES, connect
+from projections.working import Working
 from tests.test_projection_fold import T0, decide_all
 
 ORG = "acme"

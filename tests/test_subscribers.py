@@ -16,8 +16,8 @@ from infra.natsserver import EmbeddedNats
 from infra.options import ConfigError, Options
 from services.app.commands import App
 from services.processes.subscribers import registry
+from services.processes.subscribers.context import SubscriberContext
 from services.processes.subscribers.host import MODULES_ENV, Host, all_subscriptions
-from services.processes.subscribers.registry import SubscriberContext
 from tests.helpers import eventually
 from tests.procs import Proc
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from infra import options
 from infra.crypto import KEY_FILE
 from infra.options import ConfigError, Options
-from services.root import trust
 from tests.procs import ROOT
 
 
@@ -40,10 +40,10 @@ def test_a_process_without_a_key_says_how_to_give_one(command: str, tmp_path: Pa
 
 def test_a_malformed_key_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="32 bytes"):
-        trust.keyring(Options(encryption_key="c2hvcnQ="))
+        options.keyring(Options(encryption_key="c2hvcnQ="))
 
 
 def test_up_makes_the_key_once_and_the_others_read_it(tmp_path: Path) -> None:
-    made = trust.keyring(Options(data_dir=tmp_path), create=True)
-    assert trust.keyring(Options(data_dir=tmp_path)) == made
+    made = options.keyring(Options(data_dir=tmp_path), create=True)
+    assert options.keyring(Options(data_dir=tmp_path)) == made
     assert (tmp_path / KEY_FILE).stat().st_mode & 0o777 == 0o600

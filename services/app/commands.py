@@ -42,10 +42,16 @@ from events import run as run_agg
 from events import templates as te
 from events import workspace as ws_agg
 from events.codec import AnyEvent, org_subject, run_subject, ws_subject
-from events.errors import Conflict, Deleted, DomainError, IllegalTransition, NotFound
+from events.errors import (
+    Conflict,
+    Deleted,
+    DomainError,
+    IllegalTransition,
+    NotFound,
+    SnapshotFailed,
+)
 from infra import tracing
 from infra.eventstore import LATEST, Append, EventStore, StoreError
-from services.app.snapshot import SnapshotFailed
 
 # Takes a run's admission snapshot (services/app/snapshot.py); raises SnapshotFailed.
 SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import nats.errors
 import structlog
@@ -30,9 +29,7 @@ from events.run import RunState
 from events.wire import SecretsReply
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import SECRETS_BUCKET, last_values
-
-if TYPE_CHECKING:  # the app imports the snapshot, which imports this module
-    from services.app.commands import App
+from services.app.commands import App
 
 log = structlog.get_logger(__name__)
 

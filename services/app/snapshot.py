@@ -12,7 +12,7 @@ import asyncio
 import re
 from typing import Any
 
-from events.errors import DomainError
+from events.errors import SnapshotFailed
 from events.inherit import config_settings
 from events.run import RunState, Snapshot, VariableRef, Workspace
 from events.settings import effective
@@ -23,12 +23,6 @@ from services.app.secrets import SecretStore
 DEFAULT_TIMEOUT = 20.0
 _SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _MAX_ERROR = 2000
-
-
-class SnapshotFailed(DomainError):
-    """The snapshot cannot be taken (the branch cannot be resolved); the run fails."""
-
-    code = "checkout-failed"
 
 
 async def resolve_commit(repository: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT) -> str:

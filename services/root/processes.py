@@ -13,11 +13,24 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client as NATS
 
-from infra import tracing
+from executor.isolation import Isolation, IsolationError
+from executor.worker import Executor, TerraformSettings, default_executor_id
+from infra import options, tracing
 from infra.options import ConfigError, Options, admin_token, prepare_data_dir
+from projections.projector import Projector
+from projections.replay import replay as do_replay
 from services.app.repositories import deployment_sources
+from services.processes.runwatch import RunWatch
+from services.processes.scheduler.reaper import Reaper
+from services.processes.scheduler.scheduler import Scheduler
+from services.processes.schedules.loop import ScheduleLoop
+from services.processes.subscribers.context import SubscriberContext
+from services.processes.subscribers.host import Host
 from services.root import trust
+from services.root.demo import DEMO_ORG, DEMO_WS, ensure_demo
 from services.root.runtime import http_site, make_app, nats_for, wait_for_signal
+from services.surfaces.api.app import build_app
+from services.surfaces.tfe import tls
 
 log = structlog.get_logger(__name__)
 
@@ -38,9 +51,6 @@ def _readmodel_path(opts: Options) -> Path:
 async def _start_api(
     opts: Options, stack: AsyncExitStack, nc: NATS, ready: Callable[[], bool]
 ) -> str:
-    from projections.projector import Projector
-    from services.surfaces.api.app import build_app
-
     app = make_app(nc)
     projector = await stack.enter_async_context(Projector(nc, _readmodel_path(opts)))
     web_app = build_app(
@@ -61,8 +71,6 @@ async def _start_api(
 def _tls(opts: Options) -> ssl.SSLContext | None:
     """The API's TLS (services/surfaces/tfe/tls.py): the given pair, or with `--tls` alone a local
     CA's certificate made in the data directory; None: plain HTTP."""
-    from services.surfaces.tfe import tls
-
     try:
         if opts.tls_cert or opts.tls_key:
             return tls.given(opts.tls_cert, opts.tls_key).context()
@@ -85,9 +93,6 @@ async def _start_executor(
 ) -> None:
     """`fallback_to_none`: `runplane up` of an ordinary user runs jobs unisolated (with a
     warning at every start) where there is no isolation to be had; `executor` refuses."""
-    from executor.isolation import Isolation, IsolationError
-    from executor.worker import Executor, TerraformSettings, default_executor_id
-
     try:
         isolation = Isolation.choose(opts.isolation, fallback_to_none=fallback_to_none)
     except IsolationError as e:
@@ -105,7 +110,7 @@ async def _start_executor(
             mirror_root=opts.data_dir / "providers",
         ),
         executor_id=opts.executor_id or default_executor_id(),
-        keyring=trust.keyring(opts),
+        keyring=options.keyring(opts),
         repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
         isolation=isolation.hiding(opts.data_dir),
     )
@@ -114,9 +119,6 @@ async def _start_executor(
 
 async def _start_subscribers(opts: Options, stack: AsyncExitStack, nc: NATS) -> list[str]:
     """Every registered subscription (services/processes/subscribers/); their names."""
-    from services.processes.subscribers.host import Host
-    from services.processes.subscribers.registry import SubscriberContext
-
     ctx = SubscriberContext(
         nc=nc, app=make_app(nc), opts=opts, readmodel_path=_readmodel_path(opts)
     )
@@ -126,13 +128,7 @@ async def _start_subscribers(opts: Options, stack: AsyncExitStack, nc: NATS) -> 
 
 async def start_all(opts: Options, stack: AsyncExitStack) -> str:
     """Start every component on one machine; return the API's base URL once all are ready."""
-    from services.processes.runwatch import RunWatch
-    from services.processes.scheduler.reaper import Reaper
-    from services.processes.scheduler.scheduler import Scheduler
-    from services.processes.schedules.loop import ScheduleLoop
-    from services.root.demo import ensure_demo
-
-    trust.keyring(opts, create=True)  # made once in the data directory; all below share it
+    options.keyring(opts, create=True)  # made once in the data directory; all below share it
     nc = await stack.enter_async_context(nats_for(opts, stack))
     components_ready = {"v": False}
     base = await _start_api(opts, stack, nc, lambda: components_ready["v"])
@@ -152,8 +148,6 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
 async def up(opts: Options, stack: AsyncExitStack) -> None:
     """Everything on one machine: embedded NATS, api+projector, scheduler, one executor,
     the subscribers."""
-    from services.root.demo import DEMO_ORG, DEMO_WS
-
     _traced(stack, "runplane")
     # One machine: its own receivers (a local chat bridge, a test hook) may be notified.
     os.environ.setdefault("RUNPLANE_NOTIFY_ALLOW", "loopback")
@@ -234,7 +228,7 @@ async def api(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane api needs --nats-url (or RUNPLANE_NATS_URL)")
     _traced(stack, "runplane-api")
-    trust.keyring(opts)  # no key: a config error now, before connecting
+    options.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     base = await _start_api(opts, stack, nc, lambda: True)
     print(f"runplane api listening at {base}", flush=True)
@@ -242,14 +236,10 @@ async def api(opts: Options, stack: AsyncExitStack) -> None:
 
 
 async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
-    from services.processes.scheduler.reaper import Reaper
-    from services.processes.scheduler.scheduler import Scheduler
-    from services.processes.schedules.loop import ScheduleLoop
-
     if not opts.nats_url:
         raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
     _traced(stack, "runplane-scheduler")
-    trust.keyring(opts)  # no key: a config error now, before connecting
+    options.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
     await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
@@ -264,7 +254,7 @@ async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane subscribers needs --nats-url (or RUNPLANE_NATS_URL)")
     _traced(stack, "runplane-subscribers")
-    trust.keyring(opts)  # no key: a config error now, before connecting
+    options.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     names = await _start_subscribers(opts, stack, nc)
     print(f"runplane subscribers running ({', '.join(names) or 'none registered'})", flush=True)
@@ -275,7 +265,7 @@ async def executor(opts: Options, stack: AsyncExitStack) -> None:
     if not opts.nats_url:
         raise ConfigError("runplane executor needs --nats-url (or RUNPLANE_NATS_URL)")
     _traced(stack, "runplane-executor")
-    trust.keyring(opts)  # no key: a config error now, before connecting
+    options.keyring(opts)  # no key: a config error now, before connecting
     nc = await stack.enter_async_context(nats_for(opts, stack))
     await _start_executor(opts, stack, nc)
     print(f"runplane executor running (pool {opts.pool})", flush=True)
@@ -284,8 +274,6 @@ async def executor(opts: Options, stack: AsyncExitStack) -> None:
 
 async def replay(opts: Options, stack: AsyncExitStack) -> None:
     """Rebuild the read model from sequence 1 (the embedded server is started if needed)."""
-    from projections.replay import replay as do_replay
-
     nc = await stack.enter_async_context(nats_for(opts, stack))
     count = await do_replay(nc, _readmodel_path(opts))
     print(f"replayed {count} events into {_readmodel_path(opts)}", flush=True)

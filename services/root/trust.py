@@ -1,9 +1,5 @@
-"""Composition of what needs the encryption key: loaded once per process from its options.
-
-`runplane up` generates the key once into its data directory and every component it runs
-shares it; a standalone `api`, `scheduler` or `executor` takes it from
-`RUNPLANE_ENCRYPTION_KEY` or from `<data-dir>/encryption.key`, and refuses to start
-without one (one line saying how to provide it).
+"""Composition of what needs the encryption key (loaded once per process from its options
+by `infra.options.keyring`): the secret store, the scheduler's `App`, the secrets responder.
 """
 
 from __future__ import annotations
@@ -12,20 +8,11 @@ from contextlib import AsyncExitStack
 
 from nats.aio.client import Client as NATS
 
-from infra.crypto import KeyConfigError, KeyRing, load_keyring
 from infra.eventstore import EventStore
-from infra.options import ConfigError, Options
+from infra.options import Options, keyring
 from services.app.commands import App
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
-
-
-def keyring(opts: Options, *, create: bool = False) -> KeyRing:
-    """The deployment's keys; with `create`, a missing key file is generated once."""
-    try:
-        return load_keyring(opts.encryption_key, opts.data_dir, create=create)
-    except KeyConfigError as e:
-        raise ConfigError(str(e)) from e
 
 
 def secret_store(nc: NATS, opts: Options) -> SecretStore:

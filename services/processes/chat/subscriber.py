@@ -12,12 +12,12 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import structlog
 
 from events import chat as chat_agg
 from events.run import RunState
+from infra import options
 from infra.consumer import Received, Subscription, by_subject
 from infra.crypto import KeyRing
 from infra.options import ConfigError
@@ -26,10 +26,7 @@ from services.processes.chat.config import ChatConfig
 from services.processes.chat.poster import Poster
 from services.processes.chat.updates import Updater
 from services.processes.chat.worker import Worker
-from services.root import trust
-
-if TYPE_CHECKING:  # the registry imports this module
-    from services.processes.subscribers.registry import SubscriberContext
+from services.processes.subscribers.context import SubscriberContext
 
 log = structlog.get_logger(__name__)
 
@@ -44,7 +41,7 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     """The chat-ops subscriptions of a `runplane subscribers` host (registry.py); none
     without the encryption key (the api records no Slack request without it either)."""
     try:
-        keyring = trust.keyring(ctx.opts)
+        keyring = options.keyring(ctx.opts)
     except ConfigError as e:
         log.warning("chat_subscribers_off", reason=str(e))
         return []

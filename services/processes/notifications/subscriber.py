@@ -17,7 +17,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -27,19 +27,16 @@ from events import run as run_agg
 from events.codec import AnyEvent
 from events.react import notifications, react
 from events.run import RunEvent, RunState
+from infra import options
 from infra.consumer import Consumer, Subscription, by_subject
 from infra.crypto import KeyRing
 from infra.eventstore import EventStore
-from infra.options import ConfigError
+from infra.options import ConfigError, Options
+from services.app.commands import App
 from services.processes.notifications import formats, outbox
 from services.processes.notifications.delivery import Dispatcher, Policy, policy_from_env
 from services.processes.notifications.tokens import TokenStore
-from services.root import trust
-
-if TYPE_CHECKING:
-    from infra.options import Options
-    from services.app.commands import App
-    from services.processes.subscribers.registry import SubscriberContext
+from services.processes.subscribers.context import SubscriberContext
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +167,7 @@ def _keyring(opts: Options) -> KeyRing | None:
     """The deployment's keys; None without (a configuration with a token then fails to
     be signed, logged: `runplane subscribers` refuses to start without a key anyway)."""
     try:
-        return trust.keyring(opts)
+        return options.keyring(opts)
     except ConfigError:
         return None
 

@@ -22,7 +22,7 @@ import structlog
 from infra.consumer import Consumer, Subscription
 from infra.options import ConfigError
 from services.processes.subscribers import registry
-from services.processes.subscribers.registry import SubscriberContext
+from services.processes.subscribers.context import SubscriberContext
 
 log = structlog.get_logger(__name__)
 

@@ -9,29 +9,12 @@ table (events/react.py), e.g. the `Notify` actions of `react(r.event, r.state)` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-from nats.aio.client import Client as NATS
-
 from infra.consumer import Subscription
-from infra.options import Options
-from services.app.commands import App
 from services.processes.chat import subscriber as chat
 from services.processes.notifications import subscriber as notifications
+from services.processes.subscribers.context import SubscriberContext
 from services.processes.triggers import subscriber as run_triggers
 from services.processes.vcs import report as vcs_report
-
-
-@dataclass(frozen=True)
-class SubscriberContext:
-    """What a subscriber is built from: the connection, the command side, the process's
-    options, and where the read model lives (the api's, when it shares the data dir)."""
-
-    nc: NATS
-    app: App
-    opts: Options
-    readmodel_path: Path
 
 
 def subscriptions(ctx: SubscriberContext) -> list[Subscription]:

@@ -17,7 +17,7 @@ raised, and the event comes again.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final, get_args
+from typing import Final, get_args
 
 import structlog
 
@@ -27,10 +27,8 @@ from events.run import RunEvent, RunState
 from events.values import Cause
 from infra.consumer import Received, Subscription
 from services.app.commands import App, derived_id
+from services.processes.subscribers.context import SubscriberContext
 from services.processes.triggers import graph
-
-if TYPE_CHECKING:
-    from services.processes.subscribers.registry import SubscriberContext
 
 log = structlog.get_logger(__name__)
 

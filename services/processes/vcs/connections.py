@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -25,11 +25,9 @@ from events.errors import Conflict
 from infra.crypto import CryptoError, KeyRing
 from infra.eventstore import Append, EventStore
 from infra.kv import SECRETS_BUCKET, last_values
+from services.app.commands import App
+from services.app.secrets import SecretStore
 from services.processes.vcs import VcsError
-
-if TYPE_CHECKING:
-    from services.app.commands import App
-    from services.app.secrets import SecretStore
 
 SECRET, TOKEN = "secret", "token"
 MAX_SECRET = 4096

@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -54,11 +54,14 @@ from events import vcs_report as vr
 from events.errors import Conflict
 from events.react import notifications, quiet, react
 from events.run import RunState
+from infra import options
 from infra.consumer import Received, Retry, Subscription, by_subject
 from infra.eventstore import Append, EventStore
 from infra.options import ConfigError
+from services.app.commands import App
 from services.app.secrets import SecretStore
 from services.processes.notifications.formats import PUBLIC_URL_ENV
+from services.processes.subscribers.context import SubscriberContext
 from services.processes.vcs import connections
 from services.processes.vcs.client import (
     Client,
@@ -71,11 +74,6 @@ from services.processes.vcs.comment import marker, render, run_url, safe
 from services.processes.vcs.github import GitHubClient
 from services.processes.vcs.gitlab import GitLabClient
 from services.processes.vcs.prrun import PrRun, Verdict, pr_run
-from services.root import trust
-
-if TYPE_CHECKING:
-    from services.app.commands import App
-    from services.processes.subscribers.registry import SubscriberContext
 
 log = structlog.get_logger(__name__)
 
@@ -370,7 +368,7 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     """The registry's entry (services/processes/subscribers/registry.py); none without the
     encryption key (a connection's token opens only with it)."""
     try:
-        keyring = trust.keyring(ctx.opts)
+        keyring = options.keyring(ctx.opts)
     except ConfigError as e:
         log.warning("vcs_report_off", reason=str(e))
         return []

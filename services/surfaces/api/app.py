@@ -7,12 +7,12 @@ composition root owns their lifetimes (the projector is an async context manager
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from infra.metrics import Metrics
 from infra.policy.sandbox import PolicySandbox
+from projections.metrics import Metrics
+from projections.projector import Projector
 from services.app.commands import App
 from services.app.repositories import Sources
 from services.app.secrets import SecretStore
@@ -45,9 +45,6 @@ from services.surfaces.api.context import API, Api
 from services.surfaces.api.middleware import MIDDLEWARES
 from services.surfaces.tfe import routes as tfe
 from services.surfaces.ui import app as ui
-
-if TYPE_CHECKING:
-    from projections.projector import Projector
 
 V1 = "/api/v1"
 ORG = V1 + "/orgs/{org}"

@@ -6,17 +6,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from aiohttp import web
 
 from events.org import USE_EVERY
+from projections.projector import Projector
+from projections.readmodel import ReadModel
 from services.app.commands import App
-
-if TYPE_CHECKING:
-    from projections.projector import Projector
-    from projections.readmodel import ReadModel
 
 log = structlog.get_logger("runplane.api")
 

@@ -1,4 +1,4 @@
-"""`GET /metrics`: the deployment's figures for Prometheus (infra/metrics.py).
+"""`GET /metrics`: the deployment's figures for Prometheus (projections/metrics.py).
 
 They are the whole deployment's (every organization's runs, the consumers' lag), so they
 are answered only to the admin token or to the metrics token (`RUNPLANE_METRICS_TOKEN`:
@@ -15,7 +15,7 @@ import hmac
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from infra.metrics import Metrics
+from projections.metrics import Metrics
 from services.surfaces.api.auth import PRINCIPAL, authenticate, bearer
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from events.org import RevokeToken
 from events.run import Workspace
-from projections.project import iso
+from projections.working import iso
 from services.app import repositories
 from services.surfaces.api import render, secrets, workspaces
 from services.surfaces.api import vcs as vcs_api

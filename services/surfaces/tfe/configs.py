@@ -46,10 +46,11 @@ from executor.upload import MAX_UPLOAD
 from infra.crypto import CryptoError, KeyRing
 from services.app.commands import new_id
 from services.surfaces.api.auth import OPERATOR, VIEWER
+from services.surfaces.api.context import API
 from services.surfaces.tfe import ids
 from services.surfaces.tfe import quota as tfe_quota
 from services.surfaces.tfe.capability import CapabilityError
-from services.surfaces.tfe.context import api_of, require, tfe_of
+from services.surfaces.tfe.context import api_of, read_json, require, tfe_of
 from services.surfaces.tfe.jsonapi import (
     Doc,
     TfeError,
@@ -161,8 +162,6 @@ CONFIGS: web.AppKey[ConfigStore | None] = web.AppKey("runplane.tfe.configs", Con
 def install(web_app: web.Application, js: JetStreamContext, keyring: KeyRing | None) -> None:
     """The store of configuration versions and its sweep (services/surfaces/tfe/quota.py), run
     by this api process beside any other replica's."""
-    from services.surfaces.api.context import API
-
     store = ConfigStore.of(js, keyring) if keyring else None
     web_app[CONFIGS] = store
     if store is None:
@@ -361,8 +360,6 @@ def _too_large() -> TfeError:
 
 
 async def _optional_json(request: web.Request) -> object | None:
-    from services.surfaces.tfe.context import read_json
-
     if not request.can_read_body:
         return None
     return await read_json(request, limit=64 * 1024)

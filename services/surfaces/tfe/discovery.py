@@ -16,6 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from services.surfaces.tfe.jsonapi import response
+from services.surfaces.tfe.login import SERVICE
 
 BASE = "/api/v2/"
 API_VERSION = "2.5"
@@ -35,8 +36,6 @@ LOGIN_MODES = ("browser", "token")
 
 
 async def well_known(request: web.Request) -> web.Response:
-    from services.surfaces.tfe.login import SERVICE
-
     if not request.app.get(BROWSER_LOGIN, True):
         return web.json_response(SERVICES)
     return web.json_response({**SERVICES, "login.v1": SERVICE})

@@ -40,6 +40,7 @@ from services.surfaces.api.runlog import Lines, Target
 from services.surfaces.tfe.capability import MAX_TTL_S, CapabilityError
 from services.surfaces.tfe.context import api_of, tfe_of
 from services.surfaces.tfe.jsonapi import TfeError, not_found
+from services.surfaces.tfe.statuses import is_final_apply, is_final_plan
 
 READ_PATH = "/api/v2/capabilities/logs/"
 KINDS = {"plan": "plan-log", "apply": "apply-log"}
@@ -68,8 +69,6 @@ def _int(request: web.Request, name: str, default: int) -> int:
 
 async def read_log(request: web.Request) -> web.Response:
     """GET <log-read-url>?offset=N&limit=M."""
-    from services.surfaces.tfe.runs import is_final_apply, is_final_plan
-
     phase = request.match_info["phase"]
     if phase not in KINDS:
         raise not_found("no such log")
