@@ -81,9 +81,12 @@ async def _contains(proc: Proc, text: str) -> bool:
 
 
 async def test_the_registry_and_extra_modules_make_the_hosts_list(
-    nc: NATS, app: App, monkeypatch: pytest.MonkeyPatch
+    nc: NATS, app: App, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    ctx = SubscriberContext(nc=nc, app=app, opts=Options(), readmodel_path=Path("x"))
+    # Its own data directory: the clone's .runplane/ is `./dev up`'s, and its key there
+    # would give these options the chat-ops subscriptions.
+    opts = Options(data_dir=tmp_path)
+    ctx = SubscriberContext(nc=nc, app=app, opts=opts, readmodel_path=tmp_path / "rm.sqlite")
     assert [s.name for s in registry.subscriptions(ctx)] == ["notifications", "run-triggers"]
     monkeypatch.setenv(MODULES_ENV, f"{MODULE},{MODULE}")
     with pytest.raises(ConfigError, match="share a name"):
