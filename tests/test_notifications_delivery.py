@@ -54,9 +54,7 @@ class Rig:
             has_token=bool(token),
             **fields,
         )
-        state, _ = await outbox.command(
-            self.store, "acme", cmd, clock=self.app.clock, new_id=self.app.ids
-        )
+        state, _ = await outbox.command(self.app, "acme", cmd)
         self.tokens[cmd.config_id] = token
         assert state.config is not None
         return state.config
@@ -322,7 +320,7 @@ async def test_a_configuration_deleted_while_its_delivery_waits_gets_no_more_tri
         await rig.notify_created()
         await eventually(lambda: _n(r, 1))
         delete = nt.DeleteConfig(actor="alice", config_id=cfg.id)
-        await outbox.command(rig.store, "acme", delete, clock=rig.app.clock, new_id=rig.app.ids)
+        await outbox.command(rig.app, "acme", delete)
 
         async def dropped() -> bool:
             return rig.dispatcher.busy() == 0

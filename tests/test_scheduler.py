@@ -20,7 +20,8 @@ from events.workspace import RunAdmitted, RunEnqueued, RunReleased
 from infra import streams
 from infra.eventstore import EventStore
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 

@@ -279,9 +279,7 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
             destination="generic",
             url="https://hooks.example.com/x",
         )
-        await outbox.command(
-            http.app.store, "acme", save, clock=http.app.clock, new_id=http.app.ids
-        )
+        await outbox.command(http.app, "acme", save)
     sched = await http.post(f"{WS}/schedules", json={"cron": "0 3 * * *", "run_type": "plan"})
     assert sched.status == 201, sched.body
     await http.workspace("acme", "dns", repository=REPO)

@@ -39,7 +39,8 @@ from events.errors import DomainError, Forbidden, IllegalTransition, StaleLease
 from infra import streams
 from infra.eventstore import EventStore
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from tests.reliability.history import replay
 from tests.reliability.support import ThreadLoop
 

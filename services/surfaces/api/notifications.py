@@ -121,9 +121,7 @@ async def _guarded(url: str) -> None:
 
 
 async def _command(api: Api, org: str, cmd: nt.SaveConfig | nt.DeleteConfig) -> tuple[Any, int]:
-    return await outbox.command(
-        api.app.store, org, cmd, clock=api.app.clock, new_id=api.app.ids, attempts=api.app.attempts
-    )
+    return await outbox.command(api.app, org, cmd)
 
 
 async def _found(api: Api, org: str, config_id: str, ws: str | None) -> nt.NotificationConfig:

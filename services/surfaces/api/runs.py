@@ -11,7 +11,7 @@ from aiohttp import web
 from events.codec import run_subject
 from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
 from infra.heartbeats import Board
-from services.app.commands import Result
+from services.app.execute import Result
 from services.surfaces.api import approvals, render
 from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
 from services.surfaces.api.bodies import (
@@ -46,7 +46,7 @@ async def _existing_run(api: Api, org: str, run_id: str) -> Row:
     return row
 
 
-async def _answer(api: Api, org: str, result: Result, *, status: int) -> web.Response:
+async def _answer(api: Api, org: str, result: Result[RunState], *, status: int) -> web.Response:
     """Answer a command on a run with the run as projected once it holds the write."""
     run_id = result.state.run_id
     return await written(

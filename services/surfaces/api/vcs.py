@@ -105,9 +105,7 @@ def _sealed(request: web.Request) -> Sealed:
 async def _command(
     api: Api, org: str, cmd: vcs.SaveConnection | vcs.DeleteConnection
 ) -> tuple[vcs.ConnectionState, int]:
-    return await connections.command(
-        api.app.store, org, cmd, now=api.app.clock(), new_id=api.app.ids
-    )
+    return await connections.command(api.app, org, cmd)
 
 
 async def _found(api: Api, org: str, connection_id: str) -> vcs.VcsConnection:

@@ -135,14 +135,7 @@ async def _remove_attached(request: web.Request, api: Api, org: str, ws: str, us
             if config.has_token and store is not None:
                 await TokenStore(store.nc, store.keyring).delete(org, config.id)
             delete = nt.DeleteConfig(actor=user, config_id=config.id)
-            await outbox.command(
-                api.app.store,
-                org,
-                delete,
-                clock=api.app.clock,
-                new_id=api.app.ids,
-                attempts=api.app.attempts,
-            )
+            await outbox.command(api.app, org, delete)
     await _forget_schedules_and_triggers(api, org, ws, user)
     log.info("workspace_purging", org=org, workspace=ws)
 

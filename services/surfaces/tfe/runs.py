@@ -35,7 +35,8 @@ from events.run import (
     Status,
 )
 from infra.eventstore import LATEST
-from services.app.commands import App, Result
+from services.app.commands import App
+from services.app.execute import Result
 from services.surfaces.api.approvals import caller
 from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
 from services.surfaces.api.problems import Problem
@@ -228,7 +229,7 @@ async def _create(
     source: ConfigSource,
     run_id: str,
     attrs: dict[str, Any],
-) -> Result:
+) -> Result[RunState]:
     if not speculative:
         await _cli_driven(app, org, ws)
     # `auto-apply` (newer clients' -auto-approve): no "yes" will come, so the plan does
@@ -264,7 +265,7 @@ async def _cli_driven(app: App, org: str, ws: str) -> None:
     code comes from) must not apply any other with its variables and credentials. Its
     speculative plans are taken, as HCP Terraform takes them."""
     w = await app.load_ws(org, ws)
-    if w.state.exists and w.state.config.repository != CLI_REPOSITORY:
+    if w.state.config is not None and w.state.config.repository != CLI_REPOSITORY:
         raise TfeError(
             422,
             "apply not allowed",

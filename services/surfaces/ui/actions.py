@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from events.errors import DomainError
-from events.run import CancelRun, Cause
-from services.app.commands import Result
+from events.run import CancelRun, Cause, RunState
+from services.app.execute import Result
 from services.surfaces.api import approvals
 from services.surfaces.api.auth import ADMIN, OPERATOR
 from services.surfaces.api.problems import Problem, from_domain
@@ -52,7 +52,9 @@ async def _refused(visit: Visit, run_id: str, p: Problem) -> web.Response:
     return render(visit.request, "run.html", context, status=p.status)
 
 
-async def _on_run(visit: Visit, act: Callable[[str], Awaitable[Result]]) -> web.StreamResponse:
+async def _on_run(
+    visit: Visit, act: Callable[[str], Awaitable[Result[RunState]]]
+) -> web.StreamResponse:
     """`act` on the organization's run of the path; a refusal is shown on its page."""
     run = await _run_or_404(visit)
     run_id = str(run["id"])
