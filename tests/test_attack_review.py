@@ -223,7 +223,9 @@ async def test_a_delivery_whose_attempt_keeps_raising_stops_once_its_configurati
         run = (await app.create_run("acme", "net", "apply", "alice")).state
         subject = run_subject("acme", "net", run.run_id)
         envs = await store.read(subject)
-        await notifier.on_event(envs[0].seq, subject, envs[0].event, R.fold([envs[0].event]))
+        first = envs[0].event
+        assert isinstance(first, R.RunCreated)
+        await notifier.on_event(envs[0].seq, subject, first, R.fold([first]))
         assert d.busy() == 1
         delete = nt.DeleteConfig(actor="alice", config_id=cmd.config_id)
         await outbox.command(app, "acme", delete)

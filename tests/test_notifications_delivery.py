@@ -65,7 +65,9 @@ class Rig:
         run: R.RunState = created.state
         subject = run_subject("acme", "net", run.run_id)
         envs = await self.store.read(subject)
-        return envs[0].seq, subject, R.fold([envs[0].event])
+        first = envs[0].event
+        assert isinstance(first, R.RunCreated)
+        return envs[0].seq, subject, R.fold([first])
 
     async def notify_created(self) -> tuple[int, R.RunState]:
         seq, subject, state = await self.create_run()

@@ -204,7 +204,7 @@ async def test_a_workspace_keeps_its_vcs_binding_and_refuses_bad_globs(
     await vcs_connections.command(plane.app, "acme", save)
     a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
     assert a.status == 201, a.body
-    want = {k: v for k, v in body.items() if k not in ("name", "repository")}
+    want: dict[str, Any] = {k: v for k, v in body.items() if k not in ("name", "repository")}
     want["trigger_any_change"] = False
     assert {k: a.body[k] for k in want} == want
 

@@ -42,7 +42,7 @@ from projections import replay
 from projections.projector import Projector
 from projections.readmodel import ReadModel
 from services.app import repositories
-from services.app.commands import App
+from services.app.commands import App, Result
 from services.app.secrets import SecretStore
 from services.processes.notifications import outbox
 from services.processes.schedules import store as schedule_store
@@ -93,6 +93,7 @@ def test_a_config_change_records_only_the_members_that_differ() -> None:
 
 def test_a_config_change_is_checked_as_a_creation_is() -> None:
     state = _fold(CREATED)
+    bad: dict[str, Any]
     for bad in ({"variables": {}}, {"name": "x"}, {"repository": "ext::sh -c id"}):
         with pytest.raises(Invalid):
             _decide(state, ChangeConfig(actor="a", changes=bad))
@@ -467,6 +468,8 @@ async def _race(stepping: Stepping, deleting: EventStore) -> None:
         return await b.delete_workspace("acme", n, "admin")
 
     async def race(i: int, n: str) -> tuple[bool, bool]:
+        made: Result | BaseException
+        gone: Any
         made, gone = await asyncio.gather(
             a.create_run("acme", n, "plan", "alice"),
             delete(n, i % 4),
