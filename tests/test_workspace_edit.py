@@ -42,7 +42,8 @@ from projections import replay
 from projections.projector import Projector
 from projections.readmodel import ReadModel
 from services.app import repositories
-from services.app.commands import App, Result
+from services.app.commands import App
+from services.app.execute import Result
 from services.app.secrets import SecretStore
 from services.processes.notifications import outbox
 from services.processes.schedules import store as schedule_store
@@ -180,9 +181,11 @@ async def test_patch_changes_the_configuration_and_runs_keep_theirs(http: Http) 
     shown = await http.get(WS)
     assert {k: shown.body[k] for k in body} == body and shown.body["deleted_at"] is None
     old = (await http.app.load_run("acme", "net", before["id"])).state
+    assert old.config is not None
     assert (old.config.repository, old.config.branch) == (REPO, "main")
     after = await http.run("acme", "net", "plan")
     new = (await http.app.load_run("acme", "net", after["id"])).state
+    assert new.config is not None
     assert (new.config.branch, new.config.directory) == ("prod", "envs/prod")
     events = [e.event for e in await http.app.store.read("rp.ws.acme.net")]
     [changed] = [e for e in events if isinstance(e, ConfigChanged)]
@@ -204,6 +207,7 @@ async def test_patch_changes_the_configuration_and_runs_keep_theirs(http: Http) 
     assert {k: patched.body[k] for k in vcs} == vcs
     assert {k: (await http.get(WS)).body[k] for k in vcs} == vcs
     cfg = (await http.app.load_ws("acme", "net")).state.config
+    assert cfg is not None
     assert (cfg.trigger_paths, cfg.vcs_run_type) == (vcs["trigger_paths"], "plan")
 
 
