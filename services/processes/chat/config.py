@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 from datetime import datetime
-from typing import get_args
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -34,8 +33,6 @@ from services.app.execute import Result
 
 SIGNING_SECRET = "slack-signing-secret"
 BOT_TOKEN = "slack-bot-token"
-ATTEMPTS = 10
-_CHAT = get_args(chat_agg.ChatEvent)
 OPERATOR = "operator"  # what creating and canceling runs needs, as in the API
 
 
