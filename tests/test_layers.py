@@ -40,7 +40,6 @@ OVER_LIMIT: dict[str, int] = {
     "file services/app/commands.py": 700,
     "file executor/isolation.py": 570,
     "file executor/worker.py": 551,
-    "class projections/readmodel.py:ReadModel": 36,
     "class services/app/commands.py:App": 35,
     "class executor/worker.py:Executor": 23,
     "class executor/statebackend.py:StateBackend": 21,

@@ -170,7 +170,7 @@ async def create(request: web.Request) -> web.Response:
     return await written(
         api,
         seq,
-        lambda: api.read.notification(org, config_id),
+        lambda: api.read.integrations.notification(org, config_id),
         lambda: _row(state.config),
         status=201,
         location=where,
@@ -206,14 +206,14 @@ async def list_configs(request: web.Request) -> web.Response:
     api, org, who = scope(request, VIEWER)
     ws = _ws_of(request)
     await _workspace(api, org, ws)
-    return items([_shown(r, who) for r in await api.read.notifications(org, ws)])
+    return items([_shown(r, who) for r in await api.read.integrations.notifications(org, ws)])
 
 
 async def get_config(request: web.Request) -> web.Response:
     api, org, who = scope(request, VIEWER)
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     cfg = await _found(api, org, config_id, ws)
-    row = await api.read.notification(org, config_id)
+    row = await api.read.integrations.notification(org, config_id)
     return json_response(_shown(row or _row(cfg), who))
 
 
@@ -243,7 +243,7 @@ async def patch_config(request: web.Request) -> web.Response:
     return await written(
         api,
         seq,
-        lambda: api.read.notification(org, config_id),
+        lambda: api.read.integrations.notification(org, config_id),
         lambda: _row(state.config),
         status=200,
     )
@@ -264,7 +264,7 @@ async def deliveries(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     await _found(api, org, config_id, ws)
-    return items(await api.read.notify_attempts(org, config_id))
+    return items(await api.read.integrations.notify_attempts(org, config_id))
 
 
 async def verify(request: web.Request) -> web.Response:

@@ -236,7 +236,7 @@ async def create_config_version(request: web.Request) -> web.Response:
     """POST /workspaces/:id/configuration-versions: a pending version and its upload URL."""
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
     require(request, org, OPERATOR)
-    if await api_of(request).read.get_workspace(org, ws) is None:
+    if await api_of(request).read.workspaces.get(org, ws) is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
     body = await _optional_json(request)
     attrs = attributes(body, "configuration-versions") if body is not None else {}

@@ -69,7 +69,7 @@ async def _position(app: App, request: web.Request, s: RunState) -> int:
     ones not over yet (the list is newest first)."""
     if s.status != Status.PENDING or s.speculative:
         return 0
-    rows = await api_of(request).read.list_runs(s.org, workspace=s.workspace, full=False)
+    rows = await api_of(request).read.runs.find(s.org, workspace=s.workspace, full=False)
     over = {str(x) for x in ENDED | STOPPED}
     seen = [r["id"] for r in rows]
     if s.run_id not in seen:
@@ -197,9 +197,9 @@ async def list_workspace_runs(request: web.Request) -> web.Response:
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
     require(request, org, VIEWER)
     api = api_of(request)
-    if await api.read.get_workspace(org, ws) is None:
+    if await api.read.workspaces.get(org, ws) is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
-    rows = await api.read.list_runs(org, workspace=ws, full=False)
+    rows = await api.read.runs.find(org, workspace=ws, full=False)
     items = [row_doc(org, ws, r) for r in rows]
     return response(listing(items, page_of(request)))
 
