@@ -44,7 +44,6 @@ OVER_LIMIT: dict[str, int] = {
     "class executor/worker.py:Executor": 23,
     "class executor/statebackend.py:StateBackend": 21,
     "function services/app/commands.py:create_run": 100,
-    "function services/surfaces/api/notifications.py:_paths": 66,
     "function services/app/commands.py:run_command": 64,
     "function events/react.py:quiet": 64,
     "function infra/streams.py:_declare": 63,

@@ -364,69 +364,87 @@ def body(name: str) -> Doc:
 
 
 def _paths(prefix: str, scope_params: list[str], tag: str) -> dict[str, Doc]:
+    """The notification operations at one scope (an organization or a workspace)."""
     params = [{"$ref": f"#/components/parameters/{p}"} for p in scope_params]
     one = [*params, {"$ref": "#/components/parameters/notification"}]
+    config = f"{prefix}/notifications/{{notification}}"
     return {
-        f"{prefix}/notifications": {
-            "get": {
-                "operationId": f"list{tag}Notifications",
-                "summary": "Notification configurations",
-                "parameters": params,
-                "responses": {"200": ok("NotificationList"), **problems(403, 404, 422)},
-            },
-            "post": {
-                "operationId": f"create{tag}Notification",
-                "summary": "Create a notification configuration (the token is write-only)",
-                "parameters": params,
-                "requestBody": body("NotificationBody"),
-                "responses": {
-                    "201": ok("Notification", seq=True),
-                    **problems(400, 403, 404, 422, 503),
-                },
+        f"{prefix}/notifications": _collection(params, tag),
+        config: _config(one, tag),
+        f"{config}/verify": _verify(one, tag),
+        f"{config}/deliveries": _deliveries(one, tag),
+    }
+
+
+def _collection(params: list[Doc], tag: str) -> Doc:
+    return {
+        "get": {
+            "operationId": f"list{tag}Notifications",
+            "summary": "Notification configurations",
+            "parameters": params,
+            "responses": {"200": ok("NotificationList"), **problems(403, 404, 422)},
+        },
+        "post": {
+            "operationId": f"create{tag}Notification",
+            "summary": "Create a notification configuration (the token is write-only)",
+            "parameters": params,
+            "requestBody": body("NotificationBody"),
+            "responses": {
+                "201": ok("Notification", seq=True),
+                **problems(400, 403, 404, 422, 503),
             },
         },
-        f"{prefix}/notifications/{{notification}}": {
-            "get": {
-                "operationId": f"get{tag}Notification",
-                "summary": "A notification configuration",
-                "parameters": one,
-                "responses": {"200": ok("Notification"), **problems(403, 404, 422)},
-            },
-            "patch": {
-                "operationId": f"patch{tag}Notification",
-                "summary": 'Change the fields given (token "" removes it)',
-                "parameters": one,
-                "requestBody": body("NotificationPatchBody"),
-                "responses": {
-                    "200": ok("Notification", seq=True),
-                    **problems(400, 403, 404, 422, 503),
-                },
-            },
-            "delete": {
-                "operationId": f"delete{tag}Notification",
-                "summary": "Delete a notification configuration",
-                "parameters": one,
-                "responses": {"204": {"description": "deleted"}, **problems(403, 404, 422)},
+    }
+
+
+def _config(one: list[Doc], tag: str) -> Doc:
+    return {
+        "get": {
+            "operationId": f"get{tag}Notification",
+            "summary": "A notification configuration",
+            "parameters": one,
+            "responses": {"200": ok("Notification"), **problems(403, 404, 422)},
+        },
+        "patch": {
+            "operationId": f"patch{tag}Notification",
+            "summary": 'Change the fields given (token "" removes it)',
+            "parameters": one,
+            "requestBody": body("NotificationPatchBody"),
+            "responses": {
+                "200": ok("Notification", seq=True),
+                **problems(400, 403, 404, 422, 503),
             },
         },
-        f"{prefix}/notifications/{{notification}}/verify": {
-            "post": {
-                "operationId": f"verify{tag}Notification",
-                "summary": "Send a verification payload; answers the receiver's response",
-                "parameters": one,
-                "responses": {
-                    "200": ok("NotificationVerification", seq=True),
-                    **problems(403, 404, 422, 503),
-                },
+        "delete": {
+            "operationId": f"delete{tag}Notification",
+            "summary": "Delete a notification configuration",
+            "parameters": one,
+            "responses": {"204": {"description": "deleted"}, **problems(403, 404, 422)},
+        },
+    }
+
+
+def _verify(one: list[Doc], tag: str) -> Doc:
+    return {
+        "post": {
+            "operationId": f"verify{tag}Notification",
+            "summary": "Send a verification payload; answers the receiver's response",
+            "parameters": one,
+            "responses": {
+                "200": ok("NotificationVerification", seq=True),
+                **problems(403, 404, 422, 503),
             },
         },
-        f"{prefix}/notifications/{{notification}}/deliveries": {
-            "get": {
-                "operationId": f"list{tag}NotificationDeliveries",
-                "summary": "Every delivery attempt, newest first",
-                "parameters": one,
-                "responses": {"200": ok("NotificationAttemptList"), **problems(403, 404, 422)},
-            },
+    }
+
+
+def _deliveries(one: list[Doc], tag: str) -> Doc:
+    return {
+        "get": {
+            "operationId": f"list{tag}NotificationDeliveries",
+            "summary": "Every delivery attempt, newest first",
+            "parameters": one,
+            "responses": {"200": ok("NotificationAttemptList"), **problems(403, 404, 422)},
         },
     }
 
