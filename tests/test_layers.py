@@ -45,7 +45,6 @@ OVER_LIMIT: dict[str, int] = {
     "class executor/statebackend.py:StateBackend": 21,
     "function services/app/commands.py:create_run": 100,
     "function services/app/commands.py:run_command": 64,
-    "function infra/streams.py:_declare": 63,
 }
 # Import circles still open (each a sorted tuple of its modules): may only go.
 OPEN_CIRCLES: set[tuple[str, ...]] = {
