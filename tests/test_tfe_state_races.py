@@ -75,7 +75,7 @@ async def test_the_same_state_pushed_through_two_replicas_at_once_is_kept_once(
     async with replica(nc, tfe.keyring, tmp_path / "rm-2.sqlite") as other:
 
         async def locked() -> bool:
-            row = await other.api.read.get_workspace("acme", "net")
+            row = await other.api.read.workspaces.get("acme", "net")
             return row is not None and row.get("lock") is not None
 
         await eventually(locked, timeout=10, what="the other replica to see the lock")

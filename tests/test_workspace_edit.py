@@ -322,7 +322,7 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     listed = (await http.get(f"{WS}/runs", headers={"RP-Min-Seq": str(new_run["seq"])})).body
     assert [r["id"] for r in listed["items"]] == [new_run["id"]]
     (await http.get(f"{V1}/orgs/acme/runs/{old_run['id']}")).problem("not-found", 404)
-    kept = await http.api.read._all(  # the audit table itself
+    kept = await http.api.read.rows(  # the audit table itself
         "SELECT type FROM events WHERE run_id = ? ORDER BY seq", (old_run["id"],)
     )
     assert [r["type"] for r in kept] == ["run.created", "run.canceled"]
@@ -336,7 +336,7 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
         async with await ReadModel.open(tmp_path / f"replayed-{batch}.sqlite") as rebuilt:
             assert await rebuilt.dump() == live, batch
     # the audit of the delete and the purge survives it
-    audit = await http.api.read._all(  # the audit table itself
+    audit = await http.api.read.rows(  # the audit table itself
         "SELECT type, actor FROM events WHERE subject = 'rp.ws.acme.net' ORDER BY seq"
     )
     kinds = [(r["type"], r["actor"]) for r in audit]
@@ -516,7 +516,7 @@ async def test_the_vcs_binding_follows_a_patch_and_goes_with_a_delete(http: Http
     a = await http.call("PATCH", WS, json=bind)
     assert a.status == 200 and a.body["vcs_connection"] == mine["id"], a.body
     query = "SELECT connection, branch, trigger_paths_json FROM vcs_bindings WHERE org = ?"
-    rows = [tuple(r) for r in await http.api.read._all(query, ("acme",))]
+    rows = [tuple(r) for r in await http.api.read.rows(query, ("acme",))]
     assert rows == [(mine["id"], "prod", '["envs/**"]')]
     assert (await http.call("DELETE", WS)).status == 204
-    assert await http.api.read._all(query, ("acme",)) == []
+    assert await http.api.read.rows(query, ("acme",)) == []

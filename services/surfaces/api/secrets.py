@@ -83,7 +83,7 @@ async def store_all(request: web.Request, org: str, ws: str, values: Mapping[str
 
 async def workspace_shown(request: web.Request, api: Api, org: str, ws: str) -> Row | None:
     """A workspace as answered: its secret variables by name only, each `(sensitive)`."""
-    row = await api.read.get_workspace(org, ws)
+    row = await api.read.workspaces.get(org, ws)
     store = request.app.get(SECRETS)
     if row is None or store is None:
         return row

@@ -152,12 +152,12 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def _fresh(api: Api, org: str, connection_id: str) -> Row | None:
-    return _shown(await api.read.vcs_connection(org, connection_id))
+    return _shown(await api.read.integrations.vcs_connection(org, connection_id))
 
 
 async def list_connections(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    return items([r for r in map(_shown, await api.read.vcs_connections(org)) if r])
+    return items([r for r in map(_shown, await api.read.integrations.vcs_connections(org)) if r])
 
 
 async def get_connection(request: web.Request) -> web.Response:

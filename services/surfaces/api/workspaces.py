@@ -80,10 +80,10 @@ async def delete_workspace(request: web.Request) -> web.Response:
     """DELETE .../workspaces/{ws}: 204, or 409 naming a run that is not over."""
     api, org, who = scope(request, ADMIN)
     ws = path_id(request, "ws")
-    row = await api.read.get_workspace(org, ws)
+    row = await api.read.workspaces.get(org, ws)
     if row is None:
         raise Problem("not-found", f"workspace {ws} not found")
-    open_runs = await api.read.open_runs(org, ws)
+    open_runs = await api.read.runs.open(org, ws)
     if open_runs:  # speculative plans hold no place in the queue: only the runs show them
         raise Problem(
             "conflict",

@@ -35,7 +35,7 @@ def _text(visit: Visit, name: str, *, required: bool = False, limit: int = MAX_R
 
 async def _run_or_404(visit: Visit) -> dict[str, object]:
     run_id = visit.path_id("run")
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
     return run
@@ -43,7 +43,7 @@ async def _run_or_404(visit: Visit) -> dict[str, object]:
 
 async def _refused(visit: Visit, run_id: str, p: Problem) -> web.Response:
     """The run page again, with the server's refusal and its status."""
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise p
     context = await base(visit, **await pages.run_context(visit, run))
@@ -93,7 +93,7 @@ async def cancel(visit: Visit) -> web.StreamResponse:
 
 async def _workspace_or_404(visit: Visit) -> str:
     ws = visit.path_id("ws")
-    if await visit.api.read.get_workspace(visit.org, ws) is None:
+    if await visit.api.read.workspaces.get(visit.org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     return ws
 

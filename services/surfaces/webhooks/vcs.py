@@ -169,7 +169,7 @@ async def _start(
         raise Problem("unavailable", "the read model is behind; deliver again shortly")
     tag = change.kind == payloads.TAG
     complete = change.kind == payloads.PUSH and not change.everything
-    bindings = await api.read.vcs_bindings(
+    bindings = await api.read.integrations.vcs_bindings(
         conn.org,
         conn.id,
         change.repo_keys,
