@@ -17,7 +17,7 @@ from typing import TypeVar
 import structlog
 
 from events.errors import DomainError
-from events.run import FinishStep, RunCommand, RunState, StartStep, Workspace
+from events.run import STOPPABLE, FinishStep, RunCommand, RunState, StartStep, Workspace
 from executor.custody import Custody
 from executor.errors import ObjectStoreError, StepFailed
 from executor.git import GitCache
@@ -28,6 +28,7 @@ from executor.output import Masker, masked_command
 from executor.process import StepLog
 from executor.terraform import Terraform
 from infra import tracing
+from infra.eventstore import LATEST
 from infra.policy.sandbox import PolicySandbox
 from services.app.commands import App
 from services.app.repositories import Sources
@@ -98,6 +99,31 @@ class Job:
         await self.app.run_command(
             self.org, self.ws, self.run_id, masked_command(self.masker, command)
         )
+
+    async def interruption(self) -> str:
+        """Why the phase must stop now (LEASE_LOST, STOP_REQUESTED), or "": asked on
+        every heartbeat (executor/worker.py)."""
+        if self.finishing:
+            return ""
+        try:
+            loaded = await self.app.load_run(self.org, self.ws, self.run_id)
+        except Exception as e:  # noqa: BLE001  # a failed check is no verdict: beat on
+            log.warning("lease_check_failed", error=repr(e))
+            return ""
+        run: RunState = loaded.state
+        if run.lease_id != self.lease_id:  # or a follower is behind our claim: ask the leader
+            return await self._lease_lost()
+        if run.stop_requested_by and run.status in STOPPABLE:
+            return STOP_REQUESTED
+        return ""
+
+    async def _lease_lost(self) -> str:
+        try:
+            loaded = await self.app.load_run(self.org, self.ws, self.run_id, min_seq=LATEST)
+        except Exception as e:  # noqa: BLE001  # a failed check is no verdict: beat on
+            log.warning("lease_check_failed", error=repr(e))
+            return ""
+        return LEASE_LOST if loaded.state.lease_id != self.lease_id else ""
 
     def cancel(self, reason: str) -> None:
         """Interrupt the phase (its Terraform gets SIGINT), unless it is already reporting."""

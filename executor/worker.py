@@ -29,7 +29,7 @@ from nats.js import JetStreamContext
 from events import wire
 from events.codec import valid_id
 from events.errors import DomainError
-from events.run import STOPPABLE, CancelRun, ClaimPhase, FailRun, RunState
+from events.run import CancelRun, ClaimPhase, FailRun, RunState
 from events.wire import Dispatch, Heartbeat
 from executor import recovery, sweep
 from executor import terraform as tf
@@ -37,12 +37,11 @@ from executor.custody import Custody, Vault
 from executor.custom import is_custom
 from executor.git import GitCache
 from executor.isolation import Isolation, Jail, private_dir, remove_tree
-from executor.job import LEASE_LOST, STOP_REQUESTED, STOPPED, Job
+from executor.job import STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
 from infra import tracing
 from infra.crypto import KeyRing
-from infra.eventstore import LATEST
 from infra.heartbeats import Board, beat_interval
 from infra.policy.sandbox import PolicySandbox
 from infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
@@ -492,7 +491,7 @@ class Executor:
             await self._beat(subject, job)
             timeout = job.config.heartbeat_timeout
             await asyncio.sleep(beat_interval(self.heartbeat_interval, timeout))
-            why = await self._interruption(job)
+            why = await job.interruption()
             if why:
                 log.warning(why, lease_id=job.lease_id)
                 job.cancel(why)
@@ -512,30 +511,6 @@ class Executor:
             await self.js.publish(subject, wire.encode(body))
         except Exception as e:  # a missed beat is survivable; the next one may land
             log.warning("heartbeat_failed", error=repr(e))
-
-    async def _interruption(self, job: Job) -> str:
-        """Why the phase must stop now (LEASE_LOST, STOP_REQUESTED), or ""."""
-        if job.finishing:
-            return ""
-        try:
-            loaded = await self.app.load_run(job.org, job.ws, job.run_id)
-        except Exception as e:
-            log.warning("lease_check_failed", error=repr(e))
-            return ""
-        run: RunState = loaded.state
-        if run.lease_id != job.lease_id:  # or a follower is behind our claim: ask the leader
-            return await self._lease_lost(job)
-        if run.stop_requested_by and run.status in STOPPABLE:
-            return STOP_REQUESTED
-        return ""
-
-    async def _lease_lost(self, job: Job) -> str:
-        try:
-            loaded = await self.app.load_run(job.org, job.ws, job.run_id, min_seq=LATEST)
-        except Exception as e:
-            log.warning("lease_check_failed", error=repr(e))
-            return ""
-        return LEASE_LOST if loaded.state.lease_id != job.lease_id else ""
 
 
 async def _ack(msg: Msg) -> None:
