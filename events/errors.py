@@ -72,3 +72,18 @@ class Deleted(IllegalTransition):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status="deleted")
+
+
+class RepositoryRefused(Exception):
+    """A workspace's repository is not one this deployment takes; `rule` says which
+    (the rules: `events.workspace.repository_problem`, services/app/repositories.py).
+
+    Not a DomainError: no command decided it. Here, below the API and the executor,
+    which both catch it."""
+
+    retryable = False
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(f"{message} (rule: {rule})")
+        self.rule = rule
+        self.message = message

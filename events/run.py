@@ -69,7 +69,7 @@ from events.run_events import (
     StepStarted,
     running_status,
 )
-from events.run_state import INITIAL, RunState, advance, final_status
+from events.run_state import INITIAL, RunState, advance, final_status, secret_names
 from events.run_upcast import upcast
 from events.values import (
     CAUSE_KINDS,
@@ -267,4 +267,5 @@ __all__ = [
     "final_status",
     "fold",
     "running_status",
+    "secret_names",
 ]

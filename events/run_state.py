@@ -91,6 +91,13 @@ INITIAL = RunState()
 _BUILTIN_STEPS = {name: te.with_policy(t).steps for name, t in te.BUILTIN.items()}
 
 
+def secret_names(run: RunState) -> list[str]:
+    """The secret variables a run is pinned to: its snapshot's, else its workspace's."""
+    if run.snapshot is not None:
+        return sorted(v.name for v in run.snapshot.variables if v.sensitive)
+    return sorted(run.config.secret_variables) if run.config else []
+
+
 def final_status(state: RunState) -> Status:
     """How a run whose steps are all done ends, by its plan and run type."""
     if state.planned and not state.has_changes:

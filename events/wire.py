@@ -88,6 +88,19 @@ class SecretsReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
 
 SecretValues = dict[str, str]  # variable name -> value, JSON, inside `SecretsReply.sealed`
 
+SECRETS_PREFIX = "rp.secrets"  # + `.<org>.<ws>`: where `SecretsRequest`s go
+
+
+def secrets_subject(org: str, ws: str) -> str:
+    """Where an executor asks for the secrets of a run of `org`/`ws`."""
+    return f"{SECRETS_PREFIX}.{org}.{ws}"
+
+
+def reply_context(run_id: str, lease_id: str) -> str:
+    """What a sealed answer is bound to: it opens only for this run and lease."""
+    return f"secrets:{run_id}:{lease_id}"
+
+
 T = TypeVar("T")
 _encoder = msgspec.json.Encoder()
 _dispatch = msgspec.json.Decoder(Dispatch)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 from nats.aio.client import Client as NATS
 
+from events.run import secret_names
 from executor import secrets as secret_vars
 from executor.changes import show_plan
 from executor.linksafe import open_regular
@@ -27,7 +28,6 @@ from executor.objects import Objects
 from executor.statebackend import ERRORED_STATE, StateBackend
 from executor.statestore import StateStore
 from infra.crypto import KeyRing, load_keyring
-from services.app.secrets import secret_names
 
 if TYPE_CHECKING:
     from executor.job import Job

@@ -19,6 +19,7 @@ from typing import Any
 import structlog
 
 from events import approval
+from events.errors import RepositoryRefused
 from events.policies import PolicyResult
 from events.run import FailRun, FinishApply, FinishPlan, PlanSummary
 from events.values import ResourceChange
@@ -37,7 +38,6 @@ from executor.process import StepLog
 from executor.statebackend import write_override
 from executor.upload import unpack_source
 from infra.crypto import CryptoError, Tampered
-from services.app.repositories import RepositoryRefused
 
 log = structlog.get_logger(__name__)
 

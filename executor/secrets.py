@@ -12,10 +12,9 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events import wire
-from events.wire import SecretsRequest
+from events.wire import SecretsRequest, reply_context, secrets_subject
 from executor.errors import StepFailed
 from infra.crypto import CryptoError, KeyRing
-from services.app.secrets import reply_context, secrets_subject
 
 REASON = "secrets_unavailable"
 

@@ -43,10 +43,10 @@ from executor.phases import run_phase
 from infra import tracing
 from infra.crypto import KeyRing
 from infra.heartbeats import Board, beat_interval
+from infra.ids import new_id
 from infra.policy.sandbox import PolicySandbox
 from infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
 from services.app.commands import App
-from services.app.ids import new_id
 from services.app.repositories import Sources
 
 log = structlog.get_logger(__name__)

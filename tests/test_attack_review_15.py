@@ -69,8 +69,8 @@ from events.workspace import StatePushed
 from executor.statebackend import StateBackend
 from executor.statestore import StateStore
 from infra.eventstore import LATEST
+from infra.ids import new_id
 from services.app.commands import App
-from services.app.ids import new_id
 from services.app.secrets import SecretStore
 from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
+from events.errors import RepositoryRefused
 from events.run import FailRun, StepFinished, Workspace
 from executor import Executor
 from executor import terraform as tf
@@ -24,7 +25,7 @@ from executor.git import GitCache
 from infra.natsserver import EmbeddedNats
 from infra.options import ConfigError
 from services.app.commands import App
-from services.app.repositories import RepositoryRefused, Sources
+from services.app.repositories import Sources
 from services.root.cli import options, parser
 from tests.procs import Client, Proc, free_port, wait_healthy
 from tests.test_executor import Harness, git

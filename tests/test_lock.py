@@ -12,8 +12,8 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from infra import streams
+from infra.ids import new_id
 from services.app.commands import App
-from services.app.ids import new_id
 from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers `http`

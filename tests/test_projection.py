@@ -30,12 +30,12 @@ from events.run import (
 )
 from infra import streams
 from infra.eventstore import EventStore, wait_for_stream
+from infra.ids import hash_token
 from infra.natsserver import EmbeddedNats
 from projections import Projector, replay
 from projections.readmodel import ReadModel
 from services.app.commands import App
 from services.app.execute import Result
-from services.app.ids import hash_token
 from tests.helpers import eventually
 
 ORG = "acme"

@@ -21,9 +21,9 @@ from events.workspace import RunReleased
 from infra import heartbeats
 from infra.eventstore import EventStore
 from infra.heartbeats import Board, body, subject
+from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.app.ids import new_id
 from services.processes.scheduler.reaper import Reaper, Verdict, silent_guard
 from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually

@@ -15,7 +15,7 @@ import pytest
 from events import vcs
 from events.errors import Invalid
 from events.run import Cause, RunCreated
-from services.app.ids import derived_id
+from infra.ids import derived_id
 from services.processes.vcs import connections as vcs_connections
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures

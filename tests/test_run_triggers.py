@@ -17,8 +17,8 @@ from events.errors import AlreadyExists, Conflict, NotFound
 from events.react import Follow
 from events.values import Cause, ResourceChange, Snapshot, Workspace
 from infra.eventstore import Append, Envelope, EventStore
+from infra.ids import derived_id
 from services.app.commands import App
-from services.app.ids import derived_id
 from services.processes.triggers import graph
 from services.processes.triggers.subscriber import Triggers
 from tests.gwt import NOW, Aggregate, given

@@ -19,9 +19,9 @@ from events.errors import IllegalTransition
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased
 from infra import streams
 from infra.eventstore import Envelope, EventStore
+from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.app.ids import new_id
 from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 

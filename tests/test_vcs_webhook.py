@@ -15,9 +15,9 @@ import pytest
 
 from events.run import RunCreated
 from infra import kv
+from infra.ids import derived_id
 from infra.kv import KvError
 from infra.streams import EVENTS
-from services.app.ids import derived_id
 from services.processes.vcs import connections, signing
 from services.surfaces.webhooks import vcs as webhook
 from tests.helpers import eventually

@@ -18,10 +18,10 @@ from events.codec import org_subject, ws_subject
 from events.errors import NotFound
 from infra import tracing
 from infra.eventstore import Append
+from infra.ids import hash_token
 from services.app.admission import Admission
 from services.app.aggregates import ORG, WORKSPACE
 from services.app.execute import Result
-from services.app.ids import hash_token
 
 
 class App(Admission):

@@ -44,9 +44,9 @@ from events.errors import (
 from events.run import Workspace
 from infra import tracing
 from infra.eventstore import LATEST, EventStore
+from infra.ids import new_id, utcnow
 from services.app.aggregates import ORG, RUN, WORKSPACE
 from services.app.execute import ATTEMPTS, Loaded, Repository, Result
-from services.app.ids import new_id, utcnow
 
 # Takes a run's admission snapshot (services/app/snapshot.py); raises SnapshotFailed.
 SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from events.errors import RepositoryRefused
 from events.workspace import repository_problem
 
 UP_DEFAULT = "https://,ssh://,file://"
@@ -55,17 +56,6 @@ MALFORMED = "malformed"
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.S)
 _SCP = re.compile(r"(?:([^@/:\[\]]+)@)?(\[[^\]]+\]|[^@/:\[\]]+):(.*)", re.S)
 _MAX_INDIRECTIONS = 16  # .git files and alternates followed before refusing
-
-
-class RepositoryRefused(Exception):
-    """A workspace's repository is not one this deployment takes; `rule` says which."""
-
-    retryable = False
-
-    def __init__(self, rule: str, message: str) -> None:
-        super().__init__(f"{message} (rule: {rule})")
-        self.rule = rule
-        self.message = message
 
 
 @dataclass(frozen=True)

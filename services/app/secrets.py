@@ -25,15 +25,14 @@ from nats.aio.subscription import Subscription
 
 from events import wire
 from events.codec import valid_id
-from events.run import RunState
-from events.wire import SecretsReply
+from events.run import RunState, secret_names
+from events.wire import SECRETS_PREFIX, SecretsReply, reply_context
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import SECRETS_BUCKET, last_values
 from services.app.commands import App
 
 log = structlog.get_logger(__name__)
 
-SUBJECT_PREFIX = "rp.secrets"
 QUEUE = "rp-secrets"
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,127}$")
 MAX_VALUE = 64 * 1024
@@ -48,22 +47,6 @@ class SecretError(Exception):
 def valid_name(name: str) -> bool:
     """A Terraform variable name (letters, digits, `_`, `-`; not starting with a digit)."""
     return NAME_RE.fullmatch(name) is not None
-
-
-def secrets_subject(org: str, ws: str) -> str:
-    return f"{SUBJECT_PREFIX}.{org}.{ws}"
-
-
-def reply_context(run_id: str, lease_id: str) -> str:
-    """What a sealed answer is bound to: it opens only for this run and lease."""
-    return f"secrets:{run_id}:{lease_id}"
-
-
-def secret_names(run: RunState) -> list[str]:
-    """The secret variables a run is pinned to: its snapshot's, else its workspace's."""
-    if run.snapshot is not None:
-        return sorted(v.name for v in run.snapshot.variables if v.sensitive)
-    return sorted(run.config.secret_variables) if run.config else []
 
 
 class SecretStore:
@@ -120,7 +103,7 @@ class SecretsResponder:
         self._sub: Subscription | None = None
 
     async def __aenter__(self) -> SecretsResponder:
-        self._sub = await self.nc.subscribe(f"{SUBJECT_PREFIX}.*.*", queue=QUEUE, cb=self._on)
+        self._sub = await self.nc.subscribe(f"{SECRETS_PREFIX}.*.*", queue=QUEUE, cb=self._on)
         return self
 
     async def __aexit__(

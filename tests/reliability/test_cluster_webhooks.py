@@ -27,8 +27,8 @@ import pytest
 from events import vcs
 from events.run_events import RunCreated
 from infra.eventstore import EventStore
+from infra.ids import derived_id
 from infra.streams import EVENTS
-from services.app.ids import derived_id
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.reliability.chaos_support import (

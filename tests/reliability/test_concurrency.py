@@ -21,9 +21,9 @@ from events import run as R
 from events.errors import DomainError
 from infra import streams
 from infra.eventstore import EventStore
+from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.app.ids import new_id
 from services.processes.scheduler.scheduler import Scheduler
 from tests.helpers import eventually
 from tests.reliability.history import replay_stream

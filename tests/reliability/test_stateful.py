@@ -38,9 +38,9 @@ from events import run as R
 from events.errors import DomainError, Forbidden, IllegalTransition, StaleLease
 from infra import streams
 from infra.eventstore import EventStore
+from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.app.ids import new_id
 from tests.reliability.history import replay
 from tests.reliability.support import ThreadLoop
 

@@ -40,9 +40,9 @@ from events.errors import Conflict, DomainError
 from events.run_events import Status
 from events.values import Cause
 from infra.eventstore import LATEST
+from infra.ids import derived_id, utcnow
 from infra.tasks import cancel_and_wait
 from services.app.commands import App
-from services.app.ids import derived_id, utcnow
 from services.processes.schedules import store
 
 log = structlog.get_logger(__name__)

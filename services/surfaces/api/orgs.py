@@ -6,6 +6,7 @@ from datetime import datetime, timedelta
 
 from aiohttp import web
 
+from events.errors import RepositoryRefused
 from events.org import RevokeToken
 from events.run import Workspace
 from projections.working import iso
@@ -181,7 +182,7 @@ def check_repository(request: web.Request, repository: str) -> None:
         return
     try:
         sources.check(repository)
-    except repositories.RepositoryRefused as e:
+    except RepositoryRefused as e:
         raise Problem("repository-not-allowed", str(e), rule=e.rule) from e
 
 

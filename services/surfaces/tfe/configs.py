@@ -44,7 +44,7 @@ from executor.errors import ObjectStoreError
 from executor.objects import PLANS_BUCKET, Objects
 from executor.upload import MAX_UPLOAD
 from infra.crypto import CryptoError, KeyRing
-from services.app.ids import new_id
+from infra.ids import new_id
 from services.surfaces.api.auth import OPERATOR, VIEWER
 from services.surfaces.api.context import API
 from services.surfaces.tfe import ids

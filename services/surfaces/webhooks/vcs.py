@@ -41,7 +41,7 @@ from events.codec import valid_id
 from events.errors import Conflict, DomainError
 from events.values import Cause
 from infra.eventstore import Append
-from services.app.ids import derived_id
+from infra.ids import derived_id
 from services.processes.vcs import BadPayload, connections, matching, payloads, signing
 from services.processes.vcs.payloads import Change
 from services.surfaces.api.context import API, Api

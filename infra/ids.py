@@ -1,5 +1,8 @@
-"""Ids and the clock, as the shell makes them (the core never does: it is handed `now`
-and `new_id`)."""
+"""Ids and the clock, as the shells make them (the core never does: it is handed `now`
+and `new_id`).
+
+Here and not in services/: the application layer and the executor both use them, and the
+executor reaches the application layer only through its ports (executor/ports.py)."""
 
 from __future__ import annotations
 
