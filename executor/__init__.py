@@ -2,7 +2,8 @@
 
 Composition root usage (the CLI)::
 
-    async with Executor(nc, app, pool="default", work_dir=data_dir / "work") as ex:
+    ex = Executor(nc, app, pool="default", work_dir=data_dir / "work", repositories=sources)
+    async with ex:
         install_signal_handlers(ex)  # or: await wait_for_signal(), then leave the block
         await ex.run()               # returns once stop() has wound it down
 """

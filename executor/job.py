@@ -25,13 +25,12 @@ from executor.isolation import Jail
 from executor.logstream import LiveStepLog, open_step_log
 from executor.objects import LOGS_BUCKET, Objects, log_object
 from executor.output import Masker, masked_command
+from executor.ports import RepositoryRules, RunLedger
 from executor.process import StepLog
 from executor.terraform import Terraform
 from infra import tracing
 from infra.eventstore import LATEST
 from infra.policy.sandbox import PolicySandbox
-from services.app.commands import App
-from services.app.repositories import Sources
 
 log = structlog.get_logger(__name__)
 
@@ -46,7 +45,7 @@ STOP_REQUESTED = "stop_requested"  # someone asked to stop the phase (run.stop_r
 class Job:
     """Everything a phase needs: the run as claimed, the lease, and a private directory."""
 
-    app: App
+    app: RunLedger  # the runs: read, and reported to
     objects: Objects
     terraform: Terraform
     org: str
@@ -61,7 +60,7 @@ class Job:
     custody: Custody  # secrets, managed state and sealed plans (executor/custody.py)
     grace: float = 20.0
     git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
-    sources: Sources = field(default_factory=Sources)  # repositories it may check out
+    sources: RepositoryRules  # the repositories it may check out
     policy_sandbox: PolicySandbox = field(default_factory=PolicySandbox)  # executor/policy.py
     jail: Jail | None = None  # the identity its processes run as (executor/isolation.py)
     masker: Masker = field(default_factory=Masker)

@@ -31,10 +31,10 @@ import structlog
 from events.codec import run_subject
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RecoverStateVersion, RunState, StateVersionCreated
+from executor.ports import RunLedger, RunReader, RunWriter
 from executor.statestore import HeadMoved, StateStore, parse_state
 from infra.heartbeats import DEADLINE, Board
 from infra.ids import new_id
-from services.app.commands import App
 
 log = structlog.get_logger(__name__)
 
@@ -82,7 +82,9 @@ def dead_lives(work_dir: Path) -> dict[Path, str]:
     return found
 
 
-async def restart(app: App, board: Board, store: StateStore, work_dir: Path, actor: str) -> None:
+async def restart(
+    app: RunLedger, board: Board, store: StateStore, work_dir: Path, actor: str
+) -> None:
     """Settle what dead lives on `work_dir` left (module docstring), before new work."""
     dead = dead_lives(work_dir)
     ids = {executor_id for executor_id in dead.values() if executor_id}
@@ -93,7 +95,7 @@ async def restart(app: App, board: Board, store: StateStore, work_dir: Path, act
         path.unlink(missing_ok=True)
 
 
-async def fail_leases(app: App, board: Board, executor_ids: set[str], actor: str) -> int:
+async def fail_leases(app: RunWriter, board: Board, executor_ids: set[str], actor: str) -> int:
     """Fail every run still running under a lease of one of `executor_ids`."""
     _, beats = await board.snapshot()
     failed = 0
@@ -107,7 +109,7 @@ async def fail_leases(app: App, board: Board, executor_ids: set[str], actor: str
     return failed
 
 
-async def _fail(app: App, org: str, ws: str, run_id: str, beat: object, actor: str) -> bool:
+async def _fail(app: RunWriter, org: str, ws: str, run_id: str, beat: object, actor: str) -> bool:
     lease_id = getattr(beat, "lease_id", "")
     phase = getattr(beat, "phase", "")
     executor_id = getattr(getattr(beat, "body", None), "executor_id", "")
@@ -136,7 +138,7 @@ def _run_of(name: str) -> tuple[str, str, str]:
     return "*", "", name.split("-", 1)[0]
 
 
-async def record_unsaved(app: App, store: StateStore, keep: Path, actor: str) -> int:
+async def record_unsaved(app: RunLedger, store: StateStore, keep: Path, actor: str) -> int:
     """Record every state kept in `keep` as a recovered version of its run."""
     recorded = 0
     for path in sorted(keep.glob("*.tfstate")) if keep.is_dir() else []:
@@ -158,13 +160,13 @@ async def record_unsaved(app: App, store: StateStore, keep: Path, actor: str) ->
     return recorded
 
 
-async def _known(app: App, run: RunState, digest: str) -> bool:
+async def _known(app: RunReader, run: RunState, digest: str) -> bool:
     envs = await app.store.read(run_subject(run.org, run.workspace, run.run_id))
     return any(isinstance(e.event, StateVersionCreated) and e.event.digest == digest for e in envs)
 
 
 async def _recover(
-    app: App, store: StateStore, run: RunState, data: bytes, path: Path, actor: str
+    app: RunWriter, store: StateStore, run: RunState, data: bytes, path: Path, actor: str
 ) -> None:
     head, revision = await store.head(run.org, run.workspace)
     version = await store.put_version(run.org, run.workspace, data, run.run_id)

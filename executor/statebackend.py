@@ -39,6 +39,7 @@ from events.errors import DomainError
 from events.run import RecordStateVersion, RunCommand, RunState, StateVersionCreated
 from events.workspace import StatePushed
 from executor.linksafe import write_new
+from executor.ports import RunReader
 from executor.statestore import (
     Head,
     HeadMoved,
@@ -49,7 +50,6 @@ from executor.statestore import (
     parse_state,
 )
 from infra.eventstore import LATEST, StoreError
-from services.app.commands import App
 
 log = structlog.get_logger(__name__)
 
@@ -82,12 +82,14 @@ T = TypeVar("T")
 class Lessee(Protocol):
     """The phase a backend serves: who it is and how it reports (an `executor.job.Job`)."""
 
-    app: App
     org: str
     ws: str
     run_id: str
     lease_id: str
     executor_id: str
+
+    @property
+    def app(self) -> RunReader: ...
 
     @property
     def actor(self) -> str: ...

@@ -40,14 +40,13 @@ from executor.isolation import Isolation, Jail, private_dir, remove_tree
 from executor.job import STOP_REQUESTED, STOPPED, Job
 from executor.objects import Objects
 from executor.phases import run_phase
+from executor.ports import RepositoryRules, RunLedger
 from infra import tracing
 from infra.crypto import KeyRing
 from infra.heartbeats import Board, beat_interval
 from infra.ids import new_id
 from infra.policy.sandbox import PolicySandbox
 from infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
-from services.app.commands import App
-from services.app.repositories import Sources
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +86,8 @@ class Executor:
     (removed when it ends) and what the jobs run under `tools/`. `isolation` (a mode of
     executor/isolation.py, or an `Isolation`) is who the jobs' processes run as; "auto"
     refuses to start where no isolation can be had. `concurrency` phases run at once.
+    `repositories` (an `executor.ports.RepositoryRules`: the deployment's allowed sources)
+    are what its phases may check out; it adds its own directories to what they refuse.
     `keyring` seals plans and state and opens secrets; every executor, api and scheduler
     of a deployment shares it (None: a key generated once in `work_dir`, for a lone one).
 
@@ -99,7 +100,7 @@ class Executor:
     def __init__(
         self,
         nc: NATS,
-        app: App,
+        app: RunLedger,
         *,
         pool: str = "default",
         work_dir: Path,
@@ -111,7 +112,7 @@ class Executor:
         concurrency: int = 1,
         fetch_timeout: float = 2.0,
         keyring: KeyRing | None = None,
-        repositories: Sources | None = None,
+        repositories: RepositoryRules,
         policy_sandbox: PolicySandbox | None = None,
         isolation: Isolation | str = "auto",
         jobs_dir: Path | None = None,
@@ -137,9 +138,7 @@ class Executor:
         self.objects = Objects(self.js)
         self.git_cache = GitCache(self.work_dir / "git")  # shared with siblings on work_dir
         # The repositories it checks out: never one of its own directories (its mirrors).
-        self.sources = (repositories or Sources()).guarding(
-            self.work_dir, "the executor's work directory"
-        )
+        self.sources = repositories.guarding(self.work_dir, "the executor's work directory")
         self.vault = Vault.create(nc, keyring, self.objects, self.work_dir)
         self.policy_sandbox = policy_sandbox or PolicySandbox()  # the deployment's caps
         self._slots = asyncio.Semaphore(concurrency)

@@ -23,6 +23,7 @@ from infra.eventstore import EventStore
 from infra.natsclient import client_env
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
+from services.app.repositories import Sources
 from tests.provider import fake_provider_mirror
 
 _OLD_BASETEMP_S = 6 * 3600
@@ -144,6 +145,7 @@ async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor
         heartbeat_interval=0.2,
         grace_period=5.0,
         fetch_timeout=0.2,
+        repositories=Sources(),
     )
     async with ex:
         yield ex

@@ -19,6 +19,7 @@ from executor import Executor
 from infra.crypto import KeyRing
 from projections.projector import Projector
 from services.app.commands import App
+from services.app.repositories import Sources
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
 from services.processes.scheduler.scheduler import Scheduler
@@ -53,6 +54,7 @@ class Plane:
             grace_period=5.0,
             fetch_timeout=0.2,
             keyring=self.keyring,
+            repositories=Sources(),
         )
         self.executors[name] = await self.stack.enter_async_context(ex)
         return ex

@@ -18,6 +18,7 @@ from events.run import Workspace
 from executor import Executor, TerraformConfig
 from projections import ReadModel, replay
 from services.app.commands import App
+from services.app.repositories import Sources
 from tests.helpers import eventually
 from tests.provider import REQUIRED_PROVIDERS
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
@@ -113,6 +114,7 @@ async def executor(
         heartbeat_interval=0.2,
         grace_period=5.0,
         fetch_timeout=0.2,
+        repositories=Sources(),
     )
     async with ex:
         yield ex

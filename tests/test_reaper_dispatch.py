@@ -13,6 +13,7 @@ from events import run as R
 from infra.heartbeats import Beat, Board, Body, beat_interval, server_time
 from infra.streams import DISPATCH, executor_consumer
 from services.app.commands import App
+from services.app.repositories import Sources
 from services.processes.scheduler.reaper import Reaper, Verdict, judge
 from services.processes.scheduler.scheduler import Scheduler
 from services.processes.scheduler.watch import mark_dispatched
@@ -158,7 +159,14 @@ async def test_a_dispatch_left_in_the_queue_after_the_timeout_is_never_run(
         failed = await reaches(app, "net", run_id, "failed")
     js = nc.jetstream()
     assert (await js.stream_info(DISPATCH)).state.messages == 1
-    ex = Executor(nc, app, work_dir=tmp_path / "exec", executor_id="late", fetch_timeout=0.2)
+    ex = Executor(
+        nc,
+        app,
+        work_dir=tmp_path / "exec",
+        executor_id="late",
+        fetch_timeout=0.2,
+        repositories=Sources(),
+    )
     async with ex:
 
         async def consumed() -> bool:

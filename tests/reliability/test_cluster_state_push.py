@@ -59,6 +59,7 @@ from infra.eventstore import LATEST, EventStore
 from infra.kv import STATE_HEAD_BUCKET
 from infra.streams import EVENTS
 from services.app.commands import App
+from services.app.repositories import Sources
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
 from services.processes.scheduler.scheduler import Scheduler
@@ -328,6 +329,7 @@ async def plan_after_the_storm(nc: NATS, app: App, keyring: KeyRing, work: Path,
             grace_period=5.0,
             fetch_timeout=0.2,
             keyring=keyring,
+            repositories=Sources(),
         )
         await stack.enter_async_context(executor)
         made = await t.post(f"/api/v1/orgs/{ORG}/workspaces/{WS}/runs", json={"type": "plan"})
