@@ -169,7 +169,7 @@ class Reporter:
         self.job = job
         self.queue: asyncio.Queue[Report | None] = asyncio.Queue()
         self.refused = False
-        self.task = asyncio.create_task(self._run(), name=f"{job.run_id}-resource-reports")
+        self.task = asyncio.create_task(self._run(), name=f"{job.ctx.run_id}-resource-reports")
 
     def send(self, reports: list[Report]) -> None:
         for report in reports:
@@ -187,8 +187,8 @@ class Reporter:
     async def _send(self, report: Report) -> None:
         job = self.job
         command = ReportResource(
-            actor=job.actor,
-            lease_id=job.lease_id,
+            actor=job.ctx.actor,
+            lease_id=job.ctx.lease_id,
             address=report.address,
             action=report.action,
             state=report.state,
@@ -240,8 +240,9 @@ async def planned_changes(job: Job) -> dict[str, str]:
     Without it (NATS hiccup) the apply still runs: only `not_applied` goes unreported,
     and the projection marks what was still pending `not_applied` when the run ends.
     """
+    ctx = job.ctx
     try:
-        envelopes = await job.app.store.read(run_subject(job.org, job.ws, job.run_id))
+        envelopes = await job.tools.app.store.read(run_subject(ctx.org, ctx.ws, ctx.run_id))
     except Exception as e:  # noqa: BLE001  # reporting states must never stop an apply
         log.warning("planned_changes_unread", error=repr(e))
         return {}

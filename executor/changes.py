@@ -178,11 +178,12 @@ def _any_true(marks: Any) -> bool:
 
 async def show_plan(job: Job) -> dict[str, Any]:
     """`terraform show -json` of the saved plan, parsed; the JSON goes to no log or file."""
+    tools = job.tools
     proc = await process.spawn(  # as the job: it starts the workspace's providers
-        job.terraform.argv(*tf.show_args()),
-        cwd=job.workdir,
-        env=job.terraform.env(),
-        jail=job.jail,
+        tools.terraform.argv(*tf.show_args()),
+        cwd=job.ctx.workdir,
+        env=tools.terraform.env(),
+        jail=tools.jail,
         stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -193,7 +194,7 @@ async def show_plan(job: Job) -> dict[str, Any]:
             await proc.wait()
         raise
     if proc.returncode != 0:
-        detail = job.masker(err.decode(errors="replace").strip()[-2000:])
+        detail = tools.masker(err.decode(errors="replace").strip()[-2000:])
         raise StepFailed("plan", f"terraform show failed (exit {proc.returncode}): {detail}")
     try:
         return dict(json.loads(out))

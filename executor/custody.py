@@ -94,20 +94,22 @@ async def guarded(job: Job) -> AsyncIterator[None]:
 
     Both reach Terraform through the environment of every command the phase runs.
     """
-    custody = job.custody
+    custody = job.tools.custody
     await _take_secrets(job)
     # A custom step's command (executor/custom.py) runs no Terraform of runplane's: no state.
-    if not job.config.managed_state or job.phase not in ("plan", "apply"):
+    if not job.ctx.config.managed_state or job.ctx.phase not in ("plan", "apply"):
         yield
         return
-    async with StateBackend(job, custody.vault.state) as backend:
+    served = StateBackend(job.ctx, custody.vault.state, runs=job.tools.app, report=job.report)
+    async with served as backend:
         custody.backend = backend
         _add_env(job, backend.env())
         yield
 
 
 def _add_env(job: Job, env: dict[str, str]) -> None:
-    job.terraform = replace(job.terraform, extra_env={**job.terraform.extra_env, **env})
+    tools = job.tools
+    tools.terraform = replace(tools.terraform, extra_env={**tools.terraform.extra_env, **env})
 
 
 async def _take_secrets(job: Job) -> None:
@@ -117,42 +119,45 @@ async def _take_secrets(job: Job) -> None:
     The apply phase applies the saved plan, which carries the values it was planned with;
     it fetches them only so that its logs are masked too.
     """
-    if not secret_names(job.run):
+    ctx = job.ctx
+    tools = job.tools
+    if not secret_names(ctx.run):
         return
     values = await secret_vars.fetch(
-        job.custody.vault.nc,
-        job.custody.vault.keyring,
-        org=job.org,
-        ws=job.ws,
-        run_id=job.run_id,
-        lease_id=job.lease_id,
+        tools.custody.vault.nc,
+        tools.custody.vault.keyring,
+        org=ctx.org,
+        ws=ctx.ws,
+        run_id=ctx.run_id,
+        lease_id=ctx.lease_id,
     )
-    job.masker.add(values.values())  # in every form it may be printed
-    if job.phase != "apply":  # the plan's Terraform, or a custom step's command
+    tools.masker.add(values.values())  # in every form it may be printed
+    if ctx.phase != "apply":  # the plan's Terraform, or a custom step's command
         _add_env(job, secret_vars.terraform_env(values))
     log.info("secret_variables_received", count=len(values))
 
 
 async def mask_planned_secrets(job: Job) -> None:
     """Mask the secret values the saved plan carries (they may differ from today's)."""
-    names = secret_names(job.run)
+    names = secret_names(job.ctx.run)
     if not names:
         return
     variables = (await show_plan(job)).get("variables") or {}
     planned = [str((variables.get(n) or {}).get("value", "")) for n in names]
-    job.masker.add(planned)
+    job.tools.masker.add(planned)
 
 
 def rescue_errored_state(job: Job) -> Path | None:
     """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600).
 
     Read only as a regular file, never through a link (executor/linksafe.py)."""
+    ctx = job.ctx
     try:
-        src = open_regular(job.workdir / ERRORED_STATE, within=job.src, step="apply")
+        src = open_regular(ctx.workdir / ERRORED_STATE, within=ctx.src, step="apply")
     except FileNotFoundError:
         return None
-    job.keep_dir.mkdir(parents=True, exist_ok=True)
-    kept = job.keep_dir / f"{job.org}.{job.ws}.{job.run_id}.tfstate"
+    ctx.keep_dir.mkdir(parents=True, exist_ok=True)
+    kept = ctx.keep_dir / f"{ctx.org}.{ctx.ws}.{ctx.run_id}.tfstate"
     fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as out, src:
         shutil.copyfileobj(src, out)

@@ -51,20 +51,22 @@ def step_name(s: TemplateStep) -> str:
 
 def template_step(job: Job) -> TemplateStep:
     """The custom step the job's phase runs, from the run's recorded steps."""
-    for s in job.run.steps:
-        if s.kind == "custom" and phase_of(s) == job.phase:
+    ctx = job.ctx
+    for s in ctx.run.steps:
+        if s.kind == "custom" and phase_of(s) == ctx.phase:
             return s
-    raise StepFailed(job.phase, f"the run has no custom step for phase {job.phase}", reason=REASON)
+    raise StepFailed(ctx.phase, f"the run has no custom step for phase {ctx.phase}", reason=REASON)
 
 
 async def custom_phase(job: Job, checkout: Checkout) -> None:
     """Checkout, run the step's command, report it finished (or raise StepFailed)."""
+    ctx = job.ctx
     ts = template_step(job)
-    pinned = bool(job.run.commit)
+    pinned = bool(ctx.run.commit)
     await step(job, "checkout", lambda lg: _own_checkout(job, lg, checkout, pinned=pinned))
     await step(job, step_name(ts), lambda lg: _command(job, ts, lg))
     job.finishing = True
-    await job.report(FinishCustomStep(actor=job.actor, lease_id=job.lease_id, number=ts.number))
+    await job.report(FinishCustomStep(actor=ctx.actor, lease_id=ctx.lease_id, number=ts.number))
 
 
 async def _own_checkout(
@@ -72,23 +74,26 @@ async def _own_checkout(
 ) -> git.Commit:
     """The checkout, with every object its own: the command may run git as the job."""
     found = await checkout(job, step_log, pinned=pinned)
-    await git.dissociate(job.src, step_log=step_log, grace=job.grace)
+    await git.dissociate(job.ctx.src, step_log=step_log, grace=job.ctx.grace)
     return found
 
 
 def command_env(job: Job, ts: TemplateStep) -> dict[str, str]:
     """What the command's process sees (see the module's docstring)."""
-    extra = {f"TF_VAR_{k}": v for k, v in job.config.variables.items()}
+    ctx = job.ctx
+    extra = {f"TF_VAR_{k}": v for k, v in ctx.config.variables.items()}
     # Secret variables: fetched under the lease by `executor.custody.guarded`.
-    extra.update({k: v for k, v in job.terraform.extra_env.items() if k.startswith("TF_VAR_")})
     extra.update(
-        RUNPLANE_RUN_ID=job.run_id,
+        {k: v for k, v in job.tools.terraform.extra_env.items() if k.startswith("TF_VAR_")}
+    )
+    extra.update(
+        RUNPLANE_RUN_ID=ctx.run_id,
         RUNPLANE_STEP=str(ts.number),
         RUNPLANE_STEP_NAME=ts.label,
-        RUNPLANE_ORG=job.org,
-        RUNPLANE_WORKSPACE=job.ws,
+        RUNPLANE_ORG=ctx.org,
+        RUNPLANE_WORKSPACE=ctx.ws,
         # A step that says `always` runs after an apply that did not run too: say which.
-        RUNPLANE_APPLIED="true" if job.run.apply_done else "false",
+        RUNPLANE_APPLIED="true" if ctx.run.apply_done else "false",
     )
     return child_env(extra)
 
@@ -103,12 +108,12 @@ async def _command(job: Job, ts: TemplateStep, step_log: StepLog) -> None:
     step_log.note(f"running step {ts.number} ({ts.label}): {SHELL} -c {ts.command!r}")
     code = await process.run(
         [SHELL, "-c", ts.command],
-        cwd=job.workdir,
+        cwd=job.ctx.workdir,
         env=command_env(job, ts),
         step_log=step_log,
         on_line=keep,
-        grace=job.grace,
-        jail=job.jail,
+        grace=job.ctx.grace,
+        jail=job.tools.jail,
     )
     if code == 0:
         return
@@ -117,4 +122,4 @@ async def _command(job: Job, ts: TemplateStep, step_log: StepLog) -> None:
     last = "\n".join(tail).strip()
     if last:
         message += f"; its last lines:\n{last}"
-    raise StepFailed(step_name(ts), job.masker(message), reason=REASON)
+    raise StepFailed(step_name(ts), job.tools.masker(message), reason=REASON)

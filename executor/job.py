@@ -3,6 +3,11 @@
 A step reports `StartStep`, runs, stores its log in `rp-logs`, and reports `FinishStep`.
 Every report carries the phase's lease: once the run has moved on (failed by the reaper,
 canceled), the report raises `StaleLease` and the executor abandons the phase.
+
+A `Job` is one phase being run: its `PhaseContext` (frozen: which run, phase and lease,
+and the phase's directories), its `Tools` (what the executor hands it: the runs, the
+object store, Terraform, custody, the repository rules, the sandbox, the jail, the
+masker) and where it has got to (its step, its task).
 """
 
 from __future__ import annotations
@@ -41,13 +46,10 @@ LEASE_LOST = "lease_lost"
 STOP_REQUESTED = "stop_requested"  # someone asked to stop the phase (run.stop_requested)
 
 
-@dataclass(kw_only=True, eq=False)  # identity: jobs are kept in a set
-class Job:
-    """Everything a phase needs: the run as claimed, the lease, and a private directory."""
+@dataclass(frozen=True, kw_only=True)
+class PhaseContext:
+    """Which phase this is: the run as claimed, the lease, and the phase's directories."""
 
-    app: RunLedger  # the runs: read, and reported to
-    objects: Objects
-    terraform: Terraform
     org: str
     ws: str
     run_id: str
@@ -57,17 +59,7 @@ class Job:
     run: RunState
     root: Path  # fresh, removed when the phase ends
     keep_dir: Path  # where files that must not be lost go if the object store refuses them
-    custody: Custody  # secrets, managed state and sealed plans (executor/custody.py)
     grace: float = 20.0
-    git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
-    sources: RepositoryRules  # the repositories it may check out
-    policy_sandbox: PolicySandbox = field(default_factory=PolicySandbox)  # executor/policy.py
-    jail: Jail | None = None  # the identity its processes run as (executor/isolation.py)
-    masker: Masker = field(default_factory=Masker)
-    step: str = ""  # the step running now, for failure reasons
-    finishing: bool = False  # the phase's final report is under way: do not cancel it
-    cancel_reason: str = ""
-    task: asyncio.Task[None] | None = None
 
     @property
     def actor(self) -> str:
@@ -87,16 +79,44 @@ class Job:
         """The Terraform working directory: the workspace's directory in the clone."""
         return self.src / self.config.directory
 
+
+@dataclass(kw_only=True)
+class Tools:
+    """What the executor hands a phase to work with (one set per phase)."""
+
+    app: RunLedger  # the runs: read, and reported to
+    objects: Objects
+    terraform: Terraform  # the phase's: custody adds secrets and the state backend to its env
+    custody: Custody  # secrets, managed state and sealed plans (executor/custody.py)
+    sources: RepositoryRules  # the repositories it may check out
+    git_cache: GitCache | None = None  # the executor's mirrors (executor/git.py); None: clone
+    policy_sandbox: PolicySandbox = field(default_factory=PolicySandbox)  # executor/policy.py
+    jail: Jail | None = None  # the identity its processes run as (executor/isolation.py)
+    masker: Masker = field(default_factory=Masker)
+
+
+@dataclass(kw_only=True, eq=False)  # identity: jobs are kept in a set
+class Job:
+    """One phase being run: its context, its tools, and where it has got to."""
+
+    ctx: PhaseContext
+    tools: Tools
+    step: str = ""  # the step running now, for failure reasons
+    finishing: bool = False  # the phase's final report is under way: do not cancel it
+    cancel_reason: str = ""
+    task: asyncio.Task[None] | None = None
+
     def now(self) -> datetime:
-        return self.app.clock()
+        return self.tools.app.clock()
 
     async def report(self, command: RunCommand) -> None:
         """Append a command to the run; raises StaleLease once the lease is not current.
 
         Its free text is masked on the way (`executor.output.masked_command`): every
         report of the executor goes through here, so nothing reaches an event unmasked."""
-        await self.app.run_command(
-            self.org, self.ws, self.run_id, masked_command(self.masker, command)
+        ctx = self.ctx
+        await self.tools.app.run_command(
+            ctx.org, ctx.ws, ctx.run_id, masked_command(self.tools.masker, command)
         )
 
     async def interruption(self) -> str:
@@ -104,25 +124,27 @@ class Job:
         every heartbeat (executor/worker.py)."""
         if self.finishing:
             return ""
+        ctx = self.ctx
         try:
-            loaded = await self.app.load_run(self.org, self.ws, self.run_id)
+            loaded = await self.tools.app.load_run(ctx.org, ctx.ws, ctx.run_id)
         except Exception as e:  # noqa: BLE001  # a failed check is no verdict: beat on
             log.warning("lease_check_failed", error=repr(e))
             return ""
         run: RunState = loaded.state
-        if run.lease_id != self.lease_id:  # or a follower is behind our claim: ask the leader
+        if run.lease_id != ctx.lease_id:  # or a follower is behind our claim: ask the leader
             return await self._lease_lost()
         if run.stop_requested_by and run.status in STOPPABLE:
             return STOP_REQUESTED
         return ""
 
     async def _lease_lost(self) -> str:
+        ctx = self.ctx
         try:
-            loaded = await self.app.load_run(self.org, self.ws, self.run_id, min_seq=LATEST)
+            loaded = await self.tools.app.load_run(ctx.org, ctx.ws, ctx.run_id, min_seq=LATEST)
         except Exception as e:  # noqa: BLE001  # a failed check is no verdict: beat on
             log.warning("lease_check_failed", error=repr(e))
             return ""
-        return LEASE_LOST if loaded.state.lease_id != self.lease_id else ""
+        return LEASE_LOST if loaded.state.lease_id != ctx.lease_id else ""
 
     def cancel(self, reason: str) -> None:
         """Interrupt the phase (its Terraform gets SIGINT), unless it is already reporting."""
@@ -135,14 +157,14 @@ class Job:
 async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> T:
     """Run one step under the step protocol (in a span of its own, inside the phase's);
     a failure becomes StepFailed for this step."""
-    with tracing.span(f"step {name}", run_id=job.run_id, phase=job.phase, step=name):
+    with tracing.span(f"step {name}", run_id=job.ctx.run_id, phase=job.ctx.phase, step=name):
         return await _step(job, name, body)
 
 
 async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> T:
     job.step = name
     started = job.now()
-    await job.report(StartStep(actor=job.actor, lease_id=job.lease_id, step=name))
+    await job.report(StartStep(actor=job.ctx.actor, lease_id=job.ctx.lease_id, step=name))
     step_log = open_step_log(job, name)
     log.info("step_started", step=name)
     try:
@@ -156,7 +178,7 @@ async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) ->
     except Exception as e:
         # An unexpected error inside the step (object store down, disk full): the step
         # fails like any other, with the error as its message.
-        failure = StepFailed(name, f"{type(e).__name__}: {job.masker(str(e))}")
+        failure = StepFailed(name, f"{type(e).__name__}: {job.tools.masker(str(e))}")
         log.exception("step_error", step=name)
         await _finish(job, name, started, step_log, ok=False, error=failure.error)
         raise failure from e
@@ -171,8 +193,8 @@ async def _finish(
     _, obj = await asyncio.gather(step_log.finish(), _store_log(job, name, step_log))
     await job.report(
         FinishStep(
-            actor=job.actor,
-            lease_id=job.lease_id,
+            actor=job.ctx.actor,
+            lease_id=job.ctx.lease_id,
             step=name,
             ok=ok,
             started_at=started,
@@ -205,11 +227,11 @@ async def _finish_interrupted(
 
 async def _store_log(job: Job, name: str, step_log: StepLog) -> str:
     """Upload the step's log; a log that cannot be stored must not lose the step's report."""
-    obj = log_object(job.run_id, job.phase, name)
+    obj = log_object(job.ctx.run_id, job.ctx.phase, name)
     try:
         # Fresh: the name is the run's, phase's and step's, and a step runs once. (Were it
         # not, the older object's chunks would stay in the bucket, unread, not misread.)
-        await job.objects.upload(LOGS_BUCKET, obj, step_log.path, fresh=True)
+        await job.tools.objects.upload(LOGS_BUCKET, obj, step_log.path, fresh=True)
     except ObjectStoreError:
         log.exception("log_not_stored", step=name, object=obj)
         return ""

@@ -241,15 +241,16 @@ class LiveStepLog(StepLog):
 
 def open_step_log(job: Job, step: str) -> LiveStepLog:
     """The log of one step of a job, published live on `rp.log.<run>.<phase>.<step>`."""
-    path = job.root / "logs" / f"{step}.log"  # a job directory is one phase's
+    ctx = job.ctx
+    path = ctx.root / "logs" / f"{step}.log"  # a job directory is one phase's
     live: LivePublisher | None = None
     if valid_id(step):
-        live = LivePublisher(_connection(job), log_subject(job.run_id, job.phase, step))
+        live = LivePublisher(_connection(job), log_subject(ctx.run_id, ctx.phase, step))
     else:  # not a subject-safe token: the log is still stored, just not streamed
         log.warning("step_not_streamed", step=step)
-    return LiveStepLog(path, job.masker, live)
+    return LiveStepLog(path, job.tools.masker, live)
 
 
 def _connection(job: Job) -> NATS:
     # The executor's one connection: the one its reports go through.
-    return job.app.store.nc
+    return job.tools.app.store.nc

@@ -58,12 +58,13 @@ class PlanOutcome:
 async def run_phase(job: Job) -> None:
     """Run the job's phase and report how it ended. Its directory is the caller's to
     remove (executor/worker.py removes it once the phase's task is over)."""
-    job.root.mkdir(parents=True, exist_ok=True)
+    ctx = job.ctx
+    ctx.root.mkdir(parents=True, exist_ok=True)
     try:
         async with guarded(job):  # secret variables, managed state (executor/custody.py)
-            if job.phase == "plan":
+            if ctx.phase == "plan":
                 await _plan_phase(job)
-            elif job.phase == "apply":
+            elif ctx.phase == "apply":
                 await _apply_phase(job)
             else:  # custom-<number>: a template's command step (executor/custom.py)
                 await custom_phase(job, _checkout)
@@ -71,13 +72,14 @@ async def run_phase(job: Job) -> None:
         job.finishing = True
         log.info("phase_failed", step=e.step, reason=e.reason)
         await job.report(
-            FailRun(actor=job.actor, lease_id=job.lease_id, reason=e.reason, message=e.message)
+            FailRun(actor=ctx.actor, lease_id=ctx.lease_id, reason=e.reason, message=e.message)
         )
 
 
 async def _plan_phase(job: Job) -> None:
     # At the snapshot's commit when admission took one, however far the branch has moved.
-    pinned = bool(job.run.commit)
+    ctx = job.ctx
+    pinned = bool(ctx.run.commit)
     commit = await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=pinned))
     await step(job, "init", lambda lg: _init(job, lg))
     outcome = await step(job, "plan", lambda lg: _plan(job, lg))
@@ -88,8 +90,8 @@ async def _plan_phase(job: Job) -> None:
     job.finishing = True
     await job.report(
         FinishPlan(
-            actor=job.actor,
-            lease_id=job.lease_id,
+            actor=ctx.actor,
+            lease_id=ctx.lease_id,
             commit=commit.sha,
             commit_author=commit.author,
             commit_message=commit.message,
@@ -107,8 +109,9 @@ async def _plan_phase(job: Job) -> None:
 def _requires_approval(job: Job) -> bool:
     """The workspace's require_approval, or the run's own ask (a CLI run's plan waits
     for the CLI's "yes", which is an approval: services/surfaces/tfe/runs.py)."""
-    asked = job.run.options is not None and job.run.options.confirm
-    return asked or bool(approval.setting(job.run.snapshot, "require_approval"))
+    ctx = job.ctx
+    asked = ctx.run.options is not None and ctx.run.options.confirm
+    return asked or bool(approval.setting(ctx.run.snapshot, "require_approval"))
 
 
 async def _apply_phase(job: Job) -> None:
@@ -116,7 +119,7 @@ async def _apply_phase(job: Job) -> None:
     await step(job, "init", lambda lg: _init(job, lg))
     summary = await step(job, "apply", lambda lg: _apply(job, lg))
     job.finishing = True
-    await job.report(FinishApply(actor=job.actor, lease_id=job.lease_id, summary=summary))
+    await job.report(FinishApply(actor=job.ctx.actor, lease_id=job.ctx.lease_id, summary=summary))
 
 
 # ---------------------------------------------------------------- steps
@@ -125,25 +128,26 @@ async def _apply_phase(job: Job) -> None:
 async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git.Commit:
     """Clone the repository at the run's commit (`pinned`), else at its branch's head;
     a run of an uploaded configuration unpacks its archive instead (executor/upload.py)."""
-    cfg = job.config
-    if job.run.source is not None:
+    ctx = job.ctx
+    cfg = ctx.config
+    if ctx.run.source is not None:
         unpacked = await unpack_source(job, step_log)
         check_workdir(job, "in the uploaded configuration")
         return unpacked
-    if pinned and not job.run.commit:
+    if pinned and not ctx.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
     _allowed(job, cfg.repository)
-    clone = job.git_cache.checkout if job.git_cache is not None else git.checkout
+    clone = job.tools.git_cache.checkout if job.tools.git_cache is not None else git.checkout
     found = await clone(
         cfg.repository,
-        job.src,
+        ctx.src,
         branch=cfg.branch,
-        commit=job.run.commit if pinned else "",
+        commit=ctx.run.commit if pinned else "",
         step_log=step_log,
-        grace=job.grace,
+        grace=ctx.grace,
     )
     # Before anything reads the checkout: no link in it may lead out (executor/linksafe.py).
-    await asyncio.to_thread(linksafe.check_checkout, job.src)
+    await asyncio.to_thread(linksafe.check_checkout, ctx.src)
     check_workdir(job, f"at {found.sha}")
     step_log.note(f"checked out {found.sha}")
     return found
@@ -151,9 +155,10 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
 
 def check_workdir(job: Job, at: str) -> None:
     """The workspace's directory is a directory inside the checkout."""
-    directory = job.config.directory
-    workdir = job.workdir.resolve()
-    if not workdir.is_relative_to(job.src.resolve()):
+    ctx = job.ctx
+    directory = ctx.config.directory
+    workdir = ctx.workdir.resolve()
+    if not workdir.is_relative_to(ctx.src.resolve()):
         raise StepFailed("checkout", f"directory {directory!r} is outside the repository")
     if not workdir.is_dir():
         raise StepFailed("checkout", f"directory {directory!r} does not exist {at}")
@@ -162,7 +167,7 @@ def check_workdir(job: Job, at: str) -> None:
 def _allowed(job: Job, repository: str) -> None:
     """Refuse a repository the deployment does not take, or one inside this executor's
     own directories (services/app/repositories.py), before git touches it."""
-    sources = job.sources.guarding(job.root.parent, "the executor's job directories")
+    sources = job.tools.sources.guarding(job.ctx.root.parent, "the executor's job directories")
     try:
         sources.check(repository)
     except RepositoryRefused as e:
@@ -170,10 +175,11 @@ def _allowed(job: Job, repository: str) -> None:
 
 
 async def _init(job: Job, step_log: StepLog) -> None:
+    ctx = job.ctx
     _use_binary(job, step_log)
     out = Output()
-    if job.config.managed_state:
-        write_override(job.workdir, within=job.src)
+    if ctx.config.managed_state:
+        write_override(ctx.workdir, within=ctx.src)
         step_log.note("state: runplane-managed (http backend served by this executor)")
     code = await _terraform(job, step_log, [*tf.init_args(), "-reconfigure"], out)
     if code != 0:
@@ -181,14 +187,15 @@ async def _init(job: Job, step_log: StepLog) -> None:
 
 
 async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
+    ctx = job.ctx
     out = Output()
     _write_variables(job, step_log)
     # A speculative plan takes no state lock: it must not contend with an apply's.
-    args = tf.plan_args(job.run.run_type, lock=not job.run.speculative, options=job.run.options)
+    args = tf.plan_args(ctx.run.run_type, lock=not ctx.run.speculative, options=ctx.run.options)
     code = await _terraform(job, step_log, args, out)
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
-    drift = job.run.run_type == "drift"
+    drift = ctx.run.run_type == "drift"
     # Policies check the JSON plan, also one with nothing to change.
     needed = drift or code == 2 or bool(pinned_policies(job))
     show = await show_plan(job) if needed else {}
@@ -198,15 +205,15 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
         summary, has_changes = out.summary(), code == 2
     if not has_changes:
         return PlanOutcome(has_changes=False, summary=summary, show=show)
-    name = plan_object(job.run_id)
-    with linksafe.scratch_dir(job.root) as scratch:
+    name = plan_object(ctx.run_id)
+    with linksafe.scratch_dir(ctx.root) as scratch:
         # Sealed from a copy of ours: Terraform's file is read once, never through a link.
         path = scratch / tf.PLAN_FILE
         await asyncio.to_thread(
-            linksafe.copy_out, job.workdir / tf.PLAN_FILE, path, within=job.src, step="plan"
+            linksafe.copy_out, ctx.workdir / tf.PLAN_FILE, path, within=ctx.src, step="plan"
         )
         digest = sha256_file(path)
-        await job.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
+        await job.tools.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
     step_log.note(f"plan stored sealed as {PLANS_BUCKET}/{name}, sha256 {digest}")
     changes = tuple(plan_changes(show, drift=drift))
     return PlanOutcome(True, summary, name, digest, changes, show=show)
@@ -243,7 +250,7 @@ async def _apply(job: Job, step_log: StepLog) -> PlanSummary:
 
 def _apply_error(job: Job, out: Output, code: int, kept: Path | None) -> str:
     parts = [out.error_text() or f"terraform apply failed (exit {code})"]
-    parts.append(job.custody.problems())
+    parts.append(job.tools.custody.problems())
     if kept is not None:
         parts.append(f"the new state was not stored; a copy is kept at {kept} on this host")
     return "\n\n".join(p for p in parts if p)
@@ -256,32 +263,35 @@ def _use_binary(job: Job, step_log: StepLog) -> None:
     """Run the phase with the binary the run's `terraform_binary` setting names, if any
     (pinned at admission; empty: the executor's own). A binary this executor cannot find
     or run fails the step with `terraform_binary_not_found`."""
-    wanted = str(approval.setting(job.run.snapshot, "terraform_binary") or "")
+    ctx = job.ctx
+    tools = job.tools
+    wanted = str(approval.setting(ctx.run.snapshot, "terraform_binary") or "")
     if not wanted:
         return
-    entry = job.run.snapshot.settings.get("terraform_binary") if job.run.snapshot else None
+    entry = ctx.run.snapshot.settings.get("terraform_binary") if ctx.run.snapshot else None
     origin = entry.get("origin", "") if isinstance(entry, dict) else ""
     source = f"setting terraform_binary{f' (from {origin})' if origin else ''}"
-    found, why = tf.resolve_binary(wanted, job.terraform.env().get("PATH"))
+    found, why = tf.resolve_binary(wanted, tools.terraform.env().get("PATH"))
     if found is None:
         raise StepFailed(
             "init",
             f"terraform binary {wanted!r} of the {source} cannot be run: {why}",
             reason=BINARY_NOT_FOUND,
         )
-    job.terraform = replace(job.terraform, binary=found)
+    tools.terraform = replace(tools.terraform, binary=found)
     step_log.note(f"terraform binary: {found} ({source})")
 
 
 async def _terraform(job: Job, step_log: StepLog, args: list[str], out: Output | None) -> int:
+    tools = job.tools
     return await process.run(
-        job.terraform.argv(*args),
-        cwd=job.workdir,
-        env=job.terraform.env(),
+        tools.terraform.argv(*args),
+        cwd=job.ctx.workdir,
+        env=tools.terraform.env(),
         step_log=step_log,
         on_line=out.feed if out else None,
-        grace=job.grace,
-        jail=job.jail,
+        grace=job.ctx.grace,
+        jail=tools.jail,
     )
 
 
@@ -292,23 +302,25 @@ def _write_variables(job: Job, step_log: StepLog) -> None:
     file of that name is replaced (not written through, executor/linksafe.py), so that
     nothing of the repository passes for the workspace's variables. JSON strings are
     taken literally by Terraform (no `${...}` templates are evaluated in them)."""
-    path = job.workdir / tf.VARS_FILE
+    ctx = job.ctx
+    tools = job.tools
+    path = ctx.workdir / tf.VARS_FILE
     replaced = path.exists() or path.is_symlink()
-    plain, expressions = split_variables(job.config.variables)
+    plain, expressions = split_variables(ctx.config.variables)
     data = json.dumps(plain, ensure_ascii=False).encode()
-    linksafe.write_new(path, data, within=job.src, step="plan", mode=0o600)
+    linksafe.write_new(path, data, within=ctx.src, step="plan", mode=0o600)
     if replaced:
         step_log.note(f"the repository's {tf.VARS_FILE} was replaced by the workspace's")
-    options = job.run.options
+    options = ctx.run.options
     if options is not None and options.variables:  # the CLI's -var (executor/terraform.py)
         run_vars = tf.run_variables_file(options.variables)
         linksafe.write_new(
-            job.workdir / tf.RUN_VARS_FILE, run_vars, within=job.src, step="plan", mode=0o600
+            ctx.workdir / tf.RUN_VARS_FILE, run_vars, within=ctx.src, step="plan", mode=0o600
         )
         step_log.note(f"run variables: {', '.join(sorted(options.variables))}")
     if expressions:
         env = {f"TF_VAR_{name}": value for name, value in expressions.items()}
-        job.terraform = replace(job.terraform, extra_env={**job.terraform.extra_env, **env})
+        tools.terraform = replace(tools.terraform, extra_env={**tools.terraform.extra_env, **env})
         step_log.note(f"variables given as list or object values: {', '.join(sorted(expressions))}")
 
 
@@ -335,26 +347,27 @@ async def _download_plan(job: Job, step_log: StepLog) -> None:
     It is opened in a directory of ours and renamed into the working directory once
     checked: a `plan.tfplan` of the repository (a link) is replaced, never written
     through."""
-    with linksafe.scratch_dir(job.root) as scratch:
+    ctx = job.ctx
+    with linksafe.scratch_dir(ctx.root) as scratch:
         path = scratch / tf.PLAN_FILE
         await _fetch_plan(job, path)
         digest = sha256_file(path)
-        if digest != job.run.plan_digest:
+        if digest != ctx.run.plan_digest:
             raise StepFailed(
                 "apply",
                 f"the saved plan's sha256 {digest} differs from the approved plan's "
-                f"{job.run.plan_digest}: refusing to apply",
+                f"{ctx.run.plan_digest}: refusing to apply",
                 reason="plan_digest_mismatch",
             )
-        linksafe.move_in(path, job.workdir / tf.PLAN_FILE, within=job.src, step="apply")
-    name = job.run.plan_object or plan_object(job.run_id)
+        linksafe.move_in(path, ctx.workdir / tf.PLAN_FILE, within=ctx.src, step="apply")
+    name = ctx.run.plan_object or plan_object(ctx.run_id)
     step_log.note(f"plan {PLANS_BUCKET}/{name} verified, sha256 {digest}")
 
 
 async def _fetch_plan(job: Job, path: Path) -> None:
-    name = job.run.plan_object or plan_object(job.run_id)
+    name = job.ctx.run.plan_object or plan_object(job.ctx.run_id)
     try:
-        found = await job.custody.vault.download_sealed(PLANS_BUCKET, name, path)
+        found = await job.tools.custody.vault.download_sealed(PLANS_BUCKET, name, path)
     except Tampered as e:
         raise StepFailed(
             "apply",

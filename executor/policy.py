@@ -34,7 +34,7 @@ LIMIT_EXCEEDED = "policy_limit_exceeded"
 
 
 def pinned_policies(job: Job) -> list[po.PolicySet]:
-    snapshot = job.run.snapshot
+    snapshot = job.ctx.run.snapshot
     return list(snapshot.policies) if snapshot is not None else []
 
 
@@ -43,9 +43,9 @@ async def check_policies(job: Job, step_log: StepLog, show: dict[str, Any]) -> l
     names = ", ".join(f"{p.name} ({p.enforcement}, {p.scope})" for p in sets)
     step_log.note(f"checking the plan against {len(sets)} policy set(s): {names}")
     started = time.perf_counter()
-    mask = job.masker.with_values(sensitive_strings(show))
+    mask = job.tools.masker.with_values(sensitive_strings(show))
     try:
-        results = await job.policy_sandbox.evaluate(sets, show)
+        results = await job.tools.policy_sandbox.evaluate(sets, show)
     except SandboxError as e:
         message = mask(str(e))  # the names are the tenant's, not secret; masked all the same
         step_log.note(f"the policies could not be checked: {message}")

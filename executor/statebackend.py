@@ -80,21 +80,30 @@ T = TypeVar("T")
 
 
 class Lessee(Protocol):
-    """The phase a backend serves: who it is and how it reports (an `executor.job.Job`)."""
-
-    org: str
-    ws: str
-    run_id: str
-    lease_id: str
-    executor_id: str
+    """The phase a backend serves: whose lease it is (an `executor.job.PhaseContext`).
+    One with a `keep_dir` keeps each state received there until it is recorded."""
 
     @property
-    def app(self) -> RunReader: ...
+    def org(self) -> str: ...
+
+    @property
+    def ws(self) -> str: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def lease_id(self) -> str: ...
+
+    @property
+    def executor_id(self) -> str: ...
 
     @property
     def actor(self) -> str: ...
 
-    async def report(self, command: RunCommand) -> None: ...
+
+# How the phase reports to its run (`executor.job.Job.report`: masked, fenced by the lease).
+Report = Callable[[RunCommand], Awaitable[None]]
 
 
 def write_override(workdir: Path, *, within: Path | None = None) -> Path:
@@ -127,9 +136,13 @@ async def _retrying(attempt: Callable[[], Awaitable[T]]) -> T:
 class StateBackend:
     """One phase's state server; an async context manager. `env()` configures Terraform."""
 
-    def __init__(self, job: Lessee, store: StateStore) -> None:
-        self.job = job
+    def __init__(
+        self, lessee: Lessee, store: StateStore, *, runs: RunReader, report: Report
+    ) -> None:
+        self.lessee = lessee
         self.store = store
+        self.runs = runs  # what the backend reads of the runs: pushes, records, dead locks
+        self.report = report
         self.password = secrets.token_urlsafe(24)
         self.url = ""
         self.problems: list[str] = []  # why a request was refused, for the run's error
@@ -215,7 +228,7 @@ class StateBackend:
     async def _current(self) -> tuple[Head | None, int]:
         """The head, after promoting a pending version its run recorded (a writer that
         died between recording a version and moving the head left it behind)."""
-        org, ws = self.job.org, self.job.ws
+        org, ws = self.lessee.org, self.lessee.ws
         head, revision = await self.store.head(org, ws)
         pending = await self.store.pending(org, ws)
         if pending is None or (head is not None and head.object == pending.object):
@@ -236,9 +249,9 @@ class StateBackend:
         """Whether a user's CLI pushed the version over `head` (`ws.state_pushed`:
         services/surfaces/tfe/state_push.py records it before it moves the head): the last push
         only, as an earlier one may name the same object (services/surfaces/tfe/state.py)."""
-        subject = ws_subject(self.job.org, self.job.ws)
+        subject = ws_subject(self.lessee.org, self.lessee.ws)
         was = head.object if head is not None else ""
-        for envelope in reversed(await self.job.app.store.read(subject, min_seq=LATEST)):
+        for envelope in reversed(await self.runs.store.read(subject, min_seq=LATEST)):
             event = envelope.event
             if isinstance(event, StatePushed):
                 return event.object == version.object and event.previous == was
@@ -248,8 +261,8 @@ class StateBackend:
         """Whether the version's run recorded it (`run.state_version`)."""
         if not version.run_id:
             return False
-        subject = run_subject(self.job.org, self.job.ws, version.run_id)
-        for envelope in await self.job.app.store.read(subject, min_seq=LATEST):
+        subject = run_subject(self.lessee.org, self.lessee.ws, version.run_id)
+        for envelope in await self.runs.store.read(subject, min_seq=LATEST):
             event = envelope.event
             if isinstance(event, StateVersionCreated) and event.object == version.object:
                 return True
@@ -259,14 +272,14 @@ class StateBackend:
         self._head, self._revision = await self._current()
         self._read = True
         if self._head is None:
-            data = initial_state(self.job.org, self.job.ws)
+            data = initial_state(self.lessee.org, self.lessee.ws)
             return web.Response(body=data, content_type="application/json")
         data = await self.store.read(self._head)
         return web.Response(body=data, content_type="application/json")
 
     async def _post(self, request: web.Request) -> web.Response:
         data = await request.read()
-        holder, _ = await self.store.holder(self.job.org, self.job.ws)
+        holder, _ = await self.store.holder(self.lessee.org, self.lessee.ws)
         if not self._holds(holder, request.query.get("ID", "")):
             return self._refuse(409, "refusing a state write from a step that holds no lock")
         if not self._read:
@@ -278,8 +291,10 @@ class StateBackend:
         except ValueError as e:
             return self._refuse(400, f"not a Terraform state: {e}")
         kept = self._keep(data)  # on disk until recorded: a restart records what we could not
-        job = self.job
-        head = await _retrying(lambda: self.store.put_version(job.org, job.ws, data, job.run_id))
+        lease = self.lessee
+        head = await _retrying(
+            lambda: self.store.put_version(lease.org, lease.ws, data, lease.run_id)
+        )
         response = await self._record(head)
         if response.status == 200 and kept is not None:
             kept.unlink(missing_ok=True)
@@ -287,12 +302,12 @@ class StateBackend:
 
     def _keep(self, data: bytes) -> Path | None:
         """Write a state received to `<work>/unsaved-state/` (0600) until it is recorded."""
-        keep: Path | None = getattr(self.job, "keep_dir", None)
+        keep: Path | None = getattr(self.lessee, "keep_dir", None)
         if keep is None:
             return None
         keep.mkdir(parents=True, exist_ok=True)
         serial, _ = parse_state(data)
-        path = keep / f"{self.job.org}.{self.job.ws}.{self.job.run_id}.{serial}.tfstate"
+        path = keep / f"{self.lessee.org}.{self.lessee.ws}.{self.lessee.run_id}.{serial}.tfstate"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as out:
             out.write(data)
@@ -303,11 +318,11 @@ class StateBackend:
     async def _record(self, head: Head) -> web.Response:
         """Record the version on the run (fenced), then move the head; pending between
         the two, so a crash there is repaired by the next reader (`_current`)."""
-        job = self.job
-        await _retrying(lambda: self.store.mark_pending(job.org, job.ws, head))
+        lease = self.lessee
+        await _retrying(lambda: self.store.mark_pending(lease.org, lease.ws, head))
         record = RecordStateVersion(
-            actor=job.actor,
-            lease_id=job.lease_id,
+            actor=lease.actor,
+            lease_id=lease.lease_id,
             serial=head.serial,
             lineage=head.lineage,
             digest=head.digest,
@@ -315,23 +330,23 @@ class StateBackend:
             size=head.size,
         )
         try:
-            await _retrying(lambda: job.report(record))
+            await _retrying(lambda: self.report(record))
         except DomainError as e:
             # Never recorded: not a version. Its sealed object is kept: objects are named
             # by serial and content, so it may be one a head names (the same state written
             # by another run or a CLI push). The pending mark is cleared only if it is
             # still this write's.
             with contextlib.suppress(StateStoreError):
-                if await self.store.pending(job.org, job.ws) == head:
-                    await self.store.clear_pending(job.org, job.ws)
+                if await self.store.pending(lease.org, lease.ws) == head:
+                    await self.store.clear_pending(lease.org, lease.ws)
             return self._refuse(409, f"state version not recorded: {e}")
         try:
-            self._revision = await self.store.move_head(job.org, job.ws, head, self._revision)
+            self._revision = await self.store.move_head(lease.org, lease.ws, head, self._revision)
         except HeadMoved as e:
             log.error("state_head_moved", object=head.object)
             return self._refuse(409, str(e))
         self._head = head
-        await self.store.clear_pending(job.org, job.ws)
+        await self.store.clear_pending(lease.org, lease.ws)
         log.info("state_version_stored", serial=head.serial, object=head.object)
         return _text(200, "stored")
 
@@ -339,7 +354,9 @@ class StateBackend:
 
     def _holds(self, holder: LockRecord | None, lock_id: str) -> bool:
         return (
-            holder is not None and holder.lease_id == self.job.lease_id and (holder.id == lock_id)
+            holder is not None
+            and holder.lease_id == self.lessee.lease_id
+            and (holder.id == lock_id)
         )
 
     async def _lock(self, request: web.Request) -> web.Response:
@@ -357,15 +374,15 @@ class StateBackend:
         return self._locked(holder)
 
     def _record_of(self, info: dict[str, Any]) -> LockRecord:
-        job = self.job
+        lease = self.lessee
         return LockRecord(
             id=str(info["ID"]),
             info=info,
-            org=job.org,
-            ws=job.ws,
-            run_id=job.run_id,
-            lease_id=job.lease_id,
-            executor_id=job.executor_id,
+            org=lease.org,
+            ws=lease.ws,
+            run_id=lease.run_id,
+            lease_id=lease.lease_id,
+            executor_id=lease.executor_id,
         )
 
     def _locked(self, holder: LockRecord) -> web.Response:
@@ -377,32 +394,32 @@ class StateBackend:
 
     async def _dead(self, holder: LockRecord) -> bool:
         """A lock is dead once its run has ended, or the same run moved to a later lease."""
-        app = self.job.app  # as the leader has it: a follower behind keeps a dead lock alive
-        loaded = await app.load_run(holder.org, holder.ws, holder.run_id, min_seq=LATEST)
+        # As the leader has it: a follower behind keeps a dead lock alive.
+        loaded = await self.runs.load_run(holder.org, holder.ws, holder.run_id, min_seq=LATEST)
         run: RunState = loaded.state
         if not run.exists or run.terminal:
             return True
-        return holder.run_id == self.job.run_id and holder.lease_id != run.lease_id
+        return holder.run_id == self.lessee.run_id and holder.lease_id != run.lease_id
 
     async def _unlock(self, request: web.Request) -> web.Response:
         try:
             lock_id = str(json.loads(await request.read())["ID"])
         except (ValueError, KeyError, TypeError):
             return self._refuse(400, "not a Terraform lock")
-        holder, revision = await self.store.holder(self.job.org, self.job.ws)
+        holder, revision = await self.store.holder(self.lessee.org, self.lessee.ws)
         if holder is None:
             return _text(200, "not locked")
         if holder.id != lock_id:
             return self._locked(holder)
-        await self.store.unlock(self.job.org, self.job.ws, revision)
+        await self.store.unlock(self.lessee.org, self.lessee.ws, revision)
         return _text(200, "unlocked")
 
     async def _release_ours(self) -> None:
         """At the end of the phase no Terraform of ours runs: release a lock it left."""
         try:
-            holder, revision = await self.store.holder(self.job.org, self.job.ws)
-            if holder is not None and holder.lease_id == self.job.lease_id:
-                await self.store.unlock(self.job.org, self.job.ws, revision)
+            holder, revision = await self.store.holder(self.lessee.org, self.lessee.ws)
+            if holder is not None and holder.lease_id == self.lessee.lease_id:
+                await self.store.unlock(self.lessee.org, self.lessee.ws, revision)
                 log.warning("state_lock_released", lock_id=holder.id)
         except StateStoreError as e:  # the next run breaks it once this one has ended
             log.warning("state_lock_not_released", error=str(e))

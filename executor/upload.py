@@ -234,15 +234,18 @@ def _write(dir_fd: int, base: str, name: str, source: IO[bytes], mode: int) -> i
 
 
 async def unpack_source(job: Job, step_log: StepLog) -> Commit:
-    """The run's uploaded configuration as its checkout (`job.src`): fetched, opened
+    """The run's uploaded configuration as its checkout (`job.ctx.src`): fetched, opened
     (sealed bound to its bucket and name), checked against its recorded digest, then
     extracted. The commit it answers has no sha: the digest stands for it."""
-    source = job.run.source
+    ctx = job.ctx
+    source = ctx.run.source
     assert source is not None, "only a run with an uploaded configuration unpacks one"
-    with linksafe.scratch_dir(job.root) as scratch:
+    with linksafe.scratch_dir(ctx.root) as scratch:
         archive = scratch / "configuration.tar.gz"
         try:
-            found = await job.custody.vault.download_sealed(source.bucket, source.object, archive)
+            found = await job.tools.custody.vault.download_sealed(
+                source.bucket, source.object, archive
+            )
         except Tampered as e:
             raise StepFailed(
                 "checkout",
@@ -254,9 +257,9 @@ async def unpack_source(job: Job, step_log: StepLog) -> Commit:
         if not found:
             raise StepFailed("checkout", f"the uploaded configuration {source.id} is missing")
         await asyncio.to_thread(check_digest, archive, source.digest)
-        done = await asyncio.to_thread(extract, archive, job.src)
+        done = await asyncio.to_thread(extract, archive, ctx.src)
     step_log.note(
         f"unpacked configuration {source.id} (sha256 {source.digest}): {done.files} files, "
         f"{done.directories} directories, {done.links} links, {done.size} bytes"
     )
-    return Commit(sha="", author=job.run.created_by, message=f"configuration {source.id}")
+    return Commit(sha="", author=ctx.run.created_by, message=f"configuration {source.id}")

@@ -37,7 +37,7 @@ from executor.custody import Custody, Vault
 from executor.custom import is_custom
 from executor.git import GitCache
 from executor.isolation import Isolation, Jail, private_dir, remove_tree
-from executor.job import STOP_REQUESTED, STOPPED, Job
+from executor.job import STOP_REQUESTED, STOPPED, Job, PhaseContext, Tools
 from executor.objects import Objects
 from executor.phases import run_phase
 from executor.ports import RepositoryRules, RunLedger
@@ -373,10 +373,7 @@ class Executor:
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             raise
-        return Job(
-            app=self.app,
-            objects=self.objects,
-            terraform=self._terraform,
+        ctx = PhaseContext(
             org=d.org,
             ws=d.workspace,
             run_id=d.run_id,
@@ -386,24 +383,31 @@ class Executor:
             run=run,
             root=Path(root),
             keep_dir=self.work_dir / "unsaved-state",
-            custody=Custody(self.vault),
             grace=self.apply_grace_period if d.phase == "apply" else self.grace_period,
-            git_cache=self.git_cache,
+        )
+        tools = Tools(
+            app=self.app,
+            objects=self.objects,
+            terraform=self._terraform,
+            custody=Custody(self.vault),
             sources=self.sources,
+            git_cache=self.git_cache,
             policy_sandbox=self.policy_sandbox,
             jail=jail,
         )
+        return Job(ctx=ctx, tools=tools)
 
     # ------------------------------------------------------------ running a phase
 
     async def _execute(self, job: Job) -> None:
         """Run the phase in its own task (so stop() can interrupt it) beside its heartbeat."""
+        ctx = job.ctx
         self._jobs.add(job)
         tracing.annotate(
-            f"phase {job.phase}", org=job.org, workspace=job.ws, run_id=job.run_id, phase=job.phase
+            f"phase {ctx.phase}", org=ctx.org, workspace=ctx.ws, run_id=ctx.run_id, phase=ctx.phase
         )
-        job.task = asyncio.create_task(run_phase(job), name=f"{job.run_id}-{job.phase}")
-        beat = asyncio.create_task(self._heartbeat(job), name=f"{job.run_id}-{job.phase}-beat")
+        job.task = asyncio.create_task(run_phase(job), name=f"{ctx.run_id}-{ctx.phase}")
+        beat = asyncio.create_task(self._heartbeat(job), name=f"{ctx.run_id}-{ctx.phase}-beat")
         try:
             if self._stopping.is_set():  # stop() came while we were claiming
                 job.cancel(STOPPED)
@@ -415,10 +419,10 @@ class Executor:
                 await asyncio.wait([job.task])
             self._jobs.discard(job)
             try:
-                if job.jail is not None:  # every process of the job, escaped daemons too
-                    job.jail.close()
+                if job.tools.jail is not None:  # every process of the job, escaped daemons too
+                    job.tools.jail.close()
             finally:
-                self._remove(job.root)  # beside the final report, not before it
+                self._remove(ctx.root)  # beside the final report, not before it
                 await self._conclude(job)
 
     def _remove(self, root: Path) -> None:
@@ -435,6 +439,7 @@ class Executor:
 
     async def _conclude(self, job: Job) -> None:
         """Log how the phase ended; report `executor_stopped` if we interrupted it."""
+        ctx = job.ctx
         assert job.task is not None
         if job.task.cancelled():
             if job.cancel_reason == STOP_REQUESTED:
@@ -443,7 +448,7 @@ class Executor:
                 await self._fail(
                     job,
                     "executor_stopped",
-                    f"executor {self.executor_id} stopped during the {job.step or job.phase} step",
+                    f"executor {self.executor_id} stopped during the {job.step or ctx.phase} step",
                 )
             else:
                 log.warning("phase_abandoned", why="the run's lease is no longer ours")
@@ -455,12 +460,14 @@ class Executor:
             log.warning("phase_abandoned", why=str(exc), code=exc.code)
         else:
             log.error("phase_crashed", exc_info=exc)
-            reason = "step_failed" if is_custom(job.phase) else f"{job.step or job.phase}_failed"
+            reason = "step_failed" if is_custom(ctx.phase) else f"{job.step or ctx.phase}_failed"
             await self._fail(job, reason, f"executor error: {exc!r}")
 
     async def _fail(self, job: Job, reason: str, message: str) -> None:
         """Best effort: the lease may be gone (StaleLease) or NATS unreachable."""
-        cmd = FailRun(actor=job.actor, lease_id=job.lease_id, reason=reason, message=message)
+        cmd = FailRun(
+            actor=job.ctx.actor, lease_id=job.ctx.lease_id, reason=reason, message=message
+        )
         try:
             await job.report(cmd)
             log.info("phase_failed", reason=reason)
@@ -471,7 +478,7 @@ class Executor:
 
     async def _cancel(self, job: Job) -> None:
         """Report the stopped phase: the run ends `canceled` (fenced by the lease)."""
-        cmd = CancelRun(actor=job.actor, lease_id=job.lease_id)
+        cmd = CancelRun(actor=job.ctx.actor, lease_id=job.ctx.lease_id)
         try:
             await job.report(cmd)
             log.info("phase_stopped")
@@ -483,28 +490,30 @@ class Executor:
     async def _heartbeat(self, job: Job) -> None:
         """Beat every interval; interrupt the phase once the run's lease is no longer ours,
         or once someone asked to stop it (checked on every beat)."""
-        subject = heartbeat_subject(job.run_id, job.phase)
+        ctx = job.ctx
+        subject = heartbeat_subject(ctx.run_id, ctx.phase)
         # Until its phase is over, even if the cancel that ends it is lost (Python 3.11's
         # wait_for, which nats-py's requests use, can swallow one that meets an answer).
         while job.task is None or not job.task.done():
             await self._beat(subject, job)
-            timeout = job.config.heartbeat_timeout
+            timeout = ctx.config.heartbeat_timeout
             await asyncio.sleep(beat_interval(self.heartbeat_interval, timeout))
             why = await job.interruption()
             if why:
-                log.warning(why, lease_id=job.lease_id)
+                log.warning(why, lease_id=ctx.lease_id)
                 job.cancel(why)
                 return
 
     async def _beat(self, subject: str, job: Job) -> None:
+        ctx = job.ctx
         body = Heartbeat(
-            lease_id=job.lease_id,
+            lease_id=ctx.lease_id,
             executor_id=self.executor_id,
             at=job.now(),
             # So the reaper needs no lookup to judge the beat (infra/heartbeats.py).
-            org=job.org,
-            workspace=job.ws,
-            timeout=job.config.heartbeat_timeout,
+            org=ctx.org,
+            workspace=ctx.ws,
+            timeout=ctx.config.heartbeat_timeout,
         )
         try:
             await self.js.publish(subject, wire.encode(body))

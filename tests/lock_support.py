@@ -20,7 +20,8 @@ from services.app.commands import App
 
 @dataclass
 class FakeJob:
-    """What a backend needs of its phase (`executor.statebackend.Lessee`)."""
+    """A phase as its state backend sees it: whose lease (`executor.statebackend.Lessee`),
+    and how it reports (passed as the backend's `report`)."""
 
     app: App
     org: str
@@ -76,8 +77,8 @@ async def backends(nc: NATS, app: App, keyring: KeyRing) -> AsyncIterator[tuple[
     a = await _job(app, "a", claim=True)
     b = await _job(app, "b", claim=False)
     async with (
-        StateBackend(a, store) as served_a,
-        StateBackend(b, store) as served_b,
+        StateBackend(a, store, runs=app, report=a.report) as served_a,
+        StateBackend(b, store, runs=app, report=b.report) as served_b,
         aiohttp.ClientSession() as session,
     ):
         yield Client(served_a, a, session), Client(served_b, b, session)

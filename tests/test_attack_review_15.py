@@ -320,7 +320,8 @@ async def test_a_runs_refused_state_write_keeps_an_object_the_head_names(tfe: Tf
     states = _states(tfe)
     head, _ = await states.head("acme", "net")
     assert head is not None
-    backend = StateBackend(_RefusedPhase(tfe.app), states)
+    phase = _RefusedPhase(tfe.app)
+    backend = StateBackend(phase, states, runs=phase.app, report=phase.report)
     answer = await backend._record(head)
     assert answer.status == 409
     assert json.loads(await states.read(head)) == one  # the head's object still opens

@@ -364,7 +364,7 @@ async def test_a_heartbeat_whose_cancel_is_lost_still_ends_with_its_phase(
         try:
             await asyncio.sleep(3600)  # until the phase is over: its beat's cancel, lost
         except asyncio.CancelledError:
-            lost.append(job.run_id)
+            lost.append(job.ctx.run_id)
 
     monkeypatch.setattr(executor, "_beat", swallowing)
     commit(repo, MAIN_TF)

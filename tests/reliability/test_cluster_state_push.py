@@ -276,7 +276,8 @@ class Reader:
 
 async def run_reads(app: App, states: StateStore) -> bytes:
     """The state a run's Terraform would plan on: its backend's GET."""
-    async with StateBackend(Reader(app), states) as backend:
+    reader = Reader(app)
+    async with StateBackend(reader, states, runs=app, report=reader.report) as backend:
         auth = base64.b64encode(f"{USER}:{backend.password}".encode()).decode()
         async with aiohttp.ClientSession() as session:
             async with session.get(backend.url, headers={"Authorization": f"Basic {auth}"}) as resp:
