@@ -23,17 +23,15 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from events.codec import run_subject
 from events.errors import DomainError
 from events.run import PlanFinished, ReportResource
+from executor.job import Job
 from executor.output import MAX_MESSAGE, Output, format_diagnostic
-
-if TYPE_CHECKING:
-    from executor.job import Job
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,8 @@ import asyncio
 import json
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -20,9 +21,9 @@ from events.values import SENSITIVE, AttributeChange, ResourceChange
 from executor import process
 from executor import terraform as tf
 from executor.errors import StepFailed
-
-if TYPE_CHECKING:
-    from executor.job import Job
+from executor.isolation import Jail
+from executor.output import Masker
+from executor.terraform import Terraform
 
 UNKNOWN = "(known after apply)"
 VALUE_LIMIT = 4096  # bytes of JSON per value shown: the plan event stays small
@@ -176,14 +177,17 @@ def _any_true(marks: Any) -> bool:
 # ---------------------------------------------------------------- running `show`
 
 
-async def show_plan(job: Job) -> dict[str, Any]:
-    """`terraform show -json` of the saved plan, parsed; the JSON goes to no log or file."""
-    tools = job.tools
-    proc = await process.spawn(  # as the job: it starts the workspace's providers
-        tools.terraform.argv(*tf.show_args()),
-        cwd=job.ctx.workdir,
-        env=tools.terraform.env(),
-        jail=tools.jail,
+async def show_plan(
+    terraform: Terraform, jail: Jail | None, masker: Masker, workdir: Path
+) -> dict[str, Any]:
+    """`terraform show -json` of the saved plan in `workdir`, parsed, run as the job
+    (`jail`: it starts the workspace's providers); the JSON goes to no log or file, and
+    what it says on failure is masked."""
+    proc = await process.spawn(
+        terraform.argv(*tf.show_args()),
+        cwd=workdir,
+        env=terraform.env(),
+        jail=jail,
         stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -194,7 +198,7 @@ async def show_plan(job: Job) -> dict[str, Any]:
             await proc.wait()
         raise
     if proc.returncode != 0:
-        detail = tools.masker(err.decode(errors="replace").strip()[-2000:])
+        detail = masker(err.decode(errors="replace").strip()[-2000:])
         raise StepFailed("plan", f"terraform show failed (exit {proc.returncode}): {detail}")
     try:
         return dict(json.loads(out))

@@ -16,13 +16,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
 from events.errors import DomainError
-from events.run import STOPPABLE, FinishStep, RunCommand, RunState, StartStep, Workspace
+from events.run import STOPPABLE, FinishStep, RunCommand, RunState, StartStep
+from executor.changes import show_plan
+from executor.context import PhaseContext
 from executor.custody import Custody
 from executor.errors import ObjectStoreError, StepFailed
 from executor.git import GitCache
@@ -44,40 +45,6 @@ T = TypeVar("T")
 STOPPED = "executor_stopped"
 LEASE_LOST = "lease_lost"
 STOP_REQUESTED = "stop_requested"  # someone asked to stop the phase (run.stop_requested)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PhaseContext:
-    """Which phase this is: the run as claimed, the lease, and the phase's directories."""
-
-    org: str
-    ws: str
-    run_id: str
-    phase: str
-    lease_id: str
-    executor_id: str
-    run: RunState
-    root: Path  # fresh, removed when the phase ends
-    keep_dir: Path  # where files that must not be lost go if the object store refuses them
-    grace: float = 20.0
-
-    @property
-    def actor(self) -> str:
-        return f"executor:{self.executor_id}"
-
-    @property
-    def config(self) -> Workspace:
-        assert self.run.config is not None, "a claimed run always has its workspace config"
-        return self.run.config
-
-    @property
-    def src(self) -> Path:
-        return self.root / "src"
-
-    @property
-    def workdir(self) -> Path:
-        """The Terraform working directory: the workspace's directory in the clone."""
-        return self.src / self.config.directory
 
 
 @dataclass(kw_only=True)
@@ -118,6 +85,11 @@ class Job:
         await self.tools.app.run_command(
             ctx.org, ctx.ws, ctx.run_id, masked_command(self.tools.masker, command)
         )
+
+    async def show_plan(self) -> dict[str, Any]:
+        """`terraform show -json` of the phase's saved plan (executor/changes.py)."""
+        tools = self.tools
+        return await show_plan(tools.terraform, tools.jail, tools.masker, self.ctx.workdir)
 
     async def interruption(self) -> str:
         """Why the phase must stop now (LEASE_LOST, STOP_REQUESTED), or "": asked on
@@ -165,7 +137,7 @@ async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) ->
     job.step = name
     started = job.now()
     await job.report(StartStep(actor=job.ctx.actor, lease_id=job.ctx.lease_id, step=name))
-    step_log = open_step_log(job, name)
+    step_log = open_step_log(job.ctx, job.tools.app.store.nc, job.tools.masker, name)
     log.info("step_started", step=name)
     try:
         result = await body(step_log)

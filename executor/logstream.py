@@ -26,7 +26,6 @@ import time
 from collections import deque
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import nats.errors
 import nats.js.errors
@@ -34,12 +33,10 @@ import structlog
 from nats.aio.client import Client as NATS
 
 from events.codec import valid_id
+from executor.context import PhaseContext
 from executor.output import Masker, readable
 from executor.process import StepLog
 from infra.steplogs import STREAMS, encode_record, live_headers, log_subject
-
-if TYPE_CHECKING:
-    from executor.job import Job
 
 log = structlog.get_logger(__name__)
 
@@ -239,18 +236,13 @@ class LiveStepLog(StepLog):
         return out
 
 
-def open_step_log(job: Job, step: str) -> LiveStepLog:
-    """The log of one step of a job, published live on `rp.log.<run>.<phase>.<step>`."""
-    ctx = job.ctx
+def open_step_log(ctx: PhaseContext, nc: NATS, masker: Masker, step: str) -> LiveStepLog:
+    """The log of one step of a phase, published live on `rp.log.<run>.<phase>.<step>`
+    through `nc` (the executor's one connection: the one its reports go through)."""
     path = ctx.root / "logs" / f"{step}.log"  # a job directory is one phase's
     live: LivePublisher | None = None
     if valid_id(step):
-        live = LivePublisher(_connection(job), log_subject(ctx.run_id, ctx.phase, step))
+        live = LivePublisher(nc, log_subject(ctx.run_id, ctx.phase, step))
     else:  # not a subject-safe token: the log is still stored, just not streamed
         log.warning("step_not_streamed", step=step)
-    return LiveStepLog(path, job.tools.masker, live)
-
-
-def _connection(job: Job) -> NATS:
-    # The executor's one connection: the one its reports go through.
-    return job.tools.app.store.nc
+    return LiveStepLog(path, masker, live)

@@ -26,13 +26,13 @@ from events.values import ResourceChange
 from executor import git, linksafe, process
 from executor import terraform as tf
 from executor.applystate import track
-from executor.changes import plan_changes, show_plan
-from executor.custody import guarded, mask_planned_secrets, rescue_errored_state
+from executor.changes import plan_changes
 from executor.custom import custom_phase
 from executor.errors import StepFailed
 from executor.job import Job, step
 from executor.objects import PLANS_BUCKET, plan_object, sha256_file
 from executor.output import Output, drift_summary
+from executor.phase_custody import guarded, mask_planned_secrets, rescue_errored_state
 from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
 from executor.statebackend import write_override
@@ -198,7 +198,7 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     drift = ctx.run.run_type == "drift"
     # Policies check the JSON plan, also one with nothing to change.
     needed = drift or code == 2 or bool(pinned_policies(job))
-    show = await show_plan(job) if needed else {}
+    show = await job.show_plan() if needed else {}
     if drift:
         summary, has_changes = _drift(show, step_log)
     else:

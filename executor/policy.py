@@ -16,18 +16,16 @@ values the plan marks sensitive.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from events import policies as po
 from events.policies import PolicyResult
 from executor.errors import StepFailed
+from executor.job import Job
 from executor.process import StepLog
 from infra.policy.sandbox import PolicyLimitExceeded, SandboxError
-
-if TYPE_CHECKING:
-    from executor.job import Job
 
 _MIN_SENSITIVE = 4  # shorter sensitive strings ("true", "1") would hide too much
 LIMIT_EXCEEDED = "policy_limit_exceeded"

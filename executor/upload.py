@@ -36,17 +36,15 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from executor import linksafe
 from executor.errors import StepFailed
 from executor.git import Commit
+from executor.job import Job
 from executor.objects import sha256_file
+from executor.process import StepLog
 from infra.crypto import CryptoError, Tampered
-
-if TYPE_CHECKING:
-    from executor.job import Job
-    from executor.process import StepLog
 
 UNSAFE_ARCHIVE = "unsafe_archive"
 DIGEST_MISMATCH = "config_digest_mismatch"

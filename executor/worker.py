@@ -33,11 +33,12 @@ from events.run import CancelRun, ClaimPhase, FailRun, RunState
 from events.wire import Dispatch, Heartbeat
 from executor import recovery, sweep
 from executor import terraform as tf
+from executor.context import PhaseContext
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
 from executor.git import GitCache
 from executor.isolation import Isolation, Jail, private_dir, remove_tree
-from executor.job import STOP_REQUESTED, STOPPED, Job, PhaseContext, Tools
+from executor.job import STOP_REQUESTED, STOPPED, Job, Tools
 from executor.objects import Objects
 from executor.phases import run_phase
 from executor.ports import RepositoryRules, RunLedger

@@ -1,0 +1,99 @@
+"""Custody applied to one phase (executor/custody.py holds what is kept in trust): its
+secret variables fetched under its lease and masked, its managed state served, the
+planned secrets masked, the state Terraform could not store kept on this host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from events.run import secret_names
+from executor import secrets as secret_vars
+from executor.job import Job
+from executor.linksafe import open_regular
+from executor.statebackend import ERRORED_STATE, StateBackend
+
+log = structlog.get_logger(__name__)
+
+
+@asynccontextmanager
+async def guarded(job: Job) -> AsyncIterator[None]:
+    """For the length of a phase: its secret variables, and its managed state served.
+
+    Both reach Terraform through the environment of every command the phase runs.
+    """
+    custody = job.tools.custody
+    await _take_secrets(job)
+    # A custom step's command (executor/custom.py) runs no Terraform of runplane's: no state.
+    if not job.ctx.config.managed_state or job.ctx.phase not in ("plan", "apply"):
+        yield
+        return
+    served = StateBackend(job.ctx, custody.vault.state, runs=job.tools.app, report=job.report)
+    async with served as backend:
+        custody.backend = backend
+        _add_env(job, backend.env())
+        yield
+
+
+def _add_env(job: Job, env: dict[str, str]) -> None:
+    tools = job.tools
+    tools.terraform = replace(tools.terraform, extra_env={**tools.terraform.extra_env, **env})
+
+
+async def _take_secrets(job: Job) -> None:
+    """Fetch the run's secret values: masked everywhere, TF_VAR_* for the plan (and a
+    custom step's command) only.
+
+    The apply phase applies the saved plan, which carries the values it was planned with;
+    it fetches them only so that its logs are masked too.
+    """
+    ctx = job.ctx
+    tools = job.tools
+    if not secret_names(ctx.run):
+        return
+    values = await secret_vars.fetch(
+        tools.custody.vault.nc,
+        tools.custody.vault.keyring,
+        org=ctx.org,
+        ws=ctx.ws,
+        run_id=ctx.run_id,
+        lease_id=ctx.lease_id,
+    )
+    tools.masker.add(values.values())  # in every form it may be printed
+    if ctx.phase != "apply":  # the plan's Terraform, or a custom step's command
+        _add_env(job, secret_vars.terraform_env(values))
+    log.info("secret_variables_received", count=len(values))
+
+
+async def mask_planned_secrets(job: Job) -> None:
+    """Mask the secret values the saved plan carries (they may differ from today's)."""
+    names = secret_names(job.ctx.run)
+    if not names:
+        return
+    variables = (await job.show_plan()).get("variables") or {}
+    planned = [str((variables.get(n) or {}).get("value", "")) for n in names]
+    job.tools.masker.add(planned)
+
+
+def rescue_errored_state(job: Job) -> Path | None:
+    """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600).
+
+    Read only as a regular file, never through a link (executor/linksafe.py)."""
+    ctx = job.ctx
+    try:
+        src = open_regular(ctx.workdir / ERRORED_STATE, within=ctx.src, step="apply")
+    except FileNotFoundError:
+        return None
+    ctx.keep_dir.mkdir(parents=True, exist_ok=True)
+    kept = ctx.keep_dir / f"{ctx.org}.{ctx.ws}.{ctx.run_id}.tfstate"
+    fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out, src:
+        shutil.copyfileobj(src, out)
+    log.error("state_not_stored", kept=str(kept))
+    return kept
