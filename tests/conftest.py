@@ -12,6 +12,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,9 @@ from infra.eventstore import EventStore
 from infra.natsclient import client_env
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
+from services.root.bootstrap import Plane
+from tests import bootstrap_support
+from tests.bootstrap_support import built
 from tests.provider import fake_provider_mirror
 
 _OLD_BASETEMP_S = 6 * 3600
@@ -108,13 +112,22 @@ async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
 
 
 @pytest.fixture
-def store(nc: NATS) -> EventStore:
-    return EventStore(nc)
+async def system(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
+    """The graph a runplane process runs, built by the composition root
+    (tests/bootstrap_support.py): one event store (`store`), one `App` (`app`; it
+    admits without snapshots), one key ring, one secret store."""
+    async with AsyncExitStack() as stack:
+        yield built(nc, stack, tmp_path)
 
 
 @pytest.fixture
-def app(store: EventStore) -> App:
-    return App(store)
+def store(system: Plane) -> EventStore:
+    return system.store
+
+
+@pytest.fixture
+def app(system: Plane) -> App:
+    return system.app
 
 
 @pytest.fixture
@@ -134,16 +147,10 @@ def repo(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
-    """A running executor with quick heartbeats, short polls and a short stop grace."""
-    ex = Executor(
-        nc,
-        app,
-        work_dir=tmp_path / "exec",
-        executor_id="test-exec",
-        heartbeat_interval=0.2,
-        grace_period=5.0,
-        fetch_timeout=0.2,
-    )
-    async with ex:
+async def executor(system: Plane, tmp_path: Path) -> AsyncIterator[Executor]:
+    """A running executor of `system` with quick heartbeats, short polls and a short
+    stop grace."""
+    async with bootstrap_support.executor(
+        system, work_dir=tmp_path / "exec", executor_id="test-exec"
+    ) as ex:
         yield ex
