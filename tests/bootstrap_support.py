@@ -10,6 +10,7 @@ admitted run is queued without a snapshot (`unpinned`) unless the test gives `pi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,9 @@ from services.app.commands import SnapshotHook
 from services.app.secrets import SecretStore
 from services.root import bootstrap
 from services.root.bootstrap import Pinning, Plane
+
+# The `process` fixture (tests/conftest.py): `process(**knobs)` builds another process.
+Process = Callable[..., Plane]
 
 
 def options_for(root: Path, **changes: Any) -> Options:

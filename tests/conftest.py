@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -26,7 +27,7 @@ from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.root.bootstrap import Plane
 from tests import bootstrap_support
-from tests.bootstrap_support import built
+from tests.bootstrap_support import Process, built
 from tests.provider import fake_provider_mirror
 
 _OLD_BASETEMP_S = 6 * 3600
@@ -118,6 +119,15 @@ async def system(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
     admits without snapshots), one key ring, one secret store."""
     async with AsyncExitStack() as stack:
         yield built(nc, stack, tmp_path)
+
+
+@pytest.fixture
+async def process(nc: NATS, tmp_path: Path) -> AsyncIterator[Process]:
+    """`process(**knobs)`: another process of the same deployment on `nc` (its own graph:
+    event store, `App`; the deployment's key ring), as a replica or a writer that dies.
+    `knobs`: tests/bootstrap_support.py `built`'s (`store=` shares one, `pinning=`)."""
+    async with AsyncExitStack() as stack:
+        yield functools.partial(built, nc, stack, tmp_path)
 
 
 @pytest.fixture
