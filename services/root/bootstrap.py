@@ -186,7 +186,8 @@ class Plane:
         return Reaper(self.nc, self.app, **overrides)
 
     def schedule_loop(self, **overrides: Any) -> ScheduleLoop:
-        return ScheduleLoop(self.app, **overrides)
+        """The cron schedules' loop, on the `App`'s clock."""
+        return ScheduleLoop(self.app, **{"clock": self.app.clock, **overrides})
 
     def executor(self, *, fallback_to_none: bool = False, **overrides: Any) -> Executor:
         """An executor of the options' pool, with the process's key ring and sources.
