@@ -23,10 +23,13 @@ from infra import options
 from infra.options import Options, prepare_data_dir
 from services.app.commands import SnapshotHook
 from services.app.secrets import SecretStore
+from services.app.snapshot import Snapshotter
 from services.root import bootstrap
 from services.root.bootstrap import Pinning, Plane
 
-# The `process` fixture (tests/conftest.py): `process(**knobs)` builds another process.
+# The `system` fixture's type, by a name that is not tests/plane_support.py's `Plane`.
+System = Plane
+# The `process` fixture (tests/conftest.py): `process(conn, **knobs)` builds another process.
 Process = Callable[..., Plane]
 
 
@@ -41,6 +44,11 @@ def options_for(root: Path, **changes: Any) -> Options:
 def unpinned(_: SecretStore) -> SnapshotHook | None:
     """No admission snapshot: an admitted run is queued at once, not `pinning`."""
     return None
+
+
+def git_snapshots(secrets: SecretStore) -> Snapshotter:
+    """The deployment's snapshots, `git ls-remote` given 10 s (a loaded test machine)."""
+    return Snapshotter(secrets, timeout=10)
 
 
 def pinned_by(hook: SnapshotHook) -> Pinning:

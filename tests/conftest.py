@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import re
 import shutil
@@ -15,6 +14,7 @@ import warnings
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -123,11 +123,16 @@ async def system(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
 
 @pytest.fixture
 async def process(nc: NATS, tmp_path: Path) -> AsyncIterator[Process]:
-    """`process(**knobs)`: another process of the same deployment on `nc` (its own graph:
-    event store, `App`; the deployment's key ring), as a replica or a writer that dies.
-    `knobs`: tests/bootstrap_support.py `built`'s (`store=` shares one, `pinning=`)."""
+    """`process(conn=None, **knobs)`: another process of the same deployment on `conn`
+    (default: `nc`), its own graph (event store, `App`; the deployment's key ring), as a
+    replica or a writer that dies. `knobs`: tests/bootstrap_support.py `built`'s
+    (`store=` shares one, `pinning=`)."""
     async with AsyncExitStack() as stack:
-        yield functools.partial(built, nc, stack, tmp_path)
+
+        def another(conn: NATS | None = None, **knobs: Any) -> Plane:
+            return built(conn or nc, stack, tmp_path, **knobs)
+
+        yield another
 
 
 @pytest.fixture

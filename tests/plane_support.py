@@ -20,11 +20,10 @@ from executor import Executor
 from infra.crypto import KeyRing
 from services.app.commands import App
 from services.app.secrets import SecretStore
-from services.app.snapshot import Snapshotter
 from services.root import bootstrap
 from services.surfaces.api.context import API
 from tests import bootstrap_support
-from tests.bootstrap_support import built
+from tests.bootstrap_support import built, git_snapshots
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN, Http
 from tests.test_executor import git
@@ -50,6 +49,11 @@ class Plane:
         )
         self.executors[name] = await self.stack.enter_async_context(ex)
         return ex
+
+    def replica(self, **knobs: Any) -> bootstrap.Plane:
+        """Another process of this deployment on the same connection (its own `App`;
+        `knobs`: tests/bootstrap_support.py `built`'s)."""
+        return built(self.nc, self.stack, self.root, **knobs)
 
     async def run(self, ws: str, run_id: str, org: str = "acme") -> RunState:
         return (await self.app.load_run(org, ws, run_id)).state  # type: ignore[no-any-return]
@@ -90,15 +94,10 @@ class Plane:
         assert a.status == 200, a.body
 
 
-def _snapshots(secrets: SecretStore) -> Snapshotter:
-    """The scheduler's snapshots, `git ls-remote` given 10 s (a loaded test machine)."""
-    return Snapshotter(secrets, timeout=10)
-
-
 @pytest.fixture(name="plane")
 async def plane_fixture(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
     async with AsyncExitStack() as stack:
-        system = built(nc, stack, tmp_path, pinning=_snapshots)
+        system = built(nc, stack, tmp_path, pinning=git_snapshots)
         app = system.app
         projector = await stack.enter_async_context(system.projector(tmp_path / "rm.sqlite"))
         started = await app.create_org("plane-fixture", "test")

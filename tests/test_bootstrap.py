@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
-from events.run import Workspace
+from events.run import RunState, Workspace
 from infra.crypto import KeyRing
 from infra.options import ConfigError
 from services.app.snapshot import Snapshotter
@@ -59,7 +59,7 @@ async def test_the_scheduler_of_a_plane_pins_each_admitted_run_to_its_commit(
         run_id = (await plane.app.create_run("acme", "net", "plan", "test")).state.run_id
 
         async def pinned() -> bool:
-            run = (await plane.app.load_run("acme", "net", run_id)).state
+            run: RunState = (await plane.app.load_run("acme", "net", run_id)).state
             assert run.snapshot is not None and not run.pinning, run.status
             return run.snapshot.commit == head
 
