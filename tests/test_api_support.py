@@ -17,6 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from projections.projector import Projector
 from services.app.commands import App
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API, Api
@@ -115,22 +116,26 @@ class Http:
         return a.body  # type: ignore[no-any-return]  # JSON object
 
 
+def web_app_of(system: Plane, projector: Projector, **knobs: Any) -> web.Application:
+    """`system`'s API over `projector` with the admin token `ADMIN_TOKEN` and any
+    repository allowed; `knobs`: `Plane.web_app`'s (`secret_store=None`: an api without
+    the encryption key)."""
+    return system.web_app(projector, **{"admin_token": ADMIN_TOKEN, "repositories": None, **knobs})
+
+
 @contextlib.asynccontextmanager
 async def served(
     system: Plane, db_path: Path, org: str, **knobs: Any
 ) -> AsyncIterator[tuple[web.Application, TestClient[Any, Any]]]:
-    """`system`'s API over a projector at `db_path`, on aiohttp's test server, with the
-    admin token `ADMIN_TOKEN` and any repository allowed; `knobs`: `Plane.web_app`'s
-    (`secret_store=None`: an api without the encryption key). `org` is created and
-    projected first."""
+    """`system`'s API (`web_app_of`) over a projector at `db_path`, on aiohttp's test
+    server. `org` is created and projected first."""
     async with system.projector(db_path) as projector:
         # Let the projector finish starting before a test can end. On Python 3.11 a cancel
         # that lands while its startup awaits `asyncio.wait_for` can be swallowed, and its
         # exit then waits forever; once it has projected an event it is past that point.
         started = await system.app.create_org(org, "test")
         assert await projector.wait_for(started.seq)
-        given = {"admin_token": ADMIN_TOKEN, "repositories": None, **knobs}
-        web_app = system.web_app(projector, **given)
+        web_app = web_app_of(system, projector, **knobs)
         async with TestClient(TestServer(web_app)) as client:
             yield web_app, client
 
