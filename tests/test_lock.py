@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from infra import streams
 from services.app.commands import App, new_id
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process
 from tests.helpers import eventually
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers `http`
 
@@ -21,9 +21,9 @@ WS = "/api/v1/orgs/acme/workspaces/net"
 
 
 @pytest.fixture
-async def tokens(http: Http, nc: NATS, app: App) -> AsyncIterator[dict[str, str]]:
+async def tokens(http: Http, app: App, process: Process) -> AsyncIterator[dict[str, str]]:
     """Org acme (a token per role) with workspace net, and a scheduler admitting runs."""
-    async with Scheduler(nc, App(app.store)):
+    async with process(store=app.store).scheduler():
         acme = await http.org("acme")
         await http.workspace("acme", "net")
         yield acme
