@@ -38,6 +38,7 @@ class Tfe(Http):
     """`Http` with go-tfe's headers and a few TFE shortcuts."""
 
     keyring: KeyRing
+    system: Plane  # the api process's graph (its App, key ring, secret store)
 
     async def tfe(self, method: str, path: str, **kw: Any) -> Answer:
         headers = {"Accept": JSONAPI, **kw.pop("headers", {})}
@@ -107,7 +108,7 @@ async def web_replica(system: Plane, projector: Projector) -> AsyncIterator[Tfe]
     web_app = system.web_app(projector, admin_token=ADMIN_TOKEN, repositories=None)
     async with TestClient(TestServer(web_app)) as client:
         t = Tfe(client, web_app[API], system.app)
-        t.keyring = system.keyring
+        t.keyring, t.system = system.keyring, system
         yield t
 
 
@@ -125,7 +126,7 @@ async def replica(nc: NATS, keyring: KeyRing, path: Path) -> AsyncIterator[Tfe]:
 async def tfe_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Tfe]:
     async with served(system, tmp_path / "rm.sqlite", "tfe-test-fixture") as (web_app, client):
         t = Tfe(client, web_app[API], system.app)
-        t.keyring = system.keyring
+        t.keyring, t.system = system.keyring, system
         yield t
 
 
