@@ -41,7 +41,10 @@ async def test_every_component_of_a_process_shares_its_one_app_key_ring_and_secr
         assert responder.app is plane.app and responder.store is plane.secrets
         ex = plane.executor(work_dir=tmp_path / "exec", isolation="none")
         assert ex.app is plane.app and ex.vault.keyring is keyring
-        assert plane.subscribers().ctx.app is plane.app
+        host = plane.subscribers()
+        assert host.ctx.app is plane.app and host.ctx.keys() is keyring
+        # the options' data directory has no key: chat-ops run on the process's key ring
+        assert {"chat-slack-requests", "chat-slack-updates"} <= set(host.names)
 
 
 async def test_the_scheduler_of_a_plane_pins_each_admitted_run_to_its_commit(

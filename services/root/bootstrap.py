@@ -221,8 +221,12 @@ class Plane:
         return isolation.hiding(self.opts.data_dir)
 
     def subscribers(self) -> Host:
-        """Every registered subscription over the process's `App`."""
+        """Every registered subscription over the process's `App` and key ring."""
         ctx = SubscriberContext(
-            nc=self.nc, app=self.app, opts=self.opts, readmodel_path=readmodel_path(self.opts)
+            nc=self.nc,
+            app=self.app,
+            opts=self.opts,
+            readmodel_path=readmodel_path(self.opts),
+            keyring=self.keyring,
         )
         return Host(ctx)
