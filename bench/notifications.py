@@ -184,7 +184,7 @@ async def _org(
             has_token=True,
         )
         await tokens.put("bench", cmd.config_id, TOKEN)
-        await outbox.command(store, "bench", cmd, clock=app.clock, new_id=app.ids)
+        await outbox.command(app, "bench", cmd)
 
     for i in range(0, len(urls), 100):
         await asyncio.gather(*(one(u) for u in urls[i : i + 100]))

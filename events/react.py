@@ -40,8 +40,14 @@ from events import vcs
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
-from events.notification import ConfigDeleted, ConfigSaved, DeliveryAttempted, DeliveryScheduled
-from events.org import OrgCreated, TokenIssued, TokenRevoked, TokenUsed
+from events.notification import (
+    ConfigDeleted,
+    ConfigSaved,
+    DeliveryAttempted,
+    DeliveryScheduled,
+    NotificationEvent,
+)
+from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import (
     ApplyFinished,
@@ -65,7 +71,7 @@ from events.run import (
     StepStarted,
 )
 from events.templates import TemplateDeleted, TemplateSaved
-from events.vcs_report import CommentClaimed, CommentLinked, RowSet
+from events.vcs_report import CommentClaimed, CommentLinked, RowSet, VcsReportEvent
 from events.workspace import (
     ConfigChanged,
     RunAdmitted,
@@ -227,6 +233,26 @@ def quiet(event: AnyEvent) -> bool:
             return True  # a deleted workspace holds no run: nothing to admit or release
         case StatePushed():
             return True  # recorded while the pusher holds the lock: nothing is admitted
+        case _:
+            return _others_own(event)
+
+
+# The events of the aggregates but the run's and the workspace's.
+OthersEvent = (
+    OrgEvent
+    | NotificationEvent
+    | ch.ChatEvent
+    | vcs.VcsEvent
+    | VcsReportEvent
+    | rt.RunTriggerEvent
+    | sc.ScheduleEvent
+)
+
+
+def _others_own(event: OthersEvent) -> bool:
+    """Every other aggregate's event calls for nothing here: each is read by its own
+    process, or by none."""
+    match event:
         case (
             OrgCreated()
             | TokenIssued()

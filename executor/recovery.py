@@ -33,7 +33,8 @@ from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RecoverStateVersion, RunState, StateVersionCreated
 from executor.statestore import HeadMoved, StateStore, parse_state
 from infra.heartbeats import DEADLINE, Board
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 
 log = structlog.get_logger(__name__)
 

@@ -46,7 +46,8 @@ from infra.eventstore import LATEST
 from infra.heartbeats import Board, beat_interval
 from infra.policy.sandbox import PolicySandbox
 from infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from services.app.repositories import Sources
 
 log = structlog.get_logger(__name__)

@@ -104,9 +104,16 @@ async def declare(nc: NATS, js: JetStreamContext, *, replicas: int = 0) -> None:
 
 
 async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
+    for config in _streams(replicas):
+        await _ensure_stream(nc, config)
+    await _declare_object_stores(nc, js, replicas)
+    await declare_buckets(nc, js, replicas=replicas)
+
+
+def _streams(replicas: int) -> list[dict[str, Any]]:
+    """The streams' configurations, in the order they are declared."""
     window = DUPLICATE_WINDOW_S * 1_000_000_000
-    await _ensure_stream(
-        nc,
+    return [
         {
             "name": EVENTS,
             "subjects": ["rp.run.>", "rp.ws.>", "rp.org.>"],
@@ -119,9 +126,6 @@ async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
             "allow_atomic": True,
             "duplicate_window": window,
         },
-    )
-    await _ensure_stream(
-        nc,
         {
             "name": DISPATCH,
             "subjects": ["rp.dispatch.>"],
@@ -130,9 +134,6 @@ async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
             "num_replicas": replicas,
             "duplicate_window": window,
         },
-    )
-    await _ensure_stream(
-        nc,
         {
             "name": HEARTBEATS,
             "subjects": ["rp.hb.>"],
@@ -143,9 +144,6 @@ async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
             "num_replicas": replicas,
             "allow_direct": True,
         },
-    )
-    await _ensure_stream(
-        nc,
         {
             "name": LOGS,
             "subjects": ["rp.log.>"],
@@ -155,7 +153,10 @@ async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
             "num_replicas": replicas,
             "allow_direct": True,
         },
-    )
+    ]
+
+
+async def _declare_object_stores(nc: NATS, js: JetStreamContext, replicas: int) -> None:
     for bucket in OBJECT_BUCKETS:
         try:
             await js.object_store(bucket)
@@ -165,7 +166,6 @@ async def _declare(nc: NATS, js: JetStreamContext, replicas: int) -> None:
             )
         else:
             await rep.raise_stream(nc, f"OBJ_{bucket}", replicas)
-    await declare_buckets(nc, js, replicas=replicas)
 
 
 # The durable consumers below leave `num_replicas` unset: they have as many replicas as

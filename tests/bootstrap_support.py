@@ -21,7 +21,7 @@ from executor.terraform import TerraformConfig
 from executor.worker import Executor
 from infra import options
 from infra.options import Options, prepare_data_dir
-from services.app.commands import SnapshotHook
+from services.app.flows import SnapshotHook
 from services.app.secrets import SecretStore
 from services.app.snapshot import Snapshotter
 from services.root import bootstrap

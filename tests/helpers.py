@@ -18,7 +18,7 @@ T = TypeVar("T")
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T]],
+    probe: Callable[[], Awaitable[T | None]],
     *,
     timeout: float = 30.0,
     interval: float = 0.05,

@@ -22,7 +22,8 @@ from events.run import (
     PlanSummary,
     StartStep,
 )
-from services.app.commands import App, Result
+from services.app.commands import App
+from services.app.execute import Result
 from services.surfaces.api import render
 from services.surfaces.api.app import build_app
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # registers the `http` fixture

@@ -304,7 +304,7 @@ async def test_an_unexpected_error_is_a_500_problem_without_details(
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(http.api.read, "get_org", broken)
+    monkeypatch.setattr(http.api.read.orgs, "get", broken)
     a = await http.get(f"{V1}/orgs/acme")
     a.problem("internal-error", 500)
     assert "secret" not in str(a.body) and "Traceback" not in str(a.body)

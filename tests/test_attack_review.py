@@ -219,14 +219,16 @@ async def test_a_delivery_whose_attempt_keeps_raising_stops_once_its_configurati
             destination="generic",
             triggers=["run:created"],
         )
-        await outbox.command(store, "acme", cmd, clock=app.clock, new_id=app.ids)
+        await outbox.command(app, "acme", cmd)
         run = (await app.create_run("acme", "net", "apply", "alice")).state
         subject = run_subject("acme", "net", run.run_id)
         envs = await store.read(subject)
-        await notifier.on_event(envs[0].seq, subject, envs[0].event, R.fold([envs[0].event]))
+        first = envs[0].event
+        assert isinstance(first, R.RunCreated)
+        await notifier.on_event(envs[0].seq, subject, first, R.fold([first]))
         assert d.busy() == 1
         delete = nt.DeleteConfig(actor="alice", config_id=cmd.config_id)
-        await outbox.command(store, "acme", delete, clock=app.clock, new_id=app.ids)
+        await outbox.command(app, "acme", delete)
         await eventually(lambda: _idle(d), what="the delivery dropped with its configuration")
         assert r.got == []
 

@@ -69,7 +69,8 @@ from events.workspace import StatePushed
 from executor.statebackend import StateBackend
 from executor.statestore import StateStore
 from infra.eventstore import LATEST
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from services.surfaces.api.context import API
 from services.surfaces.tfe.context import TFE
 from services.surfaces.tfe.state_push import push_command
@@ -241,8 +242,10 @@ async def test_two_replicas_pushing_one_state_at_once_keep_the_heads_object(tfe:
         put = states.put_version
         won: list[int] = []
 
-        async def put_then_the_other_replica_pushes(org: str, ws: str, data: bytes) -> Any:
-            version = await put(org, ws, data)
+        async def put_then_the_other_replica_pushes(
+            org: str, ws: str, data: bytes, run_id: str = ""
+        ) -> Any:
+            version = await put(org, ws, data, run_id)
             won.append((await tfe.push(ws_id, two, token=operator)).status)
             return version
 
@@ -269,8 +272,8 @@ async def test_a_refused_rollback_keeps_the_version_it_rolls_back_to(tfe: Tfe) -
     states = _states(tfe)
     put = states.put_version
 
-    async def put_then_unlocked(org: str, ws: str, data: bytes) -> Any:
-        version = await put(org, ws, data)
+    async def put_then_unlocked(org: str, ws: str, data: bytes, run_id: str = "") -> Any:
+        version = await put(org, ws, data, run_id)
         await tfe.app.unlock_workspace("acme", "net", "admin-user", admin=True)
         return version
 
@@ -351,8 +354,8 @@ async def test_a_token_made_by_an_expiring_sessions_token_expires_with_it(tfe: T
     status, answer = await _exchange(tfe, code, verifier)
     assert status == 200, answer
     listed = (await tfe.get("/api/v1/orgs/acme/tokens")).body["items"]
-    expiries = [t["expires_at"] for t in listed if t["user"] == "carol"]
-    assert len(expiries) == 3 and None not in expiries and len(set(expiries)) == 1, listed
+    each_expiry = [t["expires_at"] for t in listed if t["user"] == "carol"]
+    assert len(each_expiry) == 3 and None not in each_expiry and len(set(each_expiry)) == 1, listed
 
 
 # ---------------------------------------------------------------- outputs of a big state

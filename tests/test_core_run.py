@@ -110,7 +110,7 @@ APPLY_STARTED = PhaseStarted(
 )
 APPLY_FINISHED = ApplyFinished(at=at(6), actor="exec-b", lease_id=APPLY_LEASE, summary=SUMMARY)
 
-_TO_AWAITING = [QUEUED, PLAN_STARTED, plan_finished()]
+_TO_AWAITING: list[RunEvent] = [QUEUED, PLAN_STARTED, plan_finished()]
 HISTORIES: dict[Status, list[RunEvent]] = {
     Status.PENDING: [created()],
     Status.QUEUED: [created(), QUEUED],

@@ -81,7 +81,8 @@ def awaiting(snapshot: Snapshot | None = None, creator: str = "carol") -> list[R
             changes=CHANGES,
         ),
     ]
-    state, events = run.INITIAL, []
+    state = run.INITIAL
+    events: list[RunEvent] = []
     for c in commands:
         new = run.decide(state, c, now=T, new_id=lambda: "id")
         state, events = run.fold(new, state), events + new
@@ -102,6 +103,8 @@ def test_every_event_that_moves_the_run_carries_the_status_it_leads_to() -> None
     """Admission, the plan's end and the approval each record where the run went."""
     events = awaiting()
     queued, started, planned = events[1], events[2], events[3]
+    assert isinstance(queued, RunQueued) and isinstance(started, run.PhaseStarted)
+    assert isinstance(planned, PlanFinished)
     assert (queued.status, queued.step_at) == (Status.QUEUED, 0)
     assert started.status == Status.PLANNING
     assert (planned.status, planned.step_at) == (Status.AWAITING_APPROVAL, 2)

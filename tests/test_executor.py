@@ -152,6 +152,7 @@ async def test_plan_awaits_approval_then_apply_stores_state(
 
     planned = await h.reaches("net", run_id, "awaiting_approval")
     assert planned.commit == sha
+    assert planned.plan_summary is not None
     assert (planned.plan_summary.add, planned.plan_summary.destroy) == (2, 0)
     plan_bytes = await opened_plan(h.nc, executor.vault.keyring, planned.plan_object)
     assert hashlib.sha256(plan_bytes).hexdigest() == planned.plan_digest
@@ -161,6 +162,7 @@ async def test_plan_awaits_approval_then_apply_stores_state(
 
     await h.approve("net", run_id)
     applied = await h.reaches("net", run_id, "applied")
+    assert applied.apply_summary is not None
     assert applied.apply_summary.add == 2
     state = await current_state(h.nc, executor.vault.keyring, "acme", "net")
     assert state is not None
@@ -185,6 +187,7 @@ async def test_second_run_plans_against_the_stored_state(
     assert planned.commit == sha
     # Without the stored state the plan would add 3; with it, the existing one is
     # replaced (its trigger changed) and two are added.
+    assert planned.plan_summary is not None
     assert (planned.plan_summary.add, planned.plan_summary.destroy) == (3, 1)
     await h.approve("net", second)
     await h.reaches("net", second, "applied")
@@ -351,7 +354,7 @@ async def test_a_heartbeat_whose_cancel_is_lost_still_ends_with_its_phase(
 ) -> None:
     """A cancellation swallowed under the heartbeat (as Python 3.11's wait_for may, in a
     NATS request) must not leave it beating for the rest of the process's life."""
-    lost = []
+    lost: list[str] = []
     beat = executor._beat
 
     async def swallowing(subject: str, job: Any) -> None:

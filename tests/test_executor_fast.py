@@ -361,7 +361,11 @@ async def test_custom_steps_run_in_a_clone_of_exactly_their_commit(
     config = Workspace(repository=str(repo), variables={"out": str(out)})
     await app.create_workspace("acme", "net", config, "alice")
     js = nc.jetstream()
-    changes = [{"main.tf": "v1\n", "old.tf": "x"}, {"main.tf": "v2\n", "old.tf": None}, {}]
+    changes: list[dict[str, str | None]] = [
+        {"main.tf": "v1\n", "old.tf": "x"},
+        {"main.tf": "v2\n", "old.tf": None},
+        {},
+    ]
     expected = [[".git", "main.tf", "old.tf", "v1"], [".git", "main.tf", "v2"]]
     for change, files_then in zip(changes, [*expected, expected[-1]], strict=True):
         sha = commit(repo, change) if change else sh(repo, "rev-parse", "HEAD")

@@ -9,6 +9,7 @@ import pytest
 
 from events.run import PlanSummary
 from executor import terraform as tf
+from executor.errors import SetupError
 from executor.output import Masker, Output, drift_summary
 from executor.worker import parse_dispatch
 
@@ -127,7 +128,7 @@ def test_prepare_builds_the_mirror_and_env(tmp_path: Path) -> None:
 
 
 def test_prepare_refuses_a_missing_binary(tmp_path: Path) -> None:
-    with pytest.raises(tf.SetupError, match="missing or not executable"):
+    with pytest.raises(SetupError, match="missing or not executable"):
         tf.prepare(tf.TerraformConfig(binary=tmp_path / "nope"), tmp_path)
 
 

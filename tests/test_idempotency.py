@@ -17,6 +17,7 @@ from infra.kv import IDEMPOTENCY_BUCKET
 from services.surfaces.api import idempotency as idem
 from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
+from services.surfaces.api.problems import Problem
 from tests.helpers import eventually, kv_keys
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 
@@ -216,6 +217,7 @@ async def test_the_bucket_names_no_key_and_shows_no_answer(http: Http) -> None:
         entry = await bucket.get(k)
         assert entry.value and a.body["token"].encode() not in entry.value
         assert b"bob" not in entry.value
+    assert entry.value is not None
     assert idem.unseal(ADMIN_TOKEN + "x", keys[0], entry.value) is None  # only its token opens it
 
 
@@ -249,12 +251,13 @@ async def test_a_slow_holder_keeps_its_key_past_one_lease(http: Http) -> None:
 
     first = asyncio.create_task(idem._once(store, req, slow))
     await eventually(lambda: _true(ran == ["first"]), what="the first holds the key")
-    with pytest.raises(idem.Problem) as refused:
+    with pytest.raises(Problem) as refused:
         await idem._once(store, req, second)
     assert refused.value.slug == "idempotency-in-progress"
     release.set()
     assert (await first).status == 201
     again = await idem._once(store, req, second)
+    assert isinstance(again, web.Response)  # the kept answer, given again
     assert again.status == 201 and again.body == b'{"done": 1}' and ran == ["first"]
 
 

@@ -256,7 +256,7 @@ def test_each_phase_gets_a_uid_of_its_own_and_gives_it_back(tmp_path: Path) -> N
     assert iso.reclaim(a.uid), "a uid given back can be reclaimed"
 
 
-def _as_uid(uid: int, command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _as_uid(uid: int, command: str, cwd: str | Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["/bin/sh", "-c", command],
         cwd=cwd,

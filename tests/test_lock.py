@@ -12,7 +12,8 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from infra import streams
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from tests.bootstrap_support import Process
 from tests.helpers import eventually
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers `http`

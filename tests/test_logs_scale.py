@@ -236,9 +236,9 @@ async def test_300_followers_of_a_live_run_get_every_line_and_their_end(
     await publish_lines(nc, run_id, 2, total)
     objects = Objects(nc.jetstream())
     log_path = tmp_path / "plan.log"
-    with log_path.open("wb") as f:
+    with log_path.open("wb") as out:
         for n in range(1, total + 1):
-            f.write(encode_record("stdout", n, text_of("plan", n)))
+            out.write(encode_record("stdout", n, text_of("plan", n)))
     name = log_object(run_id, "plan", "plan")
     await objects.upload(LOGS_BUCKET, name, log_path, fresh=True)
     app = http.app

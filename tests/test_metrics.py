@@ -46,7 +46,7 @@ async def scrape(http: Http, token: str | None = ADMIN_TOKEN) -> tuple[int, str,
 async def plane(http: Http) -> AsyncIterator[Http]:
     """Two organizations with runs waiting (no scheduler: they stay pending, queued on
     their workspaces); the metrics read fresh at every scrape."""
-    http.client.server.app[METRICS].cache_s = 0
+    http.client.app[METRICS].cache_s = 0
     for org, ws, runs in (("alpha-secret", "ws-alpha-name", 3), ("beta-hidden", "ws-beta", 1)):
         await http.org(org)
         await http.workspace(org, ws)

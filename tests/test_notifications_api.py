@@ -160,7 +160,7 @@ async def test_another_orgs_configuration_is_not_found_even_by_its_id(
                     ("GET", f"{one}/deliveries", None),
                 ]
                 for method, path, body in calls:
-                    kw = {"json": body} if body is not None else {}
+                    kw: dict[str, Any] = {"json": body} if body is not None else {}
                     a = await nhttp.call(method, path, token=beta, **kw)
                     a.problem("not-found", 404)
         assert r.got == []  # no verify went out

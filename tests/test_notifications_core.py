@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import ipaddress
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_configurations_apply_by_org_workspace_trigger_and_enabled() -> None:
     assert not nt.applies(off, "acme", "net", "run:errored")
 
 
-def _fields(c: nt.NotificationConfig) -> dict[str, object]:
+def _fields(c: nt.NotificationConfig) -> dict[str, Any]:
     return {f: getattr(c, f) for f in c.__struct_fields__}
 
 

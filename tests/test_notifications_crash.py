@@ -64,7 +64,7 @@ async def test_a_killed_subscriber_delivers_everything_after_restart_under_stabl
                 has_token=True,
             )
             await TokenStore(nc, parse_keys(TEST_KEY, "test")).put("acme", cmd.config_id, TOKEN)
-            state, _ = await outbox.command(app.store, "acme", cmd, clock=app.clock, new_id=app.ids)
+            state, _ = await outbox.command(app, "acme", cmd)
             assert state.config is not None
             configs.append(state.config)
         first = await _host(tmp_path, nats_server, "first").start()

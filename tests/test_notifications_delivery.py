@@ -54,9 +54,7 @@ class Rig:
             has_token=bool(token),
             **fields,
         )
-        state, _ = await outbox.command(
-            self.store, "acme", cmd, clock=self.app.clock, new_id=self.app.ids
-        )
+        state, _ = await outbox.command(self.app, "acme", cmd)
         self.tokens[cmd.config_id] = token
         assert state.config is not None
         return state.config
@@ -67,7 +65,9 @@ class Rig:
         run: R.RunState = created.state
         subject = run_subject("acme", "net", run.run_id)
         envs = await self.store.read(subject)
-        return envs[0].seq, subject, R.fold([envs[0].event])
+        first = envs[0].event
+        assert isinstance(first, R.RunCreated)
+        return envs[0].seq, subject, R.fold([first])
 
     async def notify_created(self) -> tuple[int, R.RunState]:
         seq, subject, state = await self.create_run()
@@ -322,7 +322,7 @@ async def test_a_configuration_deleted_while_its_delivery_waits_gets_no_more_tri
         await rig.notify_created()
         await eventually(lambda: _n(r, 1))
         delete = nt.DeleteConfig(actor="alice", config_id=cfg.id)
-        await outbox.command(rig.store, "acme", delete, clock=rig.app.clock, new_id=rig.app.ids)
+        await outbox.command(rig.app, "acme", delete)
 
         async def dropped() -> bool:
             return rig.dispatcher.busy() == 0

@@ -33,7 +33,9 @@ from infra.eventstore import EventStore, wait_for_stream
 from infra.natsserver import EmbeddedNats
 from projections import Projector, replay
 from projections.readmodel import ReadModel
-from services.app.commands import App, Result, hash_token
+from services.app.commands import App
+from services.app.execute import Result
+from services.app.ids import hash_token
 from tests.bootstrap_support import Process
 from tests.helpers import eventually
 
@@ -201,7 +203,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
 
     async def status_after(result: Result) -> str:
         assert await projector.wait_for(result.seq)
-        run = await read.get_run(ORG, run_id)
+        run = await read.runs.get(ORG, run_id)
         return str((run or {}).get("status"))
 
     created = await app.create_run(ORG, "net", "apply", "alice", message="bump vpc")
@@ -210,7 +212,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
     await app.admit_next(ORG, "net")
     lease = await run_phase(app, "net", run_id, "plan")
     await settle(projector, store)
-    assert (await read.get_run(ORG, run_id) or {}).get("status") == "planning"
+    assert (await read.runs.get(ORG, run_id) or {}).get("status") == "planning"
     finish = FinishPlan(
         actor=EXECUTOR,
         lease_id=lease,
@@ -225,7 +227,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
     applied = await apply(app, "net", run_id)
     assert await status_after(applied) == "applied"
 
-    run = await read.get_run(ORG, run_id)
+    run = await read.runs.get(ORG, run_id)
     assert run is not None
     assert run | {"created_at": None, "updated_at": None} == {
         "id": run_id,
@@ -266,7 +268,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         (150, "approval", "done"),
         (200, "apply", "done"),
     ]
-    steps = await read.run_steps(ORG, run_id)
+    steps = await read.runs.steps(ORG, run_id)
     assert [(s["phase"], s["step"], s["status"]) for s in steps] == [
         ("plan", "checkout", "ok"),
         ("plan", "init", "ok"),
@@ -281,7 +283,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
     async def released() -> dict[str, Any]:
         # the workspace is released by its own event after the run's last one: the
         # projection may hold the run's end and not yet the release
-        ws = await read.get_workspace(ORG, "net")
+        ws = await read.workspaces.get(ORG, "net")
         assert ws is not None and ws["active_run"] is None and ws["queue"] == [], ws
         return ws
 
@@ -296,7 +298,7 @@ async def test_run_events_are_the_runs_own_history_in_stream_order(
     await app.admit_next(ORG, "net")
     await cmd(app, "net", run_id, CancelRun(actor="alice", reason="oops"))
     await settle(projector, store)
-    events = await projector.read.run_events(ORG, run_id)
+    events = await projector.read.runs.events(ORG, run_id)
     assert [e["type"] for e in events] == ["run.created", "run.queued", "run.canceled"]
     assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
     assert events[0]["actor"] == "alice" and events[1]["actor"] == "scheduler"
@@ -312,7 +314,7 @@ async def test_workspace_queue_is_fifo_and_follows_admission_and_release(
     read = projector.read
     first, second, third = [await new_run(app, "net") for _ in range(3)]
     await settle(projector, store)
-    ws = await read.get_workspace(ORG, "net")
+    ws = await read.workspaces.get(ORG, "net")
     assert ws is not None
     assert (ws["active_run"], ws["queue"]) == (None, [first, second, third])
     assert ws["variables"] == {"env": "net", "region": "eu"}
@@ -321,18 +323,18 @@ async def test_workspace_queue_is_fifo_and_follows_admission_and_release(
     await app.admit_next(ORG, "net")
     await cmd(app, "net", third, CancelRun(actor="alice"))
     await settle(projector, store)
-    ws = await read.get_workspace(ORG, "net")
+    ws = await read.workspaces.get(ORG, "net")
     assert ws is not None and (ws["active_run"], ws["queue"]) == (first, [second])
 
     await cmd(app, "net", first, FailRun(actor="reaper", reason="timeout"))
     await app.admit_next(ORG, "net")
     await settle(projector, store)
-    listed = await read.list_workspaces(ORG)
+    listed = await read.workspaces.find(ORG)
     assert [(w["name"], w["active_run"], w["queue"]) for w in listed] == [
         ("app", None, []),
         ("net", second, []),
     ]
-    assert await read.get_workspace(ORG, "nope") is None
+    assert await read.workspaces.get(ORG, "nope") is None
 
 
 async def test_list_runs_is_newest_first_filters_and_pages(
@@ -344,15 +346,15 @@ async def test_list_runs_is_newest_first_filters_and_pages(
     await settle(projector, store)
     read = projector.read
     newest_first = list(reversed(ids))
-    assert [r["id"] for r in await read.list_runs(ORG)] == newest_first
-    assert [r["id"] for r in await read.list_runs(ORG, workspace="app")] == [ids[3], ids[1]]
-    assert [r["id"] for r in await read.list_runs(ORG, status=["queued"])] == [ids[0]]
+    assert [r["id"] for r in await read.runs.find(ORG)] == newest_first
+    assert [r["id"] for r in await read.runs.find(ORG, workspace="app")] == [ids[3], ids[1]]
+    assert [r["id"] for r in await read.runs.find(ORG, status=["queued"])] == [ids[0]]
     pages, before = [], None
-    while page := await read.list_runs(ORG, limit=2, before=before):
+    while page := await read.runs.find(ORG, limit=2, before=before):
         pages.append([r["id"] for r in page])
         before = page[-1]["id"]
     assert pages == [newest_first[0:2], newest_first[2:4], newest_first[4:]]
-    assert await read.list_runs(ORG, before="unknown") == []
+    assert await read.runs.find(ORG, before="unknown") == []
 
 
 async def test_reads_are_scoped_to_the_organization(
@@ -363,18 +365,18 @@ async def test_reads_are_scoped_to_the_organization(
     run_id = await new_run(app, "net")
     await settle(projector, store)
     read = projector.read
-    assert await read.get_run("other", run_id) is None
-    assert await read.run_events("other", run_id) == []
-    assert await read.run_steps("other", run_id) == []
-    assert await read.list_runs("other") == []
-    assert await read.list_workspaces("other") == []
-    org = await read.get_org(ORG)
+    assert await read.runs.get("other", run_id) is None
+    assert await read.runs.events("other", run_id) == []
+    assert await read.runs.steps("other", run_id) == []
+    assert await read.runs.find("other") == []
+    assert await read.workspaces.find("other") == []
+    org = await read.orgs.get(ORG)
     assert org is not None and (org["name"], org["created_by"]) == (ORG, "admin")
-    assert await read.get_org("nobody") is None
-    owner = await read.token(hash_token(token))
+    assert await read.orgs.get("nobody") is None
+    owner = await read.orgs.token(hash_token(token))
     assert owner is not None
     assert (owner["org"], owner["user"], owner["role"]) == (ORG, "alice", "admin")
-    assert await read.token(hash_token("rp_guess")) is None
+    assert await read.orgs.token(hash_token("rp_guess")) is None
 
 
 async def test_the_clear_token_is_never_stored(
@@ -405,7 +407,7 @@ async def test_wait_for_resolves_on_commit_and_gives_up_after_its_timeout(
     result = await app.create_org(ORG, "admin")
     assert await waiter is True
     assert projector.seq >= result.seq
-    assert await projector.read.get_org(ORG) is not None  # read-your-writes
+    assert await projector.read.orgs.get(ORG) is not None  # read-your-writes
 
 
 # ---------------------------------------------------------------- restarts and faults
@@ -428,7 +430,7 @@ async def test_a_restarted_projector_resumes_from_its_checkpoint(
         assert second.seq == checkpoint  # read back from the database, not zero
         await settle(second, store)
         after = await second.read.dump()
-        ws = await second.read.get_workspace(ORG, "net")
+        ws = await second.read.workspaces.get(ORG, "net")
     assert second.received == await store.last_seq() - checkpoint  # nothing read twice
     assert ws is not None and (ws["active_run"], ws["queue"]) == (queued, [later])
     assert [row[0] for row in after["events"]] == list(range(1, await store.last_seq() + 1))
@@ -457,7 +459,7 @@ async def test_poison_messages_are_skipped_recorded_and_counted(
         after = await app.create_workspace(ORG, "app", Workspace(repository="/r"), "alice")
         assert await projector.wait_for(after.seq, timeout=10)
         assert projector.skipped == 3
-        assert await projector.read.get_workspace(ORG, "app") is not None
+        assert await projector.read.workspaces.get(ORG, "app") is not None
         skipped = (await projector.read.dump())["skipped"]
     assert [(seq, subject) for seq, subject, _, _ in skipped] == [
         (garbage.seq, "rp.run.x.y.z"),
@@ -481,7 +483,7 @@ async def test_the_projector_survives_a_nats_server_restart(
             created = await eventually(lambda: _try_create_run(app), what="append after restart")
             assert created is not None
             assert await projector.wait_for(created.seq, timeout=30)
-            run = await projector.read.get_run(ORG, created.state.run_id)
+            run = await projector.read.runs.get(ORG, created.state.run_id)
             assert run is not None and run["status"] == "pending"
 
 
@@ -507,8 +509,8 @@ async def test_a_checkpoint_past_the_end_of_the_stream_rebuilds_the_model(
             await process(conn).app.create_org("newco", "admin")
             async with Projector(conn, db) as rebuilt:
                 assert await rebuilt.wait_for(1, timeout=10)
-                assert await rebuilt.read.get_org("newco") is not None
-                assert await rebuilt.read.get_org(ORG) is None
+                assert await rebuilt.read.orgs.get("newco") is not None
+                assert await rebuilt.read.orgs.get(ORG) is None
                 assert rebuilt.seq == 1
         finally:
             await conn.close()

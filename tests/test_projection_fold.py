@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
 from itertools import count
+from typing import get_args
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events import run as run_agg
+from events import vcs_report as vr
 from events.codec import AnyEvent, encode, run_subject, ws_subject
 from events.errors import DomainError
 from events.run import (
@@ -29,7 +31,7 @@ from events.run import (
     Workspace,
 )
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased, WorkspaceCreated
-from projections.project import finish, project_event
+from projections.project import FOLDS, finish, project_event
 from projections.working import Unprojectable, Working, iso, meta_of
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -256,3 +258,21 @@ def test_subjects_name_their_aggregate() -> None:
     assert parts("rp.other") == ("", None, None, None)
     stored = meta_of(1, "rp.org.acme", 1_500_000_000_123_456_789).stored_at
     assert stored == "2017-07-14T02:40:00.123456Z"
+
+
+def test_every_event_type_the_codec_decodes_has_a_fold() -> None:
+    """The projection is a table of folds by event type: a type missing from it would
+    stop the batch that meets it, so every member of `AnyEvent` has its entry."""
+    assert set(get_args(AnyEvent)) - set(FOLDS) == set()
+
+
+def test_a_pull_requests_report_is_kept_in_the_audit_history_and_skipped_by_nothing() -> None:
+    """The VCS reporter's events (rows, comment claims and links) are the audit's only: they
+    used to fall to the run fold, which found no run in their subject (Unprojectable: the
+    batch recorded each as skipped, with a warning)."""
+    s = Stream()
+    subject = vr.subject("acme", "k1")
+    s.add(subject, vr.CommentClaimed(at=T0, actor="vcs", claim="c1"))
+    s.add(subject, vr.CommentLinked(at=T0, actor="vcs", claim="c1", comment_id=7))
+    assert [row[5] for row in s.w.audit] == ["org.vcs_comment_claimed", "org.vcs_comment_linked"]
+    assert s.w.dirty.get("skipped", {}) == {}

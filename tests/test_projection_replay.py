@@ -38,7 +38,7 @@ async def test_replay_reproduces_the_live_read_model_exactly(
         await settle(live, store)
         live_dump = await live.read.dump()
         statuses = {
-            name: (await live.read.get_run(ORG, run_id) or {}).get("status")
+            name: (await live.read.runs.get(ORG, run_id) or {}).get("status")
             for name, run_id in runs.items()
         }
     reached = {name: name for name in runs}
@@ -82,7 +82,7 @@ async def test_replay_refuses_a_database_a_projector_still_has_open(
         assert [p.name for p in tmp_path.iterdir() if p.suffix == ".replay"] == []
         result = await app.create_org("other", "admin")
         assert await live.wait_for(result.seq)
-        assert await live.read.get_org("other") is not None
+        assert await live.read.orgs.get("other") is not None
 
 
 async def test_replay_of_an_empty_stream_builds_an_empty_model(nc: NATS, tmp_path: Path) -> None:

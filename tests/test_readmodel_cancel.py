@@ -23,7 +23,7 @@ async def test_a_read_cancelled_at_any_await_leaves_no_transaction_open(tmp_path
     try:
         for round_ in range(400):
             # a snapshot read (two tables, one transaction) and a plain one
-            read_of = read.list_workspaces("acme") if round_ % 2 else read.get_org("o0")
+            read_of = read.workspaces.find("acme") if round_ % 2 else read.orgs.get("o0")
             task = asyncio.create_task(read_of)
             if round_ < 200:  # at the lock, at BEGIN, within, at COMMIT, after: by turns
                 for _ in range(round_ // 2 % 6):
@@ -41,8 +41,8 @@ async def test_a_read_cancelled_at_any_await_leaves_no_transaction_open(tmp_path
             )
             # A read transaction left open would pin this connection to an older snapshot
             # (the new org unseen) and refuse the next BEGIN.
-            assert await read.get_org(name) is not None, f"round {round_}: a stale read"
-            assert await read.list_workspaces("acme") == []
+            assert await read.orgs.get(name) is not None, f"round {round_}: a stale read"
+            assert await read.workspaces.find("acme") == []
             assert not read.db.in_transaction, f"round {round_}: a transaction left open"
     finally:
         await read.close()
@@ -73,11 +73,11 @@ async def test_a_batch_cancelled_at_any_await_leaves_the_writer_free(tmp_path: P
             at = await schema.checkpoint(writer)
             assert at in (seq - 1, seq), f"round {round_}"
             # all or nothing: the org is there if and only if the checkpoint moved
-            assert (await read.get_org(f"o{seq}") is not None) == (at == seq), f"round {round_}"
+            assert (await read.orgs.get(f"o{seq}") is not None) == (at == seq), f"round {round_}"
             assert not writer.in_transaction, f"round {round_}: the writer's BEGIN left open"
             seq += 1
             after = await apply_batch(writer, [created(seq)], after=at)
-            assert after.last_seq == seq and await read.get_org(f"o{seq}") is not None
+            assert after.last_seq == seq and await read.orgs.get(f"o{seq}") is not None
     finally:
         await read.close()
         await writer.close()
@@ -90,12 +90,12 @@ async def test_a_read_waits_for_another_callers_snapshot(tmp_path: Path) -> None
     writer = await schema.connect(path)
     read = await ReadModel.open(path)
     try:
-        async with read._snapshot():  # another caller's two-table read, under way
-            assert await read.get_org("late") is None  # its snapshot begins here
+        async with read.snapshot():  # another caller's two-table read, under way
+            assert await read.orgs.get("late") is None  # its snapshot begins here
             await writer.execute(
                 "INSERT INTO orgs (name, created_at, created_by) VALUES ('late', '', 'a')"
             )
-            fresh = asyncio.create_task(read.get_org("late"))  # asked after the commit
+            fresh = asyncio.create_task(read.orgs.get("late"))  # asked after the commit
             await asyncio.sleep(0.05)
         assert await fresh is not None
     finally:

@@ -22,7 +22,8 @@ from infra import heartbeats
 from infra.eventstore import EventStore
 from infra.heartbeats import Board, body, subject
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from services.processes.scheduler.reaper import Reaper, Verdict, silent_guard
 from tests.bootstrap_support import Process, System
 from tests.helpers import eventually

@@ -29,6 +29,7 @@ async def test_timeouts_given_at_creation_are_snapshotted_into_each_run(http: Ht
     assert (listed["heartbeat_timeout"], listed["dispatch_timeout"]) == (3, 45)
     run = await http.run("acme", "net")
     config = (await http.app.load_run("acme", "net", run["id"])).state.config
+    assert config is not None
     assert (config.heartbeat_timeout, config.dispatch_timeout) == (3, 45)
 
 

@@ -193,10 +193,10 @@ async def test_a_queued_run_with_nothing_on_the_board_is_found_and_dispatched(
         run_id = await queued_run_via_scheduler(app)
         await eventually(lambda: _dispatched(nc), what="the plan dispatched")
 
-        async def marked() -> Any:  # written after the dispatch, by the same reaction
+        async def deadline_marker() -> Any:  # written after the dispatch, by the same reaction
             return await Board(nc).last(run_id, DEADLINE, leader=True)
 
-        deadline = await eventually(marked, what="the deadline marker")
+        deadline = await eventually(deadline_marker, what="the deadline marker")
         assert deadline.body.run_deadline is None, "no limit set"
         assert deadline.body.pool == "default"
     await take_the_message(nc)

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from infra.heartbeats import Board, BoardError, subject
 from projections import projector as projector_module
+from projections.batch import apply_batch
 from services.app.commands import App
 from services.surfaces.api import runs as runs_api
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
@@ -37,7 +38,7 @@ async def test_a_phase_that_just_ended_is_answered_from_the_caught_up_projection
     assert (seen.body["status"], seen.body["owner"]["lease_id"]) == ("planning", lease)
 
     # The projection stalls (as it does while it reconnects) ...
-    apply, gate = projector_module.apply_batch, asyncio.Event()
+    apply, gate = apply_batch, asyncio.Event()  # the one the projector imported
 
     async def stalled(*args: Any, **kw: Any) -> Any:
         await gate.wait()

@@ -15,7 +15,7 @@ import pytest
 from events import vcs
 from events.errors import Invalid
 from events.run import Cause, RunCreated
-from services.app.commands import derived_id, new_id
+from services.app.ids import derived_id
 from services.processes.vcs import connections as vcs_connections
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
@@ -201,12 +201,10 @@ async def test_a_workspace_keeps_its_vcs_binding_and_refuses_bad_globs(
     save = vcs.SaveConnection(
         actor="t", connection_id="conn-1", org="acme", create=True, name="gh", provider="github"
     )
-    await vcs_connections.command(
-        plane.app.store, "acme", save, now=datetime.now(UTC), new_id=new_id
-    )
+    await vcs_connections.command(plane.app, "acme", save)
     a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
     assert a.status == 201, a.body
-    want = {k: v for k, v in body.items() if k not in ("name", "repository")}
+    want: dict[str, Any] = {k: v for k, v in body.items() if k not in ("name", "repository")}
     want["trigger_any_change"] = False
     assert {k: a.body[k] for k in want} == want
 

@@ -17,7 +17,8 @@ from events.errors import AlreadyExists, Conflict, NotFound
 from events.react import Follow
 from events.values import Cause, ResourceChange, Snapshot, Workspace
 from infra.eventstore import Append, Envelope, EventStore
-from services.app.commands import App, derived_id
+from services.app.commands import App
+from services.app.ids import derived_id
 from services.processes.triggers import graph
 from services.processes.triggers.subscriber import Triggers
 from tests.bootstrap_support import Process

@@ -14,7 +14,7 @@ import pytest
 
 from events import run as R
 from infra.consumer import Consumer, Received
-from services.app.commands import derived_id
+from services.app.ids import derived_id
 from services.processes.triggers.subscriber import Triggers, subscription
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures

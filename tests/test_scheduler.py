@@ -18,9 +18,10 @@ from events import run as R
 from events.errors import IllegalTransition
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased
 from infra import streams
-from infra.eventstore import EventStore
+from infra.eventstore import Envelope, EventStore
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from services.processes.scheduler.scheduler import Scheduler
 from tests.bootstrap_support import Process, pinned_by
 from tests.helpers import eventually
@@ -89,7 +90,7 @@ class FakeExecutor:
         )
 
 
-def check_history(envs: list[object]) -> dict[str, list[str]]:
+def check_history(envs: list[Envelope]) -> dict[str, list[str]]:
     """From the event history alone: FIFO admission and one active run per workspace.
     Returns each workspace's admission order."""
     enqueued: dict[str, list[str]] = defaultdict(list)
@@ -97,7 +98,7 @@ def check_history(envs: list[object]) -> dict[str, list[str]]:
     active: dict[str, str] = {}
     gone: set[str] = set()
     for env in envs:
-        ev, ws = env.event, env.subject  # type: ignore[attr-defined]
+        ev, ws = env.event, env.subject
         if isinstance(ev, RunEnqueued):
             enqueued[ws].append(ev.run_id)
         elif isinstance(ev, RunAdmitted):

@@ -21,7 +21,8 @@ from events.run_events import Status
 from events.templates import DeleteTemplate, SaveTemplate, TemplateStep
 from infra.eventstore import Append, EventStore
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App, Result
+from services.app.commands import App
+from services.app.execute import Result
 from services.processes.schedules import store
 from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from tests.helpers import eventually

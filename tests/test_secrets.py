@@ -65,6 +65,7 @@ async def test_secret_values_are_sealed_and_shown_by_name_only(plane: Plane) -> 
     got = await plane.http.get("/api/v1/orgs/acme/workspaces/net")
     assert got.body["secret_variables"] == {"token": "(sensitive)"}
     ws = (await plane.app.load_ws("acme", "net")).state
+    assert ws.config is not None
     assert ws.config.secret_variables == ["token"]
 
     kv = await plane.nc.jetstream().key_value(SECRETS_BUCKET)

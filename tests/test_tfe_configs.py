@@ -1,6 +1,6 @@
 """What an organization's configuration versions may hold of the shared object store, and
-the sweep that deletes the ones no run needs (services/surfaces/tfe/quota.py), through runplane's
-real API on real NATS. Time is the sweep's argument, never a sleep."""
+the sweep that deletes the ones no run needs (services/surfaces/tfe/quota.py, sweep.py),
+through runplane's real API on real NATS. Time is the sweep's argument, never a sleep."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ from yarl import URL
 
 from executor.objects import PLANS_BUCKET, Objects
 from infra.natsserver import EmbeddedNats
-from services.surfaces.tfe import configs, quota
+from services.surfaces.tfe import configs, quota, sweep
 from services.surfaces.tfe.configs import ConfigStore
-from services.surfaces.tfe.quota import QUOTA_TITLE, SWEEPER, Ledger, Limits, Quota, Sweeper
+from services.surfaces.tfe.quota import QUOTA_TITLE, Ledger, Limits, Quota
+from services.surfaces.tfe.sweep import SWEEPER, Sweeper
 from tests.helpers import eventually
 from tests.test_tfe_runs_api import archive, new_config, new_run, put
 from tests.tfe_support import Tfe, tfe_fixture
@@ -455,7 +456,7 @@ async def test_objects_no_ledger_names_are_deleted_once_old(tfe: Tfe, tmp_path: 
 @pytest.fixture
 def fast_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every api's sweep every 50 ms, a version never uploaded expiring after 0.2 s."""
-    monkeypatch.setattr(quota, "SWEEP_EVERY_S", 0.05)
+    monkeypatch.setattr(sweep, "SWEEP_EVERY_S", 0.05)
     monkeypatch.setenv(quota.PENDING_TTL_ENV, "0.2")
 
 

@@ -27,7 +27,7 @@ from executor import terraform as tf
 from services.app.commands import App
 from services.surfaces.api.auth import Principal
 from services.surfaces.tfe import logs
-from services.surfaces.tfe.runs import render_run
+from services.surfaces.tfe.run_view import render_run
 
 AT = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SOURCE = ConfigSource(id="cv-acme.net.01jz", object="config/acme/net/cv.tgz", digest="ab" * 32)

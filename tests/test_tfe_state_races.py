@@ -75,18 +75,18 @@ async def test_the_same_state_pushed_through_two_replicas_at_once_is_kept_once(
     async with replica(nc, tfe.keyring, tmp_path / "rm-2.sqlite") as other:
 
         async def locked() -> bool:
-            row = await other.api.read.get_workspace("acme", "net")
+            row = await other.api.read.workspaces.get("acme", "net")
             return row is not None and row.get("lock") is not None
 
         await eventually(locked, timeout=10, what="the other replica to see the lock")
         real = other.app.record_state_push
         first: list[Any] = []
 
-        async def after_the_first_try(org: str, ws: str, command: RecordStatePush) -> Any:
+        async def after_the_first_try(org: str, name: str, cmd: RecordStatePush) -> Any:
             # the retry has read the head, sealed and marked its version: now the first
             # try, on the other replica, lands whole
             first.append(await tfe.push(ws_id, state, token=operator))
-            return await real(org, ws, command)
+            return await real(org, name, cmd)
 
         other.app.record_state_push = after_the_first_try  # type: ignore[method-assign]
         retry = await other.push(ws_id, state, token=operator)
@@ -116,8 +116,8 @@ async def test_a_push_whose_version_a_reader_promoted_first_is_answered_201(
         real = tfe.app.record_state_push
         read: list[Any] = []
 
-        async def then_a_reader(org: str, ws: str, command: RecordStatePush) -> Any:
-            result = await real(org, ws, command)
+        async def then_a_reader(org: str, name: str, cmd: RecordStatePush) -> Any:
+            result = await real(org, name, cmd)
             path = f"/api/v2/workspaces/{ws_id}/current-state-version"
             read.append(await other.tfe("GET", path, token=operator))
             return result

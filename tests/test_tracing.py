@@ -87,6 +87,7 @@ async def headers_of(nc: NATS, store: Any, subject: str) -> list[tuple[str, dict
 def hexed(span: ReadableSpan) -> tuple[str, str, str]:
     """(trace id, span id, parent span id or "") of a finished span."""
     ctx = span.get_span_context()
+    assert ctx is not None
     parent = format(span.parent.span_id, "016x") if span.parent else ""
     return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"), parent
 

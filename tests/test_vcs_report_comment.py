@@ -22,9 +22,9 @@ from infra.eventstore import Append, EventStore
 from services.processes.vcs import comment
 from services.processes.vcs.client import Policy
 from services.processes.vcs.github import GitHubClient
-from services.processes.vcs.prrun import verdict
-from services.processes.vcs.report import PrRun, Reporter, Verdict
-from tests.test_vcs_report_support import FakeVcs
+from services.processes.vcs.prrun import PrRun, Verdict, verdict
+from services.processes.vcs.report import Reporter
+from tests.test_vcs_report_support import Comment, FakeVcs
 
 SHA1 = "1111111111111111111111111111111111111111"
 SHA2 = "2222222222222222222222222222222222222222"
@@ -182,9 +182,7 @@ async def test_a_deleted_comment_is_posted_anew_and_linked(store: EventStore, vc
     assert len(_table(vcs.comments[second].body)) == 2
 
 
-def _comment_of(cid: int, pr: str, body: str) -> object:
-    from tests.test_vcs_report_support import Comment
-
+def _comment_of(cid: int, pr: str, body: str) -> Comment:
     return Comment(cid, pr, body)
 
 

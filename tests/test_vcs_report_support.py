@@ -159,7 +159,7 @@ class FakeVcs:
             path = path[len(self.prefix) :]
         raw = await request.read()
         body = json.loads(raw) if raw else None
-        auth = request.headers.get("Authorization") or request.headers.get("PRIVATE-TOKEN", "")
+        auth = request.headers.get("Authorization", "") or request.headers.get("PRIVATE-TOKEN", "")
         self.calls.append(Call(request.method, path, auth, body))
         if self.hang:
             await self._released.wait()

@@ -112,7 +112,6 @@ async def saved_connection(
 ) -> None:
     """A VCS connection saved as the API saves one (events/vcs.py), its token sealed:
     for the reporter's tests, which drive no HTTP API."""
-    from datetime import UTC, datetime
 
     from events import vcs
     from services.processes.vcs import connections
@@ -127,6 +126,6 @@ async def saved_connection(
         api_url=url,
         has_token=bool(token),
     )
-    await connections.command(app.store, org, save, now=datetime.now(UTC), new_id=app.ids)
+    await connections.command(app, org, save)
     sealed = connections.Sealed(secrets.nc, secrets.keyring)
     await sealed.put(org, cid, connections.TOKEN, token)

@@ -17,7 +17,7 @@ from events.run import RunCreated
 from infra import kv
 from infra.kv import KvError
 from infra.streams import EVENTS
-from services.app.commands import derived_id
+from services.app.ids import derived_id
 from services.processes.vcs import connections, signing
 from services.surfaces.webhooks import vcs as webhook
 from tests.helpers import eventually

@@ -42,6 +42,7 @@ from projections import replay
 from projections.readmodel import ReadModel
 from services.app import repositories
 from services.app.commands import App
+from services.app.execute import Result
 from services.processes.notifications import outbox
 from services.processes.schedules import store as schedule_store
 from services.processes.triggers import graph
@@ -91,6 +92,7 @@ def test_a_config_change_records_only_the_members_that_differ() -> None:
 
 def test_a_config_change_is_checked_as_a_creation_is() -> None:
     state = _fold(CREATED)
+    bad: dict[str, Any]
     for bad in ({"variables": {}}, {"name": "x"}, {"repository": "ext::sh -c id"}):
         with pytest.raises(Invalid):
             _decide(state, ChangeConfig(actor="a", changes=bad))
@@ -172,9 +174,11 @@ async def test_patch_changes_the_configuration_and_runs_keep_theirs(http: Http) 
     shown = await http.get(WS)
     assert {k: shown.body[k] for k in body} == body and shown.body["deleted_at"] is None
     old = (await http.app.load_run("acme", "net", before["id"])).state
+    assert old.config is not None
     assert (old.config.repository, old.config.branch) == (REPO, "main")
     after = await http.run("acme", "net", "plan")
     new = (await http.app.load_run("acme", "net", after["id"])).state
+    assert new.config is not None
     assert (new.config.branch, new.config.directory) == ("prod", "envs/prod")
     events = [e.event for e in await http.app.store.read("rp.ws.acme.net")]
     [changed] = [e for e in events if isinstance(e, ConfigChanged)]
@@ -196,6 +200,7 @@ async def test_patch_changes_the_configuration_and_runs_keep_theirs(http: Http) 
     assert {k: patched.body[k] for k in vcs} == vcs
     assert {k: (await http.get(WS)).body[k] for k in vcs} == vcs
     cfg = (await http.app.load_ws("acme", "net")).state.config
+    assert cfg is not None
     assert (cfg.trigger_paths, cfg.vcs_run_type) == (vcs["trigger_paths"], "plan")
 
 
@@ -272,9 +277,7 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
             destination="generic",
             url="https://hooks.example.com/x",
         )
-        await outbox.command(
-            http.app.store, "acme", save, clock=http.app.clock, new_id=http.app.ids
-        )
+        await outbox.command(http.app, "acme", save)
     sched = await http.post(f"{WS}/schedules", json={"cron": "0 3 * * *", "run_type": "plan"})
     assert sched.status == 201, sched.body
     await http.workspace("acme", "dns", repository=REPO)
@@ -312,7 +315,7 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
     listed = (await http.get(f"{WS}/runs", headers={"RP-Min-Seq": str(new_run["seq"])})).body
     assert [r["id"] for r in listed["items"]] == [new_run["id"]]
     (await http.get(f"{V1}/orgs/acme/runs/{old_run['id']}")).problem("not-found", 404)
-    kept = await http.api.read._all(  # the audit table itself
+    kept = await http.api.read.rows(  # the audit table itself
         "SELECT type FROM events WHERE run_id = ? ORDER BY seq", (old_run["id"],)
     )
     assert [r["type"] for r in kept] == ["run.created", "run.canceled"]
@@ -326,7 +329,7 @@ async def test_a_purge_frees_the_name_and_what_it_would_inherit(http: Http, tmp_
         async with await ReadModel.open(tmp_path / f"replayed-{batch}.sqlite") as rebuilt:
             assert await rebuilt.dump() == live, batch
     # the audit of the delete and the purge survives it
-    audit = await http.api.read._all(  # the audit table itself
+    audit = await http.api.read.rows(  # the audit table itself
         "SELECT type, actor FROM events WHERE subject = 'rp.ws.acme.net' ORDER BY seq"
     )
     kinds = [(r["type"], r["actor"]) for r in audit]
@@ -468,6 +471,8 @@ async def _race(stepping: Stepping, a: App, b: App) -> None:
         return await b.delete_workspace("acme", n, "admin")
 
     async def race(i: int, n: str) -> tuple[bool, bool]:
+        made: Result | BaseException
+        gone: Any
         made, gone = await asyncio.gather(
             a.create_run("acme", n, "plan", "alice"),
             delete(n, i % 4),
@@ -510,7 +515,7 @@ async def test_the_vcs_binding_follows_a_patch_and_goes_with_a_delete(http: Http
     a = await http.call("PATCH", WS, json=bind)
     assert a.status == 200 and a.body["vcs_connection"] == mine["id"], a.body
     query = "SELECT connection, branch, trigger_paths_json FROM vcs_bindings WHERE org = ?"
-    rows = [tuple(r) for r in await http.api.read._all(query, ("acme",))]
+    rows = [tuple(r) for r in await http.api.read.rows(query, ("acme",))]
     assert rows == [(mine["id"], "prod", '["envs/**"]')]
     assert (await http.call("DELETE", WS)).status == 204
-    assert await http.api.read._all(query, ("acme",)) == []
+    assert await http.api.read.rows(query, ("acme",)) == []

@@ -38,7 +38,9 @@ from infra.crypto import KeyRing
 from infra.eventstore import EventStore
 from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from projections.projector import Projector
-from services.app.commands import App, SnapshotHook, new_id, utcnow
+from services.app.commands import App
+from services.app.flows import SnapshotHook
+from services.app.ids import new_id, utcnow
 from services.app.repositories import Sources, deployment_sources
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter

@@ -357,7 +357,7 @@ async def cluster_state_push(tmp_path: Path, sc: Scenario) -> None:
 
         async def both_see_the_lock() -> bool:
             for t in tfes:
-                row = await t.api.read.get_workspace(ORG, WS)
+                row = await t.api.read.workspaces.get(ORG, WS)
                 if row is None or row.get("lock") is None:
                     return False
             return True

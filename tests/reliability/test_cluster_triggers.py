@@ -32,7 +32,7 @@ from infra import replicas as rep
 from infra.directget import InfraError
 from infra.eventstore import LATEST, Envelope, EventStore
 from infra.streams import EVENTS, subscriber_consumer
-from services.app.commands import derived_id
+from services.app.ids import derived_id
 from services.processes.triggers import subscriber as run_triggers
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually

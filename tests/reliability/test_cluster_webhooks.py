@@ -28,7 +28,7 @@ from events import vcs
 from events.run_events import RunCreated
 from infra.eventstore import EventStore
 from infra.streams import EVENTS
-from services.app.commands import derived_id
+from services.app.ids import derived_id
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.reliability.chaos_support import (

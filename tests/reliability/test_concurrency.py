@@ -21,7 +21,8 @@ from events import run as R
 from events.errors import DomainError
 from infra import streams
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App, new_id
+from services.app.commands import App
+from services.app.ids import new_id
 from tests.bootstrap_support import Process, System
 from tests.helpers import eventually
 from tests.reliability.history import replay_stream

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import tempfile
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +39,7 @@ from events import run as R
 from events.errors import DomainError, Forbidden, IllegalTransition, StaleLease
 from infra import streams
 from infra.natsserver import EmbeddedNats
-from services.app.commands import new_id
+from services.app.ids import new_id
 from tests.bootstrap_support import built
 from tests.reliability.history import replay
 from tests.reliability.support import ThreadLoop
@@ -90,6 +90,12 @@ class Ws:
     holder: str = ""  # the lock's holder; "" when unlocked
 
 
+async def _awaited(step: Awaitable[T]) -> T:
+    """`step` as a coroutine, which the loop's thread runs: App's commands are typed as
+    returning an Awaitable (the tracing.command decorator)."""
+    return await step
+
+
 _orgs = itertools.count()
 broker: Broker | None = None  # set by the test around run_state_machine_as_test
 
@@ -111,9 +117,9 @@ class RunLifecycle(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ helpers
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def call(self, step: Awaitable[T]) -> T:
         self.b.steps += 1
-        return self.b.run(coro)
+        return self.b.run(_awaited(step))
 
     def command(self, run: Run, cmd: R.RunCommand, refused: type[DomainError] | None) -> None:
         """Send `cmd`; it must pass when `refused` is None, else raise exactly that."""

@@ -69,10 +69,12 @@ class Chrome:
         for _ in range(20):
             element = await self.css(selector)
             try:
-                return str(await self.call(lambda e=element: e.text))
+                return await self._text_of(element)
             except StaleElementReferenceException:
                 continue
-        element = await self.css(selector)
+        return await self._text_of(await self.css(selector))
+
+    async def _text_of(self, element: Any) -> str:
         return str(await self.call(lambda: element.text))
 
     async def js(self, script: str, *args: Any) -> Any:

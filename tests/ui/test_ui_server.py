@@ -350,7 +350,7 @@ async def test_the_organization_page_shows_each_workspaces_folder_from_the_read_
     page = await b.get("/orgs/acme")
     rows = {m[0]: m[1] for m in re.findall(r">(dns|net)</a></td><td>([^<]*)</td>", page.text)}
     assert rows == {"dns": "platform", "net": "(organization)"}, rows
-    assert (await ui.http.api.read.workspace_summaries("acme"))[0]["folder"] == "platform"
+    assert (await ui.http.api.read.workspaces.summaries("acme"))[0]["folder"] == "platform"
 
 
 HTML = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}

@@ -13,11 +13,9 @@ user whose tokens are all revoked can do nothing from Slack either) and groups.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 from collections.abc import Sequence
 from datetime import datetime
-from typing import get_args
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -26,16 +24,15 @@ from events import approval
 from events import chat as chat_agg
 from events import org as org_agg
 from events.codec import org_subject
-from events.errors import Conflict, Forbidden, NotFound
+from events.errors import Forbidden, NotFound
 from infra.crypto import CryptoError, KeyRing
-from infra.eventstore import Append
 from infra.kv import SECRETS_BUCKET, last_values
-from services.app.commands import App, Result
+from services.app.aggregates import CHAT
+from services.app.commands import App
+from services.app.execute import Result
 
 SIGNING_SECRET = "slack-signing-secret"
 BOT_TOKEN = "slack-bot-token"
-ATTEMPTS = 10
-_CHAT = get_args(chat_agg.ChatEvent)
 OPERATOR = "operator"  # what creating and canceling runs needs, as in the API
 
 
@@ -111,34 +108,14 @@ class ChatConfig:
     # ------------------------------------------------------------ the aggregate
 
     async def load(self, org: str) -> tuple[chat_agg.SlackState, int]:
-        envs = await self.app.store.read(chat_agg.config_subject(org))
-        events = [e.event for e in envs if isinstance(e.event, _CHAT)]  # all are, on it
-        state = chat_agg.fold(events)
-        return state, envs[-1].seq if envs else 0
+        loaded = await self.app.load(CHAT, chat_agg.config_subject(org))
+        return loaded.state, loaded.seq
 
-    async def command(self, org: str, command: chat_agg.ChatCommand) -> Result:
+    async def command(self, org: str, command: chat_agg.ChatCommand) -> Result[chat_agg.SlackState]:
         """Decide and append a command on the organization's Slack app (which must exist)."""
         if not (await self.app.load_org(org)).state.exists:
             raise NotFound(f"organization {org} not found")
-        subject = chat_agg.config_subject(org)
-        for i in range(ATTEMPTS):
-            state, seq = await self.load(org)
-            evs = chat_agg.decide(state, command, now=self.app.clock(), new_id=self.app.ids)
-            if not evs:
-                return Result(state=state, seq=seq, events=[])
-            items = [
-                Append(subject=subject, event=e, expected=seq + n, msg_id=self.app.ids())
-                for n, e in enumerate(evs)
-            ]
-            try:
-                last = await self.app.store.append(items)
-            except Conflict:
-                if i == ATTEMPTS - 1:
-                    raise
-                await asyncio.sleep(0.005 * (i + 1))
-                continue
-            return Result(state=chat_agg.fold(evs, state), seq=last, events=list(evs))
-        raise AssertionError("unreachable")
+        return await self.app.execute(CHAT, chat_agg.config_subject(org), command)
 
     # ------------------------------------------------------------ who asks
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import nats.errors
@@ -26,6 +25,8 @@ from events.errors import Conflict
 from infra import tracing
 from infra.eventstore import Append, EventStore
 from infra.streams import EVENTS, WRONG_LAST_SEQUENCES
+from services.app.aggregates import NOTIFICATION
+from services.app.execute import Repository
 from services.processes.notifications import formats
 from services.processes.notifications.delivery import Current, DeliveryError, Job, Recorder
 
@@ -46,34 +47,12 @@ async def config(store: EventStore, org: str, config_id: str) -> nt.ConfigState:
 
 
 async def command(
-    store: EventStore,
-    org: str,
-    cmd: nt.SaveConfig | nt.DeleteConfig,
-    *,
-    clock: Callable[[], datetime],
-    new_id: Callable[[], str],
-    attempts: int = 20,
+    repo: Repository, org: str, cmd: nt.SaveConfig | nt.DeleteConfig
 ) -> tuple[nt.ConfigState, int]:
-    """Decide and append on the configuration's subject; a conflict reloads (bounded).
-    Returns the state after and the last sequence of the subject."""
-    subject = nt.config_subject(org, cmd.config_id)
-    for _ in range(attempts):
-        envs = await store.read(subject)
-        state = nt.fold([e.event for e in envs])
-        evs = nt.decide(state, cmd, now=clock())
-        last = envs[-1].seq if envs else 0
-        if not evs:
-            return state, last
-        appends = [
-            Append(subject=subject, event=e, expected=last + i, msg_id=new_id())
-            for i, e in enumerate(evs)
-        ]
-        try:
-            seq = await store.append(appends)
-        except Conflict:
-            continue
-        return nt.fold(evs, state), seq
-    raise Conflict("the notification configuration keeps changing: try again")
+    """Decide and append on the configuration's subject (`Repository.execute`). Returns
+    the state after and the last sequence of the subject."""
+    done = await repo.execute(NOTIFICATION, nt.config_subject(org, cmd.config_id), cmd)
+    return done.state, done.seq
 
 
 async def schedule(

@@ -308,7 +308,7 @@ class Reaper:
     async def _load(self, beat: Beat) -> RunState:
         b = beat.body
         loaded = await self.app.load_run(b.org or "*", b.workspace or None, beat.run_id)
-        return loaded.state  # type: ignore[no-any-return]  # Loaded.state is Any
+        return loaded.state
 
     async def _reap(self, beat: Beat, now: datetime, timed_out: bool = True) -> Verdict:
         async with self._slots:

@@ -50,7 +50,8 @@ from infra import streams
 from infra.consumer import Consumer, Received, Retry, Subscription, by_workspace
 from infra.eventstore import floor
 from infra.heartbeats import Board
-from services.app.commands import App, Loaded
+from services.app.commands import App
+from services.app.execute import Loaded
 from services.processes.scheduler import limits, watch
 from services.processes.scheduler.watch import pool_of
 
@@ -67,7 +68,7 @@ def _consulted(event: AnyEvent) -> bool:
     return not quiet(event)
 
 
-def _latest(r: Received) -> Loaded | None:
+def _latest(r: Received) -> Loaded[RunState] | None:
     """The run as the consumer just read it, if the event was its last then."""
     if isinstance(r.state, RunState) and r.last_seq == r.seq:
         return Loaded(subject=r.subject, seq=r.seq, state=r.state)
@@ -192,7 +193,7 @@ class Scheduler:
             log.info("run_admitted", org=org, workspace=ws, run_id=run_id, speculative=True)
 
     async def _dispatch(
-        self, org: str, ws: str, run_id: str, *, seen: Loaded | None = None
+        self, org: str, ws: str, run_id: str, *, seen: Loaded[RunState] | None = None
     ) -> None:
         """The run as it is now (the event may be old news: redelivered) waits for its
         snapshot, or for an executor to claim its phase. `seen`: the run as just read,

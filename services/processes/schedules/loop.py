@@ -41,7 +41,8 @@ from events.run_events import Status
 from events.values import Cause
 from infra.eventstore import LATEST
 from infra.tasks import cancel_and_wait
-from services.app.commands import App, derived_id, utcnow
+from services.app.commands import App
+from services.app.ids import derived_id, utcnow
 from services.processes.schedules import store
 
 log = structlog.get_logger(__name__)

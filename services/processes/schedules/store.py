@@ -9,12 +9,10 @@ must be at least as new as every fire already recorded.
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 from events import schedule as sc
 from events.errors import Conflict
 from infra.eventstore import LATEST, Append
+from services.app.aggregates import SCHEDULES
 from services.app.commands import App
 
 
@@ -32,24 +30,10 @@ async def load(
 async def command(
     app: App, org: str, ws: str, cmd: sc.SaveSchedule | sc.DeleteSchedule
 ) -> tuple[sc.SchedulesState, int]:
-    """Decide and append a schedule command; the new state and the last sequence."""
-    subject = sc.schedules_subject(org, ws)
-    for i in range(app.attempts):
-        state, seq = await load(app, org, ws, latest=i > 0)
-        events = sc.decide(state, cmd, now=app.clock())
-        if not events:
-            return state, seq
-        appends = [
-            Append(subject=subject, event=e, expected=seq + n, msg_id=app.ids())
-            for n, e in enumerate(events)
-        ]
-        try:
-            return sc.fold(events, state), await app.store.append(appends)
-        except Conflict:
-            if i == app.attempts - 1:
-                raise
-            await asyncio.sleep(random.uniform(0, 0.002 * (2 ** min(i, 6))))
-    raise AssertionError("unreachable")
+    """Decide and append a schedule command (`Repository.execute`); the new state and the
+    last sequence."""
+    done = await app.execute(SCHEDULES, sc.schedules_subject(org, ws), cmd)
+    return done.state, done.seq
 
 
 async def fire_state(app: App, org: str, ws: str, schedule_id: str) -> sc.FireState:

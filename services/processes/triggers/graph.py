@@ -9,13 +9,12 @@ on the graph with the first in it, and is refused if together they would close a
 from __future__ import annotations
 
 import asyncio
-import random
 
 import msgspec
 
 from events import run_triggers as rt
-from events.errors import Conflict, NotFound
-from infra.eventstore import Append
+from events.errors import NotFound
+from services.app.aggregates import RUN_TRIGGERS
 from services.app.commands import App
 
 _EVENTS = (rt.RunTriggerAdded, rt.RunTriggerRemoved)
@@ -61,20 +60,6 @@ async def _exists(app: App, org: str, *names: str) -> None:
 
 
 async def _change(app: App, org: str, command: rt.RunTriggerCommand) -> Graph:
-    """Load, decide, append at the expected sequence; a conflict decides again."""
-    for i in range(app.attempts):
-        g = await load(app, org)
-        events = rt.decide(g.state, command, now=app.clock(), new_id=app.ids)
-        appends = [
-            Append(subject=rt.subject(org), event=e, expected=g.seq + n, msg_id=app.ids())
-            for n, e in enumerate(events)
-        ]
-        try:
-            seq = await app.store.append(list(appends))
-        except Conflict:
-            if i == app.attempts - 1:
-                raise
-            await asyncio.sleep(random.uniform(0, 0.002 * (2 ** min(i, 6))))
-            continue
-        return Graph(state=rt.fold(events, g.state), seq=seq)
-    raise AssertionError("unreachable")
+    """Decide and append on the organization's trigger graph (`Repository.execute`)."""
+    done = await app.execute(RUN_TRIGGERS, rt.subject(org), command)
+    return Graph(state=done.state, seq=done.seq)

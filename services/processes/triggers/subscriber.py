@@ -26,7 +26,8 @@ from events.react import Follow, react
 from events.run import RunEvent, RunState
 from events.values import Cause
 from infra.consumer import Received, Subscription
-from services.app.commands import App, derived_id
+from services.app.commands import App
+from services.app.ids import derived_id
 from services.processes.subscribers.context import SubscriberContext
 from services.processes.triggers import graph
 

@@ -13,7 +13,6 @@ read model: a connection made a moment ago through another replica is found.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import nats.js.errors
@@ -21,11 +20,12 @@ from nats.aio.client import Client as NATS
 
 from events import vcs
 from events.codec import valid_id
-from events.errors import Conflict
 from infra.crypto import CryptoError, KeyRing
-from infra.eventstore import Append, EventStore
+from infra.eventstore import EventStore
 from infra.kv import SECRETS_BUCKET, last_values
+from services.app.aggregates import VCS_CONNECTION
 from services.app.commands import App
+from services.app.execute import Repository
 from services.app.secrets import SecretStore
 from services.processes.vcs import VcsError
 
@@ -92,31 +92,11 @@ async def connections(store: EventStore, org: str) -> list[vcs.VcsConnection]:
 
 
 async def command(
-    store: EventStore,
-    org: str,
-    cmd: vcs.SaveConnection | vcs.DeleteConnection,
-    *,
-    now: datetime,
-    new_id: Any,
-    attempts: int = 20,
+    repo: Repository, org: str, cmd: vcs.SaveConnection | vcs.DeleteConnection
 ) -> tuple[vcs.ConnectionState, int]:
-    """Decide and append on the connection's subject; a conflict reloads (bounded)."""
-    subject = vcs.connection_subject(org, cmd.connection_id)
-    for _ in range(attempts):
-        st, last = await state(store, org, cmd.connection_id)
-        evs = vcs.decide(st, cmd, now=now)
-        if not evs:
-            return st, last
-        appends = [
-            Append(subject=subject, event=e, expected=last + i, msg_id=new_id())
-            for i, e in enumerate(evs)
-        ]
-        try:
-            seq = await store.append(appends)
-        except Conflict:
-            continue
-        return vcs.fold(evs, st), seq
-    raise Conflict("the VCS connection keeps changing: try again")
+    """Decide and append on the connection's subject (`Repository.execute`)."""
+    done = await repo.execute(VCS_CONNECTION, vcs.connection_subject(org, cmd.connection_id), cmd)
+    return done.state, done.seq
 
 
 # ---------------------------------------------------------------- sealed values

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from events import approval
-from events.run import ApproveRun, DiscardRun
-from services.app.commands import Result
+from events.run import ApproveRun, DiscardRun, RunState
+from services.app.execute import Result
 from services.surfaces.api.auth import Principal
 from services.surfaces.api.context import Api
 from services.surfaces.api.problems import Problem
@@ -32,7 +32,7 @@ async def caller(api: Api, org: str, who: Principal) -> approval.Caller:
 
 async def approve(
     api: Api, org: str, run_id: str, who: Principal, acknowledged: Sequence[str]
-) -> Result:
+) -> Result[RunState]:
     """Approve the run as `who`, acknowledging `acknowledged`."""
     command = ApproveRun(
         actor=who.user,
@@ -46,7 +46,7 @@ async def approve(
         raise Problem("conflict", str(e), current_status=e.status, missing=e.missing) from e
 
 
-async def discard(api: Api, org: str, run_id: str, who: Principal, reason: str) -> Result:
+async def discard(api: Api, org: str, run_id: str, who: Principal, reason: str) -> Result[RunState]:
     """Discard the run as `who`."""
     command = DiscardRun(actor=who.user, reason=reason, caller=await caller(api, org, who), via=VIA)
     return await api.app.run_command(org, None, run_id, command)

@@ -118,7 +118,7 @@ async def _fresh(api: Api, row: dict[str, Any], token_hash: str, projected: int)
             headers={"Retry-After": "1"},
             projected_seq=api.projector.seq,
         )
-    fresh = await api.read.token(token_hash)
+    fresh = await api.read.orgs.token(token_hash)
     if fresh is None:  # tokens are never deleted: only a rebuilt read model could miss it
         raise unauthorized("the token is not valid", invalid_token=True)
     return fresh

@@ -26,7 +26,7 @@ _ACTIONS = [action for action, _ in CHANGE_GROUPS]
 async def run_changes(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     run_id = path_id(request, "run")
-    review = await api.read.run_changes(org, run_id)
+    review = await api.read.runs.changes(org, run_id)
     if review is None:
         raise Problem("not-found", f"run {run_id} not found")
     return json_response(review)
@@ -35,9 +35,9 @@ async def run_changes(request: web.Request) -> web.Response:
 async def run_resources(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     run_id = path_id(request, "run")
-    if await api.read.get_run(org, run_id) is None:
+    if await api.read.runs.get(org, run_id) is None:
         raise Problem("not-found", f"run {run_id} not found")
-    return items(await api.read.run_resources(org, run_id))
+    return items(await api.read.runs.resources(org, run_id))
 
 
 # ---------------------------------------------------------------- OpenAPI

@@ -198,13 +198,13 @@ async def _query(request: web.Request, org: str, parsed: tx.Parsed, who: Who) ->
         return tx.reply(tx.help_text())
     if parsed.verb == "runs":
         status = [parsed.arg] if parsed.arg else None
-        runs = await read.list_runs(org, status=status, limit=10)
+        runs = await read.runs.find(org, status=status, limit=10)
         lines = [tx.run_line(r) for r in runs] or ["no runs"]
         return tx.reply("\n".join(lines))
-    ws = await read.get_workspace(org, parsed.arg)
+    ws = await read.workspaces.get(org, parsed.arg)
     if ws is None:
         return tx.reply(f"workspace {tx.shown(parsed.arg)} not found")
-    active = await read.get_run(org, ws["active_run"]) if ws.get("active_run") else None
+    active = await read.runs.get(org, ws["active_run"]) if ws.get("active_run") else None
     lines = [f"*{tx.escape(parsed.arg)}*: " + (tx.run_line(active) if active else "idle")]
     if ws.get("queue"):
         waiting = ", ".join(f"`{tx.escape(r)}`" for r in ws["queue"][:5])

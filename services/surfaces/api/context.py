@@ -65,11 +65,11 @@ class Api:
     async def token(self, token_hash: str) -> dict[str, Any] | None:
         """The token's row; a miss waits (bounded) for the projection to reach the stream's
         end, since the token may have been issued a moment ago through another replica."""
-        row = await self.read.token(token_hash)
+        row = await self.read.orgs.token(token_hash)
         if row is not None:
             return row
         await self.reached(await self.app.store.last_seq(), self.token_wait)
-        return await self.read.token(token_hash)
+        return await self.read.orgs.token(token_hash)
 
 
 API: web.AppKey[Api] = web.AppKey("runplane.api", Api)

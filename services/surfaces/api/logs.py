@@ -80,7 +80,7 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
     run_id = path_id(request, "run")
     follow, phase, step = _query(request)
     page = _page(request, follow)
-    run = await api.read.get_run(org, run_id)
+    run = await api.read.runs.get(org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
     target = Target(org=org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)

@@ -121,9 +121,7 @@ async def _guarded(url: str) -> None:
 
 
 async def _command(api: Api, org: str, cmd: nt.SaveConfig | nt.DeleteConfig) -> tuple[Any, int]:
-    return await outbox.command(
-        api.app.store, org, cmd, clock=api.app.clock, new_id=api.app.ids, attempts=api.app.attempts
-    )
+    return await outbox.command(api.app, org, cmd)
 
 
 async def _found(api: Api, org: str, config_id: str, ws: str | None) -> nt.NotificationConfig:
@@ -170,7 +168,7 @@ async def create(request: web.Request) -> web.Response:
     return await written(
         api,
         seq,
-        lambda: api.read.notification(org, config_id),
+        lambda: api.read.integrations.notification(org, config_id),
         lambda: _row(state.config),
         status=201,
         location=where,
@@ -206,14 +204,14 @@ async def list_configs(request: web.Request) -> web.Response:
     api, org, who = scope(request, VIEWER)
     ws = _ws_of(request)
     await _workspace(api, org, ws)
-    return items([_shown(r, who) for r in await api.read.notifications(org, ws)])
+    return items([_shown(r, who) for r in await api.read.integrations.notifications(org, ws)])
 
 
 async def get_config(request: web.Request) -> web.Response:
     api, org, who = scope(request, VIEWER)
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     cfg = await _found(api, org, config_id, ws)
-    row = await api.read.notification(org, config_id)
+    row = await api.read.integrations.notification(org, config_id)
     return json_response(_shown(row or _row(cfg), who))
 
 
@@ -243,7 +241,7 @@ async def patch_config(request: web.Request) -> web.Response:
     return await written(
         api,
         seq,
-        lambda: api.read.notification(org, config_id),
+        lambda: api.read.integrations.notification(org, config_id),
         lambda: _row(state.config),
         status=200,
     )
@@ -264,7 +262,7 @@ async def deliveries(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     await _found(api, org, config_id, ws)
-    return items(await api.read.notify_attempts(org, config_id))
+    return items(await api.read.integrations.notify_attempts(org, config_id))
 
 
 async def verify(request: web.Request) -> web.Response:
@@ -364,69 +362,87 @@ def body(name: str) -> Doc:
 
 
 def _paths(prefix: str, scope_params: list[str], tag: str) -> dict[str, Doc]:
+    """The notification operations at one scope (an organization or a workspace)."""
     params = [{"$ref": f"#/components/parameters/{p}"} for p in scope_params]
     one = [*params, {"$ref": "#/components/parameters/notification"}]
+    config = f"{prefix}/notifications/{{notification}}"
     return {
-        f"{prefix}/notifications": {
-            "get": {
-                "operationId": f"list{tag}Notifications",
-                "summary": "Notification configurations",
-                "parameters": params,
-                "responses": {"200": ok("NotificationList"), **problems(403, 404, 422)},
-            },
-            "post": {
-                "operationId": f"create{tag}Notification",
-                "summary": "Create a notification configuration (the token is write-only)",
-                "parameters": params,
-                "requestBody": body("NotificationBody"),
-                "responses": {
-                    "201": ok("Notification", seq=True),
-                    **problems(400, 403, 404, 422, 503),
-                },
+        f"{prefix}/notifications": _collection(params, tag),
+        config: _config(one, tag),
+        f"{config}/verify": _verify(one, tag),
+        f"{config}/deliveries": _deliveries(one, tag),
+    }
+
+
+def _collection(params: list[Doc], tag: str) -> Doc:
+    return {
+        "get": {
+            "operationId": f"list{tag}Notifications",
+            "summary": "Notification configurations",
+            "parameters": params,
+            "responses": {"200": ok("NotificationList"), **problems(403, 404, 422)},
+        },
+        "post": {
+            "operationId": f"create{tag}Notification",
+            "summary": "Create a notification configuration (the token is write-only)",
+            "parameters": params,
+            "requestBody": body("NotificationBody"),
+            "responses": {
+                "201": ok("Notification", seq=True),
+                **problems(400, 403, 404, 422, 503),
             },
         },
-        f"{prefix}/notifications/{{notification}}": {
-            "get": {
-                "operationId": f"get{tag}Notification",
-                "summary": "A notification configuration",
-                "parameters": one,
-                "responses": {"200": ok("Notification"), **problems(403, 404, 422)},
-            },
-            "patch": {
-                "operationId": f"patch{tag}Notification",
-                "summary": 'Change the fields given (token "" removes it)',
-                "parameters": one,
-                "requestBody": body("NotificationPatchBody"),
-                "responses": {
-                    "200": ok("Notification", seq=True),
-                    **problems(400, 403, 404, 422, 503),
-                },
-            },
-            "delete": {
-                "operationId": f"delete{tag}Notification",
-                "summary": "Delete a notification configuration",
-                "parameters": one,
-                "responses": {"204": {"description": "deleted"}, **problems(403, 404, 422)},
+    }
+
+
+def _config(one: list[Doc], tag: str) -> Doc:
+    return {
+        "get": {
+            "operationId": f"get{tag}Notification",
+            "summary": "A notification configuration",
+            "parameters": one,
+            "responses": {"200": ok("Notification"), **problems(403, 404, 422)},
+        },
+        "patch": {
+            "operationId": f"patch{tag}Notification",
+            "summary": 'Change the fields given (token "" removes it)',
+            "parameters": one,
+            "requestBody": body("NotificationPatchBody"),
+            "responses": {
+                "200": ok("Notification", seq=True),
+                **problems(400, 403, 404, 422, 503),
             },
         },
-        f"{prefix}/notifications/{{notification}}/verify": {
-            "post": {
-                "operationId": f"verify{tag}Notification",
-                "summary": "Send a verification payload; answers the receiver's response",
-                "parameters": one,
-                "responses": {
-                    "200": ok("NotificationVerification", seq=True),
-                    **problems(403, 404, 422, 503),
-                },
+        "delete": {
+            "operationId": f"delete{tag}Notification",
+            "summary": "Delete a notification configuration",
+            "parameters": one,
+            "responses": {"204": {"description": "deleted"}, **problems(403, 404, 422)},
+        },
+    }
+
+
+def _verify(one: list[Doc], tag: str) -> Doc:
+    return {
+        "post": {
+            "operationId": f"verify{tag}Notification",
+            "summary": "Send a verification payload; answers the receiver's response",
+            "parameters": one,
+            "responses": {
+                "200": ok("NotificationVerification", seq=True),
+                **problems(403, 404, 422, 503),
             },
         },
-        f"{prefix}/notifications/{{notification}}/deliveries": {
-            "get": {
-                "operationId": f"list{tag}NotificationDeliveries",
-                "summary": "Every delivery attempt, newest first",
-                "parameters": one,
-                "responses": {"200": ok("NotificationAttemptList"), **problems(403, 404, 422)},
-            },
+    }
+
+
+def _deliveries(one: list[Doc], tag: str) -> Doc:
+    return {
+        "get": {
+            "operationId": f"list{tag}NotificationDeliveries",
+            "summary": "Every delivery attempt, newest first",
+            "parameters": one,
+            "responses": {"200": ok("NotificationAttemptList"), **problems(403, 404, 422)},
         },
     }
 

@@ -42,7 +42,7 @@ SOURCES: web.AppKey[repositories.Sources] = web.AppKey("runplane.sources", repos
 
 
 async def _existing_org(api: Api, org: str) -> Row:
-    row = await api.read.get_org(org)
+    row = await api.read.orgs.get(org)
     if row is None:
         raise Problem("not-found", f"organization {org} not found")
     return row
@@ -59,7 +59,7 @@ async def create_org(request: web.Request) -> web.Response:
     return await written(
         api,
         result.seq,
-        lambda: api.read.get_org(name),
+        lambda: api.read.orgs.get(name),
         lambda: render.org(result.state, request[PRINCIPAL].user),
         status=201,
         location=f"{PREFIX}/orgs/{name}",
@@ -114,7 +114,7 @@ async def list_tokens(request: web.Request) -> web.Response:
     api, org, _ = scope(request, ADMIN)
     await _existing_org(api, org)
     now = iso(api.app.clock())
-    rows = await api.read.list_tokens(org)
+    rows = await api.read.orgs.tokens(org)
     return items(
         [r | {"expired": r["expires_at"] is not None and r["expires_at"] <= now} for r in rows]
     )
@@ -194,7 +194,7 @@ async def update_workspace(request: web.Request) -> web.Response:
     changes = workspaces.config_changes(body)
     if body.variables is None and not changes:
         raise Problem("invalid-command", "nothing to change: give variables or a config member")
-    if await api.read.get_workspace(org, ws) is None:
+    if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     if "repository" in changes:
         check_repository(request, changes["repository"])
@@ -216,7 +216,7 @@ async def list_workspaces(request: web.Request) -> web.Response:
     deleted = request.query.get("deleted", "false")
     if deleted not in ("true", "false"):
         raise Problem("invalid-query", "deleted must be true or false")
-    return items(await api.read.list_workspaces(org, deleted=deleted == "true"))
+    return items(await api.read.workspaces.find(org, deleted=deleted == "true"))
 
 
 async def get_workspace(request: web.Request) -> web.Response:

@@ -179,7 +179,7 @@ class Lines:
     async def _all(self) -> AsyncIterator[list[LogLine]]:
         t = self.target
         seen: set[Key] = set()
-        for step in await self.read.run_steps(t.org, t.run_id):
+        for step in await self.read.runs.steps(t.org, t.run_id):
             key = (step["phase"], step["step"])
             seen.add(key)
             if t.wants(key):

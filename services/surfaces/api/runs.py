@@ -11,7 +11,7 @@ from aiohttp import web
 from events.codec import run_subject
 from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
 from infra.heartbeats import Board
-from services.app.commands import Result
+from services.app.execute import Result
 from services.surfaces.api import approvals, render
 from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
 from services.surfaces.api.bodies import (
@@ -40,13 +40,13 @@ CLIENT_HEADER = "X-Runplane-Client"  # `cli` from runplane's own command line
 
 
 async def _existing_run(api: Api, org: str, run_id: str) -> Row:
-    row = await api.read.get_run(org, run_id)
+    row = await api.read.runs.get(org, run_id)
     if row is None:
         raise Problem("not-found", f"run {run_id} not found")
     return row
 
 
-async def _answer(api: Api, org: str, result: Result, *, status: int) -> web.Response:
+async def _answer(api: Api, org: str, result: Result[RunState], *, status: int) -> web.Response:
     """Answer a command on a run with the run as projected once it holds the write."""
     run_id = result.state.run_id
     return await written(
@@ -89,7 +89,7 @@ async def get_run(request: web.Request) -> web.Response:
 
 async def _live_run(api: Api, org: str, run_id: str) -> Row | None:
     """The projected run with its `owner` and `deadline` from the heartbeat board."""
-    row = await api.read.get_run(org, run_id)
+    row = await api.read.runs.get(org, run_id)
     if row is None or _ended(row):
         return _ended_row(row)
     live = await liveness(Board(api.app.store.nc), row)
@@ -99,7 +99,7 @@ async def _live_run(api: Api, org: str, run_id: str) -> Row | None:
         # orphan, it seems). Catch up on the run's own events, then answer from them.
         last, _ = await api.app.store.last(run_subject(org, row["workspace"], run_id))
         if last > row["seq"] and await api.reached(last, api.read_wait):
-            row = await api.read.get_run(org, run_id) or row
+            row = await api.read.runs.get(org, run_id) or row
             if _ended(row):
                 return _ended_row(row)
             live = await liveness(Board(api.app.store.nc), row)
@@ -173,7 +173,7 @@ def _filters(request: web.Request) -> dict[str, Any]:
 
 async def _list(api: Api, org: str, filters: dict[str, Any]) -> web.Response:
     """Newest first; a full page carries `next`, the `before` of the following page."""
-    rows = await api.read.list_runs(org, **filters)
+    rows = await api.read.runs.find(org, **filters)
     if filters["full"]:  # each run as GET shows it, with its owner and deadline
         rows = await _all_with_liveness(Board(api.app.store.nc), rows)
     page_full = len(rows) == filters["limit"]
@@ -183,7 +183,7 @@ async def _list(api: Api, org: str, filters: dict[str, Any]) -> web.Response:
 async def list_runs(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     filters = _filters(request)
-    if await api.read.get_org(org) is None:
+    if await api.read.orgs.get(org) is None:
         raise Problem("not-found", f"organization {org} not found")
     return await _list(api, org, filters)
 
@@ -194,7 +194,7 @@ async def list_workspace_runs(request: web.Request) -> web.Response:
     filters = _filters(request)
     if "workspace" in filters:
         raise Problem("invalid-query", "the workspace is given by the path")
-    if await api.read.get_workspace(org, ws) is None:
+    if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     return await _list(api, org, {**filters, "workspace": ws})
 
@@ -285,11 +285,11 @@ async def run_events(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     run_id = path_id(request, "run")
     await _existing_run(api, org, run_id)
-    return items(await api.read.run_events(org, run_id))
+    return items(await api.read.runs.events(org, run_id))
 
 
 async def run_steps(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     run_id = path_id(request, "run")
     await _existing_run(api, org, run_id)
-    return items(await api.read.run_steps(org, run_id))
+    return items(await api.read.runs.steps(org, run_id))

@@ -237,7 +237,7 @@ async def list_fires(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
     await _found(api, org, ws, schedule_id, _floor(request))
-    return items(await api.read.schedule_fires(org, ws, schedule_id))
+    return items(await api.read.workspaces.schedule_fires(org, ws, schedule_id))
 
 
 def routes(ws: str) -> list[web.RouteDef]:

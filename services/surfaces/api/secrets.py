@@ -14,7 +14,8 @@ from aiohttp import web
 
 from events.run import Workspace
 from events.values import SENSITIVE
-from services.app.commands import Result
+from events.workspace import WorkspaceState
+from services.app.execute import Result
 from services.app.secrets import MAX_VALUE, NAME_RE, SecretStore, valid_name
 from services.surfaces.api import render
 from services.surfaces.api.auth import ADMIN
@@ -82,7 +83,7 @@ async def store_all(request: web.Request, org: str, ws: str, values: Mapping[str
 
 async def workspace_shown(request: web.Request, api: Api, org: str, ws: str) -> Row | None:
     """A workspace as answered: its secret variables by name only, each `(sensitive)`."""
-    row = await api.read.get_workspace(org, ws)
+    row = await api.read.workspaces.get(org, ws)
     store = request.app.get(SECRETS)
     if row is None or store is None:
         return row
@@ -105,7 +106,7 @@ async def workspace_written(
     api: Api,
     org: str,
     ws: str,
-    result: Result,
+    result: Result[WorkspaceState],
     user: str,
     *,
     status: int = 200,

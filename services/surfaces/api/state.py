@@ -18,9 +18,9 @@ from services.surfaces.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, re
 async def list_state_versions(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
     ws = path_id(request, "ws")
-    if await api.read.get_workspace(org, ws) is None:
+    if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
-    return items(await api.read.state_versions(org, ws))
+    return items(await api.read.workspaces.state_versions(org, ws))
 
 
 # ---------------------------------------------------------------- OpenAPI

@@ -105,9 +105,7 @@ def _sealed(request: web.Request) -> Sealed:
 async def _command(
     api: Api, org: str, cmd: vcs.SaveConnection | vcs.DeleteConnection
 ) -> tuple[vcs.ConnectionState, int]:
-    return await connections.command(
-        api.app.store, org, cmd, now=api.app.clock(), new_id=api.app.ids
-    )
+    return await connections.command(api.app, org, cmd)
 
 
 async def _found(api: Api, org: str, connection_id: str) -> vcs.VcsConnection:
@@ -154,12 +152,12 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def _fresh(api: Api, org: str, connection_id: str) -> Row | None:
-    return _shown(await api.read.vcs_connection(org, connection_id))
+    return _shown(await api.read.integrations.vcs_connection(org, connection_id))
 
 
 async def list_connections(request: web.Request) -> web.Response:
     api, org, _ = scope(request, VIEWER)
-    return items([r for r in map(_shown, await api.read.vcs_connections(org)) if r])
+    return items([r for r in map(_shown, await api.read.integrations.vcs_connections(org)) if r])
 
 
 async def get_connection(request: web.Request) -> web.Response:

@@ -80,10 +80,10 @@ async def delete_workspace(request: web.Request) -> web.Response:
     """DELETE .../workspaces/{ws}: 204, or 409 naming a run that is not over."""
     api, org, who = scope(request, ADMIN)
     ws = path_id(request, "ws")
-    row = await api.read.get_workspace(org, ws)
+    row = await api.read.workspaces.get(org, ws)
     if row is None:
         raise Problem("not-found", f"workspace {ws} not found")
-    open_runs = await api.read.open_runs(org, ws)
+    open_runs = await api.read.runs.open(org, ws)
     if open_runs:  # speculative plans hold no place in the queue: only the runs show them
         raise Problem(
             "conflict",
@@ -135,14 +135,7 @@ async def _remove_attached(request: web.Request, api: Api, org: str, ws: str, us
             if config.has_token and store is not None:
                 await TokenStore(store.nc, store.keyring).delete(org, config.id)
             delete = nt.DeleteConfig(actor=user, config_id=config.id)
-            await outbox.command(
-                api.app.store,
-                org,
-                delete,
-                clock=api.app.clock,
-                new_id=api.app.ids,
-                attempts=api.app.attempts,
-            )
+            await outbox.command(api.app, org, delete)
     await _forget_schedules_and_triggers(api, org, ws, user)
     log.info("workspace_purging", org=org, workspace=ws)
 

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from events.codec import valid_id
+from events.react import SUCCEEDED  # the core's: a run that ended well
 from services.surfaces.client import login, output
 from services.surfaces.client.credentials import Login
 from services.surfaces.client.errors import ClientError
@@ -37,7 +38,6 @@ from services.surfaces.client.output import short
 
 COMMANDS = frozenset({"login", "logout", "run", "workspace"})
 OK, RUN_FAILED, ERROR, NEEDS_APPROVAL, INTERRUPTED = 0, 1, 2, 3, 130
-SUCCEEDED = frozenset({"applied", "planned", "no_changes", "drifted"})
 UNSUCCESSFUL = frozenset({"failed", "canceled", "discarded"})
 ATTENTION = frozenset({"awaiting_approval"})
 RUN_TYPES = ("plan", "apply", "destroy", "drift")

@@ -28,7 +28,6 @@ import aiohttp
 from events.codec import valid_id
 from events.templates import valid_phase
 
-SUCCEEDED = frozenset({"applied", "planned", "no_changes", "drifted"})
 UNSUCCESSFUL = frozenset({"failed", "canceled", "discarded"})
 RESUMES = 5  # reconnections of one `-f` before giving up
 PAGE = 10_000  # lines asked for at a time without -f (the API's largest page)

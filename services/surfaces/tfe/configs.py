@@ -13,10 +13,10 @@ the executor checks the digest before it unpacks the archive (executor/upload.py
 A version is uploaded once: a second PUT is a 409.
 
 What an organization's versions may hold of the shared store is bounded, and the ones no
-run needs are deleted (services/surfaces/tfe/quota.py): creating a version takes a slot of its
-workspace's unused ones, a PUT reserves its announced size (or the cap) of the
-organization's budget before its body is read, a run made of a version frees its slot,
-and the version is deleted once its runs are over (or unused, after its TTL).
+run needs are deleted (services/surfaces/tfe/quota.py, sweep.py): creating a version
+takes a slot of its workspace's unused ones, a PUT reserves its announced size (or the
+cap) of the organization's budget before its body is read, a run made of a version frees
+its slot, and the version is deleted once its runs are over (or unused, after its TTL).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from executor.errors import ObjectStoreError
 from executor.objects import PLANS_BUCKET, Objects
 from executor.upload import MAX_UPLOAD
 from infra.crypto import CryptoError, KeyRing
-from services.app.commands import new_id
+from services.app.ids import new_id
 from services.surfaces.api.auth import OPERATOR, VIEWER
 from services.surfaces.api.context import API
 from services.surfaces.tfe import ids
-from services.surfaces.tfe import quota as tfe_quota
+from services.surfaces.tfe import sweep as tfe_sweep
 from services.surfaces.tfe.capability import CapabilityError
 from services.surfaces.tfe.context import api_of, read_json, require, tfe_of
 from services.surfaces.tfe.jsonapi import (
@@ -60,7 +60,8 @@ from services.surfaces.tfe.jsonapi import (
     resource,
     response,
 )
-from services.surfaces.tfe.quota import SWEEPER, Conflict, Limits, Quota, Sweeper, sweeping
+from services.surfaces.tfe.quota import Conflict, Limits, Quota
+from services.surfaces.tfe.sweep import SWEEPER, Sweeper, sweeping
 
 log = structlog.get_logger(__name__)
 UPLOAD_PATH = "/api/v2/capabilities/configuration-versions/"
@@ -160,7 +161,7 @@ CONFIGS: web.AppKey[ConfigStore | None] = web.AppKey("runplane.tfe.configs", Con
 
 
 def install(web_app: web.Application, js: JetStreamContext, keyring: KeyRing | None) -> None:
-    """The store of configuration versions and its sweep (services/surfaces/tfe/quota.py), run
+    """The store of configuration versions and its sweep (services/surfaces/tfe/sweep.py), run
     by this api process beside any other replica's."""
     store = ConfigStore.of(js, keyring) if keyring else None
     web_app[CONFIGS] = store
@@ -175,7 +176,7 @@ def install(web_app: web.Application, js: JetStreamContext, keyring: KeyRing | N
 
     sweeper = Sweeper(store.quota, run_over, store.names, prefix=PREFIX)
     web_app[SWEEPER] = sweeper
-    web_app.cleanup_ctx.append(sweeping(sweeper, app.clock, tfe_quota.SWEEP_EVERY_S))
+    web_app.cleanup_ctx.append(sweeping(sweeper, app.clock, tfe_sweep.SWEEP_EVERY_S))
 
 
 def configs_of(request: web.Request) -> ConfigStore:
@@ -235,7 +236,7 @@ async def create_config_version(request: web.Request) -> web.Response:
     """POST /workspaces/:id/configuration-versions: a pending version and its upload URL."""
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
     require(request, org, OPERATOR)
-    if await api_of(request).read.get_workspace(org, ws) is None:
+    if await api_of(request).read.workspaces.get(org, ws) is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
     body = await _optional_json(request)
     attrs = attributes(body, "configuration-versions") if body is not None else {}

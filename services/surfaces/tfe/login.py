@@ -39,7 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from infra.kv import LOGIN_CODES_BUCKET
-from services.app.commands import hash_token
+from services.app.ids import hash_token
 from services.surfaces.api.auth import authenticate
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.problems import Problem

@@ -14,6 +14,7 @@ from services.surfaces.tfe import (
     login,
     logs,
     outputs,
+    plans,
     runs,
     state,
     state_push,
@@ -53,10 +54,10 @@ OPERATIONS = [
     web.get(WS + "/runs", route(runs.list_workspace_runs)),
     web.get(ORG + "/runs/queue", route(runs.run_queue)),
     web.get(ORG + "/capacity", route(runs.capacity)),
-    web.get(V2 + "/plans/{object_id}", route(runs.read_plan)),
-    web.get(V2 + "/applies/{object_id}", route(runs.read_apply)),
-    web.get(V2 + "/policy-checks/{object_id}", route(runs.read_policy_check)),
-    web.get(V2 + "/policy-checks/{object_id}/output", route(runs.policy_check_output)),
+    web.get(V2 + "/plans/{object_id}", route(plans.read_plan)),
+    web.get(V2 + "/applies/{object_id}", route(plans.read_apply)),
+    web.get(V2 + "/policy-checks/{object_id}", route(plans.read_policy_check)),
+    web.get(V2 + "/policy-checks/{object_id}/output", route(plans.policy_check_output)),
 ]
 AUTHENTICATED = [
     web.get(V2 + "/account/details", route(workspaces.account_details)),

@@ -11,18 +11,20 @@ queue, policies and audit are the same as for any run.
 A run's TFE view is folded from its events (`App.load_run`), never the read model, so
 the CLI polling it sees each transition as soon as it is recorded. Statuses map as
 services/surfaces/tfe/statuses.py says.
+
+The module serves the handlers; how a run reads is services/surfaces/tfe/run_view.py,
+how a POST /runs body is read run_options.py, and the plans, applies and policy checks
+of a run plans.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
 from events import approval
-from events import policies as po
 from events.errors import DomainError, Forbidden
 from events.run import (
     ApproveRun,
@@ -34,15 +36,13 @@ from events.run import (
     RunState,
     Status,
 )
-from infra.eventstore import LATEST
-from services.app.commands import App, Result
+from services.app.commands import App
+from services.app.execute import Result
 from services.surfaces.api.approvals import caller
 from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
-from services.surfaces.api.problems import Problem
-from services.surfaces.tfe import configs, ids, logs
+from services.surfaces.tfe import configs, ids
 from services.surfaces.tfe.context import api_of, read_json, require
 from services.surfaces.tfe.jsonapi import (
-    Doc,
     TfeError,
     document,
     listing,
@@ -51,115 +51,18 @@ from services.surfaces.tfe.jsonapi import (
     resource,
     response,
 )
+from services.surfaces.tfe.run_options import flag, options_of, related
+from services.surfaces.tfe.run_view import load, render_run, row_doc
 from services.surfaces.tfe.statuses import (
     ENDED,
     STOPPED,
-    apply_status,
     cancelable,
     force_cancelable,
     not_cancelable,
-    plan_status,
-    run_status,
 )
 from services.surfaces.tfe.workspaces import CLI_REPOSITORY
 
 VIA = "cli"
-# ---------------------------------------------------------------- rendering
-
-
-def _iso(when: datetime | None) -> str | None:
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
-
-
-def _destroying(s: RunState) -> bool:
-    return s.run_type == "destroy" or bool(s.options and s.options.destroy)
-
-
-async def _may_approve(app: App, s: RunState, who: Principal) -> bool:
-    """Whether the caller's "yes" would be taken: the approval rule on the run's own
-    settings (four-eyes, approvers), and nothing destructive left to acknowledge (the
-    CLI cannot acknowledge: confirm_destructive's runs wait for approval elsewhere)."""
-    if s.status != Status.AWAITING_APPROVAL:
-        return False
-    groups = (await app.load_org(s.org)).state.groups
-    me = approval.Caller(user=who.user, role=who.role, superuser=who.superuser)
-    try:
-        approval.check("approve", me, creator=s.created_by, snapshot=s.snapshot, groups=groups)
-    except Forbidden:
-        return False
-    return not approval.unacknowledged(s.snapshot, s.destructive, s.acknowledged)
-
-
-async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -> Doc:
-    org, ws, run = s.org, s.workspace, s.run_id
-    confirmable = await _may_approve(app, s, who)
-    operate = _may(who, org, OPERATOR)
-    discardable = s.status == Status.AWAITING_APPROVAL
-    options = s.options or RunOptions()
-    attrs: Doc = {
-        "actions": {
-            "is-cancelable": cancelable(s),
-            "is-confirmable": confirmable,
-            "is-discardable": discardable,
-            "is-force-cancelable": force_cancelable(s),
-        },
-        "created-at": _iso(s.created_at),
-        "auto-apply": bool(s.options is not None and not s.options.confirm and not s.speculative),
-        "has-changes": s.has_changes,
-        "is-destroy": _destroying(s),
-        "message": s.message,
-        "permissions": {
-            "can-apply": confirmable,
-            "can-cancel": operate,
-            "can-discard": operate,
-            "can-force-cancel": operate,
-            "can-force-execute": False,
-        },
-        "position-in-queue": position,
-        "refresh": options.refresh,
-        "refresh-only": options.refresh_only or s.run_type == "drift",
-        "replace-addrs": options.replaces,
-        "target-addrs": options.targets,
-        "source": "tfe-api" if s.source is not None else "runplane",
-        "status": run_status(s),
-        "status-timestamps": {"plan-queueable-at": _iso(s.created_at)},
-        "speculative": s.speculative,
-        "variables": [{"key": k, "value": v} for k, v in sorted(options.variables.items())],
-    }
-    checks = [("policy-checks", ids.run_object_id("polchk", org, ws, run))] if s.policies else []
-    relationships: dict[str, Any] = {
-        "workspace": ("workspaces", ids.workspace_id(org, ws)),
-        "plan": ("plans", ids.run_object_id("plan", org, ws, run)),
-        "apply": ("applies", ids.run_object_id("apply", org, ws, run)),
-        "configuration-version": ("configuration-versions", s.source.id) if s.source else None,
-        "cost-estimate": None,
-        "created-by": ("users", f"user-{s.created_by}"),
-        "policy-checks": {"data": [{"type": t, "id": i} for t, i in checks]},
-    }
-    links = {"self": f"/api/v2/runs/{ids.run_object_id('run', org, ws, run)}"}
-    return resource("runs", ids.run_object_id("run", org, ws, run), attrs, relationships, links)
-
-
-def _may(who: Principal, org: str, role: str) -> bool:
-    try:
-        who.require(org, role)
-    except Problem:
-        return False
-    return True
-
-
-# ---------------------------------------------------------------- loading
-
-
-async def load(request: web.Request, kind: str, role: str = VIEWER) -> tuple[RunState, Principal]:
-    """The run an id of `kind` names, once the caller may `role` in its organization."""
-    raw = request.match_info["object_id"]
-    org, ws, run = ids.parse_run_object_id(kind, raw)
-    who = require(request, org, role)
-    loaded = await api_of(request).app.load_run(org, ws, run, min_seq=LATEST)
-    if not loaded.state.exists or loaded.state.workspace != ws:
-        raise not_found(f"{kind} {raw!r} not found")
-    return loaded.state, who
 
 
 async def _position(app: App, request: web.Request, s: RunState) -> int:
@@ -167,7 +70,7 @@ async def _position(app: App, request: web.Request, s: RunState) -> int:
     ones not over yet (the list is newest first)."""
     if s.status != Status.PENDING or s.speculative:
         return 0
-    rows = await api_of(request).read.list_runs(s.org, workspace=s.workspace, full=False)
+    rows = await api_of(request).read.runs.find(s.org, workspace=s.workspace, full=False)
     over = {str(x) for x in ENDED | STOPPED}
     seen = [r["id"] for r in rows]
     if s.run_id not in seen:
@@ -189,10 +92,10 @@ async def create_run(request: web.Request) -> web.Response:
     rels = data.get("relationships") or {}
     if not isinstance(attrs, dict) or not isinstance(rels, dict):
         raise TfeError(422, "invalid body", "attributes and relationships must be objects")
-    ws_id = _related(rels, "workspace")
+    ws_id = related(rels, "workspace")
     org, ws = ids.parse_workspace_id(ws_id)
     who = require(request, org, OPERATOR)
-    cv = _related(rels, "configuration-version", required=False)
+    cv = related(rels, "configuration-version", required=False)
     api = api_of(request)
     run_id = api.app.ids()  # named before it exists: the version is claimed for it
     if cv:
@@ -228,14 +131,14 @@ async def _create(
     source: ConfigSource,
     run_id: str,
     attrs: dict[str, Any],
-) -> Result:
+) -> Result[RunState]:
     if not speculative:
         await _cli_driven(app, org, ws)
     # `auto-apply` (newer clients' -auto-approve): no "yes" will come, so the plan does
     # not wait for one (runplane's own require_approval still holds it).
-    auto_apply = _flag(attrs, "auto-apply", False)
-    options = _options(attrs, confirm=not speculative and not auto_apply)
-    destroy = _flag(attrs, "is-destroy", False)
+    auto_apply = flag(attrs, "auto-apply", False)
+    options = options_of(attrs, confirm=not speculative and not auto_apply)
+    destroy = flag(attrs, "is-destroy", False)
     if speculative:
         run_type = "plan"
         options = RunOptions(**{**_fields(options), "destroy": destroy})
@@ -264,7 +167,7 @@ async def _cli_driven(app: App, org: str, ws: str) -> None:
     code comes from) must not apply any other with its variables and credentials. Its
     speculative plans are taken, as HCP Terraform takes them."""
     w = await app.load_ws(org, ws)
-    if w.state.exists and w.state.config.repository != CLI_REPOSITORY:
+    if w.state.config is not None and w.state.config.repository != CLI_REPOSITORY:
         raise TfeError(
             422,
             "apply not allowed",
@@ -275,54 +178,6 @@ async def _cli_driven(app: App, org: str, ws: str) -> None:
 
 def _fields(options: RunOptions) -> dict[str, Any]:
     return {f: getattr(options, f) for f in options.__struct_fields__}
-
-
-def _related(rels: dict[str, Any], name: str, *, required: bool = True) -> str:
-    rel = rels.get(name)
-    data = rel.get("data") if isinstance(rel, dict) else None
-    if isinstance(data, dict) and isinstance(data.get("id"), str):
-        return str(data["id"])
-    if required:
-        raise TfeError(422, "invalid body", f"relationships.{name}.data.id is required")
-    return ""
-
-
-def _flag(attrs: dict[str, Any], name: str, default: bool) -> bool:
-    value = attrs.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise TfeError(422, "invalid attribute", f"{name} must be a boolean")
-    return value
-
-
-def _addresses(attrs: dict[str, Any], name: str) -> list[str]:
-    value = attrs.get(name) or []
-    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
-        raise TfeError(422, "invalid attribute", f"{name} must be a list of strings")
-    return list(value)
-
-
-def _options(attrs: dict[str, Any], *, confirm: bool) -> RunOptions:
-    variables: dict[str, str] = {}
-    raw = attrs.get("variables") or []
-    if not isinstance(raw, list):
-        raise TfeError(422, "invalid attribute", "variables must be a list of {key, value}")
-    for item in raw:
-        if not isinstance(item, dict) or not isinstance(item.get("key"), str):
-            raise TfeError(422, "invalid attribute", "each variable needs a key and a value")
-        value = item.get("value")
-        if not isinstance(value, str):
-            raise TfeError(422, "invalid attribute", f"variable {item['key']}: value is a string")
-        variables[item["key"]] = value
-    return RunOptions(
-        refresh_only=_flag(attrs, "refresh-only", False),
-        refresh=_flag(attrs, "refresh", True),
-        targets=_addresses(attrs, "target-addrs"),
-        replaces=_addresses(attrs, "replace-addrs"),
-        variables=variables,
-        confirm=confirm,
-    )
 
 
 async def _speculative(request: web.Request, org: str, ws: str, cv: str) -> bool:
@@ -343,42 +198,11 @@ async def list_workspace_runs(request: web.Request) -> web.Response:
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
     require(request, org, VIEWER)
     api = api_of(request)
-    if await api.read.get_workspace(org, ws) is None:
+    if await api.read.workspaces.get(org, ws) is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
-    rows = await api.read.list_runs(org, workspace=ws, full=False)
-    items = [_row_doc(org, ws, r) for r in rows]
+    rows = await api.read.runs.find(org, workspace=ws, full=False)
+    items = [row_doc(org, ws, r) for r in rows]
     return response(listing(items, page_of(request)))
-
-
-_ROW_STATUS = {
-    "pending": "pending",
-    "queued": "plan_queued",
-    "planning": "planning",
-    "running": "planning",
-    "awaiting_approval": "planned",
-    "apply_queued": "apply_queued",
-    "applying": "applying",
-    "applied": "applied",
-    "planned": "planned_and_finished",
-    "no_changes": "planned_and_finished",
-    "drifted": "planned_and_finished",
-    "discarded": "discarded",
-    "failed": "errored",
-    "canceled": "canceled",
-}
-
-
-def _row_doc(org: str, ws: str, row: dict[str, Any]) -> Doc:
-    """A run of the read model, in the few attributes a list is read for."""
-    attrs = {
-        "status": _ROW_STATUS.get(str(row.get("status")), "pending"),
-        "message": row.get("message") or "",
-        "created-at": (row.get("created_at") or "").split(".", 1)[0].removesuffix("Z") + "Z",
-        "has-changes": bool(row.get("has_changes")),
-        "is-destroy": row.get("type") == "destroy",
-    }
-    run_id = ids.run_object_id("run", org, ws, row["id"])
-    return resource("runs", run_id, attrs, {"workspace": ("workspaces", ids.workspace_id(org, ws))})
 
 
 async def run_queue(request: web.Request) -> web.Response:
@@ -477,78 +301,3 @@ async def _act(app: App, s: RunState, command: Any) -> None:
         if e.retryable:
             raise
         raise TfeError(409, "transition not allowed", str(e)) from e
-
-
-# ---------------------------------------------------------------- plans, applies, checks
-
-
-async def read_plan(request: web.Request) -> web.Response:
-    s, _ = await load(request, "plan")
-    summary = s.plan_summary
-    attrs = {
-        "has-changes": s.has_changes,
-        "resource-additions": summary.add if summary else 0,
-        "resource-changes": summary.change if summary else 0,
-        "resource-destructions": summary.destroy if summary else 0,
-        "status": plan_status(s),
-        "status-timestamps": {"queued-at": _iso(s.created_at)},
-        "log-read-url": logs.read_url(request, "plan", s),
-    }
-    return response(document(resource("plans", request.match_info["object_id"], attrs)))
-
-
-async def read_apply(request: web.Request) -> web.Response:
-    s, _ = await load(request, "apply")
-    summary = s.apply_summary
-    attrs = {
-        "resource-additions": summary.add if summary else 0,
-        "resource-changes": summary.change if summary else 0,
-        "resource-destructions": summary.destroy if summary else 0,
-        "status": apply_status(s),
-        "status-timestamps": {},
-        "log-read-url": logs.read_url(request, "apply", s),
-    }
-    return response(document(resource("applies", request.match_info["object_id"], attrs)))
-
-
-def _policy_status(s: RunState) -> str:
-    if po.hard_failures(s.policies):
-        return "hard_failed"
-    if po.soft_failures(s.policies):
-        return "soft_failed"
-    return "passed"
-
-
-async def read_policy_check(request: web.Request) -> web.Response:
-    s, _ = await load(request, "polchk")
-    failed = [p for p in s.policies if not p.passed]
-    attrs = {
-        "actions": {"is-overridable": False},
-        "permissions": {"can-override": False},
-        "result": {
-            "advisory-failed": 0,
-            "duration": 0,
-            "hard-failed": len(po.hard_failures(s.policies)),
-            "passed": len(s.policies) - len(failed),
-            "soft-failed": len(po.soft_failures(s.policies)),
-            "total-failed": len(failed),
-            "result": not failed,
-        },
-        "scope": "organization",
-        "status": _policy_status(s),
-        "status-timestamps": {},
-    }
-    return response(document(resource("policy-checks", request.match_info["object_id"], attrs)))
-
-
-async def policy_check_output(request: web.Request) -> web.Response:
-    """GET /policy-checks/:id/output: each policy set's verdict and its messages."""
-    s, _ = await load(request, "polchk")
-    lines: list[str] = []
-    for p in s.policies:
-        verdict = "passed" if p.passed else "failed"
-        lines.append(f"{p.name} ({p.enforcement}, {p.scope}): {verdict}")
-        lines += [f"  {m}" for m in p.messages]
-    if s.status == Status.AWAITING_APPROVAL and po.soft_failures(s.policies):
-        lines.append("a soft-mandatory policy failed: the run waits for an approval in runplane")
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")

@@ -183,7 +183,7 @@ async def last_pushed(request: web.Request, org: str, ws: str) -> StatePushed | 
 
 
 async def existing_workspace(request: web.Request, org: str, ws: str) -> dict[str, Any]:
-    row = await api_of(request).read.get_workspace(org, ws)
+    row = await api_of(request).read.workspaces.get(org, ws)
     if row is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
     return row
@@ -191,7 +191,7 @@ async def existing_workspace(request: web.Request, org: str, ws: str) -> dict[st
 
 async def recorded_at(request: web.Request, org: str, ws: str, head: Head) -> str | None:
     """When a run or a push recorded the version, as the read model knows it."""
-    for row in await api_of(request).read.state_versions(org, ws):
+    for row in await api_of(request).read.workspaces.state_versions(org, ws):
         if row["object"] == head.object:
             return _whole(str(row["created_at"]))
     return None
@@ -223,7 +223,7 @@ async def version_of(
     head, _ = await current_head(request, org, ws)
     if head is not None and (head.serial, head.digest[:16]) == (serial, prefix):
         return head, await recorded_at(request, org, ws, head)
-    for row in await api_of(request).read.state_versions(org, ws):
+    for row in await api_of(request).read.workspaces.state_versions(org, ws):
         if (row["serial"], row["digest"][:16]) == (serial, prefix):
             old = Head(
                 object=row["object"],

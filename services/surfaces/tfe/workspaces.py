@@ -66,7 +66,7 @@ async def account_details(request: web.Request) -> web.Response:
 
 
 async def _existing_org(request: web.Request, org: str) -> None:
-    if await api_of(request).read.get_org(org) is None:
+    if await api_of(request).read.orgs.get(org) is None:
         raise not_found(f"organization {org} not found")
 
 
@@ -177,7 +177,7 @@ def _time(value: str | None) -> str | None:
 
 
 async def _workspace_row(request: web.Request, org: str, ws: str) -> dict[str, Any]:
-    row = await api_of(request).read.get_workspace(org, ws)
+    row = await api_of(request).read.workspaces.get(org, ws)
     if row is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
     return row
@@ -213,7 +213,7 @@ async def list_workspaces(request: web.Request) -> web.Response:
     who = require(request, org, VIEWER)
     await _existing_org(request, org)
     search = request.query.get("search[name]", "")
-    rows = await api_of(request).read.list_workspaces(org)
+    rows = await api_of(request).read.workspaces.find(org)
     shown = [render_workspace(org, r, who) for r in rows if search in r["name"]]
     return response(listing(shown, page_of(request)))
 

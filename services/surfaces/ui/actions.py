@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from events.errors import DomainError
-from events.run import CancelRun, Cause
-from services.app.commands import Result
+from events.run import CancelRun, Cause, RunState
+from services.app.execute import Result
 from services.surfaces.api import approvals
 from services.surfaces.api.auth import ADMIN, OPERATOR
 from services.surfaces.api.problems import Problem, from_domain
@@ -35,7 +35,7 @@ def _text(visit: Visit, name: str, *, required: bool = False, limit: int = MAX_R
 
 async def _run_or_404(visit: Visit) -> dict[str, object]:
     run_id = visit.path_id("run")
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
     return run
@@ -43,7 +43,7 @@ async def _run_or_404(visit: Visit) -> dict[str, object]:
 
 async def _refused(visit: Visit, run_id: str, p: Problem) -> web.Response:
     """The run page again, with the server's refusal and its status."""
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise p
     context = await base(visit, **await pages.run_context(visit, run))
@@ -52,7 +52,9 @@ async def _refused(visit: Visit, run_id: str, p: Problem) -> web.Response:
     return render(visit.request, "run.html", context, status=p.status)
 
 
-async def _on_run(visit: Visit, act: Callable[[str], Awaitable[Result]]) -> web.StreamResponse:
+async def _on_run(
+    visit: Visit, act: Callable[[str], Awaitable[Result[RunState]]]
+) -> web.StreamResponse:
     """`act` on the organization's run of the path; a refusal is shown on its page."""
     run = await _run_or_404(visit)
     run_id = str(run["id"])
@@ -91,7 +93,7 @@ async def cancel(visit: Visit) -> web.StreamResponse:
 
 async def _workspace_or_404(visit: Visit) -> str:
     ws = visit.path_id("ws")
-    if await visit.api.read.get_workspace(visit.org, ws) is None:
+    if await visit.api.read.workspaces.get(visit.org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     return ws
 

@@ -112,7 +112,7 @@ async def bar_feed(visit: Visit) -> web.StreamResponse:
 async def run_feed(visit: Visit) -> web.StreamResponse:
     """The run's log, status and resource states live, until it ends."""
     run_id = visit.path_id("run")
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
     skip = _last_event_id(visit.request)
@@ -199,7 +199,7 @@ class _RunFeed:
 
     async def _state(self) -> None:
         """Status, steps and resources, if they changed since last sent."""
-        run = await self.visit.api.read.get_run(self.visit.org, self.row["id"])
+        run = await self.visit.api.read.runs.get(self.visit.org, self.row["id"])
         if run is None:
             return
         context = await pages.run_context(self.visit, run)
@@ -227,7 +227,7 @@ def _step_query(request: web.Request) -> tuple[str | None, str | None]:
 async def log_page(visit: Visit) -> web.StreamResponse:
     """The whole log as a page, for a browser without script (and for keeping)."""
     run_id = visit.path_id("run")
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
     phase, step = _step_query(visit.request)

@@ -41,7 +41,7 @@ def _cursor(query: Any) -> str | None:
 
 
 async def _runs_page(visit: Visit, **filters: Any) -> tuple[list[dict[str, Any]], str | None]:
-    rows = await visit.api.read.list_runs(visit.org, limit=PAGE, **filters)
+    rows = await visit.api.read.runs.find(visit.org, limit=PAGE, **filters)
     return rows, rows[-1]["id"] if len(rows) == PAGE else None
 
 
@@ -52,11 +52,11 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     status = _choice(query, "status", STATUSES)
     name = str(query.get("name", ""))[:100]
     before = _cursor(query)
-    if await visit.api.read.get_org(visit.org) is None:
+    if await visit.api.read.orgs.get(visit.org) is None:
         raise Problem("not-found", f"organization {visit.org} not found")
     at = _page_number(query)
-    workspaces = await visit.api.read.workspace_summaries(visit.org)
-    latest = await visit.api.read.latest_runs(visit.org)
+    workspaces = await visit.api.read.workspaces.summaries(visit.org)
+    latest = await visit.api.read.runs.latest(visit.org)
     matching = [
         {**w, "latest": latest.get(w["name"])}
         for w in workspaces
@@ -84,10 +84,10 @@ async def org_page(visit: Visit) -> web.StreamResponse:
 async def workspace_page(visit: Visit) -> web.StreamResponse:
     """The queue in FIFO order, runs (paged), variables, lock, state versions, settings."""
     ws = visit.path_id("ws")
-    row = await visit.api.read.get_workspace(visit.org, ws)
+    row = await visit.api.read.workspaces.get(visit.org, ws)
     if row is None:
         raise Problem("not-found", f"workspace {ws} not found")
-    queue = [await visit.api.read.get_run(visit.org, run_id) for run_id in row["queue"]]
+    queue = [await visit.api.read.runs.get(visit.org, run_id) for run_id in row["queue"]]
     runs, next_before = await _runs_page(visit, workspace=ws, before=_cursor(visit.request.query))
     context = await base(
         visit,
@@ -95,7 +95,7 @@ async def workspace_page(visit: Visit) -> web.StreamResponse:
         queue=[q for q in queue if q is not None],
         runs=runs,
         next_before=next_before,
-        states=(await visit.api.read.state_versions(visit.org, ws))[:20],
+        states=(await visit.api.read.workspaces.state_versions(visit.org, ws))[:20],
         settings=await _settings(visit, ws),
         secrets=await _secret_names(visit, ws),
         run_types=["plan", "apply", "destroy", "drift"],
@@ -126,7 +126,7 @@ async def _templates(visit: Visit) -> list[str]:
 async def run_page(visit: Visit) -> web.StreamResponse:
     """Everything about one run, and the buttons its caller may use on it."""
     run_id = visit.path_id("run")
-    run = await visit.api.read.get_run(visit.org, run_id)
+    run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
     context = await base(visit, **await run_context(visit, run))
@@ -135,16 +135,16 @@ async def run_page(visit: Visit) -> web.StreamResponse:
 
 async def run_context(visit: Visit, run: dict[str, Any]) -> dict[str, Any]:
     read, org, run_id = visit.api.read, visit.org, run["id"]
-    changes = await read.run_changes(org, run_id) or {"groups": [], "summary_text": ""}
-    ws = await read.get_workspace(org, run["workspace"])
+    changes = await read.runs.changes(org, run_id) or {"groups": [], "summary_text": ""}
+    ws = await read.workspaces.get(org, run["workspace"])
     return {
         "commit_link": commit_link(ws["repository"] if ws else "", run.get("commit") or ""),
         "run": run,
         "cause": _cause(run.get("cause")),
-        "steps": await read.run_steps(org, run_id),
-        "events": await read.run_events(org, run_id),
+        "steps": await read.runs.steps(org, run_id),
+        "events": await read.runs.events(org, run_id),
         "changes": changes,
-        "resources": await read.run_resources(org, run_id),
+        "resources": await read.runs.resources(org, run_id),
         "actions": await run_actions(visit, run),
         "terminal": run["status"] in {str(s) for s in TERMINAL},
         "message": visit.request.query.get("error", "")[:500],

@@ -70,7 +70,7 @@ async def _signin(request: web.Request, token: str, org_field: str) -> web.Strea
         if not org_field:
             return _form(request, error="The admin token needs an organization.", status=400)
         org = check_name("org", org_field)
-        if await api.read.get_org(org) is None:
+        if await api.read.orgs.get(org) is None:
             return _form(request, error=f"Organization {org} not found.", status=404)
     else:
         org = who.org

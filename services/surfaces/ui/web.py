@@ -78,7 +78,7 @@ VISIT: web.RequestKey[Visit] = web.RequestKey("runplane.ui.visit", Visit)
 async def base(visit: Visit, **context: Any) -> dict[str, Any]:
     """What every signed-in page shows: who, the organization, its active runs (the bar:
     the oldest BAR_LIMIT listed, all counted)."""
-    bar, count, awaiting = await visit.api.read.active_runs(visit.org, BAR_LIMIT)
+    bar, count, awaiting = await visit.api.read.runs.active(visit.org, BAR_LIMIT)
     return {
         "visit": visit,
         "org": visit.org,

@@ -118,10 +118,10 @@ def _team(fields: dict[str, Any], kind: chat_agg.Kind) -> str:
 async def _candidates(api: Api, team: str) -> list[str]:
     """The organizations whose app names `team`; a miss waits (bounded) for the read
     model to reach the stream's end: the app may be a moment old."""
-    orgs = await api.read.slack_orgs(team)
+    orgs = await api.read.integrations.slack_orgs(team)
     if not orgs:
         await api.reached(await api.app.store.last_seq(), CONFIG_WAIT_S)
-        orgs = await api.read.slack_orgs(team)
+        orgs = await api.read.integrations.slack_orgs(team)
     return orgs  # only the deployment's admin makes organizations: a handful at most
 
 

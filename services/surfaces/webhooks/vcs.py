@@ -41,7 +41,7 @@ from events.codec import valid_id
 from events.errors import Conflict, DomainError
 from events.values import Cause
 from infra.eventstore import Append
-from services.app.commands import derived_id
+from services.app.ids import derived_id
 from services.processes.vcs import BadPayload, connections, matching, payloads, signing
 from services.processes.vcs.payloads import Change
 from services.surfaces.api.context import API, Api
@@ -169,7 +169,7 @@ async def _start(
         raise Problem("unavailable", "the read model is behind; deliver again shortly")
     tag = change.kind == payloads.TAG
     complete = change.kind == payloads.PUSH and not change.everything
-    bindings = await api.read.vcs_bindings(
+    bindings = await api.read.integrations.vcs_bindings(
         conn.org,
         conn.id,
         change.repo_keys,
