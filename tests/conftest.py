@@ -12,7 +12,9 @@ import tempfile
 import time
 import warnings
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -23,7 +25,9 @@ from infra.eventstore import EventStore
 from infra.natsclient import client_env
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.app.repositories import Sources
+from services.root.bootstrap import Plane
+from tests import bootstrap_support
+from tests.bootstrap_support import Process, built
 from tests.provider import fake_provider_mirror
 
 _OLD_BASETEMP_S = 6 * 3600
@@ -109,13 +113,36 @@ async def nc(nats_server: EmbeddedNats) -> AsyncIterator[NATS]:
 
 
 @pytest.fixture
-def store(nc: NATS) -> EventStore:
-    return EventStore(nc)
+async def system(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
+    """The graph a runplane process runs, built by the composition root
+    (tests/bootstrap_support.py): one event store (`store`), one `App` (`app`; it
+    admits without snapshots), one key ring, one secret store."""
+    async with AsyncExitStack() as stack:
+        yield built(nc, stack, tmp_path)
 
 
 @pytest.fixture
-def app(store: EventStore) -> App:
-    return App(store)
+async def process(nc: NATS, tmp_path: Path) -> AsyncIterator[Process]:
+    """`process(conn=None, **knobs)`: another process of the same deployment on `conn`
+    (default: `nc`), its own graph (event store, `App`; the deployment's key ring), as a
+    replica or a writer that dies. `knobs`: tests/bootstrap_support.py `built`'s
+    (`store=` shares one, `pinning=`)."""
+    async with AsyncExitStack() as stack:
+
+        def another(conn: NATS | None = None, **knobs: Any) -> Plane:
+            return built(conn or nc, stack, tmp_path, **knobs)
+
+        yield another
+
+
+@pytest.fixture
+def store(system: Plane) -> EventStore:
+    return system.store
+
+
+@pytest.fixture
+def app(system: Plane) -> App:
+    return system.app
 
 
 @pytest.fixture
@@ -135,17 +162,10 @@ def repo(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def executor(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Executor]:
-    """A running executor with quick heartbeats, short polls and a short stop grace."""
-    ex = Executor(
-        nc,
-        app,
-        work_dir=tmp_path / "exec",
-        executor_id="test-exec",
-        heartbeat_interval=0.2,
-        grace_period=5.0,
-        fetch_timeout=0.2,
-        repositories=Sources(),
-    )
-    async with ex:
+async def executor(system: Plane, tmp_path: Path) -> AsyncIterator[Executor]:
+    """A running executor of `system` with quick heartbeats, short polls and a short
+    stop grace."""
+    async with bootstrap_support.executor(
+        system, work_dir=tmp_path / "exec", executor_id="test-exec"
+    ) as ex:
         yield ex

@@ -13,17 +13,11 @@ from typing import Any
 import msgspec
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from nats.aio.client import Client as NATS
 
-from infra.crypto import KeyRing
-from projections.projector import Projector
-from services.app.commands import App
-from services.app.secrets import SecretStore
 from services.processes.notifications import signing
-from services.surfaces.api.app import build_app
+from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import ADMIN_TOKEN, Http
+from tests.test_api_support import Http, served
 
 
 @dataclass
@@ -100,16 +94,9 @@ class Receiver:
 
 @pytest.fixture(name="nhttp")
 async def nhttp_fixture(
-    nc: NATS, app: App, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    system: Plane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Http]:
     """The API with the sealed store, loopback destinations allowed (the receivers)."""
     monkeypatch.setenv("RUNPLANE_NOTIFY_ALLOW", "loopback")
-    secrets = SecretStore(nc, KeyRing.generate())
-    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
-        started = await app.create_org("notify-fixture", "test")
-        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
-        web_app = build_app(
-            app=app, projector=projector, admin_token=ADMIN_TOKEN, secret_store=secrets
-        )
-        async with TestClient(TestServer(web_app)) as client:
-            yield Http(client, web_app[API], app)
+    async with served(system, tmp_path / "rm.sqlite", "notify-fixture") as (web_app, client):
+        yield Http(client, web_app[API], system.app)

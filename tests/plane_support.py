@@ -1,6 +1,7 @@
 """The whole control plane in one test: api (with the sealed secret store), scheduler
 (pinning snapshots), secrets responder and executors, over a real nats-server and real
-Terraform, all sharing one key ring. Holds no tests itself."""
+Terraform, built by the composition root (tests/bootstrap_support.py) over one `App`,
+one key ring and one secret store. Holds no tests itself."""
 
 from __future__ import annotations
 
@@ -17,14 +18,12 @@ from nats.aio.client import Client as NATS
 from events.run import RunState
 from executor import Executor
 from infra.crypto import KeyRing
-from projections.projector import Projector
 from services.app.commands import App
-from services.app.repositories import Sources
-from services.app.secrets import SecretsResponder, SecretStore
-from services.app.snapshot import Snapshotter
-from services.processes.scheduler.scheduler import Scheduler
-from services.surfaces.api.app import build_app
+from services.app.secrets import SecretStore
+from services.root import bootstrap
 from services.surfaces.api.context import API
+from tests import bootstrap_support
+from tests.bootstrap_support import built, git_snapshots
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN, Http
 from tests.test_executor import git
@@ -41,23 +40,20 @@ class Plane:
     secrets: SecretStore
     root: Path
     stack: AsyncExitStack
+    system: bootstrap.Plane
     executors: dict[str, Executor] = field(default_factory=dict)
 
     async def executor(self, name: str, pool: str = "default") -> Executor:
-        ex = Executor(
-            self.nc,
-            self.app,
-            pool=pool,
-            work_dir=self.root / name,
-            executor_id=name,
-            heartbeat_interval=0.2,
-            grace_period=5.0,
-            fetch_timeout=0.2,
-            keyring=self.keyring,
-            repositories=Sources(),
+        ex = bootstrap_support.executor(
+            self.system, pool=pool, work_dir=self.root / name, executor_id=name
         )
         self.executors[name] = await self.stack.enter_async_context(ex)
         return ex
+
+    def replica(self, **knobs: Any) -> bootstrap.Plane:
+        """Another process of this deployment on the same connection (its own `App`;
+        `knobs`: tests/bootstrap_support.py `built`'s)."""
+        return built(self.nc, self.stack, self.root, **knobs)
 
     async def run(self, ws: str, run_id: str, org: str = "acme") -> RunState:
         return (await self.app.load_run(org, ws, run_id)).state  # type: ignore[no-any-return]
@@ -99,23 +95,20 @@ class Plane:
 
 
 @pytest.fixture(name="plane")
-async def plane_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Plane]:
-    keyring = KeyRing.generate()
-    secrets = SecretStore(nc, keyring)
+async def plane_fixture(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
     async with AsyncExitStack() as stack:
-        projector = await stack.enter_async_context(Projector(nc, tmp_path / "rm.sqlite"))
+        system = built(nc, stack, tmp_path, pinning=git_snapshots)
+        app = system.app
+        projector = await stack.enter_async_context(system.projector(tmp_path / "rm.sqlite"))
         started = await app.create_org("plane-fixture", "test")
         assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
-        web_app = build_app(
-            app=app, projector=projector, admin_token=ADMIN_TOKEN, secret_store=secrets
-        )
+        web_app = system.web_app(projector, admin_token=ADMIN_TOKEN, repositories=None)
         client = await stack.enter_async_context(TestClient(TestServer(web_app)))
-        pinning = App(app.store, snapshot=Snapshotter(secrets, timeout=10))
-        await stack.enter_async_context(Scheduler(nc, pinning))
-        await stack.enter_async_context(SecretsResponder(nc, app, secrets))
+        await stack.enter_async_context(system.scheduler())
+        await stack.enter_async_context(system.secrets_responder())
         http = Http(client, web_app[API], app)
         assert (await http.post("/api/v1/orgs", json={"name": "acme"})).status == 201
-        yield Plane(http, app, nc, keyring, secrets, tmp_path, stack)
+        yield Plane(http, app, nc, system.keyring, system.secrets, tmp_path, stack, system)
 
 
 def commit(repo: Path, files: dict[str, str], message: str = "change") -> str:

@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
-from nats.aio.client import Client as NATS
+from aiohttp.test_utils import TestServer
 
 from events import chat as chat_agg
 from events.run import (
@@ -30,18 +30,16 @@ from events.run import (
     Snapshot,
     StartStep,
 )
-from infra.crypto import KeyRing
-from projections.projector import Projector
 from services.app.commands import App
-from services.app.secrets import SecretStore
 from services.processes.chat import signing
 from services.processes.chat.config import ChatConfig
 from services.processes.chat.poster import Poster
 from services.processes.chat.updates import Updater
 from services.processes.chat.worker import Worker
-from services.surfaces.api.app import build_app
+from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import ADMIN_TOKEN, Answer, Http
+from tests.bootstrap_support import built, pinned_by
+from tests.test_api_support import Answer, Http, served
 
 STEPS = ("checkout", "init", "plan")
 
@@ -68,6 +66,7 @@ class Receiver:
 class Slack:
     http: Http
     app: App
+    scheduler: App  # the scheduler's: it pins each admitted run to `_snapshot`
     config: ChatConfig
     receiver: Receiver
     worker: Worker
@@ -162,9 +161,8 @@ class Slack:
     ) -> RunState:
         """Drive a run to awaiting_approval as the scheduler and an executor would, its
         snapshot holding the workspace's effective settings."""
-        pinning = App(self.app.store, snapshot=_snapshot)
-        assert await pinning.admit_next(org, "net") == run_id
-        assert await pinning.pin_run(org, "net", run_id)
+        assert await self.scheduler.admit_next(org, "net") == run_id
+        assert await self.scheduler.pin_run(org, "net", run_id)
         lease = "lease-1"
         claim = ClaimPhase(actor="executor", phase="plan", lease_id=lease, executor_id="e1")
         await self.app.run_command(org, "net", run_id, claim)
@@ -246,27 +244,24 @@ def click_body(action_id: str, value: str, *, team: str, user: str, url: str) ->
 
 
 @pytest.fixture(name="slack")
-async def slack_fixture(nc: NATS, app: App, tmp_path: Any) -> AsyncIterator[Slack]:
-    keyring = KeyRing.generate()
-    secrets = SecretStore(nc, keyring)
+async def slack_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Slack]:
+    app = system.app
     receiver = Receiver()
     hooks = web.Application()
     hooks.router.add_post("/hook/{name}", receiver.handle)
     async with AsyncExitStack() as stack:
         server = await stack.enter_async_context(TestServer(hooks))
         receiver.base = str(server.make_url("")).rstrip("/")
-        projector = await stack.enter_async_context(Projector(nc, tmp_path / "rm.sqlite"))
-        started = await app.create_org("slack-fixture", "test")
-        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
-        web_app = build_app(
-            app=app, projector=projector, admin_token=ADMIN_TOKEN, secret_store=secrets
-        )
-        client = await stack.enter_async_context(TestClient(TestServer(web_app)))
+        served_api = served(system, tmp_path / "rm.sqlite", "slack-fixture")
+        web_app, client = await stack.enter_async_context(served_api)
         poster = await stack.enter_async_context(Poster((receiver.base + "/hook/",)))
-        config = ChatConfig(nc, app, keyring)
+        config = ChatConfig(system.nc, app, system.keyring)
+        # the scheduler's graph over the same store (a process of the same deployment)
+        scheduler = built(system.nc, stack, tmp_path, store=app.store, pinning=pinned_by(_snapshot))
         yield Slack(
             http=Http(client, web_app[API], app),
             app=app,
+            scheduler=scheduler.app,
             config=config,
             receiver=receiver,
             worker=Worker(app, config, poster),

@@ -1,23 +1,25 @@
 """Fixtures and a small client for the API tests: the real graph, no mocks.
 
-A real nats-server (the `nc` fixture), the real `App`, the real `Projector` on a temporary
-SQLite file, `build_app`, and aiohttp's test server. Holds no tests itself.
+A real nats-server (the `nc` fixture), the API as the composition root builds it (the
+`system` fixture: its `App`, a `Projector` on a temporary SQLite file, its web app), and
+aiohttp's test server. Holds no tests itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
-from nats.aio.client import Client as NATS
 
 from projections.projector import Projector
 from services.app.commands import App
-from services.surfaces.api.app import build_app
+from services.root.bootstrap import Plane
 from services.surfaces.api.context import API, Api
 
 ADMIN_TOKEN = "test-admin-token"
@@ -114,15 +116,33 @@ class Http:
         return a.body  # type: ignore[no-any-return]  # JSON object
 
 
-@pytest.fixture(name="http")
-async def http_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Http]:
-    """The API over the real command side and a real projector."""
-    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
+def web_app_of(system: Plane, projector: Projector, **knobs: Any) -> web.Application:
+    """`system`'s API over `projector` with the admin token `ADMIN_TOKEN` and any
+    repository allowed; `knobs`: `Plane.web_app`'s (`secret_store=None`: an api without
+    the encryption key)."""
+    return system.web_app(projector, **{"admin_token": ADMIN_TOKEN, "repositories": None, **knobs})
+
+
+@contextlib.asynccontextmanager
+async def served(
+    system: Plane, db_path: Path, org: str, **knobs: Any
+) -> AsyncIterator[tuple[web.Application, TestClient[Any, Any]]]:
+    """`system`'s API (`web_app_of`) over a projector at `db_path`, on aiohttp's test
+    server. `org` is created and projected first."""
+    async with system.projector(db_path) as projector:
         # Let the projector finish starting before a test can end. On Python 3.11 a cancel
         # that lands while its startup awaits `asyncio.wait_for` can be swallowed, and its
         # exit then waits forever; once it has projected an event it is past that point.
-        started = await app.create_org("api-test-fixture", "test")
+        started = await system.app.create_org(org, "test")
         assert await projector.wait_for(started.seq)
-        web_app = build_app(app=app, projector=projector, admin_token=ADMIN_TOKEN)
+        web_app = web_app_of(system, projector, **knobs)
         async with TestClient(TestServer(web_app)) as client:
-            yield Http(client, web_app[API], app)
+            yield web_app, client
+
+
+@pytest.fixture(name="http")
+async def http_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Http]:
+    """The API over the real command side and a real projector (without the key)."""
+    db = tmp_path / "rm.sqlite"
+    async with served(system, db, "api-test-fixture", secret_store=None) as (web_app, client):
+        yield Http(client, web_app[API], system.app)

@@ -71,12 +71,10 @@ from executor.statestore import StateStore
 from infra.eventstore import LATEST
 from infra.ids import new_id
 from services.app.commands import App
-from services.app.secrets import SecretStore
-from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
 from services.surfaces.tfe.context import TFE
 from services.surfaces.tfe.state_push import push_command
-from tests.test_api_support import ADMIN_TOKEN
+from tests.test_api_support import web_app_of
 from tests.test_tfe_login import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
@@ -221,16 +219,11 @@ async def test_a_recorded_rollback_cut_short_is_promoted(tfe: Tfe) -> None:
 
 async def _second_replica(tfe: Tfe) -> Tfe:
     """Another api replica: its own web app (and push gate) on the same NATS and key."""
-    web_app = build_app(
-        app=tfe.app,
-        projector=tfe.api.projector,
-        admin_token=ADMIN_TOKEN,
-        secret_store=SecretStore(tfe.app.store.nc, tfe.keyring),
-    )
+    web_app = web_app_of(tfe.system, tfe.api.projector)
     client = TestClient(TestServer(web_app))
     await client.start_server()
     other = Tfe(client, web_app[API], tfe.app)
-    other.keyring = tfe.keyring
+    other.keyring, other.system = tfe.keyring, tfe.system
     return other
 
 

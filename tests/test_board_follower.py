@@ -4,16 +4,16 @@ as its leader has it (the clock message read back), purges included."""
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NATS
 
-from infra.eventstore import EventStore
 from infra.heartbeats import Board, BoardError, Follower, body, subject
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App
-from services.processes.scheduler.reaper import Reaper
+from tests.bootstrap_support import built
 from tests.helpers import eventually
 
 ENTRIES = 2000
@@ -30,7 +30,7 @@ def received(nc: NATS) -> int:
 
 
 async def test_a_reaper_round_receives_what_changed_not_the_whole_board(
-    nats_server: EmbeddedNats, nc: NATS
+    nats_server: EmbeddedNats, nc: NATS, tmp_path: Path
 ) -> None:
     """2,000 live phases: after the first round, a round with three new beats takes in a
     handful of messages (the clock, acks, the changed entries), not 2,000 (the old
@@ -38,18 +38,21 @@ async def test_a_reaper_round_receives_what_changed_not_the_whole_board(
     await fill(nc)
     conn = await nats_server.connect()
     try:
-        reaper = Reaper(conn, App(EventStore(conn)))
-        try:
-            await reaper.reap_once()  # the first round folds the board as it is
-            for i in range(3):
-                await nc.publish(subject(f"new{i}", "plan"), body(lease_id="x", timeout=3600))
-            await nc.flush()
-            before = received(conn)
-            await reaper.reap_once()
-            assert received(conn) - before < 50
-            assert {f"new{i}" for i in range(3)} <= {b.run_id for b in reaper.fold.entries.values()}
-        finally:
-            await reaper.fold.stop()
+        async with AsyncExitStack() as stack:  # the reaper's own process
+            reaper = built(conn, stack, tmp_path).reaper()
+            try:
+                await reaper.reap_once()  # the first round folds the board as it is
+                for i in range(3):
+                    await nc.publish(subject(f"new{i}", "plan"), body(lease_id="x", timeout=3600))
+                await nc.flush()
+                before = received(conn)
+                await reaper.reap_once()
+                assert received(conn) - before < 50
+                assert {f"new{i}" for i in range(3)} <= {
+                    b.run_id for b in reaper.fold.entries.values()
+                }
+            finally:
+                await reaper.fold.stop()
     finally:
         await conn.close()
 

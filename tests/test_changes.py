@@ -18,7 +18,8 @@ from events.run import Workspace
 from executor import Executor, TerraformConfig
 from projections import ReadModel, replay
 from services.app.commands import App
-from services.app.repositories import Sources
+from tests import bootstrap_support
+from tests.bootstrap_support import System
 from tests.helpers import eventually
 from tests.provider import REQUIRED_PROVIDERS
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
@@ -102,21 +103,14 @@ def h(nc: NATS, app: App) -> Harness:
 
 
 @pytest.fixture
-async def executor(
-    nc: NATS, app: App, tmp_path: Path, fake_mirror: Path
-) -> AsyncIterator[Executor]:
-    ex = Executor(
-        nc,
-        app,
+async def executor(system: System, tmp_path: Path, fake_mirror: Path) -> AsyncIterator[Executor]:
+    """conftest's, with the fake provider's mirror."""
+    async with bootstrap_support.executor(
+        system,
         work_dir=tmp_path / "exec",
         executor_id="test-exec",
         terraform=TerraformConfig(provider_mirrors=[fake_mirror]),
-        heartbeat_interval=0.2,
-        grace_period=5.0,
-        fetch_timeout=0.2,
-        repositories=Sources(),
-    )
-    async with ex:
+    ) as ex:
         yield ex
 
 

@@ -21,7 +21,7 @@ from infra import consumer as C
 from infra import streams
 from infra.consumer import Consumer, Received, Retry, Subscription
 from services.app.commands import App
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process
 from tests.helpers import eventually
 
 ORG = "acme"
@@ -313,7 +313,9 @@ async def test_with_state_the_aggregate_is_folded_through_the_event_not_later(
     ]
 
 
-async def test_a_subscriber_that_falls_behind_does_not_slow_admission(nc: NATS, app: App) -> None:
+async def test_a_subscriber_that_falls_behind_does_not_slow_admission(
+    nc: NATS, app: App, process: Process
+) -> None:
     """A subscriber whose handler never returns holds its own durable only: the scheduler
     still admits and dispatches every run."""
     blocked = asyncio.Event()
@@ -324,7 +326,7 @@ async def test_a_subscriber_that_falls_behind_does_not_slow_admission(nc: NATS, 
 
     await _setup(app, *(f"w{i}" for i in range(5)))
     sub = Subscription(name="t-behind", handle=handle, subjects=ALL, start="all")
-    async with Consumer(nc, sub, app=app), Scheduler(nc, App(app.store)):
+    async with Consumer(nc, sub, app=app), process(store=app.store).scheduler():
         await blocked.wait()
         runs = [
             (await app.create_run(ORG, f"w{i}", "apply", "alice")).state.run_id for i in range(5)

@@ -30,8 +30,7 @@ from executor.statestore import Head, StateStore
 from infra.crypto import load_keyring
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.processes.scheduler.reaper import Reaper
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import System
 from tests.helpers import eventually
 from tests.procs import Proc
 from tests.test_executor import commit
@@ -66,7 +65,7 @@ async def ready(proc: Proc) -> bool:
 
 
 async def test_a_restart_fails_the_dead_lives_lease_at_once_and_the_workspace_moves_on(
-    nats_server: EmbeddedNats, nc: NATS, app: App, repo: Path, tmp_path: Path
+    nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:
     marker = tmp_path / "applies"
     commit(repo, CRASH_TF)
@@ -74,8 +73,8 @@ async def test_a_restart_fails_the_dead_lives_lease_at_once_and_the_workspace_mo
         app, "net", repo, heartbeat_timeout=600, variables={"marker": str(marker)}
     )
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Scheduler(nc, app))
-        await stack.enter_async_context(Reaper(nc, app, interval=0.2))
+        await stack.enter_async_context(system.scheduler())
+        await stack.enter_async_context(system.reaper(interval=0.2))
         first = await executor(nats_server, tmp_path, "first.log").start()
         stack.callback(signal_tree, first, signal.SIGKILL)
         await eventually(lambda: ready(first), timeout=30, what="the executor")

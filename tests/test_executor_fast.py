@@ -28,6 +28,7 @@ from executor.process import StepLog
 from infra.streams import declare, dispatch_subject
 from services.app.commands import App
 from services.app.snapshot import Snapshotter
+from tests.bootstrap_support import Process
 from tests.helpers import eventually
 from tests.test_executor import git as sh
 
@@ -334,10 +335,10 @@ async def test_an_uploaded_log_reads_back_whole(nc: NATS, tmp_path: Path, size: 
 SHOW = '{ git rev-parse HEAD; ls -A; cat main.tf; } > "$TF_VAR_out.$RUNPLANE_RUN_ID"'
 
 
-async def _custom_run(app: App, js: JetStream, ws: str) -> str:
-    """A run of the `show` template, admitted with its snapshot (pinned), dispatched."""
+async def _custom_run(app: App, scheduler: App, js: JetStream, ws: str) -> str:
+    """A run of the `show` template, admitted with its snapshot (pinned) by `scheduler`
+    (the scheduler's App), dispatched."""
     run_id = str((await app.create_run("acme", ws, "apply", "alice", template="show")).state.run_id)
-    scheduler = App(app.store, snapshot=Snapshotter())
     assert await scheduler.admit_next("acme", ws) == run_id
     pin = getattr(scheduler, "pin_run", None)  # admission may leave the pinning to it
     if pin is not None:
@@ -348,10 +349,11 @@ async def _custom_run(app: App, js: JetStream, ws: str) -> str:
 
 
 async def test_custom_steps_run_in_a_clone_of_exactly_their_commit(
-    nc: NATS, app: App, repo: Path, executor: Executor, tmp_path: Path
+    nc: NATS, app: App, process: Process, repo: Path, executor: Executor, tmp_path: Path
 ) -> None:
     """Runs at two commits through the executor and its cache: each step's command sees
     its commit and only its commit's files; the phases' directories are removed."""
+    scheduler = process(store=app.store, pinning=Snapshotter).app  # it takes snapshots
     await app.create_org("acme", "alice")
     step = TemplateStep(number=100, kind="custom", name="show", command=SHOW)
     await app.org_command("acme", SaveTemplate(actor="alice", name="show", steps=[step]))
@@ -367,7 +369,7 @@ async def test_custom_steps_run_in_a_clone_of_exactly_their_commit(
     expected = [[".git", "main.tf", "old.tf", "v1"], [".git", "main.tf", "v2"]]
     for change, files_then in zip(changes, [*expected, expected[-1]], strict=True):
         sha = commit(repo, change) if change else sh(repo, "rev-parse", "HEAD")
-        run_id = await _custom_run(app, js, "net")
+        run_id = await _custom_run(app, scheduler, js, "net")
 
         async def ended(run_id: str = run_id) -> RunState:
             state: RunState = (await app.load_run("acme", "net", run_id)).state

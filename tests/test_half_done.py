@@ -22,7 +22,7 @@ from infra import streams
 from infra.eventstore import Append, EventStore, StoreError
 from services.app.commands import App
 from services.processes.scheduler import scheduler as sched
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process, pinned_by
 from tests.helpers import eventually
 
 ORG = "acme"
@@ -74,15 +74,15 @@ def fast_grace_fixture(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_a_run_whose_creator_died_before_enqueueing_it_is_enqueued_by_the_scheduler(
-    nc: NATS, fast_grace: None
+    process: Process, fast_grace: None
 ) -> None:
-    creator, scheduler_app = App(EventStore(nc)), App(EventStore(nc))
+    creator, scheduler = process().app, process()
     await _setup(creator, "net")
     _dies(creator, "enqueue_run", nats.errors.NoRespondersError())  # not a StoreError
     created = await creator.create_run(ORG, "net", "apply", "alice")  # answered: it landed
     run_id = created.state.run_id
     assert (await _ws(creator, "net")).queue == ()
-    async with Scheduler(nc, scheduler_app):
+    async with scheduler.scheduler():
         await eventually(_is(creator, "net", run_id, "queued"), timeout=10, what="queued")
     assert await _types(creator, f"rp.ws.{ORG}.net") == [
         "ws.created",
@@ -93,16 +93,16 @@ async def test_a_run_whose_creator_died_before_enqueueing_it_is_enqueued_by_the_
 
 
 async def test_the_scheduler_leaves_a_fresh_run_to_its_creator_for_the_grace_period(
-    nc: NATS, monkeypatch: pytest.MonkeyPatch
+    process: Process, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Its creator enqueues a run right after `run.created`: the scheduler, seeing a fresh
     `run.created` of a run on no queue, waits ENQUEUE_GRACE before it enqueues the run
     itself (no race with the creator), then does."""
     monkeypatch.setattr(sched, "ENQUEUE_GRACE", 2.0)
-    creator = App(EventStore(nc))
+    creator = process().app
     await _setup(creator, "net")
     _dies(creator, "enqueue_run")
-    async with Scheduler(nc, App(EventStore(nc))):
+    async with process().scheduler():
         run_id = (await creator.create_run(ORG, "net", "apply", "alice")).state.run_id
         await asyncio.sleep(0.8)  # the scheduler has seen run.created by now
         assert (await _ws(creator, "net")).queue == ()
@@ -112,31 +112,29 @@ async def test_the_scheduler_leaves_a_fresh_run_to_its_creator_for_the_grace_per
 
 
 async def test_an_admission_whose_scheduler_died_before_run_queued_is_finished(
-    nc: NATS, store: EventStore
+    app: App, store: EventStore, process: Process
 ) -> None:
-    app = App(store)
     await _setup(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     w = await app.load_ws(ORG, "net")
     admitted = W.RunAdmitted(at=app.clock(), actor="scheduler", run_id=run_id)
     await store.append([Append(subject=w.subject, event=admitted, expected=w.seq)])
     assert await _status(app, "net", run_id) == "pending"  # and the workspace held
-    async with Scheduler(nc, App(EventStore(nc))):
+    async with process().scheduler():
         await eventually(_is(app, "net", run_id, "queued"), timeout=10, what="queued")
     assert (await _types(app, f"rp.ws.{ORG}.net")).count("ws.run_admitted") == 1
 
 
 async def test_a_run_that_ended_without_releasing_its_workspace_is_released_and_the_next_goes(
-    nc: NATS, store: EventStore
+    app: App, store: EventStore, process: Process
 ) -> None:
     """The terminal event landed and its writer died before `ws.run_released`: the
     scheduler, seeing the terminal event, releases the workspace; the next run goes."""
-    app = App(store)
     await _setup(app, "net")
-    async with Scheduler(nc, App(EventStore(nc))):
+    async with process().scheduler():
         first = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
         await eventually(_is(app, "net", first, "queued"), timeout=10, what="first queued")
-        dying = App(store)
+        dying = process(store=store).app
         _dies(dying, "release", nats.errors.TimeoutError())  # not a StoreError
         await dying.run_command(ORG, "net", first, R.CancelRun(actor="alice"))  # it landed
 
@@ -153,13 +151,12 @@ async def test_a_run_that_ended_without_releasing_its_workspace_is_released_and_
 
 
 async def test_a_run_canceled_as_it_was_enqueued_is_dropped_from_the_head_of_the_queue(
-    nc: NATS, store: EventStore
+    app: App, store: EventStore, process: Process
 ) -> None:
     """The cancel found nothing to release; the late enqueue put a canceled run at the
     head: admission releases it and admits the run behind it."""
-    app = App(store)
     await _setup(app, "net")
-    late = App(store)
+    late = process(store=store).app
     _dies(late, "enqueue_run")
     canceled = (await late.create_run(ORG, "net", "apply", "alice")).state.run_id
     await app.run_command(ORG, "net", canceled, R.CancelRun(actor="alice"))
@@ -174,7 +171,7 @@ async def test_a_run_canceled_as_it_was_enqueued_is_dropped_from_the_head_of_the
 
 
 async def test_an_admitted_run_is_claimable_only_once_pinned_and_a_lost_pin_is_taken_again(
-    nc: NATS, store: EventStore
+    nc: NATS, store: EventStore, process: Process
 ) -> None:
     """Queued `pinning` (the admitting scheduler died before the snapshot): no executor
     may claim it; the next scheduler takes the snapshot, then dispatches."""
@@ -184,7 +181,7 @@ async def test_an_admitted_run_is_claimable_only_once_pinned_and_a_lost_pin_is_t
         taken.append(run.run_id)
         return R.Snapshot(commit="c" * 40)
 
-    app = App(store, snapshot=snapshot)
+    app = process(store=store, pinning=pinned_by(snapshot)).app
     await _setup(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await app.admit_next(ORG, "net") == run_id  # queued, pinning; no snapshot yet
@@ -199,7 +196,7 @@ async def test_an_admitted_run_is_claimable_only_once_pinned_and_a_lost_pin_is_t
     work = await js.pull_subscribe_bind(
         durable=streams.executor_consumer("default"), stream=streams.DISPATCH
     )
-    async with Scheduler(nc, App(EventStore(nc), snapshot=snapshot)):
+    async with process(pinning=pinned_by(snapshot)).scheduler():
         dispatched: list[str] = []
 
         async def sent() -> bool:
@@ -218,16 +215,15 @@ async def test_an_admitted_run_is_claimable_only_once_pinned_and_a_lost_pin_is_t
 
 
 async def test_a_run_ended_by_its_approval_is_released_even_if_its_approver_died(
-    nc: NATS, store: EventStore
+    nc: NATS, app: App, store: EventStore, process: Process
 ) -> None:
     """A template whose last step is the approval: `run.approved` ends the run, and the
     scheduler releases the workspace when its approver's App died before the release."""
-    app = App(store)
     await _setup(app, "net")
     steps = [TemplateStep(number=10, kind="plan"), TemplateStep(number=20, kind="approval")]
     await app.org_command(ORG, SaveTemplate(actor="admin", name="review", steps=steps))
     await app.set_workspace_settings(ORG, "net", {"require_approval": True}, "admin")
-    async with Scheduler(nc, App(EventStore(nc))):
+    async with process().scheduler():
         created = await app.create_run(ORG, "net", "apply", "alice", template="review")
         run_id = created.state.run_id
         await eventually(_is(app, "net", run_id, "queued"), timeout=10, what="queued")
@@ -245,7 +241,7 @@ async def test_a_run_ended_by_its_approval_is_released_even_if_its_approver_died
         await app.run_command(ORG, "net", run_id, plan)
         assert await _status(app, "net", run_id) == "awaiting_approval"
         await eventually(lambda: _scheduler_idle(nc), timeout=10, what="the scheduler idle")
-        approver = App(store)
+        approver = process(store=store).app
         _dies(approver, "release")
         ended = await approver.run_command(ORG, "net", run_id, R.ApproveRun(actor="bob"))
         assert ended.state.terminal
@@ -257,7 +253,7 @@ async def test_a_run_ended_by_its_approval_is_released_even_if_its_approver_died
 
 
 async def test_a_snapshot_that_fails_late_does_not_fail_a_run_another_scheduler_pinned(
-    store: EventStore,
+    store: EventStore, process: Process
 ) -> None:
     """Two schedulers took the same `run.queued`: one pinned the run; the other's snapshot
     then failed. The run stays pinned and queued, not failed `checkout_failed`."""
@@ -268,7 +264,8 @@ async def test_a_snapshot_that_fails_late_does_not_fail_a_run_another_scheduler_
     async def gone(run: R.RunState) -> R.Snapshot:
         raise SnapshotFailed("git ls-remote: the repository is gone")
 
-    fast, slow = App(store, snapshot=good), App(store, snapshot=gone)
+    fast = process(store=store, pinning=pinned_by(good)).app
+    slow = process(store=store, pinning=pinned_by(gone)).app
     await _setup(fast, "net")
     run_id = (await fast.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await fast.admit_next(ORG, "net") == run_id

@@ -26,6 +26,7 @@ from executor import isolation
 from executor.isolation import Isolation, adopt, kill_uid
 from executor.worker import Executor, default_jobs_dir
 from services.app.commands import App
+from services.root.bootstrap import Plane
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
 from tests.test_executor import Harness, commit, git
@@ -208,12 +209,13 @@ async def test_what_a_job_leaves_in_shared_temporary_directories_goes_with_its_u
 
 
 async def test_a_provisioner_reads_nothing_of_the_executor(
-    nc: NATS, app: App, repo: Path, executor: Executor, tmp_path: Path
+    nc: NATS, app: App, system: Plane, repo: Path, executor: Executor, tmp_path: Path
 ) -> None:
-    """A `local-exec` of an apply (Terraform's grandchild) tries the executor's key and
-    mirrors; what it could read it writes to a file the test reads."""
+    """A `local-exec` of an apply (Terraform's grandchild) tries the executor's key (the
+    process's, in its data directory) and mirrors; what it could read it writes to a file
+    the test reads."""
     out = tmp_path / "seen"
-    key = executor.work_dir / "encryption.key"
+    key = system.opts.data_dir / "encryption.key"
     cmd = (
         f"id -u > {out}; cat {key} >> {out} && echo READ-KEY >> {out}; "
         f"ls {executor.work_dir / 'git'} >> {out} && echo READ-MIRRORS >> {out}; true"

@@ -10,9 +10,7 @@ import pytest
 
 from events import run as R
 from infra.heartbeats import DEADLINE, Beat, Board
-from services.app.commands import App
 from services.processes.scheduler.limits import refresh
-from services.processes.scheduler.reaper import Reaper
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -45,8 +43,8 @@ async def workspace(
     a = await plane.http.call("PATCH", "/api/v1/orgs/acme/workspaces/net/settings", json=settings)
     assert a.status == 200, a.body
     for _ in range(reapers):
-        replica = App(plane.app.store)
-        await plane.stack.enter_async_context(Reaper(plane.nc, replica, interval=0.1))
+        replica = plane.replica(store=plane.app.store)
+        await plane.stack.enter_async_context(replica.reaper(interval=0.1))
 
 
 async def history(plane: Plane, run_id: str) -> list[tuple[str, str, str]]:
@@ -167,8 +165,8 @@ async def test_a_deadline_lives_on_the_board_so_a_reaper_started_later_enforces_
     assert beat.body.run_deadline is not None
     assert abs((beat.body.run_deadline - created.at).total_seconds() - 1) < 1
     assert (await plane.run("net", run_id)).status in ("pending", "queued")
-    fresh = App(plane.app.store)
-    await plane.stack.enter_async_context(Reaper(plane.nc, fresh, interval=0.1))
+    fresh = plane.replica(store=plane.app.store)
+    await plane.stack.enter_async_context(fresh.reaper(interval=0.1))
     run = await plane.reaches("net", run_id, "failed")
     assert run.reason == "run_timeout"
     await eventually(lambda: _gone(board, run_id), what="the marker purged")

@@ -14,7 +14,7 @@ from events import run as R
 from infra import streams
 from infra.ids import new_id
 from services.app.commands import App
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process
 from tests.helpers import eventually
 from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers `http`
 
@@ -22,9 +22,9 @@ WS = "/api/v1/orgs/acme/workspaces/net"
 
 
 @pytest.fixture
-async def tokens(http: Http, nc: NATS, app: App) -> AsyncIterator[dict[str, str]]:
+async def tokens(http: Http, app: App, process: Process) -> AsyncIterator[dict[str, str]]:
     """Org acme (a token per role) with workspace net, and a scheduler admitting runs."""
-    async with Scheduler(nc, App(app.store)):
+    async with process(store=app.store).scheduler():
         acme = await http.org("acme")
         await http.workspace("acme", "net")
         yield acme

@@ -36,6 +36,7 @@ from projections import Projector, replay
 from projections.readmodel import ReadModel
 from services.app.commands import App
 from services.app.execute import Result
+from tests.bootstrap_support import Process
 from tests.helpers import eventually
 
 ORG = "acme"
@@ -494,7 +495,7 @@ async def _try_create_run(app: App) -> Result | None:
 
 
 async def test_a_checkpoint_past_the_end_of_the_stream_rebuilds_the_model(
-    app: App, nc: NATS, store: EventStore, tmp_path: Path
+    app: App, nc: NATS, store: EventStore, tmp_path: Path, process: Process
 ) -> None:
     """The stream was recreated (fewer events than the checkpoint): rebuild, not ignore."""
     db = tmp_path / "read.db"
@@ -505,7 +506,7 @@ async def test_a_checkpoint_past_the_end_of_the_stream_rebuilds_the_model(
         conn = await other.connect()
         try:
             await streams.declare(conn, conn.jetstream())
-            await App(EventStore(conn)).create_org("newco", "admin")
+            await process(conn).app.create_org("newco", "admin")
             async with Projector(conn, db) as rebuilt:
                 assert await rebuilt.wait_for(1, timeout=10)
                 assert await rebuilt.read.orgs.get("newco") is not None

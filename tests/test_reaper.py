@@ -25,7 +25,7 @@ from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, silent_guard
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process, System
 from tests.helpers import eventually
 
 ORG = "acme"
@@ -143,11 +143,11 @@ async def test_silence_while_the_reaper_could_not_see_nats_does_not_count(
 
 
 async def test_beats_keep_a_run_alive_and_only_the_servers_clock_counts(
-    nc: NATS, store: EventStore, board: Board
+    nc: NATS, store: EventStore, board: Board, process: Process
 ) -> None:
     """Beats whose `at` lies (an executor's clock a day behind) and a reaper whose clock
     runs an hour ahead change nothing: ages are measured on the server's timestamps."""
-    skewed = App(store, clock=lambda: datetime.now(UTC) + timedelta(hours=1))
+    skewed = process(store=store, clock=lambda: datetime.now(UTC) + timedelta(hours=1)).app
     await workspace(skewed, "net", heartbeat=1)
     run_id = await queued_run(skewed, "net")
     lease = await claim(skewed, "net", run_id)
@@ -174,11 +174,11 @@ async def test_an_entry_without_a_timeout_is_judged_by_the_runs_configuration(
 
 
 async def test_an_executor_dead_between_claim_and_first_beat_is_reaped(
-    nc: NATS, app: App, board: Board, reaper: Reaper
+    app: App, system: System, board: Board, reaper: Reaper
 ) -> None:
     """The scheduler beats on a fresh lease's behalf when it sees `run.phase_started`."""
     await workspace(app, "net", heartbeat=1)
-    async with Scheduler(nc, app):
+    async with system.scheduler():
         run_id = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
         await reaches(app, "net", run_id, "queued")
         lease = await claim(app, "net", run_id)  # ...and the executor dies: it never beats
@@ -207,7 +207,7 @@ async def test_the_claimed_beat_never_overwrites_the_executors_own(app: App, boa
 
 
 async def test_two_reapers_racing_fail_each_run_exactly_once(
-    nats_server: EmbeddedNats, app: App, board: Board
+    nats_server: EmbeddedNats, app: App, board: Board, process: Process
 ) -> None:
     """Two replicas, each on its own connection, judge the same stale runs at once."""
     await workspace(app, "net", heartbeat=1)
@@ -220,7 +220,7 @@ async def test_two_reapers_racing_fail_each_run_exactly_once(
         runs.append((ws, run_id))
     conns = [await nats_server.connect() for _ in range(2)]
     try:
-        reapers = [Reaper(c, App(EventStore(c))) for c in conns]
+        reapers = [process(c).reaper() for c in conns]  # each its own process
         await asyncio.sleep(1.2)  # let every beat go stale (the timeout is the subject here)
         rounds = await asyncio.gather(*(r.reap_once() for r in reapers))
     finally:

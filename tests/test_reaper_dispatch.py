@@ -10,13 +10,13 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events import run as R
+from executor.terraform import TerraformConfig
 from infra.heartbeats import Beat, Board, Body, beat_interval, server_time
 from infra.streams import DISPATCH, executor_consumer
 from services.app.commands import App
-from services.app.repositories import Sources
 from services.processes.scheduler.reaper import Reaper, Verdict, judge
-from services.processes.scheduler.scheduler import Scheduler
 from services.processes.scheduler.watch import mark_dispatched
+from tests.bootstrap_support import System
 from tests.helpers import eventually
 from tests.test_core_run import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
 from tests.test_reaper import ORG, beat, claim, failures, queued_run, reaches, state, workspace
@@ -89,12 +89,14 @@ def test_executors_beat_at_least_three_times_per_heartbeat_timeout(
 # ---------------------------------------------------------------- dispatch timeout
 
 
-async def test_a_phase_nobody_claims_fails_after_the_dispatch_timeout(nc: NATS, app: App) -> None:
+async def test_a_phase_nobody_claims_fails_after_the_dispatch_timeout(
+    nc: NATS, app: App, system: System
+) -> None:
     """dispatch_timeout 1 s and no executor: failed, the workspace admits the next run;
     a workspace without a dispatch timeout keeps its run queued."""
     await workspace(app, "net", dispatch=1)
     await workspace(app, "patient", dispatch=0)
-    async with Scheduler(nc, app), Reaper(nc, app, interval=0.1):
+    async with system.scheduler(), Reaper(nc, app, interval=0.1):
         first = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
         second = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
         waiting = str((await app.create_run(ORG, "patient", "apply", "alice")).state.run_id)
@@ -147,25 +149,21 @@ async def test_a_claim_the_board_missed_gets_a_beat_from_the_reaper(nc: NATS, ap
 
 @pytest.mark.terraform
 async def test_a_dispatch_left_in_the_queue_after_the_timeout_is_never_run(
-    nc: NATS, app: App, tmp_path: Path
+    nc: NATS, app: App, system: System, tmp_path: Path
 ) -> None:
     """The work-queue message of a phase failed for its dispatch timeout reaches a real
     executor later: its claim is refused, the message is acked, nothing runs."""
-    from executor import Executor
-
     await workspace(app, "net", dispatch=1)
-    async with Scheduler(nc, app), Reaper(nc, app, interval=0.1):
+    async with system.scheduler(), Reaper(nc, app, interval=0.1):
         run_id = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
         failed = await reaches(app, "net", run_id, "failed")
     js = nc.jetstream()
     assert (await js.stream_info(DISPATCH)).state.messages == 1
-    ex = Executor(
-        nc,
-        app,
+    ex = system.executor(
         work_dir=tmp_path / "exec",
         executor_id="late",
         fetch_timeout=0.2,
-        repositories=Sources(),
+        terraform=TerraformConfig(),  # its own provider mirror, as the tests' executors
     )
     async with ex:
 

@@ -26,7 +26,7 @@ from infra.natsserver import EmbeddedNats
 from infra.streams import DISPATCH, dispatch_subject, executor_consumer
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import System
 from tests.helpers import eventually
 from tests.procs import Proc, descendants
 from tests.test_executor import MAIN_TF, commit
@@ -136,7 +136,7 @@ async def queue_drained(nc: NATS) -> bool:
 
 
 async def test_killed_mid_apply_the_run_fails_the_workspace_frees_and_no_one_reapplies(
-    nats_server: EmbeddedNats, nc: NATS, app: App, repo: Path, tmp_path: Path
+    nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:
     """kill -9 (the executor and its Terraform) mid-apply, heartbeat timeout 3 s: the run
     fails with executor_unavailable, the next run is admitted and planned by the other
@@ -145,7 +145,7 @@ async def test_killed_mid_apply_the_run_fails_the_workspace_frees_and_no_one_rea
     commit(repo, SLOW_APPLY_TF)
     await setup_workspace(app, "net", repo, heartbeat_timeout=3, variables={"marker": str(marker)})
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Scheduler(nc, app))
+        await stack.enter_async_context(system.scheduler())
         await stack.enter_async_context(Reaper(nc, app, interval=0.2))
         a = await stack.enter_async_context(executor_proc(nats_server, tmp_path, "exec-a"))
         first = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
@@ -174,7 +174,7 @@ async def test_killed_mid_apply_the_run_fails_the_workspace_frees_and_no_one_rea
 
 
 async def test_an_executor_paused_past_its_timeout_is_fenced_when_it_resumes(
-    nats_server: EmbeddedNats, nc: NATS, app: App, repo: Path, tmp_path: Path
+    nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:
     """SIGSTOP mid-apply for longer than the heartbeat timeout, then SIGCONT: the reaper
     failed the run meanwhile; the resumed executor's reports are refused, it interrupts
@@ -183,7 +183,7 @@ async def test_an_executor_paused_past_its_timeout_is_fenced_when_it_resumes(
     commit(repo, SLOW_APPLY_TF)
     await setup_workspace(app, "net", repo, heartbeat_timeout=3, variables={"marker": str(marker)})
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Scheduler(nc, app))
+        await stack.enter_async_context(system.scheduler())
         await stack.enter_async_context(Reaper(nc, app, interval=0.2))
         ex = await stack.enter_async_context(executor_proc(nats_server, tmp_path, "exec"))
         first = str((await app.create_run(ORG, "net", "apply", "alice")).state.run_id)
@@ -219,7 +219,7 @@ def failed_event(events: list[Any]) -> Any:
 
 
 async def test_sigterm_mid_plan_fails_the_step_cleanly_and_exits_0(
-    nats_server: EmbeddedNats, nc: NATS, app: App, repo: Path, tmp_path: Path
+    nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:
     """`runplane executor` gets SIGTERM while Terraform plans: it interrupts Terraform,
     reports the plan step and the run failed with `executor_stopped`, and exits 0."""
@@ -230,7 +230,7 @@ async def test_sigterm_mid_plan_fails_the_step_cleanly_and_exits_0(
     commit(repo, GATED_PLAN_TF)
     await setup_workspace(app, "net", repo, variables={"gate": str(gate)})
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(Scheduler(nc, app))
+        await stack.enter_async_context(system.scheduler())
         ex = await stack.enter_async_context(executor_proc(nats_server, tmp_path, "exec"))
         run_id = str((await app.create_run(ORG, "net", "plan", "alice")).state.run_id)
         await eventually(reading(ex, gate), timeout=60, what="Terraform planning, at the gate")
@@ -250,7 +250,7 @@ async def test_sigterm_mid_plan_fails_the_step_cleanly_and_exits_0(
 
 
 async def test_two_executors_racing_for_duplicated_dispatches_claim_each_phase_once(
-    nats_server: EmbeddedNats, nc: NATS, app: App, repo: Path, tmp_path: Path
+    nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:
     """Every phase is put in the work queue twice (as a redelivery or a second scheduler
     would) while two executor processes pull: each phase is claimed and run once."""

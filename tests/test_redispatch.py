@@ -25,8 +25,8 @@ from infra import streams
 from infra.heartbeats import DEADLINE, Beat, Board, subject
 from services.app.commands import App
 from services.processes.scheduler import watch
-from services.processes.scheduler.reaper import Reaper, Verdict, judge, queued
-from services.processes.scheduler.scheduler import Scheduler
+from services.processes.scheduler.reaper import Verdict, judge, queued
+from tests.bootstrap_support import System
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
 from tests.test_core_run import HISTORIES
@@ -98,7 +98,7 @@ async def test_a_lost_dispatch_is_dispatched_again_and_the_run_finishes(
     first = await marker(nc, run_id)
     assert (first.body.kind, first.body.timeout, first.body.pool) == ("dispatched", 0, "default")
 
-    await plane.stack.enter_async_context(Reaper(nc, plane.app, interval=0.1, redispatch_after=1))
+    await plane.stack.enter_async_context(plane.system.reaper(interval=0.1, redispatch_after=1))
     await plane.executor("e1")
     run = await plane.reaches("net", run_id, "planned")
     assert run.plan_summary is not None and run.plan_summary.add == 1
@@ -131,7 +131,7 @@ async def test_a_run_waiting_for_a_pool_without_executors_stays_queued_and_watch
     await short_duplicate_window(nc)
     await workspace(plane, repo)
     run_id = await plane.start("net")
-    await plane.stack.enter_async_context(Reaper(nc, plane.app, interval=0.1, redispatch_after=1))
+    await plane.stack.enter_async_context(plane.system.reaper(interval=0.1, redispatch_after=1))
     seen: list[Beat] = [await eventually(lambda: marker(nc, run_id), what="the marker")]
 
     async def checked_again() -> bool:
@@ -158,7 +158,7 @@ async def test_a_run_waiting_for_a_pool_without_executors_stays_queued_and_watch
 
 
 async def test_a_claim_whose_marker_stayed_is_adopted_not_dispatched_again(
-    nc: NATS, app: App
+    nc: NATS, app: App, system: System
 ) -> None:
     """The phase was claimed but nobody beat for it (the marker still says `dispatched`,
     no dispatch timeout, its message gone): the check sees the run planning and beats for
@@ -167,7 +167,7 @@ async def test_a_claim_whose_marker_stayed_is_adopted_not_dispatched_again(
     run_id = await queued_run(app, "net")
     await watch.mark_dispatched(nc, await rstate(app, "net", run_id), "plan", "default")
     lease = await claim(app, "net", run_id)
-    async with Reaper(nc, app, interval=0.1, redispatch_after=1):
+    async with system.reaper(interval=0.1, redispatch_after=1):
 
         async def adopted() -> Beat:
             beat = await Board(nc).last(run_id, "plan", leader=True)
@@ -182,14 +182,14 @@ async def test_a_claim_whose_marker_stayed_is_adopted_not_dispatched_again(
 
 
 async def test_a_queued_run_with_nothing_on_the_board_is_found_and_dispatched(
-    nc: NATS, app: App
+    nc: NATS, app: App, system: System
 ) -> None:
     """Whatever the gap: the phase's message and its marker are both gone (as if the
     scheduler had never dispatched it). The run's deadline marker, kept for every open
     run even without limits, shows the reaper an open run: it marks and dispatches."""
     await short_duplicate_window(nc)
     await rworkspace(app, "net")
-    async with Scheduler(nc, app):
+    async with system.scheduler():
         run_id = await queued_run_via_scheduler(app)
         await eventually(lambda: _dispatched(nc), what="the plan dispatched")
 
@@ -202,7 +202,7 @@ async def test_a_queued_run_with_nothing_on_the_board_is_found_and_dispatched(
     await take_the_message(nc)
     await Board(nc).purge(subject(run_id, "plan"))
     assert await Board(nc).last(run_id, "plan", leader=True) is None
-    async with Reaper(nc, app, interval=0.1, redispatch_after=1):
+    async with system.reaper(interval=0.1, redispatch_after=1):
 
         async def dispatched_again() -> bool:
             return await dispatch_state(nc) == (1, 2)

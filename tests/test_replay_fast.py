@@ -47,14 +47,15 @@ from events.workspace import (
     WorkspaceUnlocked,
 )
 from infra.eventstore import EventStore
-from projections import Projector, replay
 from projections import fill as fill_mod
+from projections import replay
 from projections.batch import apply_batch
 from projections.fill import Rows, Writer, create_indexes, fill, replay_runtime, statements
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
 from projections.schema import BY_NAME, EVENTS, TABLES, connect
 from projections.working import Working
+from tests.bootstrap_support import System
 from tests.test_projection_fold import T0, decide_all
 
 ORG = "acme"
@@ -217,9 +218,10 @@ async def _dump(path: Path) -> dict[str, list[tuple[object, ...]]]:
         return await read.dump()
 
 
-async def _live(nc: NATS, store: EventStore, path: Path) -> dict[str, list[tuple[object, ...]]]:
-    async with Projector(nc, path, batch_size=500) as live:
-        assert await live.wait_for(await store.last_seq(), timeout=10)
+async def _live(system: System, path: Path) -> dict[str, list[tuple[object, ...]]]:
+    """The read model the api's projector makes live, at `path`."""
+    async with system.projector(path, batch_size=500) as live:
+        assert await live.wait_for(await system.store.last_seq(), timeout=10)
         return await live.read.dump()
 
 
@@ -277,12 +279,12 @@ async def _fill_with(
 
 @pytest.mark.parametrize("batch_size", [1, 2, 7, 1000])
 async def test_replay_in_any_batch_size_equals_the_live_projection(
-    nc: NATS, store: EventStore, tmp_path: Path, batch_size: int
+    nc: NATS, store: EventStore, system: System, tmp_path: Path, batch_size: int
 ) -> None:
     """Later events update rows (runs, steps, changes, resource states, workspaces, the
     queue) that earlier batches created, in batches as small as one event."""
     published = await _publish(nc, store)
-    live = await _live(nc, store, tmp_path / "live.db")
+    live = await _live(system, tmp_path / "live.db")
     assert len(live["skipped"]) == 1
     assert all(live[t] for t in ("runs", "steps", "changes", "resource_states", "workspaces"))
     pushed = [r for r in live["state_versions"] if "bob" in r]

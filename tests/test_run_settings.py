@@ -14,7 +14,6 @@ import pytest
 
 from executor import terraform as tf
 from infra import streams
-from services.processes.scheduler.reaper import Reaper
 from services.root.cli import options, parser
 from tests.helpers import eventually, shared_file
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
@@ -102,7 +101,7 @@ async def test_a_run_of_a_pool_with_no_executor_fails_after_its_dispatch_timeout
     plane: Plane, repo: Path
 ) -> None:
     commit(repo, {"main.tf": TWO})
-    await plane.stack.enter_async_context(Reaper(plane.nc, plane.app, interval=0.1))
+    await plane.stack.enter_async_context(plane.system.reaper(interval=0.1))
     await _workspace(plane, repo)
     await _patch(plane, "/settings", {"executor_pool": "gpu", "dispatch_timeout": 1})
     await plane.executor("e-default")  # the wrong pool

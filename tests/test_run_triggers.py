@@ -21,6 +21,7 @@ from infra.ids import derived_id
 from services.app.commands import App
 from services.processes.triggers import graph
 from services.processes.triggers.subscriber import Triggers
+from tests.bootstrap_support import Process
 from tests.gwt import NOW, Aggregate, given
 from tests.test_api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 
@@ -147,13 +148,13 @@ async def _workspaces(app: App, org: str, *names: str) -> None:
 
 
 async def test_two_concurrent_additions_that_together_close_a_cycle_do_not_both_land(
-    nc: Any, app: App
+    nc: Any, app: App, process: Process
 ) -> None:
     """a follows b and b follows a, decided at once on the same (empty) graph: the
     second append finds the subject moved, is decided again on the graph with the first
     in it, and is refused naming the cycle. Without the expected sequence both land."""
     await _workspaces(app, "race", "a", "b")
-    gated = App(_Gate(nc, 2))
+    gated = process(store=_Gate(nc, 2)).app
     results = await asyncio.gather(
         graph.add(gated, "race", "a", "b", "u1"),
         graph.add(gated, "race", "b", "a", "u2"),

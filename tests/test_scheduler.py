@@ -23,6 +23,7 @@ from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process, pinned_by
 from tests.helpers import eventually
 
 
@@ -114,7 +115,7 @@ def check_history(envs: list[Envelope]) -> dict[str, list[str]]:
 
 
 async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
-    nats_server: EmbeddedNats, nc: NATS, app: App, store: EventStore
+    nats_server: EmbeddedNats, nc: NATS, app: App, store: EventStore, process: Process
 ) -> None:
     workspaces = [f"ws{i}" for i in range(5)]
     await _setup(app, workspaces)
@@ -122,7 +123,7 @@ async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
         for _ in range(2):  # two schedulers, each with its own connection, as two processes
             conn = await nats_server.connect()
             stack.push_async_callback(conn.close)
-            await stack.enter_async_context(Scheduler(conn, App(EventStore(conn))))
+            await stack.enter_async_context(Scheduler(conn, process(conn).app))
         fake = await stack.enter_async_context(FakeExecutor(nc, app))
         created = await asyncio.gather(
             *(app.create_run("acme", random.choice(workspaces), "plan", "alice") for _ in range(60))
@@ -163,7 +164,7 @@ async def test_a_busy_workspace_does_not_block_another(nc: NATS, app: App) -> No
 
 
 async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
-    nc: NATS, store: EventStore
+    nc: NATS, store: EventStore, process: Process
 ) -> None:
     """The snapshot (`git ls-remote`) of one workspace hangs: its run is queued at once
     but waits, unclaimable and undispatched, for its snapshot; the scheduler keeps
@@ -176,7 +177,7 @@ async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
             await release.wait()
         return R.Snapshot(commit="0" * 40)
 
-    app = App(store, snapshot=snapshot)
+    app = process(store=store, pinning=pinned_by(snapshot)).app  # the scheduler's
     await _setup(app, ["slow", "fast"])
     js = nc.jetstream()
     await streams.ensure_executor_consumer(js, "default")

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from events.settings import SPECS
-from services.processes.scheduler.reaper import Reaper
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -207,7 +206,7 @@ async def test_a_dispatch_timeout_inherited_from_the_org_fails_a_run_nobody_pick
     """The effective dispatch timeout (set on the organization, not in the workspace's
     configuration) is the one the scheduler and the reaper enforce."""
     commit(repo, {"main.tf": 'resource "null_resource" "x" {}\n'})
-    await plane.stack.enter_async_context(Reaper(plane.nc, plane.app, interval=0.1))
+    await plane.stack.enter_async_context(plane.system.reaper(interval=0.1))
     http = plane.http
     body = {"name": "net", "repository": str(repo)}
     assert (await http.post(ORG + "/workspaces", json=body)).status == 201

@@ -35,11 +35,9 @@ from yarl import URL
 from events.run import ApproveRun, CancelRun, ClaimPhase, FinishPlan, PlanSummary
 from executor.terraform import default_binary
 from infra.steplogs import log_subject
-from services.app.secrets import SecretStore
-from services.surfaces.api.app import build_app
 from services.surfaces.tfe import logs
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN
+from tests.test_api_support import web_app_of
 from tests.test_tfe_cli import CLOUD_HCL, _newer_terraform
 from tests.test_tfe_runs_api import new_run, uploaded
 from tests.test_tfe_runs_cli import BACKEND, Cli, cli_fixture, ok, resources
@@ -214,12 +212,7 @@ async def test_another_organizations_token_cancels_no_cli_run(tfe: Tfe) -> None:
 async def served_as_runplane_serves(tfe: Tfe) -> AsyncIterator[str]:
     """tfe's API on a second app run as services/root/runtime.py runs it: aiohttp's test
     server cancels a handler whose client went away, runplane's runner does not."""
-    web_app = build_app(
-        app=tfe.app,
-        projector=tfe.api.projector,
-        admin_token=ADMIN_TOKEN,
-        secret_store=SecretStore(tfe.app.store.nc, tfe.keyring),
-    )
+    web_app = web_app_of(tfe.system, tfe.api.projector)
     runner = web.AppRunner(web_app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -13,13 +13,11 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.app.secrets import SecretStore
 from services.root import cli
-from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
 from services.surfaces.ui.tokens import TOKENS
 from tests.procs import ROOT
-from tests.test_api_support import ADMIN_TOKEN
+from tests.test_api_support import ADMIN_TOKEN, web_app_of
 from tests.test_tfe_login import _signin
 from tests.tfe_support import Tfe, tfe_fixture
 
@@ -163,13 +161,7 @@ async def test_discovery_leaves_login_v1_out_when_told(tfe: Tfe) -> None:
     default = await tfe.tfe("GET", "/.well-known/terraform.json", token=None)
     assert default.body["login.v1"]["grant_types"] == ["authz_code"]
     api = tfe.client.app[API]
-    web_app = build_app(
-        app=tfe.app,
-        projector=api.projector,
-        admin_token=ADMIN_TOKEN,
-        secret_store=SecretStore(tfe.app.store.nc, tfe.keyring),
-        browser_login=False,
-    )
+    web_app = web_app_of(tfe.system, api.projector, browser_login=False)
     async with (
         TestClient(TestServer(web_app)) as client,
         client.get("/.well-known/terraform.json") as r,

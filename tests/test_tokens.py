@@ -6,6 +6,8 @@ attacks: another organization's admin, a lesser role, the bootstrap admin token.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -14,19 +16,17 @@ import aiosqlite
 import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from nats.aio.client import Client as NATS
 
 from events import org
 from events.codec import org_subject
 from events.errors import Invalid, NotFound
 from events.org import RevokeToken, TokenIssued, TokenRevoked, TokenUsed, uses_subject
-from infra.eventstore import EventStore
 from infra.natsserver import EmbeddedNats
 from projections import replay
-from projections.projector import Projector
 from projections.readmodel import ReadModel
-from services.app.commands import App
-from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
+from tests.bootstrap_support import System, built
 from tests.gwt import NOW, Aggregate, given
 from tests.helpers import eventually
 from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
@@ -65,9 +65,11 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def app(store: EventStore, clock: Clock) -> App:
-    """The command side on the test's clock (overrides conftest's `app`)."""
-    return App(store, clock=clock)
+async def system(nc: NATS, tmp_path: Path, clock: Clock) -> AsyncIterator[System]:
+    """The graph on the test's clock (overrides conftest's `system`: `app` and `http`
+    are built over it)."""
+    async with AsyncExitStack() as stack:
+        yield built(nc, stack, tmp_path, clock=clock)
 
 
 async def _issue(http: Http, org_name: str = "acme", **body: Any) -> dict[str, Any]:
@@ -207,8 +209,13 @@ async def test_a_replica_whose_read_model_is_behind_the_revocation_does_not_acce
     leaked = await _issue(http)
     nc_b = await nats_server.connect()
     try:
-        async with Projector(nc_b, tmp_path / "rm-b.sqlite") as projector_b:
-            web_b = build_app(app=App(EventStore(nc_b)), projector=projector_b, admin_token="b")
+        async with AsyncExitStack() as stack:  # replica B: a process of its own
+            replica = built(nc_b, stack, tmp_path)
+            db_b = tmp_path / "rm-b.sqlite"
+            projector_b = await stack.enter_async_context(replica.projector(db_b))
+            web_b = replica.web_app(
+                projector_b, admin_token="b", secret_store=None, repositories=None
+            )
             web_b[API].token_wait = 0.3
             async with TestClient(TestServer(web_b)) as client_b:
                 b = Http(client_b, web_b[API], web_b[API].app)

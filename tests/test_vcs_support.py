@@ -10,17 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
-from nats.aio.client import Client as NATS
 
-from infra.crypto import KeyRing
-from projections.projector import Projector
 from services.app.commands import App
-from services.app.secrets import SecretStore
 from services.processes.vcs import signing
-from services.surfaces.api.app import build_app
+from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import ADMIN_TOKEN, Answer, Http
+from tests.test_api_support import Answer, Http, served
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vcs"
 V1 = "/api/v1/orgs"
@@ -32,17 +27,10 @@ def fixture(name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(name="vhttp")
-async def vhttp_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Http]:
+async def vhttp_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Http]:
     """The API with the sealed store (connections' secrets)."""
-    secrets = SecretStore(nc, KeyRing.generate())
-    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
-        started = await app.create_org("vcs-fixture", "test")
-        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
-        web_app = build_app(
-            app=app, projector=projector, admin_token=ADMIN_TOKEN, secret_store=secrets
-        )
-        async with TestClient(TestServer(web_app)) as client:
-            yield Http(client, web_app[API], app)
+    async with served(system, tmp_path / "rm.sqlite", "vcs-fixture") as (web_app, client):
+        yield Http(client, web_app[API], system.app)
 
 
 async def connection(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +36,18 @@ from events.workspace import (
     WorkspacePurged,
 )
 from infra import streams
-from infra.crypto import KeyRing
 from infra.eventstore import LATEST, Append, EventStore
 from infra.kv import SECRETS_BUCKET, STATE_HEAD_BUCKET
 from projections import replay
-from projections.projector import Projector
 from projections.readmodel import ReadModel
 from services.app import repositories
 from services.app.commands import App
 from services.app.execute import Result
-from services.app.secrets import SecretStore
 from services.processes.notifications import outbox
 from services.processes.schedules import store as schedule_store
 from services.processes.triggers import graph
-from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
+from tests.bootstrap_support import Process, System, built
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
 from tests.helpers import kv_keys
@@ -138,24 +136,19 @@ def test_a_deleted_workspace_takes_no_command_but_a_purge() -> None:
 
 
 @pytest.fixture(name="http")
-async def http_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Http]:
+async def http_fixture(system: System, tmp_path: Path) -> AsyncIterator[Http]:
     """The API with the deployment's checks: repositories only from git.example.com or
     /srv/repos, never inside its data directory; secret variables sealed."""
+    app = system.app
     data = tmp_path / "data"
     data.mkdir()
     sources = repositories.Sources.parse("https://git.example.com,/srv").guarding(
         data, "runplane-directory"
     )
-    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
+    async with system.projector(tmp_path / "rm.sqlite") as projector:
         started = await app.create_org("api-test-fixture", "test")
         assert await projector.wait_for(started.seq)
-        web_app = build_app(
-            app=app,
-            projector=projector,
-            admin_token=ADMIN_TOKEN,
-            repositories=sources,
-            secret_store=SecretStore(nc, KeyRing.generate()),
-        )
+        web_app = system.web_app(projector, admin_token=ADMIN_TOKEN, repositories=sources)
         web_app[DATA] = str(data)
         async with TestClient(TestServer(web_app)) as client:
             yield Http(client, web_app[API], app)
@@ -363,11 +356,13 @@ async def test_another_orgs_admin_cannot_patch_delete_or_purge(http: Http) -> No
 # ---------------------------------------------------------------- the race
 
 
-async def test_a_delete_between_a_runs_two_appends_refuses_the_run(nc: NATS) -> None:
+async def test_a_delete_between_a_runs_two_appends_refuses_the_run(
+    nc: NATS, process: Process
+) -> None:
     """`run.created` landed, then the delete (another replica), then the enqueue: the
     enqueue is refused on the workspace subject, the run canceled (workspace_deleted),
     the caller told 409; the scheduler's repair does the same for a creator that died."""
-    other = App(EventStore(nc))
+    other = process().app
 
     class Interleaved(App):
         async def enqueue_run(self, org: str, ws: str, run_id: str, actor: str, **kw: Any) -> bool:
@@ -386,7 +381,7 @@ async def test_a_delete_between_a_runs_two_appends_refuses_the_run(nc: NATS) -> 
 
     # a creator that died after run.created: the scheduler's repair cancels it
     await app.create_workspace("acme", "dns", CONFIG, "a")
-    created = App(EventStore(nc))
+    created = process().app
     cmd = run_agg.CreateRun(
         actor="alice", run_id="r-dead", org="acme", workspace="dns", run_type="plan", config=CONFIG
     )
@@ -431,13 +426,14 @@ class Stepping(EventStore):
 
 
 async def test_a_delete_racing_run_creations_never_leaves_a_run_on_a_deleted_workspace(
-    nc: NATS,
+    nc: NATS, process: Process
 ) -> None:
     """Over 40 workspaces, a create and a delete through two Apps, the delete let go as
     the create starts, after its read of the workspace, after `run.created` and after
     `ws.run_enqueued`: each time exactly one of them wins (the other is refused: 409),
     and every run recorded on a deleted workspace is canceled, never admitted."""
-    await _race(Stepping(nc), EventStore(nc))
+    stepping = Stepping(nc)
+    await _race(stepping, process(store=stepping).app, process().app)
 
 
 async def test_on_a_cluster_a_delete_and_a_create_through_two_nodes_never_both_win(
@@ -454,14 +450,17 @@ async def test_on_a_cluster_a_delete_and_a_create_through_two_nodes_never_both_w
         one = await nats.connect(servers=[cluster.nodes[0].url], **options)
         other = await nats.connect(servers=[cluster.nodes[2].url], **options)
         try:
-            await _race(Stepping(one), EventStore(other))
+            async with AsyncExitStack() as stack:  # an App on each node, as two replicas
+                stepping = Stepping(one)
+                create = built(one, stack, tmp_path, store=stepping).app
+                await _race(stepping, create, built(other, stack, tmp_path).app)
         finally:
             await one.close()
             await other.close()
 
 
-async def _race(stepping: Stepping, deleting: EventStore) -> None:
-    a, b = App(stepping), App(deleting)
+async def _race(stepping: Stepping, a: App, b: App) -> None:
+    """`a` creates runs over `stepping` (its store), `b` deletes the workspaces."""
     await a.create_org("acme", "a")
     names = [f"ws-{i}" for i in range(40)]
     for n in names:

@@ -16,6 +16,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
 from infra.crypto import KeyRing
-from infra.eventstore import EventStore
 from projections.projector import Projector
-from services.app.commands import App
-from services.app.secrets import SecretStore
-from services.surfaces.api.app import build_app
+from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import ADMIN_TOKEN, Answer, Http
+from tests.bootstrap_support import built
+from tests.test_api_support import ADMIN_TOKEN, Answer, Http, served
 
 JSONAPI = "application/vnd.api+json"
 
@@ -39,6 +38,7 @@ class Tfe(Http):
     """`Http` with go-tfe's headers and a few TFE shortcuts."""
 
     keyring: KeyRing
+    system: Plane  # the api process's graph (its App, key ring, secret store)
 
     async def tfe(self, method: str, path: str, **kw: Any) -> Answer:
         headers = {"Accept": JSONAPI, **kw.pop("headers", {})}
@@ -102,38 +102,32 @@ def a_state(
 
 
 @contextlib.asynccontextmanager
-async def web_replica(
-    app: App, projector: Projector, nc: NATS, keyring: KeyRing
-) -> AsyncIterator[Tfe]:
-    """An api replica's web app over `app` and `projector`, with the deployment's key ring."""
-    web_app = build_app(
-        app=app,
-        projector=projector,
-        admin_token=ADMIN_TOKEN,
-        secret_store=SecretStore(nc, keyring),
-    )
+async def web_replica(system: Plane, projector: Projector) -> AsyncIterator[Tfe]:
+    """An api replica's web app over `system` (its `App`, key ring and secret store) and
+    `projector`."""
+    web_app = system.web_app(projector, admin_token=ADMIN_TOKEN, repositories=None)
     async with TestClient(TestServer(web_app)) as client:
-        t = Tfe(client, web_app[API], app)
-        t.keyring = keyring
+        t = Tfe(client, web_app[API], system.app)
+        t.keyring, t.system = system.keyring, system
         yield t
 
 
 @contextlib.asynccontextmanager
 async def replica(nc: NATS, keyring: KeyRing, path: Path) -> AsyncIterator[Tfe]:
-    """An api replica: its own App, projector and read model (at `path`) on `nc`, the
-    deployment's one key ring."""
-    app = App(EventStore(nc))
-    async with Projector(nc, path) as projector, web_replica(app, projector, nc, keyring) as t:
-        yield t
+    """An api replica: its own graph (App, projector and read model at `path`) on `nc`,
+    the deployment's one key ring."""
+    async with AsyncExitStack() as stack:
+        system = built(nc, stack, path.parent, keyring=keyring)
+        async with system.projector(path) as projector, web_replica(system, projector) as t:
+            yield t
 
 
 @pytest.fixture(name="tfe")
-async def tfe_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Tfe]:
-    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
-        started = await app.create_org("tfe-test-fixture", "test")
-        assert await projector.wait_for(started.seq)
-        async with web_replica(app, projector, nc, KeyRing.generate()) as t:
-            yield t
+async def tfe_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Tfe]:
+    async with served(system, tmp_path / "rm.sqlite", "tfe-test-fixture") as (web_app, client):
+        t = Tfe(client, web_app[API], system.app)
+        t.keyring, t.system = system.keyring, system
+        yield t
 
 
 def b64(data: bytes) -> str:

@@ -4,37 +4,22 @@ from __future__ import annotations
 
 import os
 import shutil
-import ssl
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
 import structlog
-from nats.aio.client import Client as NATS
 
-from executor.isolation import Isolation, IsolationError
-from executor.worker import Executor, TerraformSettings, default_executor_id
 from infra import options, tracing
-from infra.options import ConfigError, Options, admin_token, prepare_data_dir
-from projections.projector import Projector
+from infra.options import ConfigError, Options, admin_token
 from projections.replay import replay as do_replay
-from services.app.repositories import deployment_sources
-from services.processes.runwatch import RunWatch
-from services.processes.scheduler.reaper import Reaper
-from services.processes.scheduler.scheduler import Scheduler
-from services.processes.schedules.loop import ScheduleLoop
-from services.processes.subscribers.context import SubscriberContext
-from services.processes.subscribers.host import Host
-from services.root import trust
+from services.root import bootstrap
+from services.root.bootstrap import Plane
 from services.root.demo import DEMO_ORG, DEMO_WS, ensure_demo
-from services.root.runtime import http_site, make_app, nats_for, wait_for_signal
-from services.surfaces.api.app import build_app
-from services.surfaces.tfe import tls
+from services.root.runtime import nats_for, wait_for_signal
 
 log = structlog.get_logger(__name__)
-
-METRICS_TOKEN_ENV = "RUNPLANE_METRICS_TOKEN"
 
 
 def _traced(stack: AsyncExitStack, service: str) -> None:
@@ -43,42 +28,12 @@ def _traced(stack: AsyncExitStack, service: str) -> None:
     stack.callback(tracing.shutdown)
 
 
-def _readmodel_path(opts: Options) -> Path:
-    prepare_data_dir(opts.data_dir)  # 0700: the read model holds every organization's data
-    return opts.data_dir / "readmodel.sqlite"
-
-
-async def _start_api(
-    opts: Options, stack: AsyncExitStack, nc: NATS, ready: Callable[[], bool]
-) -> str:
-    app = make_app(nc)
-    projector = await stack.enter_async_context(Projector(nc, _readmodel_path(opts)))
-    web_app = build_app(
-        app=app,
-        projector=projector,
-        admin_token=admin_token(opts),
-        ready=ready,
-        secret_store=trust.secret_store(nc, opts),
-        repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
-        # the scraper's credential for /metrics alone (environment only: never argv)
-        metrics_token=os.environ.get(METRICS_TOKEN_ENV, ""),
-        behind_tls_proxy=opts.behind_tls_proxy,
-        browser_login=opts.terraform_login != "token",
-    )
-    return await stack.enter_async_context(http_site(web_app, opts.listen, _tls(opts)))
-
-
-def _tls(opts: Options) -> ssl.SSLContext | None:
-    """The API's TLS (services/surfaces/tfe/tls.py): the given pair, or with `--tls` alone a local
-    CA's certificate made in the data directory; None: plain HTTP."""
-    try:
-        if opts.tls_cert or opts.tls_key:
-            return tls.given(opts.tls_cert, opts.tls_key).context()
-        if opts.tls:
-            return tls.local(opts.data_dir, opts.tls_names).context()
-    except tls.TlsError as e:
-        raise ConfigError(str(e)) from e
-    return None
+async def _plane(opts: Options, stack: AsyncExitStack, *, create_key: bool = False) -> Plane:
+    """The key first (none: a config error now, before connecting; `create_key`: made
+    once in the data directory, `runplane up`), then NATS, then the process's graph."""
+    keyring = options.keyring(opts, create=create_key)
+    nc = await stack.enter_async_context(nats_for(opts, stack))
+    return bootstrap.build(opts, nc, stack, keyring=keyring)
 
 
 def local_ca(opts: Options) -> Path | None:
@@ -88,59 +43,32 @@ def local_ca(opts: Options) -> Path | None:
     return None
 
 
-async def _start_executor(
-    opts: Options, stack: AsyncExitStack, nc: NATS, *, fallback_to_none: bool = False
+async def _run(
+    opts: Options,
+    stack: AsyncExitStack,
+    service: str,
+    start: Callable[[Plane], Awaitable[str]],
+    *,
+    create_key: bool = False,
 ) -> None:
-    """`fallback_to_none`: `runplane up` of an ordinary user runs jobs unisolated (with a
-    warning at every start) where there is no isolation to be had; `executor` refuses."""
-    try:
-        isolation = Isolation.choose(opts.isolation, fallback_to_none=fallback_to_none)
-    except IsolationError as e:
-        raise ConfigError(str(e)) from e
-    log.info("job_isolation", mode=isolation.mode)
-
-    ex = Executor(
-        nc,
-        make_app(nc),
-        pool=opts.pool,
-        work_dir=opts.data_dir / "work",
-        terraform=TerraformSettings(
-            binary=opts.terraform_binary or None,
-            provider_mirrors=opts.provider_mirrors,
-            mirror_root=opts.data_dir / "providers",
-        ),
-        executor_id=opts.executor_id or default_executor_id(),
-        keyring=options.keyring(opts),
-        repositories=deployment_sources(opts.allowed_repos, opts.data_dir),
-        isolation=isolation.hiding(opts.data_dir),
-    )
-    await stack.enter_async_context(ex)
+    """Every process's one path: traced as `service`, its graph built (bootstrap.py),
+    `start`ed (which says what runs, printed), until SIGINT or SIGTERM."""
+    _traced(stack, service)
+    plane = await _plane(opts, stack, create_key=create_key)
+    print(await start(plane), flush=True)
+    await wait_for_signal()
 
 
-async def _start_subscribers(opts: Options, stack: AsyncExitStack, nc: NATS) -> list[str]:
-    """Every registered subscription (services/processes/subscribers/); their names."""
-    ctx = SubscriberContext(
-        nc=nc, app=make_app(nc), opts=opts, readmodel_path=_readmodel_path(opts)
-    )
-    host = await stack.enter_async_context(Host(ctx))
-    return host.names
-
-
-async def start_all(opts: Options, stack: AsyncExitStack) -> str:
+async def start_all(plane: Plane) -> str:
     """Start every component on one machine; return the API's base URL once all are ready."""
-    options.keyring(opts, create=True)  # made once in the data directory; all below share it
-    nc = await stack.enter_async_context(nats_for(opts, stack))
     components_ready = {"v": False}
-    base = await _start_api(opts, stack, nc, lambda: components_ready["v"])
-    await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
-    await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
-    await stack.enter_async_context(Reaper(nc, make_app(nc)))
-    await stack.enter_async_context(ScheduleLoop(make_app(nc)))
-    await _start_executor(opts, stack, nc, fallback_to_none=opts.isolation == "auto")
-    await _start_subscribers(opts, stack, nc)
-    await stack.enter_async_context(RunWatch(nc))  # a line per run transition
-    if opts.demo:
-        await ensure_demo(make_app(nc), opts.data_dir)
+    base = await plane.start_api(lambda: components_ready["v"])
+    await plane.start_scheduler()
+    await plane.start_executor(fallback_to_none=plane.opts.isolation == "auto")
+    await plane.start_subscribers()
+    await plane.start_runwatch()
+    if plane.opts.demo:
+        await ensure_demo(plane.app, plane.opts.data_dir)
     components_ready["v"] = True
     return base
 
@@ -148,22 +76,25 @@ async def start_all(opts: Options, stack: AsyncExitStack) -> str:
 async def up(opts: Options, stack: AsyncExitStack) -> None:
     """Everything on one machine: embedded NATS, api+projector, scheduler, one executor,
     the subscribers."""
-    _traced(stack, "runplane")
     # One machine: its own receivers (a local chat bridge, a test hook) may be notified.
     os.environ.setdefault("RUNPLANE_NOTIFY_ALLOW", "loopback")
-    base = await start_all(opts, stack)
-    _banner(base, admin_token(opts), DEMO_ORG, DEMO_WS if opts.demo else "")
-    ca = local_ca(opts)
-    if ca is not None:  # loudly: without it no client trusts this server
-        print(f"TLS: trust this runplane's local CA: {ca}", flush=True)
-        print(f"  Terraform: export SSL_CERT_FILE={ca}", flush=True)
-        print(f"  curl: --cacert {ca}", flush=True)
-    await wait_for_signal()
+    await _run(opts, stack, "runplane", _up, create_key=True)
     log.info("shutting_down")
 
 
-def _banner(base: str, token: str, org: str, ws: str) -> None:
-    print("\n".join(banner(base, token, org, ws, runplane=runplane_command())), flush=True)
+async def _up(plane: Plane) -> str:
+    opts = plane.opts
+    base = await start_all(plane)
+    ws = DEMO_WS if opts.demo else ""
+    lines = banner(base, admin_token(opts), DEMO_ORG, ws, runplane=runplane_command())
+    ca = local_ca(opts)
+    if ca is not None:  # loudly: without it no client trusts this server
+        lines += [
+            f"TLS: trust this runplane's local CA: {ca}",
+            f"  Terraform: export SSL_CERT_FILE={ca}",
+            f"  curl: --cacert {ca}",
+        ]
+    return "\n".join(lines)
 
 
 DEFAULT_URL = "http://127.0.0.1:8080"  # `runplane logs`'s default --url
@@ -224,56 +155,54 @@ def runplane_command() -> str:
     return "runplane"
 
 
-async def api(opts: Options, stack: AsyncExitStack) -> None:
+async def _serve(
+    opts: Options, stack: AsyncExitStack, process: str, start: Callable[[Plane], Awaitable[str]]
+) -> None:
+    """One process of a deployment, against the given NATS servers (`_run`)."""
     if not opts.nats_url:
-        raise ConfigError("runplane api needs --nats-url (or RUNPLANE_NATS_URL)")
-    _traced(stack, "runplane-api")
-    options.keyring(opts)  # no key: a config error now, before connecting
-    nc = await stack.enter_async_context(nats_for(opts, stack))
-    base = await _start_api(opts, stack, nc, lambda: True)
-    print(f"runplane api listening at {base}", flush=True)
-    await wait_for_signal()
+        raise ConfigError(f"runplane {process} needs --nats-url (or RUNPLANE_NATS_URL)")
+    await _run(opts, stack, f"runplane-{process}", start)
+
+
+async def _api(plane: Plane) -> str:
+    return f"runplane api listening at {await plane.start_api()}"
+
+
+async def _scheduler(plane: Plane) -> str:
+    await plane.start_scheduler()  # with the secrets responder, the reaper, cron schedules
+    return "runplane scheduler running"
+
+
+async def _subscribers(plane: Plane) -> str:
+    names = (await plane.start_subscribers()).names
+    return f"runplane subscribers running ({', '.join(names) or 'none registered'})"
+
+
+async def _executor(plane: Plane) -> str:
+    await plane.start_executor()
+    return f"runplane executor running (pool {plane.opts.pool})"
+
+
+async def api(opts: Options, stack: AsyncExitStack) -> None:
+    await _serve(opts, stack, "api", _api)
 
 
 async def scheduler(opts: Options, stack: AsyncExitStack) -> None:
-    if not opts.nats_url:
-        raise ConfigError("runplane scheduler needs --nats-url (or RUNPLANE_NATS_URL)")
-    _traced(stack, "runplane-scheduler")
-    options.keyring(opts)  # no key: a config error now, before connecting
-    nc = await stack.enter_async_context(nats_for(opts, stack))
-    await stack.enter_async_context(Scheduler(nc, trust.scheduler_app(nc, opts), pool=opts.pool))
-    await trust.start_secrets_responder(opts, stack, nc, make_app(nc))
-    await stack.enter_async_context(Reaper(nc, make_app(nc)))
-    await stack.enter_async_context(ScheduleLoop(make_app(nc)))  # cron schedules
-    print("runplane scheduler running", flush=True)
-    await wait_for_signal()
+    await _serve(opts, stack, "scheduler", _scheduler)
 
 
 async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
     """Every registered subscriber (run as many replicas as you like)."""
-    if not opts.nats_url:
-        raise ConfigError("runplane subscribers needs --nats-url (or RUNPLANE_NATS_URL)")
-    _traced(stack, "runplane-subscribers")
-    options.keyring(opts)  # no key: a config error now, before connecting
-    nc = await stack.enter_async_context(nats_for(opts, stack))
-    names = await _start_subscribers(opts, stack, nc)
-    print(f"runplane subscribers running ({', '.join(names) or 'none registered'})", flush=True)
-    await wait_for_signal()
+    await _serve(opts, stack, "subscribers", _subscribers)
 
 
 async def executor(opts: Options, stack: AsyncExitStack) -> None:
-    if not opts.nats_url:
-        raise ConfigError("runplane executor needs --nats-url (or RUNPLANE_NATS_URL)")
-    _traced(stack, "runplane-executor")
-    options.keyring(opts)  # no key: a config error now, before connecting
-    nc = await stack.enter_async_context(nats_for(opts, stack))
-    await _start_executor(opts, stack, nc)
-    print(f"runplane executor running (pool {opts.pool})", flush=True)
-    await wait_for_signal()
+    await _serve(opts, stack, "executor", _executor)
 
 
 async def replay(opts: Options, stack: AsyncExitStack) -> None:
     """Rebuild the read model from sequence 1 (the embedded server is started if needed)."""
     nc = await stack.enter_async_context(nats_for(opts, stack))
-    count = await do_replay(nc, _readmodel_path(opts))
-    print(f"replayed {count} events into {_readmodel_path(opts)}", flush=True)
+    path = bootstrap.readmodel_path(opts)
+    count = await do_replay(nc, path)
+    print(f"replayed {count} events into {path}", flush=True)

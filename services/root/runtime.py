@@ -1,4 +1,5 @@
-"""Composition root: build each process's graph from its options. Tests build the same."""
+"""What every process runs on: its NATS connection (the embedded server or the given
+ones), an HTTP site, the wait for a signal. The graph itself is built in bootstrap.py."""
 
 from __future__ import annotations
 
@@ -16,12 +17,11 @@ from aiohttp import web
 from nats.aio.client import Client as NATS
 
 from infra import natsclient, streams
-from infra.eventstore import EventStore, wait_for_stream
+from infra.eventstore import wait_for_stream
 from infra.natsclient import NatsAuth
 from infra.natsserver import EmbeddedNats
 from infra.options import ConfigError, Options, prepare_data_dir
 from infra.replicas import ReplicationError
-from services.app.commands import App
 
 log = structlog.get_logger(__name__)
 
@@ -106,10 +106,6 @@ async def http_site(
         yield f"{scheme}://{where}:{bound[1]}"
     finally:
         await runner.cleanup()
-
-
-def make_app(nc: NATS) -> App:
-    return App(EventStore(nc))
 
 
 GC_THRESHOLDS = (50_000, 50, 1000)

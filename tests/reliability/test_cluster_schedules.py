@@ -32,6 +32,7 @@ import asyncio
 import random
 import time
 from collections import Counter
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -45,10 +46,11 @@ from events import run as R
 from events import schedule as sc
 from events.run_events import RunCreated
 from infra import streams
-from infra.eventstore import LATEST, EventStore
+from infra.eventstore import LATEST
 from infra.streams import EVENTS
 from services.app.commands import App
 from services.processes.schedules.loop import ScheduleLoop, run_id_for
+from tests.bootstrap_support import built
 from tests.cluster_support import NatsCluster
 from tests.reliability.chaos_support import ClusterNats
 from tests.reliability.cluster_events_support import write_summary
@@ -106,9 +108,11 @@ async def _connect(cluster: NatsCluster, first: int) -> NATS:
     )
 
 
-async def _replica(cluster: NatsCluster, name: str, node: int, clock: Clock) -> Replica:
+async def _replica(cluster: NatsCluster, name: str, node: int, clock: Clock, root: Path) -> Replica:
+    """A scheduler replica on `node`: its graph, of which the test ticks the schedules'
+    loop by hand (nothing started)."""
     nc = await _connect(cluster, node)
-    return Replica(name, node, nc, ScheduleLoop(App(EventStore(nc), clock=clock), clock=clock))
+    return Replica(name, node, nc, built(nc, AsyncExitStack(), root, clock=clock).schedule_loop())
 
 
 async def _tick(r: Replica, now: Any) -> None:
@@ -150,14 +154,14 @@ async def cluster_schedules(tmp_path: Path, sc_: ScheduleScenario) -> None:
         try:
             await streams.declare(admin_nc, admin_nc.jetstream(), replicas=3)
             clock = Clock()
-            admin = App(EventStore(admin_nc), clock=clock)
+            admin = built(admin_nc, AsyncExitStack(), tmp_path, clock=clock).app
             await admin.create_org("acme", "alice")
             await admin.create_workspace("acme", "net", R.Workspace(repository="/x"), "alice")
             s = await make_schedule(admin, clock)
-            replicas = [await _replica(cluster, f"sched{i}", i, clock) for i in (1, 2)]
+            replicas = [await _replica(cluster, f"sched{i}", i, clock, tmp_path) for i in (1, 2)]
             faulted = []
             for m in range(1, sc_.minutes + 1):
-                row = await _minute(cluster, admin, replicas, s.id, m, sc_, rng, clock)
+                row = await _minute(cluster, admin, replicas, s.id, m, sc_, rng, clock, tmp_path)
                 if row["faults"]:
                     faulted.append(row)
                 record = await _record_of(admin, s.id, m)
@@ -206,6 +210,7 @@ async def _minute(
     sc_: ScheduleScenario,
     rng: random.Random,
     clock: Clock,
+    root: Path,
 ) -> dict[str, Any]:
     """Both replicas tick minute `m` at once, the minute's faults striking a few ms in;
     each ticks again (a second later, within the minute) until the minute is recorded."""
@@ -220,7 +225,7 @@ async def _minute(
         ticks[i].cancel()  # killed wherever its tick is
         old = replicas[i]
         await old.nc.close()
-        replicas[i] = await _replica(cluster, old.name, old.node, clock)
+        replicas[i] = await _replica(cluster, old.name, old.node, clock, root)
         replicas[i].recorded = old.recorded
         faults.append(f"{old.name} killed")
     if m in sc_.leader_kills:

@@ -50,7 +50,6 @@ from yarl import URL
 
 from events.codec import ws_subject
 from events.workspace import StatePushed
-from executor import Executor
 from executor.statebackend import USER, StateBackend
 from executor.statestore import Head, StateStore, StateStoreError, version_object
 from infra import streams
@@ -59,11 +58,9 @@ from infra.eventstore import LATEST, EventStore
 from infra.kv import STATE_HEAD_BUCKET
 from infra.streams import EVENTS
 from services.app.commands import App
-from services.app.repositories import Sources
-from services.app.secrets import SecretsResponder, SecretStore
-from services.app.snapshot import Snapshotter
-from services.processes.scheduler.scheduler import Scheduler
 from services.surfaces.tfe import ids
+from tests import bootstrap_support
+from tests.bootstrap_support import built, git_snapshots
 from tests.cluster_support import NatsCluster, Node
 from tests.helpers import eventually
 from tests.plane_support import commit
@@ -317,21 +314,13 @@ async def plan_after_the_storm(nc: NATS, app: App, keyring: KeyRing, work: Path,
     """A real Terraform plan through runplane's API, on the workspace's state as it is
     now: the scheduler pins it, an executor plans it."""
     async with AsyncExitStack() as stack:
-        secrets = SecretStore(nc, keyring)
-        pinning = App(app.store, snapshot=Snapshotter(secrets, timeout=10))
-        await stack.enter_async_context(Scheduler(nc, pinning))
-        await stack.enter_async_context(SecretsResponder(nc, app, secrets))
-        executor = Executor(
-            nc,
-            app,
-            work_dir=work,
-            executor_id="ex-after",
-            heartbeat_interval=0.2,
-            grace_period=5.0,
-            fetch_timeout=0.2,
-            keyring=keyring,
-            repositories=Sources(),
+        # the scheduler's and an executor's process over `app`'s store, the one key ring
+        system = built(
+            nc, stack, work.parent, keyring=keyring, store=app.store, pinning=git_snapshots
         )
+        await stack.enter_async_context(system.scheduler())
+        await stack.enter_async_context(system.secrets_responder())
+        executor = bootstrap_support.executor(system, work_dir=work, executor_id="ex-after")
         await stack.enter_async_context(executor)
         made = await t.post(f"/api/v1/orgs/{ORG}/workspaces/{WS}/runs", json={"type": "plan"})
         assert made.status == 201, made.body

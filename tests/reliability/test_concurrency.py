@@ -20,11 +20,10 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events.errors import DomainError
 from infra import streams
-from infra.eventstore import EventStore
 from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
-from services.processes.scheduler.scheduler import Scheduler
+from tests.bootstrap_support import Process, System
 from tests.helpers import eventually
 from tests.reliability.history import replay_stream
 
@@ -189,12 +188,17 @@ async def _explain_stuck(app: App, created: list[tuple[str, str]]) -> None:
 
 
 async def _race(
-    nats_server: EmbeddedNats, nc: NATS, creates: int, workspaces: int, settle: float
+    nats_server: EmbeddedNats,
+    system: System,
+    process: Process,
+    creates: int,
+    workspaces: int,
+    settle: float,
 ) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"seed {seed}")
-    app = App(EventStore(nc))
+    nc, app = system.nc, system.app
     names = [f"ws{i}" for i in range(workspaces)]
     await app.create_org(ORG, "admin")
     await asyncio.gather(
@@ -210,7 +214,7 @@ async def _race(
         for _ in range(2):  # two schedulers, each with its own connection, as two processes
             conn = await nats_server.connect()
             stack.push_async_callback(conn.close)
-            await stack.enter_async_context(Scheduler(conn, App(EventStore(conn))))
+            await stack.enter_async_context(process(conn).scheduler())
         await stack.enter_async_context(RandomExecutor(nc, app, rng, tally))
         stop = asyncio.Event()
         meddler = asyncio.create_task(_meddle(app, rng, names, created, tally, stop))
@@ -267,26 +271,25 @@ async def _race(
 
 
 async def test_concurrent_creates_keep_fifo_and_one_active_run(
-    nats_server: EmbeddedNats, nc: NATS
+    nats_server: EmbeddedNats, system: System, process: Process
 ) -> None:
     """CI size: 200 concurrent creates over 10 workspaces."""
-    await _race(nats_server, nc, creates=200, workspaces=10, settle=60)
+    await _race(nats_server, system, process, creates=200, workspaces=10, settle=60)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_a_thousand_concurrent_creates_over_fifty_workspaces(
-    nats_server: EmbeddedNats, nc: NATS
+    nats_server: EmbeddedNats, system: System, process: Process
 ) -> None:
-    await _race(nats_server, nc, creates=1000, workspaces=50, settle=400)
+    await _race(nats_server, system, process, creates=1000, workspaces=50, settle=400)
 
 
-async def test_a_burst_of_creates_on_one_workspace_all_land(nc: NATS) -> None:
+async def test_a_burst_of_creates_on_one_workspace_all_land(app: App) -> None:
     """Regression: concurrent creates on one workspace all reloaded the queue, all but one
     conflicted, round after round, and a burst over the App's 20 attempts failed with
     `Conflict` (a 409 from the API): 59 of these 100 did. They now enqueue one at a time
     within a process."""
-    app = App(EventStore(nc))
     await app.create_org(ORG, "admin")
     await app.create_workspace(ORG, "hot", R.Workspace(repository="/nowhere"), "admin")
     results = await asyncio.gather(

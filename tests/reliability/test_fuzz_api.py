@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,10 @@ from schemathesis import GenerationMode
 
 from infra import streams
 from infra.crypto import KeyRing
-from infra.eventstore import EventStore
 from infra.natsserver import EmbeddedNats
-from projections.projector import Projector
-from services.app.commands import App
-from services.app.secrets import SecretStore
 from services.surfaces.api import middleware
-from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
+from tests.bootstrap_support import built
 from tests.reliability.support import ThreadLoop
 
 ADMIN = f"fuzz-admin-{secrets.token_hex(8)}"
@@ -68,15 +65,14 @@ class LiveApi(ThreadLoop):
         await self.server.__aenter__()
         self.nc = await self.server.connect()
         await streams.declare(self.nc, self.nc.jetstream())
-        app = App(EventStore(self.nc))
-        self.projector = Projector(self.nc, root / "rm.sqlite")
+        # the api's graph, as the composition root builds it (started here by hand)
+        system = built(self.nc, AsyncExitStack(), root, keyring=KeyRing.generate())
+        app = system.app
+        self.projector = system.projector(root / "rm.sqlite")
         await self.projector.__aenter__()
         started = await app.create_org("fuzz-fixture", "test")
         assert await self.projector.wait_for(started.seq)
-        store = SecretStore(self.nc, KeyRing.generate())
-        web_app = build_app(
-            app=app, projector=self.projector, admin_token=ADMIN, secret_store=store
-        )
+        web_app = system.web_app(self.projector, admin_token=ADMIN, repositories=None)
         api = web_app[API]
         api.token_wait = 0.05  # an unknown token is refused at once, not after a wait
         api.read_wait = 0.05  # a fuzzed RP-Min-Seq far ahead answers 503 stale-read at once

@@ -16,6 +16,7 @@ import itertools
 import tempfile
 from collections import Counter
 from collections.abc import Awaitable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,10 +38,9 @@ from hypothesis.stateful import (
 from events import run as R
 from events.errors import DomainError, Forbidden, IllegalTransition, StaleLease
 from infra import streams
-from infra.eventstore import EventStore
 from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
-from services.app.commands import App
+from tests.bootstrap_support import built
 from tests.reliability.history import replay
 from tests.reliability.support import ThreadLoop
 
@@ -60,7 +60,8 @@ class Broker(ThreadLoop):
         self.run(self.server.__aenter__())
         self.nc = self.run(self.server.connect())
         self.run(streams.declare(self.nc, self.nc.jetstream()))
-        self.app = App(EventStore(self.nc))
+        # the api's graph, as the composition root builds it (nothing in it is started)
+        self.app = built(self.nc, AsyncExitStack(), Path(self.dir.name)).app
         self.steps = 0
         self.examples = 0
         self.ended: Counter[str] = Counter()

@@ -11,15 +11,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import BaseTestServer, TestClient, TestServer
-from nats.aio.client import Client as NATS
+from aiohttp.test_utils import BaseTestServer
 from yarl import URL
 
-from projections.projector import Projector
-from services.app.commands import App
-from services.surfaces.api.app import build_app
+from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import ADMIN_TOKEN, Http
+from tests.test_api_support import Http, served
 
 _CSRF = re.compile(r'name="csrf" value="([^"]*)"')
 
@@ -111,15 +108,12 @@ class Ui:
 
 
 @pytest.fixture(name="ui")
-async def ui_fixture(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[Ui]:
-    async with Projector(nc, tmp_path / "rm.sqlite") as projector:
-        started = await app.create_org("ui-test-fixture", "test")
-        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
-        web_app = build_app(app=app, projector=projector, admin_token=ADMIN_TOKEN)
-        async with TestClient(TestServer(web_app)) as client:
-            ui = Ui(Http(client, web_app[API], app), client.server)
-            try:
-                yield ui
-            finally:
-                for b in ui.browsers:
-                    await b.close()
+async def ui_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Ui]:
+    db = tmp_path / "rm.sqlite"
+    async with served(system, db, "ui-test-fixture", secret_store=None) as (web_app, client):
+        ui = Ui(Http(client, web_app[API], system.app), client.server)
+        try:
+            yield ui
+        finally:
+            for b in ui.browsers:
+                await b.close()

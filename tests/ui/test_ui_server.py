@@ -12,13 +12,11 @@ from aiohttp import web
 from aiohttp.test_utils import BaseTestServer, TestClient, TestServer, make_mocked_request
 from nats.aio.client import Client as NATS
 
-from projections.projector import Projector
-from services.app.commands import App
 from services.root.processes import banner
-from services.surfaces.api.app import build_app
 from services.surfaces.ui.sessions import COOKIE, Sessions, set_cookie
+from tests.bootstrap_support import System
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN
+from tests.test_api_support import ADMIN_TOKEN, web_app_of
 from tests.ui.support import Page, Ui, ui_fixture  # noqa: F401  # the fixture
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
@@ -416,7 +414,7 @@ async def _signin_headers(server: BaseTestServer, token: str, headers: dict[str,
 
 
 async def test_x_forwarded_proto_is_ignored_unless_the_deployment_is_behind_a_tls_proxy(
-    ui: Ui, nc: NATS, app: App, tmp_path: Path
+    ui: Ui, system: System, tmp_path: Path
 ) -> None:
     """Attack: a client over plain HTTP says X-Forwarded-Proto: https. Without the flag
     nothing changes (no Secure cookie, its https Origin is another origin). With it (a
@@ -429,11 +427,9 @@ async def test_x_forwarded_proto_is_ignored_unless_the_deployment_is_behind_a_tl
     plain = await _signin_headers(ui.server, acme["viewer"], {"X-Forwarded-Proto": "https"})
     assert plain.status == 303
     assert "secure" not in _set_cookie(plain.headers, "rp_session").lower().replace("samesite", "")
-    async with Projector(nc, tmp_path / "proxied.sqlite") as projector:
+    async with system.projector(tmp_path / "proxied.sqlite") as projector:
         assert await projector.wait_for(ui.http.api.projector.seq)
-        web_app = build_app(
-            app=app, projector=projector, admin_token=ADMIN_TOKEN, behind_tls_proxy=True
-        )
+        web_app = web_app_of(system, projector, secret_store=None, behind_tls_proxy=True)
         async with TestClient(TestServer(web_app)) as client:
             host = client.server.make_url("/").authority
             proxied = {"X-Forwarded-Proto": "https", "Origin": f"https://{host}"}

@@ -14,15 +14,13 @@ from aiohttp.test_utils import BaseTestServer, TestClient, TestServer
 from nats.aio.client import Client as NATS
 
 from infra import kv, streams
-from infra.eventstore import EventStore
-from projections.projector import Projector
 from services.app.commands import App
-from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
 from services.surfaces.ui.sessions import Sessions, _key
+from tests.bootstrap_support import Process
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually, kv_keys
-from tests.test_api_support import ADMIN_TOKEN, Http
+from tests.test_api_support import Http, web_app_of
 from tests.test_stale_reads import PAYLOAD, Lagging, trials
 from tests.ui.support import Browser, Page
 
@@ -36,19 +34,23 @@ class Replicas:
 
 
 @pytest.fixture
-async def replicas(nc: NATS, app: App, tmp_path: Path) -> AsyncIterator[tuple[Http, Replicas]]:
+async def replicas(
+    app: App, process: Process, tmp_path: Path
+) -> AsyncIterator[tuple[Http, Replicas]]:
     async with AsyncExitStack() as stack:
         clients = []
         http = None
         for name in ("one", "two"):
-            projector = await stack.enter_async_context(Projector(nc, tmp_path / f"{name}.sqlite"))
+            replica = process()  # a replica's own graph: its own command side
+            projector = await stack.enter_async_context(
+                replica.projector(tmp_path / f"{name}.sqlite")
+            )
             started = await app.create_org(f"ui-replica-{name}", "test")
             assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
-            replica_app = App(EventStore(nc))  # a replica's own command side
-            web_app = build_app(app=replica_app, projector=projector, admin_token=ADMIN_TOKEN)
+            web_app = web_app_of(replica, projector, secret_store=None)
             client = await stack.enter_async_context(TestClient(TestServer(web_app)))
             clients.append(client)
-            http = http or Http(client, web_app[API], replica_app)
+            http = http or Http(client, web_app[API], replica.app)
         assert http is not None
         yield http, Replicas(clients[0].server, clients[1].server)
 

@@ -17,7 +17,6 @@ import structlog
 
 from events import chat as chat_agg
 from events.run import RunState
-from infra import options
 from infra.consumer import Received, Subscription, by_subject
 from infra.crypto import KeyRing
 from infra.options import ConfigError
@@ -41,7 +40,7 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     """The chat-ops subscriptions of a `runplane subscribers` host (registry.py); none
     without the encryption key (the api records no Slack request without it either)."""
     try:
-        keyring = options.keyring(ctx.opts)
+        keyring = ctx.keys()
     except ConfigError as e:
         log.warning("chat_subscribers_off", reason=str(e))
         return []

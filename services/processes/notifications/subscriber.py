@@ -27,11 +27,10 @@ from events import run as run_agg
 from events.codec import AnyEvent
 from events.react import notifications, react
 from events.run import RunEvent, RunState
-from infra import options
 from infra.consumer import Consumer, Subscription, by_subject
 from infra.crypto import KeyRing
 from infra.eventstore import EventStore
-from infra.options import ConfigError, Options
+from infra.options import ConfigError
 from services.app.commands import App
 from services.processes.notifications import formats, outbox
 from services.processes.notifications.delivery import Dispatcher, Policy, policy_from_env
@@ -153,7 +152,7 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     process (the registry has no hook for a subscriber's resources)."""
     opts = ctx.opts
     base_url = os.environ.get(formats.PUBLIC_URL_ENV, "") or f"http://{opts.listen}"
-    tokens = TokenStore(ctx.nc, _keyring(opts))
+    tokens = TokenStore(ctx.nc, _keyring(ctx))
     store = ctx.app.store
     dispatcher = Dispatcher(
         policy_from_env(), tokens.get, outbox.recorder(store), outbox.current(store)
@@ -163,11 +162,11 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     return [subscription(notifier)]
 
 
-def _keyring(opts: Options) -> KeyRing | None:
+def _keyring(ctx: SubscriberContext) -> KeyRing | None:
     """The deployment's keys; None without (a configuration with a token then fails to
     be signed, logged: `runplane subscribers` refuses to start without a key anyway)."""
     try:
-        return options.keyring(opts)
+        return ctx.keys()
     except ConfigError:
         return None
 

@@ -54,7 +54,6 @@ from events import vcs_report as vr
 from events.errors import Conflict
 from events.react import notifications, quiet, react
 from events.run import RunState
-from infra import options
 from infra.consumer import Received, Retry, Subscription, by_subject
 from infra.eventstore import Append, EventStore
 from infra.options import ConfigError
@@ -368,7 +367,7 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
     """The registry's entry (services/processes/subscribers/registry.py); none without the
     encryption key (a connection's token opens only with it)."""
     try:
-        keyring = options.keyring(ctx.opts)
+        keyring = ctx.keys()
     except ConfigError as e:
         log.warning("vcs_report_off", reason=str(e))
         return []

@@ -1,0 +1,234 @@
+"""The composition root: every component of a runplane process, built from its options in
+one place.
+
+`build` makes what a process shares (its one event store, one `App`, one key ring, one
+secret store, the repository sources it takes); a `Plane` then makes each component over
+them and starts the ones the process runs (`start_api`, `start_scheduler`,
+`start_executor`, `start_subscribers`, `start_runwatch`), each an async context manager
+entered into the process's `AsyncExitStack`, so they stop in reverse order. The process
+entry points (processes.py) and the test harness (tests/bootstrap_support.py) build the
+system through here; a test's knobs (a clock, quick heartbeats, its own read model) are
+keyword overrides of the component they belong to.
+
+The `App` takes each admitted run's snapshot (`pinning`): it is queued `pinning` and
+pinned before any executor may claim it. Only the scheduler admits (`admit_next`,
+`admit_speculative`, `pin_run`); every other command is the same with or without the
+hook, so the api, executor and subscribers of a process share the scheduler's `App`.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+from nats.aio.client import Client as NATS
+
+from executor.isolation import Isolation, IsolationError
+from executor.worker import Executor, TerraformSettings, default_executor_id
+from infra import options
+from infra.crypto import KeyRing
+from infra.eventstore import EventStore
+from infra.ids import new_id, utcnow
+from infra.options import ConfigError, Options, admin_token, prepare_data_dir
+from projections.projector import Projector
+from services.app.commands import App
+from services.app.flows import SnapshotHook
+from services.app.repositories import Sources, deployment_sources
+from services.app.secrets import SecretsResponder, SecretStore
+from services.app.snapshot import Snapshotter
+from services.processes.runwatch import RunWatch
+from services.processes.scheduler.reaper import Reaper
+from services.processes.scheduler.scheduler import Scheduler
+from services.processes.schedules.loop import ScheduleLoop
+from services.processes.subscribers.context import SubscriberContext
+from services.processes.subscribers.host import Host
+from services.root.runtime import http_site
+from services.surfaces.api.app import build_app
+from services.surfaces.tfe import tls
+
+log = structlog.get_logger(__name__)
+
+METRICS_TOKEN_ENV = "RUNPLANE_METRICS_TOKEN"
+
+# What takes an admitted run's snapshot, given the process's secret store (the names of a
+# workspace's secret variables); None: runs are queued without one.
+Pinning = Callable[[SecretStore], SnapshotHook | None]
+
+
+def build(
+    opts: Options,
+    nc: NATS,
+    stack: AsyncExitStack,
+    *,
+    keyring: KeyRing | None = None,
+    store: EventStore | None = None,
+    pinning: Pinning = Snapshotter,
+    clock: Callable[[], datetime] = utcnow,
+    ids: Callable[[], str] = new_id,
+) -> Plane:
+    """The process's graph over `nc`, its components started into `stack` by the
+    `Plane`'s `start_*`. `keyring`: the key ring the process loaded before connecting
+    (default: the options'). `store`, `pinning`, `clock`, `ids`: a test's knobs."""
+    keys = keyring if keyring is not None else options.keyring(opts)
+    events = store if store is not None else EventStore(nc)
+    secrets = SecretStore(nc, keys)
+    app = App(events, clock=clock, ids=ids, snapshot=pinning(secrets))
+    try:
+        sources = deployment_sources(opts.allowed_repos, opts.data_dir)
+    except ValueError as e:
+        raise ConfigError(f"--allowed-repos: {e}") from e
+    return Plane(opts, nc, stack, keys, events, app, secrets, sources)
+
+
+def readmodel_path(opts: Options) -> Path:
+    """Where the api's projector keeps its read model: in the data directory."""
+    prepare_data_dir(opts.data_dir)  # 0700: the read model holds every organization's data
+    return opts.data_dir / "readmodel.sqlite"
+
+
+@dataclass
+class Plane:
+    """What one process shares, and each component over it. A `start_*` starts
+    components into `stack`; the unstarted ones (`scheduler()`, `executor()`, ...) are
+    for a caller that enters them where it wants them stopped."""
+
+    opts: Options
+    nc: NATS
+    stack: AsyncExitStack
+    keyring: KeyRing
+    store: EventStore
+    app: App
+    secrets: SecretStore
+    repositories: Sources
+
+    # ------------------------------------------------------------ starting
+
+    async def start_api(self, ready: Callable[[], bool] = lambda: True) -> str:
+        """The projector (its read model in the data directory) and the HTTP API over it;
+        the base URL it serves at. `ready`: what /readyz answers once the API is up."""
+        projector = await self.stack.enter_async_context(self.projector())
+        web_app = self.web_app(projector, ready=ready)
+        return await self.stack.enter_async_context(
+            http_site(web_app, self.opts.listen, self.tls())
+        )
+
+    async def start_scheduler(self) -> Scheduler:
+        """Admission and dispatch, the secrets responder (this process holds the key),
+        the reaper and the cron schedules."""
+        scheduler = await self.stack.enter_async_context(self.scheduler())
+        await self.stack.enter_async_context(self.secrets_responder())
+        await self.stack.enter_async_context(self.reaper())
+        await self.stack.enter_async_context(self.schedule_loop())
+        return scheduler
+
+    async def start_executor(self, *, fallback_to_none: bool = False, **overrides: Any) -> Executor:
+        """One executor of the options' pool (`executor()`)."""
+        ex = self.executor(fallback_to_none=fallback_to_none, **overrides)
+        return await self.stack.enter_async_context(ex)
+
+    async def start_subscribers(self) -> Host:
+        """Every registered subscription (services/processes/subscribers/)."""
+        return await self.stack.enter_async_context(self.subscribers())
+
+    async def start_runwatch(self) -> RunWatch:
+        """A log line per run transition (what `runplane up` shows a person)."""
+        return await self.stack.enter_async_context(RunWatch(self.nc))
+
+    # ------------------------------------------------------------ components
+
+    def projector(self, db_path: Path | None = None, **overrides: Any) -> Projector:
+        """The read model's projector, at `db_path` (default: the data directory's)."""
+        return Projector(self.nc, db_path or readmodel_path(self.opts), **overrides)
+
+    def web_app(self, projector: Projector, **overrides: Any) -> web.Application:
+        """The API over the process's `App` and `projector` (services/surfaces/api/app.py),
+        with the deployment's admin token, secret store and repository sources."""
+        given: dict[str, Any] = {
+            "secret_store": self.secrets,
+            "repositories": self.repositories,
+            # the scraper's credential for /metrics alone (environment only: never argv)
+            "metrics_token": os.environ.get(METRICS_TOKEN_ENV, ""),
+            "behind_tls_proxy": self.opts.behind_tls_proxy,
+            "browser_login": self.opts.terraform_login != "token",
+            **overrides,
+        }
+        if "admin_token" not in given:  # made once into the data directory if not given
+            given["admin_token"] = admin_token(self.opts)
+        return build_app(app=self.app, projector=projector, **given)
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The API's TLS (services/surfaces/tfe/tls.py): the given pair, or with `--tls`
+        alone a local CA's certificate made in the data directory; None: plain HTTP."""
+        opts = self.opts
+        try:
+            if opts.tls_cert or opts.tls_key:
+                return tls.given(opts.tls_cert, opts.tls_key).context()
+            if opts.tls:
+                return tls.local(opts.data_dir, opts.tls_names).context()
+        except tls.TlsError as e:
+            raise ConfigError(str(e)) from e
+        return None
+
+    def scheduler(self, **overrides: Any) -> Scheduler:
+        return Scheduler(self.nc, self.app, **{"pool": self.opts.pool, **overrides})
+
+    def secrets_responder(self) -> SecretsResponder:
+        """Answers executors' secret requests from this process's secret store."""
+        return SecretsResponder(self.nc, self.app, self.secrets)
+
+    def reaper(self, **overrides: Any) -> Reaper:
+        return Reaper(self.nc, self.app, **overrides)
+
+    def schedule_loop(self, **overrides: Any) -> ScheduleLoop:
+        """The cron schedules' loop, on the `App`'s clock."""
+        return ScheduleLoop(self.app, **{"clock": self.app.clock, **overrides})
+
+    def executor(self, *, fallback_to_none: bool = False, **overrides: Any) -> Executor:
+        """An executor of the options' pool, with the process's key ring and sources.
+        `fallback_to_none`: `runplane up` of an ordinary user runs jobs unisolated (with
+        a warning at every start) where there is no isolation to be had; `executor`
+        refuses."""
+        opts = self.opts
+        given: dict[str, Any] = {
+            "pool": opts.pool,
+            "work_dir": opts.data_dir / "work",
+            "terraform": TerraformSettings(
+                binary=opts.terraform_binary or None,
+                provider_mirrors=opts.provider_mirrors,
+                mirror_root=opts.data_dir / "providers",
+            ),
+            "executor_id": opts.executor_id or default_executor_id(),
+            "keyring": self.keyring,
+            "repositories": self.repositories,
+            **overrides,
+        }
+        if "isolation" not in given:
+            given["isolation"] = self._isolation(fallback_to_none)
+        return Executor(self.nc, self.app, **given)
+
+    def _isolation(self, fallback_to_none: bool) -> Isolation:
+        try:
+            isolation = Isolation.choose(self.opts.isolation, fallback_to_none=fallback_to_none)
+        except IsolationError as e:
+            raise ConfigError(str(e)) from e
+        log.info("job_isolation", mode=isolation.mode)
+        return isolation.hiding(self.opts.data_dir)
+
+    def subscribers(self) -> Host:
+        """Every registered subscription over the process's `App` and key ring."""
+        ctx = SubscriberContext(
+            nc=self.nc,
+            app=self.app,
+            opts=self.opts,
+            readmodel_path=readmodel_path(self.opts),
+            keyring=self.keyring,
+        )
+        return Host(ctx)
