@@ -37,8 +37,9 @@ from executor.context import PhaseContext
 from executor.custody import Custody, Vault
 from executor.custom import is_custom
 from executor.git import GitCache
-from executor.isolation import Isolation, Jail, private_dir, remove_tree
+from executor.isolation import Isolation, Jail
 from executor.job import STOP_REQUESTED, STOPPED, Job, Tools
+from executor.jobfiles import private_dir, remove_tree
 from executor.objects import Objects
 from executor.phases import run_phase
 from executor.ports import RepositoryRules, RunLedger

@@ -13,7 +13,8 @@ from pathlib import Path
 import structlog
 from nats.aio.client import Client as NATS
 
-from executor.isolation import Isolation, IsolationError
+from executor.errors import IsolationError
+from executor.isolation import Isolation
 from executor.worker import Executor, TerraformSettings, default_executor_id
 from infra import options, tracing
 from infra.options import ConfigError, Options, admin_token, prepare_data_dir
