@@ -39,7 +39,6 @@ MAX_FUNCTION_LINES = 60
 OVER_LIMIT: dict[str, int] = {
     "file executor/worker.py": 552,
     "class executor/worker.py:Executor": 23,
-    "class executor/statebackend.py:StateBackend": 21,
 }
 # Import circles still open (each a sorted tuple of its modules): may only go.
 OPEN_CIRCLES: set[tuple[str, ...]] = set()
