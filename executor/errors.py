@@ -13,6 +13,10 @@ class SetupError(ExecutorError):
     """The executor cannot start: a binary or directory it needs is missing or unusable."""
 
 
+class IsolationError(SetupError):
+    """The isolation asked for cannot be had on this machine."""
+
+
 class StepFailed(ExecutorError):
     """A step of a phase failed; the run fails with `reason` and Terraform's `message`.
 

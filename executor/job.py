@@ -93,7 +93,7 @@ class Job:
 
     async def interruption(self) -> str:
         """Why the phase must stop now (LEASE_LOST, STOP_REQUESTED), or "": asked on
-        every heartbeat (executor/worker.py)."""
+        every heartbeat (executor/runner.py)."""
         if self.finishing:
             return ""
         ctx = self.ctx

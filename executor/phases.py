@@ -57,7 +57,7 @@ class PlanOutcome:
 
 async def run_phase(job: Job) -> None:
     """Run the job's phase and report how it ended. Its directory is the caller's to
-    remove (executor/worker.py removes it once the phase's task is over)."""
+    remove (executor/runner.py removes it once the phase's task is over)."""
     ctx = job.ctx
     ctx.root.mkdir(parents=True, exist_ok=True)
     try:

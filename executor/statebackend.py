@@ -34,12 +34,11 @@ from typing import Any, Protocol, TypeVar
 import structlog
 from aiohttp import web
 
-from events.codec import run_subject, ws_subject
 from events.errors import DomainError
-from events.run import RecordStateVersion, RunCommand, RunState, StateVersionCreated
-from events.workspace import StatePushed
+from events.run import RecordStateVersion, RunCommand, RunState
 from executor.linksafe import write_new
 from executor.ports import RunReader
+from executor.statehead import current_head
 from executor.statestore import (
     Head,
     HeadMoved,
@@ -225,51 +224,10 @@ class StateBackend:
 
     # ------------------------------------------------------------ state
 
-    async def _current(self) -> tuple[Head | None, int]:
-        """The head, after promoting a pending version its run recorded (a writer that
-        died between recording a version and moving the head left it behind)."""
-        org, ws = self.lessee.org, self.lessee.ws
-        head, revision = await self.store.head(org, ws)
-        pending = await self.store.pending(org, ws)
-        if pending is None or (head is not None and head.object == pending.object):
-            return head, revision
-        newer = head is None or (pending.lineage == head.lineage and pending.serial > head.serial)
-        pushed = not pending.run_id and await self._pushed(pending, head)
-        if not pushed and (not newer or not await self._recorded(pending)):
-            return head, revision  # an older entry, or a write still in flight: not ours
-        try:
-            revision = await self.store.move_head(org, ws, pending, revision)
-        except HeadMoved:
-            return await self.store.head(org, ws)
-        log.warning("state_head_recovered", object=pending.object, run_id=pending.run_id)
-        await self.store.clear_pending(org, ws)
-        return pending, revision
-
-    async def _pushed(self, version: Head, head: Head | None) -> bool:
-        """Whether a user's CLI pushed the version over `head` (`ws.state_pushed`:
-        services/surfaces/tfe/state_push.py records it before it moves the head): the last push
-        only, as an earlier one may name the same object (services/surfaces/tfe/state.py)."""
-        subject = ws_subject(self.lessee.org, self.lessee.ws)
-        was = head.object if head is not None else ""
-        for envelope in reversed(await self.runs.store.read(subject, min_seq=LATEST)):
-            event = envelope.event
-            if isinstance(event, StatePushed):
-                return event.object == version.object and event.previous == was
-        return False
-
-    async def _recorded(self, version: Head) -> bool:
-        """Whether the version's run recorded it (`run.state_version`)."""
-        if not version.run_id:
-            return False
-        subject = run_subject(self.lessee.org, self.lessee.ws, version.run_id)
-        for envelope in await self.runs.store.read(subject, min_seq=LATEST):
-            event = envelope.event
-            if isinstance(event, StateVersionCreated) and event.object == version.object:
-                return True
-        return False
-
     async def _get(self, request: web.Request) -> web.Response:
-        self._head, self._revision = await self._current()
+        self._head, self._revision = await current_head(
+            self.store, self.runs, self.lessee.org, self.lessee.ws
+        )
         self._read = True
         if self._head is None:
             data = initial_state(self.lessee.org, self.lessee.ws)
@@ -283,7 +241,9 @@ class StateBackend:
         if not self._holds(holder, request.query.get("ID", "")):
             return self._refuse(409, "refusing a state write from a step that holds no lock")
         if not self._read:
-            self._head, self._revision = await self._current()
+            self._head, self._revision = await current_head(
+                self.store, self.runs, self.lessee.org, self.lessee.ws
+            )
         if self._head is not None and hashlib.sha256(data).hexdigest() == self._head.digest:
             return _text(200, "unchanged")
         try:
@@ -317,7 +277,7 @@ class StateBackend:
 
     async def _record(self, head: Head) -> web.Response:
         """Record the version on the run (fenced), then move the head; pending between
-        the two, so a crash there is repaired by the next reader (`_current`)."""
+        the two, so a crash there is repaired by the next reader (`current_head`)."""
         lease = self.lessee
         await _retrying(lambda: self.store.mark_pending(lease.org, lease.ws, head))
         record = RecordStateVersion(

@@ -1,7 +1,7 @@
 """What a killed executor left behind in its work directory, cleared at the next start.
 
 An executor killed with -9 stops its Terraform (its parent death signal,
-`executor/isolation.py`): Terraform tries to save its state for a few seconds
+`executor/spawn.py`): Terraform tries to save its state for a few seconds
 (`executor.statebackend.RETRY_MAX`), stops what is in flight, tries again and writes
 `errored.tfstate`, some 12 s in all; what Terraform started (provider plugins, a
 provisioner's daemon) may live on, and the phase's job directory stays on disk. Those
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import structlog
 
-from executor.isolation import remove_tree, terraform_processes
+from executor.jobfiles import remove_tree
 from executor.statestore import parse_state
+from executor.uids import terraform_processes
 
 log = structlog.get_logger(__name__)
 

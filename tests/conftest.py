@@ -72,7 +72,7 @@ async def _no_phase_outlives_its_test() -> AsyncIterator[None]:
     warnings.warn(f"phase tasks outlived the test: {names}", stacklevel=1)
 
 
-_PHASE_TASK = re.compile(r"[0-9a-z]{26}-(plan|apply|custom-[0-9]+)(-beat)?")  # executor/worker.py
+_PHASE_TASK = re.compile(r"[0-9a-z]{26}-(plan|apply|custom-[0-9]+)(-beat)?")  # executor/runner.py
 
 
 @pytest.fixture(autouse=True)

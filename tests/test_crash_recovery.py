@@ -3,7 +3,7 @@
 The restarted executor tells the truth at once: the dead life's lease fails with
 "executor restarted" (not after the 600 s heartbeat timeout) and the workspace moves on.
 What the dead executor's Terraform applied is not lost: on its parent death signal (one
-SIGTERM, `executor/isolation.py`) it tries the dead state backend for some seconds while
+SIGTERM, `executor/spawn.py`) it tries the dead state backend for some seconds while
 its provisioners finish, stops, and writes `errored.tfstate`, which the restart keeps and
 records as a recovered state version; the next plan has nothing to do.
 

@@ -355,7 +355,7 @@ async def test_a_heartbeat_whose_cancel_is_lost_still_ends_with_its_phase(
     """A cancellation swallowed under the heartbeat (as Python 3.11's wait_for may, in a
     NATS request) must not leave it beating for the rest of the process's life."""
     lost: list[str] = []
-    beat = executor._beat
+    beat = executor.runner._beat
 
     async def swallowing(subject: str, job: Any) -> None:
         await beat(subject, job)
@@ -366,7 +366,7 @@ async def test_a_heartbeat_whose_cancel_is_lost_still_ends_with_its_phase(
         except asyncio.CancelledError:
             lost.append(job.ctx.run_id)
 
-    monkeypatch.setattr(executor, "_beat", swallowing)
+    monkeypatch.setattr(executor.runner, "_beat", swallowing)
     commit(repo, MAIN_TF)
     await h.workspace("net", Workspace(repository=str(repo), variables={"n": "1"}))
     run_id = await h.start_run("net")

@@ -8,7 +8,7 @@ The attack below plants providers wherever a shared store could be; it fails as 
 the published mirror, or a plugin cache handed to jobs, is writable by them.
 
 A phase's uid is found without a look at all of /proc and every jobs directory per uid
-(executor/isolation.py), which took 0.4-0.5 s per phase on a machine where killed
+(executor/uids.py), which took 0.4-0.5 s per phase on a machine where killed
 executors had left a few dozen uids in use.
 """
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from executor import isolation
+from executor import uids as job_uids
 from executor.isolation import Isolation
 from executor.worker import default_jobs_dir
 from tests.procs import Client, Proc, free_port, wait_healthy
@@ -49,14 +49,14 @@ def test_a_uid_past_many_left_in_use_is_found_with_two_looks_at_proc(
     uids = range(base, base + 40)
     left = Path(tempfile.mkdtemp(prefix="runplane-leftovers-", dir=tempfile.gettempdir()))
     looks = 0
-    real = isolation.terraform_processes
+    real = job_uids.terraform_processes
 
     def counted() -> Iterator[tuple[Path, int]]:
         nonlocal looks
         looks += 1
         return real()
 
-    monkeypatch.setattr(isolation, "terraform_processes", counted)
+    monkeypatch.setattr(job_uids, "terraform_processes", counted)
     try:
         for i, uid in enumerate(uids[:30]):
             home = left / "jobs" / f"dead-{i}" / "home"

@@ -22,8 +22,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events.run import Workspace
-from executor import isolation
-from executor.isolation import Isolation, adopt, kill_uid
+from executor.errors import IsolationError
+from executor.isolation import Isolation
+from executor.jobfiles import adopt
+from executor.uids import DEFAULT_UIDS, kill_uid, uid_range
 from executor.worker import Executor, default_jobs_dir
 from services.app.commands import App
 from services.root.bootstrap import Plane
@@ -142,7 +144,7 @@ async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(up: Up, r
     other = default_jobs_dir(up.work()) / "jobs" / "01other-plan-x" / "src"
     other.mkdir(parents=True)
     (other / "secret.tf").write_text("other-org-canary\n")
-    uid = isolation.DEFAULT_UIDS[-1]  # another phase's uid (not one this test's job gets)
+    uid = DEFAULT_UIDS[-1]  # another phase's uid (not one this test's job gets)
     adopt(other, uid)
     attack = (
         "echo uid=$(id -u); "
@@ -163,7 +165,7 @@ async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(up: Up, r
     lines = _lines_of(logs)
     uids = [ln for ln in lines if ln.startswith("uid=")]
     assert uids and uids[0] != "uid=0", lines
-    assert int(uids[0].removeprefix("uid=")) in isolation.DEFAULT_UIDS
+    assert int(uids[0].removeprefix("uid=")) in DEFAULT_UIDS
     assert not [ln for ln in lines if ln.startswith("READ-")], lines
     said = await _everything_said(up, run)
     for secret in [*_secrets(up), "other-org-canary", "RUNPLANE_ADMIN_TOKEN"]:
@@ -228,7 +230,7 @@ async def test_a_provisioner_reads_nothing_of_the_executor(
     await h.approve("net", run_id)
     await h.reaches("net", run_id, "applied")
     seen = out.read_text().splitlines()
-    assert seen[0] != "0" and int(seen[0]) in isolation.DEFAULT_UIDS, seen
+    assert seen[0] != "0" and int(seen[0]) in DEFAULT_UIDS, seen
     assert "READ-KEY" not in seen and "READ-MIRRORS" not in seen, seen
     assert key.read_text().strip() not in out.read_text()
     assert out.stat().st_uid == int(seen[0]), "written by the job's uid"
@@ -360,7 +362,7 @@ def test_adopt_never_follows_links_nor_changes_a_hard_linked_file(tmp_path: Path
     (src / "link").symlink_to(outside)
     (src / "dirlink").symlink_to(tmp_path)
     os.link(outside, src / "hard")
-    uid = isolation.DEFAULT_UIDS[-2]
+    uid = DEFAULT_UIDS[-2]
     adopt(src, uid)
     assert (src / "d" / "f").stat().st_uid == uid and (src / "d").stat().st_uid == uid
     assert outside.stat().st_uid == 0, "neither the symlink nor the hard link moved it"
@@ -369,13 +371,13 @@ def test_adopt_never_follows_links_nor_changes_a_hard_linked_file(tmp_path: Path
 
 def test_a_bad_uid_range_is_a_clear_error() -> None:
     for bad in ("5", "10-20", "2000-1000", "a-b"):
-        with pytest.raises(isolation.IsolationError, match="RUNPLANE_JOB_UIDS"):
-            isolation.uid_range(bad)
-    assert isolation.uid_range("5000-5009") == range(5000, 5010)
+        with pytest.raises(IsolationError, match="RUNPLANE_JOB_UIDS"):
+            uid_range(bad)
+    assert uid_range("5000-5009") == range(5000, 5010)
 
 
 def test_an_unknown_isolation_mode_is_refused() -> None:
-    with pytest.raises(isolation.IsolationError, match="unknown isolation"):
+    with pytest.raises(IsolationError, match="unknown isolation"):
         Isolation.choose("chroot")
 
 
@@ -428,7 +430,7 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
             return int(text)
 
         daemon = await eventually(started, timeout=60, what="the provisioner's daemon")
-        assert _uid_of(daemon) in isolation.DEFAULT_UIDS, "the job runs as a uid of its own"
+        assert _uid_of(daemon) in DEFAULT_UIDS, "the job runs as a uid of its own"
         job = _pids_of(_uid_of(daemon))  # terraform, the provider, the provisioner, sleeps
         terraform = [p for p in job if _cmdline(p).split(b"\0")[0].endswith(b"/terraform")]
         assert terraform, "terraform runs as the job's uid"

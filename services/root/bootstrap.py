@@ -31,7 +31,8 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
-from executor.isolation import Isolation, IsolationError
+from executor.errors import IsolationError
+from executor.isolation import Isolation
 from executor.worker import Executor, TerraformSettings, default_executor_id
 from infra import options
 from infra.crypto import KeyRing

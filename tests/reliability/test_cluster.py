@@ -231,7 +231,7 @@ async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         assert status_code == 0, status_text
         # Terraform ends on its executor's death, but gracefully: its dead state backend is
         # tried for 6 s, then it writes errored.tfstate (recorded at the restart) and gives
-        # up the unlock after 6 s more (executor/statebackend.py, executor/isolation.py).
+        # up the unlock after 6 s more (executor/statebackend.py, executor/spawn.py).
         assert all(t is not None and t < ORPHAN_LIMIT_S for t in orphan_lifetimes), orphan_lifetimes
         assert not strays, strays
         assert len(plane.faults) == len(plan)

@@ -158,7 +158,7 @@ async def _run_recorded(
 ) -> bool:
     """Whether `pending` is a newer version its run recorded (`run.state_version`), of a
     run that is over: a live executor moves its own head, and a promotion under it
-    would refuse its write (executor/statebackend.py `_current`, the same rule)."""
+    would refuse its write (executor/statehead.py `current_head`, the same rule)."""
     newer = head is None or (pending.lineage == head.lineage and pending.serial > head.serial)
     if not newer:
         return False

@@ -1,0 +1,159 @@
+"""A job's files: its directories handed to its uid and back, and what it leaves removed.
+
+Under `user` isolation (executor/isolation.py) the job's uid owns only its checkout
+(`src/`, handed over by `adopt`) and its `home/`; `seal` takes both back when the phase
+ends, and `remove_files_of` clears what the uid left where anyone may write, before the
+uid serves another phase. `remove_tree` removes a tree whatever its depth, and
+`private_dir` makes a directory that only the executor may have made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from executor.errors import IsolationError
+
+log = structlog.get_logger(__name__)
+
+# Where any uid may create files (sticky, world-writable): a job's leftovers there would
+# be readable by the next phase given the same uid, of another organization perhaps.
+SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
+
+def private_dir(path: Path, mode: int) -> Path:
+    """Create `path` (parents as needed) or check it: a directory, not a link, ours, and
+    writable by no one else; then give it `mode`. A shared temporary directory is
+    writable by everyone: what someone else made there in advance is refused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise IsolationError(f"{path} is not a directory of this user's (a link, or another's)")
+    os.chmod(path, mode, follow_symlinks=False)
+    return path
+
+
+def seal(root: Path) -> None:
+    """Make a finished job's directories (`src/`, `home/`) the executor's again, 0700, so
+    that what is in them (a plan file, a state) cannot be read by the next phase given the
+    same uid, perhaps another organization's, while the directory waits to be removed.
+    The job cannot have replaced them: `root` is the executor's (0711)."""
+    for name in ("src", "home"):
+        path = root / name
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+            os.chown(path, os.geteuid(), os.getegid(), follow_symlinks=False)
+            os.chmod(path, 0o700)  # a directory still: the job cannot replace it
+        except OSError as e:
+            log.warning("job_dir_not_sealed", path=str(path), error=repr(e))
+
+
+def remove_tree(path: Path, *, as_uid: int | None = None) -> bool:
+    """`rm -rf` of `path` without following links and without recursion in Python (a
+    job's tree may be deeper than Python's recursion limit: shutil.rmtree raised there),
+    as `as_uid` when given (then it can remove only what that uid could); True if gone."""
+    if not os.path.lexists(path):
+        return True
+    rm = shutil.which("rm") or "/bin/rm"
+    ids: dict[str, Any] = {} if as_uid is None else {"user": as_uid, "group": as_uid}
+    if as_uid is not None:
+        ids["extra_groups"] = []
+    done = subprocess.run(
+        [rm, "-rf", "--one-file-system", "--", str(path)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        close_fds=True,
+        check=False,
+        **ids,
+    )
+    if done.returncode != 0:
+        log.warning(
+            "tree_not_removed", path=str(path), error=done.stderr[-300:].decode(errors="replace")
+        )
+    return not os.path.lexists(path)
+
+
+def remove_files_of(uid: int, places: Sequence[Path] = SHARED_TEMP) -> int:
+    """Remove what `uid` owns at the top of each shared temporary directory (a directory
+    with all below it, removed as that uid); how many entries were removed. Never follows
+    a link, and never fails the caller: what is left is logged."""
+    removed = 0
+    for place in places:
+        try:
+            entries = list(os.scandir(place))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    gone = remove_tree(Path(entry.path), as_uid=uid)
+                else:
+                    os.unlink(entry.path)
+                    gone = True
+                removed += gone
+            except Exception as e:  # noqa: BLE001  # a job's leftovers never stop a phase's end
+                log.warning("job_file_not_removed", path=entry.path, error=repr(e))
+    return removed
+
+
+def adopt(top: Path, uid: int) -> int:
+    """Give the executor's files under `top` to `uid`, never following a link; the count.
+
+    fd-relative throughout (`os.fwalk`, which checks it descends into the directory it
+    listed): the job may be running and renaming things meanwhile. Each file is opened
+    without following links and checked on its fd before `fchown`; a file with other
+    hard links (git's local clone shares objects with their source) is left as it is,
+    readable but not the job's, so that nothing outside `top` changes owner."""
+    me = os.geteuid()
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        raise IsolationError(f"{top} is not a directory")
+    changed = 0
+    for _, dirs, files, dirfd in os.fwalk(top, follow_symlinks=False):
+        here = os.fstat(dirfd)
+        if here.st_uid == me:
+            os.fchown(dirfd, uid, uid)
+            changed += 1
+        for name in (*dirs, *files):
+            changed += _adopt_file(name, dirfd, me, uid)
+    os.chmod(top, 0o700, follow_symlinks=False)
+    return changed
+
+
+def _adopt_file(name: str, dirfd: int, me: int, uid: int) -> int:
+    try:
+        st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return 0
+    if st.st_uid != me or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        return 0  # a directory is done by the walk; links stay the executor's
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+    except OSError:
+        return 0  # gone or replaced by a link meanwhile
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != me or not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return 0
+        os.fchown(fd, uid, uid)
+        return 1
+    finally:
+        os.close(fd)

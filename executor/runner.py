@@ -1,0 +1,174 @@
+"""Running a claimed phase: its task beside its heartbeat, its report at the end, and the
+removal of its directory.
+
+The phase runs in a task of its own, so that `stop()` can interrupt it. Its heartbeat
+beats until the phase is over and interrupts it once the run's lease is no longer ours
+or someone asked to stop it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import structlog
+from nats.js import JetStreamContext
+
+from events import wire
+from events.errors import DomainError
+from events.run import CancelRun, FailRun
+from events.wire import Heartbeat
+from executor.custom import is_custom
+from executor.job import STOP_REQUESTED, STOPPED, Job
+from executor.jobfiles import remove_tree
+from executor.phases import run_phase
+from infra import tracing
+from infra.heartbeats import beat_interval
+
+log = structlog.get_logger(__name__)
+
+
+def heartbeat_subject(run_id: str, phase: str) -> str:
+    return f"rp.hb.{run_id}.{phase}"
+
+
+class PhaseRunner:
+    """Runs an executor's claimed phases, each beside its heartbeat, and removes their
+    directories in the background. `jobs` are the phases running now; once `stopping`
+    is set, a phase that starts is interrupted at once."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        executor_id: str,
+        stopping: asyncio.Event,
+        *,
+        heartbeat_interval: float,
+    ) -> None:
+        self.js = js
+        self.executor_id = executor_id
+        self.heartbeat_interval = heartbeat_interval
+        self._stopping = stopping
+        self.jobs: set[Job] = set()
+        self._removals: set[asyncio.Future[bool]] = set()  # phase directories being removed
+
+    async def execute(self, job: Job) -> None:
+        """Run the phase in its own task (so stop() can interrupt it) beside its heartbeat."""
+        ctx = job.ctx
+        self.jobs.add(job)
+        tracing.annotate(
+            f"phase {ctx.phase}", org=ctx.org, workspace=ctx.ws, run_id=ctx.run_id, phase=ctx.phase
+        )
+        job.task = asyncio.create_task(run_phase(job), name=f"{ctx.run_id}-{ctx.phase}")
+        beat = asyncio.create_task(self._heartbeat(job), name=f"{ctx.run_id}-{ctx.phase}-beat")
+        try:
+            if self._stopping.is_set():  # stop() came while we were claiming
+                job.cancel(STOPPED)
+            await asyncio.wait([job.task])
+        finally:
+            beat.cancel()
+            if not job.task.done():  # we were cancelled from outside: take the phase down
+                job.cancel(STOPPED)
+                await asyncio.wait([job.task])
+            self.jobs.discard(job)
+            try:
+                if job.tools.jail is not None:  # every process of the job, escaped daemons too
+                    job.tools.jail.close()
+            finally:
+                self._remove(ctx.root)  # beside the final report, not before it
+                await self._conclude(job)
+
+    def _remove(self, root: Path) -> None:
+        """Remove a finished phase's directory in the background: deleting a Terraform
+        directory takes a while, and neither the run's report nor the next phase waits."""
+        task = asyncio.create_task(asyncio.to_thread(remove_tree, root))
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
+
+    async def removed(self, most: int) -> None:
+        """Wait until at most `most` directories are still being removed."""
+        while len(self._removals) > most:
+            await asyncio.wait(self._removals, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _conclude(self, job: Job) -> None:
+        """Log how the phase ended; report `executor_stopped` if we interrupted it."""
+        ctx = job.ctx
+        assert job.task is not None
+        if job.task.cancelled():
+            if job.cancel_reason == STOP_REQUESTED:
+                await self._cancel(job)
+            elif job.cancel_reason == STOPPED:
+                await self._fail(
+                    job,
+                    "executor_stopped",
+                    f"executor {self.executor_id} stopped during the {job.step or ctx.phase} step",
+                )
+            else:
+                log.warning("phase_abandoned", why="the run's lease is no longer ours")
+            return
+        exc = job.task.exception()
+        if exc is None:
+            log.info("phase_ended", step=job.step)
+        elif isinstance(exc, DomainError):
+            log.warning("phase_abandoned", why=str(exc), code=exc.code)
+        else:
+            log.error("phase_crashed", exc_info=exc)
+            reason = "step_failed" if is_custom(ctx.phase) else f"{job.step or ctx.phase}_failed"
+            await self._fail(job, reason, f"executor error: {exc!r}")
+
+    async def _fail(self, job: Job, reason: str, message: str) -> None:
+        """Best effort: the lease may be gone (StaleLease) or NATS unreachable."""
+        cmd = FailRun(
+            actor=job.ctx.actor, lease_id=job.ctx.lease_id, reason=reason, message=message
+        )
+        try:
+            await job.report(cmd)
+            log.info("phase_failed", reason=reason)
+        except DomainError as e:
+            log.info("phase_failure_not_reported", reason=reason, why=str(e))
+        except Exception:
+            log.exception("phase_failure_not_reported", reason=reason)
+
+    async def _cancel(self, job: Job) -> None:
+        """Report the stopped phase: the run ends `canceled` (fenced by the lease)."""
+        cmd = CancelRun(actor=job.ctx.actor, lease_id=job.ctx.lease_id)
+        try:
+            await job.report(cmd)
+            log.info("phase_stopped")
+        except DomainError as e:
+            log.info("phase_stop_not_reported", why=str(e))
+        except Exception:
+            log.exception("phase_stop_not_reported")
+
+    async def _heartbeat(self, job: Job) -> None:
+        """Beat every interval; interrupt the phase once the run's lease is no longer ours,
+        or once someone asked to stop it (checked on every beat)."""
+        ctx = job.ctx
+        subject = heartbeat_subject(ctx.run_id, ctx.phase)
+        # Until its phase is over, even if the cancel that ends it is lost (Python 3.11's
+        # wait_for, which nats-py's requests use, can swallow one that meets an answer).
+        while job.task is None or not job.task.done():
+            await self._beat(subject, job)
+            timeout = ctx.config.heartbeat_timeout
+            await asyncio.sleep(beat_interval(self.heartbeat_interval, timeout))
+            why = await job.interruption()
+            if why:
+                log.warning(why, lease_id=ctx.lease_id)
+                job.cancel(why)
+                return
+
+    async def _beat(self, subject: str, job: Job) -> None:
+        ctx = job.ctx
+        body = Heartbeat(
+            lease_id=ctx.lease_id,
+            executor_id=self.executor_id,
+            at=job.now(),
+            # So the reaper needs no lookup to judge the beat (infra/heartbeats.py).
+            org=ctx.org,
+            workspace=ctx.ws,
+            timeout=ctx.config.heartbeat_timeout,
+        )
+        try:
+            await self.js.publish(subject, wire.encode(body))
+        except Exception as e:  # a missed beat is survivable; the next one may land
+            log.warning("heartbeat_failed", error=repr(e))
