@@ -205,3 +205,18 @@ def test_the_checker_sees_a_circle_and_an_upward_arrow() -> None:
     assert _circles(defaultdict(set, graph)) == {("a", "b", "c")}
     assert _layer("services.surfaces.api.app") == ("services.surfaces", 5)
     assert _layer("services.app.commands") == ("services.app", 2)
+
+
+def test_the_executor_reaches_the_application_only_through_its_ports() -> None:
+    """executor/ imports nothing of services/ (not even the application layer below it):
+    what it needs of the App and the repository rules are the protocols of
+    executor/ports.py, which the composition root fills."""
+    graph = _imports(_modules())
+    reaching = sorted(
+        f"{source} -> {target}"
+        for source, targets in graph.items()
+        if source == "executor" or source.startswith("executor.")
+        for target in targets
+        if target.startswith("services")
+    )
+    assert reaching == []
