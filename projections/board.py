@@ -62,6 +62,7 @@ UPSERT = (
     + ", ".join(f"{c} = excluded.{c}" for c in _COLS[2:])
     + " WHERE excluded.seq > run_liveness.seq"
 )
+_SEQ = _COLS.index("seq")
 _DELETE = "DELETE FROM run_liveness WHERE run_id = ? AND phase = ? AND seq <= ?"
 _EVERYTHING = 2**63 - 1  # a purge of a whole subject: every sequence
 Purge = tuple[str, int | None]  # (subject, purged through this sequence; None: all)
@@ -83,15 +84,17 @@ async def apply_board(
             continue
         last = max(last, m.seq)
         beat = beat_of(m.subject, m.seq, stored_time(m.time_ns), m.data)
-        if beat is not None:  # (not the clock, nor a subject that is no entry)
-            rows[beat.run_id, beat.phase] = project_beat(beat)
+        if beat is None:  # the clock, or a subject that is no entry
+            continue
+        if (key := (beat.run_id, beat.phase)) not in rows or rows[key][_SEQ] < beat.seq:
+            rows[key] = project_beat(beat)
     deletes = []
     for subj, through in purges:
-        if (key := entry_of(subj)) is None:
+        if (purged := entry_of(subj)) is None:
             continue
-        deletes.append((*key, _EVERYTHING if through is None else through))
-        if through is not None and key in rows and rows[key][2] <= through:
-            del rows[key]  # purged before it was folded
+        deletes.append((*purged, _EVERYTHING if through is None else through))
+        if through is not None and purged in rows and rows[purged][_SEQ] <= through:
+            del rows[purged]  # purged before it was folded
     if not rows and not deletes:
         return last
     try:  # BEGIN inside: cancelled while queued, it runs anyway, and so must the ROLLBACK
