@@ -24,7 +24,6 @@ import time
 import uuid
 from collections import OrderedDict
 from datetime import datetime
-from weakref import WeakKeyDictionary
 
 import msgspec
 import nats.errors
@@ -57,16 +56,6 @@ LATEST = 2**63 - 1
 # The stream sequence a decision's reads must be at least as new as: the event that woke
 # the scheduler, the round of the reaper, the dispatch an executor claims. Per task.
 floor: contextvars.ContextVar[int] = contextvars.ContextVar("eventstore_floor", default=0)
-
-
-# The last sequence appended through each connection, per stream: a read in the same
-# process may wait until its projection holds it (projections/projector.py `settle`).
-_appended: WeakKeyDictionary[NATS, dict[str, int]] = WeakKeyDictionary()
-
-
-def appended(nc: NATS, stream: str = EVENTS) -> int:
-    """The last sequence of `stream` appended through `nc` (0: none yet)."""
-    return _appended.get(nc, {}).get(stream, 0)
 
 
 class StoreError(InfraError):
@@ -283,12 +272,6 @@ class EventStore:
         if the first try landed, the head of the subject carries our msg id and the append
         counts as done.
         """
-        seq = await self._append(items, attempts, forget)
-        known = _appended.setdefault(self.nc, {})
-        known[self.stream] = max(known.get(self.stream, 0), seq)
-        return seq
-
-    async def _append(self, items: list[Append], attempts: int, forget: bool) -> int:
         if not items:
             raise ValueError("nothing to append")
         ids = [it.msg_id or uuid.uuid4().hex for it in items]

@@ -19,7 +19,6 @@ import aiosqlite
 import structlog
 from nats.aio.client import Client as NATS
 
-from infra.eventstore import appended
 from infra.streams import EVENTS, HEARTBEATS
 from infra.tasks import cancel_and_wait
 from projections import schema
@@ -62,6 +61,7 @@ class Projector:
         self.skipped = 0
         self.received = 0
         self.board: BoardFold | None = None
+        self._reader: OrderedReader | None = None
         self._writing = asyncio.Lock()  # one transaction at a time on the shared writer
         self._db: aiosqlite.Connection | None = None
         self._read: ReadModel | None = None
@@ -132,22 +132,29 @@ class Projector:
             return self._verified.is_set() and self.seq >= seq
         return True
 
-    async def caught_up(self, timeout: float) -> bool:
-        """Wait until what this projector has already taken from the stream is committed
-        (no question to NATS: only what reached this process)."""
-        return await self.wait_for(self.taken, timeout)
+    @property
+    def received_seq(self) -> int:
+        """The last stream sequence that reached this projector: committed, in the batch
+        being applied, or buffered by its reader."""
+        reader = self._reader
+        return max(self.taken, reader.received_last if reader is not None else 0)
 
-    async def settle(self, timeout: float) -> bool:
-        """Wait until the read model holds what this process knows was written: the
-        events appended through its connection and the batches already taken, and the
-        board writes and purges made through it (`BoardFold.settle`). No question to
-        NATS; False if that took longer than `timeout` (the read goes on as it is)."""
+    async def caught_up(self, timeout: float) -> bool:
+        """Wait until what has already reached this projector is committed (no question
+        to NATS: only what reached this process)."""
+        return await self.wait_for(self.received_seq, timeout)
+
+    async def settle(self, timeout: float, *, events: bool = True) -> bool:
+        """Wait until the read model holds what reached this process: the board writes
+        and purges made through its connection (`BoardFold.settle`) and, with `events`,
+        the events this projector has received. No question to NATS; False if that took
+        longer than `timeout` (the read goes on as it is)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + timeout
-        events = await self.wait_for(max(self.taken, appended(self.nc, self.stream)), timeout)
+        done = await self.caught_up(timeout) if events else True
         if self.board is None:
-            return events
-        return await self.board.settle(max(0.0, until - loop.time())) and events
+            return done
+        return await self.board.settle(max(0.0, until - loop.time())) and done
 
     # ------------------------------------------------------------ the loop
 
@@ -164,11 +171,13 @@ class Projector:
                     idle_heartbeat=self.idle_heartbeat,
                 ) as reader:
                     delay = 0.1
+                    self._reader = reader
                     while True:
                         await self._apply(await reader.next_batch(self.batch_size))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure restarts from the checkpoint
+                self._reader = None
                 log.warning("projector_restarting", seq=self.seq, error=repr(e), delay=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

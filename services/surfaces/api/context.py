@@ -22,7 +22,7 @@ log = structlog.get_logger("runplane.api")
 WRITE_WAIT_S = 5.0  # after a command, until the projection holds its events
 READ_WAIT_S = 5.0  # for a read's RP-Min-Seq
 TOKEN_WAIT_S = 2.0  # for a token issued a moment ago, maybe through another replica
-SETTLE_WAIT_S = 1.0  # for what this process wrote (events, heartbeats) before a run's read
+SETTLE_WAIT_S = 1.0  # for what reached this process (events, board writes) before a run's read
 
 
 class Api:

@@ -47,7 +47,7 @@ async def _answer(api: Api, org: str, result: Result, *, status: int) -> web.Res
     return await written(
         api,
         result.seq,
-        lambda: _live_run(api, org, run_id),
+        lambda: _live_run(api, org, run_id, answer=True),
         lambda: render.run(result.state, result.seq),
         status=status,
         location=f"{PREFIX}/orgs/{org}/runs/{run_id}" if status == 201 else "",
@@ -82,12 +82,13 @@ async def get_run(request: web.Request) -> web.Response:
     return json_response(row)
 
 
-async def _live_run(api: Api, org: str, run_id: str) -> Row | None:
+async def _live_run(api: Api, org: str, run_id: str, *, answer: bool = False) -> Row | None:
     """The projected run with its `owner` and `deadline`, read with its row from this
     replica's read model (the heartbeat board folded, projections/board.py): one read,
-    no question to NATS. What this process wrote (events, board writes and purges) is
-    in it (`Projector.settle`, bounded)."""
-    await api.projector.settle(api.settle_wait)
+    no question to NATS. What already reached this process is in it (`Projector.settle`,
+    bounded): the board writes and purges it made and, unless this is a command's
+    `answer` (read at or past its write, as before), the events its projector received."""
+    await api.projector.settle(api.settle_wait, events=not answer)
     row = await api.read.get_run(org, run_id, live=True)
     if row is None or _ended(row):
         return row  # (an ended run has neither owner nor deadline)
@@ -102,7 +103,7 @@ async def liveness(api: Api, row: Row) -> Row:
     a row that shows a phase running with neither owner nor deadline (an orphan, it seems)
     is read again once what this projector has already received is committed."""
     orphan = row["owner"] is None and row["deadline"] is None and row["status"] in _OWNED
-    if orphan and api.projector.taken > api.projector.seq:
+    if orphan and api.projector.received_seq > api.projector.seq:
         if await api.projector.caught_up(api.read_wait):
             row = await api.read.get_run(row["org"], row["id"], live=True) or row
     return row
