@@ -142,7 +142,8 @@ class BoardFold:
     """Keep `run_liveness` folded from the board while started.
 
     `db` is the read model's writer, shared with the events' projector: `lock` keeps
-    their transactions apart. `seq` is the board's last sequence committed.
+    their transactions apart. `seq` is the board's last sequence folded (committed with
+    the last rows written: what came after them changed no row).
     """
 
     def __init__(
@@ -239,7 +240,7 @@ class BoardFold:
     # ------------------------------------------------------------ the loops
 
     async def _consume(self) -> None:
-        """Fold forever; on any failure, start over from the committed checkpoint."""
+        """Fold forever; on any failure, start over after the last sequence folded."""
         delay = 0.1
         while True:
             try:

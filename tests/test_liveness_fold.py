@@ -159,6 +159,28 @@ async def test_clock_messages_alone_write_nothing(db: aiosqlite.Connection) -> N
     assert await rows(db) == []
 
 
+async def test_a_read_model_without_the_board_tables_gains_them_and_keeps_its_rows(
+    tmp_path: Path,
+) -> None:
+    """A read model made before the board was folded is not rebuilt: the events' fold is
+    unchanged; the board's tables are created empty, to be folded from the start."""
+    path = tmp_path / "old.sqlite"
+    conn = await schema.connect(path)
+    await conn.execute("UPDATE checkpoint SET seq = 41 WHERE id = 1")
+    await conn.execute("INSERT INTO orgs (name) VALUES ('acme')")
+    await conn.execute("DROP TABLE run_liveness")
+    await conn.execute("DROP TABLE board_checkpoint")
+    await conn.close()
+    conn = await schema.connect(path)
+    try:
+        assert await schema.checkpoint(conn) == 41
+        assert list(await conn.execute_fetchall("SELECT name FROM orgs")) == [("acme",)]
+        assert await schema.checkpoint(conn, schema.BOARD_CHECKPOINT) == 0
+        assert await rows(conn) == []
+    finally:
+        await conn.close()
+
+
 async def fold_rows(path: Path) -> list[tuple[Any, ...]]:
     async with aiosqlite.connect(path) as conn:
         return list(await conn.execute_fetchall(schema.LIVENESS.select_sorted))
