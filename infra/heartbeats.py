@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import json
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 from weakref import WeakKeyDictionary
 
 import msgspec
@@ -194,7 +194,8 @@ class Board:
         return await self.publish(subj, data, expected=expected) > 0
 
     async def publish(self, subj: str, data: bytes, *, expected: int | None = None) -> int:
-        """`put`, answering the stored message's sequence (0: the expectation failed)."""
+        """`put`, answering the stored message's sequence (0: the expectation failed). The
+        watchers of the board in this process hear of the write at once (`Watcher.wrote`)."""
         headers = {} if expected is None else {"Nats-Expected-Last-Subject-Sequence": str(expected)}
         try:
             msg = await self.nc.request(subj, data, headers=headers, timeout=self.timeout)
@@ -205,6 +206,8 @@ class Board:
         except msgspec.DecodeError as e:
             raise BoardError(f"publishing on {subj}: an unreadable answer") from e
         if ack.error is None:
+            for watcher in list(_watchers.get(self.nc, ())):
+                watcher.wrote(subj, ack.seq)
             return ack.seq
         if ack.error.err_code in WRONG_LAST_SEQUENCES:
             return 0
@@ -212,7 +215,7 @@ class Board:
 
     async def purge(self, subj: str, *, through: int | None = None) -> None:
         """Drop a subject's messages (only up to sequence `through`, if given). The
-        followers of the board in this process forget them at once (a purge is no message
+        watchers of the board in this process forget them at once (a purge is no message
         their consumer would see)."""
         req: dict[str, Any] = {"filter": subj}
         if through is not None:
@@ -224,8 +227,8 @@ class Board:
             raise BoardError(f"purging {subj} timed out") from e
         if "error" in (answer := json.loads(resp.data)):
             raise BoardError(f"purging {subj}: {answer['error'].get('description')}")
-        for follower in list(_followers.get(self.nc, ())):
-            follower.forget(subj, through)
+        for watcher in list(_watchers.get(self.nc, ())):
+            watcher.forget(subj, through)
 
 
 def _unparsed(hdrs: dict[str, str], data: bytes) -> tuple[dict[str, str], bytes]:
@@ -242,7 +245,27 @@ class _Ack(msgspec.Struct, frozen=True):
     error: _AckError | None = None
 
 
-_followers: WeakKeyDictionary[NATS, set[Follower]] = WeakKeyDictionary()
+class Watcher(Protocol):
+    """A fold of the board in this process that hears of the writes and purges made
+    through the same connection as soon as they are answered (`watch`)."""
+
+    def wrote(self, subj: str, seq: int) -> None:
+        """A message was stored on `subj` at stream sequence `seq`."""
+
+    def forget(self, subj: str, through: int | None) -> None:
+        """`subj` was purged (only up to sequence `through`, if given)."""
+
+
+_watchers: WeakKeyDictionary[NATS, set[Watcher]] = WeakKeyDictionary()
+
+
+def watch(nc: NATS, watcher: Watcher) -> None:
+    """Tell `watcher` of every board write and purge made through `nc` from now on."""
+    _watchers.setdefault(nc, set()).add(watcher)
+
+
+def unwatch(nc: NATS, watcher: Watcher) -> None:
+    _watchers.get(nc, set()).discard(watcher)
 
 
 class Follower:
@@ -281,10 +304,10 @@ class Follower:
         self._sub = await js.subscribe(
             "rp.hb.>", stream=self.board.stream, ordered_consumer=True, cb=self._on
         )
-        _followers.setdefault(self.board.nc, set()).add(self)
+        watch(self.board.nc, self)
 
     async def stop(self) -> None:
-        _followers.get(self.board.nc, set()).discard(self)
+        unwatch(self.board.nc, self)
         sub, self._sub = self._sub, None
         if sub is not None:
             with contextlib.suppress(Exception):  # a closed connection has no subscription
@@ -319,6 +342,9 @@ class Follower:
         self.entries.clear()
         self._now, self._seen, self._clock = None, 0, 0
 
+    def wrote(self, subj: str, seq: int) -> None:
+        """Nothing to do: a snapshot waits for its clock message, which comes later."""
+
     def forget(self, subj: str, through: int | None) -> None:
         """A subject purged (up to `through`): drop what the fold holds of it."""
         entry = self.entries.get(subj)
@@ -329,7 +355,7 @@ class Follower:
         """Drop entries purged by other processes: those folded before the listing was
         asked for whose subject the stream no longer has."""
         before = self._seen
-        listed = await _subjects(self.board)
+        listed = await subjects(self.board)
         for subj, entry in list(self.entries.items()):
             if entry.seq <= before and subj not in listed:
                 del self.entries[subj]
@@ -358,11 +384,17 @@ def _stored(msg: Msg) -> tuple[int, datetime]:
         seq, at = int(tokens[5]), int(tokens[7])
     else:  # with the domain and account hash
         seq, at = int(tokens[Msg.Ack.StreamSeq]), int(tokens[Msg.Ack.Timestamp])
-    sec, ns = divmod(at, 1_000_000_000)
-    return seq, datetime.fromtimestamp(sec, UTC).replace(microsecond=ns // 1000)
+    return seq, stored_time(at)
 
 
-async def _subjects(board: Board) -> set[str]:
+def stored_time(ns: int) -> datetime:
+    """A message's server receipt time from nanoseconds since the epoch, to the
+    microsecond as a direct get's `Nats-Time-Stamp` gives it (`server_time`)."""
+    sec, ns = divmod(ns, 1_000_000_000)
+    return datetime.fromtimestamp(sec, UTC).replace(microsecond=ns // 1000)
+
+
+async def subjects(board: Board) -> set[str]:
     """Every subject the board's stream holds, from its leader (stream info, paged)."""
     api = f"$JS.API.STREAM.INFO.{board.stream}"
     out: set[str] = set()

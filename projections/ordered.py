@@ -116,6 +116,16 @@ class OrderedReader:
                     await self._take(gen, msg, out)
         return out
 
+    @property
+    def received_last(self) -> int:
+        """The stream sequence of the last message received: handed out, or still buffered
+        (parsed here, on demand, not per message)."""
+        for gen, msg in reversed(self._queue):
+            if gen == self._gen and msg.reply.startswith("$JS.ACK."):
+                tokens = msg.reply.split(".")
+                return int(tokens[5 if len(tokens) == _V1_TOKENS else 7])
+        return self.last
+
     async def _take(self, gen: int, msg: Msg, out: list[Delivered]) -> None:
         if gen != self._gen:
             return

@@ -4,6 +4,8 @@ One per api replica (each replica owns its read model) and standalone for tools.
 after the checkpoint stored in the database, applies what arrives in batches (one
 transaction each), and lets callers wait until a given stream sequence is readable, which
 is how the api answers a read only from a projection at or past the caller's last write.
+Beside it, on the same writer, `board` folds the heartbeat board (RP_HEARTBEATS) into the
+runs' liveness (projections/board.py).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import aiosqlite
 import structlog
 from nats.aio.client import Client as NATS
 
-from infra.streams import EVENTS
+from infra.streams import EVENTS, HEARTBEATS
 from infra.tasks import cancel_and_wait
 from projections import schema
 from projections.batch import apply_batch
+from projections.board import BoardFold
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
 
@@ -30,9 +33,11 @@ log = structlog.get_logger(__name__)
 class Projector:
     """Keep the read model at `db_path` up to date while the context lasts.
 
-    `seq` is the last stream sequence committed; `read` queries the same database;
-    `skipped` counts messages recorded as skipped (undecodable or unprojectable);
-    `received` counts messages taken from the stream by this instance, redeliveries included.
+    `seq` is the last stream sequence committed; `taken` the last handed to a batch
+    (committed or not yet); `read` queries the same database; `skipped` counts messages
+    recorded as skipped (undecodable or unprojectable); `received` counts messages taken
+    from the stream by this instance, redeliveries included. `board` folds `board_stream`
+    (None: no board fold, the liveness tables stay as they are).
     """
 
     def __init__(
@@ -43,15 +48,21 @@ class Projector:
         stream: str = EVENTS,
         batch_size: int = 500,
         idle_heartbeat: float = 1.0,
+        board_stream: str | None = HEARTBEATS,
     ) -> None:
         self.nc = nc
         self.db_path = Path(db_path)
         self.stream = stream
         self.batch_size = batch_size
         self.idle_heartbeat = idle_heartbeat
+        self.board_stream = board_stream
         self.seq = 0
+        self.taken = 0
         self.skipped = 0
         self.received = 0
+        self.board: BoardFold | None = None
+        self._reader: OrderedReader | None = None
+        self._writing = asyncio.Lock()  # one transaction at a time on the shared writer
         self._db: aiosqlite.Connection | None = None
         self._read: ReadModel | None = None
         self._task: asyncio.Task[None] | None = None
@@ -74,6 +85,15 @@ class Projector:
                 row = await cur.fetchone()
             self.skipped = int(row[0]) if row else 0
             self._read = await ReadModel.open(self.db_path)
+            if self.board_stream is not None:
+                self.board = BoardFold(
+                    self.nc,
+                    self._db,
+                    self._writing,
+                    stream=self.board_stream,
+                    idle_heartbeat=self.idle_heartbeat,
+                )
+                await self.board.start()
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
@@ -88,6 +108,9 @@ class Projector:
         tb: TracebackType | None,
     ) -> None:
         await cancel_and_wait(self._task)
+        if self.board is not None:
+            await self.board.stop()
+            self.board = None
         if self._read:
             await self._read.close()
             self._read = None
@@ -109,6 +132,30 @@ class Projector:
             return self._verified.is_set() and self.seq >= seq
         return True
 
+    @property
+    def received_seq(self) -> int:
+        """The last stream sequence that reached this projector: committed, in the batch
+        being applied, or buffered by its reader."""
+        reader = self._reader
+        return max(self.taken, reader.received_last if reader is not None else 0)
+
+    async def caught_up(self, timeout: float) -> bool:
+        """Wait until what has already reached this projector is committed (no question
+        to NATS: only what reached this process)."""
+        return await self.wait_for(self.received_seq, timeout)
+
+    async def settle(self, timeout: float, *, events: bool = True) -> bool:
+        """Wait until the read model holds what reached this process: the board writes
+        and purges made through its connection (`BoardFold.settle`) and, with `events`,
+        the events this projector has received. No question to NATS; False if that took
+        longer than `timeout` (the read goes on as it is)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout
+        done = await self.caught_up(timeout) if events else True
+        if self.board is None:
+            return done
+        return await self.board.settle(max(0.0, until - loop.time())) and done
+
     # ------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
@@ -124,11 +171,13 @@ class Projector:
                     idle_heartbeat=self.idle_heartbeat,
                 ) as reader:
                     delay = 0.1
+                    self._reader = reader
                     while True:
                         await self._apply(await reader.next_batch(self.batch_size))
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure restarts from the checkpoint
+                self._reader = None
                 log.warning("projector_restarting", seq=self.seq, error=repr(e), delay=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -136,7 +185,10 @@ class Projector:
     async def _apply(self, batch: list[Delivered]) -> None:
         assert self._db is not None
         self.received += len(batch)
-        applied = await apply_batch(self._db, batch, after=self.seq)
+        if batch:
+            self.taken = max(self.taken, batch[-1].seq)
+        async with self._writing:
+            applied = await apply_batch(self._db, batch, after=self.seq)
         if applied.last_seq <= self.seq:
             return
         self.skipped += applied.skipped
@@ -152,6 +204,7 @@ class Projector:
         last = info.state.last_seq
         if self.seq > last:
             log.error("projection_ahead_of_stream", seq=self.seq, stream_last_seq=last)
-            await schema.reset(self._db)
-            self.seq, self.skipped = 0, 0
+            async with self._writing:
+                await schema.reset(self._db)
+            self.seq, self.taken, self.skipped = 0, 0, 0
         self._verified.set()

@@ -9,7 +9,7 @@ import aiosqlite
 import msgspec
 
 from events.run import TERMINAL
-from projections import changes, state_versions
+from projections import changes, liveness, state_versions
 from projections.reader import Reader
 
 _RUN_COLS = (
@@ -35,19 +35,21 @@ class Runs:
     def __init__(self, read: Reader) -> None:
         self._read = read
 
-    async def get(self, org: str, run_id: str) -> dict[str, Any] | None:
+    async def get(self, org: str, run_id: str, *, live: bool = False) -> dict[str, Any] | None:
         """The run, or None if it does not exist or belongs to another organization.
 
-        With what it is pinned to: its snapshot, its commit's author and message.
+        With what it is pinned to: its snapshot, its commit's author and message; with
+        `live`, also its `owner` and `deadline` as the board's fold has them
+        (projections/liveness.py), read with the row.
         """
         async with self._read.snapshot():  # the pins from the same moment as the row
             row = await self._read.row(
-                f"SELECT {_RUN_COLS} FROM runs WHERE id = ? AND org = ?", (run_id, org)
+                f"SELECT {_selected(live)} WHERE runs.id = ? AND runs.org = ?", (run_id, org)
             )
             if row is None:
                 return None
             pins = await state_versions.run_pins(self._read.rows, run_id)
-        return _run(row) | pins
+        return _run(row) | pins | (liveness.of_row(row) if live else {})
 
     async def find(
         self,
@@ -58,37 +60,39 @@ class Runs:
         limit: int = 100,
         before: str | None = None,
         full: bool = True,
+        live: bool = False,
     ) -> list[dict[str, Any]]:
         """Runs newest first. `before` is the id of the last run of the previous page.
 
-        `full`: each as `get` answers it; otherwise only the runs table's own fields
-        (the API's `fields=summary`)."""
-        where, params = ["org = ?"], [org]
+        `full`: each as `get` answers it (with `live`, as `get(live=True)` does);
+        otherwise only the runs table's own fields (the API's `fields=summary`)."""
+        where, params = ["runs.org = ?"], [org]
         if workspace is not None:
-            where.append("workspace = ?")
+            where.append("runs.workspace = ?")
             params.append(workspace)
         if status:
-            where.append(f"status IN ({', '.join('?' * len(status))})")
+            where.append(f"runs.status IN ({', '.join('?' * len(status))})")
             params.extend(status)
         if before is not None:
             # An unknown cursor matches nothing, rather than restarting at the newest run.
             where.append(
-                "(created_at, id) < (SELECT created_at, id FROM runs WHERE org = ? AND id = ?)"
+                "(runs.created_at, runs.id) < "
+                "(SELECT created_at, id FROM runs WHERE org = ? AND id = ?)"
             )
             params.extend([org, before])
+        live = live and full
         sql = (
-            f"SELECT {_RUN_COLS} FROM runs WHERE {' AND '.join(where)} "
-            "ORDER BY created_at DESC, id DESC LIMIT ?"
+            f"SELECT {_selected(live)} WHERE {' AND '.join(where)} "
+            "ORDER BY runs.created_at DESC, runs.id DESC LIMIT ?"
         )
         async with self._read.snapshot():  # the pins from the same moment as the rows
-            rows = [
-                _run(r)
-                for r in await self._read.rows(sql, [*params, max(0, min(limit, _MAX_LIMIT))])
-            ]
+            found = await self._read.rows(sql, [*params, max(0, min(limit, _MAX_LIMIT))])
+            rows = [_run(r) for r in found]
             if not full:
                 return rows
             pins = await state_versions.runs_pins(self._read.rows, [r["id"] for r in rows])
-        return [r | pins[r["id"]] for r in rows]
+        lives = [liveness.of_row(f) if live else {} for f in found]
+        return [r | pins[r["id"]] | v for r, v in zip(rows, lives, strict=True)]
 
     async def open(self, org: str, ws: str, limit: int = 5) -> list[str]:
         """Runs of the workspace that have not ended (speculative plans included), oldest
@@ -218,3 +222,10 @@ def _event(row: aiosqlite.Row) -> dict[str, Any]:
         "actor": row["actor"],
         "data": data,
     }
+
+
+def _selected(live: bool) -> str:
+    """What a run is read from: its row, and with `live` its board entries joined."""
+    if live:
+        return f"{_cols('runs')}, {liveness.COLUMNS} FROM runs {liveness.JOIN}"
+    return f"{_RUN_COLS} FROM runs"

@@ -18,6 +18,8 @@ from typing import Any
 
 import aiosqlite
 
+# (The board's tables, BOARD_TABLES, came without a bump: nothing of the events' fold
+# changed, and where they are missing they are created empty and folded from the start.)
 VERSION = 14
 
 Row = dict[str, Any]
@@ -318,6 +320,28 @@ SKIPPED = Table(
     "reason TEXT",
 )
 
+# The heartbeat board (RP_HEARTBEATS), folded apart from the events (projections/board.py):
+# its own checkpoint, a stream sequence of its own; a rebuild of the events leaves it be.
+BOARD_CHECKPOINT = Table(
+    "board_checkpoint", ("id",), "id INTEGER CHECK (id = 1)", "seq INTEGER NOT NULL"
+)
+LIVENESS = Table(  # each board entry, as its last message says (projections/liveness.py)
+    "run_liveness",
+    ("run_id", "phase"),
+    "run_id TEXT NOT NULL",
+    "phase TEXT NOT NULL",  # a phase's entry, or `deadline`: the run's limits
+    "seq INTEGER NOT NULL",  # the message's stream sequence: an older one never replaces it
+    "at TEXT NOT NULL",  # when the server stored it
+    "lease_id TEXT",  # "" while nobody holds the phase (a `dispatched` marker)
+    "executor_id TEXT",
+    "timeout INTEGER",
+    "recheck INTEGER",
+    "dispatched_at TEXT",
+    "run_deadline TEXT",
+    "approval_deadline TEXT",
+)
+BOARD_TABLES: tuple[Table, ...] = (BOARD_CHECKPOINT, LIVENESS)
+
 TABLES: tuple[Table, ...] = (
     CHECKPOINT,
     ORGS,
@@ -397,11 +421,12 @@ async def _ensure_schema(db: aiosqlite.Connection, *, indexes: bool) -> None:
         await db.execute("BEGIN IMMEDIATE")
         if version != VERSION:
             await _drop_all(db)
-        for table in TABLES:
+        for table in (*TABLES, *BOARD_TABLES):
             await db.execute(table.ddl)
         if indexes:
             await create_indexes(db)
         await db.execute("INSERT OR IGNORE INTO checkpoint (id, seq) VALUES (1, 0)")
+        await db.execute("INSERT OR IGNORE INTO board_checkpoint (id, seq) VALUES (1, 0)")
         await db.execute(f"PRAGMA user_version = {VERSION}")
         await db.execute("COMMIT")
     except BaseException:
@@ -424,13 +449,14 @@ async def _drop_all(db: aiosqlite.Connection) -> None:
             await db.execute(f'DROP TABLE IF EXISTS "{name}"')
 
 
-async def reset(db: aiosqlite.Connection) -> None:
-    """Empty every table and move the checkpoint back to 0, in one transaction."""
+async def reset(db: aiosqlite.Connection, tables: tuple[Table, ...] = TABLES) -> None:
+    """Empty every table of the events' fold (or of `tables`, the first of which is their
+    checkpoint) and move the checkpoint back to 0, in one transaction."""
     try:  # BEGIN inside: cancelled while queued, it runs anyway, and so must the ROLLBACK
         await db.execute("BEGIN IMMEDIATE")
-        for table in TABLES:
+        for table in tables:
             await db.execute(f"DELETE FROM {table.name}")
-        await db.execute("INSERT INTO checkpoint (id, seq) VALUES (1, 0)")
+        await db.execute(f"INSERT INTO {tables[0].name} (id, seq) VALUES (1, 0)")
         await db.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.OperationalError):  # no transaction: BEGIN failed
@@ -438,8 +464,8 @@ async def reset(db: aiosqlite.Connection) -> None:
         raise
 
 
-async def checkpoint(db: aiosqlite.Connection) -> int:
-    """The last stream sequence the database covers."""
-    async with db.execute("SELECT seq FROM checkpoint WHERE id = 1") as cur:
+async def checkpoint(db: aiosqlite.Connection, table: Table = CHECKPOINT) -> int:
+    """The last stream sequence the database covers (of the board, with BOARD_CHECKPOINT)."""
+    async with db.execute(f"SELECT seq FROM {table.name} WHERE id = 1") as cur:
         row = await cur.fetchone()
     return int(row[0]) if row else 0

@@ -22,6 +22,7 @@ log = structlog.get_logger("runplane.api")
 WRITE_WAIT_S = 5.0  # after a command, until the projection holds its events
 READ_WAIT_S = 5.0  # for a read's RP-Min-Seq
 TOKEN_WAIT_S = 2.0  # for a token issued a moment ago, maybe through another replica
+SETTLE_WAIT_S = 1.0  # for what reached this process (events, board writes) before a run's read
 
 
 class Api:
@@ -44,6 +45,7 @@ class Api:
         self.write_wait = WRITE_WAIT_S
         self.read_wait = READ_WAIT_S
         self.token_wait = TOKEN_WAIT_S
+        self.settle_wait = SETTLE_WAIT_S
         self.token_use_every = USE_EVERY  # how stale a token's "last used" may be
         self.token_uses: dict[str, datetime] = {}  # token id: when this replica last recorded
 

@@ -103,7 +103,7 @@ def run(state: RunState, seq: int) -> Row:
         # Known from the run's plan event only, which a command's result does not carry.
         "commit_author": None,
         "commit_message": None,
-        # Known from the heartbeat board only (services/surfaces/api/liveness.py).
+        # Known from the heartbeat board only (projections/liveness.py).
         "owner": None,
         "deadline": None,
     }

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from events.codec import run_subject
 from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
-from infra.heartbeats import Board
 from services.app.execute import Result
 from services.surfaces.api import approvals, render
 from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
@@ -25,7 +22,6 @@ from services.surfaces.api.bodies import (
 )
 from services.surfaces.api.common import Row, items, json_response, path_id, scope, written
 from services.surfaces.api.context import Api
-from services.surfaces.api.liveness import liveness
 from services.surfaces.api.problems import Problem
 
 PREFIX = "/api/v1"
@@ -35,7 +31,6 @@ _STATUSES = frozenset(s.value for s in Status)
 _OWNED = frozenset({"planning", "applying", "running"})  # a phase runs: it has an owner
 _LIST_PARAMS = frozenset({"status", "workspace", "limit", "before", "fields"})
 FIELDS = ("full", "summary")  # a list's `fields=`: as GET shows each run, or the summary
-_LIVENESS_AT_ONCE = 32  # board reads of a listed page in flight at once
 CLIENT_HEADER = "X-Runplane-Client"  # `cli` from runplane's own command line
 
 
@@ -52,7 +47,7 @@ async def _answer(api: Api, org: str, result: Result[RunState], *, status: int) 
     return await written(
         api,
         result.seq,
-        lambda: _live_run(api, org, run_id),
+        lambda: _live_run(api, org, run_id, answer=True),
         lambda: render.run(result.state, result.seq),
         status=status,
         location=f"{PREFIX}/orgs/{org}/runs/{run_id}" if status == 201 else "",
@@ -78,7 +73,7 @@ async def create_run(request: web.Request) -> web.Response:
 
 
 async def get_run(request: web.Request) -> web.Response:
-    """The run, with its live `owner` or its `deadline` (services/surfaces/api/liveness.py)."""
+    """The run, with its live `owner` or its `deadline` (projections/liveness.py)."""
     api, org, _ = scope(request, VIEWER)
     run_id = path_id(request, "run")
     row = await _live_run(api, org, run_id)
@@ -87,50 +82,35 @@ async def get_run(request: web.Request) -> web.Response:
     return json_response(row)
 
 
-async def _live_run(api: Api, org: str, run_id: str) -> Row | None:
-    """The projected run with its `owner` and `deadline` from the heartbeat board."""
-    row = await api.read.runs.get(org, run_id)
+async def _live_run(api: Api, org: str, run_id: str, *, answer: bool = False) -> Row | None:
+    """The projected run with its `owner` and `deadline`, read with its row from this
+    replica's read model (the heartbeat board folded, projections/board.py): one read,
+    no question to NATS. What already reached this process is in it (`Projector.settle`,
+    bounded): the board writes and purges it made and, unless this is a command's
+    `answer` (read at or past its write, as before), the events its projector received."""
+    await api.projector.settle(api.settle_wait, events=not answer)
+    row = await api.read.runs.get(org, run_id, live=True)
     if row is None or _ended(row):
-        return _ended_row(row)
-    live = await liveness(Board(api.app.store.nc), row)
-    if live["owner"] is None and live["deadline"] is None and row["status"] in _OWNED:
-        # The board runs ahead of this replica's projection: a phase that just ended is
-        # purged from it while the row may still say it runs (no owner, no deadline: an
-        # orphan, it seems). Catch up on the run's own events, then answer from them.
-        last, _ = await api.app.store.last(run_subject(org, row["workspace"], run_id))
-        if last > row["seq"] and await api.reached(last, api.read_wait):
-            row = await api.read.runs.get(org, run_id) or row
-            if _ended(row):
-                return _ended_row(row)
-            live = await liveness(Board(api.app.store.nc), row)
-    return row | live
+        return row  # (an ended run has neither owner nor deadline)
+    return await liveness(api, row)
+
+
+async def liveness(api: Api, row: Row) -> Row:
+    """An open run as answered, with the `owner` and `deadline` read with it.
+
+    The board's fold may be ahead of the events' (a phase that just ended is purged from
+    the board at once, and this replica's projection of the run's events may be behind):
+    a row that shows a phase running with neither owner nor deadline (an orphan, it seems)
+    is read again once what this projector has already received is committed."""
+    orphan = row["owner"] is None and row["deadline"] is None and row["status"] in _OWNED
+    if orphan and api.projector.received_seq > api.projector.seq:
+        if await api.projector.caught_up(api.read_wait):
+            row = await api.read.runs.get(row["org"], row["id"], live=True) or row
+    return row
 
 
 def _ended(row: Row) -> bool:
     return row["status"] in {str(s) for s in TERMINAL}
-
-
-def _ended_row(row: Row | None) -> Row | None:
-    return None if row is None else row | {"owner": None, "deadline": None}
-
-
-async def _all_with_liveness(board: Board, rows: list[Row]) -> list[Row]:
-    """Each open run's board reads (a KV get or two, about 0.7 ms) in parallel, a few at a
-    time: one after the other, they took 120-150 ms of a 230 ms page of 200 open runs."""
-    gate = asyncio.Semaphore(_LIVENESS_AT_ONCE)
-
-    async def one(row: Row) -> Row:
-        async with gate:
-            return await _with_liveness(board, row)
-
-    return list(await asyncio.gather(*(one(r) for r in rows)))
-
-
-async def _with_liveness(board: Board, row: Row) -> Row:
-    """A listed run's `owner` and `deadline`: the board is asked only about open runs."""
-    return (
-        row | {"owner": None, "deadline": None} if _ended(row) else row | await liveness(board, row)
-    )
 
 
 # ------------------------------------------------------------ listing
@@ -173,9 +153,9 @@ def _filters(request: web.Request) -> dict[str, Any]:
 
 async def _list(api: Api, org: str, filters: dict[str, Any]) -> web.Response:
     """Newest first; a full page carries `next`, the `before` of the following page."""
-    rows = await api.read.runs.find(org, **filters)
-    if filters["full"]:  # each run as GET shows it, with its owner and deadline
-        rows = await _all_with_liveness(Board(api.app.store.nc), rows)
+    await api.projector.settle(api.settle_wait)
+    # each run as GET shows it (`full`), with its owner and deadline read with it
+    rows = await api.read.runs.find(org, **filters, live=True)
     page_full = len(rows) == filters["limit"]
     return items(rows, next=rows[-1]["id"] if page_full and rows else None)
 
