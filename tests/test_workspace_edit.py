@@ -365,7 +365,7 @@ async def test_a_delete_between_a_runs_two_appends_refuses_the_run(
     other = process().app
 
     class Interleaved(App):
-        async def enqueue_run(self, org: str, ws: str, run_id: str, actor: str, **kw: Any) -> bool:
+        async def enqueue_run(self, org: str, ws: str, run_id: str, actor: str, **kw: Any) -> int:
             await other.delete_workspace(org, ws, "admin")
             return await super().enqueue_run(org, ws, run_id, actor, **kw)
 

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
+import msgspec
 import structlog
 
 from events import inherit
@@ -157,10 +158,7 @@ class RunFlows(Repository):
             return await self._record_created(create, derived=bool(run_id)), w
 
         created, seen = await self.retrying(attempt)  # seen: the workspace the create saw
-        # On run.created the scheduler admits a speculative run, and enqueues a stray one.
-        if not (created.existed or created.state.speculative):
-            await self._enqueue_created(org, ws, new_run, actor, seen)
-        return created
+        return await self._enqueue_created(created, actor, seen)
 
     async def _record_created(
         self, create: run_agg.CreateRun, *, derived: bool
@@ -184,17 +182,29 @@ class RunFlows(Repository):
         return Result(state=state, seq=seq, events=list(run_events))
 
     async def _enqueue_created(
-        self, org: str, ws: str, run_id: str, actor: str, seen: Loaded[ws_agg.WorkspaceState]
-    ) -> None:
-        """Enqueue a run just created; the create has succeeded whatever happens here."""
+        self,
+        created: Result[run_agg.RunState],
+        actor: str,
+        seen: Loaded[ws_agg.WorkspaceState],
+    ) -> Result[run_agg.RunState]:
+        """Enqueue a run just created, and answer the create with its last write's
+        sequence (read-your-writes: a read after it shows the run on its workspace's
+        queue too). The create has succeeded whatever happens here. On run.created the
+        scheduler admits a speculative run, and enqueues a stray one."""
+        if created.existed or created.state.speculative:
+            return created
+        run = created.state
+        org, ws, run_id = run.org, run.workspace, run.run_id
         try:
-            await self.enqueue_run(org, ws, run_id, actor, seen=seen)
+            enqueued = int(await self.enqueue_run(org, ws, run_id, actor, seen=seen))
         except Deleted:  # deleted since it was loaded: the delete won, the run is refused
             await self._refuse_deleted(org, ws, run_id, actor)
             raise
         except Exception as e:  # noqa: BLE001 - created it is: the scheduler enqueues it
             # (module docstring); an error here would have the caller create it again.
             log.warning("run_enqueue_deferred", org=org, workspace=ws, run_id=run_id, error=repr(e))
+            return created
+        return msgspec.structs.replace(created, seq=max(created.seq, enqueued))
 
     @tracing.command
     async def enqueue_run(
@@ -205,23 +215,23 @@ class RunFlows(Repository):
         actor: str,
         *,
         seen: Loaded[ws_agg.WorkspaceState] | None = None,
-    ) -> bool:
+    ) -> int:
         """Put a pending run at the back of its workspace's queue, unless it is there (or
-        holds the workspace) already; True if this call enqueued it. `seen`: the
-        workspace as loaded just before, tried first (a conflict reloads it).
+        holds the workspace) already; the sequence of the `ws.run_enqueued` this call
+        appended, 0 (false) if it appended none. `seen`: the workspace as loaded just
+        before, tried first (a conflict reloads it).
 
         A run that is no longer pending is left alone; should it be canceled between the
         check and the append, admission finds it terminal at the head and releases it."""
         first = [seen] if seen is not None else []
 
-        async def attempt() -> bool:
+        async def attempt() -> int:
             w = first.pop() if first else await self.load_ws(org, ws)
             if w.state.holds(run_id):
-                return False
+                return 0
             enqueue = ws_agg.EnqueueRun(actor=actor, run_id=run_id)
             evs = ws_agg.decide(w.state, enqueue, now=self.clock(), new_id=self.ids)
-            await self.store.append(self.appends(w.subject, w.seq, list(evs)))
-            return True
+            return await self.store.append(self.appends(w.subject, w.seq, list(evs)))
 
         # Creates on one workspace enqueue one at a time within a process: racing, they
         # would all reload, all but one conflict, and a burst would exhaust its retries.
@@ -239,7 +249,7 @@ class RunFlows(Repository):
         if not r.state.exists or r.state.speculative or r.state.status != run_agg.Status.PENDING:
             return False
         try:
-            return await self.enqueue_run(org, ws, run_id, actor)
+            return bool(await self.enqueue_run(org, ws, run_id, actor))
         except Deleted:  # its creator died before it could cancel it
             await self._refuse_deleted(org, ws, run_id, actor)
             return False
