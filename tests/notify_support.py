@@ -17,7 +17,7 @@ from aiohttp import web
 from services.processes.notifications import signing
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import Http, served
+from tests.api_support import Http, served
 
 
 @dataclass

@@ -24,10 +24,10 @@ from services.processes.notifications import outbox
 from services.processes.notifications.delivery import Dispatcher, Policy
 from services.processes.notifications.subscriber import Notifier
 from services.processes.notifications.tokens import TokenError
+from tests.api_support import Http
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
 from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture
-from tests.test_api_support import Http
 from tests.test_notifications_delivery import (  # noqa: F401  # the fixtures
     TOKEN,
     Rig,

@@ -27,8 +27,8 @@ from services.processes.vcs.github import GitHubClient
 from services.processes.vcs.gitlab import GitLabClient
 from services.processes.vcs.report import make_client
 from tests.helpers import eventually
-from tests.test_vcs_report_support import FakeVcs
 from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.vcs_report_support import FakeVcs
 
 __all__ = ["tfe_fixture"]
 

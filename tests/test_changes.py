@@ -19,10 +19,10 @@ from executor import Executor, TerraformConfig
 from projections import ReadModel, replay
 from services.app.commands import App
 from tests import bootstrap_support
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 from tests.bootstrap_support import System
 from tests.helpers import eventually
 from tests.provider import REQUIRED_PROVIDERS
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 from tests.test_executor import Harness, git
 
 pytestmark = pytest.mark.terraform

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
+from tests.cli_client_support import ESC, Cli
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_cli_client_support import ESC, Cli
 
 V1 = "/api/v1/orgs/acme"
 ONE = 'resource "null_resource" "a" {}\n'

@@ -21,7 +21,7 @@ from projections import projector as projector_module
 from projections.batch import apply_batch
 from services.app.commands import App
 from services.surfaces.api import runs as runs_api
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 from tests.test_reaper import ORG, beat, claim, queued_run, workspace
 
 

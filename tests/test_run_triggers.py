@@ -21,9 +21,9 @@ from infra.ids import derived_id
 from services.app.commands import App
 from services.processes.triggers import graph
 from services.processes.triggers.subscriber import Triggers
+from tests.api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 from tests.bootstrap_support import Process
 from tests.gwt import NOW, Aggregate, given
-from tests.test_api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 
 RT = Aggregate(initial=rt.INITIAL, decide=rt.decide, evolve=rt.evolve)
 

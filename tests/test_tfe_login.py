@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 from services.surfaces.tfe.context import TFE
-from tests.test_api_support import ADMIN_TOKEN
+from tests.api_support import ADMIN_TOKEN
 from tests.tfe_support import Tfe, tfe_fixture
 
 __all__ = ["tfe_fixture"]

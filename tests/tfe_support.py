@@ -28,8 +28,8 @@ from infra.crypto import KeyRing
 from projections.projector import Projector
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
+from tests.api_support import ADMIN_TOKEN, Answer, Http, served
 from tests.bootstrap_support import built
-from tests.test_api_support import ADMIN_TOKEN, Answer, Http, served
 
 JSONAPI = "application/vnd.api+json"
 

@@ -47,7 +47,7 @@ from tests.reliability.cluster_events_support import (
     write_summary,
 )
 from tests.reliability.test_cluster import AFTER_FAULT_503_S, replicated
-from tests.test_vcs_support import SECRET
+from tests.vcs_support import SECRET
 
 REPO = "https://github.com/acme/net.git"
 # Workspaces on acme/net's master: a push changing net/main.tf starts net's and edge's
