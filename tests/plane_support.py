@@ -25,8 +25,8 @@ from services.surfaces.api.context import API
 from tests import bootstrap_support
 from tests.api_support import ADMIN_TOKEN, Http
 from tests.bootstrap_support import built, git_snapshots
+from tests.executor_support import git
 from tests.helpers import eventually
-from tests.test_executor import git
 
 
 @dataclass

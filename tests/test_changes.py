@@ -21,9 +21,9 @@ from services.app.commands import App
 from tests import bootstrap_support
 from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 from tests.bootstrap_support import System
+from tests.executor_support import Harness, git
 from tests.helpers import eventually
 from tests.provider import REQUIRED_PROVIDERS
-from tests.test_executor import Harness, git
 
 pytestmark = pytest.mark.terraform
 

@@ -27,9 +27,9 @@ from executor.isolation import Isolation, adopt, kill_uid
 from executor.worker import Executor, default_jobs_dir
 from services.app.commands import App
 from services.root.bootstrap import Plane
+from tests.executor_support import Harness, commit, git
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, wait_healthy
-from tests.test_executor import Harness, commit, git
 
 pytestmark = [
     pytest.mark.terraform,

@@ -11,13 +11,13 @@ import pytest
 from events import run as R
 from infra.heartbeats import DEADLINE, Beat, Board
 from services.processes.scheduler.limits import refresh
+from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_executor import MAIN_TF
 
 pytestmark = pytest.mark.terraform
 

@@ -234,7 +234,7 @@ RUN_PATHS = ("", "/events", "/steps", "/changes", "/resources", "/logs")
 async def _workspace(plane: Plane, root: Path, name: str, tf: str, value: str) -> None:
     repo = root / f"repo-{name}"
     repo.mkdir()
-    from tests.test_executor import git
+    from tests.executor_support import git
 
     git(repo, "init", "-q", "-b", "main")
     commit(repo, {"main.tf": tf})

@@ -27,9 +27,9 @@ from infra.streams import DISPATCH, dispatch_subject, executor_consumer
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper
 from tests.bootstrap_support import System
+from tests.executor_support import GATED_PLAN_TF, MAIN_TF, commit
 from tests.helpers import eventually
 from tests.procs import Proc, descendants
-from tests.test_executor import MAIN_TF, commit
 from tests.test_reaper import ORG, reaches, state
 
 pytestmark = pytest.mark.terraform
@@ -39,14 +39,6 @@ SLOW_APPLY_TF = """
 variable "marker" {}
 resource "null_resource" "slow" {
   provisioner "local-exec" { command = "echo applied >> ${var.marker} && sleep 30" }
-}
-"""
-# The plan blocks reading a named pipe until the test writes to it: a plan that is
-# running for as long as the test wants, with nothing but the null provider.
-GATED_PLAN_TF = """
-variable "gate" {}
-resource "null_resource" "gated" {
-  triggers = { gate = file(var.gate) }
 }
 """
 

@@ -27,10 +27,10 @@ from services.app.commands import App
 from services.processes.scheduler import watch
 from services.processes.scheduler.reaper import Verdict, judge, queued
 from tests.bootstrap_support import System
+from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
 from tests.test_core_run import HISTORIES
-from tests.test_executor import MAIN_TF
 from tests.test_reaper import claim, queued_run, reaches
 from tests.test_reaper import state as rstate
 from tests.test_reaper import workspace as rworkspace

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from events import run as R
+from tests.executor_support import GATED_PLAN_TF
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_reaper_processes import GATED_PLAN_TF, descendants
+from tests.procs import descendants
 
 pytestmark = pytest.mark.terraform
 

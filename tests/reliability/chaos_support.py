@@ -33,9 +33,9 @@ from infra.natsserver import _die_with_parent, server_binary
 from infra.streams import EVENTS
 from projections.readmodel import ReadModel
 from tests.cluster_support import NatsCluster, Node
+from tests.executor_support import commit, git
 from tests.helpers import shared_file
 from tests.procs import Proc, descendants, free_port
-from tests.test_executor import commit, git
 
 ORG = "chaos"
 TOKEN = "chaos-admin-token"

@@ -14,9 +14,9 @@ import pytest
 
 from events import run as R
 from tests import test_stop as stop_support
+from tests.executor_support import GATED_PLAN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixture
-from tests.test_reaper_processes import GATED_PLAN_TF
 from tests.ui.support import Browser
 
 pytestmark = pytest.mark.terraform
