@@ -30,11 +30,10 @@ from tests.bootstrap_support import System
 from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
+from tests.reaper_support import claim, entry, queued_run, reaches
+from tests.reaper_support import state as rstate
+from tests.reaper_support import workspace as rworkspace
 from tests.test_core_run import HISTORIES
-from tests.test_reaper import claim, queued_run, reaches
-from tests.test_reaper import state as rstate
-from tests.test_reaper import workspace as rworkspace
-from tests.test_reaper_dispatch import entry
 
 
 async def short_duplicate_window(nc: NATS, seconds: float = 1.0) -> None:

@@ -49,7 +49,7 @@ from infra.heartbeats import DEADLINE, Beat, Board, BoardError, body, subject
 from services.app.commands import App
 from services.processes.scheduler import limits
 from tests.cluster_support import NatsCluster, Node
-from tests.test_reaper import ORG, queued_run, state, workspace
+from tests.reaper_support import ORG, queued_run, state, workspace
 
 BURST = 500  # writes before the one that matters: the follower has them all to catch up
 PAYLOAD = b"x" * 1000
