@@ -17,6 +17,7 @@ from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, judge
 from services.processes.scheduler.watch import mark_dispatched
 from tests.bootstrap_support import System
+from tests.core_support import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
 from tests.helpers import eventually
 from tests.reaper_support import (
     ORG,
@@ -29,7 +30,6 @@ from tests.reaper_support import (
     state,
     workspace,
 )
-from tests.test_core_run import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
 
 # ---------------------------------------------------------------- judge (pure)
 
