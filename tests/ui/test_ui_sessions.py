@@ -21,7 +21,7 @@ from tests.api_support import Http, web_app_of
 from tests.bootstrap_support import Process
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually, kv_keys
-from tests.test_stale_reads import PAYLOAD, Lagging, trials
+from tests.stale_reads_support import PAYLOAD, Lagging, trials
 from tests.ui.support import Browser, Page
 
 
