@@ -15,34 +15,9 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     commit,
     plane_fixture,
 )
-from tests.procs import descendants
+from tests.stop_support import SLOW_APPLY_TF, at_the_gate, at_the_gate_not, workspace
 
 pytestmark = pytest.mark.terraform
-
-# Each apply takes long enough to be caught mid-way.
-SLOW_APPLY_TF = """
-resource "null_resource" "slow" {
-  provisioner "local-exec" { command = "sleep 4" }
-}
-"""
-
-
-async def at_the_gate(gate: Path) -> bool:
-    """Has a process of this test (Terraform, under the in-process executor) the pipe open?"""
-    for pid in descendants(os.getpid())[1:]:  # not the test itself: it holds the writer
-        try:
-            if any(os.readlink(fd) == str(gate) for fd in Path(f"/proc/{pid}/fd").iterdir()):
-                return True
-        except OSError:
-            continue
-    return False
-
-
-async def workspace(plane: Plane, repo: Path, **body: object) -> None:
-    a = await plane.http.post(
-        "/api/v1/orgs/acme/workspaces", json={"name": "net", "repository": str(repo), **body}
-    )
-    assert a.status == 201, a.body
 
 
 async def test_cancel_of_a_planning_run_interrupts_terraform_and_ends_canceled(
@@ -93,10 +68,6 @@ async def test_cancel_of_a_planning_run_interrupts_terraform_and_ends_canceled(
     kinds = [(e["type"], e["actor"]) for e in history.body["items"]]
     assert ("run.stop_requested", "admin") in kinds
     assert ("run.canceled", "executor:e1") in kinds
-
-
-async def at_the_gate_not(gate: Path) -> bool:
-    return not await at_the_gate(gate)
 
 
 async def test_cancel_of_an_applying_run_is_refused_409_and_the_apply_completes(

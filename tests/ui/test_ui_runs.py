@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from events import run as R
-from tests import test_stop as stop_support
+from tests import stop_support
 from tests.executor_support import GATED_PLAN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixture
