@@ -23,15 +23,7 @@ from events.run import (
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased, WorkspaceCreated
 from projections.project import FOLDS
 from projections.working import Unprojectable, iso, meta_of
-from tests.projection_support import (
-    CONFIG,
-    CREATE,
-    SUBJECT,
-    T0,
-    Stream,
-    decide_all,
-    random_history,
-)
+from tests.projection_support import CONFIG, CREATE, SUBJECT, T0, Stream, decide_all, random_history
 
 
 @settings(max_examples=300, deadline=None)
