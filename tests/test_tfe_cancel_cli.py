@@ -38,7 +38,6 @@ from infra.steplogs import log_subject
 from services.surfaces.tfe import logs
 from tests.api_support import web_app_of
 from tests.helpers import eventually
-from tests.test_tfe_runs_api import new_run, uploaded
 from tests.tfe_cli_support import (
     BACKEND,
     CLOUD_HCL,
@@ -48,7 +47,7 @@ from tests.tfe_cli_support import (
     ok,
     resources,
 )
-from tests.tfe_support import Terminal, Tfe, tfe_fixture
+from tests.tfe_support import Terminal, Tfe, new_run, tfe_fixture, uploaded
 
 __all__ = ["cli_fixture", "tfe_fixture"]
 
