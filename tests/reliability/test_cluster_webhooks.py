@@ -32,9 +32,11 @@ from infra.streams import EVENTS
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.reliability.chaos_support import (
+    AFTER_FAULT_503_S,
     ORG,
     Api,
     ClusterNats,
+    replicated,
 )
 from tests.reliability.cluster_events_support import (
     Hooks,
@@ -46,7 +48,6 @@ from tests.reliability.cluster_events_support import (
     sha,
     write_summary,
 )
-from tests.reliability.test_cluster import AFTER_FAULT_503_S, replicated
 from tests.vcs_support import SECRET
 
 REPO = "https://github.com/acme/net.git"
