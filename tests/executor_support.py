@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 from events.run import ApproveRun, RunState, StepFinished, Workspace
 from infra.streams import dispatch_subject
 from services.app.commands import App
+from tests import builders
 from tests.helpers import eventually
 
 MAIN_TF = """
@@ -68,9 +69,7 @@ class Harness:
         self.app = app
 
     async def workspace(self, ws: str, config: Workspace, org: str = "acme") -> None:
-        if not (await self.app.load_org(org)).state.exists:
-            await self.app.create_org(org, "alice")
-        await self.app.create_workspace(org, ws, config, "alice")
+        await builders.workspace(self.app, ws, org=org, actor="alice", config=config)
 
     async def start_run(self, ws: str, run_type: str = "apply", org: str = "acme") -> str:
         run_id = (await self.app.create_run(org, ws, run_type, "alice")).state.run_id

@@ -28,6 +28,7 @@ from services.processes.notifications.subscriber import Notifier
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
 from tests.api_support import Http, served
+from tests.builders import workspace
 
 
 @dataclass
@@ -179,13 +180,14 @@ def policy_fixture() -> Policy:
 
 @pytest.fixture(name="rig")
 async def rig_fixture(nc: NATS, app: App, store: EventStore, policy: Policy) -> AsyncIterator[Rig]:
-    await app.create_org("acme", "alice")
-    config = R.Workspace(
+    await workspace(
+        app,
+        "net",
+        actor="alice",
         repository="https://example.com/r.git",
         variables={"region": PLAIN_VALUE},
         secret_variables=["db_password"],
     )
-    await app.create_workspace("acme", "net", config, "alice")
     tokens: dict[str, str] = {}
 
     async def token_of(org: str, config_id: str) -> str:

@@ -1,7 +1,7 @@
-"""The reaper's tests play executors themselves: runs queued and claimed through the App,
-beats put on the board, a run's state and failures read back; and for the tests with
-real `runplane executor` processes, the deployment's key, signals to a process tree and
-counts over a run's events. Holds no tests itself."""
+"""The reaper's tests play executors themselves: runs claimed through the App (queued by
+tests/builders.py), beats put on the board, a run's state and failures read back; and
+for the tests with real `runplane executor` processes, the deployment's key, signals to
+a process tree and counts over a run's events. Holds no tests itself."""
 
 from __future__ import annotations
 
@@ -16,23 +16,15 @@ from events import run as R
 from infra.heartbeats import Beat, Board, Body, body, subject
 from infra.ids import new_id
 from services.app.commands import App
+from tests import builders
 from tests.helpers import eventually
 from tests.procs import Proc, descendants
 
-ORG = "acme"
+ORG = builders.ORG
 
 
 async def workspace(app: App, ws: str, *, heartbeat: int = 600, dispatch: int = 0) -> None:
-    if not (await app.load_org(ORG)).state.exists:
-        await app.create_org(ORG, "admin")
-    cfg = R.Workspace(repository="/nowhere", heartbeat_timeout=heartbeat, dispatch_timeout=dispatch)
-    await app.create_workspace(ORG, ws, cfg, "admin")
-
-
-async def queued_run(app: App, ws: str) -> str:
-    run_id = str((await app.create_run(ORG, ws, "apply", "alice")).state.run_id)
-    assert await app.admit_next(ORG, ws) == run_id
-    return run_id
+    await builders.workspace(app, ws, heartbeat_timeout=heartbeat, dispatch_timeout=dispatch)
 
 
 async def claim(app: App, ws: str, run_id: str, phase: str = "plan") -> str:
@@ -94,9 +86,7 @@ def signal_tree(proc: Proc, sig: signal.Signals) -> None:
 
 
 async def setup_workspace(app: App, ws: str, repo: Path, **cfg: Any) -> None:
-    if not (await app.load_org(ORG)).state.exists:
-        await app.create_org(ORG, "admin")
-    await app.create_workspace(ORG, ws, R.Workspace(repository=str(repo), **cfg), "admin")
+    await builders.workspace(app, ws, repository=str(repo), **cfg)
 
 
 async def run_events(app: App, ws: str, run_id: str) -> list[Any]:

@@ -25,8 +25,9 @@ from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, silent_guard
 from tests.bootstrap_support import Process, System
+from tests.builders import queued_run
 from tests.helpers import eventually
-from tests.reaper_support import ORG, beat, claim, failures, queued_run, reaches, state, workspace
+from tests.reaper_support import ORG, beat, claim, failures, reaches, state, workspace
 
 
 @pytest.fixture

@@ -17,19 +17,10 @@ from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, judge
 from services.processes.scheduler.watch import mark_dispatched
 from tests.bootstrap_support import System
+from tests.builders import queued_run
 from tests.core_support import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
 from tests.helpers import eventually
-from tests.reaper_support import (
-    ORG,
-    beat,
-    claim,
-    entry,
-    failures,
-    queued_run,
-    reaches,
-    state,
-    workspace,
-)
+from tests.reaper_support import ORG, beat, claim, entry, failures, reaches, state, workspace
 
 # ---------------------------------------------------------------- judge (pure)
 

@@ -27,11 +27,12 @@ from services.app.commands import App
 from services.processes.scheduler import watch
 from services.processes.scheduler.reaper import Verdict, judge, queued
 from tests.bootstrap_support import System
+from tests.builders import queued_run
 from tests.core_support import HISTORIES
 from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
-from tests.reaper_support import claim, entry, queued_run, reaches
+from tests.reaper_support import claim, entry, reaches
 from tests.reaper_support import state as rstate
 from tests.reaper_support import workspace as rworkspace
 

@@ -21,22 +21,17 @@ from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.processes.scheduler.scheduler import Scheduler
+from tests import builders
 from tests.bootstrap_support import Process, pinned_by
 from tests.helpers import eventually
 from tests.scheduler_support import FakeExecutor, check_history
-
-
-async def _setup(app: App, workspaces: list[str]) -> None:
-    await app.create_org("acme", "admin")
-    for ws in workspaces:
-        await app.create_workspace("acme", ws, R.Workspace(repository="/nowhere"), "admin")
 
 
 async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
     nats_server: EmbeddedNats, nc: NATS, app: App, store: EventStore, process: Process
 ) -> None:
     workspaces = [f"ws{i}" for i in range(5)]
-    await _setup(app, workspaces)
+    await builders.workspaces(app, *workspaces)
     async with AsyncExitStack() as stack:
         for _ in range(2):  # two schedulers, each with its own connection, as two processes
             conn = await nats_server.connect()
@@ -62,7 +57,7 @@ async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
 
 
 async def test_a_busy_workspace_does_not_block_another(nc: NATS, app: App) -> None:
-    await _setup(app, ["busy", "free"])
+    await builders.workspaces(app, "busy", "free")
     async with Scheduler(nc, app):
         first = await app.create_run("acme", "busy", "apply", "alice")
         second = await app.create_run("acme", "busy", "apply", "alice")
@@ -96,7 +91,7 @@ async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
         return R.Snapshot(commit="0" * 40)
 
     app = process(store=store, pinning=pinned_by(snapshot)).app  # the scheduler's
-    await _setup(app, ["slow", "fast"])
+    await builders.workspaces(app, "slow", "fast")
     js = nc.jetstream()
     await streams.ensure_executor_consumer(js, "default")
     work = await js.pull_subscribe_bind(
@@ -149,7 +144,7 @@ async def test_what_a_killed_scheduler_held_is_handled_by_another_within_seconds
 ) -> None:
     """A scheduler that fetched the event log and died (kill -9: nothing acked) holds its
     messages only for the consumer's short ack wait, not half a minute."""
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     js = nc.jetstream()
     await streams.ensure_scheduler_consumer(js)
     created = await app.create_run("acme", "net", "apply", "alice")
@@ -171,7 +166,7 @@ async def test_what_a_killed_scheduler_held_is_handled_by_another_within_seconds
 async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
     nc: NATS, app: App
 ) -> None:
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     async with Scheduler(nc, app):
         first = await app.create_run("acme", "net", "apply", "alice")
         second = await app.create_run("acme", "net", "apply", "alice")
@@ -207,7 +202,7 @@ async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
 
 
 async def test_canceling_a_pending_run_removes_it_from_the_queue(nc: NATS, app: App) -> None:
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     async with Scheduler(nc, app):
         runs = [await app.create_run("acme", "net", "apply", "alice") for _ in range(3)]
         r0, r1, r2 = (r.state.run_id for r in runs)
@@ -228,7 +223,7 @@ async def _eq(value: object, expected: str) -> bool:
 
 async def test_dispatch_is_deduplicated_per_phase(nc: NATS, app: App) -> None:
     """Handling the same event twice publishes the phase to the work queue once."""
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     async with Scheduler(nc, app) as sched:
         r = await app.create_run("acme", "net", "apply", "alice")
         run_id = r.state.run_id

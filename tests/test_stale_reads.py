@@ -44,8 +44,9 @@ from infra.eventstore import Append, EventStore, floor
 from infra.heartbeats import DEADLINE, Beat, Board, body, subject
 from services.app.commands import App
 from services.processes.scheduler import limits
+from tests.builders import queued_run
 from tests.cluster_support import NatsCluster
-from tests.reaper_support import ORG, queued_run, state, workspace
+from tests.reaper_support import ORG, state, workspace
 from tests.stale_reads_support import PAYLOAD, Lagging, Tally, trials
 
 TIMEOUT = 2.0  # a follower far behind may not answer a direct get at all
