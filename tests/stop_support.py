@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.plane_support import Plane
 from tests.procs import descendants
 
 # Each apply takes long enough to be caught mid-way.
@@ -31,10 +30,3 @@ async def at_the_gate(gate: Path) -> bool:
 
 async def at_the_gate_not(gate: Path) -> bool:
     return not await at_the_gate(gate)
-
-
-async def workspace(plane: Plane, repo: Path, **body: object) -> None:
-    a = await plane.http.post(
-        "/api/v1/orgs/acme/workspaces", json={"name": "net", "repository": str(repo), **body}
-    )
-    assert a.status == 201, a.body

@@ -27,7 +27,7 @@ from services.app.commands import App
 from services.processes.scheduler import watch
 from services.processes.scheduler.reaper import Verdict, judge, queued
 from tests.bootstrap_support import System
-from tests.builders import queued_run
+from tests.builders import api_workspace, queued_run
 from tests.core_support import HISTORIES
 from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
@@ -54,9 +54,7 @@ async def dispatch_state(nc: NATS) -> tuple[int, int]:
 
 async def workspace(plane: Plane, repo: Path) -> None:
     commit(repo, {"main.tf": MAIN_TF})
-    body = {"name": "net", "repository": str(repo)}
-    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
-    assert a.status == 201, a.body
+    await api_workspace(plane.http, repo)
 
 
 async def marker(nc: NATS, run_id: str) -> Beat:

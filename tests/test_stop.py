@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from events import run as R
+from tests.builders import api_workspace
 from tests.executor_support import GATED_PLAN_TF
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
@@ -15,7 +16,7 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     commit,
     plane_fixture,
 )
-from tests.stop_support import SLOW_APPLY_TF, at_the_gate, at_the_gate_not, workspace
+from tests.stop_support import SLOW_APPLY_TF, at_the_gate, at_the_gate_not
 
 pytestmark = pytest.mark.terraform
 
@@ -30,7 +31,7 @@ async def test_cancel_of_a_planning_run_interrupts_terraform_and_ends_canceled(
     writer = os.open(gate, os.O_RDWR)  # Terraform's open() returns, its read() waits
     try:
         commit(repo, {"main.tf": GATED_PLAN_TF})
-        await workspace(plane, repo, variables={"gate": str(gate)})
+        await api_workspace(plane.http, repo, variables={"gate": str(gate)})
         await plane.executor("e1")
         stopped = await plane.start("net")
         await plane.reaches("net", stopped, "planning")
@@ -75,7 +76,7 @@ async def test_cancel_of_an_applying_run_is_refused_409_and_the_apply_completes(
 ) -> None:
     """Interrupting an apply can corrupt state: cancel answers 409 saying so."""
     commit(repo, {"main.tf": SLOW_APPLY_TF})
-    await workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("e1")
     run_id = await plane.start("net")
     await plane.reaches("net", run_id, "awaiting_approval")
