@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -29,6 +30,25 @@ from services.root.bootstrap import Plane
 from tests import bootstrap_support
 from tests.bootstrap_support import Process, built
 from tests.provider import fake_provider_mirror
+
+
+def _helper_modules() -> list[str]:
+    """The modules under tests/ that hold no tests (the support modules, tests/builders.py,
+    ...) and that nothing has imported yet (this conftest imports a few itself)."""
+    top = Path(__file__).parent
+    found = []
+    for path in sorted(top.rglob("*.py")):
+        if path.name.startswith("test_") or path.name in ("conftest.py", "__init__.py"):
+            continue
+        name = ".".join(path.relative_to(top.parent).with_suffix("").parts)
+        if name not in sys.modules:
+            found.append(name)
+    return found
+
+
+# A helper's assert fails as a test's does, its values shown: pytest rewrites the asserts of
+# the helper modules too, as it does the test modules' (the helpers were moved out of them).
+pytest.register_assert_rewrite(*_helper_modules())
 
 _OLD_BASETEMP_S = 6 * 3600
 

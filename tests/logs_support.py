@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 
 from events.run import Workspace
 from services.app.commands import App
-from tests.test_executor import Harness, commit
+from tests.executor_support import Harness, commit
 
 # Prints on stdout and stderr (local-exec merges both into Terraform's output), a URL with
 # credentials, then waits for the gate file before its last line: a test that creates the

@@ -1,5 +1,7 @@
-"""Real local receivers for the notification tests, and an API fixture with the sealed
-store (tokens are stored like secret variables). Holds no tests itself."""
+"""Real local receivers for the notification tests, an API fixture with the sealed store
+(tokens are stored like secret variables), and the delivery engine's rig (`Rig`, the
+`rig` and `policy` fixtures: a Dispatcher and Notifier over acme/net). Holds no tests
+itself."""
 
 from __future__ import annotations
 
@@ -13,11 +15,20 @@ from typing import Any
 import msgspec
 import pytest
 from aiohttp import web
+from nats.aio.client import Client as NATS
 
-from services.processes.notifications import signing
+from events import notification as nt
+from events import run as R
+from events.codec import run_subject
+from infra.eventstore import EventStore
+from services.app.commands import App
+from services.processes.notifications import outbox, signing
+from services.processes.notifications.delivery import Dispatcher, Policy
+from services.processes.notifications.subscriber import Notifier
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import Http, served
+from tests.api_support import Http, served
+from tests.builders import workspace
 
 
 @dataclass
@@ -100,3 +111,88 @@ async def nhttp_fixture(
     monkeypatch.setenv("RUNPLANE_NOTIFY_ALLOW", "loopback")
     async with served(system, tmp_path / "rm.sqlite", "notify-fixture") as (web_app, client):
         yield Http(client, web_app[API], system.app)
+
+
+# ---------------------------------------------------------------- the delivery engine's rig
+
+TOKEN = "tok-delivery-test-0123456789"
+FAST = (0.05, 0.1, 0.2)
+PLAIN_VALUE = "plain-value-7a6b5c"
+
+
+@dataclass
+class Rig:
+    app: App
+    store: EventStore
+    notifier: Notifier
+    dispatcher: Dispatcher
+    tokens: dict[str, str]
+
+    async def config(self, url: str, **fields: Any) -> nt.NotificationConfig:
+        token = fields.pop("token", TOKEN)
+        cmd = nt.SaveConfig(
+            actor="alice",
+            config_id=self.app.ids(),
+            org="acme",
+            create=True,
+            name=fields.pop("name", "ops"),
+            destination=fields.pop("destination", "generic"),
+            url=url,
+            triggers=fields.pop("triggers", ["run:created"]),
+            has_token=bool(token),
+            **fields,
+        )
+        state, _ = await outbox.command(self.app, "acme", cmd)
+        self.tokens[cmd.config_id] = token
+        assert state.config is not None
+        return state.config
+
+    async def create_run(self) -> tuple[int, str, R.RunState]:
+        """A run of acme/net: (seq of its run.created, subject, state through it)."""
+        created = await self.app.create_run("acme", "net", "apply", "alice", message="deploy")
+        run: R.RunState = created.state
+        subject = run_subject("acme", "net", run.run_id)
+        envs = await self.store.read(subject)
+        first = envs[0].event
+        assert isinstance(first, R.RunCreated)
+        return envs[0].seq, subject, R.fold([first])
+
+    async def notify_created(self) -> tuple[int, R.RunState]:
+        seq, subject, state = await self.create_run()
+        envs = await self.store.read(subject)
+        await self.notifier.on_event(seq, subject, envs[0].event, state)
+        return seq, state
+
+    async def attempts(self, cfg: nt.NotificationConfig, did: str) -> list[nt.DeliveryAttempted]:
+        envs = await self.store.read(nt.delivery_subject("acme", cfg.id, did))
+        return [e.event for e in envs if isinstance(e.event, nt.DeliveryAttempted)]
+
+
+def _policy(**kw: Any) -> Policy:
+    defaults: dict[str, Any] = {"allow": frozenset({"loopback"}), "schedule": FAST, "timeout": 2.0}
+    return Policy(**{**defaults, **kw})
+
+
+@pytest.fixture(name="policy")
+def policy_fixture() -> Policy:
+    return _policy()
+
+
+@pytest.fixture(name="rig")
+async def rig_fixture(nc: NATS, app: App, store: EventStore, policy: Policy) -> AsyncIterator[Rig]:
+    await workspace(
+        app,
+        "net",
+        actor="alice",
+        repository="https://example.com/r.git",
+        variables={"region": PLAIN_VALUE},
+        secret_variables=["db_password"],
+    )
+    tokens: dict[str, str] = {}
+
+    async def token_of(org: str, config_id: str) -> str:
+        return tokens.get(config_id, "")
+
+    record, current = outbox.recorder(store), outbox.current(store)
+    async with Dispatcher(policy, token_of, record, current) as dispatcher:
+        yield Rig(app, store, Notifier(store, dispatcher), dispatcher, tokens)

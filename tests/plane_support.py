@@ -23,10 +23,10 @@ from services.app.secrets import SecretStore
 from services.root import bootstrap
 from services.surfaces.api.context import API
 from tests import bootstrap_support
+from tests.api_support import ADMIN_TOKEN, Http
 from tests.bootstrap_support import built, git_snapshots
+from tests.executor_support import git
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN, Http
-from tests.test_executor import git
 
 
 @dataclass
@@ -101,7 +101,7 @@ async def plane_fixture(nc: NATS, tmp_path: Path) -> AsyncIterator[Plane]:
         app = system.app
         projector = await stack.enter_async_context(system.projector(tmp_path / "rm.sqlite"))
         started = await app.create_org("plane-fixture", "test")
-        assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
+        assert await projector.wait_for(started.seq)  # see tests/api_support.py
         web_app = system.web_app(projector, admin_token=ADMIN_TOKEN, repositories=None)
         client = await stack.enter_async_context(TestClient(TestServer(web_app)))
         await stack.enter_async_context(system.scheduler())

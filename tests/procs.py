@@ -156,3 +156,17 @@ def descendants(pid: int) -> list[int]:
         found.append(p)
         todo.extend(children.get(p, []))
     return found
+
+
+def nats_servers_using(path: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "nats-server" in cmd and str(path) in cmd:
+            found.append(int(proc.name))
+    return found

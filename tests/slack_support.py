@@ -38,8 +38,8 @@ from services.processes.chat.updates import Updater
 from services.processes.chat.worker import Worker
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
+from tests.api_support import Answer, Http, served
 from tests.bootstrap_support import built, pinned_by
-from tests.test_api_support import Answer, Http, served
 
 STEPS = ("checkout", "init", "plan")
 

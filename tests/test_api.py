@@ -26,7 +26,7 @@ from services.app.commands import App
 from services.app.execute import Result
 from services.surfaces.api import render
 from services.surfaces.api.app import build_app
-from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 V1 = "/api/v1"
 STEPS = ("checkout", "init", "plan")

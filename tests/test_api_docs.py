@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from services.surfaces.api import docs
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 
 async def test_the_openapi_document_is_readable_without_a_token(http: Http) -> None:

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from services.surfaces.api.app import ROUTES, build_app
 from services.surfaces.api.middleware import PUBLIC
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 V1 = "/api/v1"
 RUN_ID = "01jrunofanotherorg0000000a"

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests.builders import api_workspace
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -27,10 +28,7 @@ TWO = KEPT % "1" + 'resource "null_resource" "b" {}\n'
 async def _setup(plane: Plane, repo: Path, settings: dict[str, Any]) -> dict[str, str]:
     """Workspace `net` with `settings`; tokens of alice, bob, carol (and their roles)."""
     commit(repo, {"main.tf": TWO})
-    a = await plane.http.post(f"{V1}/workspaces", json={"name": "net", "repository": str(repo)})
-    assert a.status == 201, a.body
-    a = await plane.http.call("PATCH", f"{V1}/workspaces/net/settings", json=settings)
-    assert a.status == 200, a.body
+    await api_workspace(plane.http, repo, settings=settings)
     tokens = {}
     for user, role in (("alice", "approver"), ("bob", "operator"), ("carol", "operator")):
         a = await plane.http.post(f"{V1}/tokens", json={"user": user, "role": role})

@@ -24,16 +24,17 @@ from services.processes.notifications import outbox
 from services.processes.notifications.delivery import Dispatcher, Policy
 from services.processes.notifications.subscriber import Notifier
 from services.processes.notifications.tokens import TokenError
+from tests.api_support import Http
 from tests.helpers import eventually
-from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the fixture
-from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture
-from tests.test_api_support import Http
-from tests.test_notifications_delivery import (  # noqa: F401  # the fixtures
+from tests.notify_support import (  # noqa: F401  # the fixtures
     TOKEN,
+    Receiver,
     Rig,
-    policy,
-    rig,
+    nhttp_fixture,
+    policy_fixture,
+    rig_fixture,
 )
+from tests.slack_support import Slack, command_body, slack_fixture, slack_id  # noqa: F401  # the fixture
 
 A, TEAM_A, SECRET_A = "acme", "T0ACME", "8f742231b10e8888abcd99yyyzzz85a5"
 
@@ -42,7 +43,7 @@ A, TEAM_A, SECRET_A = "acme", "T0ACME", "8f742231b10e8888abcd99yyyzzz85a5"
 
 
 async def test_a_receiver_asking_to_retry_in_a_billion_years_is_given_up_not_hammered(
-    rig: Rig,  # noqa: F811  # the fixture
+    rig: Rig,
 ) -> None:
     """`Retry-After: 999...9` made `next_retry` overflow (timedelta / datetime): the
     attempt was never recorded and the lane put the job back as a first attempt every

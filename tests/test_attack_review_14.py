@@ -27,8 +27,8 @@ from services.processes.vcs.github import GitHubClient
 from services.processes.vcs.gitlab import GitLabClient
 from services.processes.vcs.report import make_client
 from tests.helpers import eventually
-from tests.test_vcs_report_support import FakeVcs
 from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.vcs_report_support import FakeVcs
 
 __all__ = ["tfe_fixture"]
 
@@ -392,7 +392,7 @@ def test_one_deliverys_glob_matching_is_bounded_whatever_the_globs_and_paths() -
 async def test_a_log_urls_offset_that_is_not_ascii_digits_is_a_clear_error(tfe: Tfe) -> None:
     """`?offset=²` on a run's log-read-url (public: the URL is the authority) was a 500
     with a traceback in the API's log."""
-    from tests.test_tfe_runs_api import new_run, uploaded
+    from tests.tfe_support import new_run, uploaded
 
     await tfe.org("acme")
     ws_id = await tfe.cli_workspace("acme", "net")
@@ -416,7 +416,7 @@ async def test_an_operator_cannot_apply_an_upload_in_a_workspace_of_a_repository
     applied it with prod's variables and credentials. As in HCP Terraform ("Apply not
     allowed for workspaces with a VCS connection"), such a workspace takes the CLI's
     speculative plans only; a CLI workspace still applies its uploads."""
-    from tests.test_tfe_runs_api import uploaded
+    from tests.tfe_support import uploaded
 
     tokens = await tfe.org("acme")
     await tfe.workspace("acme", "prod", repository="https://example.com/infra.git")

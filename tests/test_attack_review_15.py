@@ -74,8 +74,8 @@ from services.app.commands import App
 from services.surfaces.api.context import API
 from services.surfaces.tfe.context import TFE
 from services.surfaces.tfe.state_push import push_command
-from tests.test_api_support import web_app_of
-from tests.test_tfe_login import _code, _exchange, _pkce, _signin
+from tests.api_support import web_app_of
+from tests.tfe_login_support import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]

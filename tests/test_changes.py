@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import secrets
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +14,15 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from events.run import Workspace
-from executor import Executor, TerraformConfig
+from executor import Executor
 from projections import ReadModel, replay
 from services.app.commands import App
-from tests import bootstrap_support
-from tests.bootstrap_support import System
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.changes_support import DRIFT_TF, applied_run, commit_files
+from tests.changes_support import executor as executor  # conftest's, with the fake provider
+from tests.executor_support import Harness
 from tests.helpers import eventually
 from tests.provider import REQUIRED_PROVIDERS
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
-from tests.test_executor import Harness, git
 
 pytestmark = pytest.mark.terraform
 
@@ -56,17 +55,6 @@ NET_TF = REQUIRED_PROVIDERS + (
     'resource "fake_thing" "extra" {\n  count = var.extra ? 1 : 0\n  name  = "extra"\n}\n'
 )
 
-DRIFT_TF = (
-    REQUIRED_PROVIDERS
-    + """
-resource "fake_thing" "a" {
-  name  = "a"
-  value = "planned"
-}
-resource "fake_thing" "b" { name = "b" }
-"""
-)
-
 FAILING_TF = (
     REQUIRED_PROVIDERS
     + """
@@ -88,30 +76,9 @@ resource "fake_thing" "slow" {
 )
 
 
-def commit_files(repo: Path, files: dict[str, str]) -> str:
-    for name, text in files.items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "change")
-    return git(repo, "rev-parse", "HEAD")
-
-
 @pytest.fixture
 def h(nc: NATS, app: App) -> Harness:
     return Harness(nc, app)
-
-
-@pytest.fixture
-async def executor(system: System, tmp_path: Path, fake_mirror: Path) -> AsyncIterator[Executor]:
-    """conftest's, with the fake provider's mirror."""
-    async with bootstrap_support.executor(
-        system,
-        work_dir=tmp_path / "exec",
-        executor_id="test-exec",
-        terraform=TerraformConfig(provider_mirrors=[fake_mirror]),
-    ) as ex:
-        yield ex
 
 
 async def read(http: Http, path: str) -> Any:
@@ -120,14 +87,6 @@ async def read(http: Http, path: str) -> Any:
     answer = await http.get(path, headers={"RP-Min-Seq": str(seq)})
     assert answer.status == 200, answer.body
     return answer.body
-
-
-async def applied_run(h: Harness, ws: str) -> str:
-    run_id = await h.start_run(ws)
-    await h.reaches(ws, run_id, "awaiting_approval")
-    await h.approve(ws, run_id)
-    await h.reaches(ws, run_id, "applied")
-    return run_id
 
 
 async def two_runs(h: Harness, repo: Path, canary: str) -> str:

@@ -21,7 +21,7 @@ from events.run import (
 from events.values import ResourceChange
 from executor.applystate import UNFINISHED, Report, Tracker
 from projections.changes import current_state
-from tests.test_projection_fold import CREATE, SUBJECT, Stream, decide_all
+from tests.projection_support import CREATE, SUBJECT, Stream, decide_all
 
 # ---------------------------------------------------------------- apply states
 

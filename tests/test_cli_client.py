@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
+from tests.builders import api_workspace
+from tests.cli_client_support import ESC, Cli
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_cli_client_support import ESC, Cli
 
 V1 = "/api/v1/orgs/acme"
 ONE = 'resource "null_resource" "a" {}\n'
@@ -36,9 +37,7 @@ async def _token(plane: Plane, user: str, role: str) -> str:
 
 async def _workspace(plane: Plane, repo: Path, name: str, main_tf: str) -> None:
     commit(repo, {"main.tf": main_tf})
-    body = {"name": name, "repository": str(repo)}
-    a = await plane.http.post(f"{V1}/workspaces", json=body)
-    assert a.status == 201, a.body
+    await api_workspace(plane.http, repo, name)
 
 
 async def _run(plane: Plane, run_id: str) -> dict[str, Any]:

@@ -22,8 +22,8 @@ import pytest
 from aiohttp import web
 
 from services.surfaces.client.credentials import Credentials, Login
+from tests.cli_client_support import ESC, Cli, self_signed, serve
 from tests.procs import RUNPLANE, free_port
-from tests.test_cli_client_support import ESC, Cli, self_signed, serve
 
 TOKEN = "hostile-token"
 TITLE = f"{ESC}]0;pwned{ESC}\\"  # retitles a terminal (OSC 0)

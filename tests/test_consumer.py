@@ -22,17 +22,12 @@ from infra import streams
 from infra.consumer import Consumer, Received, Retry, Subscription
 from services.app.commands import App
 from tests.bootstrap_support import Process
+from tests.builders import workspaces
 from tests.helpers import eventually
 
 ORG = "acme"
 ALL = ("rp.run.>", "rp.ws.>")
 LANE_LIMIT = 4
-
-
-async def _setup(app: App, *workspaces: str) -> None:
-    await app.create_org(ORG, "admin")
-    for ws in workspaces:
-        await app.create_workspace(ORG, ws, R.Workspace(repository="/nowhere"), "admin")
 
 
 async def _info(nc: NATS, name: str) -> Any:
@@ -75,7 +70,7 @@ async def test_a_handler_that_returns_has_its_message_acked_once(nc: NATS, app: 
     sub = Subscription(name="t-ack", handle=handle, subjects=ALL)
     async with Consumer(nc, sub, app=app) as c:
         await c.ready.wait()
-        await _setup(app, "net")
+        await workspaces(app, "net")
         run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
         await eventually(calls.count("ws.run_enqueued"), what="enqueue handled")
         await eventually(_settled(nc, "t-ack"), what="all acked")
@@ -109,7 +104,7 @@ async def test_a_declaration_jetstream_does_not_answer_is_sent_again_not_fatal(
     sub = Subscription(name="t-declare", handle=handle, subjects=ALL)
     async with Consumer(nc, sub, app=app, declare=electing) as c:
         await c.ready.wait()
-        await _setup(app, "net")
+        await workspaces(app, "net")
         await eventually(calls.count("ws.created"), what="the workspace's event handled")
     assert unanswered == 0
 
@@ -127,7 +122,7 @@ async def test_retry_with_a_delay_brings_the_event_back_after_it(nc: NATS, app: 
 
     sub = Subscription(name="t-retry", handle=handle)
     async with Consumer(nc, sub, app=app):
-        await _setup(app, "net")
+        await workspaces(app, "net")
         await app.create_run(ORG, "net", "apply", "alice")
         await eventually(calls.count("run.created"), what="first delivery")
         await eventually(lambda: _at_least(calls.count("run.created"), 2), what="redelivered")
@@ -152,7 +147,7 @@ async def test_a_permanent_error_terminates_the_message(nc: NATS, app: App) -> N
 
     sub = Subscription(name="t-term", handle=handle)
     async with Consumer(nc, sub, app=app):
-        await _setup(app, "net")
+        await workspaces(app, "net")
         await app.create_run(ORG, "net", "apply", "alice")
         await eventually(calls.count("run.created"), what="delivered")
         await eventually(_settled(nc, "t-term"), what="settled: terminated")
@@ -171,7 +166,7 @@ async def test_any_other_error_is_retried_soon(nc: NATS, app: App) -> None:
 
     sub = Subscription(name="t-nak", handle=handle)
     async with Consumer(nc, sub, app=app):
-        await _setup(app, "net")
+        await workspaces(app, "net")
         await app.create_run(ORG, "net", "apply", "alice")
         await eventually(lambda: _at_least(calls.count("run.created"), 2), what="redelivered")
         await eventually(_settled(nc, "t-nak"), what="acked")
@@ -183,7 +178,7 @@ async def test_lanes_keep_order_within_a_workspace_and_run_in_parallel_across(
 ) -> None:
     """Workspace a's first event waits for b's first handler: with one lane at a time it
     would wait for ever. Within a lane the sequences come in order."""
-    await _setup(app, "a", "b")
+    await workspaces(app, "a", "b")
     for _ in range(5):
         for ws in ("a", "b"):
             await app.create_run(ORG, ws, "apply", "alice")
@@ -226,7 +221,7 @@ async def test_a_handler_that_hangs_in_one_lane_delays_no_other_lane(nc: NATS, a
     sub = Subscription(name="t-hang", handle=handle, subjects=ALL, lane_limit=LANE_LIMIT)
     async with Consumer(nc, sub, app=app, batch=8) as c:
         await c.ready.wait()
-        await _setup(app, "stuck", "free")
+        await workspaces(app, "stuck", "free")
         for _ in range(40):  # 81 events: more than the room every lane shares (64)
             await app.create_run(ORG, "stuck", "apply", "alice")
         await stuck.wait()
@@ -264,7 +259,7 @@ async def test_a_message_in_hand_longer_than_the_ack_wait_is_not_redelivered(
             ),
         )
 
-    await _setup(app, "net")
+    await workspaces(app, "net")
     await app.create_run(ORG, "net", "apply", "alice")
     sub = Subscription(name="slow", handle=handle)
     async with Consumer(nc, sub, app=app, durable="t-slow", declare=declare):
@@ -284,7 +279,7 @@ async def test_a_message_in_hand_longer_than_the_ack_wait_is_not_redelivered(
 async def test_with_state_the_aggregate_is_folded_through_the_event_not_later(
     nc: NATS, app: App
 ) -> None:
-    await _setup(app, "net")
+    await workspaces(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await app.admit_next(ORG, "net") == run_id  # run.queued, after the created
     await app.run_command(ORG, "net", run_id, R.CancelRun(actor="alice"))
@@ -324,7 +319,7 @@ async def test_a_subscriber_that_falls_behind_does_not_slow_admission(
         blocked.set()
         await asyncio.Event().wait()
 
-    await _setup(app, *(f"w{i}" for i in range(5)))
+    await workspaces(app, *(f"w{i}" for i in range(5)))
     sub = Subscription(name="t-behind", handle=handle, subjects=ALL, start="all")
     async with Consumer(nc, sub, app=app), process(store=app.store).scheduler():
         await blocked.wait()
@@ -346,7 +341,7 @@ async def test_a_subscriber_that_falls_behind_does_not_slow_admission(
 async def test_an_event_redelivered_after_later_ones_sees_its_own_state(nc: NATS, app: App) -> None:
     """A `run.created` put back comes after the run's `run.queued` was folded: it still
     sees the run as it was through itself, pending."""
-    await _setup(app, "net")
+    await workspaces(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await app.admit_next(ORG, "net") == run_id
     calls = Calls()

@@ -13,8 +13,8 @@ from events.run import (
     RunStopRequested,
     Status,
 )
+from tests.core_support import APPLY_LEASE, OTHER_LEASE, PLAN_LEASE, RUN, TERMINAL, history
 from tests.gwt import NOW, given
-from tests.test_core_run import APPLY_LEASE, OTHER_LEASE, PLAN_LEASE, RUN, TERMINAL, history
 
 STOP = RunStopRequested(at=NOW, actor="alice", reason="wrong branch")
 

@@ -41,7 +41,7 @@ from events.run import (
 )
 from events.run_upcast import upcast
 from tests.gwt import NOW, Aggregate, given
-from tests.test_projection_fold import random_history
+from tests.projection_support import random_history
 
 RUN = Aggregate(initial=run.INITIAL, decide=run.decide, evolve=run.evolve)
 T = NOW - timedelta(hours=1)

@@ -31,11 +31,10 @@ from infra.crypto import load_keyring
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from tests.bootstrap_support import System
+from tests.executor_support import commit
 from tests.helpers import eventually
 from tests.procs import Proc
-from tests.test_executor import commit
-from tests.test_reaper import ORG, reaches
-from tests.test_reaper_processes import KEY, count, run_events, setup_workspace, signal_tree
+from tests.reaper_support import KEY, ORG, count, reaches, run_events, setup_workspace, signal_tree
 
 pytestmark = pytest.mark.terraform
 

@@ -29,8 +29,8 @@ from infra.streams import declare, dispatch_subject
 from services.app.commands import App
 from services.app.snapshot import Snapshotter
 from tests.bootstrap_support import Process
+from tests.executor_support import git as sh
 from tests.helpers import eventually
-from tests.test_executor import git as sh
 
 
 def commit(repo: Path, files: dict[str, str | None], message: str = "change") -> str:

@@ -29,8 +29,8 @@ import pytest
 from executor import uids as job_uids
 from executor.isolation import Isolation
 from executor.worker import default_jobs_dir
+from tests.executor_support import commit
 from tests.procs import Client, Proc, free_port, wait_healthy
-from tests.test_executor import commit
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="user isolation needs root")
 

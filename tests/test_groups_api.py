@@ -4,7 +4,7 @@ them, and each change is an `org.group_set` event with its actor."""
 from __future__ import annotations
 
 from events.groups import GroupSet
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 GROUPS = "/api/v1/orgs/acme/groups"
 

@@ -23,15 +23,10 @@ from infra.eventstore import Append, EventStore, StoreError
 from services.app.commands import App
 from services.processes.scheduler import scheduler as sched
 from tests.bootstrap_support import Process, pinned_by
+from tests.builders import workspaces
 from tests.helpers import eventually
 
 ORG = "acme"
-
-
-async def _setup(app: App, *workspaces: str) -> None:
-    await app.create_org(ORG, "admin")
-    for ws in workspaces:
-        await app.create_workspace(ORG, ws, R.Workspace(repository="/nowhere"), "admin")
 
 
 def _dies(app: App, name: str, error: Exception | None = None) -> None:
@@ -77,7 +72,7 @@ async def test_a_run_whose_creator_died_before_enqueueing_it_is_enqueued_by_the_
     process: Process, fast_grace: None
 ) -> None:
     creator, scheduler = process().app, process()
-    await _setup(creator, "net")
+    await workspaces(creator, "net")
     _dies(creator, "enqueue_run", nats.errors.NoRespondersError())  # not a StoreError
     created = await creator.create_run(ORG, "net", "apply", "alice")  # answered: it landed
     run_id = created.state.run_id
@@ -100,7 +95,7 @@ async def test_the_scheduler_leaves_a_fresh_run_to_its_creator_for_the_grace_per
     itself (no race with the creator), then does."""
     monkeypatch.setattr(sched, "ENQUEUE_GRACE", 2.0)
     creator = process().app
-    await _setup(creator, "net")
+    await workspaces(creator, "net")
     _dies(creator, "enqueue_run")
     async with process().scheduler():
         run_id = (await creator.create_run(ORG, "net", "apply", "alice")).state.run_id
@@ -114,7 +109,7 @@ async def test_the_scheduler_leaves_a_fresh_run_to_its_creator_for_the_grace_per
 async def test_an_admission_whose_scheduler_died_before_run_queued_is_finished(
     app: App, store: EventStore, process: Process
 ) -> None:
-    await _setup(app, "net")
+    await workspaces(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     w = await app.load_ws(ORG, "net")
     admitted = W.RunAdmitted(at=app.clock(), actor="scheduler", run_id=run_id)
@@ -130,7 +125,7 @@ async def test_a_run_that_ended_without_releasing_its_workspace_is_released_and_
 ) -> None:
     """The terminal event landed and its writer died before `ws.run_released`: the
     scheduler, seeing the terminal event, releases the workspace; the next run goes."""
-    await _setup(app, "net")
+    await workspaces(app, "net")
     async with process().scheduler():
         first = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
         await eventually(_is(app, "net", first, "queued"), timeout=10, what="first queued")
@@ -155,7 +150,7 @@ async def test_a_run_canceled_as_it_was_enqueued_is_dropped_from_the_head_of_the
 ) -> None:
     """The cancel found nothing to release; the late enqueue put a canceled run at the
     head: admission releases it and admits the run behind it."""
-    await _setup(app, "net")
+    await workspaces(app, "net")
     late = process(store=store).app
     _dies(late, "enqueue_run")
     canceled = (await late.create_run(ORG, "net", "apply", "alice")).state.run_id
@@ -182,7 +177,7 @@ async def test_an_admitted_run_is_claimable_only_once_pinned_and_a_lost_pin_is_t
         return R.Snapshot(commit="c" * 40)
 
     app = process(store=store, pinning=pinned_by(snapshot)).app
-    await _setup(app, "net")
+    await workspaces(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await app.admit_next(ORG, "net") == run_id  # queued, pinning; no snapshot yet
     state = (await app.load_run(ORG, "net", run_id)).state
@@ -219,7 +214,7 @@ async def test_a_run_ended_by_its_approval_is_released_even_if_its_approver_died
 ) -> None:
     """A template whose last step is the approval: `run.approved` ends the run, and the
     scheduler releases the workspace when its approver's App died before the release."""
-    await _setup(app, "net")
+    await workspaces(app, "net")
     steps = [TemplateStep(number=10, kind="plan"), TemplateStep(number=20, kind="approval")]
     await app.org_command(ORG, SaveTemplate(actor="admin", name="review", steps=steps))
     await app.set_workspace_settings(ORG, "net", {"require_approval": True}, "admin")
@@ -266,7 +261,7 @@ async def test_a_snapshot_that_fails_late_does_not_fail_a_run_another_scheduler_
 
     fast = process(store=store, pinning=pinned_by(good)).app
     slow = process(store=store, pinning=pinned_by(gone)).app
-    await _setup(fast, "net")
+    await workspaces(fast, "net")
     run_id = (await fast.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await fast.admit_next(ORG, "net") == run_id
     seen_by_slow = await slow.load_run(ORG, "net", run_id)  # pinning, as it read it

@@ -18,8 +18,8 @@ from services.surfaces.api import idempotency as idem
 from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 from tests.helpers import eventually, kv_keys
-from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 
 V1 = "/api/v1"
 RUNS = f"{V1}/orgs/acme/workspaces/net/runs"

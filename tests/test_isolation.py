@@ -29,9 +29,9 @@ from executor.uids import DEFAULT_UIDS, kill_uid, uid_range
 from executor.worker import Executor, default_jobs_dir
 from services.app.commands import App
 from services.root.bootstrap import Plane
+from tests.executor_support import Harness, commit, git
 from tests.helpers import eventually
-from tests.procs import Client, Proc, free_port, wait_healthy
-from tests.test_executor import Harness, commit, git
+from tests.procs import Client, Proc, free_port, nats_servers_using, wait_healthy
 
 pytestmark = [
     pytest.mark.terraform,
@@ -403,8 +403,6 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
     and ends; what it started (the provider, the provisioner's shell, and the daemon
     that shell put in a session of its own) dies when `up` starts again on the same
     data directory."""
-    from tests.test_processes import nats_servers_using
-
     data, port = tmp_path / "data", free_port()
     daemon_pid = tmp_path / "daemon.pid"
     cmd = f"setsid sleep 300 >/dev/null 2>&1 & echo $! > {daemon_pid}; sleep 300"

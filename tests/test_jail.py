@@ -27,8 +27,8 @@ from infra.options import ConfigError
 from services.app.commands import App
 from services.app.repositories import Sources
 from services.root.cli import options, parser
+from tests.executor_support import Harness, git
 from tests.procs import Client, Proc, free_port, wait_healthy
-from tests.test_executor import Harness, git
 
 pytestmark = pytest.mark.terraform
 

@@ -12,13 +12,9 @@ from events import run as R
 from events.errors import IllegalTransition
 from infra.eventstore import EventStore
 from services.app.commands import App
+from tests.builders import workspace
 
 ORG = "acme"
-
-
-async def _setup(app: App) -> None:
-    await app.create_org(ORG, "admin")
-    await app.create_workspace(ORG, "net", R.Workspace(repository="/nowhere"), "admin")
 
 
 def _count_reads(monkeypatch: pytest.MonkeyPatch, store: EventStore) -> list[str]:
@@ -41,7 +37,7 @@ async def test_a_run_this_app_wrote_last_is_commanded_without_a_read(
     nc: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = App(EventStore(nc))
-    await _setup(app)
+    await workspace(app, "net")
     run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
     await app.admit_next(ORG, "net")
     reads = _count_reads(monkeypatch, app.store)
@@ -53,7 +49,7 @@ async def test_a_run_this_app_wrote_last_is_commanded_without_a_read(
 
 async def test_a_run_moved_on_by_another_writer_is_reloaded_on_the_conflict(nc: Any) -> None:
     mine, other = App(EventStore(nc)), App(EventStore(nc))
-    await _setup(mine)
+    await workspace(mine, "net")
     run_id = (await mine.create_run(ORG, "net", "apply", "alice")).state.run_id
     await mine.admit_next(ORG, "net")
     await mine.run_command(ORG, "net", run_id, _claim("l1"))
@@ -71,7 +67,7 @@ async def test_a_refusal_on_what_this_app_knows_is_checked_on_a_fresh_load(nc: A
     """`mine` knows the run pending (it created it); another writer admitted it: the claim
     refused on the known state goes through on the fresh one."""
     mine, scheduler = App(EventStore(nc)), App(EventStore(nc))
-    await _setup(mine)
+    await workspace(mine, "net")
     run_id = (await mine.create_run(ORG, "net", "apply", "alice")).state.run_id
     assert await scheduler.admit_next(ORG, "net") == run_id
     claimed = await mine.run_command(ORG, "net", run_id, _claim("l1"))
@@ -80,7 +76,7 @@ async def test_a_refusal_on_what_this_app_knows_is_checked_on_a_fresh_load(nc: A
 
 async def test_a_refusal_that_holds_on_a_fresh_load_is_raised(nc: Any) -> None:
     mine, other = App(EventStore(nc)), App(EventStore(nc))
-    await _setup(mine)
+    await workspace(mine, "net")
     run_id = (await mine.create_run(ORG, "net", "apply", "alice")).state.run_id
     await mine.admit_next(ORG, "net")
     await other.run_command(ORG, "net", run_id, R.CancelRun(actor="bob"))  # canceled
@@ -95,7 +91,7 @@ async def test_a_decision_of_nothing_on_what_this_app_knows_is_made_again_fresh(
     reported the stop (canceled). A second stop request decides nothing on the known
     state; on the fresh one it is refused: the run is canceled."""
     mine, other = App(EventStore(nc)), App(EventStore(nc))
-    await _setup(mine)
+    await workspace(mine, "net")
     run_id = (await mine.create_run(ORG, "net", "apply", "alice")).state.run_id
     await mine.admit_next(ORG, "net")
     await mine.run_command(ORG, "net", run_id, _claim("l1"))

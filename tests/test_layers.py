@@ -9,6 +9,11 @@ share a rank and never import each other.
 
 The import graph is read from the syntax tree, every import counted: at module level,
 inside a function, or under `if TYPE_CHECKING:`, so neither hides an arrow or a circle.
+
+The tests have one harness: helpers live in support modules (tests/*_support.py,
+tests/builders.py, ...), never in a test module another imports; and only the unit
+tests of the Scheduler, Reaper, Projector and App construct them themselves, the rest
+take them from the composition root (tests/bootstrap_support.py).
 """
 
 from __future__ import annotations
@@ -220,3 +225,129 @@ def test_the_executor_reaches_the_application_only_through_its_ports() -> None:
         if target.startswith("services")
     )
     assert reaching == []
+
+
+# ---------------------------------------------------------------- the tests' own harness
+
+TESTS = ROOT / "tests"
+# Components the composition root builds (tests/bootstrap_support.py: the `system` and
+# `process` fixtures). A test module that constructs one itself, and which, with why;
+# nothing else may, and an entry that no longer holds fails too (take it out).
+CONSTRUCTED = frozenset({"Scheduler", "Reaper", "Projector", "App"})
+BUILT_BY_HAND: dict[str, set[str]] = {
+    # the unit tests of each class: the instance under test, with its own knobs
+    "tests/test_scheduler.py": {"Scheduler"},
+    "tests/test_reaper.py": {"Reaper"},
+    "tests/test_reaper_dispatch.py": {"Reaper"},
+    "tests/test_reaper_processes.py": {"Reaper"},  # in the test's process, with quick rounds
+    "tests/test_projection.py": {"Projector"},
+    "tests/test_projection_replay.py": {"Projector"},  # a live one to replay against
+    "tests/test_known_runs.py": {"App"},  # Apps as two writers of one run, reads counted
+    # an App whose reads go through the follower that is behind (the read under test)
+    "tests/test_stale_reads.py": {"App"},
+    # an App per cluster node's connection on one simulated clock; bootstrap_support's
+    # `built` takes a `clock` too, and may build these instead
+    "tests/test_schedules_cluster.py": {"App"},
+}
+
+
+def _test_files() -> list[Path]:
+    return sorted(TESTS.rglob("test_*.py"))
+
+
+def _dotted(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_test_module(name: str) -> bool:
+    parts = name.split(".")
+    if parts[0] != "tests" or not parts[-1].startswith("test_"):
+        return False
+    return ROOT.joinpath(*parts).with_suffix(".py").is_file()
+
+
+def _test_modules_imported(source: str, module: str) -> set[str]:
+    """The test modules (tests/**/test_*.py) that `source`, the module `module`, imports:
+    `import tests.test_x`, `from tests.test_x import y`, `from tests import test_x`, a
+    relative import, `importlib.import_module("tests.test_x")`; anywhere in the module."""
+    package = module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+        elif (
+            isinstance(node, ast.Call)
+            and _called(node) in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names.add(node.args[0].value)
+    return {n for n in names if n != module and _is_test_module(n)}
+
+
+def _called(call: ast.Call) -> str | None:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id
+    return func.attr if isinstance(func, ast.Attribute) else None
+
+
+def _constructed(source: str) -> set[str]:
+    """Which of CONSTRUCTED `source` calls by name (`App(...)`, `reaper.Reaper(...)`)."""
+    calls = (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call))
+    return {name for name in map(_called, calls) if name in CONSTRUCTED}
+
+
+def test_no_module_of_the_tests_imports_a_test_module() -> None:
+    """A helper another module needs lives in a support module, never in a test module
+    (whose helpers are edited, and merged, for its own tests). Support modules are held
+    to it too: in a function or at module level, no module under tests/ imports one."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        if imported := _test_modules_imported(path.read_text(), _dotted(path)):
+            found[path.relative_to(ROOT).as_posix()] = sorted(imported)
+    assert found == {}, "move what these import to a support module"
+
+
+def test_only_the_unit_tests_construct_the_scheduler_reaper_projector_and_app() -> None:
+    constructed: dict[str, set[str]] = {}
+    for path in _test_files():
+        if names := _constructed(path.read_text()):
+            constructed[path.relative_to(ROOT).as_posix()] = names
+    by_hand = {k: v for k, v in constructed.items() if v - BUILT_BY_HAND.get(k, set())}
+    assert by_hand == {}, "take these from tests/bootstrap_support.py (`system`, `process`)"
+    stale = {k: v for k, v in BUILT_BY_HAND.items() if constructed.get(k, set()) != v}
+    assert stale == {}, "no longer constructs what BUILT_BY_HAND says: update the entry"
+
+
+def test_the_harness_checks_see_a_test_module_imported_and_a_component_constructed() -> None:
+    """Both checks on made-up sources: a check that could not fail would let one through."""
+    here = "tests.test_made_up"
+    for source in (
+        "from tests.test_layers import ROOT",
+        "import tests.test_layers as layers",
+        "from tests import test_layers",
+        "from . import test_layers",
+        "from .test_layers import ROOT",
+        "def f():\n    from tests.test_layers import ROOT",
+        "import importlib\nimportlib.import_module('tests.test_layers')",
+    ):
+        assert _test_modules_imported(source, here) == {"tests.test_layers"}, source
+    for source in (
+        "from tests.api_support import Http",
+        "from tests import builders",
+        "from tests.test_layers import ROOT",  # itself
+    ):
+        assert _test_modules_imported(source, "tests.test_layers") == set(), source
+    made = "App(store)\nasync def f():\n    async with reaper.Reaper(nc, app):\n        pass"
+    assert _constructed(made) == {"App", "Reaper"}
+    assert _constructed("system.scheduler()\nprocess().app\nProjectorish(nc)") == set()

@@ -11,13 +11,14 @@ import pytest
 from events import run as R
 from infra.heartbeats import DEADLINE, Beat, Board
 from services.processes.scheduler.limits import refresh
+from tests.builders import api_workspace
+from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_executor import MAIN_TF
 
 pytestmark = pytest.mark.terraform
 
@@ -36,12 +37,7 @@ async def workspace(
     plane: Plane, repo: Path, settings: dict[str, Any], *, reapers: int = 1, **body: Any
 ) -> None:
     """The workspace `net` with its own settings, and `reapers` reapers (replicas)."""
-    a = await plane.http.post(
-        "/api/v1/orgs/acme/workspaces", json={"name": "net", "repository": str(repo), **body}
-    )
-    assert a.status == 201, a.body
-    a = await plane.http.call("PATCH", "/api/v1/orgs/acme/workspaces/net/settings", json=settings)
-    assert a.status == 200, a.body
+    await api_workspace(plane.http, repo, settings=settings, **body)
     for _ in range(reapers):
         replica = plane.replica(store=plane.app.store)
         await plane.stack.enter_async_context(replica.reaper(interval=0.1))

@@ -29,9 +29,10 @@ from projections.board import BoardFold, apply_board
 from projections.liveness import Entry, Limits, iso, liveness
 from projections.ordered import Delivered
 from services.app.commands import App
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.builders import queued_run
 from tests.helpers import eventually
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
-from tests.test_reaper import ORG, beat, claim, queued_run, workspace
+from tests.reaper_support import ORG, beat, claim, workspace
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 ISO0 = "2030-01-01T00:00:00.000000Z"

@@ -14,9 +14,9 @@ from events import run as R
 from infra import streams
 from infra.ids import new_id
 from services.app.commands import App
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers `http`
 from tests.bootstrap_support import Process
 from tests.helpers import eventually
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers `http`
 
 WS = "/api/v1/orgs/acme/workspaces/net"
 

@@ -1,7 +1,7 @@
 """`GET .../runs/{run}/logs`, whole and followed (SSE), with a real executor and Terraform.
 
-The API graph of test_api_support (real nats-server, App, projector, aiohttp server)
-beside a real executor; runs are driven like the scheduler would (tests.test_executor).
+The API graph of tests/api_support.py (real nats-server, App, projector, aiohttp server)
+beside a real executor; runs are driven like the scheduler would (tests.executor_support).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from infra.steplogs import LogLine, decode_records, read_live
 from infra.streams import LOGS
 from services.surfaces.api.runlog import StepCursor
 from services.surfaces.client.logs import sse_events
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
+from tests.executor_support import Harness
 from tests.helpers import eventually
 from tests.logs_support import (  # noqa: F401  # registers the fixtures
     harness_fixture,
     talking_run,
 )
-from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
-from tests.test_executor import Harness
 
 pytestmark = pytest.mark.terraform
 

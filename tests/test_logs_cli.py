@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from infra.natsserver import EmbeddedNats
+from tests.executor_support import commit
 from tests.helpers import eventually
 from tests.logs_support import SECRET, TALKING_TF
 from tests.procs import ROOT, RUNPLANE, Client, Proc, free_port, wait_healthy
-from tests.test_executor import commit
 
 pytestmark = pytest.mark.terraform
 

@@ -26,6 +26,7 @@ from infra.steplogs import (
     log_subject,
     read_live,
 )
+from tests.executor_support import Harness, step_results
 from tests.helpers import eventually
 from tests.logs_support import (  # noqa: F401  # registers the fixtures
     SECRET,
@@ -33,7 +34,6 @@ from tests.logs_support import (  # noqa: F401  # registers the fixtures
     harness_fixture,
     talking_run,
 )
-from tests.test_executor import Harness, step_results
 
 pytestmark = pytest.mark.terraform
 

@@ -26,9 +26,9 @@ from events.run import ClaimPhase, FinishPlan, FinishStep, PlanSummary, StartSte
 from executor.objects import LOGS_BUCKET, Objects, log_object
 from infra.steplogs import encode_record, live_headers, log_subject
 from services.surfaces.client.logs import sse_events
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
 from tests.helpers import eventually
 from tests.procs import ROOT, RUNPLANE
-from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
 
 V1 = "/api/v1"
 LEASE = "lease-1"

@@ -23,6 +23,7 @@ from events.values import AttributeChange, ResourceChange
 from executor import process
 from executor.output import Masker, masked_command
 from executor.process import StepLog
+from tests.builders import api_workspace
 from tests.canary_support import assert_no_file_holds, assert_no_stream_holds, tricky_canary
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -234,13 +235,11 @@ RUN_PATHS = ("", "/events", "/steps", "/changes", "/resources", "/logs")
 async def _workspace(plane: Plane, root: Path, name: str, tf: str, value: str) -> None:
     repo = root / f"repo-{name}"
     repo.mkdir()
-    from tests.test_executor import git
+    from tests.executor_support import git
 
     git(repo, "init", "-q", "-b", "main")
     commit(repo, {"main.tf": tf})
-    body = {"name": name, "repository": str(repo), "secret_variables": {"s": value}}
-    a = await plane.http.post(f"{V1}/workspaces", json=body)
-    assert a.status == 201, a.body
+    await api_workspace(plane.http, repo, name, secret_variables={"s": value})
 
 
 async def _get(plane: Plane, path: str) -> Any:

@@ -22,7 +22,7 @@ from projections.metrics import Metrics
 from services.surfaces.api.app import build_app
 from services.surfaces.api.context import API
 from services.surfaces.api.metrics import METRICS
-from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # fixture
 
 METRICS_TOKEN = "rp_metrics_test_token_0123456789"
 

@@ -11,9 +11,9 @@ import pytest
 
 from events import notification as nt
 from infra.streams import EVENTS
+from tests.api_support import Http
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the `nhttp` fixture
-from tests.test_api_support import Http
 
 V1 = "/api/v1/orgs"
 TOKEN = "tok-0f1e2d3c4b5a69788796a5b4c3d2e1f0"

@@ -7,106 +7,27 @@ twice under distinct ids; and no payload carries a variable's value."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from nats.aio.client import Client as NATS
 
 from events import notification as nt
-from events import run as R
-from events.codec import run_subject
-from infra.eventstore import EventStore
-from services.app.commands import App
 from services.processes.notifications import formats, outbox
 from services.processes.notifications.delivery import Dispatcher, Job, Policy
 from services.processes.notifications.subscriber import Notifier
 from tests.helpers import eventually
-from tests.notify_support import Receiver
+from tests.notify_support import (  # noqa: F401  # the fixtures
+    PLAIN_VALUE,
+    TOKEN,
+    Receiver,
+    Rig,
+    _policy,
+    policy_fixture,
+    rig_fixture,
+)
 
-TOKEN = "tok-delivery-test-0123456789"
-FAST = (0.05, 0.1, 0.2)
 SECRET_VALUE = "hunter2-secret-value-9f8e7d"
-PLAIN_VALUE = "plain-value-7a6b5c"
-
-
-@dataclass
-class Rig:
-    app: App
-    store: EventStore
-    notifier: Notifier
-    dispatcher: Dispatcher
-    tokens: dict[str, str]
-
-    async def config(self, url: str, **fields: Any) -> nt.NotificationConfig:
-        token = fields.pop("token", TOKEN)
-        cmd = nt.SaveConfig(
-            actor="alice",
-            config_id=self.app.ids(),
-            org="acme",
-            create=True,
-            name=fields.pop("name", "ops"),
-            destination=fields.pop("destination", "generic"),
-            url=url,
-            triggers=fields.pop("triggers", ["run:created"]),
-            has_token=bool(token),
-            **fields,
-        )
-        state, _ = await outbox.command(self.app, "acme", cmd)
-        self.tokens[cmd.config_id] = token
-        assert state.config is not None
-        return state.config
-
-    async def create_run(self) -> tuple[int, str, R.RunState]:
-        """A run of acme/net: (seq of its run.created, subject, state through it)."""
-        created = await self.app.create_run("acme", "net", "apply", "alice", message="deploy")
-        run: R.RunState = created.state
-        subject = run_subject("acme", "net", run.run_id)
-        envs = await self.store.read(subject)
-        first = envs[0].event
-        assert isinstance(first, R.RunCreated)
-        return envs[0].seq, subject, R.fold([first])
-
-    async def notify_created(self) -> tuple[int, R.RunState]:
-        seq, subject, state = await self.create_run()
-        envs = await self.store.read(subject)
-        await self.notifier.on_event(seq, subject, envs[0].event, state)
-        return seq, state
-
-    async def attempts(self, cfg: nt.NotificationConfig, did: str) -> list[nt.DeliveryAttempted]:
-        envs = await self.store.read(nt.delivery_subject("acme", cfg.id, did))
-        return [e.event for e in envs if isinstance(e.event, nt.DeliveryAttempted)]
-
-
-def _policy(**kw: Any) -> Policy:
-    defaults: dict[str, Any] = {"allow": frozenset({"loopback"}), "schedule": FAST, "timeout": 2.0}
-    return Policy(**{**defaults, **kw})
-
-
-@pytest.fixture
-def policy() -> Policy:
-    return _policy()
-
-
-@pytest.fixture
-async def rig(nc: NATS, app: App, store: EventStore, policy: Policy) -> AsyncIterator[Rig]:
-    await app.create_org("acme", "alice")
-    config = R.Workspace(
-        repository="https://example.com/r.git",
-        variables={"region": PLAIN_VALUE},
-        secret_variables=["db_password"],
-    )
-    await app.create_workspace("acme", "net", config, "alice")
-    tokens: dict[str, str] = {}
-
-    async def token_of(org: str, config_id: str) -> str:
-        return tokens.get(config_id, "")
-
-    record, current = outbox.recorder(store), outbox.current(store)
-    async with Dispatcher(policy, token_of, record, current) as dispatcher:
-        yield Rig(app, store, Notifier(store, dispatcher), dispatcher, tokens)
 
 
 async def test_a_run_event_is_delivered_signed_with_its_stable_id(rig: Rig) -> None:

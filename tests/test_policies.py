@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.builders import api_workspace
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -61,18 +62,6 @@ async def _policy(plane: Plane, name: str, enforcement: str, source: str, **extr
     return a.body
 
 
-async def _workspace(
-    plane: Plane, repo: Path, name: str = "net", settings: dict[str, Any] | None = None, **kw: str
-) -> None:
-    a = await plane.http.post(
-        f"{V1}/workspaces", json={"name": name, "repository": str(repo), **kw}
-    )
-    assert a.status == 201, a.body
-    if settings:
-        a = await plane.http.call("PATCH", f"{V1}/workspaces/{name}/settings", json=settings)
-        assert a.status == 200, a.body
-
-
 def _results(run: Any) -> list[tuple[str, str, str, bool, list[str]]]:
     return [
         (p["name"], p["enforcement"], p["scope"], p["passed"], sorted(p["messages"]))
@@ -85,7 +74,7 @@ async def test_saving_policies_compile_errors_scopes_and_roles(plane: Plane, rep
     (and saves nothing); a missing folder or workspace is 404; a viewer reads, only an
     admin writes; list, filter by scope, replace, delete."""
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     broken = {"enforcement": "hard-mandatory", "source": "package p\ndeny contains m if {\n"}
     a = await plane.http.call("PUT", f"{V1}/policies/broken", json=broken)
     body = a.problem("invalid-policy", 422)
@@ -150,7 +139,7 @@ async def test_an_advisory_failure_is_recorded_and_the_run_proceeds(
     `policy` step's log) and the run applies; the next plan, with nothing to change, is
     checked too (and passes)."""
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo, settings={"require_approval": False})
+    await api_workspace(plane.http, repo, settings={"require_approval": False})
     await _policy(plane, "no-creates", "advisory", NO_CREATES)
     await plane.executor("e1")
     run_id = await plane.start("net")
@@ -184,7 +173,7 @@ async def test_a_soft_mandatory_failure_needs_an_approval_that_records_the_overr
     """require_approval off, but a soft-mandatory policy fails: the run awaits approval;
     approving records who overrode which policy, in the run and in run.approved."""
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo, settings={"require_approval": False})
+    await api_workspace(plane.http, repo, settings={"require_approval": False})
     await _policy(plane, "no-creates", "soft-mandatory", NO_CREATES)
     await _policy(plane, "no-deletes", "soft-mandatory", NO_DELETES)  # passes
     alice = await plane.http.post(f"{V1}/tokens", json={"user": "alice", "role": "approver"})
@@ -219,7 +208,7 @@ async def test_a_hard_mandatory_failure_fails_the_run_with_the_policys_messages(
     plane: Plane, repo: Path
 ) -> None:
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _policy(plane, "no-creates", "hard-mandatory", NO_CREATES)
     await _policy(plane, "advice", "advisory", NO_DELETES)
     await plane.executor("e1")
@@ -249,8 +238,8 @@ async def test_policies_apply_by_scope_org_folder_and_workspace(plane: Plane, re
     for folder, parent in (("outer", None), ("inner", "outer")):
         a = await plane.http.post(f"{V1}/folders", json={"name": folder, "parent": parent})
         assert a.status == 201, a.body
-    await _workspace(plane, repo, "net", folder="inner")
-    await _workspace(plane, repo, "other")
+    await api_workspace(plane.http, repo, "net", folder="inner")
+    await api_workspace(plane.http, repo, "other")
     await _policy(plane, "ws-net", "advisory", NO_CREATES, scope="workspace:net")
     await _policy(plane, "in-inner", "advisory", NO_CREATES, scope="folder:inner")
     await _policy(plane, "in-outer", "advisory", NO_DELETES, scope="folder:outer")
@@ -276,7 +265,7 @@ async def test_a_run_keeps_the_policy_sets_it_pinned_at_admission(plane: Plane, 
     hard-mandatory and a new one is added: the run is still checked against what it
     pinned, and applies. The next run gets the new sets and fails."""
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo, settings={"require_approval": False})
+    await api_workspace(plane.http, repo, settings={"require_approval": False})
     await _policy(plane, "gate", "advisory", NO_CREATES)
     run_id = await plane.start("net")
     queued = await plane.pinned("net", run_id)

@@ -32,13 +32,13 @@ from typing import Any
 import pytest
 
 from events.policies import PolicySet
+from tests.api_support import ADMIN_TOKEN
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_api_support import ADMIN_TOKEN
 
 V1 = "/api/v1/orgs/acme"
 TWO = 'resource "null_resource" "a" {}\nresource "null_resource" "b" {}\n'

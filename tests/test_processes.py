@@ -16,8 +16,8 @@ from projections.readmodel import ReadModel
 from services.app.commands import App
 from services.root.demo import DEMO_ORG, DEMO_WS, ensure_demo, make_demo_repo
 from tests.helpers import eventually
-from tests.procs import Client, Proc, free_port, wait_healthy
-from tests.test_scheduler import FakeExecutor, check_history
+from tests.procs import Client, Proc, free_port, nats_servers_using, wait_healthy
+from tests.scheduler_support import FakeExecutor, check_history
 
 pytestmark = pytest.mark.terraform
 
@@ -53,20 +53,6 @@ def statuses_from_events(events: list[dict[str, object]]) -> list[str]:
         if step:
             path.append(step)
     return path
-
-
-def nats_servers_using(path: Path) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "nats-server" in cmd and str(path) in cmd:
-            found.append(int(proc.name))
-    return found
 
 
 async def test_runplane_up_plans_and_applies_the_demo_and_stops_everything(

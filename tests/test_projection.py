@@ -16,16 +16,10 @@ from events.codec import encode, run_subject
 from events.run import (
     ApproveRun,
     CancelRun,
-    ClaimPhase,
-    DiscardRun,
     FailRun,
-    FinishApply,
     FinishPlan,
-    FinishStep,
     PlanSummary,
-    RunCommand,
     RunQueued,
-    StartStep,
     Workspace,
 )
 from infra import streams
@@ -38,144 +32,16 @@ from services.app.commands import App
 from services.app.execute import Result
 from tests.bootstrap_support import Process
 from tests.helpers import eventually
-
-ORG = "acme"
-EXECUTOR = "exec-1"
-
-
-# ---------------------------------------------------------------- driving the write side
-
-
-async def cmd(app: App, ws: str, run_id: str, command: RunCommand) -> Result:
-    return await app.run_command(ORG, ws, run_id, command)
-
-
-async def new_run(app: App, ws: str, run_type: str = "apply", message: str = "") -> str:
-    result = await app.create_run(ORG, ws, run_type, "alice", message=message)
-    return str(result.state.run_id)
-
-
-async def run_phase(app: App, ws: str, run_id: str, phase: str, *, fail_step: str = "") -> str:
-    """Claim the phase and run its steps like an executor; stop at `fail_step`. The lease."""
-    lease = f"{run_id}-{phase}"
-    await cmd(
-        app,
-        ws,
-        run_id,
-        ClaimPhase(actor=EXECUTOR, phase=phase, lease_id=lease, executor_id=EXECUTOR),
-    )
-    for step in ("checkout", "init", phase):
-        started = datetime.now(UTC)
-        await cmd(app, ws, run_id, StartStep(actor=EXECUTOR, lease_id=lease, step=step))
-        ok = step != fail_step
-        finish = FinishStep(
-            actor=EXECUTOR,
-            lease_id=lease,
-            step=step,
-            ok=ok,
-            started_at=started,
-            log_object=f"{run_id}/{step}.log",
-            error="" if ok else f"{step} broke",
-        )
-        await cmd(app, ws, run_id, finish)
-        if not ok:
-            break
-    return lease
-
-
-async def plan(
-    app: App, ws: str, run_id: str, *, changes: bool = True, approval: bool = True
-) -> Result:
-    lease = await run_phase(app, ws, run_id, "plan")
-    summary = PlanSummary(add=2, change=1, destroy=0) if changes else PlanSummary()
-    return await cmd(
-        app,
-        ws,
-        run_id,
-        FinishPlan(
-            actor=EXECUTOR,
-            lease_id=lease,
-            commit="abc123",
-            has_changes=changes,
-            summary=summary,
-            plan_digest="sha256:feed",
-            require_approval=approval,
-        ),
-    )
-
-
-async def apply(app: App, ws: str, run_id: str) -> Result:
-    lease = await run_phase(app, ws, run_id, "apply")
-    return await cmd(
-        app,
-        ws,
-        run_id,
-        FinishApply(
-            actor=EXECUTOR, lease_id=lease, summary=PlanSummary(add=2, change=1, destroy=0)
-        ),
-    )
-
-
-async def setup_org(app: App, *workspaces: str) -> str:
-    """An organization with a token for alice and the given workspaces; the clear token."""
-    await app.create_org(ORG, "admin")
-    token, _ = await app.issue_token(ORG, "alice", "admin", "admin")
-    for ws in workspaces:
-        config = Workspace(repository="/repo", variables={"region": "eu", "env": ws})
-        await app.create_workspace(ORG, ws, config, "alice")
-    return token
-
-
-async def varied_history(app: App) -> dict[str, str]:
-    """Every terminal outcome, plus runs left waiting. Run ids by the status they reach."""
-    await setup_org(app, "net", "app")
-    runs: dict[str, str] = {}
-    runs["applied"] = await new_run(app, "net", message="bump vpc")
-    runs["no_changes"] = await new_run(app, "net", "plan")  # queued behind the first
-    await app.admit_next(ORG, "net")
-    await plan(app, "net", runs["applied"])
-    await cmd(app, "net", runs["applied"], ApproveRun(actor="bob", acknowledged=["destroys"]))
-    await apply(app, "net", runs["applied"])
-    await app.admit_next(ORG, "net")
-    await plan(app, "net", runs["no_changes"], changes=False)
-    runs["discarded"] = await new_run(app, "net")
-    runs["canceled"] = await new_run(app, "net")
-    await app.admit_next(ORG, "net")
-    await plan(app, "net", runs["discarded"])
-    await cmd(app, "net", runs["canceled"], CancelRun(actor="alice"))
-    await cmd(app, "net", runs["discarded"], DiscardRun(actor="bob", reason="not today"))
-    runs["awaiting_approval"] = await new_run(app, "net")
-    runs["pending"] = await new_run(app, "net", "destroy")
-    await app.admit_next(ORG, "net")
-    await plan(app, "net", runs["awaiting_approval"])
-
-    runs["failed_step"] = await new_run(app, "app")
-    await app.admit_next(ORG, "app")
-    lease = await run_phase(app, "app", runs["failed_step"], "plan", fail_step="init")
-    await cmd(
-        app,
-        "app",
-        runs["failed_step"],
-        FailRun(actor=EXECUTOR, reason="init_failed", message="init broke", lease_id=lease),
-    )
-    runs["failed_reaped"] = await new_run(app, "app", "plan")
-    await app.admit_next(ORG, "app")
-    await run_phase(app, "app", runs["failed_reaped"], "plan")  # then the executor vanishes
-    await cmd(
-        app, "app", runs["failed_reaped"], FailRun(actor="reaper", reason="executor_unavailable")
-    )
-    runs["unattended_apply"] = await new_run(app, "app")
-    await app.admit_next(ORG, "app")
-    await plan(app, "app", runs["unattended_apply"], approval=False)
-    await apply(app, "app", runs["unattended_apply"])
-    for kind in ("planned", "drifted"):
-        runs[kind] = await new_run(app, "app", "plan" if kind == "planned" else "drift")
-        await app.admit_next(ORG, "app")
-        await plan(app, "app", runs[kind])
-    runs["queued"] = await new_run(app, "app")
-    await app.admit_next(ORG, "app")
-    return runs
-
+from tests.projection_support import (
+    EXECUTOR,
+    ORG,
+    apply,
+    cmd,
+    new_run,
+    run_phase,
+    settle,
+    setup_org,
+)
 
 # ---------------------------------------------------------------- fixtures
 
@@ -184,11 +50,6 @@ async def varied_history(app: App) -> dict[str, str]:
 async def projector(nc: NATS, tmp_path: Path) -> AsyncIterator[Projector]:
     async with Projector(nc, tmp_path / "read.db", idle_heartbeat=0.5) as p:
         yield p
-
-
-async def settle(p: Projector, store: EventStore) -> None:
-    """Wait until the projector has everything the stream has now."""
-    assert await p.wait_for(await store.last_seq(), timeout=10)
 
 
 # ---------------------------------------------------------------- live projection

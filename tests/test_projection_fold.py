@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta, timezone
-from itertools import count
 from typing import get_args
 
 import pytest
@@ -12,122 +11,19 @@ from hypothesis import strategies as st
 
 from events import run as run_agg
 from events import vcs_report as vr
-from events.codec import AnyEvent, encode, run_subject, ws_subject
-from events.errors import DomainError
+from events.codec import AnyEvent, ws_subject
 from events.run import (
     AdmitRun,
-    ApproveRun,
-    CancelRun,
     ClaimPhase,
     CreateRun,
-    DiscardRun,
     FailRun,
-    FinishApply,
-    FinishPlan,
     FinishStep,
-    PlanSummary,
-    RunCommand,
     StartStep,
-    Workspace,
 )
 from events.workspace import RunAdmitted, RunEnqueued, RunReleased, WorkspaceCreated
-from projections.project import FOLDS, finish, project_event
-from projections.working import Unprojectable, Working, iso, meta_of
-
-T0 = datetime(2025, 1, 1, tzinfo=UTC)
-CONFIG = Workspace(repository="/repo")
-
-
-class Stream:
-    """Folds events into one working set, numbering them like a stream."""
-
-    def __init__(self) -> None:
-        self.w = Working()
-        self.seq = count(1)
-
-    def add(self, subject: str, *events: AnyEvent) -> None:
-        for event in events:
-            seq = next(self.seq)
-            meta = meta_of(seq, subject, seq * 1_000_000)
-            project_event(self.w, meta, event, encode(event))
-        finish(self.w)
-
-    def run(self, run_id: str) -> dict[str, object]:
-        row = self.w.get("runs", (run_id,))
-        assert row is not None
-        return row
-
-
-def decide_all(commands: list[RunCommand], start: int = 0) -> list[run_agg.RunEvent]:
-    """Run commands through the core in order, dropping the ones it refuses; the first at
-    `start` seconds after T0, the next a second later, and so on."""
-    state, events, ticks = run_agg.INITIAL, [], count(start)
-    for command in commands:
-        now = T0 + timedelta(seconds=next(ticks))
-        try:
-            new = run_agg.decide(state, command, now=now, new_id=lambda: "id")
-        except DomainError:
-            continue
-        state = run_agg.fold(new, state)
-        events.extend(new)
-    return events
-
-
-CREATE = CreateRun(
-    actor="alice", run_id="r1", org="acme", workspace="net", run_type="apply", config=CONFIG
-)
-SUBJECT = run_subject("acme", "net", "r1")
-
-
-def _next_command(data: st.DataObject, state: run_agg.RunState, n: int) -> RunCommand:
-    """A command that is plausible for the state (current lease, waiting phase), or noise."""
-    noise = data.draw(st.integers(0, 9)) == 0  # now and then: a stale lease or an ending
-    lease = "stale" if noise else state.lease_id or "l0"
-    phase = state.waiting_phase or "plan"
-    step = data.draw(st.sampled_from(["checkout", "init", "plan"]))
-    summary = PlanSummary(add=data.draw(st.integers(0, 3)))
-    flag = data.draw(st.booleans())
-    options: list[RunCommand] = [
-        AdmitRun(actor="s"),
-        ClaimPhase(actor="x", phase=phase, lease_id=f"l{n}", executor_id=f"x{n}"),
-        StartStep(actor="x", lease_id=lease, step=step),
-        FinishStep(actor="x", lease_id=lease, step=step, ok=flag, started_at=T0),
-        FinishPlan(
-            actor="x",
-            lease_id=lease,
-            commit="c0",
-            has_changes=flag or summary.add > 0,
-            summary=summary,
-            require_approval=data.draw(st.booleans()),
-        ),
-        FinishApply(actor="x", lease_id=lease, summary=summary),
-        ApproveRun(actor="bob", acknowledged=["warning"] if flag else []),
-    ]
-    endings: list[RunCommand] = [
-        DiscardRun(actor="bob"),
-        CancelRun(actor="bob"),
-        FailRun(actor="x", reason="boom", message="m", lease_id=state.lease_id if flag else ""),
-    ]
-    return data.draw(st.sampled_from(endings if noise else options))
-
-
-def decide_next(events: list[run_agg.RunEvent], command: RunCommand) -> list[run_agg.RunEvent]:
-    """The events one more command adds after `events`, or none if the core refuses it."""
-    now = T0 + timedelta(seconds=len(events))
-    try:
-        return run_agg.decide(run_agg.fold(events), command, now=now, new_id=lambda: "id")
-    except DomainError:
-        return []
-
-
-def random_history(run_type: str, length: int, data: st.DataObject) -> list[run_agg.RunEvent]:
-    create = CreateRun(
-        actor="alice", run_id="r1", org="acme", workspace="net", run_type=run_type, config=CONFIG
-    )
-    events = decide_all([create])
-    for n in range(length):
-        events += decide_next(events, _next_command(data, run_agg.fold(events), n))
-    return events
+from projections.project import FOLDS
+from projections.working import Unprojectable, iso, meta_of
+from tests.projection_support import CONFIG, CREATE, SUBJECT, T0, Stream, decide_all, random_history
 
 
 @settings(max_examples=300, deadline=None)

@@ -20,7 +20,7 @@ from projections.ordered import OrderedReader
 from projections.readmodel import ReadModel
 from projections.schema import connect
 from services.app.commands import App
-from tests.test_projection import ORG, settle, varied_history
+from tests.projection_support import ORG, settle, varied_history
 
 
 async def dump_of(path: Path) -> dict[str, list[tuple[object, ...]]]:

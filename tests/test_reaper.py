@@ -21,57 +21,13 @@ from events.workspace import RunReleased
 from infra import heartbeats
 from infra.eventstore import EventStore
 from infra.heartbeats import Board, body, subject
-from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, silent_guard
 from tests.bootstrap_support import Process, System
+from tests.builders import queued_run
 from tests.helpers import eventually
-
-ORG = "acme"
-
-
-async def workspace(app: App, ws: str, *, heartbeat: int = 600, dispatch: int = 0) -> None:
-    if not (await app.load_org(ORG)).state.exists:
-        await app.create_org(ORG, "admin")
-    cfg = R.Workspace(repository="/nowhere", heartbeat_timeout=heartbeat, dispatch_timeout=dispatch)
-    await app.create_workspace(ORG, ws, cfg, "admin")
-
-
-async def queued_run(app: App, ws: str) -> str:
-    run_id = str((await app.create_run(ORG, ws, "apply", "alice")).state.run_id)
-    assert await app.admit_next(ORG, ws) == run_id
-    return run_id
-
-
-async def claim(app: App, ws: str, run_id: str, phase: str = "plan") -> str:
-    lease = new_id()
-    cmd = R.ClaimPhase(actor="executor:t", phase=phase, lease_id=lease, executor_id="t")
-    await app.run_command(ORG, ws, run_id, cmd)
-    return lease
-
-
-async def beat(board: Board, ws: str, run_id: str, lease: str, timeout: int, **extra: str) -> None:
-    data = body(lease_id=lease, executor_id="t", org=ORG, workspace=ws, timeout=timeout, **extra)
-    assert await board.put(subject(run_id, "plan"), data)
-
-
-async def state(app: App, ws: str, run_id: str) -> R.RunState:
-    return (await app.load_run(ORG, ws, run_id)).state  # type: ignore[no-any-return]
-
-
-async def reaches(app: App, ws: str, run_id: str, status: str, timeout: float = 15) -> R.RunState:
-    async def probe() -> R.RunState:
-        s = await state(app, ws, run_id)
-        assert str(s.status) == status, f"{s.status} {s.reason} {s.error_message}"
-        return s
-
-    return await eventually(probe, timeout=timeout, what=f"run {run_id} {status}")
-
-
-async def failures(app: App, ws: str, run_id: str) -> list[R.RunFailed]:
-    envs = await app.store.read(f"rp.run.{ORG}.{ws}.{run_id}")
-    return [e.event for e in envs if isinstance(e.event, R.RunFailed)]
+from tests.reaper_support import ORG, beat, claim, failures, reaches, state, workspace
 
 
 @pytest.fixture

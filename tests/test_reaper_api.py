@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
 
 WS = "/api/v1/orgs/acme/workspaces"
 

@@ -11,31 +11,18 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from executor.terraform import TerraformConfig
-from infra.heartbeats import Beat, Board, Body, beat_interval, server_time
+from infra.heartbeats import Beat, Board, beat_interval, server_time
 from infra.streams import DISPATCH, executor_consumer
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, judge
 from services.processes.scheduler.watch import mark_dispatched
 from tests.bootstrap_support import System
+from tests.builders import queued_run
+from tests.core_support import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
 from tests.helpers import eventually
-from tests.test_core_run import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
-from tests.test_reaper import ORG, beat, claim, failures, queued_run, reaches, state, workspace
+from tests.reaper_support import ORG, beat, claim, entry, failures, reaches, state, workspace
 
 # ---------------------------------------------------------------- judge (pure)
-
-NOW = datetime(2025, 1, 2, tzinfo=UTC)
-
-
-def entry(phase: str, lease: str) -> Beat:
-    return Beat(
-        subject=f"rp.hb.run-1.{phase}",
-        seq=1,
-        time=NOW,
-        run_id="run-1",
-        phase=phase,
-        body=Body(lease_id=lease, kind="" if lease else "dispatched"),
-    )
-
 
 Q, AQ, P, A = R.Status.QUEUED, R.Status.APPLY_QUEUED, R.Status.PLANNING, R.Status.APPLYING
 EXPECTED = {  # (status, phase, lease of the entry) -> verdict; anything else: purge

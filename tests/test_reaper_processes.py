@@ -7,7 +7,6 @@ about their own process); nats-server and Terraform are real.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import signal
@@ -27,10 +26,19 @@ from infra.streams import DISPATCH, dispatch_subject, executor_consumer
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper
 from tests.bootstrap_support import System
+from tests.executor_support import GATED_PLAN_TF, MAIN_TF, commit
 from tests.helpers import eventually
 from tests.procs import Proc, descendants
-from tests.test_executor import MAIN_TF, commit
-from tests.test_reaper import ORG, reaches, state
+from tests.reaper_support import (
+    KEY,
+    ORG,
+    count,
+    reaches,
+    run_events,
+    setup_workspace,
+    signal_tree,
+    state,
+)
 
 pytestmark = pytest.mark.terraform
 
@@ -41,18 +49,7 @@ resource "null_resource" "slow" {
   provisioner "local-exec" { command = "echo applied >> ${var.marker} && sleep 30" }
 }
 """
-# The plan blocks reading a named pipe until the test writes to it: a plan that is
-# running for as long as the test wants, with nothing but the null provider.
-GATED_PLAN_TF = """
-variable "gate" {}
-resource "null_resource" "gated" {
-  triggers = { gate = file(var.gate) }
-}
-"""
 
-
-# Executors of one deployment share the key that seals plans and state.
-KEY = base64.b64encode(os.urandom(32)).decode()
 
 # ---------------------------------------------------------------- helpers
 
@@ -78,32 +75,6 @@ async def _says(proc: Proc, text: str) -> bool:
     if proc.proc.returncode is not None and text not in proc.output():
         raise RuntimeError(f"exited {proc.proc.returncode}: {proc.output()[-2000:]}")
     return text in proc.output()
-
-
-def signal_tree(proc: Proc, sig: signal.Signals) -> None:
-    """Signal the process and its descendants: SIGKILL is a host lost, SIGSTOP a VM paused."""
-    assert proc.proc is not None
-    for pid in descendants(proc.proc.pid):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-async def setup_workspace(app: App, ws: str, repo: Path, **cfg: Any) -> None:
-    if not (await app.load_org(ORG)).state.exists:
-        await app.create_org(ORG, "admin")
-    await app.create_workspace(ORG, ws, R.Workspace(repository=str(repo), **cfg), "admin")
-
-
-async def run_events(app: App, ws: str, run_id: str) -> list[Any]:
-    return [e.event for e in await app.store.read(f"rp.run.{ORG}.{ws}.{run_id}")]
-
-
-def count(events: list[Any], kind: type, **match: str) -> int:
-    return sum(
-        isinstance(e, kind) and all(getattr(e, k) == v for k, v in match.items()) for e in events
-    )
 
 
 def reading(proc: Proc, path: Path) -> Callable[[], Any]:

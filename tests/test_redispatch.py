@@ -27,14 +27,14 @@ from services.app.commands import App
 from services.processes.scheduler import watch
 from services.processes.scheduler.reaper import Verdict, judge, queued
 from tests.bootstrap_support import System
+from tests.builders import api_workspace, queued_run
+from tests.core_support import HISTORIES
+from tests.executor_support import MAIN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixtures
-from tests.test_core_run import HISTORIES
-from tests.test_executor import MAIN_TF
-from tests.test_reaper import claim, queued_run, reaches
-from tests.test_reaper import state as rstate
-from tests.test_reaper import workspace as rworkspace
-from tests.test_reaper_dispatch import entry
+from tests.reaper_support import claim, entry, reaches
+from tests.reaper_support import state as rstate
+from tests.reaper_support import workspace as rworkspace
 
 
 async def short_duplicate_window(nc: NATS, seconds: float = 1.0) -> None:
@@ -54,9 +54,7 @@ async def dispatch_state(nc: NATS) -> tuple[int, int]:
 
 async def workspace(plane: Plane, repo: Path) -> None:
     commit(repo, {"main.tf": MAIN_TF})
-    body = {"name": "net", "repository": str(repo)}
-    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
-    assert a.status == 201, a.body
+    await api_workspace(plane.http, repo)
 
 
 async def marker(nc: NATS, run_id: str) -> Beat:

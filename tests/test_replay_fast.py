@@ -56,7 +56,7 @@ from projections.readmodel import ReadModel
 from projections.schema import BY_NAME, EVENTS, TABLES, connect
 from projections.working import Working
 from tests.bootstrap_support import System
-from tests.test_projection_fold import T0, decide_all
+from tests.projection_support import T0, decide_all
 
 ORG = "acme"
 CONFIG = Workspace(repository="/repo")

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from events import errors
+from tests.api_support import Http, http_fixture  # noqa: F401  # the `http` fixture
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # the `http` fixture
 
 V1 = "/api/v1/orgs/acme"
 TF = 'resource "null_resource" "x" {\n  triggers = { v = "%s" }\n}\n'

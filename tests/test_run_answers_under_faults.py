@@ -21,8 +21,9 @@ from projections import projector as projector_module
 from projections.batch import apply_batch
 from services.app.commands import App
 from services.surfaces.api import runs as runs_api
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
-from tests.test_reaper import ORG, beat, claim, queued_run, workspace
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the `http` fixture
+from tests.builders import queued_run
+from tests.reaper_support import ORG, beat, claim, workspace
 
 
 async def test_a_phase_that_just_ended_is_answered_from_the_caught_up_projection(

@@ -17,6 +17,7 @@ from events.errors import Invalid
 from events.run import Cause, RunCreated
 from infra.ids import derived_id
 from services.processes.vcs import connections as vcs_connections
+from tests.builders import api_workspace
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -25,12 +26,6 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
 )
 
 MAIN_TF = 'resource "null_resource" "a" {\n  triggers = { v = "1" }\n}\n'
-
-
-async def _workspace(plane: Plane, repo: Path) -> None:
-    body = {"name": "net", "repository": str(repo)}
-    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
-    assert a.status == 201, a.body
 
 
 async def _created(plane: Plane, run_id: str) -> RunCreated:
@@ -54,7 +49,7 @@ async def test_the_api_records_its_cause_and_the_cli_header_names_only_cli(
     """A POST records `api` with the token's user; `X-Runplane-Client: cli` records `cli`;
     any other claim (a webhook's kind) is not taken: `api`. GET, lists and the event agree."""
     commit(repo, {"main.tf": MAIN_TF})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     path = "/api/v1/orgs/acme/workspaces/net/runs"
     kinds = {}
     for claim in ("", "cli", "vcs", "schedule"):
@@ -81,7 +76,7 @@ async def test_a_derived_id_makes_a_second_creation_find_the_first(
     """Two creations with one derived id, even at once: one run.created, both answers
     the same run, the second `existed`; the run is queued once."""
     commit(repo, {"main.tf": MAIN_TF})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     fire = datetime(2026, 12, 1, 3, 0, tzinfo=UTC)
     cause = Cause(kind="schedule", schedule="s1", fire_time=fire)
     run_id = derived_id("s1", fire.isoformat())
@@ -116,7 +111,7 @@ async def test_a_run_created_for_a_commit_plans_that_commit_not_the_branch_head(
 ) -> None:
     """`commit=` (a webhook's push) is pinned at admission, however far the branch moved."""
     asked = commit(repo, {"main.tf": MAIN_TF})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     head = commit(repo, {"main.tf": MAIN_TF.replace('"1"', '"2"') + MAIN_TF.replace('"a"', '"b"')})
     cause = Cause(kind="vcs", provider="github", event="push", commit=asked, delivery="d-1")
     done = await plane.app.create_run("acme", "net", "plan", "vcs", cause=cause, commit=asked)
@@ -134,7 +129,7 @@ async def test_a_bad_cause_or_commit_is_refused_and_writes_nothing(
     plane: Plane, repo: Path
 ) -> None:
     commit(repo, {"main.tf": MAIN_TF})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     for kwargs in (
         {"cause": Cause(kind="forged")},
         {"commit": "main"},

@@ -15,6 +15,7 @@ import pytest
 from executor import terraform as tf
 from infra import streams
 from services.root.cli import options, parser
+from tests.builders import api_workspace
 from tests.helpers import eventually, shared_file
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -29,12 +30,6 @@ TWO = """
 resource "null_resource" "a" {}
 resource "null_resource" "b" {}
 """
-
-
-async def _workspace(plane: Plane, repo: Path, name: str = "net", **fields: Any) -> None:
-    body = {"name": name, "repository": str(repo), **fields}
-    a = await plane.http.post(ORG + "/workspaces", json=body)
-    assert a.status == 201, a.body
 
 
 async def _patch(plane: Plane, path: str, body: dict[str, Any]) -> None:
@@ -68,8 +63,8 @@ async def test_a_run_waits_for_an_executor_of_its_workspace_pool_and_that_one_ru
     running other workspaces' runs); an executor of pool gpu then runs it."""
     commit(repo, {"main.tf": TWO})
     assert (await plane.http.post(ORG + "/folders", json={"name": "ml"})).status == 201
-    await _workspace(plane, repo, "train", folder="ml")
-    await _workspace(plane, repo, "web")
+    await api_workspace(plane.http, repo, "train", folder="ml")
+    await api_workspace(plane.http, repo, "web")
     await _patch(plane, "/folders/ml/settings", {"executor_pool": "gpu"})
     await plane.executor("e-default")
 
@@ -102,7 +97,7 @@ async def test_a_run_of_a_pool_with_no_executor_fails_after_its_dispatch_timeout
 ) -> None:
     commit(repo, {"main.tf": TWO})
     await plane.stack.enter_async_context(plane.system.reaper(interval=0.1))
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _patch(plane, "/settings", {"executor_pool": "gpu", "dispatch_timeout": 1})
     await plane.executor("e-default")  # the wrong pool
     run_id = await plane.start("net", "plan")
@@ -136,7 +131,7 @@ async def test_a_terraform_binary_set_on_a_folder_runs_every_step_of_both_phases
     marker = tmp_path / "called"
     script = _wrapper(tmp_path / "bin", marker)
     assert (await plane.http.post(ORG + "/folders", json={"name": "platform"})).status == 201
-    await _workspace(plane, repo, folder="platform")
+    await api_workspace(plane.http, repo, folder="platform")
     await _patch(plane, "/folders/platform/settings", {"terraform_binary": str(script)})
     await plane.executor("e1")
     run_id = await plane.start("net")
@@ -161,7 +156,7 @@ async def test_a_terraform_binary_named_on_the_org_is_looked_up_on_path(
     bindir = tmp_path / "bin"
     _wrapper(bindir, marker, name="tofu-like")
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _patch(plane, "/settings", {"terraform_binary": "tofu-like"})
     await plane.executor("e1")
     run_id = await plane.start("net", "plan")
@@ -175,7 +170,7 @@ async def test_a_missing_terraform_binary_fails_the_run_with_a_clear_reason(
     plane: Plane, repo: Path, wanted: str
 ) -> None:
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _patch(plane, "/settings", {"terraform_binary": wanted})
     await plane.executor("e1")
     run_id = await plane.start("net")
@@ -234,7 +229,7 @@ async def test_a_speculative_plan_runs_beside_an_apply_that_holds_the_workspace(
     gate = tmp_path / "gate"
     commit(repo, {"main.tf": GATED % gate})
     marker = tmp_path / "called"
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _patch(
         plane,
         "/settings",
@@ -289,7 +284,7 @@ async def test_a_speculative_plan_runs_on_a_locked_workspace(plane: Plane, repo:
     """A lock stops admission from the queue; a speculative plan changes nothing and is
     not in the queue, so it runs."""
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _patch(plane, "/workspaces/net/settings", {"speculative_plans": True})
     a = await plane.http.post(ORG + "/workspaces/net/lock", json={"reason": "freeze"})
     assert a.status == 200, a.body
@@ -305,7 +300,7 @@ async def test_with_speculative_plans_off_a_plan_queues_behind_the_apply(
     plane: Plane, repo: Path
 ) -> None:
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("e1")
     apply_id = await plane.start("net")
     await plane.reaches("net", apply_id, "awaiting_approval")

@@ -21,9 +21,10 @@ from infra.ids import derived_id
 from services.app.commands import App
 from services.processes.triggers import graph
 from services.processes.triggers.subscriber import Triggers
+from tests.api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 from tests.bootstrap_support import Process
+from tests.builders import organization, workspaces
 from tests.gwt import NOW, Aggregate, given
-from tests.test_api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 
 RT = Aggregate(initial=rt.INITIAL, decide=rt.decide, evolve=rt.evolve)
 
@@ -142,9 +143,8 @@ class _Gate(EventStore):
 
 
 async def _workspaces(app: App, org: str, *names: str) -> None:
-    await app.create_org(org, "test")
-    for n in names:
-        await app.create_workspace(org, n, Workspace(repository="https://e.com/r.git"), "t")
+    await organization(app, org, actor="test")
+    await workspaces(app, *names, org=org, actor="t", repository="https://e.com/r.git")
 
 
 async def test_two_concurrent_additions_that_together_close_a_cycle_do_not_both_land(

@@ -16,13 +16,13 @@ from events import run as R
 from infra.consumer import Consumer, Received
 from infra.ids import derived_id
 from services.processes.triggers.subscriber import Triggers, subscription
+from tests.executor_support import git
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_executor import git
 
 pytestmark = pytest.mark.terraform
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import api_workspace
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -32,12 +33,6 @@ resource "null_resource" "c" {
 """
 
 
-async def _workspace(plane: Plane, repo: Path, name: str = "net") -> None:
-    body = {"name": name, "repository": str(repo)}
-    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
-    assert a.status == 201, a.body
-
-
 async def _apply(plane: Plane, ws: str = "net", run_type: str = "apply") -> str:
     run_id = await plane.start(ws, run_type)
     await plane.reaches(ws, run_id, "awaiting_approval")
@@ -50,7 +45,7 @@ async def test_a_destroy_run_plans_destroy_waits_for_approval_then_destroys(
     plane: Plane, repo: Path
 ) -> None:
     commit(repo, {"main.tf": TWO})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("e1")
     assert (await plane.run("net", await _apply(plane))).status == "applied"
     destroy = await plane.start("net", "destroy")
@@ -75,7 +70,7 @@ async def test_a_failing_provisioner_fails_its_resource_and_stops_what_follows(
     plane: Plane, repo: Path
 ) -> None:
     commit(repo, {"main.tf": PROVISIONER_FAILS})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("e1")
     run_id = await _apply(plane)
     run = await plane.run("net", run_id)
@@ -132,7 +127,7 @@ async def test_variables_changed_between_plan_and_apply_change_nothing_for_that_
 
 async def test_step_logs_are_readable_text_not_terraforms_json(plane: Plane, repo: Path) -> None:
     commit(repo, {"main.tf": PROVISIONER_FAILS.replace("exit 3", "exit 0")})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("e1")
     run_id = await _apply(plane)
     logs = (await plane.http.get(f"/api/v1/orgs/acme/runs/{run_id}/logs")).body["items"]

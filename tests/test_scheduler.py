@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections import defaultdict
 from contextlib import AsyncExitStack
 
 import nats
@@ -16,109 +15,23 @@ from nats.aio.client import Client as NATS
 
 from events import run as R
 from events.errors import IllegalTransition
-from events.workspace import RunAdmitted, RunEnqueued, RunReleased
 from infra import streams
-from infra.eventstore import Envelope, EventStore
+from infra.eventstore import EventStore
 from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
 from services.app.commands import App
 from services.processes.scheduler.scheduler import Scheduler
+from tests import builders
 from tests.bootstrap_support import Process, pinned_by
 from tests.helpers import eventually
-
-
-async def _setup(app: App, workspaces: list[str]) -> None:
-    await app.create_org("acme", "admin")
-    for ws in workspaces:
-        await app.create_workspace("acme", ws, R.Workspace(repository="/nowhere"), "admin")
-
-
-class FakeExecutor:
-    """Stands in for Terraform only: claims dispatched phases through the real work queue
-    and finishes each plan with no changes, so runs end and free their workspace."""
-
-    def __init__(self, nc: NATS, app: App) -> None:
-        self.nc, self.app = nc, app
-        self.claimed: list[str] = []
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> FakeExecutor:
-        js = self.nc.jetstream()
-        await streams.ensure_executor_consumer(js, "default")
-        self.sub = await js.pull_subscribe_bind(
-            durable=streams.executor_consumer("default"), stream=streams.DISPATCH
-        )
-        self._task = asyncio.create_task(self._loop())
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._task
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                msgs = await self.sub.fetch(10, timeout=0.5)
-            except Exception:  # noqa: BLE001  # fetch timeouts: poll again
-                continue
-            for m in msgs:
-                body = json.loads(m.data)
-                await m.ack()
-                await self._work(body)
-
-    async def _work(self, body: dict[str, str]) -> None:
-        lease = new_id()
-        org, ws, run = body["org"], body["workspace"], body["run_id"]
-        try:
-            await self.app.run_command(
-                org,
-                ws,
-                run,
-                R.ClaimPhase(actor="fake", phase=body["phase"], lease_id=lease, executor_id="f"),
-            )
-        except Exception:  # noqa: BLE001  # claim refused: already claimed or canceled
-            return
-        self.claimed.append(run)
-        await self.app.run_command(
-            org,
-            ws,
-            run,
-            R.FinishPlan(
-                actor="fake", lease_id=lease, commit="c", has_changes=False, summary=R.PlanSummary()
-            ),
-        )
-
-
-def check_history(envs: list[Envelope]) -> dict[str, list[str]]:
-    """From the event history alone: FIFO admission and one active run per workspace.
-    Returns each workspace's admission order."""
-    enqueued: dict[str, list[str]] = defaultdict(list)
-    admitted: dict[str, list[str]] = defaultdict(list)
-    active: dict[str, str] = {}
-    gone: set[str] = set()
-    for env in envs:
-        ev, ws = env.event, env.subject
-        if isinstance(ev, RunEnqueued):
-            enqueued[ws].append(ev.run_id)
-        elif isinstance(ev, RunAdmitted):
-            assert not active.get(ws), f"{ev.run_id} admitted while {active[ws]} active in {ws}"
-            waiting = [r for r in enqueued[ws] if r not in gone and r not in admitted[ws]]
-            assert waiting and waiting[0] == ev.run_id, f"{ev.run_id} overtook {waiting[:1]}"
-            admitted[ws].append(ev.run_id)
-            active[ws] = ev.run_id
-        elif isinstance(ev, RunReleased):
-            gone.add(ev.run_id)
-            if active.get(ws) == ev.run_id:
-                active[ws] = ""
-    return admitted
+from tests.scheduler_support import FakeExecutor, check_history
 
 
 async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
     nats_server: EmbeddedNats, nc: NATS, app: App, store: EventStore, process: Process
 ) -> None:
     workspaces = [f"ws{i}" for i in range(5)]
-    await _setup(app, workspaces)
+    await builders.workspaces(app, *workspaces)
     async with AsyncExitStack() as stack:
         for _ in range(2):  # two schedulers, each with its own connection, as two processes
             conn = await nats_server.connect()
@@ -144,7 +57,7 @@ async def test_runs_are_admitted_in_arrival_order_one_at_a_time_per_workspace(
 
 
 async def test_a_busy_workspace_does_not_block_another(nc: NATS, app: App) -> None:
-    await _setup(app, ["busy", "free"])
+    await builders.workspaces(app, "busy", "free")
     async with Scheduler(nc, app):
         first = await app.create_run("acme", "busy", "apply", "alice")
         second = await app.create_run("acme", "busy", "apply", "alice")
@@ -178,7 +91,7 @@ async def test_a_slow_admission_snapshot_holds_only_its_own_workspace(
         return R.Snapshot(commit="0" * 40)
 
     app = process(store=store, pinning=pinned_by(snapshot)).app  # the scheduler's
-    await _setup(app, ["slow", "fast"])
+    await builders.workspaces(app, "slow", "fast")
     js = nc.jetstream()
     await streams.ensure_executor_consumer(js, "default")
     work = await js.pull_subscribe_bind(
@@ -231,7 +144,7 @@ async def test_what_a_killed_scheduler_held_is_handled_by_another_within_seconds
 ) -> None:
     """A scheduler that fetched the event log and died (kill -9: nothing acked) holds its
     messages only for the consumer's short ack wait, not half a minute."""
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     js = nc.jetstream()
     await streams.ensure_scheduler_consumer(js)
     created = await app.create_run("acme", "net", "apply", "alice")
@@ -253,7 +166,7 @@ async def test_what_a_killed_scheduler_held_is_handled_by_another_within_seconds
 async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
     nc: NATS, app: App
 ) -> None:
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     async with Scheduler(nc, app):
         first = await app.create_run("acme", "net", "apply", "alice")
         second = await app.create_run("acme", "net", "apply", "alice")
@@ -289,7 +202,7 @@ async def test_a_run_awaiting_approval_holds_its_workspace_until_discarded(
 
 
 async def test_canceling_a_pending_run_removes_it_from_the_queue(nc: NATS, app: App) -> None:
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     async with Scheduler(nc, app):
         runs = [await app.create_run("acme", "net", "apply", "alice") for _ in range(3)]
         r0, r1, r2 = (r.state.run_id for r in runs)
@@ -310,7 +223,7 @@ async def _eq(value: object, expected: str) -> bool:
 
 async def test_dispatch_is_deduplicated_per_phase(nc: NATS, app: App) -> None:
     """Handling the same event twice publishes the phase to the work queue once."""
-    await _setup(app, ["net"])
+    await builders.workspaces(app, "net")
     async with Scheduler(nc, app) as sched:
         r = await app.create_run("acme", "net", "apply", "alice")
         run_id = r.state.run_id

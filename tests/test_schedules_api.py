@@ -12,7 +12,7 @@ import pytest
 
 from events import schedule as sc
 from services.processes.schedules.loop import ScheduleLoop, run_id_for
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # the `http` fixture
+from tests.api_support import Http, http_fixture  # noqa: F401  # the `http` fixture
 
 V1 = "/api/v1/orgs"
 NET = f"{V1}/acme/workspaces/net/schedules"

@@ -19,12 +19,12 @@ from services.processes.notifications.delivery import Policy
 from services.processes.notifications.subscriber import serving
 from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from services.surfaces.api import secrets as secrets_api
+from tests.api_support import Http
+from tests.changes_support import DRIFT_TF, applied_run, commit_files
+from tests.changes_support import executor as executor  # with the fake provider
+from tests.executor_support import Harness
 from tests.helpers import eventually
 from tests.notify_support import Receiver, nhttp_fixture  # noqa: F401  # the `nhttp` fixture
-from tests.test_api_support import Http
-from tests.test_changes import DRIFT_TF, applied_run, commit_files
-from tests.test_changes import executor as executor  # with the fake provider
-from tests.test_executor import Harness
 
 pytestmark = pytest.mark.terraform
 

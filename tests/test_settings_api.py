@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from events.settings import SPECS
+from tests.api_support import Answer, Http, http_fixture  # noqa: F401  # the fixture
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_api_support import Answer, Http, http_fixture  # noqa: F401  # the fixture
 
 ORG = "/api/v1/orgs/acme"
 WS = ORG + "/workspaces/net"

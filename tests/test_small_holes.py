@@ -10,6 +10,7 @@ import pytest
 
 from events.errors import Invalid
 from events.users import check_user, user_problem
+from tests.builders import api_workspace
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     plane_fixture,
@@ -18,18 +19,15 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
 V1 = "/api/v1/orgs/acme"
 
 
-async def _workspace(plane: Plane, **body: object) -> None:
-    a = await plane.http.post(f"{V1}/workspaces", json={"name": "net", "repository": "/r", **body})
-    assert a.status == 201, a.body
-
-
 # ---------------------------------------------------------------- variables and secrets
 
 
 async def test_a_plain_variable_never_takes_a_secret_variables_name(plane: Plane) -> None:
     """PATCH of the variables over a secret's name is refused 422 `invalid-command`,
     and the variables stay as they were; other names are fine."""
-    await _workspace(plane, variables={"n": "1"}, secret_variables={"token": "s3cret"})
+    await api_workspace(
+        plane.http, "/r", variables={"n": "1"}, secret_variables={"token": "s3cret"}
+    )
     patch = {"variables": {"n": "2", "token": "plain"}}
     a = await plane.http.call("PATCH", f"{V1}/workspaces/net", json=patch)
     assert "'token'" in a.problem("invalid-command", 422)["detail"]
@@ -43,7 +41,7 @@ async def test_a_secret_variable_never_takes_a_plain_variables_name(plane: Plane
     """PUT of a secret over a plain variable's name is refused 422 `invalid-command`,
     also right after the PATCH that made it (checked on the aggregate, not the read
     model); so is a new workspace that names one variable both ways."""
-    await _workspace(plane)
+    await api_workspace(plane.http, "/r")
     patched = await plane.http.call("PATCH", f"{V1}/workspaces/net", json={"variables": {"k": "v"}})
     assert patched.status == 200, patched.body
     put = await plane.http.call(
@@ -62,7 +60,7 @@ SETTINGS_PATHS = (f"{V1}/settings", f"{V1}/folders/infra/settings", f"{V1}/works
 
 
 async def _with_levels(plane: Plane) -> None:
-    await _workspace(plane)
+    await api_workspace(plane.http, "/r")
     folder = await plane.http.post(f"{V1}/folders", json={"name": "infra"})
     assert folder.status == 201, folder.body
 

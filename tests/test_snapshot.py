@@ -13,6 +13,7 @@ import pytest
 from events.codec import tag_of
 from events.run import PlanFinished, RunFailed, RunState, Workspace
 from services.app import snapshot
+from tests.builders import api_workspace
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -31,12 +32,6 @@ resource "null_resource" "hello" {
 """
 
 
-async def _workspace(plane: Plane, repo: Path, **fields: object) -> None:
-    body = {"name": "net", "repository": str(repo), **fields}
-    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
-    assert a.status == 201, a.body
-
-
 async def test_the_snapshot_is_recorded_before_any_executor_sees_the_run(
     plane: Plane, repo: Path
 ) -> None:
@@ -44,8 +39,8 @@ async def test_the_snapshot_is_recorded_before_any_executor_sees_the_run(
     value) and the effective settings; phase_started comes after it; the plan reports the
     commit's author and first message line; the run's GET shows all of it."""
     sha = commit(repo, {"main.tf": MAIN_TF}, "one null resource\n\nwith a body")
-    await _workspace(
-        plane,
+    await api_workspace(
+        plane.http,
         repo,
         variables={"n": "1"},
         secret_variables={"token": "s3cr3t-value"},
@@ -95,7 +90,7 @@ async def test_a_branch_moved_after_admission_does_not_change_what_is_planned(
 ) -> None:
     """The plan checks out the snapshot's commit, not the branch head at plan time."""
     pinned = commit(repo, {"main.tf": MAIN_TF})
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     run_id = await plane.start("net", "plan")
     await plane.pinned("net", run_id)
     moved = commit(repo, {"main.tf": MAIN_TF.replace('"1"', '"5"')}, "five")
@@ -112,7 +107,7 @@ async def test_a_branch_that_cannot_be_resolved_fails_the_run_before_dispatch(
     """`git ls-remote` finds no such branch: the run fails with checkout_failed and git's
     answer, is never claimed, and gives its workspace back."""
     commit(repo, {"main.tf": MAIN_TF})
-    await _workspace(plane, repo, branch="nope")
+    await api_workspace(plane.http, repo, branch="nope")
     run_id = await plane.start("net", "plan")
     failed = await plane.reaches("net", run_id, "failed")
     assert failed.reason == "checkout_failed"

@@ -23,6 +23,7 @@ from infra.crypto import KeyRing, encode_key
 from infra.natsserver import EmbeddedNats
 from infra.streams import PLANS_BUCKET, STATE_BUCKET
 from services.app.commands import App
+from tests.builders import api_workspace
 from tests.helpers import eventually
 from tests.lock_support import backends
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
@@ -48,12 +49,6 @@ def counted(n: int) -> dict[str, str]:
     return {"main.tf": COUNTED_TF.replace('"N"', f'"{n}"')}
 
 
-async def _workspace(plane: Plane, repo: Path, **fields: object) -> None:
-    body = {"name": "net", "repository": str(repo), **fields}
-    a = await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)
-    assert a.status == 201, a.body
-
-
 async def _apply(plane: Plane, ws: str = "net") -> str:
     run_id = await plane.start(ws)
     await plane.reaches(ws, run_id, "awaiting_approval")
@@ -68,7 +63,7 @@ async def test_the_plan_is_sealed_and_a_flipped_byte_stops_the_apply(
     """The stored plan is no zip (no `PK`), opens to the recorded digest; one flipped byte
     and the apply fails with plan_digest_mismatch, nothing applied."""
     commit(repo, counted(2))
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("ex1")
     run_id = await plane.start("net")
     planned = await plane.reaches("net", run_id, "awaiting_approval")
@@ -94,7 +89,7 @@ async def test_a_state_changed_after_the_plan_makes_terraform_refuse_it(
     """A state version written out of band after the plan: the apply fails with
     Terraform's own 'Saved plan is stale'."""
     commit(repo, counted(1))
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("ex1")
     await _apply(plane)
     commit(repo, counted(2))
@@ -123,7 +118,7 @@ async def test_state_is_carried_to_another_executor_process_and_listed(
     rising, sealed in the object store; another org cannot see them."""
     env = {"RUNPLANE_ENCRYPTION_KEY": encode_key(plane.keyring.current)}
     commit(repo, counted(2))
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     first = await _executor_process(nats_server, tmp_path / "a", env)
     try:
         run1 = await _apply(plane)
@@ -195,7 +190,7 @@ async def test_a_workspace_may_bring_its_own_backend(
     own = tmp_path / "own" / "terraform.tfstate"
     backend = f'terraform {{\n  backend "local" {{ path = "{own}" }}\n}}\n'
     commit(repo, {**counted(1), "backend.tf": backend})
-    await _workspace(plane, repo, managed_state=False)
+    await api_workspace(plane.http, repo, managed_state=False)
     await plane.executor("ex1")
     run_id = await _apply(plane)
     assert json.loads(own.read_text())["resources"][0]["type"] == "null_resource"
@@ -247,7 +242,7 @@ async def test_a_version_recorded_but_not_yet_the_head_is_promoted_by_the_next_r
     recorded it. The next plan of the same configuration then finds nothing to change."""
     await plane.executor("exec-a")
     commit(repo, counted(2))
-    await _workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await _apply(plane)
     real_move = StateStore.move_head
     crashed: list[str] = []

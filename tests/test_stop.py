@@ -8,40 +8,17 @@ from pathlib import Path
 import pytest
 
 from events import run as R
+from tests.builders import api_workspace
+from tests.executor_support import GATED_PLAN_TF
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_reaper_processes import GATED_PLAN_TF, descendants
+from tests.stop_support import SLOW_APPLY_TF, at_the_gate, at_the_gate_not
 
 pytestmark = pytest.mark.terraform
-
-# Each apply takes long enough to be caught mid-way.
-SLOW_APPLY_TF = """
-resource "null_resource" "slow" {
-  provisioner "local-exec" { command = "sleep 4" }
-}
-"""
-
-
-async def at_the_gate(gate: Path) -> bool:
-    """Has a process of this test (Terraform, under the in-process executor) the pipe open?"""
-    for pid in descendants(os.getpid())[1:]:  # not the test itself: it holds the writer
-        try:
-            if any(os.readlink(fd) == str(gate) for fd in Path(f"/proc/{pid}/fd").iterdir()):
-                return True
-        except OSError:
-            continue
-    return False
-
-
-async def workspace(plane: Plane, repo: Path, **body: object) -> None:
-    a = await plane.http.post(
-        "/api/v1/orgs/acme/workspaces", json={"name": "net", "repository": str(repo), **body}
-    )
-    assert a.status == 201, a.body
 
 
 async def test_cancel_of_a_planning_run_interrupts_terraform_and_ends_canceled(
@@ -54,7 +31,7 @@ async def test_cancel_of_a_planning_run_interrupts_terraform_and_ends_canceled(
     writer = os.open(gate, os.O_RDWR)  # Terraform's open() returns, its read() waits
     try:
         commit(repo, {"main.tf": GATED_PLAN_TF})
-        await workspace(plane, repo, variables={"gate": str(gate)})
+        await api_workspace(plane.http, repo, variables={"gate": str(gate)})
         await plane.executor("e1")
         stopped = await plane.start("net")
         await plane.reaches("net", stopped, "planning")
@@ -94,16 +71,12 @@ async def test_cancel_of_a_planning_run_interrupts_terraform_and_ends_canceled(
     assert ("run.canceled", "executor:e1") in kinds
 
 
-async def at_the_gate_not(gate: Path) -> bool:
-    return not await at_the_gate(gate)
-
-
 async def test_cancel_of_an_applying_run_is_refused_409_and_the_apply_completes(
     plane: Plane, repo: Path
 ) -> None:
     """Interrupting an apply can corrupt state: cancel answers 409 saying so."""
     commit(repo, {"main.tf": SLOW_APPLY_TF})
-    await workspace(plane, repo)
+    await api_workspace(plane.http, repo)
     await plane.executor("e1")
     run_id = await plane.start("net")
     await plane.reaches("net", run_id, "awaiting_approval")

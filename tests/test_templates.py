@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from events import run as R
+from tests.builders import api_workspace
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
@@ -31,9 +32,7 @@ NOOP = {"steps": [{"number": 100, "kind": "custom", "name": "noop", "command": "
 
 async def _workspace(plane: Plane, repo: Path, out: Path) -> None:
     commit(repo, {"main.tf": MAIN_TF})
-    body = {"name": "net", "repository": str(repo), "variables": {"out": str(out)}}
-    a = await plane.http.post(f"{V1}/workspaces", json=body)
-    assert a.status == 201, a.body
+    await api_workspace(plane.http, repo, variables={"out": str(out)})
 
 
 async def _put(plane: Plane, name: str, body: Any, **kw: Any) -> Any:

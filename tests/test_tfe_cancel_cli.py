@@ -36,12 +36,18 @@ from events.run import ApproveRun, CancelRun, ClaimPhase, FinishPlan, PlanSummar
 from executor.terraform import default_binary
 from infra.steplogs import log_subject
 from services.surfaces.tfe import logs
+from tests.api_support import web_app_of
 from tests.helpers import eventually
-from tests.test_api_support import web_app_of
-from tests.test_tfe_cli import CLOUD_HCL, _newer_terraform
-from tests.test_tfe_runs_api import new_run, uploaded
-from tests.test_tfe_runs_cli import BACKEND, Cli, cli_fixture, ok, resources
-from tests.tfe_support import Terminal, Tfe, tfe_fixture
+from tests.tfe_cli_support import (
+    BACKEND,
+    CLOUD_HCL,
+    Cli,
+    _newer_terraform,
+    cli_fixture,
+    ok,
+    resources,
+)
+from tests.tfe_support import Terminal, Tfe, new_run, tfe_fixture, uploaded
 
 __all__ = ["cli_fixture", "tfe_fixture"]
 

@@ -17,81 +17,16 @@ import os
 import re
 import ssl
 import subprocess
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-import pytest
 from yarl import URL
 
 from executor.terraform import default_binary
 from services.surfaces.tfe.login import AUTHZ
 from tests.helpers import eventually
-from tests.procs import Proc, free_port, signal
+from tests.tfe_cli_support import CLOUD_HCL, HCL, _newer_terraform, ok, plane, terraform
 from tests.tfe_support import Terminal
-
-TOKEN = "t0ken-for-tfe-tests"
-HCL = """\
-terraform {{
-  backend "remote" {{
-    hostname     = "{host}"
-    organization = "acme"
-    workspaces {{ name = "{ws}" }}
-  }}
-}}
-output "greeting" {{ value = "hello" }}
-"""
-
-
-class Https:
-    """runplane's API over HTTPS, trusting the local CA `up` made."""
-
-    def __init__(self, base: str, ca: Path, token: str = TOKEN) -> None:
-        self.base = base
-        self.ssl = ssl.create_default_context(cafile=str(ca))
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=self.ssl),
-            headers={"Authorization": f"Bearer {token}"},
-        )
-
-    async def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        data = None if body is None else json.dumps(body)
-        async with self.session.request(method, self.base + path, data=data) as resp:
-            text = await resp.text()
-            return resp.status, (json.loads(text) if text else None)
-
-    async def ok(self, method: str, path: str, body: Any = None) -> Any:
-        status, payload = await self.call(method, path, body)
-        assert 200 <= status < 300, (status, payload)
-        return payload
-
-    async def run_to(self, run_id: str, wanted: set[str]) -> dict[str, Any]:
-        async def probe() -> dict[str, Any]:
-            status, r = await self.call("GET", f"/api/v1/orgs/acme/runs/{run_id}")
-            return r if status == 200 and r["status"] in wanted else {}
-
-        return await eventually(probe, timeout=90, interval=0.2, what=f"run {run_id} in {wanted}")
-
-
-def terraform(
-    cwd: Path, env: dict[str, str], *args: str, binary: str = ""
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [binary or str(default_binary()), *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
 
 
 def _repo(path: Path) -> Path:
@@ -169,40 +104,6 @@ async def login_v1(binary: str, host: str, ca: Path, token: str, env: dict[str, 
         return term.text()
     finally:
         term.close()
-
-
-@asynccontextmanager
-async def plane(tmp_path: Path) -> AsyncIterator[tuple[Https, str, Path, Proc]]:
-    """`runplane up --tls` with its own CA; the API client, host:port, CA path, process."""
-    data, port = tmp_path / "data", free_port()
-    host = f"localhost:{port}"
-    up = await Proc(
-        ["up", "--tls", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
-        tmp_path / "up.log",
-        env={"RUNPLANE_ADMIN_TOKEN": TOKEN},
-    ).start()
-    ca = data.resolve() / "tls" / "ca.pem"
-    api: Https | None = None
-    try:
-
-        async def healthy() -> bool:
-            nonlocal api
-            if not ca.is_file():
-                return False
-            api = api or Https(f"https://{host}", ca)
-            try:
-                return (await api.call("GET", "/healthz"))[0] == 200
-            except (aiohttp.ClientError, ssl.SSLError):
-                return False
-
-        await eventually(healthy, timeout=60, interval=0.1, what="runplane up --tls")
-        assert api is not None
-        yield api, host, ca, up
-    finally:
-        if api is not None:
-            await api.session.close()
-        code = await up.stop(signal.SIGTERM)
-    assert code == 0, up.output()[-3000:]
 
 
 async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
@@ -315,36 +216,6 @@ async def test_terraform_cli_inits_pushes_pulls_and_continues_runplanes_state(
         ok(terraform(other, env, "init", "-input=false", "-no-color"))
         created = await api.ok("GET", "/api/v1/orgs/acme/workspaces/fresh")
         assert created["created_by"] == "alice"
-
-
-CLOUD_HCL = """\
-terraform {{
-  cloud {{
-    hostname     = "{host}"
-    organization = "acme"
-    workspaces {{ name = "{ws}" }}
-  }}
-}}
-output "greeting" {{ value = "hello" }}
-"""
-NEWER = Path("/usr/local/bin/terraform")
-
-
-def _newer_terraform() -> str:
-    """A Terraform >= 1.1 on this machine (for the `cloud` block), else skip."""
-    if not NEWER.is_file():
-        pytest.skip("no Terraform >= 1.1 on this machine")
-    out = subprocess.run(
-        [str(NEWER), "version", "-json"],
-        capture_output=True,
-        text=True,
-        env={"HOME": "/nonexistent", "PATH": os.environ["PATH"]},
-        check=False,
-    )
-    version = tuple(int(p) for p in json.loads(out.stdout)["terraform_version"].split(".")[:2])
-    if version < (1, 1):
-        pytest.skip(f"{NEWER} is older than 1.1")
-    return str(NEWER)
 
 
 async def test_a_cloud_block_inits_pushes_pulls_and_reads_outputs(tmp_path: Path) -> None:

@@ -25,8 +25,7 @@ from services.surfaces.tfe.configs import ConfigStore
 from services.surfaces.tfe.quota import QUOTA_TITLE, Ledger, Limits, Quota
 from services.surfaces.tfe.sweep import SWEEPER, Sweeper
 from tests.helpers import eventually
-from tests.test_tfe_runs_api import archive, new_config, new_run, put
-from tests.tfe_support import Tfe, tfe_fixture
+from tests.tfe_support import Tfe, archive, new_config, new_run, put, tfe_fixture
 from tests.tfe_support import replica as support_replica
 
 __all__ = ["tfe_fixture"]

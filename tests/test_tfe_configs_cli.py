@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from services.surfaces.tfe import quota
-from tests.test_tfe_runs_cli import Cli, cli_fixture, ok, resources
+from tests.tfe_cli_support import Cli, cli_fixture, ok, resources
 
 __all__ = ["cli_fixture"]
 

@@ -12,8 +12,7 @@ from yarl import URL
 from infra.steplogs import log_subject
 from services.surfaces.tfe import logs
 from tests.helpers import eventually
-from tests.test_tfe_runs_api import new_run, uploaded
-from tests.tfe_support import Tfe, tfe_fixture
+from tests.tfe_support import Tfe, new_run, tfe_fixture, uploaded
 
 __all__ = ["tfe_fixture"]
 

@@ -19,7 +19,7 @@ import pytest
 
 from executor.terraform import default_binary
 from services.surfaces.ui.tokens import TOKENS
-from tests.test_tfe_cli import HCL, ok, plane, terraform
+from tests.tfe_cli_support import HCL, ok, plane, terraform
 from tests.tfe_support import Terminal
 
 

@@ -22,7 +22,7 @@ from infra.crypto import KeyRing
 from infra.kv import LOGIN_CODES_BUCKET, UI_SESSIONS_BUCKET
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
-from tests.test_tfe_login import _code, _exchange, _pkce, _signin
+from tests.tfe_login_support import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, replica, tfe_fixture
 
 __all__ = ["tfe_fixture"]

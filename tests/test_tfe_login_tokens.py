@@ -16,9 +16,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from services.root import cli
 from services.surfaces.api.context import API
 from services.surfaces.ui.tokens import TOKENS
+from tests.api_support import ADMIN_TOKEN, web_app_of
 from tests.procs import ROOT
-from tests.test_api_support import ADMIN_TOKEN, web_app_of
-from tests.test_tfe_login import _signin
+from tests.tfe_login_support import _signin
 from tests.tfe_support import Tfe, tfe_fixture
 
 __all__ = ["tfe_fixture"]

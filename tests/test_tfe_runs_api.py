@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
-import tarfile
 from typing import Any
 
 import pytest
@@ -19,7 +17,7 @@ from infra.steplogs import live_headers, log_subject
 from services.surfaces.tfe import configs
 from services.surfaces.tfe.context import TFE
 from tests.helpers import eventually
-from tests.tfe_support import JSONAPI, Tfe, tfe_fixture
+from tests.tfe_support import JSONAPI, Tfe, archive, new_config, new_run, put, tfe_fixture, uploaded
 
 __all__ = ["tfe_fixture"]
 
@@ -37,62 +35,6 @@ RUN_STATUSES = {  # go-tfe v0.15.0 run.go
     "planned_and_finished", "planning", "policy_checked", "policy_checking",
     "policy_override", "policy_soft_failed",
 }  # fmt: skip
-
-
-def archive(files: dict[str, bytes] | None = None) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for name, data in (files or {"main.tf": b'resource "null_resource" "a" {}\n'}).items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
-async def new_config(tfe: Tfe, ws_id: str, *, speculative: bool) -> dict[str, Any]:
-    a = await tfe.tfe(
-        "POST",
-        f"/api/v2/workspaces/{ws_id}/configuration-versions",
-        json={
-            "data": {
-                "type": "configuration-versions",
-                "attributes": {"auto-queue-runs": False, "speculative": speculative},
-            }
-        },
-    )
-    assert a.status == 201, a.body
-    return a.body["data"]  # type: ignore[no-any-return]
-
-
-async def put(tfe: Tfe, url: str, body: bytes) -> tuple[int, Any]:
-    """go-tfe's Upload: a PUT of the archive, with no Authorization header."""
-    async with tfe.client.put(URL(url).path, data=body) as resp:
-        raw = await resp.read()
-        return resp.status, (await resp.json(content_type=None) if raw else None)
-
-
-async def uploaded(tfe: Tfe, ws_id: str, *, speculative: bool = True) -> tuple[str, bytes]:
-    cv = await new_config(tfe, ws_id, speculative=speculative)
-    body = archive()
-    assert (await put(tfe, cv["attributes"]["upload-url"], body))[0] == 200
-    return cv["id"], body
-
-
-async def new_run(tfe: Tfe, ws_id: str, cv: str, **attrs: Any) -> Any:
-    return await tfe.tfe(
-        "POST",
-        "/api/v2/runs",
-        json={
-            "data": {
-                "type": "runs",
-                "attributes": attrs,
-                "relationships": {
-                    "workspace": {"data": {"type": "workspaces", "id": ws_id}},
-                    "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
-                },
-            }
-        },
-    )
 
 
 async def test_a_configuration_version_is_created_uploaded_without_a_token_and_polled(

@@ -12,30 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from executor.terraform import TerraformConfig, default_binary, prepare
-from tests.helpers import eventually
-from tests.test_tfe_cli import CLOUD_HCL, Https, _newer_terraform, plane, terraform
+from executor.terraform import default_binary
+from tests.tfe_cli_support import (
+    CLOUD_HCL,
+    Cli,
+    Https,
+    _newer_terraform,
+    cli_fixture,  # noqa: F401  # the `cli` fixture
+    ok,
+    resources,
+)
 
 pytestmark = [pytest.mark.terraform, pytest.mark.slow]
 
-BACKEND = """\
-terraform {{
-  backend "remote" {{
-    hostname     = "{host}"
-    organization = "acme"
-    workspaces {{ name = "{ws}" }}
-  }}
-}}
-"""
 NO_CREATES = """package terraform.creates
 import rego.v1
 
@@ -46,73 +40,6 @@ deny contains msg if {
   msg := sprintf("no creating %s here", [rc.address])
 }
 """
-
-
-def resources(n: int) -> str:
-    return "".join(f'resource "null_resource" "r{i}" {{}}\n' for i in range(n))
-
-
-@dataclass
-class Cli:
-    api: Https
-    host: str
-    env: dict[str, str]
-    root: Path
-
-    def workdir(self, ws: str, body: str) -> Path:
-        work = self.root / ws
-        work.mkdir(exist_ok=True)
-        (work / "main.tf").write_text(BACKEND.format(host=self.host, ws=ws) + body)
-        return work
-
-    def tf(self, work: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        return terraform(work, self.env, *args)
-
-    async def runs(self, ws: str) -> list[dict[str, Any]]:
-        return list((await self.api.ok("GET", f"/api/v1/orgs/acme/workspaces/{ws}/runs"))["items"])
-
-    async def newest(self, ws: str, status: str) -> dict[str, Any]:
-        """The workspace's newest run once runplane's read model shows it `status` (the
-        CLI may exit before the projection has caught up)."""
-
-        async def probe() -> dict[str, Any]:
-            runs = await self.runs(ws)
-            return runs[0] if runs and runs[0]["status"] == status else {}
-
-        return await eventually(probe, timeout=30, interval=0.1, what=f"{ws}'s run {status}")
-
-
-def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result.stdout
-
-
-@pytest.fixture(name="cli")
-async def cli_fixture(tmp_path: Path) -> AsyncIterator[Cli]:
-    async with plane(tmp_path) as (api, host, ca, _):
-        await api.ok("POST", "/api/v1/orgs", {"name": "acme"})
-        issued = await api.ok(
-            "POST", "/api/v1/orgs/acme/tokens", {"user": "alice", "role": "admin"}
-        )
-        # the CLI's own provider mirror (the null provider, offline) and its credentials
-        local = prepare(TerraformConfig(), tmp_path / "cli-terraform")
-        rc = local.cli_config
-        rc.write_text(
-            rc.read_text() + f'\ncredentials "{host}" {{\n  token = "{issued["token"]}"\n}}\n'
-        )
-        home = tmp_path / "home"
-        home.mkdir()
-        env = {
-            "PATH": os.environ["PATH"],
-            "HOME": str(home),
-            "TF_CLI_CONFIG_FILE": str(rc),
-            "SSL_CERT_FILE": str(ca),
-            "TF_IN_AUTOMATION": "1",
-            "CHECKPOINT_DISABLE": "1",
-        }
-        root = tmp_path / "cli"
-        root.mkdir()
-        yield Cli(api, host, env, root)
 
 
 async def test_plan_then_apply_then_destroy_run_remotely(cli: Cli) -> None:

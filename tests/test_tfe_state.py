@@ -16,13 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import timedelta
-from typing import Any
 
 import msgspec
 from yarl import URL
 
 from events import workspace as ws_agg
-from events.codec import ws_subject
 from events.errors import IllegalTransition, NotFound
 from events.run import Workspace
 from events.workspace import (
@@ -34,12 +32,9 @@ from events.workspace import (
     WorkspaceLocked,
     WorkspaceUnlocked,
 )
-from executor.statestore import StateStore
-from infra.eventstore import LATEST
-from services.surfaces.tfe.context import TFE
 from services.surfaces.tfe.state_push import push_command
 from tests.gwt import NOW, Aggregate, given
-from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.tfe_support import Tfe, _pushes, _states, _with_state, a_state, tfe_fixture
 from tests.ui.support import Browser
 
 __all__ = ["tfe_fixture"]
@@ -145,17 +140,6 @@ def test_a_push_decided_under_an_earlier_lock_is_refused() -> None:
 # ---------------------------------------------------------------- reading
 
 
-async def _with_state(tfe: Tfe, outputs: dict[str, Any]) -> tuple[dict[str, str], str, Any]:
-    tokens = await tfe.org("acme")
-    ws_id = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
-    assert (await tfe.lock(ws_id, token=tokens["operator"])).status == 200
-    st = a_state(1)
-    st["outputs"] = outputs
-    pushed = await tfe.push(ws_id, st, token=tokens["operator"])
-    assert pushed.status == 201, pushed.body
-    return tokens, ws_id, pushed.body["data"]
-
-
 SECRET = {"value": "hunter2", "type": "string", "sensitive": True}
 OUTPUTS = {
     "plain": {"value": "shown", "type": "string"},
@@ -244,11 +228,6 @@ async def test_a_viewer_gets_no_download_url_minted_on_any_route(tfe: Tfe) -> No
 # ---------------------------------------------------------------- pushes recorded
 
 
-async def _pushes(tfe: Tfe, org: str = "acme", ws: str = "net") -> list[StatePushed]:
-    envelopes = await tfe.app.store.read(ws_subject(org, ws), min_seq=LATEST)
-    return [e.event for e in envelopes if isinstance(e.event, StatePushed)]
-
-
 async def test_a_push_is_recorded_with_its_user_serial_digest_and_force(tfe: Tfe) -> None:
     tokens, ws_id, _ = await _with_state(tfe, {"x": {"value": "1", "type": "string"}})
     [first] = await _pushes(tfe)
@@ -307,12 +286,6 @@ async def test_a_refused_push_records_nothing_and_moves_nothing(tfe: Tfe) -> Non
     assert await _pushes(tfe) == before
     head, _ = await _states(tfe).head("acme", "net")
     assert head is not None and head.object == before[0].object
-
-
-def _states(tfe: Tfe) -> StateStore:
-    states = tfe.client.app[TFE].states
-    assert states is not None
-    return states
 
 
 async def test_a_crash_between_the_event_and_the_head_is_repaired_by_the_next_read(

@@ -24,8 +24,16 @@ from typing import Any
 import pytest
 
 from executor.terraform import default_binary
-from tests.test_tfe_cli import CLOUD_HCL, HCL, _newer_terraform, ok, plane, terraform
-from tests.test_tfe_runs_cli import Cli, cli_fixture
+from tests.tfe_cli_support import (
+    CLOUD_HCL,
+    HCL,
+    Cli,
+    _newer_terraform,
+    cli_fixture,
+    ok,
+    plane,
+    terraform,
+)
 
 __all__ = ["cli_fixture"]
 

@@ -15,9 +15,7 @@ from events.workspace import RecordStatePush
 from executor.statestore import Head
 from services.surfaces.tfe.state_push import push_command
 from tests.helpers import eventually
-from tests.test_tfe_login_replicas import replica
-from tests.test_tfe_state import _pushes, _states, _with_state
-from tests.tfe_support import Tfe, a_state, tfe_fixture
+from tests.tfe_support import Tfe, _pushes, _states, _with_state, a_state, replica, tfe_fixture
 
 __all__ = ["tfe_fixture"]
 

@@ -26,10 +26,10 @@ from infra.natsserver import EmbeddedNats
 from projections import replay
 from projections.readmodel import ReadModel
 from services.surfaces.api.context import API
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 from tests.bootstrap_support import System, built
 from tests.gwt import NOW, Aggregate, given
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 
 V1 = "/api/v1"
 TOKENS = f"{V1}/orgs/acme/tokens"

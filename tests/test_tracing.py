@@ -28,13 +28,13 @@ from infra import tracing
 from infra.consumer import Consumer, Received, Subscription
 from infra.streams import EVENTS, dispatch_subject
 from services.app.commands import App
+from tests.api_support import Http, http_fixture  # noqa: F401  # registers the fixture
 from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
-from tests.test_api_support import Http, http_fixture  # noqa: F401  # registers the fixture
 
 
 class Recorder(InMemorySpanExporter):

@@ -14,8 +14,8 @@ from infra.kv import SECRETS_BUCKET
 from infra.streams import EVENTS
 from services.processes.vcs import connections as conns
 from services.surfaces.api.secrets import SECRETS
-from tests.test_api_support import Http
-from tests.test_vcs_support import SECRET, V1, connection, deliver, fixture, vhttp_fixture
+from tests.api_support import Http
+from tests.vcs_support import SECRET, V1, connection, deliver, fixture, vhttp_fixture
 
 _ = vhttp_fixture  # the `vhttp` fixture
 

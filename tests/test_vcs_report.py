@@ -28,8 +28,8 @@ from services.app.secrets import SecretStore
 from services.processes.vcs.client import Policy
 from services.processes.vcs.report import Reporter, lookup_for, subscription
 from tests.helpers import eventually
-from tests.test_vcs_report_support import Call, FakeVcs, OutsideConnects
-from tests.test_vcs_support import saved_connection
+from tests.vcs_report_support import Call, FakeVcs, OutsideConnects
+from tests.vcs_support import saved_connection
 
 SHA = "abcdef0123456789abcdef0123456789abcdef01"
 FAST = Policy(allow=frozenset({"loopback"}), timeout=1.0, schedule=(0.05, 0.1, 0.2))

@@ -12,7 +12,7 @@ import pytest
 from services.processes.vcs.client import Gone, Policy, VcsError
 from services.processes.vcs.github import GitHubClient
 from services.processes.vcs.gitlab import GitLabClient
-from tests.test_vcs_report_support import FakeVcs, OutsideConnects
+from tests.vcs_report_support import FakeVcs, OutsideConnects
 
 SHA = "0123456789abcdef0123456789abcdef01234567"
 TOKEN = "ghp-test-token-abc"

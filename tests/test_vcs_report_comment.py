@@ -24,7 +24,7 @@ from services.processes.vcs.client import Policy
 from services.processes.vcs.github import GitHubClient
 from services.processes.vcs.prrun import PrRun, Verdict, verdict
 from services.processes.vcs.report import Reporter
-from tests.test_vcs_report_support import Comment, FakeVcs
+from tests.vcs_report_support import Comment, FakeVcs
 
 SHA1 = "1111111111111111111111111111111111111111"
 SHA2 = "2222222222222222222222222222222222222222"

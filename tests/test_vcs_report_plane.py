@@ -18,8 +18,8 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     commit,
     plane_fixture,
 )
-from tests.test_vcs_report_support import FakeVcs
-from tests.test_vcs_support import saved_connection
+from tests.vcs_report_support import FakeVcs
+from tests.vcs_support import saved_connection
 
 pytestmark = pytest.mark.terraform
 

@@ -20,9 +20,9 @@ from infra.kv import KvError
 from infra.streams import EVENTS
 from services.processes.vcs import connections, signing
 from services.surfaces.webhooks import vcs as webhook
+from tests.api_support import Http
 from tests.helpers import eventually
-from tests.test_api_support import Http
-from tests.test_vcs_support import (
+from tests.vcs_support import (
     SECRET,
     V1,
     connection,

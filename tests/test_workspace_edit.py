@@ -47,12 +47,12 @@ from services.processes.notifications import outbox
 from services.processes.schedules import store as schedule_store
 from services.processes.triggers import graph
 from services.surfaces.api.context import API
+from tests.api_support import ADMIN_TOKEN, Http
 from tests.bootstrap_support import Process, System, built
 from tests.cluster_support import NatsCluster
 from tests.gwt import NOW
 from tests.helpers import kv_keys
-from tests.test_api_support import ADMIN_TOKEN, Http
-from tests.test_vcs_support import connection
+from tests.vcs_support import connection
 
 V1 = "/api/v1"
 WS = f"{V1}/orgs/acme/workspaces/net"

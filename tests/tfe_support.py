@@ -1,11 +1,13 @@
 """Fixtures for the TFE API tests: runplane's real API (real NATS, real projector, a
-key ring) called as go-tfe calls it. Holds no tests itself."""
+key ring) called as go-tfe calls it; configuration versions uploaded and runs made as
+go-tfe makes them; a state pushed and the pushes recorded. Holds no tests itself."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import hashlib
+import io
 import json
 import os
 import pty
@@ -13,6 +15,7 @@ import re
 import select
 import signal
 import subprocess
+import tarfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,13 +26,19 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
+from yarl import URL
 
+from events.codec import ws_subject
+from events.workspace import StatePushed
+from executor.statestore import StateStore
 from infra.crypto import KeyRing
+from infra.eventstore import LATEST
 from projections.projector import Projector
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
+from services.surfaces.tfe.context import TFE
+from tests.api_support import ADMIN_TOKEN, Answer, Http, served
 from tests.bootstrap_support import built
-from tests.test_api_support import ADMIN_TOKEN, Answer, Http, served
 
 JSONAPI = "application/vnd.api+json"
 
@@ -202,3 +211,87 @@ class Terminal:
 
     def text(self) -> str:
         return self.seen.decode(errors="replace")
+
+
+# ---------------------------------------------------------------- configuration versions, runs
+
+
+def archive(files: dict[str, bytes] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in (files or {"main.tf": b'resource "null_resource" "a" {}\n'}).items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+async def new_config(tfe: Tfe, ws_id: str, *, speculative: bool) -> dict[str, Any]:
+    a = await tfe.tfe(
+        "POST",
+        f"/api/v2/workspaces/{ws_id}/configuration-versions",
+        json={
+            "data": {
+                "type": "configuration-versions",
+                "attributes": {"auto-queue-runs": False, "speculative": speculative},
+            }
+        },
+    )
+    assert a.status == 201, a.body
+    return a.body["data"]  # type: ignore[no-any-return]
+
+
+async def put(tfe: Tfe, url: str, body: bytes) -> tuple[int, Any]:
+    """go-tfe's Upload: a PUT of the archive, with no Authorization header."""
+    async with tfe.client.put(URL(url).path, data=body) as resp:
+        raw = await resp.read()
+        return resp.status, (await resp.json(content_type=None) if raw else None)
+
+
+async def uploaded(tfe: Tfe, ws_id: str, *, speculative: bool = True) -> tuple[str, bytes]:
+    cv = await new_config(tfe, ws_id, speculative=speculative)
+    body = archive()
+    assert (await put(tfe, cv["attributes"]["upload-url"], body))[0] == 200
+    return cv["id"], body
+
+
+async def new_run(tfe: Tfe, ws_id: str, cv: str, **attrs: Any) -> Any:
+    return await tfe.tfe(
+        "POST",
+        "/api/v2/runs",
+        json={
+            "data": {
+                "type": "runs",
+                "attributes": attrs,
+                "relationships": {
+                    "workspace": {"data": {"type": "workspaces", "id": ws_id}},
+                    "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
+                },
+            }
+        },
+    )
+
+
+# ---------------------------------------------------------------- state
+
+
+async def _with_state(tfe: Tfe, outputs: dict[str, Any]) -> tuple[dict[str, str], str, Any]:
+    tokens = await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net", token=tokens["admin"])
+    assert (await tfe.lock(ws_id, token=tokens["operator"])).status == 200
+    st = a_state(1)
+    st["outputs"] = outputs
+    pushed = await tfe.push(ws_id, st, token=tokens["operator"])
+    assert pushed.status == 201, pushed.body
+    return tokens, ws_id, pushed.body["data"]
+
+
+async def _pushes(tfe: Tfe, org: str = "acme", ws: str = "net") -> list[StatePushed]:
+    envelopes = await tfe.app.store.read(ws_subject(org, ws), min_seq=LATEST)
+    return [e.event for e in envelopes if isinstance(e.event, StatePushed)]
+
+
+def _states(tfe: Tfe) -> StateStore:
+    states = tfe.client.app[TFE].states
+    assert states is not None
+    return states

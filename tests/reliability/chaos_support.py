@@ -1,6 +1,8 @@
 """Chaos harness: nats-server, `runplane api`, `scheduler` and `executor` as separate
 processes that a test kills with SIGKILL and restarts, a driver that pushes apply runs
-through the HTTP API, and the checks that run afterwards.
+through the HTTP API, and the checks that run afterwards; on a cluster, the wait for
+every stream, bucket and consumer to have its 3 replicas again (`replicated`), and
+`runplane subscribers` replicas (`_subscribers`).
 
 Used by tests/reliability/test_chaos.py (one nats-server, one process of each role) and
 tests/reliability/test_cluster.py (a 3-node cluster, `ClusterNats`, and several
@@ -26,16 +28,18 @@ from typing import Any, Protocol
 
 import aiohttp
 import nats
+import nats.errors
 from nats.aio.client import Client as NATS
 
 from infra.eventstore import EventStore
 from infra.natsserver import _die_with_parent, server_binary
 from infra.streams import EVENTS
 from projections.readmodel import ReadModel
+from services.root import natsstatus
 from tests.cluster_support import NatsCluster, Node
+from tests.executor_support import commit, git
 from tests.helpers import shared_file
 from tests.procs import Proc, descendants, free_port
-from tests.test_executor import commit, git
 
 ORG = "chaos"
 TOKEN = "chaos-admin-token"
@@ -941,3 +945,70 @@ def diff_dumps(live: dict[str, Any], replayed: dict[str, Any]) -> list[str]:
                 f"replay only {only_replay}"
             )
     return out
+
+
+# ---------------------------------------------------------------- the cluster's checks
+
+REPLICAS = 3
+# A 5xx other than 503 is a defect; a 503 is allowed from a kill until this many seconds
+# after the killed process (or node) is back.
+AFTER_FAULT_503_S = 10.0
+# How long, after a fault is over, every stream, bucket and consumer may take to have a
+# leader and its 3 replicas again.
+REPLICATION_WAIT_S = 30.0
+
+
+async def replicated(nats_side: ClusterNats, timeout: float = REPLICATION_WAIT_S) -> dict[str, Any]:
+    """Wait until everything has its 3 replicas with a leader (`below_replication`
+    empty); how long it took, and what was still below after `timeout`."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            below = await below_replication(nats_side)
+        except nats.errors.TimeoutError as e:  # no leader yet to answer
+            below = [f"no answer: {e}"]
+        if not below or time.monotonic() - t0 > timeout:
+            return {"after_s": round(time.monotonic() - t0, 2), "below": below}
+        await asyncio.sleep(0.5)
+
+
+async def below_replication(nats_side: ClusterNats) -> list[str]:
+    """Every stream, bucket and durable consumer that is not configured for 3 replicas,
+    or has no leader or not 2 other replicas (`runplane nats status`'s own rows)."""
+    nc = await nats_side.connect()
+    try:
+        rows = await natsstatus.collect(nc)
+    finally:
+        await nc.close()
+    found = []
+    for row in rows:
+        peers = [] if row.peers in ("-", "missing") else row.peers.split(", ")
+        if row.durable and (row.have < REPLICAS or row.leader == "-" or len(peers) != 2):
+            found.append(f"{row.kind} {row.name}: {row.have} replicas, {row.leader}, {row.peers}")
+    return found
+
+
+NOTIFY_ENV = {
+    "RUNPLANE_NOTIFY_ALLOW": "loopback",  # the receiver is on 127.0.0.1
+    "RUNPLANE_NOTIFY_SCHEDULE": "0.5,1,2,4",  # retries within the test's bounds
+    "RUNPLANE_NOTIFY_TIMEOUT": "5",
+}
+
+
+def _subscribers(root: Path, nats_side: ClusterNats, count: int = 2) -> list[Component]:
+    out = []
+    for i in range(1, count + 1):
+        args = ["subscribers", "--nats-url", nats_side.url, "--log-format", "json"]
+        args += ["--data-dir", str(root / f"subs{i}")]
+        env = {**nats_side.env(), **NOTIFY_ENV}
+        ready = "runplane subscribers running (notifications"
+        out.append(Component(f"subscribers{i}", args, root / f"subs{i}.log", ready, env))
+    return out
+
+
+async def _maybe(waiting: Awaitable[bool]) -> bool:
+    """The wait's answer, False when it timed out (the asserts after say what is off)."""
+    try:
+        return await waiting
+    except AssertionError:
+        return False

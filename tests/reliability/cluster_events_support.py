@@ -19,7 +19,7 @@ from services.processes.vcs import signing
 from tests.cluster_support import NatsCluster
 from tests.procs import free_port
 from tests.reliability.chaos_support import ClusterNats, Component
-from tests.test_vcs_support import SECRET, fixture, github_repo, pushed
+from tests.vcs_support import SECRET, fixture, github_repo, pushed
 
 
 def nodes_of(c: Component, cluster: NatsCluster) -> set[str]:

@@ -27,13 +27,13 @@ from tests.canary_support import (
     encodings,
     tricky_canary,
 )
+from tests.executor_support import git
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
     plane_fixture,
 )
 from tests.state_support import current_state
-from tests.test_executor import git
 
 pytestmark = pytest.mark.terraform
 

@@ -35,13 +35,11 @@ import shlex
 import signal
 import time
 from collections import Counter
-from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import nats.errors
 import pytest
 
 from events import notification as nt
@@ -64,6 +62,8 @@ from tests.helpers import eventually
 from tests.notify_support import Receiver
 from tests.procs import Proc, free_port
 from tests.reliability.chaos_support import (
+    AFTER_FAULT_503_S,
+    NOTIFY_ENV,
     ORG,
     Api,
     ClusterNats,
@@ -72,12 +72,15 @@ from tests.reliability.chaos_support import (
     Plane,
     StreamView,
     Workload,
+    _maybe,
+    _subscribers,
     applies_from_terraform,
     check_runs,
     diff_dumps,
     inject_faults,
     read_stream,
     replay_identity,
+    replicated,
     settle,
     setup_org,
     state_versions_by_run,
@@ -87,13 +90,6 @@ from tests.reliability.chaos_support import (
 pytestmark = pytest.mark.terraform
 
 KINDS = ["nats", "scheduler", "executor", "api"]
-REPLICAS = 3
-# A 5xx other than 503 is a defect; a 503 is allowed from a kill until this many seconds
-# after the killed process (or node) is back.
-AFTER_FAULT_503_S = 10.0
-# How long, after a fault is over, every stream, bucket and consumer may take to have a
-# leader and its 3 replicas again.
-REPLICATION_WAIT_S = 30.0
 
 ORPHAN_LIMIT_S = 25.0  # see the assertion that uses it
 
@@ -241,36 +237,6 @@ async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         await plane.kill_all()
 
 
-async def replicated(nats_side: ClusterNats, timeout: float = REPLICATION_WAIT_S) -> dict[str, Any]:
-    """Wait until everything has its 3 replicas with a leader (`below_replication`
-    empty); how long it took, and what was still below after `timeout`."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            below = await below_replication(nats_side)
-        except nats.errors.TimeoutError as e:  # no leader yet to answer
-            below = [f"no answer: {e}"]
-        if not below or time.monotonic() - t0 > timeout:
-            return {"after_s": round(time.monotonic() - t0, 2), "below": below}
-        await asyncio.sleep(0.5)
-
-
-async def below_replication(nats_side: ClusterNats) -> list[str]:
-    """Every stream, bucket and durable consumer that is not configured for 3 replicas,
-    or has no leader or not 2 other replicas (`runplane nats status`'s own rows)."""
-    nc = await nats_side.connect()
-    try:
-        rows = await natsstatus.collect(nc)
-    finally:
-        await nc.close()
-    found = []
-    for row in rows:
-        peers = [] if row.peers in ("-", "missing") else row.peers.split(", ")
-        if row.durable and (row.have < REPLICAS or row.leader == "-" or len(peers) != 2):
-            found.append(f"{row.kind} {row.name}: {row.have} replicas, {row.leader}, {row.peers}")
-    return found
-
-
 async def nats_status(plane: Plane, tmp_path: Path) -> tuple[int, str]:
     """`runplane nats status` against the cluster: (exit code, output)."""
     args = ["nats", "status", "--nats-url", plane.nats.url, "--data-dir", str(tmp_path / "st")]
@@ -408,11 +374,6 @@ def test_the_deploy_readme_names_everything_runplane_declares_and_reads() -> Non
 # run, trigger); the log holds no other delivery, and each is recorded delivered.
 
 NOTIFY_TOKEN = "cluster-notify-token-7f6e5d"
-NOTIFY_ENV = {
-    "RUNPLANE_NOTIFY_ALLOW": "loopback",  # the receiver is on 127.0.0.1
-    "RUNPLANE_NOTIFY_SCHEDULE": "0.5,1,2,4",  # retries within the test's bounds
-    "RUNPLANE_NOTIFY_TIMEOUT": "5",
-}
 ENDED = {"planned": "run:completed", "no_changes": "run:completed", "failed": "run:errored"}
 
 
@@ -454,17 +415,6 @@ async def _notify_plane(root: Path, nats_side: ClusterNats, plans: bool) -> Plan
     await api.start()
     await api.ready()
     return Plane(root, nats_side, [api], [], [], [f"http://127.0.0.1:{port}"])
-
-
-def _subscribers(root: Path, nats_side: ClusterNats, count: int = 2) -> list[Component]:
-    out = []
-    for i in range(1, count + 1):
-        args = ["subscribers", "--nats-url", nats_side.url, "--log-format", "json"]
-        args += ["--data-dir", str(root / f"subs{i}")]
-        env = {**nats_side.env(), **NOTIFY_ENV}
-        ready = "runplane subscribers running (notifications"
-        out.append(Component(f"subscribers{i}", args, root / f"subs{i}.log", ready, env))
-    return out
 
 
 async def cluster_notifications(
@@ -597,14 +547,6 @@ async def _create_runs(
             created.append(body["id"])
         i += 1
         await asyncio.sleep(sc.pace)
-
-
-async def _maybe(waiting: Awaitable[bool]) -> bool:
-    """The wait's answer, False when it timed out (the asserts after say what is off)."""
-    try:
-        return await waiting
-    except AssertionError:
-        return False
 
 
 async def _at_least(receiver: Receiver, n: int) -> bool:

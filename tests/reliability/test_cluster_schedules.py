@@ -52,9 +52,8 @@ from services.app.commands import App
 from services.processes.schedules.loop import ScheduleLoop, run_id_for
 from tests.bootstrap_support import built
 from tests.cluster_support import NatsCluster
-from tests.reliability.chaos_support import ClusterNats
+from tests.reliability.chaos_support import ClusterNats, replicated
 from tests.reliability.cluster_events_support import write_summary
-from tests.reliability.test_cluster import replicated
 from tests.schedule_support import Clock, make_schedule, minute_at
 
 RECORDS = (sc.ScheduleFired, sc.ScheduleSkipped)

@@ -62,10 +62,10 @@ from services.surfaces.tfe import ids
 from tests import bootstrap_support
 from tests.bootstrap_support import built, git_snapshots
 from tests.cluster_support import NatsCluster, Node
+from tests.executor_support import git
 from tests.helpers import eventually
 from tests.plane_support import commit
 from tests.reliability.cluster_events_support import write_summary
-from tests.test_executor import git
 from tests.tfe_support import Tfe, a_state, replica
 
 pytestmark = pytest.mark.slow

@@ -43,13 +43,15 @@ from tests.reliability.chaos_support import (
     ClusterNats,
     Component,
     Plane,
+    _maybe,
+    _subscribers,
+    replicated,
     setup_org,
 )
 from tests.reliability.cluster_events_support import (
     kill_components,
     write_summary,
 )
-from tests.reliability.test_cluster import _maybe, _subscribers, replicated
 
 # b follows a. Every apply of a replaces its resource (tests/reliability/chaos_support.py's
 # configuration: a timestamp trigger), so each changes something and starts one run of b.

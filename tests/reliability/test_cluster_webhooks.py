@@ -32,9 +32,11 @@ from infra.streams import EVENTS
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
 from tests.reliability.chaos_support import (
+    AFTER_FAULT_503_S,
     ORG,
     Api,
     ClusterNats,
+    replicated,
 )
 from tests.reliability.cluster_events_support import (
     Hooks,
@@ -46,8 +48,7 @@ from tests.reliability.cluster_events_support import (
     sha,
     write_summary,
 )
-from tests.reliability.test_cluster import AFTER_FAULT_503_S, replicated
-from tests.test_vcs_support import SECRET
+from tests.vcs_support import SECRET
 
 REPO = "https://github.com/acme/net.git"
 # Workspaces on acme/net's master: a push changing net/main.tf starts net's and edge's

@@ -16,7 +16,7 @@ from yarl import URL
 
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import Http, served
+from tests.api_support import Http, served
 
 _CSRF = re.compile(r'name="csrf" value="([^"]*)"')
 

@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 
 from events import run as R
-from tests import test_stop as stop_support
+from tests import stop_support
+from tests.builders import api_workspace
+from tests.executor_support import GATED_PLAN_TF
 from tests.helpers import eventually
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixture
-from tests.test_reaper_processes import GATED_PLAN_TF
 from tests.ui.support import Browser
 
 pytestmark = pytest.mark.terraform
@@ -37,10 +38,7 @@ TWO = KEPT % "1" + 'resource "null_resource" "b" {}\n'
 
 async def _setup(plane: Plane, repo: Path, settings: dict[str, Any]) -> dict[str, str]:
     commit(repo, {"main.tf": TWO}, message=f"first {XSS}\n\nsecond line")
-    a = await plane.http.post(f"{V1}/workspaces", json={"name": "net", "repository": str(repo)})
-    assert a.status == 201, a.body
-    a = await plane.http.call("PATCH", f"{V1}/workspaces/net/settings", json=settings)
-    assert a.status == 200, a.body
+    await api_workspace(plane.http, repo, settings=settings)
     tokens = {}
     for user, role in (("alice", "approver"), ("bob", "operator"), ("vic", "viewer")):
         a = await plane.http.post(f"{V1}/tokens", json={"user": user, "role": role})
@@ -197,7 +195,7 @@ async def test_stop_on_a_planning_run_interrupts_terraform_and_an_applying_run_h
     writer = os.open(gate, os.O_RDWR)  # Terraform's open() returns, its read() waits
     try:
         commit(repo, {"main.tf": GATED_PLAN_TF})
-        await stop_support.workspace(plane, repo, variables={"gate": str(gate)})
+        await api_workspace(plane.http, repo, variables={"gate": str(gate)})
         tokens = {}
         for user, role in (("bob", "operator"), ("vic", "viewer")):
             a = await plane.http.post(f"{V1}/tokens", json={"user": user, "role": role})

@@ -14,9 +14,9 @@ from nats.aio.client import Client as NATS
 
 from services.root.processes import banner
 from services.surfaces.ui.sessions import COOKIE, Sessions, set_cookie
+from tests.api_support import ADMIN_TOKEN, web_app_of
 from tests.bootstrap_support import System
 from tests.helpers import eventually
-from tests.test_api_support import ADMIN_TOKEN, web_app_of
 from tests.ui.support import Page, Ui, ui_fixture  # noqa: F401  # the fixture
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'

@@ -17,11 +17,11 @@ from infra import kv, streams
 from services.app.commands import App
 from services.surfaces.api.context import API
 from services.surfaces.ui.sessions import Sessions, _key
+from tests.api_support import Http, web_app_of
 from tests.bootstrap_support import Process
 from tests.cluster_support import NatsCluster
 from tests.helpers import eventually, kv_keys
-from tests.test_api_support import Http, web_app_of
-from tests.test_stale_reads import PAYLOAD, Lagging, trials
+from tests.stale_reads_support import PAYLOAD, Lagging, trials
 from tests.ui.support import Browser, Page
 
 
@@ -46,7 +46,7 @@ async def replicas(
                 replica.projector(tmp_path / f"{name}.sqlite")
             )
             started = await app.create_org(f"ui-replica-{name}", "test")
-            assert await projector.wait_for(started.seq)  # see tests/test_api_support.py
+            assert await projector.wait_for(started.seq)  # see tests/api_support.py
             web_app = web_app_of(replica, projector, secret_store=None)
             client = await stack.enter_async_context(TestClient(TestServer(web_app)))
             clients.append(client)

@@ -15,7 +15,7 @@ from services.app.commands import App
 from services.processes.vcs import signing
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
-from tests.test_api_support import Answer, Http, served
+from tests.api_support import Answer, Http, served
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vcs"
 V1 = "/api/v1/orgs"
