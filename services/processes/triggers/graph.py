@@ -17,8 +17,6 @@ from events.errors import NotFound
 from services.app.aggregates import RUN_TRIGGERS
 from services.app.commands import App
 
-_EVENTS = (rt.RunTriggerAdded, rt.RunTriggerRemoved)
-
 
 class Graph(msgspec.Struct, frozen=True, kw_only=True):
     """The graph as read: its state and the subject's last sequence (0: no event yet)."""
@@ -33,8 +31,8 @@ async def load(app: App, org: str, *, min_seq: int = 0, through: int = 0) -> Gra
     envs = await app.store.read(rt.subject(org), min_seq=min_seq)
     if through:
         envs = [e for e in envs if e.seq <= through]
-    events = [e.event for e in envs if isinstance(e.event, _EVENTS)]
-    return Graph(state=rt.fold(events), seq=envs[-1].seq if envs else 0)
+    state = RUN_TRIGGERS.fold([e.event for e in envs], RUN_TRIGGERS.initial)
+    return Graph(state=state, seq=envs[-1].seq if envs else 0)
 
 
 async def add(app: App, org: str, target: str, source: str, actor: str) -> Graph:
