@@ -148,16 +148,15 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
         for s in mine:
             by_name.setdefault(s.name, []).append(s)
         assert "phase plan" in by_name and "step plan" in by_name, sorted(by_name)
+        # a delivery's span ends after its handler returns: wait for the span, not the handler
+        deliveries = [s for s in by_name.get("deliver rp-sub-t-e2e", []) if s.attributes]
+        seen = {s.attributes["runplane.event"] for s in deliveries if s.attributes}
+        assert seen >= {"run.created", "run.plan_finished"}, seen
         return by_name
 
-    by_name = await eventually(finished, what="the phase's spans")
     await eventually(lambda: _has(delivered, "run.plan_finished"), what="the subscriber's delivery")
+    by_name = await eventually(finished, what="the phase's and the deliveries' spans")
     assert delivered["run.created"] == delivered["run.plan_finished"] == trace_id
-    deliveries = [s for s in by_name["deliver rp-sub-t-e2e"] if s.attributes]
-    assert {s.attributes["runplane.event"] for s in deliveries if s.attributes} >= {
-        "run.created",
-        "run.plan_finished",
-    }
     (request,) = by_name["POST /api/v1/orgs/{org}/workspaces/{ws}/runs"]
     assert hexed(request)[2] == caller_span, "the caller's span is the request's parent"
     assert request.attributes is not None
