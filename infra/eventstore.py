@@ -22,7 +22,6 @@ import contextvars
 import json
 import time
 import uuid
-from collections import OrderedDict
 from datetime import datetime
 
 import msgspec
@@ -36,8 +35,6 @@ from infra.directget import DirectReader, InfraError, leader_get, leader_last_se
 from infra.streams import EVENTS, WRONG_LAST_SEQUENCES
 
 _BATCH = 1000
-# Envelopes kept by each EventStore (whole subject histories, least recently read dropped).
-CACHE_EVENTS = 50_000
 # How often a store asks again how many replicas its stream has: one replica has no
 # follower to lag, so its direct gets need no leader's word (raised replication is seen
 # within this long).
@@ -116,14 +113,10 @@ class EventStore:
         *,
         stream: str = EVENTS,
         timeout: float = 5.0,
-        cache_events: int = CACHE_EVENTS,
     ) -> None:
         self.nc = nc
         self.stream = stream
         self.timeout = timeout
-        self.cache_events = cache_events  # 0: read every history whole, every time
-        self._cache: OrderedDict[str, list[Envelope]] = OrderedDict()
-        self._cached = 0  # envelopes in the cache
         self._replicated = True  # until asked: a follower may answer
         self._replicas_at = -REPLICAS_RECHECK_S
         self._asking = asyncio.Lock()
@@ -136,25 +129,12 @@ class EventStore:
         """Every event on `subject` (wildcards allowed) with a sequence above `after`, as
         of a stream at least at `min_seq` (or the task's `floor`, whichever is higher).
 
-        A subject's events read before are kept (the stream denies delete and purge, so
-        what a subject held up to a sequence never changes) and only newer ones are
-        fetched: a run or workspace reloaded for every command costs one round trip for
-        what is new, not a re-read and re-decode of its whole history.
+        Nothing is kept here: infra/folds.py keeps aggregates as folded, and asks only for
+        what is after the state it has. A caller that has read through `after` has proven
+        the stream at least that far already.
         """
         need = max(min_seq, floor.get())
-        known = self._cache.get(subject)
-        if known is None or after > known[-1].seq:
-            fresh = await self._fetch(subject, after + 1, need)
-            if after == 0:
-                self._remember(subject, list(fresh))  # the caller may change its own list
-            return fresh
-        self._cache.move_to_end(subject)
-        # (what is kept may prove the floor already: the stream never loses a message)
-        fresh = await self._fetch(subject, known[-1].seq + 1, 0 if known[-1].seq >= need else need)
-        if fresh:
-            self._remember(subject, known + fresh)
-        kept = [e for e in known if e.seq > after] if after else known
-        return kept + fresh
+        return await self._fetch(subject, after + 1, 0 if after >= need else need)
 
     async def _fetch(self, subject: str, start: int, need: int) -> list[Envelope]:
         """The events from `start` on, by direct gets; finished by the leader unless the
@@ -201,23 +181,6 @@ class EventStore:
                 return out
             start = env.seq + 1
 
-    def _remember(self, subject: str, envs: list[Envelope]) -> None:
-        """Keep a subject's whole history, least recently read dropped first."""
-        if not envs or ">" in subject or len(envs) > self.cache_events // 4:
-            return
-        old = self._cache.pop(subject, None)
-        self._cached += len(envs) - (len(old) if old else 0)
-        self._cache[subject] = envs
-        while self._cached > self.cache_events:
-            _, dropped = self._cache.popitem(last=False)
-            self._cached -= len(dropped)
-
-    def forget(self, subject: str) -> None:
-        """Drop what is kept of a subject (after a conflict: read it whole next time)."""
-        old = self._cache.pop(subject, None)
-        if old:
-            self._cached -= len(old)
-
     async def _direct(self, subject: str, start: int) -> list[Envelope]:
         out: list[Envelope] = []
         while True:
@@ -263,14 +226,12 @@ class EventStore:
 
     # ------------------------------------------------------------ appending
 
-    async def append(self, items: list[Append], *, attempts: int = 3, forget: bool = True) -> int:
+    async def append(self, items: list[Append], *, attempts: int = 3) -> int:
         """Append all items atomically; return the sequence of the last one.
 
-        Raises Conflict when another writer moved one of the subjects first (and forgets
-        what is kept of them, unless `forget` is false: the caller expected a sequence it
-        did not read here). A retry after a lost acknowledgement re-sends the same msg ids;
-        if the first try landed, the head of the subject carries our msg id and the append
-        counts as done.
+        Raises Conflict when another writer moved one of the subjects first. A retry
+        after a lost acknowledgement re-sends the same msg ids; if the first try landed,
+        the head of the subject carries our msg id and the append counts as done.
         """
         if not items:
             raise ValueError("nothing to append")
@@ -303,8 +264,6 @@ class EventStore:
                 landed = await self._landed(items, ids)
                 if landed:
                     return landed
-                for it in items if forget else ():  # reread whole next time (what we kept
-                    self.forget(it.subject)  # may be what is wrong)
                 raise Conflict(err.description or "wrong last sequence")
             raise StoreError(f"append refused: {err.description}")
         raise StoreError("append timed out") from last_err

@@ -68,7 +68,7 @@ async def test_a_handler_that_returns_has_its_message_acked_once(nc: NATS, app: 
         calls.seen.append(r)
 
     sub = Subscription(name="t-ack", handle=handle, subjects=ALL)
-    async with Consumer(nc, sub, app=app) as c:
+    async with Consumer(nc, sub, states=app.states) as c:
         await c.ready.wait()
         await workspaces(app, "net")
         run_id = (await app.create_run(ORG, "net", "apply", "alice")).state.run_id
@@ -102,7 +102,7 @@ async def test_a_declaration_jetstream_does_not_answer_is_sent_again_not_fatal(
         await streams.ensure_subscriber_consumer(js, "t-declare", ALL)
 
     sub = Subscription(name="t-declare", handle=handle, subjects=ALL)
-    async with Consumer(nc, sub, app=app, declare=electing) as c:
+    async with Consumer(nc, sub, states=app.states, declare=electing) as c:
         await c.ready.wait()
         await workspaces(app, "net")
         await eventually(calls.count("ws.created"), what="the workspace's event handled")
@@ -121,7 +121,7 @@ async def test_retry_with_a_delay_brings_the_event_back_after_it(nc: NATS, app: 
             raise Retry(0.6, "not yet")
 
     sub = Subscription(name="t-retry", handle=handle)
-    async with Consumer(nc, sub, app=app):
+    async with Consumer(nc, sub, states=app.states):
         await workspaces(app, "net")
         await app.create_run(ORG, "net", "apply", "alice")
         await eventually(calls.count("run.created"), what="first delivery")
@@ -146,7 +146,7 @@ async def test_a_permanent_error_terminates_the_message(nc: NATS, app: App) -> N
         raise Invalid("this event can never be handled")
 
     sub = Subscription(name="t-term", handle=handle)
-    async with Consumer(nc, sub, app=app):
+    async with Consumer(nc, sub, states=app.states):
         await workspaces(app, "net")
         await app.create_run(ORG, "net", "apply", "alice")
         await eventually(calls.count("run.created"), what="delivered")
@@ -165,7 +165,7 @@ async def test_any_other_error_is_retried_soon(nc: NATS, app: App) -> None:
             raise RuntimeError("a bug, or a hiccup")
 
     sub = Subscription(name="t-nak", handle=handle)
-    async with Consumer(nc, sub, app=app):
+    async with Consumer(nc, sub, states=app.states):
         await workspaces(app, "net")
         await app.create_run(ORG, "net", "apply", "alice")
         await eventually(lambda: _at_least(calls.count("run.created"), 2), what="redelivered")
@@ -200,7 +200,7 @@ async def test_lanes_keep_order_within_a_workspace_and_run_in_parallel_across(
         running.discard(r.ws)
 
     sub = Subscription(name="t-lanes", handle=handle, subjects=ALL, start="all")
-    async with Consumer(nc, sub, app=app):
+    async with Consumer(nc, sub, states=app.states):
         await eventually(_settled(nc, "t-lanes"), what="all handled")
     assert len(by_lane["a"]) == len(by_lane["b"]) == 11  # ws.created, 5 x (created, enqueued)
     for seqs in by_lane.values():
@@ -219,7 +219,7 @@ async def test_a_handler_that_hangs_in_one_lane_delays_no_other_lane(nc: NATS, a
         handled.append(r.ws)
 
     sub = Subscription(name="t-hang", handle=handle, subjects=ALL, lane_limit=LANE_LIMIT)
-    async with Consumer(nc, sub, app=app, batch=8) as c:
+    async with Consumer(nc, sub, states=app.states, batch=8) as c:
         await c.ready.wait()
         await workspaces(app, "stuck", "free")
         for _ in range(40):  # 81 events: more than the room every lane shares (64)
@@ -262,7 +262,7 @@ async def test_a_message_in_hand_longer_than_the_ack_wait_is_not_redelivered(
     await workspaces(app, "net")
     await app.create_run(ORG, "net", "apply", "alice")
     sub = Subscription(name="slow", handle=handle)
-    async with Consumer(nc, sub, app=app, durable="t-slow", declare=declare):
+    async with Consumer(nc, sub, states=app.states, durable="t-slow", declare=declare):
         await eventually(calls.count("run.created"), what="delivered")
         info = await nc.jetstream().consumer_info(streams.EVENTS, "t-slow")
 
@@ -289,7 +289,7 @@ async def test_with_state_the_aggregate_is_folded_through_the_event_not_later(
         calls.seen.append(r)
 
     sub = Subscription(name="t-state", handle=handle, subjects=ALL, with_state=True, start="all")
-    async with Consumer(nc, sub, app=app):
+    async with Consumer(nc, sub, states=app.states):
         await eventually(_settled(nc, "t-state"), what="all handled")
     statuses = [(r.type, r.state.status) for r in calls.seen if isinstance(r.state, R.RunState)]
     assert statuses == [
@@ -321,7 +321,7 @@ async def test_a_subscriber_that_falls_behind_does_not_slow_admission(
 
     await workspaces(app, *(f"w{i}" for i in range(5)))
     sub = Subscription(name="t-behind", handle=handle, subjects=ALL, start="all")
-    async with Consumer(nc, sub, app=app), process(store=app.store).scheduler():
+    async with Consumer(nc, sub, states=app.states), process(store=app.store).scheduler():
         await blocked.wait()
         runs = [
             (await app.create_run(ORG, f"w{i}", "apply", "alice")).state.run_id for i in range(5)
@@ -352,7 +352,7 @@ async def test_an_event_redelivered_after_later_ones_sees_its_own_state(nc: NATS
             raise Retry(0.3)
 
     sub = Subscription(name="t-again", handle=handle, with_state=True, start="all")
-    async with Consumer(nc, sub, app=app):
+    async with Consumer(nc, sub, states=app.states):
         await eventually(lambda: _at_least(calls.count("run.created"), 2), what="redelivered")
         await eventually(_settled(nc, "t-again"), what="all handled")
     order = [(r.type, r.num_delivered, r.state.status) for r in calls.seen]  # type: ignore[union-attr]

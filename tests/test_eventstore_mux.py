@@ -54,7 +54,7 @@ async def test_many_concurrent_reads_each_get_their_own_events(
 ) -> None:
     seqs = await seed(store, 60)
     monkeypatch.setattr(eventstore, "_BATCH", 3)  # several pages per history, all interleaved
-    reader = EventStore(nc, cache_events=0)
+    reader = EventStore(nc)
     subjects = [org(i % 60) for i in range(600)]
     results = await asyncio.gather(*(reader.read(s) for s in subjects))
     for subject, envs in zip(subjects, results, strict=True):
@@ -77,7 +77,7 @@ async def test_reads_after_some_events_and_from_the_cache(nc: NATS, store: Event
 
 async def test_reads_do_not_subscribe_each_time(nc: NATS, store: EventStore) -> None:
     await seed(store, 10)
-    reader = EventStore(nc, cache_events=0)
+    reader = EventStore(nc)
     await reader.read(org(0))
     subs, sid = len(nc._subs), nc._sid
     for _ in range(5):
@@ -98,7 +98,7 @@ async def test_a_read_that_times_out_leaves_the_others_alone(
     nc: NATS, store: EventStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seqs = await seed(store, 10)
-    reader = EventStore(nc, timeout=0.5, cache_events=0)
+    reader = EventStore(nc, timeout=0.5)
     publish = nc.publish
 
     async def late(subject: str, payload: bytes = b"", **kw: Any) -> None:
@@ -139,7 +139,7 @@ async def test_an_error_status_raises_a_store_error(nc: NATS) -> None:
 
 async def test_a_lost_subscription_is_made_again(nc: NATS, store: EventStore) -> None:
     seqs = await seed(store, 3)
-    reader = EventStore(nc, cache_events=0)
+    reader = EventStore(nc)
     own(org(2), await reader.read(org(2)), seqs[org(2)])
     assert reader.direct._sub is not None
     await reader.direct._sub.unsubscribe()

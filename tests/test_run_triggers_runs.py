@@ -101,7 +101,7 @@ async def test_a_changing_apply_starts_b_linked_to_it_and_a_no_change_apply_star
 ) -> None:
     await _setup(plane, tmp_path, {})
     rec = Recording(plane.app)
-    async with Consumer(plane.nc, subscription(rec), app=plane.app):
+    async with Consumer(plane.nc, subscription(rec), states=plane.app.states):
         first = await plane.start("a")
         done = await plane.reaches("a", first, "applied")
         assert done.apply_summary == R.PlanSummary(add=1)
@@ -127,7 +127,7 @@ async def test_with_auto_apply_run_triggers_b_applies_without_waiting_and_says_w
 ) -> None:
     _, repo_b = await _setup(plane, tmp_path, {"auto_apply_run_triggers": True})
     rec = Recording(plane.app)
-    async with Consumer(plane.nc, subscription(rec), app=plane.app):
+    async with Consumer(plane.nc, subscription(rec), states=plane.app.states):
         first = await plane.start("a")
         await plane.reaches("a", first, "applied")
         b_run = derived_id("run-trigger", first, "b")
@@ -152,7 +152,7 @@ async def test_under_confirm_destructive_a_triggered_plan_that_replaces_waits_fo
     settings = {"auto_apply_run_triggers": True, "confirm_destructive": True}
     repo_a, repo_b = await _setup(plane, tmp_path, settings)
     rec = Recording(plane.app)
-    async with Consumer(plane.nc, subscription(rec), app=plane.app):
+    async with Consumer(plane.nc, subscription(rec), states=plane.app.states):
         first = await plane.start("a")
         await plane.reaches("a", first, "applied")
         await plane.reaches("b", derived_id("run-trigger", first, "b"), "applied")
@@ -179,7 +179,7 @@ async def test_a_delivery_handled_again_after_a_crash_starts_b_once(
     broker redelivers it; the second finds the run (its derived id) and makes none."""
     await _setup(plane, tmp_path, {})
     rec = Recording(plane.app, crash_once=True)
-    async with Consumer(plane.nc, subscription(rec), app=plane.app):
+    async with Consumer(plane.nc, subscription(rec), states=plane.app.states):
         first = await plane.start("a")
         await plane.reaches("a", first, "applied")
         await _handled_through(rec, plane, "a", first)
@@ -196,7 +196,7 @@ async def test_a_replica_killed_after_its_creates_leaves_b_one_run_when_another_
     hands the event to the second replica, which finds B's run and makes none."""
     await _setup(plane, tmp_path, {})
     first_replica = Recording(plane.app, hang=True)
-    killed = Consumer(plane.nc, subscription(first_replica), app=plane.app)
+    killed = Consumer(plane.nc, subscription(first_replica), states=plane.app.states)
     await killed.start()
     try:
         run_a = await plane.start("a")
@@ -207,7 +207,7 @@ async def test_a_replica_killed_after_its_creates_leaves_b_one_run_when_another_
     b_run = derived_id("run-trigger", run_a, "b")
     assert await _runs_of(plane, "b") == [b_run] and first_replica.started == 1
     second_replica = Recording(plane.app)
-    async with Consumer(plane.nc, subscription(second_replica), app=plane.app):
+    async with Consumer(plane.nc, subscription(second_replica), states=plane.app.states):
         await _handled_through(second_replica, plane, "a", run_a)
     assert max(second_replica.deliveries.values()) >= 2  # the redelivery
     assert second_replica.started == 0  # it found B's run

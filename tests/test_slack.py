@@ -535,7 +535,7 @@ async def test_the_subscribers_work_what_was_recorded_and_keep_the_message_curre
     await slack.app.store.append([Append(subject=subject, event=stale, expected=0)])
     for sub in build(slack.app, slack.config.keyring, slack.worker.poster):
         consumer = await slack.stack.enter_async_context(
-            Consumer(slack.http.app.store.nc, sub, app=slack.app)
+            Consumer(slack.http.app.store.nc, sub, states=slack.app.states)
         )
         await asyncio.wait_for(consumer.ready.wait(), 10)
 

@@ -114,7 +114,9 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
     async def handle(r: Received) -> None:
         delivered[r.type] = tracing.trace_id()
 
-    subscriber = Consumer(plane.nc, Subscription(name="t-e2e", handle=handle), app=plane.app)
+    subscriber = Consumer(
+        plane.nc, Subscription(name="t-e2e", handle=handle), states=plane.app.states
+    )
     await (await plane.stack.enter_async_context(subscriber)).ready.wait()
     await plane.executor("e1")
     header, trace_id, caller_span = traceparent()
@@ -424,7 +426,7 @@ async def test_a_subscribers_delivery_is_a_span_of_the_events_trace(
             seen["trace"] = tracing.trace_id()
             seen["header"] = r.headers["traceparent"]
 
-    async with Consumer(nc, Subscription(name="t-trace", handle=handle), app=app) as c:
+    async with Consumer(nc, Subscription(name="t-trace", handle=handle), states=app.states) as c:
         await c.ready.wait()
         await app.create_org("acme", "admin")
         await app.create_workspace("acme", "net", Workspace(repository="/nowhere"), "admin")

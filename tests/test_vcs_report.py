@@ -93,7 +93,7 @@ async def bare(nc: NATS, app: App, store: EventStore) -> Rig:
 @pytest.fixture
 async def rig(nc: NATS, bare: Rig) -> AsyncIterator[Rig]:
     """`bare`, its reporter consuming run events."""
-    async with Consumer(nc, subscription(bare.reporter), app=bare.app) as consumer:
+    async with Consumer(nc, subscription(bare.reporter), states=bare.app.states) as consumer:
         bare.consumer = consumer
         yield bare
 
@@ -281,7 +281,7 @@ async def test_an_api_url_at_the_metadata_service_or_loopback_is_refused_at_send
     local = github.url.replace("127.0.0.1", "localhost")
     await rig.connect("acme", "loop", "github", local, "t1")
     await rig.connect("acme", "meta", "gitlab", "http://169.254.169.254/api/v4", "t2")
-    async with Consumer(nc, subscription(reporter), app=app) as consumer:
+    async with Consumer(nc, subscription(reporter), states=app.states) as consumer:
         await rig.pr_run("acme", "net", "loop")
         await rig.pr_run("acme", "dns", "meta")
         await eventually(lambda: _drained(consumer, store), what="both handled")

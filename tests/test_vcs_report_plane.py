@@ -41,7 +41,10 @@ async def test_a_real_pr_plan_reports_its_counts_and_its_comment(plane: Plane, r
     reporter = Reporter(
         plane.app.store, lookup_for(plane.app, plane.secrets), policy, base_url=BASE
     )
-    async with FakeVcs() as github, Consumer(plane.nc, subscription(reporter), app=plane.app):
+    async with (
+        FakeVcs() as github,
+        Consumer(plane.nc, subscription(reporter), states=plane.app.states),
+    ):
         await saved_connection(
             plane.app, plane.secrets, "acme", "gh1", "github", github.url, "ghp-plane"
         )

@@ -75,14 +75,14 @@ class Admission(RunFlows):
                 raise Conflict("released a terminal run: admit the next")
             if r.state.status != run_agg.Status.PENDING:  # another scheduler admitted it
                 raise Conflict("the workspace moved on: reload it")
-            await self.store.append(self.appends(w.subject, w.seq, list(ws_events)))
+            await self.append(self.appends(w.subject, w.seq, list(ws_events)))
             return await queue(r)
 
         async def queue(r: Loaded[run_agg.RunState]) -> str:
             state: run_agg.RunState = r.state
             admit = run_agg.AdmitRun(actor=actor, pinning=self.snapshot is not None)
             run_events = run_agg.decide(state, admit, now=self.clock(), new_id=self.ids)
-            seq = await self.store.append(self.appends(r.subject, r.seq, list(run_events)))
+            seq = await self.append(self.appends(r.subject, r.seq, list(run_events)))
             self.remember(r.subject, seq, run_agg.fold(run_events, state))
             return state.run_id
 
@@ -106,7 +106,7 @@ class Admission(RunFlows):
                 return False
             admit = run_agg.AdmitRun(actor=actor, pinning=self.snapshot is not None)
             evs = run_agg.decide(r.state, admit, now=self.clock(), new_id=self.ids)
-            await self.store.append(self.appends(r.subject, r.seq, list(evs)))
+            await self.append(self.appends(r.subject, r.seq, list(evs)))
             return True
 
         return await self.retrying(attempt)

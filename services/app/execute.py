@@ -27,6 +27,7 @@ import msgspec
 
 from events.errors import Conflict
 from infra.eventstore import LATEST, Append, EventStore
+from infra.folds import States
 
 S = TypeVar("S")
 C = TypeVar("C")
@@ -67,8 +68,9 @@ class Aggregate(Generic[S, C]):
 
 
 class Repository:
-    """Loads and appends aggregates on one event store; `clock` and `ids` are injected so
-    tests can pin them."""
+    """Loads and appends aggregates on one event store, through the process's one
+    repository of folded states (infra/folds.py: a load folds only what is new); `clock`
+    and `ids` are injected so tests can pin them."""
 
     def __init__(
         self,
@@ -77,8 +79,10 @@ class Repository:
         clock: Callable[[], datetime],
         ids: Callable[[], str],
         attempts: int = ATTEMPTS,
+        states: States | None = None,
     ) -> None:
         self.store = store
+        self.states = states or States(store)
         self.clock = clock
         self.ids = ids
         self.attempts = attempts
@@ -86,10 +90,20 @@ class Repository:
     async def load(self, agg: Aggregate[S, Any], subject: str, *, min_seq: int = 0) -> Loaded[S]:
         """The aggregate at `subject` (wildcards allowed: the first match's subject is
         answered), as of a stream at least at `min_seq` (`LATEST`: as its leader has it)."""
-        envs = await self.store.read(subject, min_seq=min_seq)
-        real = envs[-1].subject if envs else subject
-        state = agg.fold([e.event for e in envs], agg.initial)
-        return Loaded(subject=real, seq=envs[-1].seq if envs else 0, state=state)
+        real, seq, state = await self.states.load(
+            agg.name, subject, agg.fold, agg.initial, min_seq=min_seq
+        )
+        return Loaded(subject=real, seq=seq, state=state)
+
+    async def append(self, appends: list[Append]) -> int:
+        """Append (`EventStore.append`); a conflict forgets what this process kept of the
+        subjects, which are read whole next time."""
+        try:
+            return await self.store.append(appends)
+        except Conflict:
+            for a in appends:
+                self.states.forget(a.subject)
+            raise
 
     def appends(self, subject: str, seq: int, events: Sequence[Any]) -> list[Append]:
         """Checked appends of `events` after sequence `seq` of `subject`."""
@@ -132,7 +146,9 @@ class Repository:
             evs = list(agg.decide(cur.state, command, self.clock(), self.ids))
             if not evs:
                 return Result(state=cur.state, seq=cur.seq)
-            seq = await self.store.append(self.appends(cur.subject, cur.seq, evs))
-            return Result(state=agg.fold(evs, cur.state), seq=seq, events=evs)
+            seq = await self.append(self.appends(cur.subject, cur.seq, evs))
+            state = agg.fold(evs, cur.state)
+            self.states.remember(agg.name, subject, seq, state, real=cur.subject)
+            return Result(state=state, seq=seq, events=evs)
 
         return await self.retrying(attempt)

@@ -22,7 +22,6 @@ it holds and releases nothing.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 
@@ -52,8 +51,6 @@ from services.app.execute import ATTEMPTS, Loaded, Repository, Result
 # Takes a run's admission snapshot (services/app/snapshot.py); raises SnapshotFailed.
 SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]
 
-KNOWN_RUNS = 4096  # runs each App remembers as it last wrote them
-
 log = structlog.get_logger(__name__)
 
 
@@ -73,15 +70,18 @@ class RunFlows(Repository):
         super().__init__(store, clock=clock, ids=ids, attempts=attempts)
         self.snapshot = snapshot
         self._enqueue_locks: dict[str, asyncio.Lock] = {}  # per workspace subject
-        # Runs as this App last wrote them: tried first by run_command, checked by the append.
-        self._known: OrderedDict[str, Loaded[run_agg.RunState]] = OrderedDict()
 
     def remember(self, subject: str, seq: int, state: run_agg.RunState) -> None:
-        """Note a run as this App just wrote it (least recently written dropped first)."""
-        self._known[subject] = Loaded(subject=subject, seq=seq, state=state)
-        self._known.move_to_end(subject)
-        while len(self._known) > KNOWN_RUNS:
-            self._known.popitem(last=False)
+        """Note a run as this App just wrote it: tried first by run_command, with no read."""
+        self.states.remember(RUN.name, subject, seq, state)
+
+    def known_run(self, subject: str) -> Loaded[run_agg.RunState] | None:
+        """The run as this process last wrote, read or folded it (infra/folds.py), unread."""
+        found = self.states.peek(RUN.name, subject)
+        if found is None:
+            return None
+        real, seq, state = found
+        return Loaded(subject=real, seq=seq, state=state)
 
     # ------------------------------------------------------------ loading
 
@@ -169,7 +169,7 @@ class RunFlows(Repository):
         subject = run_subject(create.org, create.workspace, create.run_id)
         appends = self.appends(subject, 0, run_events)
         try:
-            seq = await self.store.append(appends)
+            seq = await self.append(appends)
         except Conflict:
             if not derived:
                 raise
@@ -231,7 +231,7 @@ class RunFlows(Repository):
                 return 0
             enqueue = ws_agg.EnqueueRun(actor=actor, run_id=run_id)
             evs = ws_agg.decide(w.state, enqueue, now=self.clock(), new_id=self.ids)
-            return await self.store.append(self.appends(w.subject, w.seq, list(evs)))
+            return await self.append(self.appends(w.subject, w.seq, list(evs)))
 
         # Creates on one workspace enqueue one at a time within a process: racing, they
         # would all reload, all but one conflict, and a burst would exhaust its retries.
@@ -284,13 +284,13 @@ class RunFlows(Repository):
         `guard` sees the very state the command is decided on (on every retry) and may
         raise a DomainError to refuse it: a precondition the core does not know about.
 
-        The run as this App last wrote it (`_known`) is tried first, with no read: the
+        The run as this process last knew it (`known_run`) is tried first, with no read: the
         append's expected sequence proves it current, and a conflict reloads. Only an
         append can prove it, so a refusal or a decision of nothing is made again before it
         counts, on a load the stream's leader confirms (a follower that is behind may
         have answered the first).
         """
-        known = self._known.get(run_subject(org, ws, run_id)) if ws else None
+        known = self.known_run(run_subject(org, ws, run_id)) if ws else None
         first = [known] if known is not None else []
         reads = [0]  # loads so far: a refusal counts on a second one, which the leader confirms
 
@@ -316,11 +316,7 @@ class RunFlows(Repository):
                 return await attempt()
             new_state = run_agg.fold(evs, r.state)
             appends = self.appends(r.subject, r.seq, list(evs))
-            try:
-                seq = await self.store.append(appends, forget=trusted) if appends else r.seq
-            except Conflict:
-                self._known.pop(r.subject, None)
-                raise
+            seq = await self.append(appends) if appends else r.seq
             self.remember(r.subject, seq, new_state)
             ended = new_state.terminal and not r.state.terminal
             return Result(state=new_state, seq=seq, events=list(evs)), ended
@@ -351,7 +347,7 @@ class RunFlows(Repository):
             evs = ws_agg.decide(w.state, cmd, now=self.clock(), new_id=self.ids)
             if not evs:
                 return False
-            await self.store.append(self.appends(w.subject, w.seq, list(evs)))
+            await self.append(self.appends(w.subject, w.seq, list(evs)))
             return True
 
         return await self.retrying(attempt)

@@ -204,6 +204,6 @@ async def serving(
     record, now_at = outbox.recorder(app.store), outbox.current(app.store)
     async with Dispatcher(chosen, tokens.get, record, now_at) as dispatcher:
         notifier = Notifier(app.store, dispatcher, base_url=base_url)
-        async with Consumer(nc, subscription(notifier), app=app):
+        async with Consumer(nc, subscription(notifier), states=app.states):
             await notifier.recover(nc)
             yield notifier

@@ -104,7 +104,7 @@ class Scheduler:
         self.consumer = Consumer(
             nc,
             subscription,
-            app=app,
+            states=app.states,
             batch=batch,
             durable=streams.SCHEDULER_CONSUMER,
             declare=streams.ensure_scheduler_consumer,

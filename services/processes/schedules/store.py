@@ -23,8 +23,8 @@ async def load(
     stream's leader has them now (what a firing is decided on); `min_seq`: at least as
     new as that stream sequence (a reader's own last write)."""
     need = LATEST if latest else min_seq
-    envs = await app.store.read(sc.schedules_subject(org, ws), min_seq=need)
-    return sc.fold([e.event for e in envs]), (envs[-1].seq if envs else 0)
+    found = await app.load(SCHEDULES, sc.schedules_subject(org, ws), min_seq=need)
+    return found.state, found.seq
 
 
 async def command(

@@ -70,7 +70,7 @@ class Host:
     async def __aenter__(self) -> Host:
         try:
             for sub in self.subs:
-                consumer = Consumer(self.ctx.nc, sub, app=self.ctx.app)
+                consumer = Consumer(self.ctx.nc, sub, states=self.ctx.app.states)
                 await consumer.start()
                 self.consumers.append(consumer)
         except BaseException:

@@ -28,9 +28,10 @@ class Graph(msgspec.Struct, frozen=True, kw_only=True):
 async def load(app: App, org: str, *, min_seq: int = 0, through: int = 0) -> Graph:
     """The organization's trigger graph (empty if it never had a trigger); with
     `through`, as it was at that stream sequence (its later changes left out)."""
-    envs = await app.store.read(rt.subject(org), min_seq=min_seq)
-    if through:
-        envs = [e for e in envs if e.seq <= through]
+    if not through:
+        found = await app.load(RUN_TRIGGERS, rt.subject(org), min_seq=min_seq)
+        return Graph(state=found.state, seq=found.seq)
+    envs = [e for e in await app.store.read(rt.subject(org), min_seq=min_seq) if e.seq <= through]
     state = RUN_TRIGGERS.fold([e.event for e in envs], RUN_TRIGGERS.initial)
     return Graph(state=state, seq=envs[-1].seq if envs else 0)
 

@@ -52,16 +52,16 @@ def _of(c: vcs.VcsConnection) -> Connection:
     return Connection(id=c.id, org=c.org, name=c.name, provider=c.provider, api_url=c.api_url)
 
 
-async def state(store: EventStore, org: str, connection_id: str) -> tuple[vcs.ConnectionState, int]:
-    envs = await store.read(vcs.connection_subject(org, connection_id))
-    return vcs.fold([e.event for e in envs]), envs[-1].seq if envs else 0
+async def state(repo: Repository, org: str, connection_id: str) -> tuple[vcs.ConnectionState, int]:
+    found = await repo.load(VCS_CONNECTION, vcs.connection_subject(org, connection_id))
+    return found.state, found.seq
 
 
 async def load_connection(app: App, org: str, connection_id: str) -> Connection | None:
     """The organization's connection, or None (no such id, deleted, another org's)."""
     if not valid_id(org) or not valid_id(connection_id):
         return None
-    st, _ = await state(app.store, org, connection_id)
+    st, _ = await state(app, org, connection_id)
     if not st.exists or st.connection is None or st.connection.org != org:
         return None
     return _of(st.connection)

@@ -109,7 +109,7 @@ async def _command(
 
 
 async def _found(api: Api, org: str, connection_id: str) -> vcs.VcsConnection:
-    st, _ = await connections.state(api.app.store, org, connection_id)
+    st, _ = await connections.state(api.app, org, connection_id)
     c = st.connection
     if not st.exists or c is None or c.org != org:
         raise Problem("not-found", f"VCS connection {connection_id} not found")
@@ -180,7 +180,7 @@ async def patch_connection(request: web.Request) -> web.Response:
         api_url=body.api_url,
         has_token=bool(body.token) if body.token is not None else None,
     )
-    st, _ = await connections.state(api.app.store, org, connection_id)
+    st, _ = await connections.state(api.app, org, connection_id)
     vcs.decide(st, cmd, now=api.app.clock())  # 422 before a secret changes
     sealed = _sealed(request)
     if body.webhook_secret is not None:

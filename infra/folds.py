@@ -1,0 +1,109 @@
+"""One repository of aggregates as folded: per aggregate and subject, the last few
+`(seq, state)` pairs this process read, folded or wrote. A load fetches only the events
+after the newest pair and folds only those; the stream denies delete and purge, so what a
+subject held through a sequence never changes, and a pair once right stays right.
+
+Every reader of state in a process goes through the one `States` its bootstrap builds:
+the application's commands load the latest state and remember what they appended (a run
+this process wrote last is commanded with no read at all: the append's expected sequence
+proves it current), and a consumer folds an aggregate through the event it delivers
+(`through`), which may be behind what a writer of the same process has appended since;
+the short trail of pairs lets it fold on from the nearest one instead of from scratch.
+A conflict on an append forgets the subject: whatever this process knew of it is read
+again whole.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+from infra.eventstore import EventStore
+
+S = TypeVar("S")
+Fold = Callable[[Sequence[Any], S], S]
+
+KEPT = 10_000  # aggregates kept, least recently used dropped first
+TRAIL = 4  # (seq, state) pairs kept per aggregate, newest last
+
+
+class States:
+    """Aggregates as last folded, loaded from one event store. An aggregate is named by
+    its kind (`kind`: two kinds may fold events of one subject) and subject."""
+
+    def __init__(self, store: EventStore, *, kept: int = KEPT, trail: int = TRAIL) -> None:
+        self.store = store
+        self.kept = kept
+        self.trail = trail
+        # (kind, subject) -> (the real subject: a wildcard's match, [(seq, state)] ascending)
+        self._kept: OrderedDict[tuple[str, str], tuple[str, list[tuple[int, Any]]]] = OrderedDict()
+
+    def peek(self, kind: str, subject: str) -> tuple[str, int, Any] | None:
+        """The newest `(real subject, seq, state)` kept of an aggregate, with no read."""
+        found = self._kept.get((kind, subject))
+        if found is None:
+            return None
+        real, pairs = found
+        return real, pairs[-1][0], pairs[-1][1]
+
+    def remember(self, kind: str, subject: str, seq: int, state: Any, *, real: str = "") -> None:
+        """Note an aggregate at `seq` (as just written, read or folded)."""
+        if ">" in subject or seq <= 0:
+            return
+        key = (kind, subject)
+        found = self._kept.get(key)
+        pairs = found[1] if found is not None else []
+        if any(s == seq for s, _ in pairs):
+            self._kept.move_to_end(key)
+            return
+        pairs = sorted([*pairs, (seq, state)], key=lambda p: p[0])[-self.trail :]
+        self._kept[key] = (real or (found[0] if found else subject), pairs)
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.kept:
+            self._kept.popitem(last=False)
+
+    def forget(self, subject: str) -> None:
+        """Drop every kind kept of `subject` (after a conflict: read it whole next time)."""
+        for key in [k for k in self._kept if k[1] == subject or self._kept[k][0] == subject]:
+            del self._kept[key]
+
+    async def load(
+        self, kind: str, subject: str, fold: Fold[S], initial: S, *, min_seq: int = 0
+    ) -> tuple[str, int, S]:
+        """The aggregate's `(real subject, last seq, state)`, as of a stream at least at
+        `min_seq` (wildcards allowed: the first match's subject is answered)."""
+        found = self._kept.get((kind, subject))
+        real, since, state = subject, 0, initial
+        if found is not None:
+            real, pairs = found
+            since, state = pairs[-1][0], cast(S, pairs[-1][1])
+        envs = await self.store.read(subject, after=since, min_seq=min_seq)
+        if envs:
+            real = envs[-1].subject
+            state = fold([e.event for e in envs], state)
+            self.remember(kind, subject, envs[-1].seq, state, real=real)
+            since = envs[-1].seq
+        elif found is not None:
+            self._kept.move_to_end((kind, subject))
+        return real, since, state
+
+    async def through(
+        self, kind: str, subject: str, seq: int, fold: Fold[S], initial: S
+    ) -> tuple[S, int]:
+        """The aggregate folded through `seq` (not later) and the last sequence on its
+        subject now known; folded on from the newest pair kept at or before `seq`."""
+        found = self._kept.get((kind, subject))
+        since, state = 0, initial
+        for s, st in found[1] if found is not None else ():
+            if s <= seq:
+                since, state = s, cast(S, st)
+        envs = await self.store.read(subject, after=since, min_seq=seq)
+        upto = [e for e in envs if e.seq <= seq]
+        at = fold([e.event for e in upto], state) if upto else state
+        if upto:  # kept at the subject's own sequence: a writer's expected one
+            self.remember(kind, subject, upto[-1].seq, at)
+        later = [e.event for e in envs if e.seq > seq]
+        if later:
+            self.remember(kind, subject, envs[-1].seq, fold(later, at))
+        return at, envs[-1].seq if envs else since
