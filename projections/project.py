@@ -23,6 +23,7 @@ from typing import Any, assert_never, get_args
 import msgspec
 
 from events import run as run_agg
+from events import workspace as ws_agg
 from events.chat import ChatEvent
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -52,6 +53,7 @@ from events.workspace import (
     WorkspaceUnlocked,
     changed,
 )
+from events.workspace_state import WorkspaceState
 from projections.changes import project_changes
 from projections.chat import project_chat
 from projections.notifications import project_notification
@@ -162,23 +164,8 @@ def project_workspace(w: Working, meta: Meta, event: WorkspaceEvent) -> None:
     if ws is None:
         raise Unprojectable(f"workspace {meta.org}/{meta.workspace} was never created")
     match event:
-        case RunEnqueued():
-            w.put(
-                "ws_queue",
-                {
-                    "org": meta.org,
-                    "workspace": meta.workspace,
-                    "run_id": event.run_id,
-                    "position": meta.seq,
-                },
-            )
-        case RunAdmitted():
-            w.delete("ws_queue", (meta.org, meta.workspace, event.run_id))
-            w.put("workspaces", ws | {"active_run": event.run_id})
-        case RunReleased():
-            w.delete("ws_queue", (meta.org, meta.workspace, event.run_id))
-            if ws["active_run"] == event.run_id:
-                w.put("workspaces", ws | {"active_run": None})
+        case RunEnqueued() | RunAdmitted() | RunReleased():
+            project_queue(w, meta, ws, event)
         case VariablesSet():
             w.put("workspaces", ws | {"variables_json": _json.encode(event.variables).decode()})
         case WorkspaceLocked():
@@ -238,6 +225,26 @@ def _workspace_row(event: WorkspaceCreated) -> Row:
         **vcs_columns(cfg),
         "deleted_at": None,
     }
+
+
+def project_queue(
+    w: Working, meta: Meta, ws: Row, event: RunEnqueued | RunAdmitted | RunReleased
+) -> None:
+    """The queue and active run as the core's `events.workspace.evolve` moves them, on a
+    state of just what the event can touch: its run's place in the queue (a row, at the
+    stream sequence of its enqueue) and the active run. The run is queued before any
+    event but its enqueue (the core enqueues a run once); a row gone already stays gone."""
+    key = (meta.org, meta.workspace, event.run_id)
+    queued = () if isinstance(event, RunEnqueued) else (event.run_id,)
+    before = WorkspaceState(queue=queued, active=ws["active_run"] or "")
+    after = ws_agg.evolve(before, event)
+    if event.run_id in after.queue and event.run_id not in before.queue:
+        row = {"org": meta.org, "workspace": meta.workspace, "run_id": event.run_id}
+        w.put("ws_queue", row | {"position": meta.seq})
+    elif event.run_id in before.queue and event.run_id not in after.queue:
+        w.delete("ws_queue", key)
+    if after.active != before.active:
+        w.put("workspaces", ws | {"active_run": after.active or None})
 
 
 def vcs_columns(cfg: Workspace) -> Row:
