@@ -50,6 +50,7 @@ from events.notification import (
 from events.org import OrgCreated, OrgEvent, TokenIssued, TokenRevoked, TokenUsed
 from events.policies import PolicyDeleted, PolicySaved
 from events.run import (
+    SUCCEEDED,
     ApplyFinished,
     CustomStepFinished,
     PhaseStarted,
@@ -114,7 +115,6 @@ TRIGGERS: Final = (
     CANCELED,
 )
 
-SUCCEEDED: Final = frozenset({Status.APPLIED, Status.PLANNED, Status.NO_CHANGES, Status.DRIFTED})
 POLICY_REASON: Final = "policy_failed"  # events/run_decide.py: a hard-mandatory failure
 
 

@@ -53,6 +53,9 @@ TERMINAL = frozenset(
         Status.CANCELED,
     }
 )
+# The terminal statuses of a run that ended well: what the CLI's exit codes, the PR
+# reports and the TFE API read as success.
+SUCCEEDED = frozenset({Status.APPLIED, Status.PLANNED, Status.NO_CHANGES, Status.DRIFTED})
 CANCELABLE = frozenset({Status.PENDING, Status.QUEUED, Status.APPLY_QUEUED})
 # A run in one of these is stopped: its executor interrupts Terraform, then cancels it.
 STOPPABLE = frozenset({Status.PLANNING, Status.RUNNING})

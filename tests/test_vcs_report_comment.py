@@ -15,8 +15,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from events import vcs_report as vr
-from events.react import POLICY_REASON, SUCCEEDED
-from events.run import RunState, Status
+from events.react import POLICY_REASON
+from events.run import SUCCEEDED, RunState, Status
 from infra.consumer import Retry
 from infra.eventstore import Append, EventStore
 from services.processes.vcs import comment

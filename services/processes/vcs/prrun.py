@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from events import vcs_report as vr
-from events.react import POLICY_REASON, SUCCEEDED
-from events.run import RunState, Status
+from events.react import POLICY_REASON
+from events.run import SUCCEEDED, RunState, Status
 from services.processes.vcs.client import FAILURE, PENDING, SUCCESS
 
 

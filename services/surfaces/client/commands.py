@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from events.codec import valid_id
-from events.react import SUCCEEDED  # the core's: a run that ended well
+from events.run import SUCCEEDED  # the core's: a run that ended well
 from services.surfaces.client import login, output
 from services.surfaces.client.credentials import Login
 from services.surfaces.client.errors import ClientError
