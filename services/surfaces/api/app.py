@@ -43,13 +43,9 @@ from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.common import json_response
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.middleware import MIDDLEWARES
+from services.surfaces.api.paths import ORG, V1, WS
 from services.surfaces.tfe import routes as tfe
 from services.surfaces.ui import app as ui
-
-V1 = "/api/v1"
-ORG = V1 + "/orgs/{org}"
-RUN = ORG + "/runs/{run}"
-WS = ORG + "/workspaces/{ws}"
 
 
 async def openapi_document(request: web.Request) -> web.Response:
@@ -64,54 +60,18 @@ ROUTES = [
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
     *docs.ROUTES,
     *whoami.ROUTES,
-    web.post(V1 + "/orgs", orgs.create_org),
-    web.get(ORG, orgs.get_org, allow_head=False),
-    web.post(ORG + "/tokens", orgs.create_token),
-    web.get(ORG + "/tokens", orgs.list_tokens, allow_head=False),
-    web.delete(ORG + "/tokens/{token}", orgs.revoke_token),
-    web.get(ORG + "/workspaces", orgs.list_workspaces, allow_head=False),
-    web.get(ORG + "/folders", settings_api.list_folders, allow_head=False),
-    web.post(ORG + "/folders", settings_api.create_folder),
-    web.get(ORG + "/groups", groups.list_groups, allow_head=False),
-    web.post(ORG + "/groups", groups.create_group),
-    web.put(ORG + "/groups/{group}/members", groups.set_group_members),
-    web.get(ORG + "/templates", templates_api.list_templates, allow_head=False),
-    web.get(ORG + "/templates/{template}", templates_api.get_template, allow_head=False),
-    web.put(ORG + "/templates/{template}", templates_api.put_template),
-    web.delete(ORG + "/templates/{template}", templates_api.delete_template),
-    web.get(ORG + "/policies", policies_api.list_policies, allow_head=False),
-    web.get(ORG + "/policies/{policy}", policies_api.get_policy, allow_head=False),
-    web.put(ORG + "/policies/{policy}", policies_api.put_policy),
-    web.delete(ORG + "/policies/{policy}", policies_api.delete_policy),
-    web.get(ORG + "/settings", settings_api.get_org_settings, allow_head=False),
-    web.patch(ORG + "/settings", settings_api.patch_org_settings),
-    web.get(ORG + "/folders/{folder}/settings", settings_api.get_folder_settings, allow_head=False),
-    web.patch(ORG + "/folders/{folder}/settings", settings_api.patch_folder_settings),
-    web.get(WS + "/settings", settings_api.get_workspace_settings, allow_head=False),
-    web.patch(WS + "/settings", settings_api.patch_workspace_settings),
-    web.post(ORG + "/workspaces", orgs.create_workspace),
-    web.get(WS, orgs.get_workspace, allow_head=False),
-    web.patch(WS, orgs.update_workspace),
-    web.delete(WS, workspaces.delete_workspace),
-    web.post(WS + "/purge", workspaces.purge_workspace),
-    web.get(WS + "/runs", runs.list_workspace_runs, allow_head=False),
-    web.get(WS + "/state-versions", state.list_state_versions, allow_head=False),
-    web.put(WS + "/secret-variables/{name}", secrets.put_secret),
-    web.delete(WS + "/secret-variables/{name}", secrets.delete_secret),
-    web.post(WS + "/runs", runs.create_run),
-    web.post(WS + "/lock", locks.lock_workspace),
-    web.post(WS + "/unlock", locks.unlock_workspace),
-    web.get(ORG + "/runs", runs.list_runs, allow_head=False),
-    web.get(RUN, runs.get_run, allow_head=False),
-    web.post(RUN + "/approve", runs.approve_run),
-    web.post(RUN + "/discard", runs.discard_run),
-    web.post(RUN + "/cancel", runs.cancel_run),
-    web.post(RUN + "/rerun", runs.rerun),
-    web.get(RUN + "/events", runs.run_events, allow_head=False),
-    web.get(RUN + "/steps", runs.run_steps, allow_head=False),
-    web.get(RUN + "/changes", changes.run_changes, allow_head=False),
-    web.get(RUN + "/resources", changes.run_resources, allow_head=False),
-    web.get(RUN + "/logs", logs.run_logs, allow_head=False),
+    *orgs.ROUTES,
+    *workspaces.ROUTES,
+    *settings_api.ROUTES,
+    *groups.ROUTES,
+    *templates_api.ROUTES,
+    *policies_api.ROUTES,
+    *runs.ROUTES,
+    *state.ROUTES,
+    *secrets.ROUTES,
+    *locks.ROUTES,
+    *changes.ROUTES,
+    *logs.ROUTES,
     *notifications_api.routes(ORG, WS),
     *run_triggers_api.routes(WS),
     *schedules_api.routes(WS),

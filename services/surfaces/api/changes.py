@@ -17,6 +17,7 @@ from aiohttp import web
 from events.values import CHANGE_GROUPS, RESOURCE_STATES
 from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.common import items, json_response, path_id, scope
+from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import BOOL, STR, Doc, ref
 
@@ -137,3 +138,9 @@ PATHS: dict[str, Doc] = {
         "runResources", "Each resource's state during the apply", "ResourceStateList"
     ),
 }
+
+
+ROUTES = [
+    web.get(RUN + "/changes", run_changes, allow_head=False),
+    web.get(RUN + "/resources", run_resources, allow_head=False),
+]

@@ -24,6 +24,7 @@ from services.surfaces.api.common import (
     path_id,
     scope,
 )
+from services.surfaces.api.paths import ORG
 from services.surfaces.api.schemas import REF, STR, Doc, list_of, operation, path_param
 
 PREFIX = "/api/v1/orgs"
@@ -118,3 +119,10 @@ PATHS: dict[str, Doc] = {
         ),
     },
 }
+
+
+ROUTES = [
+    web.get(ORG + "/groups", list_groups, allow_head=False),
+    web.post(ORG + "/groups", create_group),
+    web.put(ORG + "/groups/{group}/members", set_group_members),
+]

@@ -17,6 +17,7 @@ from services.surfaces.api import secrets
 from services.surfaces.api.auth import ADMIN, OPERATOR
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import path_id, scope
+from services.surfaces.api.paths import WS
 from services.surfaces.api.schemas import REF, Doc, operation
 
 
@@ -86,3 +87,9 @@ PATHS: dict[str, Doc] = {
         )
     },
 }
+
+
+ROUTES = [
+    web.post(WS + "/lock", lock_workspace),
+    web.post(WS + "/unlock", unlock_workspace),
+]

@@ -28,6 +28,7 @@ from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import path_id, scope
 from services.surfaces.api.follow import Follower
+from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.surfaces.api.schemas import INT, STR, Doc
@@ -224,3 +225,8 @@ OPENAPI: Doc = {
         },
     }
 }
+
+
+ROUTES = [
+    web.get(RUN + "/logs", run_logs, allow_head=False),
+]

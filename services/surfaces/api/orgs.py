@@ -34,6 +34,7 @@ from services.surfaces.api.common import (
     written,
 )
 from services.surfaces.api.context import API, Api
+from services.surfaces.api.paths import ORG, V1, WS
 from services.surfaces.api.problems import Problem
 
 PREFIX = "/api/v1"
@@ -233,3 +234,16 @@ async def healthz(request: web.Request) -> web.Response:
     if request.app[API].ready():
         return json_response({"status": "ok"})
     raise Problem("not-ready", "starting up or shutting down")
+
+
+ROUTES = [
+    web.post(V1 + "/orgs", create_org),
+    web.get(ORG, get_org, allow_head=False),
+    web.post(ORG + "/tokens", create_token),
+    web.get(ORG + "/tokens", list_tokens, allow_head=False),
+    web.delete(ORG + "/tokens/{token}", revoke_token),
+    web.get(ORG + "/workspaces", list_workspaces, allow_head=False),
+    web.post(ORG + "/workspaces", create_workspace),
+    web.get(WS, get_workspace, allow_head=False),
+    web.patch(WS, update_workspace),
+]

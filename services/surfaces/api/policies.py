@@ -41,6 +41,7 @@ from services.surfaces.api.common import (
     path_id,
     scope,
 )
+from services.surfaces.api.paths import ORG
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import (
     REF,
@@ -269,3 +270,11 @@ PATHS: dict[str, Doc] = {
         },
     },
 }
+
+
+ROUTES = [
+    web.get(ORG + "/policies", list_policies, allow_head=False),
+    web.get(ORG + "/policies/{policy}", get_policy, allow_head=False),
+    web.put(ORG + "/policies/{policy}", put_policy),
+    web.delete(ORG + "/policies/{policy}", delete_policy),
+]

@@ -22,6 +22,7 @@ from services.surfaces.api.bodies import (
 )
 from services.surfaces.api.common import Row, items, json_response, path_id, scope, written
 from services.surfaces.api.context import Api
+from services.surfaces.api.paths import ORG, RUN, WS
 from services.surfaces.api.problems import Problem
 
 PREFIX = "/api/v1"
@@ -273,3 +274,17 @@ async def run_steps(request: web.Request) -> web.Response:
     run_id = path_id(request, "run")
     await _existing_run(api, org, run_id)
     return items(await api.read.runs.steps(org, run_id))
+
+
+ROUTES = [
+    web.get(WS + "/runs", list_workspace_runs, allow_head=False),
+    web.post(WS + "/runs", create_run),
+    web.get(ORG + "/runs", list_runs, allow_head=False),
+    web.get(RUN, get_run, allow_head=False),
+    web.post(RUN + "/approve", approve_run),
+    web.post(RUN + "/discard", discard_run),
+    web.post(RUN + "/cancel", cancel_run),
+    web.post(RUN + "/rerun", rerun),
+    web.get(RUN + "/events", run_events, allow_head=False),
+    web.get(RUN + "/steps", run_steps, allow_head=False),
+]

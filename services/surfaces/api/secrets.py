@@ -22,6 +22,7 @@ from services.surfaces.api.auth import ADMIN
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import Row, json_response, path_id, scope, written
 from services.surfaces.api.context import Api
+from services.surfaces.api.paths import WS
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import REF, STR, Doc, problems, ref
 
@@ -202,3 +203,9 @@ PATHS: dict[str, Doc] = {
         },
     },
 }
+
+
+ROUTES = [
+    web.put(WS + "/secret-variables/{name}", put_secret),
+    web.delete(WS + "/secret-variables/{name}", delete_secret),
+]

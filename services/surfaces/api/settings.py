@@ -30,6 +30,7 @@ from services.surfaces.api.common import (
     scope,
 )
 from services.surfaces.api.context import Api
+from services.surfaces.api.paths import ORG, WS
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import BOOL, INT, STR, Doc, list_of, operation, path_param, ref
 
@@ -338,3 +339,15 @@ PATHS: dict[str, Doc] = {
     },
 }
 PARAMETERS: dict[str, Doc] = {"folder": path_param("folder", "folder name")}
+
+
+ROUTES = [
+    web.get(ORG + "/folders", list_folders, allow_head=False),
+    web.post(ORG + "/folders", create_folder),
+    web.get(ORG + "/settings", get_org_settings, allow_head=False),
+    web.patch(ORG + "/settings", patch_org_settings),
+    web.get(ORG + "/folders/{folder}/settings", get_folder_settings, allow_head=False),
+    web.patch(ORG + "/folders/{folder}/settings", patch_folder_settings),
+    web.get(WS + "/settings", get_workspace_settings, allow_head=False),
+    web.patch(WS + "/settings", patch_workspace_settings),
+]

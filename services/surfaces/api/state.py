@@ -11,6 +11,7 @@ from aiohttp import web
 
 from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.common import items, path_id, scope
+from services.surfaces.api.paths import WS
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, ref
 
@@ -70,3 +71,8 @@ PATHS: dict[str, Doc] = {
         }
     },
 }
+
+
+ROUTES = [
+    web.get(WS + "/state-versions", list_state_versions, allow_head=False),
+]

@@ -29,6 +29,7 @@ from services.surfaces.api.common import (
     path_id,
     scope,
 )
+from services.surfaces.api.paths import ORG
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import (
     BOOL,
@@ -217,3 +218,11 @@ PATHS: dict[str, Doc] = {
         },
     },
 }
+
+
+ROUTES = [
+    web.get(ORG + "/templates", list_templates, allow_head=False),
+    web.get(ORG + "/templates/{template}", get_template, allow_head=False),
+    web.put(ORG + "/templates/{template}", put_template),
+    web.delete(ORG + "/templates/{template}", delete_template),
+]

@@ -47,6 +47,7 @@ from services.surfaces.api.auth import ADMIN
 from services.surfaces.api.bodies import UpdateWorkspaceBody, check_name
 from services.surfaces.api.common import SEQ_HEADER, path_id, scope
 from services.surfaces.api.context import Api
+from services.surfaces.api.paths import WS
 from services.surfaces.api.problems import Problem
 
 log = structlog.get_logger("runplane.api")
@@ -152,3 +153,9 @@ async def _forget_schedules_and_triggers(api: Api, org: str, ws: str, user: str)
         await graph.remove(api.app, org, ws, source, user)
     for follower in g.followers_of(ws):
         await graph.remove(api.app, org, follower, ws, user)
+
+
+ROUTES = [
+    web.delete(WS, delete_workspace),
+    web.post(WS + "/purge", purge_workspace),
+]
