@@ -245,9 +245,6 @@ BUILT_BY_HAND: dict[str, set[str]] = {
     "tests/test_known_runs.py": {"App"},  # Apps as two writers of one run, reads counted
     # an App whose reads go through the follower that is behind (the read under test)
     "tests/test_stale_reads.py": {"App"},
-    # an App per cluster node's connection on one simulated clock; bootstrap_support's
-    # `built` takes a `clock` too, and may build these instead
-    "tests/test_schedules_cluster.py": {"App"},
 }
 
 

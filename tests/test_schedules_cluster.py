@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,10 +20,9 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from events import schedule as sc
 from infra import streams
-from infra.eventstore import EventStore
-from services.app.commands import App
 from services.processes.schedules import store
 from services.processes.schedules.loop import ScheduleLoop, run_id_for
+from tests.bootstrap_support import built
 from tests.cluster_support import NatsCluster
 from tests.schedule_support import Clock, fires_of, make_schedule, minute_at, runs_of
 
@@ -40,13 +40,14 @@ async def _on(cluster: NatsCluster, i: int) -> NATS:
 
 
 async def test_two_loops_on_two_nodes_fire_each_minute_once_and_never_a_disabled_schedule(
-    cluster: NatsCluster,
+    cluster: NatsCluster, tmp_path: Path
 ) -> None:
     conns = [await _on(cluster, i) for i in range(3)]
+    stack = AsyncExitStack()  # the planes are built, none of their parts started
     try:
         await streams.declare(conns[0], conns[0].jetstream(), replicas=3)
         clock = Clock()
-        admin, *replicas = (App(EventStore(c), clock=clock) for c in conns)
+        admin, *replicas = (built(c, stack, tmp_path, clock=clock).app for c in conns)
         await admin.create_org("acme", "alice")
         await admin.create_workspace("acme", "net", R.Workspace(repository="/x"), "alice")
         s = await make_schedule(admin, clock)
@@ -85,6 +86,7 @@ async def test_two_loops_on_two_nodes_fire_each_minute_once_and_never_a_disabled
         assert all(isinstance(f, sc.ScheduleFired) for f in fires)
         assert sorted(await runs_of(admin)) == sorted(run_id_for(s.id, t) for t in expected)
     finally:
+        await stack.aclose()
         for c in conns:
             await c.close()
 
