@@ -1,6 +1,6 @@
 """Attack F9 (issue 23): the public webhook routes read nothing an unproven caller sends
 before what can be judged without it is judged. GitHub's and GitLab's deliveries
-(`POST /api/v1/vcs/{id}/webhook`) are sent by a raw socket client that
+(`POST /api/v1/vcs/{id}/webhook`) and Slack's calls are sent by a raw socket client that
 declares a large body and sends one byte of it (tests/rawhttp_support.py): an answer that
 arrives is one given without reading the body. Bodies that must be read (a real id with a
 signature of the right form) are bounded: 1 MiB each by default, 16 read at once per
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from functools import partial
 from typing import Any
@@ -21,6 +22,7 @@ from services.surfaces.webhooks import vcs as webhook
 from tests.api_support import Http
 from tests.helpers import eventually
 from tests.rawhttp_support import Pending, Raw, RawClient, chunk
+from tests.slack_support import Slack, command_body, slack_fixture
 from tests.vcs_support import (
     SECRET,
     connection,
@@ -31,13 +33,15 @@ from tests.vcs_support import (
     vhttp_fixture,
 )
 
-_ = vhttp_fixture  # the `vhttp` fixture
+_ = (vhttp_fixture, slack_fixture)  # the `vhttp` and `slack` fixtures
 MiB = 1024 * 1024
 CAP = MiB  # the default --webhook-max-body (README)
+SLACK_CAP = 64 * 1024  # Slack's requests are a few KiB
 CONCURRENT = 16  # the default --webhook-concurrency
 MADE_UP = "01jzzzzzzzzzzzzzzzzzzzzzzz"
 WRONG = "sha256=" + "0" * 64  # a signature of the right form, of nothing
 REPO = "https://github.com/acme/net.git"
+COMMANDS, INTERACTIONS = "/api/v1/chat/slack/commands", "/api/v1/chat/slack/interactions"
 
 
 def _raw(http: Http) -> RawClient:
@@ -182,3 +186,81 @@ async def test_attack_bodies_in_flight_are_bounded_and_one_more_is_refused_at_on
 
     after = await eventually(taken, timeout=10, what="a slot freed once the holders went")
     assert [r["workspace"] for r in after.body["runs"]] == ["net"]
+
+
+# ---------------------------------------------------------------- Slack
+
+
+def _slack(ts: int | None, sig: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/x-www-form-urlencoded"}
+    if ts is not None:
+        headers["X-Slack-Request-Timestamp"] = str(ts)
+    if sig is not None:
+        headers["X-Slack-Signature"] = sig
+    return headers
+
+
+SLACK_WRONG = "v0=" + "0" * 64
+
+
+async def test_attack_slack_headers_are_judged_before_the_body(slack: Slack) -> None:
+    """No signature, one not v0, no timestamp, one not a number, one out of the 5
+    minutes: 401 on both routes, with one byte of a 60 KB body sent."""
+    raw = _raw(slack.http)
+    now = int(time.time())
+    cases = [
+        _slack(now, None),
+        _slack(now, "v1=" + "0" * 64),
+        _slack(None, SLACK_WRONG),
+        _slack(now, SLACK_WRONG) | {"X-Slack-Request-Timestamp": "soon"},
+        _slack(now - 6 * 60, SLACK_WRONG),
+    ]
+    for path in (COMMANDS, INTERACTIONS):
+        for headers in cases:
+            a = await raw.early(path, headers, declared=60_000, sent=b"t")
+            a.problem("unauthorized", 401)
+            assert a.closes, headers
+
+
+async def test_attack_a_slack_body_over_its_cap_is_413_and_read_no_further(
+    slack: Slack,
+) -> None:
+    """64 KiB: declared one byte more, 413 before a byte is read; chunked, once past it,
+    the rest unread; the connection closed either way."""
+    raw = _raw(slack.http)
+    headers = _slack(int(time.time()), SLACK_WRONG)
+    declared = await raw.early(COMMANDS, headers, declared=SLACK_CAP + 1, sent=b"t")
+    declared.problem("body-too-large", 413)
+    assert declared.closes
+    pending = await raw.start(INTERACTIONS, headers, declared=None, sent=b"")
+    try:
+        await pending.send(chunk(b"t" * (4 * MiB)) + b"0\r\n\r\n")
+        chunked = await pending.answer()
+    finally:
+        await pending.close()
+    chunked.problem("body-too-large", 413)
+    assert chunked.closes
+
+
+async def test_attack_slack_bodies_in_flight_are_bounded(slack: Slack) -> None:
+    """16 calls with well-formed, fresh headers and their bodies unsent hold Slack's 16
+    slots: one more (on either route) is 503 with Retry-After at once, and so is a
+    properly signed command; once they go, the command is answered."""
+    await slack.org("acme", "T0ACME", "acme-signing-secret")
+    raw = _raw(slack.http)
+    headers = _slack(int(time.time()), SLACK_WRONG)
+    body = command_body("help", team="T0ACME", user="UACMEALICE", url=slack.receiver.url("x"))
+    async with raw.holding(CONCURRENT, COMMANDS, headers, declared=1000):
+        probe = partial(_refused_at_once, raw, INTERACTIONS, headers)
+        busy = await eventually(probe, timeout=20, what="a prompt 503 with every slot held")
+        busy.problem("unavailable", 503)
+        assert busy.headers["retry-after"] == "1" and busy.closes
+        signed = await slack.signed(COMMANDS, body, "acme-signing-secret")
+        signed.problem("unavailable", 503)
+
+    async def answered() -> Any:
+        a = await slack.signed(COMMANDS, body, "acme-signing-secret")
+        return a if a.status == 200 else None
+
+    help_text = await eventually(answered, timeout=10, what="a slot freed once the holders went")
+    assert help_text.body["text"].startswith("Commands:")

@@ -53,16 +53,22 @@ def _push() -> bytes:
     return json.dumps(data).encode()
 
 
-async def test_a_configured_cap_is_the_vcs_cap(
+async def test_a_configured_cap_is_the_vcs_cap_and_bounds_slacks_too(
     small: tuple[Http, str, Intake],
 ) -> None:
-    """12 KiB configured: a push padded to it is taken, one byte more is 413."""
+    """12 KiB configured: a push padded to it is taken, one byte more is 413; Slack's
+    cap is its own 64 KiB or the configured one, whichever is less."""
     http, conn_id, _ = small
     body = _push()
     at_cap = body[:-1] + b" " * (SMALL.max_body - len(body)) + b"}"
     assert (await deliver(http, conn_id, "push", at_cap)).status == 200
     over = at_cap[:-1] + b" }"
     (await deliver(http, conn_id, "push", over)).problem("body-too-large", 413)
+    headers = {"X-Slack-Request-Timestamp": str(int(time.time())), "X-Slack-Signature": "v0=0"}
+    slack = await _raw(http).early(
+        "/api/v1/chat/slack/commands", headers, declared=SMALL.max_body + 1
+    )
+    assert "12288 bytes" in slack.problem("body-too-large", 413)["detail"]
 
 
 async def test_a_body_slower_than_the_deadline_is_408_and_frees_its_slot(

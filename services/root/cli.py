@@ -69,19 +69,19 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
 
 
 def _webhook_opts(p: argparse.ArgumentParser) -> None:
-    """What an unproven webhook body (GitHub, GitLab) may cost the api process."""
+    """What an unproven webhook body (GitHub, GitLab, Slack) may cost the api process."""
     p.add_argument(
         "--webhook-max-body",
         type=int,
         default=os.environ.get("RUNPLANE_WEBHOOK_MAX_BODY", str(WEBHOOK_MAX_BODY)),
         help="bytes a webhook delivery may have, 413 beyond (also RUNPLANE_WEBHOOK_MAX_BODY; "
-        "default 1 MiB)",
+        "default 1 MiB; Slack's requests at most 64 KiB)",
     )
     p.add_argument(
         "--webhook-concurrency",
         type=int,
         default=os.environ.get("RUNPLANE_WEBHOOK_CONCURRENCY", str(WEBHOOK_CONCURRENCY)),
-        help="unproven webhook bodies read at once; "
+        help="unproven webhook bodies read at once, for VCS deliveries and for Slack each; "
         "one more is answered 503 (also RUNPLANE_WEBHOOK_CONCURRENCY; default 16)",
     )
 

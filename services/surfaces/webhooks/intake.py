@@ -1,11 +1,11 @@
 """Bodies nobody has proven yet: read few at a time, bounded, and hashed as they arrive.
 
-The webhook route (GitHub's and GitLab's deliveries, services/surfaces/webhooks/vcs.py)
-takes requests from anyone, so what such a request may cost is fixed before a byte of its
-body is read:
+The webhook routes (GitHub's and GitLab's deliveries, services/surfaces/webhooks/vcs.py;
+Slack's calls, slack.py) take requests from anyone, so what such a request may cost is
+fixed before a byte of its body is read:
 
 - whatever can be refused from its path and headers is refused first (an unknown
-  connection, a signature header that is not one):
+  connection, a signature header that is not one, a Slack timestamp out of its window):
   no body is read at all;
 - a body is read only inside one of `concurrent` slots per route family and process;
   a request that finds them all taken is answered 503 with Retry-After at once, its body
@@ -57,8 +57,8 @@ class Limits:
 
 @dataclass
 class Intake:
-    """The process's limits and, per route family ("vcs"), its slots: one family's
-    callers never take another's."""
+    """The process's limits and, per route family ("vcs", "slack"), its slots: one
+    family's callers never take another's (Slack's routes need no id to be called)."""
 
     limits: Limits = field(default_factory=Limits)
     _busy: dict[str, int] = field(default_factory=dict)
