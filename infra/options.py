@@ -14,6 +14,14 @@ from infra.crypto import KeyConfigError, KeyRing, load_keyring
 from infra.natsclient import NatsAuth
 from infra.replicas import MAX_REPLICAS
 
+# What an unproven webhook body may cost (services/surfaces/webhooks/intake.py): its size
+# (GitHub caps its own at 25 MB; a real push or pull request is a few hundred KiB at most),
+# and how many are read at once per route family and api process.
+WEBHOOK_MAX_BODY = 1024 * 1024
+WEBHOOK_MAX_BODY_RANGE = (1024, 25 * 1024 * 1024)
+WEBHOOK_CONCURRENCY = 16
+WEBHOOK_CONCURRENCY_RANGE = (1, 1024)
+
 
 class ConfigError(Exception):
     """A setting is missing or wrong; the message says which and how to fix it."""
@@ -45,6 +53,8 @@ class Options:
     tls_cert: str = ""
     tls_key: str = ""
     tls_names: list[str] = field(default_factory=list)  # more names the local certificate covers
+    webhook_max_body: int = WEBHOOK_MAX_BODY  # bytes
+    webhook_concurrency: int = WEBHOOK_CONCURRENCY
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -64,6 +74,12 @@ class Options:
         if self.terraform_login not in ("browser", "token"):
             wanted = "--terraform-login wants browser or token"
             raise ConfigError(f"{wanted}, got {self.terraform_login}")
+        low, high = WEBHOOK_MAX_BODY_RANGE
+        if not low <= self.webhook_max_body <= high:
+            raise ConfigError(f"--webhook-max-body wants {low} to {high} bytes")
+        low, high = WEBHOOK_CONCURRENCY_RANGE
+        if not low <= self.webhook_concurrency <= high:
+            raise ConfigError(f"--webhook-concurrency wants {low} to {high}")
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")

@@ -167,22 +167,42 @@ def test_a_pull_request_plans_speculatively_in_the_workspaces_of_its_base() -> N
     assert matching.targets(change, rows) == [matching.Target("a", "plan", speculative=True)]
 
 
-def test_github_signature_over_the_raw_bytes() -> None:
+def _github_verified(secret: str, chunks: list[bytes], headers: dict[str, str]) -> bool:
+    sent = signing.github_sent(headers)
+    if sent is None:
+        return False
+    mac = signing.github_hmac(secret)
+    for chunk in chunks:
+        mac.update(chunk)
+    return signing.github_matches(mac, sent)
+
+
+def test_github_signature_over_the_raw_bytes_fed_in_chunks() -> None:
+    """The HMAC fed chunk by chunk as the body arrives is the one over the whole body."""
     body = b'{"zen": "x"}'
     good = {"X-Hub-Signature-256": signing.github_signature("s3cret", body)}
-    assert signing.verified("github", "s3cret", body, good)
-    assert not signing.verified("github", "s3cret", body + b" ", good)
-    assert not signing.verified("github", "other", body, good)
-    assert not signing.verified("github", "s3cret", body, {})
-    assert not signing.verified(
-        "github", "", body, {"X-Hub-Signature-256": signing.github_signature("", body)}
-    )
+    assert _github_verified("s3cret", [body], good)
+    assert _github_verified("s3cret", [body[:3], b"", body[3:]], good)
+    shouted = {"X-Hub-Signature-256": " " + good["X-Hub-Signature-256"].upper() + " "}
+    assert _github_verified("s3cret", [body], shouted)
+    assert not _github_verified("s3cret", [body, b" "], good)
+    assert not _github_verified("other", [body], good)
+    assert not _github_verified("s3cret", [body], {})
+    with pytest.raises(ValueError, match="proves nothing"):
+        signing.github_hmac("")
+
+
+@pytest.mark.parametrize(
+    "header", ["", "sha256=", "sha1=" + "0" * 40, "sha256=" + "0" * 63, "sha256=" + "g" * 64]
+)
+def test_a_header_that_is_no_github_signature_is_refused_before_the_body(header: str) -> None:
+    assert signing.github_sent({"X-Hub-Signature-256": header}) is None
 
 
 def test_gitlab_token_compared() -> None:
-    assert signing.verified("gitlab", "tok", b"{}", {"X-Gitlab-Token": "tok"})
-    assert not signing.verified("gitlab", "tok", b"{}", {"X-Gitlab-Token": "tok2"})
-    assert not signing.verified("gitlab", "", b"{}", {"X-Gitlab-Token": ""})
+    assert signing.gitlab_verified("tok", {"X-Gitlab-Token": "tok"})
+    assert not signing.gitlab_verified("tok", {"X-Gitlab-Token": "tok2"})
+    assert not signing.gitlab_verified("", {"X-Gitlab-Token": ""})
 
 
 @pytest.mark.parametrize(

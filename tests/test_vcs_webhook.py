@@ -19,6 +19,7 @@ from infra.ids import derived_id
 from infra.kv import KvError
 from infra.streams import EVENTS
 from services.processes.vcs import connections, signing
+from services.surfaces.webhooks import intake
 from services.surfaces.webhooks import vcs as webhook
 from tests.api_support import Http
 from tests.helpers import eventually
@@ -341,7 +342,7 @@ def _signed_hostile(mutate: Any) -> bytes:
         ),
         (_signed_hostile(lambda d: d.update(commits=[{"added": "net/x"}])), "invalid-body", 400),
         (_signed_hostile(lambda d: d["head_commit"].update(id="zz")), "invalid-body", 400),
-        (b"{" + b" " * (webhook.MAX_BODY + 1) + b"}", "body-too-large", 413),
+        (b"{" + b" " * (intake.MAX_BODY + 1) + b"}", "body-too-large", 413),
     ],
 )
 async def test_attack_a_hostile_payload_answers_a_problem_and_writes_nothing(

@@ -54,6 +54,7 @@ from services.processes.subscribers.host import Host
 from services.root.runtime import http_site
 from services.surfaces.api.app import build_app
 from services.surfaces.tfe import tls
+from services.surfaces.webhooks.intake import Limits
 
 log = structlog.get_logger(__name__)
 
@@ -159,6 +160,9 @@ class Plane:
             "metrics_token": os.environ.get(METRICS_TOKEN_ENV, ""),
             "behind_tls_proxy": self.opts.behind_tls_proxy,
             "browser_login": self.opts.terraform_login != "token",
+            "webhook_limits": Limits(
+                max_body=self.opts.webhook_max_body, concurrent=self.opts.webhook_concurrency
+            ),
             **overrides,
         }
         if "admin_token" not in given:  # made once into the data directory if not given

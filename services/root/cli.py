@@ -14,7 +14,14 @@ import structlog
 
 from infra import logs
 from infra.natsclient import NatsAuth
-from infra.options import ConfigError, Options, prepare_data_dir, private_files
+from infra.options import (
+    WEBHOOK_CONCURRENCY,
+    WEBHOOK_MAX_BODY,
+    ConfigError,
+    Options,
+    prepare_data_dir,
+    private_files,
+)
 from services.app import repositories
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
@@ -58,6 +65,25 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "(login.v1: a browser signed in to the web UI allows it), or token (it asks for "
             "one made at /app/settings/tokens and pasted at its prompt)",
         )
+        _webhook_opts(p)
+
+
+def _webhook_opts(p: argparse.ArgumentParser) -> None:
+    """What an unproven webhook body (GitHub, GitLab, Slack) may cost the api process."""
+    p.add_argument(
+        "--webhook-max-body",
+        type=int,
+        default=os.environ.get("RUNPLANE_WEBHOOK_MAX_BODY", str(WEBHOOK_MAX_BODY)),
+        help="bytes a webhook delivery may have, 413 beyond (also RUNPLANE_WEBHOOK_MAX_BODY; "
+        "default 1 MiB; Slack's requests at most 64 KiB)",
+    )
+    p.add_argument(
+        "--webhook-concurrency",
+        type=int,
+        default=os.environ.get("RUNPLANE_WEBHOOK_CONCURRENCY", str(WEBHOOK_CONCURRENCY)),
+        help="unproven webhook bodies read at once, for VCS deliveries and for Slack each; "
+        "one more is answered 503 (also RUNPLANE_WEBHOOK_CONCURRENCY; default 16)",
+    )
 
 
 class _RefuseSecret(argparse.Action):
@@ -227,6 +253,8 @@ def options(ns: argparse.Namespace) -> Options:
         tls_cert=getattr(ns, "tls_cert", ""),
         tls_key=getattr(ns, "tls_key", ""),
         tls_names=list(getattr(ns, "tls_names", []) or []),
+        webhook_max_body=getattr(ns, "webhook_max_body", WEBHOOK_MAX_BODY),
+        webhook_concurrency=getattr(ns, "webhook_concurrency", WEBHOOK_CONCURRENCY),
     )
 
 

@@ -46,6 +46,7 @@ from services.surfaces.api.middleware import MIDDLEWARES
 from services.surfaces.api.paths import ORG, V1, WS
 from services.surfaces.tfe import routes as tfe
 from services.surfaces.ui import app as ui
+from services.surfaces.webhooks.intake import INTAKE, Intake, Limits
 
 
 async def openapi_document(request: web.Request) -> web.Response:
@@ -92,6 +93,7 @@ def build_app(
     metrics_token: str = "",
     behind_tls_proxy: bool = False,
     browser_login: bool = True,
+    webhook_limits: Limits | None = None,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -102,6 +104,7 @@ def build_app(
     opens `/metrics` and nothing else (services/surfaces/api/metrics.py). `behind_tls_proxy`: the
     web UI believes X-Forwarded-Proto (services/surfaces/ui/sessions.py). `browser_login` False:
     `terraform login` is not offered login.v1 (services/surfaces/tfe/discovery.py).
+    `webhook_limits`: what an unproven webhook body may cost (services/surfaces/webhooks/intake.py).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -112,6 +115,7 @@ def build_app(
         web_app[orgs.SOURCES] = repositories
     web_app[policies_api.SANDBOX] = policy_sandbox or PolicySandbox()
     web_app[OPENAPI] = openapi.document()
+    web_app[INTAKE] = Intake(webhook_limits or Limits())
     web_app[metrics.METRICS] = deployment_metrics = Metrics(app.store.nc, projector.db_path)
     web_app[metrics.METRICS_TOKEN] = metrics.token_digest(metrics_token)
     web_app.on_cleanup.append(lambda _: deployment_metrics.close())

@@ -39,6 +39,7 @@ from services.surfaces.api.schemas import (
 )
 from services.surfaces.api.secrets import SECRETS
 from services.surfaces.webhooks import slack as inbound
+from services.surfaces.webhooks.intake import closes_unread
 
 SLACK = "/api/v1/orgs/{org}/chat/slack"
 Secret = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
@@ -223,8 +224,9 @@ ROUTES = [
     web.put(SLACK + "/users/{slack_id}", put_slack_user),
     web.get(SLACK + "/users/{slack_id}", get_slack_user, allow_head=False),
     web.delete(SLACK + "/users/{slack_id}", delete_slack_user),
-    web.post("/api/v1/chat/slack/commands", slack_command),
-    web.post("/api/v1/chat/slack/interactions", slack_interaction),
+    # a refusal before their body is read closes the connection (webhooks/intake.py)
+    web.post("/api/v1/chat/slack/commands", closes_unread(slack_command)),
+    web.post("/api/v1/chat/slack/interactions", closes_unread(slack_interaction)),
 ]
 PUBLIC = frozenset({"/api/v1/chat/slack/commands", "/api/v1/chat/slack/interactions"})
 
@@ -295,7 +297,7 @@ def _signed(op_id: str, summary: str) -> Doc:
         "security": [],
         "responses": {
             "200": {"description": "acknowledged", "content": json_content("SlackMessage")},
-            **problems(400),
+            **problems(400, 408, 413),
         },
     }
 

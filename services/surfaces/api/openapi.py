@@ -109,6 +109,7 @@ _ERRORS = {
     "401": "unauthorized (no token, an unknown or a revoked one) or token-expired",
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
+    "408": "request-timeout: the body came slower than the route allows",
     "409": "conflict (with current_status), already-exists, workspace-deleted or "
     "idempotency-in-progress",
     "413": "body-too-large",

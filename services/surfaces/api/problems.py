@@ -36,6 +36,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "forbidden": (403, "The token's role does not allow this"),
     "not-found": (404, "Not found"),
     "method-not-allowed": (405, "Method not allowed"),
+    "request-timeout": (408, "The request body did not arrive in time"),
     "conflict": (409, "Not allowed in the current status"),
     "already-exists": (409, "Already exists"),
     "idempotency-in-progress": (409, "A request with this Idempotency-Key is in progress"),

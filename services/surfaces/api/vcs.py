@@ -332,7 +332,7 @@ PATHS: dict[str, Doc] = {
             "parameters": [{"$ref": "#/components/parameters/connection"}],
             "responses": {
                 "200": ok("VcsDelivery"),
-                **problems(400, 401, 413, 503),
+                **problems(400, 401, 408, 413, 503),
             },
         },
     },

@@ -1,7 +1,8 @@
 """Requests from Slack: proven by signature, answered within Slack's 3 seconds.
 
 No runplane token: Slack signs each request with the app's signing secret
-(services/processes/chat/signing.py). The raw body is read (bounded) before anything else; its
+(services/processes/chat/signing.py). Its signature's and timestamp's headers are judged
+before a byte of its body is read; the raw body is read (bounded, few at a time); its
 team id finds the organizations whose app names that team (one runplane serves the
 Slack apps of many Slack workspaces), and the request is theirs only if one of their
 signing secrets signs it. So a request proves its organization: another team's id, or
@@ -36,7 +37,8 @@ from services.processes.chat import text as tx
 from services.processes.chat.config import SIGNING_SECRET, ChatConfig, NotLinked, Who
 from services.surfaces.api.common import json_response
 from services.surfaces.api.context import API, Api
-from services.surfaces.api.problems import Problem, unauthorized
+from services.surfaces.api.problems import unauthorized
+from services.surfaces.webhooks.intake import INTAKE
 
 log = structlog.get_logger(__name__)
 
@@ -54,9 +56,14 @@ class Signed(msgspec.Struct, frozen=True, kw_only=True):
 
 async def verified(request: web.Request, config: ChatConfig, kind: chat_agg.Kind) -> Signed:
     """The request, proven by its signature to come from an organization's Slack app;
-    401 otherwise (missing, malformed, old, or matching no organization's secret)."""
+    401 otherwise (missing, malformed, old, or matching no organization's secret).
+
+    Its headers are judged before its body is read; the body is read within one of the
+    process's slots for unproven bodies (services/surfaces/webhooks/intake.py), at most
+    MAX_BODY bytes (or the deployment's `--webhook-max-body` if less). The organization,
+    so the secret, is known only from the body's team id (Slack sends it nowhere else):
+    the body is held until its signature is checked, inside that slot."""
     api = request.app[API]
-    body = await _raw(request)
     try:
         sig = signing.check_format(request.headers.get("X-Slack-Signature"))
         ts = request.headers.get("X-Slack-Request-Timestamp")
@@ -64,30 +71,17 @@ async def verified(request: web.Request, config: ChatConfig, kind: chat_agg.Kind
         assert ts is not None  # checked
     except signing.SignatureError as e:
         raise unauthorized(str(e)) from e
-    fields = _fields(body, kind)
-    team = _team(fields, kind)
-    for org in await _candidates(api, team):
-        secret = await config.secret(org, SIGNING_SECRET)
-        if secret and signing.matches(secret, ts, body, sig):
-            return Signed(org=org, request_id=signing.request_id(sig), fields=fields)
+    intake = request.app[INTAKE]
+    with intake.slot("slack"):
+        body = await intake.read(request, cap=min(MAX_BODY, intake.limits.max_body))
+        fields = _fields(body, kind)
+        team = _team(fields, kind)
+        for org in await _candidates(api, team):
+            secret = await config.secret(org, SIGNING_SECRET)
+            if secret and signing.matches(secret, ts, body, sig):
+                return Signed(org=org, request_id=signing.request_id(sig), fields=fields)
     log.warning("slack_signature_refused", team=team[:32])
     raise unauthorized("the request's signature matches no organization's Slack app")
-
-
-async def _raw(request: web.Request) -> bytes:
-    if (request.content_length or 0) > MAX_BODY:
-        raise Problem("body-too-large", f"a Slack request is at most {MAX_BODY} bytes")
-    # `read(n)` answers what has arrived (a body in two segments: its first part), so
-    # read on to the end, never past MAX_BODY + 1: the signature covers the whole body.
-    body = b""
-    while len(body) <= MAX_BODY:
-        chunk = await request.content.read(MAX_BODY + 1 - len(body))
-        if not chunk:
-            break
-        body += chunk
-    if len(body) > MAX_BODY:
-        raise Problem("body-too-large", f"a Slack request is at most {MAX_BODY} bytes")
-    return body
 
 
 def _fields(body: bytes, kind: chat_agg.Kind) -> dict[str, Any]:

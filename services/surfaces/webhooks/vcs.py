@@ -2,12 +2,19 @@
 
 No runplane token: the signature is the authentication (services/processes/vcs/signing.py).
 In order:
-1. the body is read whole, at most MAX_BODY bytes (413 beyond: GitHub's own cap is 25 MB;
-   a real push or pull request is far below this one);
-2. the connection is found from its id through the stream (never a stale read model), and
-   the request must carry its proof over exactly those bytes. An unknown id, a deleted
-   connection, one without a secret and a wrong signature all answer the same 401 after
-   the same work (an HMAC against a stand-in secret): no oracle of which ids exist;
+1. before a byte of the body is read (services/surfaces/webhooks/intake.py): the
+   connection is found from its id through the stream (never a stale read model) with
+   its secret, and the request must carry a proof of its form: GitLab's token, compared
+   there and then, or a GitHub signature header. A malformed or unknown id, a deleted
+   connection, one without a secret, a missing or wrong token and a header that is no
+   signature all answer the same 401, at once. (A caller can so tell an id that exists by
+   the server waiting for its body: ids are random and the id is no authority, only the
+   secret is.)
+2. the body is read bounded (the deployment's `--webhook-max-body`, 1 MiB by default;
+   413 beyond, read no further; GitHub's own cap is 25 MB, a real push or pull request is
+   far below), a GitHub one within one of the process's slots for unproven bodies (503
+   with Retry-After when all are taken), its HMAC fed as the chunks arrive: a mismatch is
+   the same 401;
 3. a delivery id already accepted (`X-GitHub-Delivery`; GitLab's `Idempotency-Key`, the
    same on its retries, else `X-Gitlab-Event-UUID`) is answered 200 and starts nothing;
 4. the payload is read (services/processes/vcs/payloads.py; a malformed or hostile one is a 400
@@ -47,25 +54,23 @@ from services.processes.vcs.payloads import Change
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.problems import Problem, unauthorized
 from services.surfaces.api.secrets import SECRETS
+from services.surfaces.webhooks.intake import INTAKE, closes_unread
 
 log = structlog.get_logger(__name__)
 
-MAX_BODY = 8 * 1024 * 1024
 MAX_DELIVERY = 200  # characters of a delivery id
 READ_WAIT_S = 2.0
 CONCURRENT_RUNS = 64  # run creations in flight for one delivery
 _REFUSED = "the request's signature matches no VCS connection"
 
 
+@closes_unread
 async def handle(request: web.Request) -> web.Response:
+    """The delivery's answer (module docstring)."""
     api = request.app[API]
-    body = await _raw(request)
-    conn = await _connection(api, request.match_info["connection"])
-    secret = await _secret(request, conn)
-    provider = conn.provider if conn is not None else "github"
-    if not signing.verified(provider, secret, body, request.headers) or conn is None:
-        log.warning("vcs_signature_refused")
-        raise unauthorized(_REFUSED)
+    conn, secret = await _known(request)
+    body = await _proven(request, conn.provider, secret)
+    provider = conn.provider
     delivery = _delivery(provider, request)
     event = _event(provider, request)
     subject = vcs.delivery_subject(conn.org, conn.id, delivery)
@@ -83,18 +88,38 @@ async def handle(request: web.Request) -> web.Response:
     return _answer(delivery, "", runs)
 
 
-async def _raw(request: web.Request) -> bytes:
-    if (request.content_length or 0) > MAX_BODY:
-        raise Problem("body-too-large", f"a webhook payload is at most {MAX_BODY} bytes")
-    body = bytearray()
-    while len(body) <= MAX_BODY:  # `read(n)` answers what has arrived: read to the end
-        chunk = await request.content.read(MAX_BODY + 1 - len(body))
-        if not chunk:
-            break
-        body += chunk
-    if len(body) > MAX_BODY:
-        raise Problem("body-too-large", f"a webhook payload is at most {MAX_BODY} bytes")
-    return bytes(body)
+def _refused() -> Problem:
+    log.warning("vcs_signature_refused")
+    return unauthorized(_REFUSED)
+
+
+async def _known(request: web.Request) -> tuple[vcs.VcsConnection, str]:
+    """The connection the path names, and its secret; 401 (before the body) for an id
+    that names none that could be proven (module docstring, 1)."""
+    conn = await _connection(request.app[API], request.match_info["connection"])
+    secret = "" if conn is None else await _secret(request, conn)
+    if conn is None or not secret:
+        raise _refused()
+    return conn, secret
+
+
+async def _proven(request: web.Request, provider: str, secret: str) -> bytes:
+    """The body, proven the connection's: GitLab's token before it is read, GitHub's
+    signature as it streams, in one of the intake's slots (module docstring, 1 and 2)."""
+    intake = request.app[INTAKE]
+    if provider != "github":
+        if not signing.gitlab_verified(secret, request.headers):
+            raise _refused()
+        return await intake.read(request)
+    sent = signing.github_sent(request.headers)
+    if sent is None:
+        raise _refused()
+    mac = signing.github_hmac(secret)
+    with intake.slot("vcs"):
+        body = await intake.read(request, sink=mac.update)
+        if not signing.github_matches(mac, sent):
+            raise _refused()
+    return body
 
 
 async def _connection(api: Api, connection_id: str) -> vcs.VcsConnection | None:
@@ -103,13 +128,9 @@ async def _connection(api: Api, connection_id: str) -> vcs.VcsConnection | None:
     return await connections.find(api.app.store, connection_id)
 
 
-async def _secret(request: web.Request, conn: vcs.VcsConnection | None) -> str:
+async def _secret(request: web.Request, conn: vcs.VcsConnection) -> str:
     store = request.app.get(SECRETS)
-    if store is None:
-        return ""
-    if conn is None or not conn.has_secret:
-        # the same read a real connection costs: no timing tells which ids exist
-        await connections.webhook_secret(store, "_nobody", "_none")
+    if store is None or not conn.has_secret:
         return ""
     try:
         return await connections.webhook_secret(store, conn.org, conn.id)
