@@ -5,17 +5,28 @@ Every process the executor starts for a run (Terraform and its providers, a cust
 the repository mirrors, reading plan files, the state backend) stays in the executor
 process; what runs tenant code is spawned through a `Jail`, one per phase:
 
-- `user` (the executor runs as root): an unprivileged numeric uid/gid of its own per
-  phase, from a range (`RUNPLANE_JOB_UIDS`, default `DEFAULT_UIDS`; no passwd entry is
-  needed). A uid is allocated by an exclusive `flock` on `<lock dir>/<uid>`, held for the
-  phase's life, so two executors of one machine never share one; whatever still runs as
-  that uid is killed when it is taken and when it is given back (`kill(-1)` from a child
-  of that uid: escaped daemons included, no process list race). The job uid owns only its
-  checkout (`src/`, handed over after the checkout, never following a link) and its
-  `home/` (HOME and TMPDIR), both 0700; it cannot read the data or work directory (0700),
-  the key, the mirrors, another phase's directories, nor any runplane process's
-  `/proc/<pid>/environ` or memory (another uid). `no_new_privs` is set: no setuid binary
-  gives it root back.
+- `sandbox` (the executor runs as root and bubblewrap works; asked for): `user`'s
+  uid, inside namespaces of its own, which bubblewrap (Debian's `bubblewrap`, a
+  well-kept setuid-free tool that does exactly this, rather than our own unshare and
+  mount code) makes as that uid: mount (the system read-only; `/tmp`, `/var/tmp`, `/run`
+  and `/dev/shm` empty size-capped tmpfs; runplane's directories hidden; only the job's
+  own directory writable), IPC, PID (it sees its own processes only, and they all die
+  with the namespace's init, which dies with the executor) and UTS. Whatever a job
+  leaves there (a file in `/run/lock`, a SysV shared memory segment, a daemon) dies with
+  its namespaces. The network is the host's (providers need it). Not yet what `auto`
+  picks: a sandboxed Terraform is killed outright when its executor dies, so it writes
+  no `errored.tfstate` for the next executor to recover.
+- `user` (the executor runs as root, no bubblewrap: the fallback, said loudly at start):
+  an unprivileged numeric uid/gid of its own per phase, from a range (`RUNPLANE_JOB_UIDS`,
+  default `DEFAULT_UIDS`; no passwd entry is needed). A uid is allocated by an exclusive
+  `flock` on `<lock dir>/<uid>`, held for the phase's life, so two executors of one
+  machine never share one; whatever still runs as that uid is killed when it is taken and
+  when it is given back (`kill(-1)` from a child of that uid: escaped daemons included, no
+  process list race). The job uid owns only its checkout (`src/`, handed over after the
+  checkout, never following a link) and its `home/` (HOME and TMPDIR), both 0700; it
+  cannot read the data or work directory (0700), the key, the mirrors, another phase's
+  directories, nor any runplane process's `/proc/<pid>/environ` or memory (another uid).
+  `no_new_privs` is set: no setuid binary gives it root back.
 - `bwrap` (not root, bubblewrap works): the same uid, but in namespaces of its own (pid,
   ipc, uts; the network is shared, providers need it) with the data, work and jobs
   directories hidden under empty tmpfs mounts, its own phase's directory bound back.
@@ -40,7 +51,7 @@ from typing import Any
 import structlog
 
 from executor.errors import IsolationError
-from executor.jobfiles import adopt, remove_files_of, remove_tree, seal
+from executor.jobfiles import adopt, remove_files_of, remove_ipc_of, remove_tree, seal
 from executor.spawn import Spawn, death_signal, graceful
 from executor.uids import (
     DEFAULT_UIDS,
@@ -53,7 +64,15 @@ from executor.uids import (
 
 log = structlog.get_logger(__name__)
 
-MODES = ("auto", "user", "bwrap", "none")
+MODES = ("auto", "sandbox", "user", "bwrap", "none")
+UID_MODES = ("sandbox", "user")  # a job uid of its own per phase
+TMPFS_BYTES = 256 * 1024 * 1024  # each of a sandbox's /tmp, /var/tmp, /run, /dev/shm
+# What the uid fallback does not cover, said at start (`runplane up`, `executor`).
+USER_ONLY = (
+    "jobs share the host's IPC, PID and mount namespaces: a job sees other jobs' command "
+    "lines, and what it leaves in world-writable directories or SysV IPC is swept only "
+    "when its phase ends"
+)
 
 _DANGER = "every run's code can read this machine's runplane data, keys and other runs"
 
@@ -81,10 +100,18 @@ class Isolation:
         if wanted == "none":
             log.warning("isolation_none", why="asked for", danger=_DANGER)
             return cls(mode="none")
-        if wanted in ("auto", "user") and os.geteuid() == 0:
+        if wanted in ("auto", "sandbox", "user") and os.geteuid() == 0:
+            # `auto` is the uid mode until a sandboxed Terraform stops gracefully when
+            # its executor dies (today --die-with-parent kills it: no errored.tfstate)
+            why = "asked for" if wanted != "sandbox" else bwrap_problem(as_uid=uids[-1])
+            if not why:
+                return cls(mode="sandbox", uids=uids, lock_dir=default_lock_dir())
+            if wanted == "sandbox":
+                raise IsolationError(f"--isolation sandbox: bubblewrap cannot be used ({why})")
+            log.warning("isolation_uid_only", why=why, not_covered=USER_ONLY)
             return cls(mode="user", uids=uids, lock_dir=default_lock_dir())
-        if wanted == "user":
-            raise IsolationError("--isolation user needs the executor to run as root")
+        if wanted in ("sandbox", "user"):
+            raise IsolationError(f"--isolation {wanted} needs the executor to run as root")
         why = bwrap_problem()
         if not why:
             return cls(mode="bwrap")
@@ -116,18 +143,19 @@ class Isolation:
         `home/` is the job's; `src/`, the checkout, is handed over before it runs. Its
         TMPDIR is a new directory in `tmp`, short: a provider's socket path must fit in
         108 bytes."""
-        os.chmod(root, 0o711 if self.mode == "user" else 0o700)
+        os.chmod(root, 0o711 if self.mode in UID_MODES else 0o700)
         (root / "logs").mkdir(mode=0o700, exist_ok=True)
         home = root / "home"
         home.mkdir(mode=0o700)
         temp = Path(tempfile.mkdtemp(dir=tmp))
-        if self.mode != "user":
+        if self.mode not in UID_MODES:
             return Jail(self, root, temp, None, -1)
         assert self.lock_dir is not None
         uid, fd = allocate(self.uids, self.lock_dir)
         try:
             kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
             remove_files_of(uid)  # and what it left where anyone may write
+            remove_ipc_of(uid)  # and its SysV IPC objects
             for path in (home, temp):
                 os.chown(path, uid, uid, follow_symlinks=False)
         except BaseException:
@@ -139,7 +167,7 @@ class Isolation:
     def reclaim(self, uid: int) -> bool:
         """Kill what runs as job uid `uid` if no live phase holds it (executor/sweep.py);
         False if it is not a job uid or is held."""
-        if self.mode != "user" or uid not in self.uids or self.lock_dir is None:
+        if self.mode not in UID_MODES or uid not in self.uids or self.lock_dir is None:
             return False
         return reclaim_uid(self.lock_dir, uid)
 
@@ -173,7 +201,11 @@ class Jail:
             "preexec_fn": death_signal(os.getpid()),
             "close_fds": True,
         }
-        if self.mode == "bwrap":  # --die-with-parent: the sandbox dies with the executor
+        if self.mode in ("bwrap", "sandbox"):  # --die-with-parent: it dies with the executor
+            if self.mode == "sandbox":
+                assert self.uid is not None
+                adopt(self.root / "src", self.uid)
+                options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
             return Spawn(self._bwrap_argv(argv, cwd), env, cwd, options)
         wrapped, death = graceful(argv)
         options["preexec_fn"] = death_signal(os.getpid(), death)
@@ -188,7 +220,9 @@ class Jail:
         directories hidden, this job's directory bound back writable."""
         out = [self.isolation.bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc"]
         out += ["--unshare-uts", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        out += ["--tmpfs", "/tmp", "--tmpfs", "/dev/shm"]
+        for scratch in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
+            out += ["--size", str(TMPFS_BYTES), "--tmpfs", scratch]
+        out += _run_files()
         for hidden in self.isolation.hidden:
             out += ["--tmpfs", str(hidden)]
         for shown in self.isolation.shown:
@@ -206,6 +240,7 @@ class Jail:
                 kill_uid(self.uid)
                 seal(self.root)  # before the uid may serve another phase: see `seal`
                 remove_files_of(self.uid)
+                remove_ipc_of(self.uid)
         finally:
             remove_tree(self.tmp)
             if self._lock >= 0:
@@ -213,9 +248,21 @@ class Jail:
                 self._lock = -1
 
 
-def bwrap_problem(binary: str = "bwrap") -> str:
+def _run_files() -> list[str]:
+    """Binds of what the system's configuration reaches under `/run` (which a sandbox
+    mounts empty): `/etc/resolv.conf` is often systemd-resolved's file there."""
+    out: list[str] = []
+    for path in ("/etc/resolv.conf",):
+        real = os.path.realpath(path)
+        if real.startswith("/run/") and os.path.exists(real):
+            out += ["--ro-bind", real, real]
+    return out
+
+
+def bwrap_problem(binary: str = "bwrap", *, as_uid: int | None = None) -> str:
     """Why bubblewrap cannot isolate jobs here ("" if it can): absent, or its namespaces
-    refused (a container without user namespaces)."""
+    refused (a container without user namespaces). `as_uid`: tried as that uid (a job's:
+    the sandbox starts it as the job, whose user namespace the kernel may refuse)."""
     found = shutil.which(binary)
     if found is None:
         return "bwrap is not installed (Debian package bubblewrap)"
@@ -223,7 +270,8 @@ def bwrap_problem(binary: str = "bwrap") -> str:
     argv = [found, "--die-with-parent", "--unshare-pid", "--ro-bind", "/", "/"]
     argv += ["--dev", "/dev", "--proc", "/proc", "--", true]
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=10, check=False)
+        ids: dict[str, Any] = {} if as_uid is None else {"user": as_uid, "group": as_uid}
+        done = subprocess.run(argv, capture_output=True, timeout=10, check=False, **ids)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{found}: {e}"
     if done.returncode != 0:

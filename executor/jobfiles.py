@@ -9,6 +9,7 @@ uid serves another phase. `remove_tree` removes a tree whatever its depth, and
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import stat
@@ -26,6 +27,51 @@ log = structlog.get_logger(__name__)
 # Where any uid may create files (sticky, world-writable): a job's leftovers there would
 # be readable by the next phase given the same uid, of another organization perhaps.
 SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+# Where else a world-writable directory may be (`/run/lock` on Debian, /var/lock's
+# target), looked for at most this deep below each (never /proc or /sys).
+_WRITABLE_ROOTS = ("/run", "/var", "/dev", "/srv", "/opt", "/home", "/mnt", "/media")
+_WRITABLE_DEPTH = 3
+_IPC = (("/proc/sysvipc/shm", "-m"), ("/proc/sysvipc/sem", "-s"), ("/proc/sysvipc/msg", "-q"))
+
+
+@functools.cache
+def world_writable() -> tuple[Path, ...]:
+    """Every directory of this machine any uid may write in (the shared temporary ones
+    and whatever else the system left so: `/run/lock`), found once per process."""
+    found = {p for p in SHARED_TEMP if p.is_dir()}
+    for top in _WRITABLE_ROOTS:
+        base = top.count("/")
+        for here, dirs, _ in os.walk(top, onerror=lambda _e: None):
+            if here.count("/") - base >= _WRITABLE_DEPTH:
+                dirs.clear()
+            try:
+                st = os.lstat(here)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IWOTH:
+                found.add(Path(here))
+    return tuple(sorted(found))
+
+
+def remove_ipc_of(uid: int) -> int:
+    """Remove the SysV IPC objects (shared memory, semaphores, message queues) `uid`
+    owns or made, with `ipcrm`; how many. A segment a job left outlives it otherwise,
+    readable by whoever holds its uid next."""
+    removed = 0
+    for table, flag in _IPC:
+        try:
+            head, *rows = Path(table).read_text().splitlines()
+        except (OSError, ValueError):
+            continue
+        names = head.split()
+        uid_at, cuid_at, id_at = names.index("uid"), names.index("cuid"), 1
+        for row in rows:
+            cols = row.split()
+            if uid not in (int(cols[uid_at]), int(cols[cuid_at])):
+                continue
+            done = subprocess.run(["ipcrm", flag, cols[id_at]], capture_output=True, check=False)
+            removed += done.returncode == 0
+    return removed
 
 
 def private_dir(path: Path, mode: int) -> Path:
@@ -86,12 +132,12 @@ def remove_tree(path: Path, *, as_uid: int | None = None) -> bool:
     return not os.path.lexists(path)
 
 
-def remove_files_of(uid: int, places: Sequence[Path] = SHARED_TEMP) -> int:
-    """Remove what `uid` owns at the top of each shared temporary directory (a directory
+def remove_files_of(uid: int, places: Sequence[Path] | None = None) -> int:
+    """Remove what `uid` owns at the top of each world-writable directory (a directory
     with all below it, removed as that uid); how many entries were removed. Never follows
     a link, and never fails the caller: what is left is logged."""
     removed = 0
-    for place in places:
+    for place in world_writable() if places is None else places:
         try:
             entries = list(os.scandir(place))
         except OSError:

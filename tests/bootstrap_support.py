@@ -10,6 +10,7 @@ admitted run is queued without a snapshot (`unpinned`) unless the test gives `pi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -36,7 +37,10 @@ Process = Callable[..., Plane]
 def options_for(root: Path, **changes: Any) -> Options:
     """A process's options, its data directory `<root>/system` (made 0700, as the CLI
     makes it), any repository source allowed."""
-    opts = Options(**{"data_dir": root / "system", "allowed_repos": "*", **changes})
+    isolation = os.environ.get("RUNPLANE_ISOLATION", "user")  # tests/conftest.py
+    opts = Options(
+        **{"data_dir": root / "system", "allowed_repos": "*", "isolation": isolation, **changes}
+    )
     prepare_data_dir(opts.data_dir)
     return opts
 

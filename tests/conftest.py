@@ -58,7 +58,13 @@ def pytest_configure(config: pytest.Config) -> None:
     `tmp_path`, so the jobs must cross the directories above it. pytest's shared
     `/tmp/pytest-of-<user>` is made 0700 again by every session that starts (every
     developer's on a shared machine): each session gets a base of its own instead, 0711
-    (sessions' bases older than six hours are removed)."""
+    (sessions' bases older than six hours are removed).
+
+    Those paths are the host's: a sandboxed job (its own empty /tmp, the system read-only)
+    could not write them, so the suite's executors run jobs in the uid mode
+    (RUNPLANE_ISOLATION, which `runplane` processes read too), unless a test names its
+    isolation; tests/test_isolation.py runs its attacks in both."""
+    os.environ.setdefault("RUNPLANE_ISOLATION", "user")
     if config.option.basetemp or os.geteuid() != 0:
         return
     top = Path(tempfile.gettempdir())

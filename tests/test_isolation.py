@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 
 from events.run import Workspace
 from executor.errors import IsolationError
-from executor.isolation import Isolation
+from executor.isolation import Isolation, bwrap_problem
 from executor.jobfiles import adopt
 from executor.uids import DEFAULT_UIDS, kill_uid, uid_range
 from executor.worker import Executor, default_jobs_dir
@@ -47,6 +47,7 @@ class Up:
     proc: Proc
     client: Client
     data: Path
+    mode: str  # the jobs' isolation
 
     @property
     def pid(self) -> int:
@@ -60,12 +61,28 @@ class Up:
         return self.data / "work"
 
 
-@pytest.fixture
-async def up(tmp_path: Path) -> AsyncIterator[Up]:
-    """`runplane up` with the admin token in its environment and the key in a file."""
+NO_SANDBOX = bwrap_problem(as_uid=DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
+
+
+@pytest.fixture(
+    params=[
+        "user",
+        pytest.param(
+            "sandbox",
+            marks=pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}"),
+        ),
+    ]
+)
+async def up(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Up]:
+    """`runplane up` with the admin token in its environment and the key in a file; its
+    jobs in each isolation a root executor has (the sandbox, and the uid fallback)."""
+    mode = str(request.param)
     data, port = tmp_path / "data", free_port()
     proc = await Proc(
-        ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+        [
+            *("up", "--no-demo", "--data-dir", str(data)),
+            *("--listen", f"127.0.0.1:{port}", "--isolation", mode),
+        ],
         tmp_path / "up.log",
         env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_ENCRYPTION_KEY": ""},
     ).start()
@@ -74,11 +91,11 @@ async def up(tmp_path: Path) -> AsyncIterator[Up]:
     try:
         await wait_healthy(base)
         await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
-        yield Up(proc, client, data)
+        yield Up(proc, client, data, mode)
     finally:
         await client.close()
         await proc.stop(signal.SIGTERM)
-    assert '"isolation": "user"' in proc.output(), "runplane up logs its isolation mode"
+    assert f'"isolation": "{mode}"' in proc.output(), "runplane up logs its isolation mode"
 
 
 async def _workspace(up: Up, repo: Path, main_tf: str, name: str = "net") -> None:
@@ -170,7 +187,10 @@ async def test_a_custom_step_reads_nothing_of_runplane_and_is_not_root(up: Up, r
     said = await _everything_said(up, run)
     for secret in [*_secrets(up), "other-org-canary", "RUNPLANE_ADMIN_TOKEN"]:
         assert secret not in said, secret
-    assert "Permission denied" in said
+    # refused by file modes, or (the sandbox) not there at all: runplane's directories
+    # are hidden under empty mounts
+    hidden = "No such file or directory" in said and up.mode == "sandbox"
+    assert "Permission denied" in said or hidden, said
 
 
 async def test_a_custom_step_runs_git_in_its_checkout_as_the_job(up: Up, repo: Path) -> None:
@@ -208,6 +228,46 @@ async def test_what_a_job_leaves_in_shared_temporary_directories_goes_with_its_u
     assert "made" in _lines_of(logs), logs
     for place in ("/tmp", "/var/tmp", "/dev/shm"):
         assert not os.path.lexists(f"{place}/{tag}"), place
+
+
+async def test_what_a_job_leaves_in_run_lock_or_sysv_ipc_dies_with_its_phase(
+    up: Up, repo: Path
+) -> None:
+    """Attacks F1 and F5 (issue 23): a job leaves a secret in `/run/lock` (world-writable,
+    once not swept) and a SysV shared memory segment (once pinned after the run, readable
+    by the next phase of its uid, another organization's). Neither outlives the phase: the
+    sandbox's `/run` and IPC namespace die with it; the uid fallback sweeps every
+    world-writable directory and removes the uid's IPC objects. In the sandbox the job
+    sees only its own processes, not another tenant's (or runplane's) command lines."""
+    tag = f"rp-lock-{os.getpid()}-{up.mode}"
+    command = (
+        f"mkdir -p /run/lock; echo TOPSECRET > /run/lock/{tag} && ipcmk -M 65536 && echo made; "
+        "echo procs=$(ls /proc | grep -c '^[0-9]'); "
+        "for f in /proc/[0-9]*/cmdline; do echo \"CMD: $(tr '\\0' ' ' < $f)\"; done"
+    )
+    steps = {"steps": [{"number": 50, "kind": "custom", "name": "leave", "command": command}]}
+    steps["steps"].append({"number": 100, "kind": "plan"})
+    await up.client.ok("PUT", f"{V1}/templates/leave", steps)
+    await _workspace(up, repo, 'resource "null_resource" "a" {}\n')
+    before = _job_ipc()
+    run = await _run(up, {"type": "plan", "template": "leave"})
+    logs = _lines_of(await up.client.ok("GET", f"{V1}/runs/{run['id']}/logs?phase=custom-50"))
+    assert "made" in logs and any("Shared memory id" in line for line in logs), logs
+    assert not os.path.lexists(f"/run/lock/{tag}")
+    assert _job_ipc() - before == set(), "a job's SysV segment outlived its phase"
+    if up.mode == "sandbox":
+        (procs,) = [int(line.split("=")[1]) for line in logs if line.startswith("procs=")]
+        assert procs <= 5, logs  # bwrap's init, the shell and what it runs
+        seen = [line for line in logs if line.startswith("CMD: ")]
+        assert seen and not [c for c in seen if "--data-dir" in c or "nats-server" in c], seen
+
+
+def _job_ipc() -> set[str]:
+    """The SysV shared memory segments of the job uids now (`shmid`)."""
+    head, *rows = Path("/proc/sysvipc/shm").read_text().splitlines()
+    at = head.split().index("uid")
+    jobs = uid_range()
+    return {r.split()[1] for r in rows if int(r.split()[at]) in jobs}
 
 
 async def test_a_provisioner_reads_nothing_of_the_executor(

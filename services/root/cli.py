@@ -156,10 +156,12 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--isolation",
-        choices=("auto", "user", "bwrap", "none"),
+        choices=("auto", "sandbox", "user", "bwrap", "none"),
         default=os.environ.get("RUNPLANE_ISOLATION", "auto"),
-        help="who jobs run as: a uid of their own (user, needs root), a bubblewrap sandbox "
-        "(bwrap), or the executor itself (none); auto: the first that works",
+        help="how jobs run: a uid of their own in namespaces of their own (sandbox, needs "
+        "root and bubblewrap), that uid alone (user, needs root), a bubblewrap sandbox as "
+        "the executor's user (bwrap), or the executor itself (none); auto: the first that "
+        "works (executor/isolation.py)",
     )
 
 
