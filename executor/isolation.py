@@ -13,9 +13,10 @@ process; what runs tenant code is spawned through a `Jail`, one per phase:
   own directory writable), IPC, PID (it sees its own processes only, and they all die
   with the namespace's init, which dies with the executor) and UTS. Whatever a job
   leaves there (a file in `/run/lock`, a SysV shared memory segment, a daemon) dies with
-  its namespaces. The network is the host's (providers need it). Not yet what `auto`
-  picks: a sandboxed Terraform is killed outright when its executor dies, so it writes
-  no `errored.tfstate` for the next executor to recover.
+  its namespaces. The network is the host's (providers need it). Its init
+  (`SANDBOX_INIT`) outlives the executor just long enough to stop the job's process as
+  on Ctrl-C (Terraform writes `errored.tfstate` for the next executor to recover); then
+  the namespace and all in it are gone. Not yet what `auto` picks.
 - `user` (the executor runs as root, no bubblewrap: the fallback, said loudly at start):
   an unprivileged numeric uid/gid of its own per phase, from a range (`RUNPLANE_JOB_UIDS`,
   default `DEFAULT_UIDS`; no passwd entry is needed). A uid is allocated by an exclusive
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -101,9 +103,9 @@ class Isolation:
             log.warning("isolation_none", why="asked for", danger=_DANGER)
             return cls(mode="none")
         if wanted in ("auto", "sandbox", "user") and os.geteuid() == 0:
-            # `auto` is the uid mode until a sandboxed Terraform stops gracefully when
-            # its executor dies (today --die-with-parent kills it: no errored.tfstate)
-            why = "asked for" if wanted != "sandbox" else bwrap_problem(as_uid=uids[-1])
+            # `auto` is the uid mode until the sandbox has run the chaos and cluster
+            # suites and its overhead is measured (issue 23)
+            why = "asked for" if wanted != "sandbox" else sandbox_problem(uids[-1])
             if not why:
                 return cls(mode="sandbox", uids=uids, lock_dir=default_lock_dir())
             if wanted == "sandbox":
@@ -201,12 +203,15 @@ class Jail:
             "preexec_fn": death_signal(os.getpid()),
             "close_fds": True,
         }
-        if self.mode in ("bwrap", "sandbox"):  # --die-with-parent: it dies with the executor
-            if self.mode == "sandbox":
-                assert self.uid is not None
-                adopt(self.root / "src", self.uid)
-                options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
+        if self.mode == "bwrap":  # --die-with-parent: it dies with the executor
             return Spawn(self._bwrap_argv(argv, cwd), env, cwd, options)
+        if self.mode == "sandbox":  # its init stops it gracefully when the executor dies
+            assert self.uid is not None
+            adopt(self.root / "src", self.uid)
+            options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
+            options["preexec_fn"] = death_signal(os.getpid(), signal.SIGKILL)
+            inner = [init_python(), "-I", "-S", "-c", SANDBOX_INIT, *argv]
+            return Spawn(self._bwrap_argv(inner, cwd, init=True), env, cwd, options)
         wrapped, death = graceful(argv)
         options["preexec_fn"] = death_signal(os.getpid(), death)
         if self.mode == "user":
@@ -215,10 +220,12 @@ class Jail:
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
         return Spawn(wrapped, env, cwd, options)
 
-    def _bwrap_argv(self, argv: Sequence[str], cwd: Path) -> list[str]:
+    def _bwrap_argv(self, argv: Sequence[str], cwd: Path, *, init: bool = False) -> list[str]:
         """bubblewrap around `argv`: the root file system read-only, runplane's
-        directories hidden, this job's directory bound back writable."""
-        out = [self.isolation.bwrap, "--die-with-parent", "--unshare-pid", "--unshare-ipc"]
+        directories hidden, this job's directory bound back writable. `init`: `argv` is
+        the namespace's init (SANDBOX_INIT), which outlives bwrap to stop the job."""
+        death = ["--as-pid-1"] if init else ["--die-with-parent"]
+        out = [self.isolation.bwrap, *death, "--unshare-pid", "--unshare-ipc"]
         out += ["--unshare-uts", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
         for scratch in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
             out += ["--size", str(TMPFS_BYTES), "--tmpfs", scratch]
@@ -246,6 +253,45 @@ class Jail:
             if self._lock >= 0:
                 os.close(self._lock)
                 self._lock = -1
+
+
+# The init of a sandbox's PID namespace (the sandbox mode): it starts the job's process,
+# then ignores the interrupts the executor sends the job's process group (the job's
+# process gets them and stops as on Ctrl-C), and when its parent (bwrap, killed with the
+# executor) dies it sends the job's process exactly one SIGTERM (a second would make
+# Terraform exit at once, writing no errored.tfstate) and waits for it. Whatever else
+# still runs in the namespace dies with this init, when it exits as the job exited.
+SANDBOX_INIT = """
+import ctypes, os, signal, subprocess, sys
+job = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+told = []
+def stop(*_):
+    if not told:
+        told.append(1)
+        job.send_signal(signal.SIGTERM)
+signal.signal(signal.SIGTERM, stop)
+ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+code = job.wait()
+sys.exit(128 - code if code < 0 else code)
+"""
+
+
+def init_python() -> str:
+    """A python3 any uid may run (the sandbox's init; the executor's own may be in a
+    directory jobs cannot cross), or ""."""
+    for path in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
+        real = os.path.realpath(path)
+        if os.path.isfile(real) and os.stat(real).st_mode & 0o001:
+            return real
+    return ""
+
+
+def sandbox_problem(as_uid: int) -> str:
+    """Why the sandbox mode cannot run here ("" if it can)."""
+    if not init_python():
+        return "no python3 every uid may run (/usr/bin/python3), the sandbox's init"
+    return bwrap_problem(as_uid=as_uid)
 
 
 def _run_files() -> list[str]:

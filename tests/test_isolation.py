@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 
 from events.run import Workspace
 from executor.errors import IsolationError
-from executor.isolation import Isolation, bwrap_problem
+from executor.isolation import Isolation, sandbox_problem
 from executor.jobfiles import adopt
 from executor.uids import DEFAULT_UIDS, kill_uid, uid_range
 from executor.worker import Executor, default_jobs_dir
@@ -61,7 +61,7 @@ class Up:
         return self.data / "work"
 
 
-NO_SANDBOX = bwrap_problem(as_uid=DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
+NO_SANDBOX = sandbox_problem(DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
 
 
 @pytest.fixture(
@@ -545,3 +545,71 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
+async def test_a_sandboxed_terraform_stops_gracefully_with_its_executor_and_nothing_outlives_it(
+    tmp_path: Path, repo: Path
+) -> None:
+    """kill -9 of `runplane up --isolation sandbox` mid-apply: the sandbox's init gives
+    Terraform one SIGTERM, so it stops as on Ctrl-C and writes `errored.tfstate` (what the
+    next executor recovers), and then every process of the job is gone with its
+    namespace, the daemon a provisioner put in a session of its own too: nothing waits
+    for a restart to find it."""
+    data, port = tmp_path / "data", free_port()
+    cmd = "setsid sleep 300 >/dev/null 2>&1 & sleep 300"
+    args = ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"]
+    args += ["--isolation", "sandbox"]
+    env = {"RUNPLANE_ADMIN_TOKEN": TOKEN}
+    base = f"http://127.0.0.1:{port}"
+    first = await Proc(args, tmp_path / "up1.log", env=env).start()
+    client = Client(base, TOKEN)
+    try:
+        await wait_healthy(base)
+        await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
+        commit(repo, _provisioned(cmd))
+        await client.ok("POST", f"{V1}/workspaces", {"name": "net", "repository": str(repo)})
+        run = await client.ok("POST", f"{V1}/workspaces/net/runs", {"type": "apply"})
+        planned = await client.wait_status("acme", run["id"], {"awaiting_approval", "failed"})
+        assert planned["status"] == "awaiting_approval", planned.get("error_message")
+        earlier = set(_job_pids())
+        await client.ok("POST", f"{V1}/runs/{run['id']}/approve", {"acknowledged": []})
+
+        async def sleeping() -> list[int]:
+            mine = [p for p in _job_pids() if p not in earlier]  # another test's may linger
+            found = [p for p in mine if _cmdline(p).startswith(b"sleep\x00300\x00")]
+            assert len(found) == 2, "the provisioner and its daemon have not started yet"
+            return found
+
+        sleeps = await eventually(sleeping, timeout=60, what="the provisioner's daemon")
+        job = [p for p in _job_pids() if p not in earlier]
+        terraform = [p for p in job if _cmdline(p).split(b"\0")[0].endswith(b"/terraform")]
+        assert terraform, "terraform runs as the job's uid"
+        first.kill()
+        nats = nats_servers_using(data)
+        await asyncio.wait_for(first.proc.wait(), 10) if first.proc else None
+        for pid in nats:  # the embedded server is not under test here
+            os.kill(pid, signal.SIGKILL)
+
+        async def all_gone() -> bool:
+            return not [p for p in job if _alive(p)]
+
+        await eventually(all_gone, timeout=30, what="the job ended with its executor")
+        assert not [p for p in sleeps if _alive(p)], "the daemon died with the namespace"
+        jobs = default_jobs_dir(data / "work")
+        assert list(jobs.rglob("errored.tfstate")), "terraform stopped gracefully"
+    finally:
+        await client.close()
+        first.kill()
+
+
+def _job_pids() -> list[int]:
+    """The processes of any job uid now."""
+    jobs, out = uid_range(), []
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit() and _uid_of(int(d)) in jobs:
+                out.append(int(d))
+        except OSError:
+            continue  # ended meanwhile
+    return out
