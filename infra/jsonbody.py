@@ -22,7 +22,9 @@ of the worst shapes for each: nested arrays, empty strings, small objects). The 
 skeleton comes first (`_skeleton`: its brackets, colons and commas outside strings): its
 brackets give the depth (`_too_deep`), before msgspec recurses, and its colons count the
 keys written, one each. msgspec decodes the body, and the keys its objects hold
-(`_kept`) are as many as were written unless one was written twice.
+(`_kept`) are as many as were written unless one was written twice. `check_depth` is the
+depth alone, with another bound, for a document whose keys are not read (a Terraform
+state: executor/statestore.py).
 
 Anything else about a body is msgspec's to say, exactly as before: malformed JSON raises
 msgspec.DecodeError, a value of the wrong shape msgspec.ValidationError (a subclass),
@@ -80,6 +82,13 @@ def decode(raw: bytes, kind: Any = None) -> Any:
     if written > 1 and _kept(value, len(skeleton)) != written:
         raise DuplicateKey("an object in the body names the same key more than once")
     return value if kind is None else msgspec.json.decode(raw, type=kind)
+
+
+def check_depth(raw: bytes, bound: int) -> None:
+    """TooDeep if `raw` nests arrays and objects deeper than `bound`: a decoder of what
+    passes recurses at most `bound` levels, whether it is JSON or not (`_too_deep`)."""
+    if _too_deep(_skeleton(raw), bound):
+        raise TooDeep(f"the document nests arrays and objects deeper than {bound} levels")
 
 
 def _skeleton(raw: bytes) -> bytes:

@@ -15,17 +15,24 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
+import aiohttp
 import pytest
 import structlog
 from aiohttp import web
+from nats.aio.client import Client as NATS
 
-from events.run import CancelRun, ClaimPhase
+from events.run import CancelRun, ClaimPhase, Workspace
+from executor.statebackend import USER
+from executor.statestore import MAX_STATE_DEPTH, parse_state
+from infra.crypto import KeyRing
+from services.app.commands import App
 from services.processes.chat import signing as slack_signing
 from services.surfaces.api import openapi
 from services.surfaces.api.app import ROUTES
@@ -33,6 +40,7 @@ from services.surfaces.api.middleware import PUBLIC
 from services.surfaces.tfe import configs, login
 from services.surfaces.tfe import routes as tfe_routes
 from tests.api_support import Answer
+from tests.lock_support import backends
 from tests.tfe_support import Tfe, a_state, new_run, tfe_fixture, uploaded
 from tests.vcs_support import connection, deliver, fixture
 
@@ -229,10 +237,10 @@ def _quiet_logs(warning: str = "") -> Iterator[list[MutableMapping[str, Any]]]:
             assert line["event"] == warning, line
 
 
-async def _written(tfe: Tfe) -> dict[str, int]:
+async def _written(app: App) -> dict[str, int]:
     """Every stream's last sequence: the events, and the buckets and object stores (the
-    secrets, the Slack app's, the states), so that nothing written goes unseen."""
-    infos = await tfe.app.store.nc.jetstream().streams_info()
+    secrets, the Slack app's, the states, the locks), so that nothing written goes unseen."""
+    infos = await app.store.nc.jetstream().streams_info()
     return {info.config.name or "": info.state.last_seq for info in infos}
 
 
@@ -303,13 +311,13 @@ async def test_every_api_route_refuses_a_deep_or_repeating_body_as_invalid_body(
         for (method, template), body in sorted(API_BODIES.items()):
             path = _api_path(template, world)
             for name, attack in _attacks(body):
-                before = await _written(tfe)
+                before = await _written(tfe.app)
                 a = await tfe.call(method, path, data=attack.encode())
                 try:
                     a.problem("invalid-body", 400)
                 except AssertionError as e:
                     raise AssertionError(f"{method} {template} {name}: {a.status} {a.body}") from e
-                assert await _written(tfe) == before, (method, template, name)
+                assert await _written(tfe.app) == before, (method, template, name)
 
 
 def _tfe_body(body: dict[str, Any], world: dict[str, str]) -> dict[str, Any]:
@@ -338,7 +346,7 @@ async def test_every_tfe_route_refuses_a_deep_or_repeating_body_as_its_invalid_b
             ws_id = world["state_ws" if template.endswith("/state-versions") else "ws_id"]
             path = template.format(org="acme", workspace_id=ws_id, object_id=world["tfe_run"])
             for name, attack in _attacks(_tfe_body(body, world)):
-                before = await _written(tfe)
+                before = await _written(tfe.app)
                 headers = {"Content-Type": "application/vnd.api+json"}
                 a = await tfe.call(method, path, data=attack.encode(), headers=headers)
                 what = (method, template, name, a.status, a.body)
@@ -347,7 +355,7 @@ async def test_every_tfe_route_refuses_a_deep_or_repeating_body_as_its_invalid_b
                 else:
                     assert a.status == 422, what
                     assert a.body["errors"][0]["title"] == "invalid body", what
-                assert await _written(tfe) == before, what
+                assert await _written(tfe.app) == before, what
 
 
 # ---------------------------------------------------------------- the webhooks
@@ -391,20 +399,20 @@ async def test_slack_interactions_refuse_a_deep_or_repeating_payload_before_anyt
     with _quiet_logs("slack_body_refused") as seen:
         for secret in ("not-the-apps-secret", SLACK_SECRET):
             for name, body in attacks:
-                before = await _written(tfe)
+                before = await _written(tfe.app)
                 a = await _slack(tfe, SLACK_INTERACTIONS, body, secret)
                 if name == "recorded":
                     a.problem("body-too-large", 413)
                 else:
                     a.problem("invalid-body", 400)
-                assert await _written(tfe) == before, (secret, name, a.status, a.body)
+                assert await _written(tfe.app) == before, (secret, name, a.status, a.body)
         refused = [line for line in seen if line["event"] == "slack_body_refused"]
         assert len(refused) == 4
         for name, attack in _attacks({"text": "status"}):
-            before = await _written(tfe)
+            before = await _written(tfe.app)
             a = await _slack(tfe, SLACK_COMMANDS, attack.encode()[:60_000], SLACK_SECRET)
             assert 400 <= a.status < 500, (name, a.status, a.body)
-            assert await _written(tfe) == before, name
+            assert await _written(tfe.app) == before, name
 
 
 async def test_the_vcs_webhook_refuses_a_deep_or_repeating_signed_payload(
@@ -416,13 +424,95 @@ async def test_the_vcs_webhook_refuses_a_deep_or_repeating_signed_payload(
     push = fixture("github/push.branch.json")
     with _quiet_logs("vcs_payload_refused") as seen:
         for name, attack in _attacks(push):
-            before = await _written(tfe)
+            before = await _written(tfe.app)
             a = await deliver(tfe, world["connection"], "push", attack.encode())
             try:
                 a.problem("invalid-body", 400)
             except AssertionError as e:
                 raise AssertionError(f"{name}: {a.status} {a.body}") from e
-            assert await _written(tfe) == before, name
+            assert await _written(tfe.app) == before, name
         assert [line["event"] for line in seen if line["log_level"] == "warning"] == [
             "vcs_payload_refused"
         ] * 3
+
+
+# ---------------------------------------------------------------- states inside bodies
+
+# A Terraform state nested as deep as the review's bodies (its own bound, 512:
+# executor/statestore.py), valid but for its depth.
+DEEP_STATE = (
+    b'{"version": 4, "serial": 1, "lineage": "l", "outputs": '
+    + b"[" * 100_000
+    + b"]" * 100_000
+    + b"}"
+)
+
+
+def test_a_state_is_read_to_its_bound_of_512_levels() -> None:
+    """Deeper than any request's body may be (a tenant's values), not past 512."""
+    for depth in (MAX_STATE_DEPTH, MAX_STATE_DEPTH + 1):
+        arrays = depth - 1  # inside the state's own object
+        state = b'{"serial": 3, "lineage": "l", "x": ' + b"[" * arrays + b"]" * arrays + b"}"
+        if depth > 512:
+            with pytest.raises(ValueError, match="deeper than 512 levels"):
+                parse_state(state)
+        else:
+            assert parse_state(state) == (3, "l")
+
+
+async def test_a_pushed_state_nested_past_its_bound_is_refused_not_a_500(
+    tfe: Tfe, world: dict[str, str]
+) -> None:
+    """The state inside a good push: 422 as any state that is not one (it answered 500,
+    with a traceback), nothing written."""
+    attrs = {
+        "serial": 1,
+        "lineage": "l",
+        "md5": hashlib.md5(DEEP_STATE).hexdigest(),
+        "state": base64.b64encode(DEEP_STATE).decode(),
+    }
+    body = {"data": {"type": "state-versions", "attributes": attrs}}
+    with _quiet_logs():
+        before = await _written(tfe.app)
+        a = await tfe.tfe(
+            "POST", f"/api/v2/workspaces/{world['state_ws']}/state-versions", json=body
+        )
+        assert a.status == 422, a.body
+        assert a.body["errors"][0]["title"] == "invalid attribute"
+        assert "deeper than 512 levels" in a.body["errors"][0]["detail"]
+        assert await _written(tfe.app) == before
+
+
+async def test_the_executors_state_backend_refuses_a_deep_state_or_lock_and_a_repeated_lock(
+    nc: NATS, app: App, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The http backend an executor serves a phase's Terraform (the tenant's code runs
+    beside it): a deep state POSTed or a deep lock answered 500, with aiohttp's traceback;
+    a lock naming its ID twice locked or unlocked by the last. Now 400 and the backend's
+    warning, nothing written."""
+    await app.create_org("acme", "alice")
+    await app.create_workspace("acme", "net", Workspace(repository="/nowhere"), "alice")
+    async with backends(nc, app, KeyRing.generate()) as (a, _):
+        assert (await a.call("LOCK", {"ID": "lock-a", "Who": "alice@a"})).status == 200
+        auth = aiohttp.encode_basic_auth(USER, a.backend.password)
+        deep = "[" * 100_000
+        attacks = [
+            ("POST", "?ID=lock-a", DEEP_STATE, "not a Terraform state"),
+            ("LOCK", "", deep.encode(), "not a Terraform lock"),
+            ("LOCK", "", b'{"ID": "lock-a", "ID": "lock-x"}', "not a Terraform lock"),
+            ("UNLOCK", "", deep.encode(), "not a Terraform lock"),
+            ("UNLOCK", "", b'{"ID": "x", "ID": "lock-a"}', "not a Terraform lock"),
+        ]
+        with _quiet_logs("state_request_refused") as seen:
+            for method, query, body, refusal in attacks:
+                before = await _written(app)
+                async with a.session.request(
+                    method, a.backend.url + query, data=body, headers={"Authorization": auth}
+                ) as resp:
+                    assert (resp.status, refusal in await resp.text()) == (400, True), method
+                assert await _written(app) == before, (method, body[:40])
+        assert [line["event"] for line in seen if line["log_level"] == "warning"] == [
+            "state_request_refused"
+        ] * len(attacks)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert (await a.call("UNLOCK", {"ID": "lock-a"})).status == 200  # still the holder

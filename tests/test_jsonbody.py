@@ -87,6 +87,17 @@ def test_the_bound_holds_however_deep_the_caller_already_is() -> None:
         _at_depth(frames, lambda: jsonbody.decode(b"[" * 100_000))
 
 
+def test_the_depth_alone_takes_its_own_bound_and_reads_no_keys() -> None:
+    """`check_depth`, for a document that is not a request's body (a state): its bound,
+    and a key written twice is not its concern."""
+    jsonbody.check_depth(_arrays(512), 512)
+    jsonbody.check_depth(b'{"a": 1, "a": 2}', 1)
+    with pytest.raises(TooDeep, match="deeper than 512 levels"):
+        jsonbody.check_depth(_objects(513), 512)
+    with pytest.raises(TooDeep):
+        jsonbody.check_depth(b"[" * 100_000, 512)
+
+
 @pytest.mark.parametrize(
     "body",
     [
