@@ -30,6 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
 from executor.errors import ExecutorError
+from infra import jsonbody
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
 from infra.streams import STATE_BUCKET, WRONG_LAST_SEQUENCES
@@ -113,6 +114,12 @@ def initial_state(org: str, ws: str) -> bytes:
     return json.dumps(doc).encode()
 
 
+# A state holds the tenant's values (a resource's attributes, outputs), which nest as
+# deep as their configuration made them: far above a request body's bound
+# (infra/jsonbody.py), and below where decoding one would run out of stack.
+MAX_STATE_DEPTH = 512
+
+
 class _StateHead(msgspec.Struct):
     serial: int
     lineage: str = ""
@@ -125,10 +132,12 @@ def parse_state(data: bytes) -> tuple[int, str]:
     """The serial and lineage of a Terraform state file; ValueError if it is not one.
 
     Only those two are built: the rest is checked as JSON and skipped, never made into
-    objects (a tenant's 72 MiB state of `{}`s took 1.9 GB and 4 s as `json.loads`)."""
+    objects (a tenant's 72 MiB state of `{}`s took 1.9 GB and 4 s as `json.loads`). One
+    nested deeper than MAX_STATE_DEPTH is refused before msgspec recurses into it."""
     try:
+        jsonbody.check_depth(data, MAX_STATE_DEPTH)
         head = _state_head(data)
-    except msgspec.DecodeError as e:  # not JSON, or no integer serial
+    except (msgspec.DecodeError, jsonbody.TooDeep) as e:  # not JSON, no integer serial
         raise ValueError(f"not a Terraform state: {e}") from e
     return head.serial, head.lineage
 

@@ -20,6 +20,7 @@ from typing import TypeVar
 import msgspec
 
 from events import vcs
+from infra import jsonbody
 from services.processes.vcs import BadPayload
 
 ZERO = "0" * 40
@@ -139,18 +140,21 @@ class _GlMr(msgspec.Struct, frozen=True):
 
 
 def _decode(body: bytes, kind: type[T], what: str) -> T:
-    try:
+    try:  # `parse` read it through infra/jsonbody.py first: its depth and keys are sound
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         raise BadPayload(f"the payload is not a {what}: {e}") from e
 
 
 def parse(provider: str, event: str, body: bytes) -> Change:
-    """The change a signed payload describes; BadPayload if it is not one."""
+    """The change a signed payload describes; BadPayload if it is not one (not JSON,
+    nested too deep or a key repeated: infra/jsonbody.py; or not the event's shape)."""
     try:
-        msgspec.json.decode(body)  # malformed JSON is told apart from a wrong shape
+        jsonbody.decode(body)  # malformed JSON is told apart from a wrong shape
     except msgspec.DecodeError as e:
         raise BadPayload(f"the payload is not JSON: {e}") from e
+    except jsonbody.BodyError as e:
+        raise BadPayload(f"the payload is refused: {e}") from e
     if provider == "github":
         return _github(event, body)
     return _gitlab(event, body)

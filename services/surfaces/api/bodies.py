@@ -14,6 +14,7 @@ from aiohttp import web
 from msgspec import Meta
 
 from events.codec import ID_RE, valid_id
+from infra import jsonbody
 from services.surfaces.api.problems import Problem
 
 NonEmpty = Annotated[str, Meta(min_length=1, max_length=1024)]
@@ -194,19 +195,27 @@ BODIES: tuple[type[Body], ...] = (
 )
 
 B = TypeVar("B", bound=Body)
+T = TypeVar("T")
 
 
 async def read_body(request: web.Request, kind: type[B], *, optional: bool = False) -> B:
-    """Decode the JSON body into `kind`; an empty body is allowed when every field has a default."""
+    """Decode the JSON body into `kind`; an empty body is allowed when every field has a
+    default. Too deep, a key repeated, not JSON or not a `kind`: 400 invalid-body."""
     raw = await request.read()
     if not raw.strip():
         if optional:
             return kind()
         raise Problem("invalid-body", "a JSON object body is required")
+    return decode_as(raw, kind)
+
+
+def decode_as(raw: bytes, kind: type[T], prefix: str = "") -> T:
+    """`raw` read by infra/jsonbody.py into `kind`; anything wrong with it, from its depth
+    to a field's type, is 400 invalid-body (`prefix` leads its detail)."""
     try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.DecodeError as e:
-        raise Problem("invalid-body", str(e)) from e
+        return jsonbody.decode(raw, kind)
+    except (msgspec.DecodeError, jsonbody.BodyError) as e:
+        raise Problem("invalid-body", f"{prefix}{e}") from e
 
 
 def check_timeouts(body: CreateWorkspaceBody) -> None:

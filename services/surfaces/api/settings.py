@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from events import folder as fo
@@ -19,7 +18,7 @@ from events.errors import Invalid
 from events.org import OrgState
 from events.workspace import WorkspaceState
 from services.surfaces.api.auth import ADMIN, VIEWER
-from services.surfaces.api.bodies import CreateFolderBody, check_name, read_body
+from services.surfaces.api.bodies import CreateFolderBody, check_name, decode_as, read_body
 from services.surfaces.api.common import (
     Row,
     command_answer,
@@ -55,10 +54,8 @@ async def _changes(request: web.Request, org: OrgState) -> dict[str, Any]:
     """The PATCH body: a JSON object of settings, each checked, every problem named; the
     templates the `templates` setting names exist in the organization (or are built in)
     and suit their run type."""
-    try:
-        changes = msgspec.json.decode(await request.read(), type=dict[str, Any])
-    except msgspec.DecodeError as e:
-        raise Problem("invalid-body", f"a JSON object of settings is required: {e}") from e
+    prefix = "a JSON object of settings is required: "
+    changes = decode_as(await request.read(), dict[str, Any], prefix)
     reasons = []
     for name, value in changes.items():
         try:

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from events.errors import DomainError
 from executor.statestore import StateStore
+from infra import jsonbody
 from infra.eventstore import StoreError
 from services.surfaces.api.auth import PRINCIPAL, Principal, authenticate
 from services.surfaces.api.context import API, Api
@@ -105,7 +106,8 @@ def route(handler: Handler, *, public: bool = False) -> Handler:
 
 async def read_json(request: web.Request, *, limit: int = MAX_BODY) -> object:
     """The request's JSON body, read up to `limit` bytes (the app's own cap, 1 MiB, is
-    below the states the CLI sends); 413 beyond it, 422 if it is not JSON."""
+    below the states the CLI sends); 413 beyond it, 422 if it is not JSON, nests too deep
+    or repeats a key (infra/jsonbody.py)."""
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(64 * 1024):
@@ -114,6 +116,8 @@ async def read_json(request: web.Request, *, limit: int = MAX_BODY) -> object:
             raise TfeError(413, "body too large", f"the body passes {limit} bytes")
         chunks.append(chunk)
     try:
-        return msgspec.json.decode(b"".join(chunks))
+        return jsonbody.decode(b"".join(chunks))
     except msgspec.DecodeError as e:
         raise TfeError(422, "invalid body", f"the body is not JSON: {e}") from e
+    except jsonbody.BodyError as e:
+        raise TfeError(422, "invalid body", str(e)) from e

@@ -31,13 +31,14 @@ from aiohttp import web
 
 from events import chat as chat_agg
 from events.errors import Conflict
+from infra import jsonbody
 from infra.eventstore import Append
 from services.processes.chat import signing
 from services.processes.chat import text as tx
 from services.processes.chat.config import SIGNING_SECRET, ChatConfig, NotLinked, Who
 from services.surfaces.api.common import json_response
 from services.surfaces.api.context import API, Api
-from services.surfaces.api.problems import unauthorized
+from services.surfaces.api.problems import Problem, unauthorized
 from services.surfaces.webhooks.intake import INTAKE
 
 log = structlog.get_logger(__name__)
@@ -86,7 +87,8 @@ async def verified(request: web.Request, config: ChatConfig, kind: chat_agg.Kind
 
 def _fields(body: bytes, kind: chat_agg.Kind) -> dict[str, Any]:
     """The form fields (commands), or the `payload` JSON (interactions); unverified yet:
-    read only to find whose secret to try."""
+    read only to find whose secret to try. A payload no JSON reader should take (too
+    deep, a key repeated: infra/jsonbody.py) is a 400 and a warning, whoever signed it."""
     try:
         form = {k: v[0] for k, v in urllib.parse.parse_qs(body.decode(), max_num_fields=64).items()}
     except (UnicodeDecodeError, ValueError) as e:
@@ -94,7 +96,10 @@ def _fields(body: bytes, kind: chat_agg.Kind) -> dict[str, Any]:
     if kind == "command":
         return form
     try:
-        payload = msgspec.json.decode(form.get("payload", ""))
+        payload = jsonbody.decode(form.get("payload", "").encode())
+    except jsonbody.BodyError as e:
+        log.warning("slack_body_refused", reason=str(e))
+        raise Problem("invalid-body", f"the Slack payload is refused: {e}") from e
     except msgspec.DecodeError as e:
         raise unauthorized("the request has no Slack payload") from e
     if not isinstance(payload, dict):

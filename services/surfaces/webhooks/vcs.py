@@ -80,6 +80,7 @@ async def handle(request: web.Request) -> web.Response:
     try:
         change = payloads.parse(provider, event, body)
     except BadPayload as e:
+        log.warning("vcs_payload_refused", connection=conn.id, reason=str(e)[:200])
         raise Problem("invalid-body", str(e)) from e
     if change.kind in (payloads.PING, payloads.IGNORED):
         return _answer(delivery, change.reason or change.kind, [])
