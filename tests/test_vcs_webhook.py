@@ -24,6 +24,7 @@ from services.surfaces.webhooks import vcs as webhook
 from tests.api_support import Http
 from tests.helpers import eventually
 from tests.vcs_support import (
+    GITLAB_REPO,
     SECRET,
     V1,
     connection,
@@ -31,6 +32,7 @@ from tests.vcs_support import (
     fixture,
     github_repo,
     gitlab_repo,
+    heads_of,
     pushed,
     vhttp_fixture,
 )
@@ -243,7 +245,11 @@ async def test_gitlab_push_and_merge_request(vhttp: Http) -> None:
     lib = next(r["run_id"] for r in a.body["runs"] if r["workspace"] == "lib")
     run = (await vhttp.app.load_run("acme", "lib", lib)).state
     assert run.speculative and run.cause is not None and run.cause.pull_request == 1
-    # GitLab's Idempotency-Key names a delivery across its retries
+    # GitLab's Idempotency-Key names a delivery across its retries (of a push of its own:
+    # the first push again under a new delivery id is a duplicate)
+    newer = "0f" * 20
+    push.update(after=newer, checkout_sha=newer)
+    heads_of(vhttp).heads[(GITLAB_REPO, "refs/heads/master")] = newer
     key = {"Idempotency-Key": "k-1"}
     one = await deliver(vhttp, conn["id"], "Push Hook", push, provider="gitlab", headers=key)
     two = await deliver(vhttp, conn["id"], "Push Hook", push, provider="gitlab", headers=key)
