@@ -363,3 +363,32 @@ async def test_attack_a_hostile_payload_answers_a_problem_and_writes_nothing(
 async def test_a_delivery_without_its_id_is_refused(vhttp: Http, gh: dict[str, Any]) -> None:
     a = await deliver(vhttp, gh["conn"]["id"], "push", _push(["net/a.tf"]), delivery=" ")
     a.problem("invalid-header", 400)
+
+
+async def test_deliveries_are_listed_newest_first_a_page_on_and_to_their_organization_only(
+    vhttp: Http, gh: dict[str, Any]
+) -> None:
+    """A viewer of acme lists what each delivery did; `before` pages on; another
+    organization's admin finds neither acme nor its connection; a malformed cursor is a
+    400."""
+    conn_id = gh["conn"]["id"]
+    for d in ("d-1", "d-2", "d-3"):  # a push that concerns no workspace: recorded, no run
+        a = await deliver(vhttp, conn_id, "push", _push(["other/x.txt"]), delivery=d)
+        assert a.status == 200 and a.body["runs"] == [], a.body
+    path = f"{V1}/acme/vcs-connections/{conn_id}/deliveries"
+    listed = await vhttp.get(path, token=gh["tokens"]["viewer"])
+    assert [d["delivery"] for d in listed.body["items"]] == ["d-3", "d-2", "d-1"]
+    first = listed.body["items"][0]
+    assert (first["event"], first["ref"], first["commit"], first["runs"]) == (
+        "push",
+        "refs/heads/master",
+        HEAD,
+        [],
+    )
+    older = await vhttp.get(f"{path}?before={listed.body['items'][1]['seq']}")
+    assert [d["delivery"] for d in older.body["items"]] == ["d-1"]
+    (await vhttp.get(f"{path}?before=x")).problem("invalid-query", 400)
+    beta = await vhttp.org("beta")
+    theirs = f"{V1}/beta/vcs-connections/{conn_id}/deliveries"
+    (await vhttp.get(theirs, token=beta["admin"])).problem("not-found", 404)
+    (await vhttp.get(path, token=beta["admin"])).problem("not-found", 404)

@@ -146,8 +146,8 @@ class Deliveries:
         fresh: list[matching.Target] = []
         stale: list[str] = []
         for ts, marks in zip(by_repo.values(), verdicts, strict=True):
-            for t, ok in zip(ts, marks, strict=True):
-                (fresh.append(t) if ok else stale.append(t.workspace))
+            fresh += [t for t, ok in zip(ts, marks, strict=True) if ok]
+            stale += [t.workspace for t, ok in zip(ts, marks, strict=True) if not ok]
         return fresh, sorted(stale)
 
     async def _current(
