@@ -8,8 +8,11 @@ run's `run.created`.
 The workspaces are created through the real `App` (the read model folds them as it would
 any); each push is GitHub's own example payload (tests/fixtures/vcs/github/push.branch.json)
 with its repository, files and commit rewritten, signed, and sent to the real app
-(middlewares, signature, replay check, matching in the read model, `create_run` with
-derived ids) over loopback HTTP, one delivery at a time. A core subscription on the runs'
+(middlewares, signature, replay check, matching in the read model, the push checked
+against its branch's head by `git ls-remote`, its claim, `create_run` with derived ids)
+over loopback HTTP, one delivery at a time. Each push is a new commit of a local
+repository, which git reaches as `https://github.com/acme/net.git` (`url.insteadOf`), so
+the head check costs what a local `git ls-remote` does. A core subscription on the runs'
 subjects times each `run.created` against the start of its request. Prints one JSON line.
 Not a test: it is run by hand (the machine is shared)."""
 
@@ -20,6 +23,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -52,12 +56,39 @@ def percentile(times: list[float], p: float) -> float:
     return round(times[min(len(times) - 1, int(len(times) * p))], 2)
 
 
-def payload(n: int) -> bytes:
+def git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@example.com"}
+    env |= {"GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@example.com"}
+    done = subprocess.run(["git", *args], cwd=repo, env=env, check=True, capture_output=True)
+    return done.stdout.decode().strip()
+
+
+def repository(root: Path) -> Path:
+    """acme/net's master, as git reaches `REPO` from now on in this process."""
+    repo = root / "acme-net"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "master")
+    os.environ |= {
+        "GIT_CONFIG_COUNT": "1",
+        "GIT_CONFIG_KEY_0": f"url.{repo.as_uri()}.insteadOf",
+        "GIT_CONFIG_VALUE_0": REPO,
+    }
+    return repo
+
+
+def pushed(repo: Path, n: int) -> str:
+    (repo / "modules").mkdir(exist_ok=True)
+    (repo / "modules" / f"m{n}.tf").write_text(f"# {n}\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", f"m{n}")
+    return git(repo, "rev-parse", "HEAD")
+
+
+def payload(n: int, sha: str) -> bytes:
     data = json.loads(FIXTURE.read_text())
     data["repository"].update(
         full_name="acme/net", clone_url=REPO, html_url="https://github.com/acme/net"
     )
-    sha = f"{n:040x}"
     data.update(created=False, after=sha)
     data["head_commit"]["id"] = sha
     data["commits"] = [{**data["commits"][0], "added": [f"modules/m{n}.tf"], "modified": []}]
@@ -106,7 +137,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     await workspaces(app, conn, args.workspaces, args.matching)
                     fill_s = time.perf_counter() - t
                     assert await projector.wait_for(await app.store.last_seq(), timeout=60)
-                    result = await deliveries(client, nc, conn, args, server.pid)
+                    repo = repository(root)
+                    result = await deliveries(client, nc, conn, args, server.pid, repo)
             await nc.close()
     return {
         "workspaces": args.workspaces,
@@ -126,7 +158,12 @@ def cpu_s(pid: int | None) -> float:
 
 
 async def deliveries(
-    client: TestClient[Any, Any], nc: Any, conn: str, args: argparse.Namespace, nats_pid: int | None
+    client: TestClient[Any, Any],
+    nc: Any,
+    conn: str,
+    args: argparse.Namespace,
+    nats_pid: int | None,
+    repo: Path,
 ) -> dict[str, Any]:
     created: dict[str, float] = {}
 
@@ -138,7 +175,7 @@ async def deliveries(
     to_run: list[float] = []
     answers: list[float] = []
     for n in range(args.n + 2):  # the first two warm up
-        raw = payload(n + 1)
+        raw = payload(n + 1, pushed(repo, n + 1))  # the commit made before its clock starts
         hdrs = {
             "X-GitHub-Event": "push",
             "X-GitHub-Delivery": str(uuid.uuid4()),

@@ -285,7 +285,10 @@ def _others_own(event: OthersEvent) -> bool:
         ):
             return True
         case (  # VCS connections and the deliveries they accepted (events/vcs.py)
-            vcs.ConnectionSaved() | vcs.ConnectionDeleted() | vcs.DeliveryAccepted()
+            vcs.ConnectionSaved()
+            | vcs.ConnectionDeleted()
+            | vcs.DeliveryAccepted()
+            | vcs.PushClaimed()
         ):
             return True
         case RowSet() | CommentClaimed() | CommentLinked():  # the VCS reporter's own

@@ -10,6 +10,14 @@ secret and its token are write-only: events say only whether each is set (`has_s
 An accepted delivery is recorded on `rp.org.<org>.vcs.<id>.d.<digest of the delivery id>`
 with the runs it started, appended expecting that subject empty: a redelivery, through
 any replica and after any crash, finds it there and starts nothing.
+
+A push is one (connection, ref, commit), whatever delivery id brings it: the first
+delivery to start its runs claims it on `rp.org.<org>.vcs.<id>.p.<digest of ref and
+commit>` (`PushClaimed`, expecting that subject empty), so the same push under a new
+delivery id (a captured delivery replayed, GitHub's "Redeliver" of an old one) starts
+nothing and is recorded as a `duplicate`. A push whose commit is no longer where its
+ref is and does not move on from what its workspace applied is recorded as `stale`
+(services/processes/vcs/deliveries.py).
 """
 
 from __future__ import annotations
@@ -64,9 +72,26 @@ class DeliveryAccepted(Event, frozen=True, kw_only=True, tag="org.vcs_delivery_a
     ref: str = ""
     commit: str = ""
     runs: list[str] = []  # "<workspace>/<run id>"
+    # Why it started nothing although it was a push: `stale` (no workspace it concerns
+    # may run its commit now) or `duplicate` (another delivery brought this push first).
+    ignored: str = ""
+    stale: list[str] = []  # the workspaces it did not start: its commit is stale for them
+    duplicate_of: str = ""  # the delivery that claimed this push first (`duplicate`)
 
 
-VcsEvent = ConnectionSaved | ConnectionDeleted | DeliveryAccepted
+class PushClaimed(Event, frozen=True, kw_only=True, tag="org.vcs_push_claimed"):
+    """The first delivery to start the runs of one push (connection, ref, commit): any
+    other delivery of that push starts nothing."""
+
+    connection_id: str
+    ref: str
+    commit: str
+    delivery: str
+
+
+VcsEvent = ConnectionSaved | ConnectionDeleted | DeliveryAccepted | PushClaimed
+
+STALE, DUPLICATE = "stale", "duplicate"
 
 
 def connection_subject(org: str, connection_id: str) -> str:
@@ -90,6 +115,25 @@ def delivery_key(delivery: str) -> str:
 
 def delivery_subject(org: str, connection_id: str, delivery: str) -> str:
     return f"rp.org.{org}.vcs.{connection_id}.d.{delivery_key(delivery)}"
+
+
+def deliveries_subject(org: str, connection_id: str) -> str:
+    """Every delivery recorded for the connection."""
+    return f"rp.org.{org}.vcs.{connection_id}.d.*"
+
+
+def push_key(ref: str, commit: str) -> str:
+    """A subject-safe token for one push: a ref at a commit (both as the VCS sent them)."""
+    return "p" + hashlib.sha256(f"{ref}\n{commit}".encode()).hexdigest()[:40]
+
+
+def push_subject(org: str, connection_id: str, ref: str, commit: str) -> str:
+    return f"rp.org.{org}.vcs.{connection_id}.p.{push_key(ref, commit)}"
+
+
+def claimed_by(events: Sequence[Any]) -> str:
+    """The delivery that claimed a push, from the events of its subject ("" none)."""
+    return next((e.delivery for e in events if isinstance(e, PushClaimed)), "")
 
 
 # ---------------------------------------------------------------- commands
@@ -129,8 +173,8 @@ def evolve(state: ConnectionState, event: VcsEvent) -> ConnectionState:
             return msgspec.structs.replace(s, connection=event.connection)
         case ConnectionDeleted():
             return msgspec.structs.replace(s, deleted=True)
-        case DeliveryAccepted():
-            return s  # on the deliveries' own subjects
+        case DeliveryAccepted() | PushClaimed():
+            return s  # on the deliveries' and the pushes' own subjects
         case _:
             assert_never(event)
 

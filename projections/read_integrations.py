@@ -40,6 +40,14 @@ class Integrations:
         change may concern (`projections.vcs.bindings`)."""
         return await vcs.bindings(self._read.rows, org, connection_id, repo_keys, **narrow)
 
+    async def vcs_deliveries(
+        self, org: str, connection_id: str, *, before: int | None = None, limit: int = 100
+    ) -> list[dict[str, Any]]:
+        return await vcs.deliveries(self._read.rows, org, connection_id, before=before, limit=limit)
+
+    async def vcs_repositories(self, org: str, workspaces: Sequence[str]) -> dict[str, str]:
+        return await vcs.repositories(self._read.rows, org, workspaces)
+
     # ------------------------------------------------------------ chat-ops
 
     async def slack_orgs(self, team_id: str) -> list[str]:

@@ -8,7 +8,7 @@ from typing import Any
 import aiosqlite
 import msgspec
 
-from events.run import TERMINAL
+from events.run import TERMINAL, RunState
 from projections import changes, liveness, state_versions
 from projections.reader import Reader
 
@@ -25,6 +25,10 @@ _ACTIVE_IDS = (
 )
 # A run that just ended may still be its workspace's active run until it is released.
 _ENDED = ", ".join(f"'{s}'" for s in sorted(str(t) for t in TERMINAL))
+# A run that may have changed its workspace's resources: it applied, its apply finished
+# (a custom step after it may have failed), or it failed while applying.
+_APPLIED = "status = 'applied' OR apply_add IS NOT NULL OR (status = 'failed' AND phase = 'apply')"
+_state = msgspec.json.Decoder(RunState)
 _ENVELOPE = ("type", "at", "actor")
 _MAX_LIMIT = 1000
 
@@ -103,6 +107,29 @@ class Runs:
             (org, ws, limit),
         )
         return [r["id"] for r in rows]
+
+    async def applied_line(self, org: str, ws: str) -> list[str]:
+        """The commits a new apply of the workspace must descend from not to undo one:
+        that of its last run that applied (or failed while applying: it may have changed
+        something), and those of its apply and destroy runs not ended, which apply before
+        a run created now (a run of an uploaded configuration has none)."""
+        last = await self._read.row(
+            f"SELECT commit_sha FROM runs WHERE org = ? AND workspace = ? AND ({_APPLIED}) "
+            "AND commit_sha IS NOT NULL ORDER BY created_at DESC, id DESC LIMIT 1",
+            (org, ws),
+        )
+        coming = await self._read.rows(
+            "SELECT commit_sha, state_json FROM runs WHERE org = ? AND workspace = ? "
+            f"AND status NOT IN ({_ENDED}) AND type IN ('apply', 'destroy') LIMIT ?",
+            (org, ws, _MAX_LIMIT),
+        )
+        commits = [last["commit_sha"]] if last is not None else []
+        for r in coming:
+            state = _state.decode(r["state_json"]) if r["state_json"] else None
+            commit = r["commit_sha"] or (state.requested_commit if state else "")
+            if commit and commit not in commits:
+                commits.append(commit)
+        return commits
 
     async def events(self, org: str, run_id: str) -> list[dict[str, Any]]:
         """The run's own events in stream order; `data` is the payload without the envelope."""

@@ -20,7 +20,7 @@ import aiosqlite
 
 # (The board's tables, BOARD_TABLES, came without a bump: nothing of the events' fold
 # changed, and where they are missing they are created empty and folded from the start.)
-VERSION = 14
+VERSION = 15
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -311,6 +311,18 @@ VCS_BINDINGS = Table(  # workspaces bound to a VCS connection: what a webhook ma
     "trigger_tags_json TEXT",
     "run_type TEXT",
 )
+VCS_DELIVERIES = Table(  # each delivery a connection recorded, in stream order
+    "vcs_deliveries",
+    ("connection", "seq"),
+    "connection TEXT NOT NULL",
+    "seq INTEGER NOT NULL",
+    "org TEXT",
+    "delivery TEXT",
+    "at TEXT",
+    "event TEXT",
+    "ignored TEXT",  # "" acted on; stale | duplicate
+    "record_json TEXT",  # repository, ref, commit, runs, stale, duplicate_of
+)
 SKIPPED = Table(
     "skipped",
     ("seq",),
@@ -363,6 +375,7 @@ TABLES: tuple[Table, ...] = (
     SLACK_USERS,
     VCS_CONNECTIONS,
     VCS_BINDINGS,
+    VCS_DELIVERIES,
     SKIPPED,
 )
 BY_NAME = {t.name: t for t in TABLES}

@@ -57,7 +57,30 @@ def project_vcs(w: Working, meta: Meta, event: vcs.VcsEvent) -> None:
         case vcs.ConnectionDeleted():
             w.delete("vcs_connections", (event.connection_id,))
         case vcs.DeliveryAccepted():
-            pass  # the audit history holds it; nothing reads it back as a row
+            w.put("vcs_deliveries", _delivery_row(meta, event))
+        case vcs.PushClaimed():
+            pass  # the audit history holds it; the webhook reads its own subject
+
+
+def _delivery_row(meta: Meta, e: vcs.DeliveryAccepted) -> dict[str, Any]:
+    record = {
+        "repository": e.repository,
+        "ref": e.ref,
+        "commit": e.commit,
+        "runs": e.runs,
+        "stale": e.stale,
+        "duplicate_of": e.duplicate_of,
+    }
+    return {
+        "connection": e.connection_id,
+        "seq": meta.seq,
+        "org": meta.org,
+        "delivery": e.delivery,
+        "at": iso(e.at),
+        "event": e.event,
+        "ignored": e.ignored,
+        "record_json": _json.encode(record).decode(),
+    }
 
 
 def project_binding(w: Working, org: str, workspace: str, cfg: Workspace) -> None:
@@ -184,3 +207,55 @@ async def bindings(
 
 def _list(raw: str) -> list[str]:
     return [] if raw == "[]" else msgspec.json.decode(raw, type=list[str])
+
+
+MAX_DELIVERIES = 100  # listed at once
+
+
+async def deliveries(
+    q: Query, org: str, connection_id: str, *, before: int | None, limit: int
+) -> list[dict[str, Any]]:
+    """The connection's recorded deliveries, newest first (`before`: a `seq` of the
+    previous page), each with what it started or why it started nothing."""
+    where, params = "org = ? AND connection = ?", list[Any]([org, connection_id])
+    if before is not None:
+        where += " AND seq < ?"
+        params.append(before)
+    rows = await q(
+        "SELECT seq, delivery, at, event, ignored, record_json FROM vcs_deliveries "
+        f"WHERE {where} ORDER BY seq DESC LIMIT ?",
+        [*params, max(1, min(limit, MAX_DELIVERIES))],
+    )
+    out = []
+    for r in rows:
+        record = msgspec.json.decode(r["record_json"])
+        runs = [
+            dict(zip(("workspace", "run_id"), x.split("/", 1), strict=True)) for x in record["runs"]
+        ]
+        out.append(
+            {
+                "seq": r["seq"],
+                "delivery": r["delivery"],
+                "at": r["at"],
+                "event": r["event"],
+                "ignored": r["ignored"],
+                **record,
+                "runs": runs,
+            }
+        )
+    return out
+
+
+def _run_of(recorded: str) -> dict[str, str]:
+    workspace, _, run_id = recorded.partition("/")
+    return {"workspace": workspace, "run_id": run_id}
+
+
+async def repositories(q: Query, org: str, workspaces: Sequence[str]) -> dict[str, str]:
+    """The repository each of the workspaces names (the one its runs check out)."""
+    names = sorted(set(workspaces))
+    if not names:
+        return {}
+    marks = ", ".join("?" * len(names))
+    sql = f"SELECT name, repository FROM workspaces WHERE org = ? AND name IN ({marks})"
+    return {r["name"]: r["repository"] or "" for r in await q(sql, [org, *names])}

@@ -94,6 +94,7 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
     ("PATCH", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
     ("DELETE", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
+    ("GET", "/api/v1/orgs/{org}/vcs-connections/{connection}/deliveries"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/schedules"),
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/schedules"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}"),

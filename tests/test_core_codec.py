@@ -289,6 +289,14 @@ SAMPLES: list[Any] = [
         commit="6113728f27ae82c7b1a177c8d03f9e96e0adf246",
         runs=["net/01jh0000000000000000000000"],
     ),
+    vcs.PushClaimed(
+        at=AT,
+        actor="vcs:01jvcs",
+        connection_id="01jvcs",
+        ref="refs/heads/main",
+        commit="6113728f27ae82c7b1a177c8d03f9e96e0adf246",
+        delivery="72d3162e-cc78-11e3-81ab-4c9367dc0958",
+    ),
     vr.RowSet(
         at=AT,
         actor="vcs",
@@ -543,6 +551,28 @@ GOLDEN: list[tuple[bytes, Any]] = [
         b'{"type":"ws.unlocked","at":"2026-11-29T19:05:00Z","actor":"alice"}',
         WorkspaceUnlocked(at=datetime(2026, 11, 29, 19, 5, tzinfo=UTC), actor="alice"),
     ),
+    (
+        # a delivery recorded before stale and duplicate pushes were: it was acted on
+        b'{"type":"org.vcs_delivery_accepted","at":"2026-11-29T19:00:00Z","actor":"vcs:01jvcs",'
+        b'"connection_id":"01jvcs","delivery":"72d3162e-cc78-11e3-81ab-4c9367dc0958",'
+        b'"event":"push","repository":"acme/net","ref":"refs/heads/main",'
+        b'"commit":"6113728f27ae82c7b1a177c8d03f9e96e0adf246",'
+        b'"runs":["net/01jh0000000000000000000000"]}',
+        vcs.DeliveryAccepted(
+            at=datetime(2026, 11, 29, 19, tzinfo=UTC),
+            actor="vcs:01jvcs",
+            connection_id="01jvcs",
+            delivery="72d3162e-cc78-11e3-81ab-4c9367dc0958",
+            event="push",
+            repository="acme/net",
+            ref="refs/heads/main",
+            commit="6113728f27ae82c7b1a177c8d03f9e96e0adf246",
+            runs=["net/01jh0000000000000000000000"],
+            ignored="",
+            stale=[],
+            duplicate_of="",
+        ),
+    ),
 ]
 
 
@@ -553,6 +583,23 @@ GOLDEN: list[tuple[bytes, Any]] = [
 )
 def test_golden_past_events_still_decode_to_the_same_struct(stored: bytes, expected: Any) -> None:
     assert decode(stored) == expected
+
+
+def test_a_delivery_that_started_nothing_round_trips_with_why() -> None:
+    """A push stale for some workspaces and brought first by another delivery."""
+    event = vcs.DeliveryAccepted(
+        at=AT,
+        actor="vcs:01jvcs",
+        connection_id="01jvcs",
+        delivery="9a1f0c4e-cc78-11e3-81ab-4c9367dc0958",
+        event="push",
+        ref="refs/heads/main",
+        commit="6113728f27ae82c7b1a177c8d03f9e96e0adf246",
+        ignored=vcs.DUPLICATE,
+        stale=["db"],
+        duplicate_of="72d3162e-cc78-11e3-81ab-4c9367dc0958",
+    )
+    assert decode(encode(event)) == event
 
 
 def test_unknown_fields_in_a_stored_event_are_skipped_on_decode() -> None:

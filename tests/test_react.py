@@ -568,6 +568,13 @@ def _samples() -> list[tuple[Any, Any]]:
             "delivery": "d",
             "event": "push",
         },
+        {
+            "type": "org.vcs_push_claimed",
+            "connection_id": "c",
+            "ref": "refs/heads/main",
+            "commit": "6113728f27ae82c7b1a177c8d03f9e96e0adf246",
+            "delivery": "d",
+        },
         # the VCS reporter's (events/vcs_report.py): its own subjects, nothing for react
         {
             "type": "org.vcs_pr_row_set",

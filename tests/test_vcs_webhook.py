@@ -24,6 +24,7 @@ from services.surfaces.webhooks import vcs as webhook
 from tests.api_support import Http
 from tests.helpers import eventually
 from tests.vcs_support import (
+    GITLAB_REPO,
     SECRET,
     V1,
     connection,
@@ -31,6 +32,7 @@ from tests.vcs_support import (
     fixture,
     github_repo,
     gitlab_repo,
+    heads_of,
     pushed,
     vhttp_fixture,
 )
@@ -243,7 +245,11 @@ async def test_gitlab_push_and_merge_request(vhttp: Http) -> None:
     lib = next(r["run_id"] for r in a.body["runs"] if r["workspace"] == "lib")
     run = (await vhttp.app.load_run("acme", "lib", lib)).state
     assert run.speculative and run.cause is not None and run.cause.pull_request == 1
-    # GitLab's Idempotency-Key names a delivery across its retries
+    # GitLab's Idempotency-Key names a delivery across its retries (of a push of its own:
+    # the first push again under a new delivery id is a duplicate)
+    newer = "0f" * 20
+    push.update(after=newer, checkout_sha=newer)
+    heads_of(vhttp).heads[(GITLAB_REPO, "refs/heads/master")] = newer
     key = {"Idempotency-Key": "k-1"}
     one = await deliver(vhttp, conn["id"], "Push Hook", push, provider="gitlab", headers=key)
     two = await deliver(vhttp, conn["id"], "Push Hook", push, provider="gitlab", headers=key)
@@ -357,3 +363,32 @@ async def test_attack_a_hostile_payload_answers_a_problem_and_writes_nothing(
 async def test_a_delivery_without_its_id_is_refused(vhttp: Http, gh: dict[str, Any]) -> None:
     a = await deliver(vhttp, gh["conn"]["id"], "push", _push(["net/a.tf"]), delivery=" ")
     a.problem("invalid-header", 400)
+
+
+async def test_deliveries_are_listed_newest_first_a_page_on_and_to_their_organization_only(
+    vhttp: Http, gh: dict[str, Any]
+) -> None:
+    """A viewer of acme lists what each delivery did; `before` pages on; another
+    organization's admin finds neither acme nor its connection; a malformed cursor is a
+    400."""
+    conn_id = gh["conn"]["id"]
+    for d in ("d-1", "d-2", "d-3"):  # a push that concerns no workspace: recorded, no run
+        a = await deliver(vhttp, conn_id, "push", _push(["other/x.txt"]), delivery=d)
+        assert a.status == 200 and a.body["runs"] == [], a.body
+    path = f"{V1}/acme/vcs-connections/{conn_id}/deliveries"
+    listed = await vhttp.get(path, token=gh["tokens"]["viewer"])
+    assert [d["delivery"] for d in listed.body["items"]] == ["d-3", "d-2", "d-1"]
+    first = listed.body["items"][0]
+    assert (first["event"], first["ref"], first["commit"], first["runs"]) == (
+        "push",
+        "refs/heads/master",
+        HEAD,
+        [],
+    )
+    older = await vhttp.get(f"{path}?before={listed.body['items'][1]['seq']}")
+    assert [d["delivery"] for d in older.body["items"]] == ["d-1"]
+    (await vhttp.get(f"{path}?before=x")).problem("invalid-query", 400)
+    beta = await vhttp.org("beta")
+    theirs = f"{V1}/beta/vcs-connections/{conn_id}/deliveries"
+    (await vhttp.get(theirs, token=beta["admin"])).problem("not-found", 404)
+    (await vhttp.get(path, token=beta["admin"])).problem("not-found", 404)

@@ -22,7 +22,15 @@ from services.surfaces.webhooks.intake import DEADLINE_S, INTAKE, Intake, Limits
 from tests.api_support import Http, served
 from tests.bootstrap_support import built, options_for
 from tests.rawhttp_support import RawClient
-from tests.vcs_support import connection, deliver, fixture, github_repo, pushed
+from tests.vcs_support import (
+    EXAMPLES,
+    KnownHeads,
+    connection,
+    deliver,
+    fixture,
+    github_repo,
+    pushed,
+)
 
 REPO = "https://github.com/acme/net.git"
 SMALL = Limits(max_body=12 * 1024, concurrent=2, deadline_s=0.5)
@@ -32,7 +40,7 @@ SMALL = Limits(max_body=12 * 1024, concurrent=2, deadline_s=0.5)
 async def small(system: Plane, tmp_path: Path) -> AsyncIterator[tuple[Http, str, Intake]]:
     """The API with SMALL limits, acme's GitHub connection (its id) and workspace `net`
     on it, and the API's intake."""
-    knobs = {"webhook_limits": SMALL}
+    knobs = {"webhook_limits": SMALL, "vcs_heads": KnownHeads(EXAMPLES)}  # pushes: heads
     async with served(system, tmp_path / "rm.sqlite", "limits", **knobs) as (web_app, client):
         http = Http(client, web_app[API], system.app)
         await http.org("acme")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,44 @@ from services.app.commands import App
 from services.processes.vcs import signing
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
+from services.surfaces.webhooks.vcs import DELIVERIES
 from tests.api_support import Answer, Http, served
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vcs"
 V1 = "/api/v1/orgs"
 SECRET = "whsec-0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+GITHUB_REPO = "https://github.com/acme/net.git"
+GITLAB_REPO = "https://gitlab.example.com/acme/net.git"
+EXAMPLE_HEAD = "6113728f27ae82c7b1a177c8d03f9e96e0adf246"  # GitHub's push and tag examples'
+GITLAB_HEAD = "da1560886d4f094c3e6c9ef40349f7d38b5d27d7"  # GitLab's push example's
+
+
+class KnownHeads:
+    """A stand-in for what repositories answer (services/processes/vcs/heads.py `Heads`):
+    the head of each (repository, ref) the test says, "" for any other; no commit but a
+    head follows. The example payloads' commits are in no repository a test can make, so
+    the tests of matching and recording say their pushes are the heads (`EXAMPLES`); the
+    stale-push tests ask real git (tests/test_vcs_stale.py)."""
+
+    def __init__(self, heads: dict[tuple[str, str], str]) -> None:
+        self.heads = dict(heads)
+        self.asked: list[tuple[str, str]] = []
+
+    async def head(self, repository: str, ref: str) -> str:
+        self.asked.append((repository, ref))
+        return self.heads.get((repository, ref), "")
+
+    async def follows(
+        self, repository: str, ref: str, commit: str, lines: Sequence[Sequence[str]]
+    ) -> list[bool]:
+        return [False] * len(lines)
+
+
+EXAMPLES = {
+    (GITHUB_REPO, "refs/heads/master"): EXAMPLE_HEAD,
+    (GITHUB_REPO, "refs/tags/simple-tag"): EXAMPLE_HEAD,
+    (GITLAB_REPO, "refs/heads/master"): GITLAB_HEAD,
+}
 
 
 def fixture(name: str) -> dict[str, Any]:
@@ -28,9 +61,21 @@ def fixture(name: str) -> dict[str, Any]:
 
 @pytest.fixture(name="vhttp")
 async def vhttp_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Http]:
-    """The API with the sealed store (connections' secrets)."""
-    async with served(system, tmp_path / "rm.sqlite", "vcs-fixture") as (web_app, client):
+    """The API with the sealed store (connections' secrets); the example payloads' pushes
+    are their refs' heads (`KnownHeads(EXAMPLES)`, reached as `heads_of(vhttp)`)."""
+    heads = KnownHeads(EXAMPLES)
+    async with served(system, tmp_path / "rm.sqlite", "vcs-fixture", vcs_heads=heads) as (
+        web_app,
+        client,
+    ):
         yield Http(client, web_app[API], system.app)
+
+
+def heads_of(http: Http) -> KnownHeads:
+    """The stand-in the `vhttp` fixture's API asks."""
+    heads = http.client.app[DELIVERIES].heads
+    assert isinstance(heads, KnownHeads)
+    return heads
 
 
 async def connection(

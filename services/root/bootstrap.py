@@ -51,6 +51,7 @@ from services.processes.scheduler.scheduler import Scheduler
 from services.processes.schedules.loop import ScheduleLoop
 from services.processes.subscribers.context import SubscriberContext
 from services.processes.subscribers.host import Host
+from services.processes.vcs.heads import GitHeads
 from services.root.runtime import http_site
 from services.surfaces.api.app import build_app
 from services.surfaces.tfe import tls
@@ -163,6 +164,8 @@ class Plane:
             "webhook_limits": Limits(
                 max_body=self.opts.webhook_max_body, concurrent=self.opts.webhook_concurrency
             ),
+            # a push is started only if current: the API's own mirrors tell (never a job's)
+            "vcs_heads": GitHeads(self.opts.data_dir / "vcs-git", sources=self.repositories),
             **overrides,
         }
         if "admin_token" not in given:  # made once into the data directory if not given

@@ -78,10 +78,6 @@ async def apis_on_distinct_nodes(
     raise AssertionError(f"the apis share a node after 12 restarts: {nodes}")
 
 
-def sha(i: int) -> str:
-    return f"{i:040x}"
-
-
 def push_body(files: list[str], commit: str) -> bytes:
     """GitHub's push example on acme/net, complete, its one commit changing `files`."""
     data = pushed(github_repo(fixture("github/push.branch.json"), "acme/net"), files, commit)

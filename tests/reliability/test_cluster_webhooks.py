@@ -11,6 +11,13 @@ recorded once, naming them all; no answer but 200, 503 or none (a fault's), and 
 only until shortly after the node's return; both read models hold the stream's runs.
 The summary (recovery times, duplicates, runs lost) is printed and written to
 `last_cluster_webhooks.json` in the test's temporary directory.
+
+Each delivery pushes a commit of its own, made on acme/net's master as it is sent (a
+real repository the api processes' git reaches as `https://github.com/acme/net.git`,
+tests/vcs_git_support.py), so a push is current when runplane looks. The workspaces plan
+(`vcs_run_type: plan`): a delivery redelivered after a newer one started runs is still
+on the branch and undoes nothing, so it starts its own; for workspaces that apply it
+would be stale (tests/test_vcs_stale.py), which is not what this test is about.
 """
 
 from __future__ import annotations
@@ -45,9 +52,9 @@ from tests.reliability.cluster_events_support import (
     kill_components,
     kill_leader,
     push_body,
-    sha,
     write_summary,
 )
+from tests.vcs_git_support import commit, origin, redirect
 from tests.vcs_support import SECRET
 
 REPO = "https://github.com/acme/net.git"
@@ -75,14 +82,14 @@ HOOKS_FULL = HookScenario(deliveries=30, pace=0.5, rounds=3, down_s=3.0)
 
 
 @pytest.mark.slow
-async def test_cluster_webhooks_short(tmp_path: Path) -> None:
-    await cluster_webhooks(tmp_path, HOOKS_SHORT)
+async def test_cluster_webhooks_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    await cluster_webhooks(tmp_path, HOOKS_SHORT, monkeypatch)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-async def test_cluster_webhooks_full(tmp_path: Path) -> None:
-    await cluster_webhooks(tmp_path, HOOKS_FULL)
+async def test_cluster_webhooks_full(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    await cluster_webhooks(tmp_path, HOOKS_FULL, monkeypatch)
 
 
 async def _setup_vcs(api: Api) -> str:
@@ -95,6 +102,7 @@ async def _setup_vcs(api: Api) -> str:
     )
     for name, directory in WORKSPACES.items():
         body = {"name": name, "repository": REPO, "branch": "master", "directory": directory}
+        body["vcs_run_type"] = "plan"
         await api.ok(
             "POST", f"/api/v1/orgs/{ORG}/workspaces", body | {"vcs_connection": conn["id"]}
         )
@@ -102,25 +110,30 @@ async def _setup_vcs(api: Api) -> str:
 
 
 async def _deliveries(
-    hooks: Hooks, sc: HookScenario, bodies: dict[str, bytes], done: asyncio.Event
+    hooks: Hooks, sc: HookScenario, bodies: dict[str, bytes], done: asyncio.Event, repo: Path
 ) -> list[list[Sent]]:
-    """One new delivery every `pace` s, each to every api at once, until `sc.deliveries`
-    were sent and the faults are over, and AFTER more since; every one redelivered until
-    accepted."""
+    """One new delivery every `pace` s, each of a new commit on `repo`'s master and to
+    every api at once, until `sc.deliveries` were sent and the faults are over, and AFTER
+    more since; every one redelivered until accepted."""
     sending = []
     i, after = 0, 0
     while i < sc.deliveries or after < AFTER:
         after += done.is_set()
         d = f"delivery-{i:03d}"
-        bodies[d] = push_body(CHANGED, sha(i + 1))
+        sha = await asyncio.to_thread(commit, repo, {CHANGED[0]: f"# {d}\n"})
+        bodies[d] = push_body(CHANGED, sha)
         sending.append(asyncio.create_task(hooks.to_all(d, bodies[d])))
         i += 1
         await asyncio.sleep(sc.pace)
     return list(await asyncio.gather(*sending))
 
 
-async def cluster_webhooks(tmp_path: Path, sc: HookScenario) -> None:
+async def cluster_webhooks(
+    tmp_path: Path, sc: HookScenario, monkeypatch: pytest.MonkeyPatch
+) -> None:
     started = time.monotonic()
+    repo = origin(tmp_path)
+    redirect(monkeypatch, repo)  # before the api processes start: they inherit it
     nats_side = ClusterNats(NatsCluster(tmp_path / "cluster", size=3))
     await nats_side.start()
     apis, bases, nodes = await apis_on_distinct_nodes(tmp_path / "plane", nats_side)
@@ -133,7 +146,7 @@ async def cluster_webhooks(tmp_path: Path, sc: HookScenario) -> None:
         hooks = Hooks(bases, conn)
         bodies: dict[str, bytes] = {}
         done = asyncio.Event()
-        sender = asyncio.create_task(_deliveries(hooks, sc, bodies, done))
+        sender = asyncio.create_task(_deliveries(hooks, sc, bodies, done, repo))
         kills = []
         for _ in range(sc.rounds):
             accepted = sum(s.status == 200 for s in hooks.sent) + 2 * 2

@@ -315,16 +315,21 @@ def _path(path: str) -> str:
     return path
 
 
-def _ref_name(name: str, what: str) -> str:
-    """A branch or tag name as git allows them (check-ref-format), or BadPayload."""
-    if (
+def valid_ref_name(name: str) -> bool:
+    """Whether `name` is a branch or tag name as git allows them (check-ref-format)."""
+    return not (
         not name
         or len(name) > MAX_REF
         or _REF_BAD.search(name)
         or name.startswith(("/", ".", "-"))
         or name.endswith(("/", ".", ".lock"))
         or not name.isprintable()
-    ):
+    )
+
+
+def _ref_name(name: str, what: str) -> str:
+    """A branch or tag name as git allows them, or BadPayload."""
+    if not valid_ref_name(name):
         raise BadPayload(f"{what} {_shown(name)} is not a valid git ref name")
     return name
 

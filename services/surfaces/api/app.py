@@ -16,6 +16,8 @@ from projections.projector import Projector
 from services.app.commands import App
 from services.app.repositories import Sources
 from services.app.secrets import SecretStore
+from services.processes.vcs.deliveries import Deliveries
+from services.processes.vcs.heads import GitHeads, Heads
 from services.surfaces.api import (
     changes,
     chat,
@@ -46,6 +48,7 @@ from services.surfaces.api.middleware import MIDDLEWARES
 from services.surfaces.api.paths import ORG, V1, WS
 from services.surfaces.tfe import routes as tfe
 from services.surfaces.ui import app as ui
+from services.surfaces.webhooks import vcs as vcs_webhook
 from services.surfaces.webhooks.intake import INTAKE, Intake, Limits
 
 
@@ -94,6 +97,7 @@ def build_app(
     behind_tls_proxy: bool = False,
     browser_login: bool = True,
     webhook_limits: Limits | None = None,
+    vcs_heads: Heads | None = None,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -105,6 +109,8 @@ def build_app(
     web UI believes X-Forwarded-Proto (services/surfaces/ui/sessions.py). `browser_login` False:
     `terraform login` is not offered login.v1 (services/surfaces/tfe/discovery.py).
     `webhook_limits`: what an unproven webhook body may cost (services/surfaces/webhooks/intake.py).
+    `vcs_heads`: what a webhook's push is checked against (services/processes/vcs/heads.py);
+    without it, git with no mirror: only a push of its ref's head starts runs.
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -114,6 +120,8 @@ def build_app(
     if repositories is not None:
         web_app[orgs.SOURCES] = repositories
     web_app[policies_api.SANDBOX] = policy_sandbox or PolicySandbox()
+    heads = vcs_heads or GitHeads(None, sources=repositories)
+    web_app[vcs_webhook.DELIVERIES] = Deliveries(app, projector, heads)
     web_app[OPENAPI] = openapi.document()
     web_app[INTAKE] = Intake(webhook_limits or Limits())
     web_app[metrics.METRICS] = deployment_metrics = Metrics(app.store.nc, projector.db_path)

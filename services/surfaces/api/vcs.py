@@ -3,7 +3,12 @@
 `POST .../vcs-connections` `{"name", "provider": "github" | "gitlab", "api_url"?,
 "webhook_secret", "token"?}` creates one (admin; 201), `GET` lists them (viewer),
 `GET|PATCH|DELETE .../vcs-connections/{id}` reads, changes (only the fields given) and
-deletes one. The webhook secret and the token are write-only: sealed into the secrets
+deletes one; `GET .../vcs-connections/{id}/deliveries` (viewer) lists the deliveries it
+recorded, newest first, 100 a page (`?before=<seq>` the next): the runs each started, or
+why it started nothing (`stale`: its commit was not current for the workspaces it names
+in `stale`; `duplicate`: `duplicate_of` brought the same push first).
+
+The webhook secret and the token are write-only: sealed into the secrets
 bucket (services/processes/vcs/connections.py), never answered; `has_secret` / `has_token` say
 whether each is set (`"token": ""` in a PATCH removes it). `api_url` defaults to the
 provider's public API; another (GitHub Enterprise, a self-hosted GitLab) is any http(s)
@@ -209,6 +214,17 @@ async def delete_connection(request: web.Request) -> web.Response:
     return web.Response(status=204, headers={SEQ_HEADER: str(seq)})
 
 
+async def list_deliveries(request: web.Request) -> web.Response:
+    api, org, _ = scope(request, VIEWER)
+    connection_id = path_id(request, "connection")
+    await _found(api, org, connection_id)
+    raw = request.query.get("before")
+    if raw is not None and not (raw.isdigit() and 0 < int(raw) < 2**63):
+        raise Problem("invalid-query", "before must be the seq of a listed delivery")
+    before = int(raw) if raw is not None else None
+    return items(await api.read.integrations.vcs_deliveries(org, connection_id, before=before))
+
+
 async def check_binding(api: Api, org: str, connection_id: str) -> None:
     """A workspace may name only a connection of its own organization (that exists): a
     workspace of org A bound to org B's connection would run on B's webhooks, and one
@@ -230,6 +246,7 @@ def routes(org: str) -> list[web.RouteDef]:
         web.get(one, get_connection, allow_head=False),
         web.patch(one, patch_connection),
         web.delete(one, delete_connection),
+        web.get(one + "/deliveries", list_deliveries, allow_head=False),
         web.post(WEBHOOK, webhook.handle),
     ]
 
@@ -252,18 +269,40 @@ _CONNECTION: Doc = {
         "updated_at": {"type": ["string", "null"]},
     },
 }
+_RUN = {"type": "object", "properties": {"workspace": STR, "run_id": STR, "existed": BOOL}}
+_STALE: Doc = {
+    "type": "array",
+    "items": STR,
+    "description": "workspaces not started: the commit was not current for them",
+}
 _DELIVERY: Doc = {
     "type": "object",
     "properties": {
         "delivery": STR,
-        "ignored": {**STR, "description": "why nothing started (a replay, a ping, ...)"},
-        "runs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {"workspace": STR, "run_id": STR, "existed": BOOL},
-            },
+        "ignored": {
+            **STR,
+            "description": "why nothing started (replay, stale, duplicate, a ping, ...)",
         },
+        "runs": {"type": "array", "items": _RUN},
+        "stale": _STALE,
+        "duplicate_of": {**STR, "description": "the delivery that brought this push first"},
+    },
+}
+_RECORDED: Doc = {
+    "type": "object",
+    "required": ["seq", "delivery", "at", "event", "ignored", "runs"],
+    "properties": {
+        "seq": {"type": "integer"},
+        "delivery": STR,
+        "at": STR,
+        "event": {**STR, "description": "push, tag or pull_request"},
+        "ignored": {**STR, "description": '"", stale or duplicate'},
+        "repository": STR,
+        "ref": STR,
+        "commit": STR,
+        "runs": {"type": "array", "items": _RUN},
+        "stale": _STALE,
+        "duplicate_of": STR,
     },
 }
 SCHEMAS: dict[str, Doc] = {
@@ -271,8 +310,19 @@ SCHEMAS: dict[str, Doc] = {
     "VcsConnection": _CONNECTION,
     "VcsConnectionList": list_of("VcsConnection"),
     "VcsDelivery": _DELIVERY,
+    "VcsRecordedDelivery": _RECORDED,
+    "VcsRecordedDeliveryList": list_of("VcsRecordedDelivery"),
 }
-PARAMETERS: dict[str, Doc] = {"connection": path_param("connection", "VCS connection id")}
+PARAMETERS: dict[str, Doc] = {
+    "connection": path_param("connection", "VCS connection id"),
+    "delivery_before": {
+        "name": "before",
+        "in": "query",
+        "required": False,
+        "description": "only deliveries older than this one (the `seq` of the last of a page)",
+        "schema": {"type": "integer", "minimum": 1},
+    },
+}
 
 
 def _body(name: str) -> Doc:
@@ -324,6 +374,14 @@ PATHS: dict[str, Doc] = {
             "responses": {"204": {"description": "deleted"}, **problems(403, 404, 422)},
         },
     },
+    "/api/v1/orgs/{org}/vcs-connections/{connection}/deliveries": {
+        "get": {
+            "operationId": "listVcsDeliveries",
+            "summary": "The deliveries a VCS connection recorded, newest first",
+            "parameters": [*_ONE, {"$ref": "#/components/parameters/delivery_before"}],
+            "responses": {"200": ok("VcsRecordedDeliveryList"), **problems(400, 403, 404, 422)},
+        },
+    },
     WEBHOOK: {
         "post": {
             "operationId": "vcsWebhook",
@@ -332,7 +390,7 @@ PATHS: dict[str, Doc] = {
             "parameters": [{"$ref": "#/components/parameters/connection"}],
             "responses": {
                 "200": ok("VcsDelivery"),
-                **problems(400, 401, 408, 413, 503),
+                **problems(400, 401, 408, 413, 422, 503),
             },
         },
     },
