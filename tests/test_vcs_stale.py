@@ -72,8 +72,11 @@ class Site:
         return event
 
     async def listed(self) -> list[dict[str, Any]]:
-        """The deliveries as the API lists them, newest first."""
-        a = await self.http.get(f"{V1}/{ORG}/vcs-connections/{self.conn}/deliveries")
+        """The deliveries as the API lists them, newest first (read at or past the last
+        write: the projection may lag the stream)."""
+        at_least = {"RP-Min-Seq": str(await self.last_seq())}
+        url = f"{V1}/{ORG}/vcs-connections/{self.conn}/deliveries"
+        a = await self.http.get(url, headers=at_least)
         assert a.status == 200, a.body
         return a.body["items"]  # type: ignore[no-any-return]  # JSON list
 
