@@ -475,12 +475,7 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
     try:
         await wait_healthy(base)
         await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
-        commit(repo, main)
-        await client.ok("POST", f"{V1}/workspaces", {"name": "net", "repository": str(repo)})
-        run = await client.ok("POST", f"{V1}/workspaces/net/runs", {"type": "apply"})
-        planned = await client.wait_status("acme", run["id"], {"awaiting_approval", "failed"})
-        assert planned["status"] == "awaiting_approval", planned.get("error_message")
-        await client.ok("POST", f"{V1}/runs/{run['id']}/approve", {"acknowledged": []})
+        await _approved_apply(client, repo, main)
 
         async def started() -> int:
             text = daemon_pid.read_text().strip() if daemon_pid.exists() else ""
@@ -492,11 +487,7 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
         job = _pids_of(_uid_of(daemon))  # terraform, the provider, the provisioner, sleeps
         terraform = [p for p in job if _cmdline(p).split(b"\0")[0].endswith(b"/terraform")]
         assert terraform, "terraform runs as the job's uid"
-        first.kill()
-        nats = nats_servers_using(data)
-        await asyncio.wait_for(first.proc.wait(), 10) if first.proc else None
-        for pid in nats:  # the embedded server is not under test here
-            os.kill(pid, signal.SIGKILL)
+        await _kill_up(first, data)
 
         async def terraform_gone() -> bool:
             return not [p for p in terraform if _alive(p)]
@@ -517,6 +508,28 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
         assert not [p for p in job if _alive(p)], "nor anything else of the job"
     finally:
         await second.stop(signal.SIGTERM)
+
+
+async def _approved_apply(client: Client, repo: Path, main_tf: str) -> set[int]:
+    """Workspace `net` on `main_tf`, an apply planned and approved; the job uids'
+    processes from before the approval (another test's may linger)."""
+    commit(repo, main_tf)
+    await client.ok("POST", f"{V1}/workspaces", {"name": "net", "repository": str(repo)})
+    run = await client.ok("POST", f"{V1}/workspaces/net/runs", {"type": "apply"})
+    planned = await client.wait_status("acme", run["id"], {"awaiting_approval", "failed"})
+    assert planned["status"] == "awaiting_approval", planned.get("error_message")
+    earlier = set(_job_pids())
+    await client.ok("POST", f"{V1}/runs/{run['id']}/approve", {"acknowledged": []})
+    return earlier
+
+
+async def _kill_up(up: Proc, data: Path) -> None:
+    """kill -9 of `runplane up`, and of its embedded NATS (not under test here)."""
+    up.kill()
+    nats = nats_servers_using(data)
+    await asyncio.wait_for(up.proc.wait(), 10) if up.proc else None
+    for pid in nats:
+        os.kill(pid, signal.SIGKILL)
 
 
 def _provisioned(command: str) -> str:
@@ -567,13 +580,7 @@ async def test_a_sandboxed_terraform_stops_gracefully_with_its_executor_and_noth
     try:
         await wait_healthy(base)
         await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
-        commit(repo, _provisioned(cmd))
-        await client.ok("POST", f"{V1}/workspaces", {"name": "net", "repository": str(repo)})
-        run = await client.ok("POST", f"{V1}/workspaces/net/runs", {"type": "apply"})
-        planned = await client.wait_status("acme", run["id"], {"awaiting_approval", "failed"})
-        assert planned["status"] == "awaiting_approval", planned.get("error_message")
-        earlier = set(_job_pids())
-        await client.ok("POST", f"{V1}/runs/{run['id']}/approve", {"acknowledged": []})
+        earlier = await _approved_apply(client, repo, _provisioned(cmd))
 
         async def sleeping() -> list[int]:
             mine = [p for p in _job_pids() if p not in earlier]  # another test's may linger
@@ -585,11 +592,7 @@ async def test_a_sandboxed_terraform_stops_gracefully_with_its_executor_and_noth
         job = [p for p in _job_pids() if p not in earlier]
         terraform = [p for p in job if _cmdline(p).split(b"\0")[0].endswith(b"/terraform")]
         assert terraform, "terraform runs as the job's uid"
-        first.kill()
-        nats = nats_servers_using(data)
-        await asyncio.wait_for(first.proc.wait(), 10) if first.proc else None
-        for pid in nats:  # the embedded server is not under test here
-            os.kill(pid, signal.SIGKILL)
+        await _kill_up(first, data)
 
         async def all_gone() -> bool:
             return not [p for p in job if _alive(p)]

@@ -7,8 +7,6 @@ executor would report it. Holds no tests itself."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +15,8 @@ import pytest
 from events.run import ClaimPhase, FinishApply, FinishPlan, FinishStep, StartStep
 from events.values import PlanSummary
 from services.app.commands import App
+from tests.executor_support import git
 from tests.vcs_support import GITHUB_REPO, fixture, github_repo, pushed
-
-_ENV = {
-    "GIT_AUTHOR_NAME": "t",
-    "GIT_AUTHOR_EMAIL": "t@example.com",
-    "GIT_COMMITTER_NAME": "t",
-    "GIT_COMMITTER_EMAIL": "t@example.com",
-}
-
-
-def git(repo: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", *args],
-        cwd=repo,
-        env={**os.environ, **_ENV},
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return done.stdout.strip()
 
 
 def origin(root: Path) -> Path:
