@@ -1,17 +1,21 @@
-"""Taking work: a pool's dispatch messages, fetched one at a time, and the claim of each.
+"""Taking work: a pool's dispatch messages, organizations in turn, and the claim of each.
 
 The claim (`ClaimPhase`, an optimistic append on the run) decides who runs a phase; the
-message is acked once the claim is decided either way (executor/worker.py).
+message is deleted once the claim is decided either way (executor/worker.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
-import nats.errors
+import msgspec
+import nats.js.errors
 import structlog
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
 from events.errors import DomainError
@@ -19,19 +23,40 @@ from events.run import ClaimPhase, FailRun, RunState
 from events.wire import Dispatch
 from executor.job import Job
 from executor.ports import RunLedger
+from executor.turns import Slots, Turns, Waiting
 from infra.ids import new_id
-from infra.streams import DISPATCH, ensure_executor_consumer, executor_consumer
+from infra.streams import DISPATCH, DISPATCHES, dispatch_subject, pool_subjects
 
 log = structlog.get_logger(__name__)
+
+NO_MESSAGE = 10057  # JetStream's error code for a delete of a message already gone
 
 # A claimed phase's Job: its directory and identity (the executor's `_job`).
 StartJob = Callable[[Dispatch, str, RunState], Job]
 
 
+class Taken(msgspec.Struct, frozen=True):
+    """A dispatch message as read from the pool's queue: it stays there until the claim
+    it calls for is decided (`Intake.claim`), so an executor killed before then leaves
+    it to the next."""
+
+    seq: int
+    org: str
+    data: bytes
+    headers: dict[str, str]
+
+
 class Intake:
-    """The dispatched phases of one pool, taken one at a time: fetched from the pool's
-    consumer (`open()` binds it) and claimed under a fresh lease. Once `stopping` is set,
-    nothing more is taken."""
+    """The dispatched phases of one pool, taken one at a time, organizations in turn.
+
+    Each organization's phases wait on a subject of their own (`rp.dispatch.<pool>.<org>`,
+    infra/streams.py); when this executor has room it counts them by subject, asks its
+    `Turns` (executor/turns.py) whose turn it is, reads that organization's oldest
+    message from the stream's leader and claims its phase under a fresh lease. The claim
+    decides; the message is deleted once it is decided either way. Executors of a pool
+    racing for one message both try to claim it and the loser moves on. A plain
+    subscription to the pool's subjects wakes a waiting executor as soon as one is
+    published. Once `stopping` is set, nothing more is taken."""
 
     def __init__(
         self,
@@ -40,52 +65,126 @@ class Intake:
         pool: str,
         executor_id: str,
         stopping: asyncio.Event,
-        *,
         fetch_timeout: float,
+        nc: NATS | None = None,
+        turns: Turns | None = None,
+        slots: Slots | None = None,
     ) -> None:
         self.js = js
+        self.nc = nc
         self.app = app
         self.pool = pool
         self.executor_id = executor_id
         self._stopping = stopping
         self.fetch_timeout = fetch_timeout
-        self._sub: JetStreamContext.PullSubscription | None = None
+        self.turns = turns or Turns()
+        self.slots = slots or Slots()
+        self._wake = asyncio.Event()
+        self._subs: list[Subscription] = []
+        self._held: set[int] = set()  # taken here, their claims not yet decided
+        self._later: dict[int, float] = {}  # not before (loop time), after a retryable refusal
 
     async def open(self) -> None:
-        """Bind the pool's shared pull consumer (`infra.streams`), added first."""
-        await ensure_executor_consumer(self.js, self.pool)
-        self._sub = await self.js.pull_subscribe_bind(
-            durable=executor_consumer(self.pool), stream=DISPATCH
-        )
+        """Listen for the pool's dispatches (a wake-up only: the stream is the truth)."""
+        if self.nc is None:
+            return
+
+        async def wake(_: Msg) -> None:
+            self._wake.set()
+
+        for subject in (dispatch_subject(self.pool), pool_subjects(self.pool)):
+            self._subs.append(await self.nc.subscribe(subject, cb=wake))
 
     async def close(self) -> None:
-        """Unbind it (nothing if it was never bound)."""
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+        for sub in self._subs:
+            await sub.unsubscribe()
+        self._subs.clear()
 
-    async def next(self) -> Msg | None:
-        """One dispatch message, or None when there was none (or we are stopping)."""
+    async def next(self) -> Taken | None:
+        """The next phase to claim, organizations in turn; None when there was none
+        within `fetch_timeout` (or we are stopping)."""
         if self._stopping.is_set():
             return None
-        assert self._sub is not None
+        self._wake.clear()  # before the read: a dispatch published after it wakes us
         try:
-            msgs = await self._sub.fetch(1, timeout=self.fetch_timeout)
-        except nats.errors.TimeoutError:
-            return None
+            taken = await self._take()
         except Exception as e:  # keep taking work through broker hiccups
             log.warning("fetch_failed", error=repr(e))
             await asyncio.sleep(1)
             return None
-        if self._stopping.is_set():
-            for m in msgs:  # hand it straight to another executor
-                await m.nak()
+        if taken is None and not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._pause())
             return None
-        return msgs[0] if msgs else None
+        if taken is not None and self._stopping.is_set():
+            self._held.discard(taken.seq)  # left where it is, for another executor
+            self.slots.gave_back(taken.org)
+            return None
+        return taken
 
-    async def claim(self, msg: Msg, d: Dispatch, start: StartJob) -> Job | None:
-        """Claim the phase under a fresh lease; ack the message whatever the claim decided.
-        `start` makes the claimed phase's Job."""
+    def _pause(self) -> float:
+        now = asyncio.get_running_loop().time()
+        soonest = min(self._later.values(), default=now + self.fetch_timeout)
+        return max(0.05, min(self.fetch_timeout, soonest - now))
+
+    async def _take(self) -> Taken | None:
+        info = await self.js.stream_info(DISPATCH, subjects_filter=DISPATCHES)
+        waiting = Waiting.of(info.state.subjects or {}, dispatch_subject(self.pool))
+        now = asyncio.get_running_loop().time()
+        self.slots.saw(waiting.counts, now)
+        for org in self.turns.order(waiting.counts):
+            if org and not self.slots.room(org, now):
+                continue
+            taken = await self._oldest(org)
+            if taken is not None:
+                self.turns.served(org)
+                self.slots.took(org)  # until `finished`, or given back if not claimed
+                self._held.add(taken.seq)
+                return taken
+        return None
+
+    async def _oldest(self, org: str) -> Taken | None:
+        """The organization's oldest message not in hand here nor put off."""
+        subject = dispatch_subject(self.pool, org) if org else dispatch_subject(self.pool)
+        now = asyncio.get_running_loop().time()
+        self._later = {s: t for s, t in self._later.items() if t > now}
+        seq = 1
+        while True:
+            try:
+                got = await self.js.get_msg(DISPATCH, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                return None
+            at = got.seq or seq
+            if at in self._held or at in self._later:
+                seq = at + 1
+                continue
+            return Taken(at, org, got.data or b"", dict(got.headers or {}))
+
+    async def drop(self, taken: Taken) -> None:
+        """Delete a message (its claim is decided, or it is not a dispatch); held here
+        until it is gone, so this executor does not take it twice meanwhile."""
+        try:
+            await self.js.delete_msg(DISPATCH, taken.seq)
+        except nats.js.errors.Error as e:
+            if getattr(e, "err_code", 0) != NO_MESSAGE:  # else another executor's was first
+                log.warning("dispatch_not_deleted", error=repr(e))  # its claim is refused next
+        finally:
+            self._held.discard(taken.seq)
+
+    def finished(self, taken: Taken) -> None:
+        """What `next` returned is done with (its claim refused, or its phase ended): its
+        organization's slot here is free again."""
+        self.slots.gave_back(taken.org)
+        self._wake.set()
+
+    def _put_off(self, taken: Taken, delay: float) -> None:
+        self._held.discard(taken.seq)
+        self._later[taken.seq] = asyncio.get_running_loop().time() + delay
+
+    async def claim(self, taken: Taken, d: Dispatch, start: StartJob) -> Job | None:
+        """Claim the phase under a fresh lease; delete the message whatever the claim
+        decided (a retryable refusal puts it off instead). `start` makes the claimed
+        phase's Job."""
         lease_id = new_id()
         claim = ClaimPhase(
             actor=f"executor:{self.executor_id}",
@@ -97,16 +196,16 @@ class Intake:
             result = await self.app.run_command(d.org, d.workspace, d.run_id, claim)
         except DomainError as e:
             if e.retryable:
-                await msg.nak(delay=1)
+                self._put_off(taken, 1)
                 return None
             log.info("dispatch_dropped", why=e.code, detail=str(e))
-            await msg.ack()
+            await self.drop(taken)
             return None
         except Exception as e:
             log.warning("claim_failed_will_retry", error=repr(e))
-            await msg.nak(delay=2)
+            self._put_off(taken, 2)
             return None
-        await _ack(msg)  # the claim is ours even if this ack is lost: run the phase
+        await self.drop(taken)  # the claim is ours even if this delete is lost: run it
         log.info("phase_claimed", lease_id=lease_id)
         try:
             return start(d, lease_id, result.state)
@@ -123,10 +222,3 @@ class Intake:
             except Exception:
                 log.exception("phase_failure_not_reported")
             return None
-
-
-async def _ack(msg: Msg) -> None:
-    try:
-        await msg.ack()
-    except Exception as e:  # redelivery is harmless: a second claim is refused
-        log.warning("ack_failed", error=repr(e))

@@ -1,8 +1,9 @@
-"""The executor process: pull dispatched phases of a pool, claim them, run them, heartbeat.
+"""The executor process: take dispatched phases of a pool, claim them, run them, heartbeat.
 
 A dispatch message only says "this phase of this run waits"; the claim (`ClaimPhase`, an
-optimistic append on the run) decides who runs it. The message is acked once the claim
-is decided either way, so a claimed phase is never handed to a second executor and an
+optimistic append on the run) decides who runs it. Organizations take turns
+(executor/intake.py, executor/turns.py). The message is deleted once the claim is decided
+either way, so a claimed phase is never handed to a second executor and an
 apply runs at most once. An executor that dies mid-phase stops heartbeating; the reaper
 fails the run with `executor_unavailable`.
 """
@@ -22,7 +23,6 @@ from types import TracebackType
 
 import structlog
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from events import wire
@@ -34,13 +34,14 @@ from executor import terraform as tf
 from executor.context import PhaseContext
 from executor.custody import Custody, Vault
 from executor.git import GitCache
-from executor.intake import Intake
+from executor.intake import Intake, Taken
 from executor.isolation import Isolation, Jail
 from executor.job import STOPPED, Job, Tools
 from executor.jobfiles import private_dir, remove_tree
 from executor.objects import Objects
 from executor.ports import RepositoryRules, RunLedger
 from executor.runner import PhaseRunner
+from executor.turns import Slots, Turns
 from infra import tracing
 from infra.crypto import KeyRing
 from infra.heartbeats import Board
@@ -81,6 +82,9 @@ class Executor:
     (removed when it ends) and what the jobs run under `tools/`. `isolation` (a mode of
     executor/isolation.py, or an `Isolation`) is who the jobs' processes run as; "auto"
     refuses to start where no isolation can be had. `concurrency` phases run at once.
+    `org_weights`: an organization's turns per round (default 1 each); `org_max_phases`:
+    the most of its slots one organization holds (0: all but one while another
+    organization is active, see executor/turns.py `Slots`).
     `repositories` (an `executor.ports.RepositoryRules`: the deployment's allowed sources)
     are what its phases may check out; it adds its own directories to what they refuse.
     `keyring` seals plans and state and opens secrets; every executor, api and scheduler
@@ -111,6 +115,8 @@ class Executor:
         policy_sandbox: PolicySandbox | None = None,
         isolation: Isolation | str = "auto",
         jobs_dir: Path | None = None,
+        org_weights: dict[str, int] | None = None,
+        org_max_phases: int = 0,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -136,8 +142,9 @@ class Executor:
         self.policy_sandbox = policy_sandbox or PolicySandbox()  # the deployment's caps
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
-        self.intake = Intake(  # taking work: fetch and claim
-            self.js, app, pool, self.executor_id, self._stopping, fetch_timeout=fetch_timeout
+        turns, slots = Turns(org_weights), Slots(concurrency, org_max_phases)
+        self.intake = Intake(  # taking work, organizations in turn, and claiming it
+            self.js, app, pool, self.executor_id, self._stopping, fetch_timeout, nc, turns, slots
         )
         self.runner = PhaseRunner(  # running what was claimed: heartbeats, reports
             self.js, self.executor_id, self._stopping, heartbeat_interval=heartbeat_interval
@@ -268,20 +275,20 @@ class Executor:
 
     # ------------------------------------------------------------ taking work
 
-    async def _traced(self, msg: Msg) -> None:
+    async def _traced(self, msg: Taken) -> None:
         """`_handle` in the phase's span, a child of the dispatch's trace: the claim, the
         steps and every event the phase appends carry it."""
         with tracing.span_from_headers("phase", msg.headers, executor=self.executor_id):
             await self._handle(msg)
 
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: Taken) -> None:
         """Claim and run one dispatched phase; never raises (it would end the TaskGroup)."""
         try:
             try:
                 d = parse_dispatch(msg.data)
             except ValueError as e:
                 log.error("dispatch_malformed", error=str(e))
-                await msg.term()
+                await self.intake.drop(msg)
                 return
             with structlog.contextvars.bound_contextvars(
                 org=d.org, workspace=d.workspace, run_id=d.run_id, phase=d.phase
@@ -292,6 +299,7 @@ class Executor:
         except Exception:
             log.exception("dispatch_handling_failed")
         finally:
+            self.intake.finished(msg)
             try:  # a slot per phase still being removed beyond the first few: disk bounded
                 await self.runner.removed(MAX_REMOVALS)
             finally:

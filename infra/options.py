@@ -21,6 +21,7 @@ WEBHOOK_MAX_BODY = 1024 * 1024
 WEBHOOK_MAX_BODY_RANGE = (1024, 25 * 1024 * 1024)
 WEBHOOK_CONCURRENCY = 16
 WEBHOOK_CONCURRENCY_RANGE = (1, 1024)
+MAX_CONCURRENCY = 256  # phases one executor runs at once
 
 
 class ConfigError(Exception):
@@ -55,6 +56,11 @@ class Options:
     tls_names: list[str] = field(default_factory=list)  # more names the local certificate covers
     webhook_max_body: int = WEBHOOK_MAX_BODY  # bytes
     webhook_concurrency: int = WEBHOOK_CONCURRENCY
+    # fair share (executor/turns.py): an executor's slots, organizations' turns per round
+    # (`org=n,...`), the most slots one organization holds (0: all but one while another waits)
+    concurrency: int = 1
+    org_weights: str = ""
+    org_max_phases: int = 0
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -77,6 +83,10 @@ class Options:
         low, high = WEBHOOK_MAX_BODY_RANGE
         if not low <= self.webhook_max_body <= high:
             raise ConfigError(f"--webhook-max-body wants {low} to {high} bytes")
+        if not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ConfigError(f"--concurrency wants 1 to {MAX_CONCURRENCY}")
+        if not 0 <= self.org_max_phases <= self.concurrency:
+            raise ConfigError("--org-max-phases wants 0 (automatic) to --concurrency")
         low, high = WEBHOOK_CONCURRENCY_RANGE
         if not low <= self.webhook_concurrency <= high:
             raise ConfigError(f"--webhook-concurrency wants {low} to {high}")

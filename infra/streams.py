@@ -46,8 +46,18 @@ SUBSCRIBER_ACK_WAIT = 10  # seconds; a subscriber marks what it holds in progres
 DUPLICATE_WINDOW_S = 120
 
 
-def dispatch_subject(pool: str) -> str:
-    return f"rp.dispatch.{pool}"
+DISPATCHES = "rp.dispatch.>"
+
+
+def dispatch_subject(pool: str, org: str = "") -> str:
+    """Where a phase of an organization waits for its pool's executors; without `org`,
+    the pool's own subject (dispatches of versions before organizations took turns)."""
+    return f"rp.dispatch.{pool}.{org}" if org else f"rp.dispatch.{pool}"
+
+
+def pool_subjects(pool: str) -> str:
+    """Every organization's dispatch subject of a pool."""
+    return f"rp.dispatch.{pool}.>"
 
 
 def executor_consumer(pool: str) -> str:
@@ -173,12 +183,14 @@ async def _declare_object_stores(nc: NATS, js: JetStreamContext, replicas: int) 
 
 
 async def ensure_executor_consumer(js: JetStreamContext, pool: str) -> None:
-    """The shared pull consumer of a pool: executors take steps from it in FIFO order."""
+    """A pull consumer of a pool's dispatches, first in, first out: how executors took
+    them before organizations took turns (executor/intake.py reads the stream itself
+    now); tests read what was dispatched through it."""
     await js.add_consumer(
         DISPATCH,
         ConsumerConfig(
             durable_name=executor_consumer(pool),
-            filter_subject=dispatch_subject(pool),
+            filter_subjects=[dispatch_subject(pool), pool_subjects(pool)],
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=60,

@@ -7,8 +7,10 @@
   workspaces with a queue;
 - `runplane_consumer_pending{stream,consumer}` and `runplane_consumer_ack_pending{...}`:
   how far behind the durable consumers are (JetStream's `num_pending`, `num_ack_pending`):
-  the scheduler's `rp-scheduler` and the subscribers' `rp-sub-*` on the event log, the
-  executors' `rp-exec-<pool>` on the dispatch queue (a phase waiting for an executor);
+  the scheduler's `rp-scheduler` and the subscribers' `rp-sub-*` on the event log;
+- `runplane_dispatch_waiting`: phases dispatched and not yet claimed, every pool's and
+  organization's (executors read the dispatch queue organizations in turn, through no
+  consumer);
 - `runplane_notification_attempts_total{outcome}`: delivery attempts of notifications
   by outcome, from the read model's `notify_attempts` table when this deployment's read
   model has one (the notifications part); else the family is left out;
@@ -51,7 +53,6 @@ OUTCOMES = ("delivered", "retry", "failed", "gave_up")  # else counted as "other
 # The durables reported, by stream: the deployment's own, never an ephemeral one.
 _DURABLES = {  # stream: (exact names, name prefixes)
     streams.EVENTS: ((streams.SCHEDULER_CONSUMER,), ("rp-sub-",)),
-    streams.DISPATCH: ((), ("rp-exec-",)),
 }
 
 
@@ -62,6 +63,7 @@ class Figures:
     runs: dict[str, int] | None = None
     queue: tuple[int, int, int] | None = None  # total, longest, workspaces with one
     consumers: list[tuple[str, str, int, int]] | None = None  # stream, name, pending, acks
+    waiting: int | None = None  # dispatched phases not yet claimed
     attempts: dict[str, int] | None = None  # None also: the read model has no such table
     ok: dict[str, bool] = field(default_factory=dict)
 
@@ -93,6 +95,10 @@ class Figures:
                 acks.add_metric([stream, name], a)
             yield pending
             yield acks
+        if self.waiting is not None:
+            yield GaugeMetricFamily(
+                "runplane_dispatch_waiting", "Phases waiting for an executor", self.waiting
+            )
         if self.attempts is not None:
             attempts = CounterMetricFamily(
                 "runplane_notification_attempts",
@@ -141,6 +147,7 @@ class Metrics:
         f.runs = await self._part(f, "runs", self._runs())
         f.queue = await self._part(f, "queue", self._queue())
         f.consumers = await self._part(f, "consumers", self._consumers())
+        f.waiting = await self._part(f, "dispatch", self._waiting())
         f.attempts = await self._part(f, "notifications", self._attempts())
         return f
 
@@ -183,6 +190,10 @@ class Metrics:
             key = outcome if outcome in OUTCOMES else "other"
             out[key] = out.get(key, 0) + int(n)
         return out
+
+    async def _waiting(self) -> int:
+        info = await self.nc.jetstream().stream_info(streams.DISPATCH)
+        return int(info.state.messages)
 
     async def _consumers(self) -> list[tuple[str, str, int, int]]:
         out: list[tuple[str, str, int, int]] = []

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from events.run import ApproveRun, RunState, StepFinished, Workspace
-from infra.streams import dispatch_subject
+from infra.streams import DISPATCH, DISPATCHES, dispatch_subject
 from services.app.commands import App
 from tests import builders
 from tests.helpers import eventually
@@ -80,7 +81,7 @@ class Harness:
     async def dispatch(self, ws: str, run_id: str, phase: str, org: str = "acme") -> None:
         body = {"org": org, "workspace": ws, "run_id": run_id, "phase": phase}
         await self.js.publish(
-            dispatch_subject("default"),
+            dispatch_subject("default", org),
             json.dumps(body).encode(),
             headers={"Nats-Msg-Id": f"{run_id}:{phase}"},
         )
@@ -115,3 +116,11 @@ class Harness:
 
 def step_results(events: list[Any]) -> dict[str, StepFinished]:
     return {e.step: e for e in events if isinstance(e, StepFinished)}
+
+
+async def dispatches_left(js: JetStreamContext, pool: str = "default") -> int:
+    """How many dispatch messages wait in a pool's queue, every organization's."""
+    info = await js.stream_info(DISPATCH, subjects_filter=DISPATCHES)
+    prefix = dispatch_subject(pool)
+    subjects = (info.state.subjects or {}).items()
+    return sum(n for s, n in subjects if s == prefix or s.startswith(prefix + "."))

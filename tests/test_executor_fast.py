@@ -344,7 +344,7 @@ async def _custom_run(app: App, scheduler: App, js: JetStream, ws: str) -> str:
     if pin is not None:
         await pin("acme", ws, run_id)
     body = {"org": "acme", "workspace": ws, "run_id": run_id, "phase": "custom-100"}
-    await js.publish(dispatch_subject("default"), json.dumps(body).encode())
+    await js.publish(dispatch_subject("default", "acme"), json.dumps(body).encode())
     return run_id
 
 

@@ -82,6 +82,9 @@ async def test_runs_by_status_queue_depth_and_consumer_lag(plane: Http, nc: NATS
     sub = await js.pull_subscribe_bind(durable="rp-sub-test", stream=streams.EVENTS)
     held = await sub.fetch(2, timeout=5)  # delivered, not acked
     assert len(held) == 2
+    for org, n in (("acme", 2), ("beta", 1)):  # phases no executor has claimed yet
+        for i in range(n):
+            await js.publish(streams.dispatch_subject("default", org), f"{org}{i}".encode())
 
     status, content_type, text = await scrape(plane)
     assert status == 200 and content_type.startswith("text/plain; version=0.0.4")
@@ -100,9 +103,10 @@ async def test_runs_by_status_queue_depth_and_consumer_lag(plane: Http, nc: NATS
     sub_labels = {"stream": streams.EVENTS, "consumer": "rp-sub-test"}
     assert _value(samples, "runplane_consumer_ack_pending", **sub_labels) == 2
     assert "someone-else" not in text
+    assert _value(samples, "runplane_dispatch_waiting") == 3
     for outcome in ("delivered", "retry", "failed", "gave_up", "other"):
         assert _value(samples, "runplane_notification_attempts_total", outcome=outcome) == 0
-    for part in ("runs", "queue", "consumers", "notifications"):
+    for part in ("runs", "queue", "consumers", "dispatch", "notifications"):
         assert _value(samples, "runplane_metrics_ok", part=part) == 1
 
 

@@ -12,13 +12,14 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from executor.terraform import TerraformConfig
 from infra.heartbeats import Beat, Board, beat_interval, server_time
-from infra.streams import DISPATCH, executor_consumer
+from infra.streams import DISPATCH
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper, Verdict, judge
 from services.processes.scheduler.watch import mark_dispatched
 from tests.bootstrap_support import System
 from tests.builders import queued_run
 from tests.core_support import APPLY_LEASE, HISTORIES, PLAN_LEASE, REACHABLE
+from tests.executor_support import dispatches_left
 from tests.helpers import eventually
 from tests.reaper_support import ORG, beat, claim, entry, failures, reaches, state, workspace
 
@@ -155,10 +156,9 @@ async def test_a_dispatch_left_in_the_queue_after_the_timeout_is_never_run(
     async with ex:
 
         async def consumed() -> bool:
-            info = await js.consumer_info(DISPATCH, executor_consumer("default"))
-            return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+            return await dispatches_left(js) == 0
 
-        await eventually(consumed, what="the leftover dispatch acked")
+        await eventually(consumed, what="the leftover dispatch deleted")
     after = await state(app, "net", run_id)
     assert (after.status, after.version) == (R.Status.FAILED, failed.version)
     envs = await app.store.read(f"rp.run.{ORG}.net.{run_id}")

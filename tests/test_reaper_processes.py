@@ -22,11 +22,11 @@ from nats.aio.client import Client as NATS
 from events import run as R
 from executor.worker import default_jobs_dir
 from infra.natsserver import EmbeddedNats
-from infra.streams import DISPATCH, dispatch_subject, executor_consumer
+from infra.streams import dispatch_subject
 from services.app.commands import App
 from services.processes.scheduler.reaper import Reaper
 from tests.bootstrap_support import System
-from tests.executor_support import GATED_PLAN_TF, MAIN_TF, commit
+from tests.executor_support import GATED_PLAN_TF, MAIN_TF, commit, dispatches_left
 from tests.helpers import eventually
 from tests.procs import Proc, descendants
 from tests.reaper_support import (
@@ -99,8 +99,7 @@ def reading(proc: Proc, path: Path) -> Callable[[], Any]:
 
 
 async def queue_drained(nc: NATS) -> bool:
-    info = await nc.jetstream().consumer_info(DISPATCH, executor_consumer("default"))
-    return bool(info.num_pending == 0 and info.num_ack_pending == 0)
+    return await dispatches_left(nc.jetstream()) == 0
 
 
 # ---------------------------------------------------------------- tests
@@ -239,7 +238,7 @@ async def test_two_executors_racing_for_duplicated_dispatches_claim_each_phase_o
             for copy in ("a", "b"):
                 body = {"org": ORG, "workspace": ws, "run_id": run_id, "phase": "plan"}
                 await nc.jetstream().publish(
-                    dispatch_subject("default"),
+                    dispatch_subject("default", ORG),
                     json.dumps(body).encode(),
                     headers={"Nats-Msg-Id": f"{run_id}:plan:{copy}"},
                 )

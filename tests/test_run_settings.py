@@ -48,7 +48,7 @@ async def _shown(plane: Plane, path: str) -> dict[str, Any]:
 async def _waiting_on(plane: Plane, pool: str) -> int:
     """How many dispatched phases wait on the pool's work queue."""
     js = plane.nc.jetstream()
-    info = await js.stream_info(streams.DISPATCH, subjects_filter=streams.dispatch_subject(pool))
+    info = await js.stream_info(streams.DISPATCH, subjects_filter=streams.pool_subjects(pool))
     return sum((info.state.subjects or {}).values())
 
 

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from events.run import Workspace
 from infra import tracing
 from infra.consumer import Consumer, Received, Subscription
-from infra.streams import EVENTS, dispatch_subject
+from infra.streams import EVENTS, pool_subjects
 from services.app.commands import App
 from tests.api_support import Http, http_fixture  # noqa: F401  # registers the fixture
 from tests.helpers import eventually
@@ -108,7 +108,7 @@ async def test_one_trace_from_the_http_create_to_the_executors_steps(
     commit(repo, {"main.tf": ONE})
     body = {"name": "net", "repository": str(repo)}
     assert (await plane.http.post("/api/v1/orgs/acme/workspaces", json=body)).status == 201
-    dispatched = await plane.nc.subscribe(dispatch_subject("default"))  # sees JetStream's
+    dispatched = await plane.nc.subscribe(pool_subjects("default"))  # sees JetStream's
     delivered: dict[str, str] = {}  # a subscriber's view: event type -> its trace id
 
     async def handle(r: Received) -> None:

@@ -33,6 +33,7 @@ from nats.aio.client import Client as NATS
 
 from executor.errors import IsolationError
 from executor.isolation import Isolation
+from executor.turns import parse_weights
 from executor.worker import Executor, TerraformSettings, default_executor_id
 from infra import options
 from infra.crypto import KeyRing
@@ -216,6 +217,9 @@ class Plane:
             "executor_id": opts.executor_id or default_executor_id(),
             "keyring": self.keyring,
             "repositories": self.repositories,
+            "concurrency": opts.concurrency,
+            "org_weights": parse_weights(opts.org_weights),
+            "org_max_phases": opts.org_max_phases,
             **overrides,
         }
         if "isolation" not in given:

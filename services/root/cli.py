@@ -12,6 +12,7 @@ from pathlib import Path
 
 import structlog
 
+from executor.turns import parse_weights
 from infra import logs
 from infra.natsclient import NatsAuth
 from infra.options import (
@@ -163,6 +164,32 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
         "the executor's user (bwrap), or the executor itself (none); auto: the first that "
         "works (executor/isolation.py)",
     )
+    _share_opts(p)
+
+
+def _share_opts(p: argparse.ArgumentParser) -> None:
+    """How an executor shares its slots between organizations (executor/turns.py)."""
+    g = p.add_argument_group("fair share (each also RUNPLANE_<FLAG>)")
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_CONCURRENCY", "1") or 1),
+        help="phases this executor runs at once (default 1)",
+    )
+    g.add_argument(
+        "--org-weights",
+        default=os.environ.get("RUNPLANE_ORG_WEIGHTS", ""),
+        metavar="ORG=N[,...]",
+        help="an organization's turns per round when several wait (default 1 each)",
+    )
+    g.add_argument(
+        "--org-max-phases",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_ORG_MAX_PHASES", "0") or 0),
+        help="the most of this executor's slots one organization holds at once; 0 (the "
+        "default): all but one while another organization has had a phase waiting in "
+        "the last 10 minutes, all of them otherwise",
+    )
 
 
 def _tls_opts(p: argparse.ArgumentParser, *, local: bool) -> None:
@@ -235,6 +262,10 @@ def options(ns: argparse.Namespace) -> Options:
         repositories.Sources.parse(allowed)
     except ValueError as e:
         raise ConfigError(f"--allowed-repos: {e}") from e
+    try:
+        parse_weights(getattr(ns, "org_weights", ""))
+    except ValueError as e:
+        raise ConfigError(f"--org-weights: {e}") from e
     return Options(
         allowed_repos=allowed,
         data_dir=ns.data_dir,
@@ -257,6 +288,9 @@ def options(ns: argparse.Namespace) -> Options:
         tls_names=list(getattr(ns, "tls_names", []) or []),
         webhook_max_body=getattr(ns, "webhook_max_body", WEBHOOK_MAX_BODY),
         webhook_concurrency=getattr(ns, "webhook_concurrency", WEBHOOK_CONCURRENCY),
+        concurrency=getattr(ns, "concurrency", 1),
+        org_weights=getattr(ns, "org_weights", ""),
+        org_max_phases=getattr(ns, "org_max_phases", 0),
     )
 
 

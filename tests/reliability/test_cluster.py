@@ -50,7 +50,6 @@ from infra.streams import (
     EVENTS,
     OBJECT_BUCKETS,
     SCHEDULER_CONSUMER,
-    executor_consumer,
     subscriber_consumer,
 )
 from services.processes.chat import subscriber as chat
@@ -351,7 +350,7 @@ def test_each_unit_runs_a_command_the_cli_takes_and_instances_do_not_collide(rol
 def test_the_deploy_readme_names_everything_runplane_declares_and_reads() -> None:
     readme = (DEPLOY / "README.md").read_text()
     names = [stream for _, stream in natsstatus.declared()]
-    names += [*BUCKETS, *OBJECT_BUCKETS, SCHEDULER_CONSUMER, executor_consumer("<pool>")]
+    names += [*BUCKETS, *OBJECT_BUCKETS, SCHEDULER_CONSUMER]
     subscribers = (notifications.NAME, chat.REQUESTS_NAME, chat.UPDATES_NAME)
     names += [subscriber_consumer(n) for n in subscribers]
     assert "`runplane-subscribers@<n>`" in readme  # without one, no notification is sent

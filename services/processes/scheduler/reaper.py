@@ -381,26 +381,29 @@ class Reaper:
 
 
 async def queued(nc: NATS, pool: str, *, timeout: float = 5.0) -> set[str]:
-    """The `Nats-Msg-Id` of every message in a pool's work queue (taken or not, a message
-    stays until acknowledged), as the stream's leader has it: a follower behind might
-    not have a message published just now, and the phase would go twice."""
+    """The `Nats-Msg-Id` of every message in a pool's work queue, every organization's
+    and the pool's own (taken or not, a message stays until its claim is decided), as
+    the stream's leader has it: a follower behind might not have a message published
+    just now, and the phase would go twice."""
     ids: set[str] = set()
-    seq = 1
-    while True:
-        msg = await leader_get(
-            nc,
-            streams.DISPATCH,
-            as_raw,
-            subject=streams.dispatch_subject(pool),
-            seq=seq,
-            what=f"the {pool} work queue",
-            error=BoardError,
-            timeout=timeout,
-        )
-        if msg is None:
-            return ids
-        ids.add(msg.headers.get("Nats-Msg-Id", ""))
-        seq = msg.seq + 1
+    for subject in (streams.pool_subjects(pool), streams.dispatch_subject(pool)):
+        seq = 1
+        while True:
+            msg = await leader_get(
+                nc,
+                streams.DISPATCH,
+                as_raw,
+                subject=subject,
+                seq=seq,
+                what=f"the {pool} work queue",
+                error=BoardError,
+                timeout=timeout,
+            )
+            if msg is None:
+                break
+            ids.add(msg.headers.get("Nats-Msg-Id", ""))
+            seq = msg.seq + 1
+    return ids
 
 
 def _key(beat: Beat) -> tuple[str, bool]:

@@ -62,7 +62,7 @@ async def dispatch(nc: NATS, run: RunState, phase: str, pool: str) -> bool:
     duplicate of a message published within its duplicate window."""
     with tracing.span("dispatch", run_id=run.run_id, phase=phase, pool=pool):
         ack = await nc.jetstream().publish(
-            streams.dispatch_subject(pool),
+            streams.dispatch_subject(pool, run.org),
             dispatch_message(run, phase),
             # the trace of the event that caused it (the executor's phase span follows it)
             headers=tracing.inject({"Nats-Msg-Id": dispatch_id(run.run_id, phase)}),
