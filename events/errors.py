@@ -57,6 +57,13 @@ class Conflict(DomainError):
     code = "conflict"
 
 
+class QuotaExceeded(DomainError):
+    """A tenant reached one of the deployment's quotas (open runs, ...): nothing was
+    written; it may be tried again once something it holds has ended."""
+
+    code = "quota-exceeded"
+
+
 class SnapshotFailed(DomainError):
     """A run's admission snapshot cannot be taken (its branch cannot be resolved: the
     shell's `git ls-remote`, services/app/snapshot.py); the run fails."""

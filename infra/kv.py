@@ -16,7 +16,9 @@
   (`update(last=0)`: so by one replica only) and
   dropped `LOGIN_CODES_KEPT_S` after, once the code has expired anyway;
 - `rp-tfe-configs`: `<org>` -> the organization's ledger of configuration versions in
-  `rp-plans` (services/surfaces/tfe/quota.py), moved with optimistic concurrency.
+  `rp-plans` (services/surfaces/tfe/quota.py), moved with optimistic concurrency;
+- `rp-open-runs`: `<org>` -> the organization's ledger of open runs, its quota
+  (services/app/openruns.py), moved with optimistic concurrency.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ LOGIN_CODES_BUCKET = "rp-login-codes"
 # again, for replicas whose clocks are apart: a code no replica still takes is forgotten.
 LOGIN_CODES_KEPT_S = 120.0
 TFE_CONFIGS_BUCKET = "rp-tfe-configs"
+OPEN_RUNS_BUCKET = "rp-open-runs"
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
@@ -51,6 +54,7 @@ BUCKETS = (
     IDEMPOTENCY_BUCKET,
     LOGIN_CODES_BUCKET,
     TFE_CONFIGS_BUCKET,
+    OPEN_RUNS_BUCKET,
 )
 # The others keep their keys forever.
 _TTL = {

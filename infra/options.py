@@ -22,6 +22,7 @@ WEBHOOK_MAX_BODY_RANGE = (1024, 25 * 1024 * 1024)
 WEBHOOK_CONCURRENCY = 16
 WEBHOOK_CONCURRENCY_RANGE = (1, 1024)
 MAX_CONCURRENCY = 256  # phases one executor runs at once
+MAX_OPEN_RUNS = 100_000  # the ceiling of the open-runs quotas
 
 
 class ConfigError(Exception):
@@ -59,6 +60,9 @@ class Options:
     # fair share (executor/turns.py): an executor's slots, organizations' turns per round
     # (`org=n,...`), the most slots one organization holds (0: all but one while another waits)
     concurrency: int = 1
+    # open runs an organization, a workspace may have (services/app/openruns.py)
+    org_max_open_runs: int = 500
+    workspace_max_open_runs: int = 100
     org_weights: str = ""
     org_max_phases: int = 0
 
@@ -83,6 +87,12 @@ class Options:
         low, high = WEBHOOK_MAX_BODY_RANGE
         if not low <= self.webhook_max_body <= high:
             raise ConfigError(f"--webhook-max-body wants {low} to {high} bytes")
+        for flag, value in (
+            ("--org-max-open-runs", self.org_max_open_runs),
+            ("--workspace-max-open-runs", self.workspace_max_open_runs),
+        ):
+            if not 1 <= value <= MAX_OPEN_RUNS:
+                raise ConfigError(f"{flag} wants 1 to {MAX_OPEN_RUNS}, got {value}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigError(f"--concurrency wants 1 to {MAX_CONCURRENCY}")
         if not 0 <= self.org_max_phases <= self.concurrency:

@@ -47,6 +47,7 @@ from infra.eventstore import LATEST, EventStore
 from infra.ids import new_id, utcnow
 from services.app.aggregates import ORG, RUN, WORKSPACE
 from services.app.execute import ATTEMPTS, Loaded, Repository, Result
+from services.app.openruns import OpenRuns
 
 # Takes a run's admission snapshot (services/app/snapshot.py); raises SnapshotFailed.
 SnapshotHook = Callable[[run_agg.RunState], Awaitable[run_agg.Snapshot]]
@@ -69,6 +70,7 @@ class RunFlows(Repository):
     ) -> None:
         super().__init__(store, clock=clock, ids=ids, attempts=attempts)
         self.snapshot = snapshot
+        self.open_runs: OpenRuns | None = None  # the quota of open runs (set by the root)
         self._enqueue_locks: dict[str, asyncio.Lock] = {}  # per workspace subject
 
     def remember(self, subject: str, seq: int, state: run_agg.RunState) -> None:
@@ -100,6 +102,11 @@ class RunFlows(Repository):
         return await self.load(ORG, org_subject(org))
 
     # ------------------------------------------------------------ runs
+
+    async def run_is_open(self, org: str, ws: str, run_id: str) -> bool:
+        """Whether the run exists and has not ended (the open-runs quota's question)."""
+        run: run_agg.RunState = (await self.load_run(org, ws, run_id)).state
+        return run.exists and not run.terminal
 
     @tracing.command
     async def create_run(
@@ -136,6 +143,8 @@ class RunFlows(Repository):
         out; `options`: the plan's targets, replaces, refresh and run variables. A deleted
         workspace starts no run (`_shape`)."""
         new_run = run_id or self.ids()
+        if self.open_runs is not None:
+            await self.open_runs.reserve(org, ws, new_run)
 
         async def attempt() -> tuple[Result[run_agg.RunState], Loaded[ws_agg.WorkspaceState]]:
             w, o = await asyncio.gather(self.load_ws(org, ws), self.load_org(org))

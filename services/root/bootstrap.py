@@ -43,6 +43,8 @@ from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from projections.projector import Projector
 from services.app.commands import App
 from services.app.flows import SnapshotHook
+from services.app.openruns import Limits as OpenRunLimits
+from services.app.openruns import OpenRuns
 from services.app.repositories import Sources, deployment_sources
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
@@ -85,6 +87,8 @@ def build(
     events = store if store is not None else EventStore(nc)
     secrets = SecretStore(nc, keys)
     app = App(events, clock=clock, ids=ids, snapshot=pinning(secrets))
+    limits = OpenRunLimits(opts.org_max_open_runs, opts.workspace_max_open_runs)
+    app.open_runs = OpenRuns(nc.jetstream(), limits, app.run_is_open)
     try:
         sources = deployment_sources(opts.allowed_repos, opts.data_dir)
     except ValueError as e:

@@ -48,6 +48,18 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         help="comma-separated repository sources workspaces may name: schemes (https://), "
         "hosts, path prefixes (/srv/git/); default: remote URLs only (up: local paths too)",
     )
+    for flag, default, what in (
+        ("--org-max-open-runs", 500, "an organization"),
+        ("--workspace-max-open-runs", 100, "a workspace"),
+    ):
+        env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
+        p.add_argument(
+            flag,
+            type=int,
+            default=int(os.environ.get(env, str(default)) or default),
+            help=f"runs {what} may have open at once (also {env}; default {default}); "
+            "one more is refused, 429 quota-exceeded",
+        )
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
         p.add_argument(
@@ -289,6 +301,8 @@ def options(ns: argparse.Namespace) -> Options:
         webhook_max_body=getattr(ns, "webhook_max_body", WEBHOOK_MAX_BODY),
         webhook_concurrency=getattr(ns, "webhook_concurrency", WEBHOOK_CONCURRENCY),
         concurrency=getattr(ns, "concurrency", 1),
+        org_max_open_runs=getattr(ns, "org_max_open_runs", 500),
+        workspace_max_open_runs=getattr(ns, "workspace_max_open_runs", 100),
         org_weights=getattr(ns, "org_weights", ""),
         org_max_phases=getattr(ns, "org_max_phases", 0),
     )

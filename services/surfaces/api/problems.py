@@ -21,6 +21,7 @@ from events.errors import (
     IllegalTransition,
     Invalid,
     NotFound,
+    QuotaExceeded,
 )
 
 BASE = "https://runplane.dev/problems/"
@@ -42,6 +43,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "idempotency-in-progress": (409, "A request with this Idempotency-Key is in progress"),
     "workspace-deleted": (409, "The workspace is deleted"),
     "body-too-large": (413, "The request body is too large"),
+    "quota-exceeded": (429, "A quota of the deployment is reached"),
     "invalid-id": (422, "An identifier is invalid"),
     "invalid-command": (422, "The command is invalid"),
     "invalid-policy": (422, "The policy does not compile"),
@@ -123,6 +125,8 @@ def from_domain(error: DomainError) -> Problem:
             return Problem("invalid-command", detail)
         case Forbidden():
             return Problem("forbidden", detail)
+        case QuotaExceeded():
+            return Problem("quota-exceeded", detail)
         case Conflict():
             # Optimistic retries ran out: heavy contention on one aggregate.
             return Problem("unavailable", detail, headers={"Retry-After": "1"})
