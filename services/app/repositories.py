@@ -153,6 +153,11 @@ class Pattern:
         if scoped:
             orgs = frozenset(scoped.group(1).split("+"))
             return replace(cls._source(scoped.group(2).strip(), text), text=t, orgs=orgs)
+        if re.match(r"[^:/@]*=", t):
+            raise ValueError(
+                f"{text!r}: the organizations before `=` are names of lowercase letters, "
+                "digits and dashes joined by `+`"
+            )
         return cls._source(t, text)
 
     @classmethod

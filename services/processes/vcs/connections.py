@@ -26,7 +26,8 @@ from infra.kv import SECRETS_BUCKET, last_values
 from services.app.aggregates import VCS_CONNECTION
 from services.app.commands import App
 from services.app.execute import Repository
-from services.app.secrets import DEPLOY_KEY, SecretStore
+from services.app.secrets import DEPLOY_KEY as DEPLOY_KEY  # sealed here too
+from services.app.secrets import SecretStore
 from services.app.secrets import sealed_key as sealed_key  # the tests read sealed values
 from services.processes.vcs import VcsError
 
