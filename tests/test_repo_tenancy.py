@@ -11,7 +11,10 @@
   reached with the executor host's own credentials (its `~/.gitconfig` credential
   helper and `~/.git-credentials`): an organization with no credential of its own gets
   nothing, one with a VCS connection token is served with exactly that token, and only
-  an organization the deployment names (`--host-git-credentials`) uses the host's.
+  an organization the deployment names (`--host-git-credentials`) uses the host's; the
+  same for the scheduler's `ls-remote` at admission and the API's webhook checks;
+- a deploy key is the only key ssh is offered (no agent, no configuration file), and is
+  stored write-only, sealed.
 """
 
 from __future__ import annotations
@@ -26,20 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog.testing
 from aiohttp.test_utils import TestClient, TestServer
 from nats.aio.client import Client as NATS
 
 from events import vcs
 from events.codec import encode
-from events.errors import RepositoryRefused
+from events.errors import RepositoryRefused, SnapshotFailed
 from events.run import StepFinished, Workspace
-from infra.gitenv import GitCredential, git_access
-from infra.options import ConfigError
+from services.app.gitcreds import GitAccess
 from services.app.repositories import Sources, deployment_sources
 from services.app.secrets import connection_secret
+from services.app.snapshot import resolve_commit
 from services.processes.vcs import connections
-from services.root.cli import options, parser
+from services.processes.vcs.heads import GitHeads, HeadsError
 from services.surfaces.api.context import API
 from tests import bootstrap_support
 from tests.api_support import ADMIN_TOKEN, Http
@@ -144,45 +146,6 @@ def test_kernel_trees_and_runplane_directories_are_refused_however_spelled(
             sources.check(path, org="acme")
         assert e.value.rule in ("system-directory", "runplane-directory"), (path, e.value)
     sources.check(str(work_repo(tmp_path / "fine")), org="acme")
-
-
-def test_the_git_environment_has_no_host_credential_source_and_only_the_orgs_token(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """The host's HOME, system config, agent, askpass and git settings stay out; the
-    token is given to the repository's own scheme and host only, never on a command line."""
-    for name, value in {
-        "HOME": str(tmp_path),
-        "SSH_AUTH_SOCK": "/run/agent.sock",
-        "GIT_ASKPASS": "/bin/echo",
-        "SSH_ASKPASS": "/bin/echo",
-        "GIT_CONFIG_PARAMETERS": "'credential.helper'='store'",
-        "GIT_SSH": "/usr/bin/ssh",
-        "XDG_CONFIG_HOME": str(tmp_path),
-    }.items():
-        monkeypatch.setenv(name, value)
-    cred = GitCredential(token=TOKEN, username="x-access-token")
-    with git_access(cred, "https://git.example.com:8443/acme/net.git") as env:
-        home = env["HOME"]
-        assert home != str(tmp_path) and os.listdir(home) == []
-        assert not {"SSH_AUTH_SOCK", "GIT_ASKPASS", "SSH_ASKPASS", "GIT_CONFIG_PARAMETERS"} & set(
-            env
-        )
-        assert "GIT_SSH" not in env and env["XDG_CONFIG_HOME"].startswith(home)
-        assert (env["GIT_CONFIG_NOSYSTEM"], env["GIT_CONFIG_GLOBAL"]) == ("1", os.devnull)
-        ssh = env["GIT_SSH_COMMAND"]
-        for option in ("-F /dev/null", "IdentitiesOnly=yes", "IdentityAgent=none"):
-            assert option in ssh
-        assert "-oIdentityFile=none" in ssh
-        keys = {env[f"GIT_CONFIG_KEY_{i}"] for i in range(int(env["GIT_CONFIG_COUNT"]))}
-        assert keys == {"credential.helper", "credential.https://git.example.com:8443.helper"}
-        assert env["RP_GIT_PASSWORD"] == TOKEN and TOKEN not in ssh
-    with git_access(cred, "git@git.example.com:acme/net.git") as env:
-        assert "RP_GIT_PASSWORD" not in env  # a token only ever goes over http(s)
-    with git_access(GitCredential(ssh_key="KEY"), "git@h:x") as env:
-        key = env["GIT_SSH_COMMAND"].split("-oIdentityFile=")[1]
-        assert Path(key).read_text() == "KEY\n" and oct(Path(key).stat().st_mode)[-3:] == "600"
-    assert not Path(key).exists()  # gone with the block
 
 
 # ---------------------------------------------------------------- the API
@@ -435,32 +398,38 @@ async def test_a_connection_takes_a_deploy_key_write_only_and_sealed(
     ).ssh_key == ""
 
 
-async def test_every_start_says_whom_unscoped_rules_and_host_credentials_serve(
-    nc: NATS, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+async def test_admission_and_webhook_checks_ask_with_the_orgs_token_never_the_hosts(
+    plane: tuple[System, Harness], tmp_path: Path, host_home: Path
 ) -> None:
-    """`up`'s defaults (file:// among them) are every organization's: said at start, as
-    the organizations given the host's git credentials are; with organizations named and
-    `--unscoped-repos none` nothing is said. The flags are checked like the list."""
-    for name in ("RUNPLANE_ALLOWED_REPOS", "RUNPLANE_UNSCOPED_REPOS"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RUNPLANE_HOST_GIT_CREDENTIALS", "ops")
-    up = options(parser().parse_args(["up", "--data-dir", str(tmp_path / "system")]))
-    assert (up.unscoped_repos, up.host_git_credentials) == ("all", "ops")
-    strict = options_for(tmp_path, allowed_repos="acme=https://", unscoped_repos="none")
-    said: dict[str, list[Any]] = {}
-    for opts in (up, strict):
-        with structlog.testing.capture_logs() as seen:
-            async with AsyncExitStack() as stack:
-                built(nc, stack, tmp_path, opts=opts)
-        warned = [s for s in seen if s["log_level"] == "warning"]
-        said[opts.allowed_repos] = [
-            (s["event"], s.get("rules", s.get("organizations"))) for s in warned
-        ]
-    assert said[up.allowed_repos] == [
-        ("repository_rules_unscoped", ["https://", "ssh://", "file://"]),
-        ("git_host_credentials", ["ops"]),
-    ]
-    assert said["acme=https://"] == []
-    for bad in (["--unscoped-repos", "some"], ["--host-git-credentials", "Not An Org"]):
-        with pytest.raises((ConfigError, SystemExit)):
-            options(parser().parse_args(["api", *bad]))
+    """The scheduler's `ls-remote` at admission and the API's webhook checks reach the
+    private repository as the checkout does: bravo with its connection's token, alpha
+    with nothing (though the host could), charlie (named) with the host's."""
+    system, _ = plane
+    accounts = {HOST_USER: HOST_PASSWORD, "x-access-token": TOKEN}
+    with git_server(tmp_path / "served", accounts) as server:
+        url = server.repository("private", work_repo(tmp_path / "private-work"))
+        head = git(tmp_path / "private-work", "rev-parse", "HEAD")
+        (host_home / ".git-credentials").write_text(server.credential_line(HOST_USER))
+        (host_home / ".gitconfig").write_text("[credential]\n\thelper = store\n")
+        await _connection(system, "bravo", "gh")
+        access = GitAccess(system.app, system.secrets, system.repositories.host_credentials)
+        bound = Workspace(repository=url, vcs_connection="gh")
+        cred = await access.credential("bravo", bound)
+        assert await resolve_commit(url, "main", timeout=30, credential=cred) == head
+        assert set(server.served) == {"x-access-token"}
+        with pytest.raises(SnapshotFailed) as e:
+            alpha = await access.credential("alpha", Workspace(repository=url))
+            await resolve_commit(url, "main", timeout=30, credential=alpha)
+        assert HOST_PASSWORD not in str(e.value) and set(server.served) == {"x-access-token"}
+        charlie = await access.credential("charlie", Workspace(repository=url))
+        assert await resolve_commit(url, "main", timeout=30, credential=charlie) == head
+        assert server.served[-1] == HOST_USER
+
+        heads = GitHeads(tmp_path / "api-mirrors", sources=system.repositories, access=access)
+        ref = "refs/heads/main"
+        assert await heads.head(url, ref, org="bravo", connection="gh") == head
+        assert await heads.follows(url, ref, head, [[head]], org="bravo", connection="gh") == [True]
+        served = len(server.served)
+        with pytest.raises(HeadsError):
+            await heads.head(url, ref, org="alpha", connection="")
+        assert len(server.served) == served
