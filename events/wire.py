@@ -8,7 +8,8 @@ the side that builds a message and by the side that reads it.
   markers; the reaper, the API and a restarting executor read them);
 - `SecretsRequest` / `SecretsReply`: an executor asking the secrets responder for its
   run's secret values (`rp.secrets.<org>.<ws>`, request-reply, never stored), and
-  `SecretValues`, what the sealed reply opens to.
+  `SecretValues`, what the sealed reply opens to (or `GitSecret`, the run's git credential,
+  when the request asks `git`).
 
 Here and not in services/ or executor/: both of those import it, and this module, pure
 msgspec like the rest of `events/`, imports neither (no arrow runs back up).
@@ -77,6 +78,17 @@ class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     run_id: str
     lease_id: str
+    # The run's git credential (`GitSecret`) instead of its secret variables.
+    git: bool = False
+
+
+class GitSecret(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A workspace's git credential, from its VCS connection: inside `SecretsReply.sealed`
+    when the request asked `git`."""
+
+    token: str = ""
+    username: str = ""
+    ssh_key: str = ""
 
 
 class SecretsReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -96,9 +108,10 @@ def secrets_subject(org: str, ws: str) -> str:
     return f"{SECRETS_PREFIX}.{org}.{ws}"
 
 
-def reply_context(run_id: str, lease_id: str) -> str:
-    """What a sealed answer is bound to: it opens only for this run and lease."""
-    return f"secrets:{run_id}:{lease_id}"
+def reply_context(run_id: str, lease_id: str, *, git: bool = False) -> str:
+    """What a sealed answer is bound to: it opens only for this run and lease (and as
+    what was asked: variables never open as a git credential, nor the reverse)."""
+    return f"{'git' if git else 'secrets'}:{run_id}:{lease_id}"
 
 
 T = TypeVar("T")
@@ -108,6 +121,7 @@ _heartbeat = msgspec.json.Decoder(Heartbeat)
 _request = msgspec.json.Decoder(SecretsRequest)
 _reply = msgspec.json.Decoder(SecretsReply)
 _values = msgspec.json.Decoder(SecretValues)
+_git = msgspec.json.Decoder(GitSecret)
 
 
 class WireError(ValueError):
@@ -117,7 +131,9 @@ class WireError(ValueError):
     retryable = False
 
 
-def encode(message: Dispatch | Heartbeat | SecretsRequest | SecretsReply | SecretValues) -> bytes:
+def encode(
+    message: Dispatch | Heartbeat | SecretsRequest | SecretsReply | SecretValues | GitSecret,
+) -> bytes:
     return _encoder.encode(message)
 
 
@@ -146,6 +162,10 @@ def decode_secrets_reply(data: bytes) -> SecretsReply:
 
 def decode_secret_values(data: bytes) -> SecretValues:
     return _decode(_values, data, "set of secret values")
+
+
+def decode_git_secret(data: bytes) -> GitSecret:
+    return _decode(_git, data, "git credential")
 
 
 def _decode(decoder: msgspec.json.Decoder[T], data: bytes, what: str) -> T:

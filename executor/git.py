@@ -15,6 +15,8 @@ The mirror is shared by every executor on the work directory and every phase of 
 - it holds branches and tags, not the repository's URL: each fetch is given it, so
   credentials in it are not kept on disk (a plain clone's `.git/config` has it, and so
   does a phase's clone, removed with the phase's directory);
+- it is one organization's: fetched with that organization's credential only (its
+  workspace's VCS connection's, infra/gitenv.py), and never read for another's;
 - it is only ever fetched into (`gc.auto=0`, no maintenance): an object once in it stays,
   so a clone borrowing its objects never loses one under it. Nothing removes it;
 - fetches (and the creation) take an exclusive `flock` on `<key>.lock`, waited for at
@@ -38,7 +40,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,9 +48,10 @@ import structlog
 
 from executor import process
 from executor.errors import StepFailed
+from executor.gitrepo import write_repository
 from executor.output import Masker, Output
 from executor.process import StepLog
-from infra.childenv import git_env
+from infra.gitenv import NONE, isolated_env
 
 log = structlog.get_logger(__name__)
 
@@ -76,14 +79,27 @@ class GitTimeout(StepFailed):
     """A git command ran out of `GIT_TIMEOUT_S`."""
 
 
-async def _git(args: list[str], *, cwd: Path, step_log: StepLog, grace: float) -> Output:
+def local_env() -> dict[str, str]:
+    """For git commands that reach no repository but ours: no credential, no host config."""
+    return isolated_env(NONE, "", key_file="none")
+
+
+async def _git(
+    args: list[str],
+    *,
+    cwd: Path,
+    step_log: StepLog,
+    grace: float,
+    env: Mapping[str, str] | None = None,
+) -> Output:
+    """git with `env` (the organization's credential only: infra/gitenv.py), else local."""
     out = Output()
     try:
         code = await asyncio.wait_for(
             process.run(
                 ["git", *args],
                 cwd=cwd,
-                env=git_env(),
+                env=dict(env) if env is not None else local_env(),
                 step_log=step_log,
                 on_line=out.feed,
                 grace=grace,
@@ -122,8 +138,10 @@ async def checkout(
     commit: str = "",
     step_log: StepLog,
     grace: float = 5.0,
+    env: Mapping[str, str] | None = None,
 ) -> Commit:
-    """Clone `repository` (a path or URL) into `dest` at `branch`, or at `commit` if given.
+    """Clone `repository` (a path or URL) into `dest` at `branch`, or at `commit` if given,
+    git running in `env` (the organization's credential: infra/gitenv.py).
 
     Returns the checked-out commit. The apply phase passes the plan's commit: a branch
     that moved since the plan must not change what gets applied.
@@ -134,7 +152,7 @@ async def checkout(
         args = ["clone", "--no-checkout", "--", repository, str(dest)]
     else:
         args = ["clone", "--single-branch", "--branch", branch, "--", repository, str(dest)]
-    await _git(args, cwd=dest.parent, step_log=step_log, grace=grace)
+    await _git(args, cwd=dest.parent, step_log=step_log, grace=grace, env=env)
     if commit:
         await _git(["checkout", "--detach", commit], cwd=dest, step_log=step_log, grace=grace)
     head = await _git(
@@ -184,25 +202,32 @@ class GitCache:
         self._remember = remember
         self._commits: dict[tuple[str, str], Commit] = {}  # commits never change
 
-    def mirror(self, repository: str) -> Path:
-        return self.root / f"{_key(repository)}.git"
+    def mirror(self, repository: str, *, org: str) -> Path:
+        """The mirror of `repository` for `org`'s workspaces: one per organization, so
+        that a commit one organization's credential fetched is never checked out for
+        another that could not have fetched it."""
+        return self.root / f"{_key(org + chr(10) + repository)}.git"
 
     async def checkout(
         self,
         repository: str,
         dest: Path,
         *,
+        org: str,
         branch: str,
         commit: str = "",
         step_log: StepLog,
         grace: float = 5.0,
+        env: Mapping[str, str] | None = None,
     ) -> Commit:
-        """`checkout`, from the cache when it can; else (any cache trouble) a plain clone."""
+        """`checkout`, from `org`'s mirror when it can; else (any cache trouble) a plain
+        clone. What reaches the repository runs in `env` (`checkout`)."""
         _check_commit(commit)
         quiet = _Captured(step_log.mask)
+        remote = local_env() if env is None else dict(env)
         try:
             found = await self._from_cache(
-                repository, dest, branch, commit, quiet, grace, loud=step_log
+                _Origin(repository, org, remote), dest, branch, commit, quiet, grace, loud=step_log
             )
         except _RemoteTimeout as e:
             # The repository itself does not answer: a plain clone would wait as long.
@@ -213,13 +238,19 @@ class GitCache:
             await asyncio.to_thread(shutil.rmtree, dest, ignore_errors=True)
             step_log.note(f"the executor's copy of the repository cannot be used ({why})")
             return await checkout(
-                repository, dest, branch=branch, commit=commit, step_log=step_log, grace=grace
+                repository,
+                dest,
+                branch=branch,
+                commit=commit,
+                step_log=step_log,
+                grace=grace,
+                env=remote,
             )
         return found
 
     async def _from_cache(
         self,
-        repository: str,
+        origin: _Origin,
         dest: Path,
         branch: str,
         commit: str,
@@ -232,24 +263,25 @@ class GitCache:
         git says of its work with the repository itself (filling or fetching the mirror)."""
         if not commit and not _SAFE_BRANCH.fullmatch(branch):
             raise CacheError(f"branch name {branch!r} is not one the cache handles")
-        mirror = self.mirror(repository)
+        repository = origin.repository
+        mirror = self.mirror(repository, org=origin.org)
         fetched = False
         if not mirror.is_dir():
             async with self._locked(mirror):
                 if not mirror.is_dir():
-                    await self._fill(repository, mirror, loud, grace)
+                    await self._fill(origin, mirror, loud, grace)
                     fetched = True
         if commit:
             sha = commit
         else:
             async with self._locked(mirror):  # the ref is as we fetched it until read
-                await self._fetch(repository, mirror, loud, grace, branch=branch)
+                await self._fetch(origin, mirror, loud, grace, branch=branch)
                 sha = _branch_head(mirror, branch)
             fetched = True
         found = await self._clone(repository, mirror, dest, sha, branch, commit, quiet, grace)
         if found is None and not fetched:  # a pinned commit newer than the mirror
             async with self._locked(mirror):
-                await self._fetch(repository, mirror, loud, grace)
+                await self._fetch(origin, mirror, loud, grace)
             await asyncio.to_thread(shutil.rmtree, dest, ignore_errors=True)
             found = await self._clone(repository, mirror, dest, sha, branch, commit, quiet, grace)
         if found is None:
@@ -269,7 +301,7 @@ class GitCache:
     ) -> Commit | None:
         """The phase's clone in `dest` at `sha`; None if the mirror lacks the commit."""
         await asyncio.to_thread(
-            _write_repository, dest, mirror, repository, sha, "" if commit else branch
+            write_repository, dest, mirror, repository, sha, "" if commit else branch
         )
         known = self._commits.get((repository, sha))
         read = _git(["read-tree", "--reset", "-u", "HEAD"], cwd=dest, step_log=quiet, grace=grace)
@@ -308,7 +340,7 @@ class GitCache:
             self._commits.pop(next(iter(self._commits)))
         self._commits[key] = found
 
-    async def _fill(self, repository: str, mirror: Path, quiet: StepLog, grace: float) -> None:
+    async def _fill(self, origin: _Origin, mirror: Path, quiet: StepLog, grace: float) -> None:
         """Create the mirror (under its lock), renamed into place once whole."""
         for stale in self.root.glob(f"{mirror.stem}.tmp-*"):  # a killed executor's
             await asyncio.to_thread(shutil.rmtree, stale, ignore_errors=True)
@@ -331,14 +363,14 @@ class GitCache:
                     step_log=quiet,
                     grace=grace,
                 )
-            await self._fetch(repository, tmp, quiet, grace)
+            await self._fetch(origin, tmp, quiet, grace)
             os.rename(tmp, mirror)
         finally:
             await asyncio.to_thread(shutil.rmtree, tmp, ignore_errors=True)
         log.info("git_cache_filled", mirror=str(mirror))
 
     async def _fetch(
-        self, repository: str, mirror: Path, quiet: StepLog, grace: float, *, branch: str = ""
+        self, origin: _Origin, mirror: Path, quiet: StepLog, grace: float, *, branch: str = ""
     ) -> None:
         """Fetch every branch and tag, or only `branch`. The repository's URL is given
         each time, never stored: credentials in it stay off the disk. What git says of it
@@ -351,11 +383,13 @@ class GitCache:
             refspecs = ["+refs/heads/*:refs/heads/*", "+refs/tags/*:refs/tags/*"]
         _clear_stale_locks(mirror)
         # `--`: a repository spelled like an option is still taken as a repository.
-        await self._remote([*args, "--", repository, *refspecs], quiet, grace)
+        await self._remote([*args, "--", origin.repository, *refspecs], quiet, grace, origin.env)
 
-    async def _remote(self, args: list[str], quiet: StepLog, grace: float) -> None:
+    async def _remote(
+        self, args: list[str], quiet: StepLog, grace: float, env: Mapping[str, str]
+    ) -> None:
         try:
-            await _git(args, cwd=self.root, step_log=quiet, grace=grace)
+            await _git(args, cwd=self.root, step_log=quiet, grace=grace, env=env)
         except GitTimeout as e:
             raise _RemoteTimeout(e.message) from e
 
@@ -379,6 +413,15 @@ class GitCache:
             yield
         finally:
             os.close(fd)  # releases the lock
+
+
+class _Origin(NamedTuple):
+    """Where a mirror is fetched from: the repository, for which organization, and the
+    environment (that organization's credential) git reaches it with."""
+
+    repository: str
+    org: str
+    env: Mapping[str, str]
 
 
 class _RemoteTimeout(Exception):
@@ -417,44 +460,3 @@ def _branch_head(mirror: Path, branch: str) -> str:
     if not _SHA.fullmatch(sha):
         raise CacheError(f"the mirror has no commit for {ref}")
     return sha
-
-
-def _config_value(value: str) -> str:
-    """A git config value, quoted: backslashes, quotes and control characters escaped."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-    escaped = escaped.replace("\n", "\\n").replace("\t", "\\t")
-    return f'"{escaped}"'
-
-
-def _write_repository(dest: Path, mirror: Path, repository: str, sha: str, branch: str) -> None:
-    """A new repository in `dest` borrowing the mirror's objects, HEAD at `sha` (on
-    `branch` if given, else detached), its remote `origin` the workspace's repository."""
-    git = dest / ".git"
-    (git / "objects" / "info").mkdir(parents=True)
-    (git / "refs").mkdir()  # git makes heads/ and tags/ when it needs them
-    (git / "objects" / "info" / "alternates").write_text(f"{mirror / 'objects'}\n")
-    config = [
-        "[core]",
-        "\trepositoryformatversion = 0",
-        "\tfilemode = true",
-        "\tbare = false",
-        "\tlogallrefupdates = true",
-        '[remote "origin"]',
-        f"\turl = {_config_value(repository)}",
-    ]
-    if branch:
-        refspec = f"+refs/heads/{branch}:refs/remotes/origin/{branch}"
-        config += [
-            f"\tfetch = {refspec}",
-            f'[branch "{branch}"]',
-            "\tremote = origin",
-            f"\tmerge = refs/heads/{branch}",
-        ]
-        for ref in (git / "refs" / "heads" / branch, git / "refs" / "remotes" / "origin" / branch):
-            ref.parent.mkdir(parents=True, exist_ok=True)
-            ref.write_text(f"{sha}\n")
-        (git / "HEAD").write_text(f"ref: refs/heads/{branch}\n")
-    else:
-        config.append("\tfetch = +refs/heads/*:refs/remotes/origin/*")
-        (git / "HEAD").write_text(f"{sha}\n")
-    (git / "config").write_text("\n".join(config) + "\n")

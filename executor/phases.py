@@ -23,7 +23,7 @@ from events.errors import RepositoryRefused
 from events.policies import PolicyResult
 from events.run import FailRun, FinishApply, FinishPlan, PlanSummary
 from events.values import ResourceChange
-from executor import git, linksafe, process
+from executor import git, gitaccess, linksafe, process
 from executor import terraform as tf
 from executor.applystate import track
 from executor.changes import plan_changes
@@ -38,6 +38,7 @@ from executor.process import StepLog
 from executor.statebackend import write_override
 from executor.upload import unpack_source
 from infra.crypto import CryptoError, Tampered
+from infra.gitenv import git_access
 
 log = structlog.get_logger(__name__)
 
@@ -137,15 +138,29 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
     if pinned and not ctx.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
     _allowed(job, cfg.repository)
-    clone = job.tools.git_cache.checkout if job.tools.git_cache is not None else git.checkout
-    found = await clone(
-        cfg.repository,
-        ctx.src,
-        branch=cfg.branch,
-        commit=ctx.run.commit if pinned else "",
-        step_log=step_log,
-        grace=ctx.grace,
-    )
+    commit = ctx.run.commit if pinned else ""
+    with git_access(await gitaccess.credential(job), cfg.repository) as env:
+        if job.tools.git_cache is None:
+            found = await git.checkout(
+                cfg.repository,
+                ctx.src,
+                branch=cfg.branch,
+                commit=commit,
+                step_log=step_log,
+                grace=ctx.grace,
+                env=env,
+            )
+        else:
+            found = await job.tools.git_cache.checkout(
+                cfg.repository,
+                ctx.src,
+                org=ctx.org,
+                branch=cfg.branch,
+                commit=commit,
+                step_log=step_log,
+                grace=ctx.grace,
+                env=env,
+            )
     # Before anything reads the checkout: no link in it may lead out (executor/linksafe.py).
     await asyncio.to_thread(linksafe.check_checkout, ctx.src)
     check_workdir(job, f"at {found.sha}")
@@ -165,11 +180,13 @@ def check_workdir(job: Job, at: str) -> None:
 
 
 def _allowed(job: Job, repository: str) -> None:
-    """Refuse a repository the deployment does not take, or one inside this executor's
-    own directories (services/app/repositories.py), before git touches it."""
+    """Refuse a repository the deployment does not take for the run's organization, or
+    one inside this executor's own directories or the kernel's (services/app/repositories.py),
+    before git touches it: the API checked it when it was set, this holds for a run whose
+    configuration came past it (an old event, another API's rules)."""
     sources = job.tools.sources.guarding(job.ctx.root.parent, "the executor's job directories")
     try:
-        sources.check(repository)
+        sources.check(repository, org=job.ctx.org)
     except RepositoryRefused as e:
         raise StepFailed("checkout", str(e), reason=REPOSITORY_REFUSED) from e
 

@@ -7,7 +7,8 @@ things, which fit these shapes structurally:
 
 - `RunReader` and `RunWriter` (together `RunLedger`): the runs and their events, read
   and commanded; `services.app.commands.App` is one.
-- `RepositoryRules`: which repositories a phase may check out;
+- `RepositoryRules`: which repositories a phase may check out, and with whose git
+  credentials;
   `services.app.repositories.Sources` is one. It refuses with
   `events.errors.RepositoryRefused`.
 """
@@ -91,6 +92,11 @@ class RepositoryRules(Protocol):
         """These rules, also refusing anything inside `path` (`what` names it)."""
         ...
 
-    def check(self, repository: str) -> None:
-        """Raise `events.errors.RepositoryRefused` unless `repository` is allowed."""
+    def check(self, repository: str, *, org: str) -> None:
+        """Raise `events.errors.RepositoryRefused` unless `repository` is allowed for a
+        workspace of `org`."""
+        ...
+
+    def host_credentials(self, org: str) -> bool:
+        """Whether `org`'s checkouts may use the executor host's git credentials."""
         ...

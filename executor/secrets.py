@@ -12,7 +12,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from events import wire
-from events.wire import SecretsRequest, reply_context, secrets_subject
+from events.wire import GitSecret, SecretsRequest, reply_context, secrets_subject
 from executor.errors import StepFailed
 from infra.crypto import CryptoError, KeyRing
 
@@ -30,27 +30,56 @@ async def fetch(
     timeout: float = 10.0,
 ) -> dict[str, str]:
     """The run's secret values; StepFailed (`secrets_unavailable`) if they cannot be had."""
-    body = wire.encode(SecretsRequest(run_id=run_id, lease_id=lease_id))
+    request = SecretsRequest(run_id=run_id, lease_id=lease_id)
+    opened = await _ask(nc, keyring, org, ws, request, timeout)
     try:
-        msg = await nc.request(secrets_subject(org, ws), body, timeout=timeout)
+        return wire.decode_secret_values(opened)
+    except wire.WireError as e:
+        raise _failed(f"malformed answer from the secrets responder: {e}") from e
+
+
+async def fetch_git(
+    nc: NATS,
+    keyring: KeyRing,
+    *,
+    org: str,
+    ws: str,
+    run_id: str,
+    lease_id: str,
+    timeout: float = 10.0,
+) -> GitSecret:
+    """The run's git credential (its VCS connection's token and deploy key, of its own
+    organization); StepFailed (`secrets_unavailable`) if it cannot be had."""
+    request = SecretsRequest(run_id=run_id, lease_id=lease_id, git=True)
+    opened = await _ask(nc, keyring, org, ws, request, timeout)
+    try:
+        return wire.decode_git_secret(opened)
+    except wire.WireError as e:
+        raise _failed(f"malformed answer from the secrets responder: {e}") from e
+
+
+async def _ask(
+    nc: NATS, keyring: KeyRing, org: str, ws: str, request: SecretsRequest, timeout: float
+) -> bytes:
+    """The opened answer to `request`, bound to its run, lease and kind."""
+    try:
+        msg = await nc.request(secrets_subject(org, ws), wire.encode(request), timeout=timeout)
     except nats.errors.NoRespondersError as e:
         raise _failed("no secrets responder is running (it runs beside the scheduler)") from e
     except (TimeoutError, nats.errors.TimeoutError) as e:
         raise _failed(f"the secrets responder did not answer within {timeout:g}s") from e
+    context = reply_context(request.run_id, request.lease_id, git=request.git)
     try:
         answer = wire.decode_secrets_reply(msg.data)
         if answer.error:
             raise _failed(f"refused: {answer.error}")
         if not answer.sealed:
             raise wire.WireError("neither sealed values nor an error")
-        values = wire.decode_secret_values(
-            keyring.open(answer.sealed, reply_context(run_id, lease_id))
-        )
+        return keyring.open(answer.sealed, context)
     except wire.WireError as e:
         raise _failed(f"malformed answer from the secrets responder: {e}") from e
     except CryptoError as e:
         raise _failed(f"the answer does not open with this executor's keys: {e}") from e
-    return values
 
 
 def terraform_env(values: dict[str, str]) -> dict[str, str]:

@@ -48,6 +48,8 @@ class Options:
     executor_id: str = ""
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
     allowed_repos: str = "https://,ssh://"  # repository sources (services/app/repositories.py)
+    unscoped_repos: str = "all"  # whom rules naming no organization are for: all | none
+    host_git_credentials: str = ""  # organizations (or *) whose git may use the host's
     isolation: str = "auto"  # who jobs run as (executor/isolation.py MODES)
     # HTTPS (services/surfaces/tfe/tls.py): `tls` with no cert and key: a local CA and its
     # certificate

@@ -95,7 +95,9 @@ def cache(tmp_path: Path) -> GitCache:
 
 async def pinned(cache: GitCache, repo: Path, dirs: Dirs, sha: str) -> tuple[Path, str]:
     dest, lg = dirs.new()
-    found = await cache.checkout(str(repo), dest, branch="main", commit=sha, step_log=lg)
+    found = await cache.checkout(
+        str(repo), dest, org="acme", branch="main", commit=sha, step_log=lg
+    )
     assert found.sha == sha
     return dest, log_text(lg)
 
@@ -125,7 +127,7 @@ async def test_two_commits_through_the_cache_each_see_exactly_their_files(
         assert "cannot be used" not in text
     assert borrowed(a) and borrowed(b) and borrowed(again)
     assert [p.name for p in cache.root.iterdir() if p.suffix == ".git"] == [
-        cache.mirror(str(repo)).name
+        cache.mirror(str(repo), org="acme").name
     ]
 
 
@@ -134,8 +136,8 @@ async def test_the_mirror_keeps_no_repository_url(cache: GitCache, repo: Path, d
     sha = commit(repo, {"main.tf": "v1\n"})
     await pinned(cache, repo, dirs, sha)
     dest, lg = dirs.new()
-    await cache.checkout(str(repo), dest, branch="main", step_log=lg)  # a branch fetch
-    stored = [p for p in cache.mirror(str(repo)).rglob("*") if p.is_file()]
+    await cache.checkout(str(repo), dest, org="acme", branch="main", step_log=lg)  # a branch fetch
+    stored = [p for p in cache.mirror(str(repo), org="acme").rglob("*") if p.is_file()]
     assert stored and not [p for p in stored if str(repo).encode() in p.read_bytes()]
 
 
@@ -144,10 +146,15 @@ async def test_the_commit_is_described_from_the_cache(
 ) -> None:
     sha = commit(repo, {"main.tf": "x\n"}, "add the network\n\nbody")
     dest, lg = dirs.new()
-    found = await cache.checkout(str(repo), dest, branch="main", commit=sha, step_log=lg)
+    found = await cache.checkout(
+        str(repo), dest, org="acme", branch="main", commit=sha, step_log=lg
+    )
     assert found == git.Commit(sha, "t <t@example.com>", "add the network")
     dest, lg = dirs.new()
-    assert await cache.checkout(str(repo), dest, branch="main", commit=sha, step_log=lg) == found
+    assert (
+        await cache.checkout(str(repo), dest, org="acme", branch="main", commit=sha, step_log=lg)
+        == found
+    )
 
 
 async def test_an_unpinned_run_gets_the_branch_head_after_the_branch_moved(
@@ -157,11 +164,11 @@ async def test_an_unpinned_run_gets_the_branch_head_after_the_branch_moved(
     head, on the branch (as `git clone --single-branch --branch` leaves it)."""
     first = commit(repo, {"main.tf": "v1\n"})
     dest, lg = dirs.new()
-    found = await cache.checkout(str(repo), dest, branch="main", step_log=lg)
+    found = await cache.checkout(str(repo), dest, org="acme", branch="main", step_log=lg)
     assert found.sha == first
     second = commit(repo, {"main.tf": "v2\n"})
     dest, lg = dirs.new()
-    found = await cache.checkout(str(repo), dest, branch="main", step_log=lg)
+    found = await cache.checkout(str(repo), dest, org="acme", branch="main", step_log=lg)
     assert found.sha == second == sh(dest, "rev-parse", "HEAD")
     assert files(dest) == {"main.tf": "v2\n"}
     assert sh(dest, "symbolic-ref", "--short", "HEAD") == "main"
@@ -193,7 +200,7 @@ async def test_a_mirror_that_lost_its_objects_is_fetched_again(
 ) -> None:
     sha = commit(repo, {"main.tf": "v1\n"})
     await pinned(cache, repo, dirs, sha)
-    objects = cache.mirror(str(repo)) / "objects"
+    objects = cache.mirror(str(repo), org="acme") / "objects"
     shutil.rmtree(objects)
     objects.mkdir()
     dest, text = await pinned(cache, repo, dirs, sha)
@@ -208,7 +215,7 @@ async def test_a_corrupted_mirror_falls_back_to_a_plain_clone(
 ) -> None:
     first = commit(repo, {"main.tf": "v1\n"})
     await pinned(cache, repo, dirs, first)
-    for f in (cache.mirror(str(repo)) / "objects").rglob("*"):
+    for f in (cache.mirror(str(repo), org="acme") / "objects").rglob("*"):
         if f.is_file():  # a new file: never write through a hard link
             f.unlink()
             f.write_bytes(b"garbage")
@@ -226,11 +233,11 @@ async def test_a_mirror_that_is_not_a_repository_falls_back(
     cache: GitCache, repo: Path, dirs: Dirs
 ) -> None:
     sha = commit(repo, {"main.tf": "v1\n"})
-    mirror = cache.mirror(str(repo))
+    mirror = cache.mirror(str(repo), org="acme")
     mirror.mkdir(parents=True)
     (mirror / "HEAD").write_text("garbage")
     dest, lg = dirs.new()
-    found = await cache.checkout(str(repo), dest, branch="main", step_log=lg)
+    found = await cache.checkout(str(repo), dest, org="acme", branch="main", step_log=lg)
     assert found.sha == sha and files(dest) == {"main.tf": "v1\n"}
     assert "cannot be used" in log_text(lg)
 
@@ -238,12 +245,12 @@ async def test_a_mirror_that_is_not_a_repository_falls_back(
 async def test_a_removed_mirror_is_made_again(cache: GitCache, repo: Path, dirs: Dirs) -> None:
     first = commit(repo, {"main.tf": "v1\n"})
     await pinned(cache, repo, dirs, first)
-    shutil.rmtree(cache.mirror(str(repo)))
+    shutil.rmtree(cache.mirror(str(repo), org="acme"))
     second = commit(repo, {"main.tf": "v2\n"})
     dest, text = await pinned(cache, repo, dirs, second)
     assert files(dest) == {"main.tf": "v2\n"} and "cannot be used" not in text
     assert borrowed(dest)
-    assert cache.mirror(str(repo)).is_dir()
+    assert cache.mirror(str(repo), org="acme").is_dir()
 
 
 async def test_a_mirror_held_locked_too_long_falls_back(
@@ -253,7 +260,8 @@ async def test_a_mirror_held_locked_too_long_falls_back(
     cache = GitCache(tmp_path / "work" / "git", lock_wait=0.2)
     sha = commit(repo, {"main.tf": "v1\n"})
     cache.root.mkdir(parents=True)
-    fd = os.open(cache.root / f"{cache.mirror(str(repo)).stem}.lock", os.O_RDWR | os.O_CREAT)
+    mirror = cache.mirror(str(repo), org="acme")
+    fd = os.open(cache.root / f"{mirror.stem}.lock", os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         dest, text = await pinned(cache, repo, dirs, sha)
@@ -272,7 +280,10 @@ async def test_executors_sharing_a_work_dir_check_out_at_once(
     caches = [GitCache(tmp_path / "work" / "git") for _ in range(2)]
     jobs = [(caches[i % 2], shas[i % 3], *dirs.new()) for i in range(8)]
     found = await asyncio.gather(
-        *(c.checkout(str(repo), d, branch="main", commit=s, step_log=lg) for c, s, d, lg in jobs)
+        *(
+            c.checkout(str(repo), d, org="acme", branch="main", commit=s, step_log=lg)
+            for c, s, d, lg in jobs
+        )
     )
     for (_, sha, dest, lg), got in zip(jobs, found, strict=True):
         i = shas.index(sha)
@@ -289,7 +300,7 @@ async def test_an_unknown_branch_fails_with_gits_message(
     commit(repo, {"main.tf": "v1\n"})
     dest, lg = dirs.new()
     with pytest.raises(StepFailed) as e:
-        await cache.checkout(str(repo), dest, branch="nope", step_log=lg)
+        await cache.checkout(str(repo), dest, org="acme", branch="nope", step_log=lg)
     assert e.value.reason == "checkout_failed" and "nope" in e.value.message
 
 
@@ -297,7 +308,9 @@ async def test_a_commit_the_repository_lacks_fails(cache: GitCache, repo: Path, 
     commit(repo, {"main.tf": "v1\n"})
     dest, lg = dirs.new()
     with pytest.raises(StepFailed) as e:
-        await cache.checkout(str(repo), dest, branch="main", commit="ab" * 20, step_log=lg)
+        await cache.checkout(
+            str(repo), dest, org="acme", branch="main", commit="ab" * 20, step_log=lg
+        )
     assert e.value.reason == "checkout_failed"
 
 
@@ -307,7 +320,7 @@ async def test_a_branch_name_the_cache_does_not_write_takes_the_plain_clone(
     commit(repo, {"main.tf": "v1\n"})
     sh(repo, "branch", "feat+x")
     dest, lg = dirs.new()
-    await cache.checkout(str(repo), dest, branch="feat+x", step_log=lg)
+    await cache.checkout(str(repo), dest, org="acme", branch="feat+x", step_log=lg)
     assert files(dest) == {"main.tf": "v1\n"}
     assert "cannot be used" in log_text(lg)
 

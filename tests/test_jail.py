@@ -255,7 +255,7 @@ async def test_a_workspace_naming_another_orgs_mirror_is_refused_at_checkout(
     await h.workspace("net", Workspace(repository=str(repo)), org="alpha")
     run_id = await h.start_run("net", org="alpha")
     await h.reaches("net", run_id, "awaiting_approval", org="alpha")
-    mirror = GitCache(executor.work_dir / "git").mirror(str(repo))
+    mirror = GitCache(executor.work_dir / "git").mirror(str(repo), org="alpha")
     assert mirror.is_dir()
     paths = [str(mirror), f"file://{mirror}", f"{mirror.parent}/../git/{mirror.name}"]
     for i, path in enumerate(paths):
@@ -313,11 +313,11 @@ def test_a_standalone_api_takes_remote_urls_only_and_up_local_paths_too(
     api = Sources.parse(options(parser().parse_args(["api"])).allowed_repos)
     up = Sources.parse(options(parser().parse_args(["up"])).allowed_repos)
     for repository in ("https://github.com/acme/net.git", "git@github.com:acme/net.git"):
-        api.check(repository)
-        up.check(repository)
+        api.check(repository, org="acme")
+        up.check(repository, org="acme")
     with pytest.raises(RepositoryRefused, match="allowed-repos"):
-        api.check("/srv/git/net")
-    up.check("/")
+        api.check("/srv/git/net", org="acme")
+    up.check("/", org="acme")
     with pytest.raises(ConfigError, match="--allowed-repos"):
         options(parser().parse_args(["api", "--allowed-repos", "https://,no pattern"]))
 
@@ -350,10 +350,10 @@ def test_allowed_sources_match_scheme_host_and_path_prefix(
 ) -> None:
     sources = Sources.parse(spec)
     if allowed:
-        sources.check(repository)
+        sources.check(repository, org="acme")
     else:
         with pytest.raises(RepositoryRefused):
-            sources.check(repository)
+            sources.check(repository, org="acme")
 
 
 def test_a_repository_pointing_into_a_guarded_directory_is_refused(tmp_path: Path) -> None:
@@ -372,6 +372,6 @@ def test_a_repository_pointing_into_a_guarded_directory_is_refused(tmp_path: Pat
     (borrowed / "objects" / "info" / "alternates").write_text(f"{guarded}/work/git/m.git/objects\n")
     for repo in (gitfile, linked, borrowed):
         with pytest.raises(RepositoryRefused, match="runplane-directory"):
-            sources.check(str(repo))
-    sources.check(str(guarded / "demo-repo"))
-    sources.check(str(tmp_path))
+            sources.check(str(repo), org="acme")
+    sources.check(str(guarded / "demo-repo"), org="acme")
+    sources.check(str(tmp_path), org="acme")

@@ -25,7 +25,7 @@ from services.surfaces.api.context import API
 from tests.api_support import Http, web_app_of
 from tests.bootstrap_support import built
 from tests.cluster_support import NatsCluster
-from tests.vcs_git_support import applied_at, commit, origin, push_of, redirect
+from tests.vcs_git_support import applied_at, commit, host_git, origin, push_of, redirect
 from tests.vcs_support import GITHUB_REPO, connection, deliver
 
 ORG = "acme"
@@ -45,7 +45,7 @@ async def replicas(tmp_path: Path) -> AsyncIterator[list[Http]]:
         for i, nc in enumerate(conns):
             plane = built(nc, stack, tmp_path)
             projector = await stack.enter_async_context(plane.projector(tmp_path / f"rm{i}.db"))
-            heads = GitHeads(tmp_path / f"mirrors{i}", timeout=30)
+            heads = GitHeads(tmp_path / f"mirrors{i}", timeout=30, access=host_git(plane))
             web_app = web_app_of(plane, projector, vcs_heads=heads)
             client = await stack.enter_async_context(TestClient(TestServer(web_app)))
             out.append(Http(client, web_app[API], plane.app))

@@ -28,7 +28,7 @@ from services.processes.vcs.heads import GitHeads
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
 from tests.api_support import Http, served
-from tests.vcs_git_support import applied_at, commit, git, origin, push_of, redirect
+from tests.vcs_git_support import applied_at, commit, git, host_git, origin, push_of, redirect
 from tests.vcs_support import GITHUB_REPO, V1, connection, deliver
 
 ORG = "acme"
@@ -89,7 +89,7 @@ class Site:
 async def site(system: Plane, tmp_path: Path, repo: Path) -> AsyncIterator[Site]:
     """The API asking real git (its mirrors in the test's directory), acme with a GitHub
     connection and workspace `net` (directory net, apply runs) on acme/net's master."""
-    heads = GitHeads(tmp_path / "api-mirrors", timeout=30)
+    heads = GitHeads(tmp_path / "api-mirrors", timeout=30, access=host_git(system))
     async with served(system, tmp_path / "rm.sqlite", ORG, vcs_heads=heads) as (web_app, client):
         http = Http(client, web_app[API], system.app)
         conn = await connection(http)

@@ -15,6 +15,8 @@ import pytest
 from events.run import ClaimPhase, FinishApply, FinishPlan, FinishStep, StartStep
 from events.values import PlanSummary
 from services.app.commands import App
+from services.app.gitcreds import GitAccess
+from services.root.bootstrap import Plane
 from tests.executor_support import git
 from tests.vcs_support import GITHUB_REPO, fixture, github_repo, pushed
 
@@ -39,15 +41,26 @@ def commit(repo: Path, files: dict[str, str]) -> str:
 
 
 def redirect(monkeypatch: pytest.MonkeyPatch, repo: Path, url: str = GITHUB_REPO) -> None:
-    """git (in this process and its children) fetches `url` from `repo`."""
+    """git (in this process and its children) fetches `url` from `repo`: through the
+    host's git configuration, which runplane's git reads only for the organizations a
+    deployment allows the host's credentials (`host_git`; a process started now:
+    `RUNPLANE_HOST_GIT_CREDENTIALS=*`)."""
+    monkeypatch.setenv("RUNPLANE_HOST_GIT_CREDENTIALS", "*")
     monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
     monkeypatch.setenv("GIT_CONFIG_KEY_0", f"url.{repo.as_uri()}.insteadOf")
     monkeypatch.setenv("GIT_CONFIG_VALUE_0", url)
 
 
+def host_git(plane: Plane) -> GitAccess:
+    """git with the host's configuration (the redirect) for every organization, as
+    `--host-git-credentials '*'` gives it."""
+    return GitAccess(plane.app, None, lambda _: True)
+
+
 def redirect_env(repo: Path, url: str = GITHUB_REPO) -> dict[str, str]:
     """`redirect`'s variables, for a process of its own."""
     return {
+        "RUNPLANE_HOST_GIT_CREDENTIALS": "*",
         "GIT_CONFIG_COUNT": "1",
         "GIT_CONFIG_KEY_0": f"url.{repo.as_uri()}.insteadOf",
         "GIT_CONFIG_VALUE_0": url,

@@ -38,12 +38,12 @@ class KnownHeads:
         self.heads = dict(heads)
         self.asked: list[tuple[str, str]] = []
 
-    async def head(self, repository: str, ref: str) -> str:
+    async def head(self, repository: str, ref: str, **_: str) -> str:
         self.asked.append((repository, ref))
         return self.heads.get((repository, ref), "")
 
     async def follows(
-        self, repository: str, ref: str, commit: str, lines: Sequence[Sequence[str]]
+        self, repository: str, ref: str, commit: str, lines: Sequence[Sequence[str]], **_: str
     ) -> list[bool]:
         return [False] * len(lines)
 

@@ -1,5 +1,5 @@
-"""Where a workspace's repository may come from: the sources the deployment allows, and
-never runplane's own directories.
+"""Where a workspace's repository may come from: the sources the deployment allows each
+organization, and never runplane's own directories nor the kernel's.
 
 A repository is spelled as git takes it: a URL (`https://host/path`, `ssh://user@host/path`,
 `file:///srv/git/x`), an scp-like `user@host:path` (ssh), or a local path. The deployment
@@ -12,20 +12,34 @@ lists what it allows (`--allowed-repos` / `RUNPLANE_ALLOWED_REPOS`, comma-separa
 - `github.com`: that host, by any scheme;
 - `/srv/git/` or `file:///srv/git/`: local paths under that directory (symlinks and `..`
   resolved before comparing);
-- `*`: anything git clones natively.
+- `*`: anything git clones natively;
+- any of these after `org=` or `org1+org2=` (`acme+beta=https://github.com/acme/`): for
+  the workspaces of those organizations only.
 
-Whatever the list says, a local repository inside one of runplane's own directories (the
-data directory, an executor's work directory with its repository mirrors) is refused,
-also when it reaches there through a symlink, a `.git` file (`gitdir:`) or git's
-`alternates`. A relative path is refused (git would resolve it against whatever directory
-it runs in), and so is git's `transport::address` form (it runs a remote helper: `ext::`
-runs a command). The API checks at workspace creation (422 `repository-not-allowed`,
-naming the rule); the executor checks again before each checkout.
+A rule naming no organization is for every organization (what a list without any named
+ones always meant) unless the deployment says `--unscoped-repos none`
+(`RUNPLANE_UNSCOPED_REPOS`): then it is for none, and each organization has only the rules
+naming it. Every process logs at start the unscoped rules every organization may use
+(`repository_rules_unscoped`).
+
+Whatever the list says, a local repository in `/proc`, `/sys`, `/dev` or one of runplane's
+own directories (the data directory with its mirrors, an executor's work directory, every
+executor's jobs directory) is refused, also when it reaches there through a symlink, `..`,
+a `.git` file (`gitdir:`) or git's `alternates` (services/app/repopaths.py). A relative
+path is refused (git would resolve it against whatever directory it runs in), and so is
+git's `transport::address` form (it runs a remote helper: `ext::` runs any command). The
+API checks at workspace creation and change (422 `repository-not-allowed`, naming the
+rule); the executor checks again, for the run's organization, before each checkout.
 
 Defaults: `runplane up` allows `https://,ssh://,file://` (its demo and local trials use
-local repositories); a standalone `api` allows `https://,ssh://`; a standalone `executor`
-allows `*` (the API is the gate for sources; the executor still refuses its own
-directories, relative paths and remote helpers).
+local repositories: its single operator's); a standalone `api` allows `https://,ssh://`;
+a standalone `executor` allows `*` (the API is the gate for sources; the executor still
+refuses the directories above, relative paths and remote helpers). Give executors the
+API's list to have the organizations checked at checkout too.
+
+Which credentials a checkout uses (`host_credentials`): the organization's own (its VCS
+connection's token, executor/gitaccess.py), never the host's, unless the deployment names
+the organization in `--host-git-credentials` (`RUNPLANE_HOST_GIT_CREDENTIALS`, `*`: all).
 """
 
 from __future__ import annotations
@@ -33,13 +47,16 @@ from __future__ import annotations
 import os
 import posixpath
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from events.errors import RepositoryRefused
 from events.workspace import repository_problem
+from services.app.repopaths import RUNPLANE_DIR as RUNPLANE_DIR  # a rule refusals name
+from services.app.repopaths import SYSTEM_DIR as SYSTEM_DIR
+from services.app.repopaths import Guarded, check_local, under
 
 UP_DEFAULT = "https://,ssh://,file://"
 API_DEFAULT = "https://,ssh://"
@@ -48,14 +65,15 @@ DEFAULTS = {"up": UP_DEFAULT, "api": API_DEFAULT, "executor": EXECUTOR_DEFAULT}
 
 # Rules a refusal names (the `rule` member of the 422 and the checkout's message).
 NOT_ALLOWED = "allowed-repos"
-RUNPLANE_DIR = "runplane-directory"
 RELATIVE = "relative-path"
 HELPER = "remote-helper"
 MALFORMED = "malformed"
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://(.*)", re.S)
 _SCP = re.compile(r"(?:([^@/:\[\]]+)@)?(\[[^\]]+\]|[^@/:\[\]]+):(.*)", re.S)
-_MAX_INDIRECTIONS = 16  # .git files and alternates followed before refusing
+# `acme+beta=https://github.com/acme/`: a rule for those organizations only.
+_SCOPED = re.compile(r"([a-z0-9-]+(?:\+[a-z0-9-]+)*)=(.+)", re.S)
+UNSCOPED_CHOICES = ("all", "none")
 
 
 @dataclass(frozen=True)
@@ -117,25 +135,33 @@ def _clean(path: str) -> str:
     return posixpath.normpath("/" + path).lstrip("/")
 
 
-def _under(path: str, prefix: str) -> bool:
-    """Whether `path` is `prefix` or below it, component by component."""
-    prefix = prefix.rstrip("/")
-    return path == prefix or path.startswith(prefix + "/") or prefix == ""
-
-
 @dataclass(frozen=True)
 class Pattern:
-    """One entry of the allowed list (module docstring)."""
+    """One entry of the allowed list (module docstring); `orgs` empty: unscoped."""
 
     text: str
     scheme: str = ""  # "" any remote scheme (a bare host); "*" anything
     host: str = ""
     user: str = ""
     path: str = ""  # a prefix; for a local one, absolute and resolved
+    orgs: frozenset[str] = frozenset()
 
     @classmethod
     def parse(cls, text: str) -> Pattern:
         t = text.strip()
+        scoped = _SCOPED.fullmatch(t)
+        if scoped:
+            orgs = frozenset(scoped.group(1).split("+"))
+            return replace(cls._source(scoped.group(2).strip(), text), text=t, orgs=orgs)
+        if re.match(r"[^:/@]*=", t):
+            raise ValueError(
+                f"{text!r}: the organizations before `=` are names of lowercase letters, "
+                "digits and dashes joined by `+`"
+            )
+        return cls._source(t, text)
+
+    @classmethod
+    def _source(cls, t: str, text: str) -> Pattern:
         if t == "*":
             return cls(t, scheme="*")
         if t.startswith("/"):
@@ -155,136 +181,94 @@ class Pattern:
             return cls(t, scheme="ssh", host=host.strip("[]").lower(), user=user or "", path=path)
         if t and re.fullmatch(r"[A-Za-z0-9.-]+", t):
             return cls(t, host=t.lower())
-        raise ValueError(f"{text!r} is not a repository source pattern (scheme://, host, path)")
+        raise ValueError(
+            f"{text!r} is not a repository source pattern (scheme://, host, path, "
+            "optionally after `org+org=`)"
+        )
 
     def matches(self, src: Source, real: str) -> bool:
         """Whether the source is allowed; `real` is a local source's resolved path."""
         if self.scheme == "*":
             return True
         if src.local or self.scheme == "file":
-            return src.local and self.scheme == "file" and _under(real, self.path)
+            return src.local and self.scheme == "file" and under(real, self.path)
         if self.scheme and self.scheme != src.scheme:
             return False
         if self.host and self.host != src.host:
             return False
         if self.user and self.user != src.user:
             return False
-        return _under(src.path, _clean(self.path) if self.path else "")
-
-
-@dataclass(frozen=True)
-class Guarded:
-    """A directory of runplane's that no repository may be in."""
-
-    path: str  # resolved
-    what: str
+        return under(src.path, _clean(self.path) if self.path else "")
 
 
 @dataclass(frozen=True)
 class Sources:
-    """The deployment's allowed sources and the directories always refused."""
+    """The deployment's allowed sources, the directories always refused, and the
+    organizations whose checkouts may use the host's git credentials."""
 
     allowed: tuple[Pattern, ...] = (Pattern("*", scheme="*"),)
     guarded: tuple[Guarded, ...] = ()
     exempt: tuple[str, ...] = ()  # resolved paths inside a guarded one that are fine
+    unscoped_for_all: bool = True  # a rule naming no organization: for every one
+    host_git: frozenset[str] = frozenset()  # "*": every organization
 
     @classmethod
-    def parse(cls, spec: str) -> Sources:
-        """A comma-separated list of patterns; ValueError names a bad one."""
+    def parse(cls, spec: str, *, unscoped: str = "all", host_git: str = "") -> Sources:
+        """A comma-separated list of patterns; ValueError names a bad one. `unscoped`
+        (`all` or `none`): whom the rules naming no organization are for. `host_git`:
+        the comma-separated organizations (or `*`) that may use the host's credentials."""
         patterns = tuple(Pattern.parse(p) for p in spec.split(",") if p.strip())
         if not patterns:
             raise ValueError("the list of allowed repository sources is empty")
-        return cls(allowed=patterns)
+        if unscoped not in UNSCOPED_CHOICES:
+            raise ValueError(f"unscoped rules are for `all` or `none`, not {unscoped!r}")
+        orgs = frozenset(o.strip() for o in host_git.split(",") if o.strip())
+        for org in orgs - {"*"}:
+            if not re.fullmatch(r"[a-z0-9-]+", org):
+                raise ValueError(f"{org!r} is not an organization name")
+        return cls(allowed=patterns, unscoped_for_all=unscoped == "all", host_git=orgs)
 
     def guarding(self, path: Path, what: str, *, exempt: Iterable[Path] = ()) -> Sources:
         """These sources, also refusing anything inside `path` (but `exempt`)."""
         guard = Guarded(os.path.realpath(path), what)
         more = tuple(os.path.realpath(p) for p in exempt)
-        return Sources(self.allowed, (*self.guarded, guard), (*self.exempt, *more))
+        return replace(self, guarded=(*self.guarded, guard), exempt=(*self.exempt, *more))
 
-    def check(self, repository: str) -> None:
-        """Raise RepositoryRefused unless the deployment takes `repository`."""
+    def rules_for(self, org: str) -> tuple[Pattern, ...]:
+        """The rules a workspace of `org` may match."""
+        return tuple(
+            p for p in self.allowed if (org in p.orgs if p.orgs else self.unscoped_for_all)
+        )
+
+    def unscoped(self) -> tuple[Pattern, ...]:
+        """The rules naming no organization, which every organization may use (to be
+        said at start), or () when unscoped rules are for no one."""
+        return tuple(p for p in self.allowed if not p.orgs) if self.unscoped_for_all else ()
+
+    def host_credentials(self, org: str) -> bool:
+        """Whether `org`'s checkouts may use the host's git credentials."""
+        return "*" in self.host_git or org in self.host_git
+
+    def check(self, repository: str, *, org: str) -> None:
+        """Raise RepositoryRefused unless the deployment takes `repository` for a
+        workspace of `org`."""
         src = parse_source(repository)
-        real = os.path.realpath(src.path) if src.local else ""
-        if src.local:
-            for where in _git_dirs(real):
-                self._outside_guarded(repository, where)
-        if not any(p.matches(src, real) for p in self.allowed):
-            listed = ",".join(p.text for p in self.allowed)
+        real = check_local(repository, src.path, self.guarded, self.exempt) if src.local else ""
+        rules = self.rules_for(org)
+        if not any(p.matches(src, real) for p in rules):
+            listed = ",".join(p.text for p in rules) or "none"
             raise RepositoryRefused(
                 NOT_ALLOWED,
-                f"repository {repository!r} is not among this deployment's allowed "
-                f"sources ({listed})",
+                f"repository {repository!r} is not among the sources this deployment allows "
+                f"organization {org!r} ({listed})",
             )
 
-    def _outside_guarded(self, repository: str, real: str) -> None:
-        if any(_under(real, e) for e in self.exempt):
-            return
-        for g in self.guarded:
-            if _under(real, g.path):
-                raise RepositoryRefused(
-                    RUNPLANE_DIR, f"repository {repository!r} is inside {g.what}"
-                )
 
-
-def _git_dirs(real: str) -> list[str]:
-    """The directories git reads a local repository from: the path, the directory a
-    `.git` file points to (`gitdir:`), its `commondir`, and every object directory its
-    `objects/info/alternates` names. More than a few of them: refused, not half-checked."""
-    dotgit = os.path.join(real, ".git")
-    found = [real, os.path.realpath(dotgit)] if os.path.isdir(dotgit) else [real]
-    todo = [*found, dotgit]
-    while todo:
-        here = todo.pop()
-        targets = [_pointer(here, "gitdir"), _pointer(here, "commondir")]
-        for target in [t for t in targets if t] + list(_alternates(here)):
-            if target in found:
-                continue
-            found.append(target)
-            todo.append(target)
-            todo.append(os.path.dirname(target))  # an alternate's repository
-        if len(found) > _MAX_INDIRECTIONS:
-            raise RepositoryRefused(
-                MALFORMED, f"repository {real!r} points to more than {_MAX_INDIRECTIONS} others"
-            )
-    return found
-
-
-def _pointer(here: str, kind: str) -> str:
-    """Where a `.git` file (`gitdir: X`) or a `commondir` file points, resolved."""
-    path = here if kind == "gitdir" else os.path.join(here, "commondir")
-    text = _small_text(path)
-    if kind == "gitdir":
-        if not text.startswith("gitdir:"):
-            return ""
-        text = text[len("gitdir:") :]
-    text = text.strip()
-    if not text:
-        return ""
-    return os.path.realpath(os.path.join(os.path.dirname(path), text))
-
-
-def _alternates(here: str) -> Sequence[str]:
-    objects = os.path.join(here, "objects")
-    text = _small_text(os.path.join(objects, "info", "alternates"))
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    return [os.path.realpath(os.path.join(objects, ln)) for ln in lines]
-
-
-def _small_text(path: str) -> str:
-    """A small regular file's text; "" if there is none (or it is not a regular file)."""
-    try:
-        if not os.path.isfile(path):
-            return ""
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(64 * 1024)
-    except OSError:
-        return ""
-
-
-def deployment_sources(spec: str, data_dir: Path) -> Sources:
+def deployment_sources(
+    spec: str, data_dir: Path, *, unscoped: str = "all", host_git: str = ""
+) -> Sources:
     """The sources a process of this deployment takes: `spec`, never the data directory
     (whose demo repository, made by `runplane up`, is the one exception)."""
-    return Sources.parse(spec).guarding(
+    return Sources.parse(spec, unscoped=unscoped, host_git=host_git).guarding(
         data_dir, "runplane's data directory", exempt=[data_dir / "demo-repo"]
     )

@@ -23,13 +23,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from events import wire
+from events import vcs, wire
 from events.codec import valid_id
 from events.run import RunState, secret_names
-from events.wire import SECRETS_PREFIX, SecretsReply, reply_context
+from events.wire import SECRETS_PREFIX, GitSecret, SecretsReply, reply_context
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import SECRETS_BUCKET, last_values
+from services.app.aggregates import VCS_CONNECTION
 from services.app.commands import App
+from services.app.execute import Repository
 
 log = structlog.get_logger(__name__)
 
@@ -93,6 +95,38 @@ class SecretStore:
         return {k.rsplit(".", 1)[1]: v for k, v in found.items() if v}
 
 
+TOKEN, DEPLOY_KEY = "token", "deploy_key"
+# The user name each provider takes with a token over https.
+USERNAMES = {"github": "x-access-token", "gitlab": "oauth2"}
+
+
+def sealed_key(org: str, connection_id: str, which: str) -> str:
+    """Where a connection's sealed value lives in the secrets bucket."""
+    return f"{org}._vcs.{connection_id}.{which}"
+
+
+async def connection_secret(
+    repo: Repository, secrets: SecretStore, org: str, connection_id: str
+) -> GitSecret:
+    """The token (with its user name) and deploy key of `org`'s connection; empty for no
+    connection (or one deleted). SecretError if a sealed value does not open."""
+    if not connection_id or not valid_id(org) or not valid_id(connection_id):
+        return GitSecret()
+    found = await repo.load(VCS_CONNECTION, vcs.connection_subject(org, connection_id))
+    conn = found.state.connection
+    if not found.state.exists or conn is None or conn.org != org:
+        return GitSecret()
+    keys = [sealed_key(org, connection_id, w) for w in (TOKEN, DEPLOY_KEY)]
+    sealed = await last_values(secrets.nc, SECRETS_BUCKET, f"{org}._vcs.{connection_id}.*")
+    try:
+        token, key = (
+            secrets.keyring.open(sealed[k], k).decode() if sealed.get(k) else "" for k in keys
+        )
+    except CryptoError as e:
+        raise SecretError(f"a credential of VCS connection {connection_id} does not open") from e
+    return GitSecret(token=token, username=USERNAMES.get(conn.provider, ""), ssh_key=key)
+
+
 class SecretsResponder:
     """Answers executors' secret requests; an async context manager, one or many replicas."""
 
@@ -142,6 +176,8 @@ class SecretsResponder:
             return SecretsReply(
                 error=f"lease {req.lease_id} is not the current lease of run {req.run_id}"
             )
+        if req.git:
+            return await self._git(org, ws, run, req.lease_id)
         try:
             values = await self.store.values(org, ws, secret_names(run))
         except SecretError as e:
@@ -150,4 +186,20 @@ class SecretsResponder:
             wire.encode(values), reply_context(req.run_id, req.lease_id)
         )
         log.info("secrets_handed_over", org=org, workspace=ws, run_id=req.run_id, n=len(values))
+        return SecretsReply(sealed=sealed)
+
+    async def _git(self, org: str, ws: str, run: RunState, lease_id: str) -> SecretsReply:
+        """The git credential of the run's VCS connection (of the run's organization)."""
+        connection = run.config.vcs_connection if run.config is not None else ""
+        try:
+            secret = await connection_secret(self.app, self.store, org, connection)
+        except SecretError as e:
+            return SecretsReply(error=str(e))
+        sealed = self.store.keyring.seal(
+            wire.encode(secret), reply_context(run.run_id, lease_id, git=True)
+        )
+        given = [k for k in ("token", "ssh_key") if getattr(secret, k)]
+        log.info(
+            "git_credential_handed_over", org=org, workspace=ws, run_id=run.run_id, given=given
+        )
         return SecretsReply(sealed=sealed)

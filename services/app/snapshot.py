@@ -16,7 +16,9 @@ from events.errors import SnapshotFailed
 from events.inherit import config_settings
 from events.run import RunState, Snapshot, VariableRef, Workspace
 from events.settings import effective
-from infra.childenv import git_env, kill_group
+from infra.childenv import kill_group
+from infra.gitenv import NONE, GitCredential, git_access
+from services.app.gitcreds import GitAccess
 from services.app.secrets import SecretStore
 
 # A slow remote holds only its workspace's lane, marked in progress while it waits.
@@ -25,27 +27,45 @@ _SHA = re.compile(r"^[0-9a-f]{40}([0-9a-f]{24})?$")
 _MAX_ERROR = 2000
 
 
-async def resolve_commit(repository: str, branch: str, *, timeout: float = DEFAULT_TIMEOUT) -> str:
-    """The sha `refs/heads/<branch>` points at in `repository`; SnapshotFailed if none."""
+async def resolve_commit(
+    repository: str,
+    branch: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    credential: GitCredential = NONE,
+) -> str:
+    """The sha `refs/heads/<branch>` points at in `repository`, asked with `credential`
+    only (infra/gitenv.py: never the host's unless it is `HOST`); SnapshotFailed if none."""
     ref = f"refs/heads/{branch}"
-    proc = await asyncio.create_subprocess_exec(
-        *("git", "ls-remote", "--exit-code", "--", repository, ref),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=git_env(),
-        start_new_session=True,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError as e:
-        await kill_group(proc)
-        raise SnapshotFailed(f"git ls-remote {repository} timed out after {timeout:g}s") from e
-    if proc.returncode == 2:
+    with git_access(credential, repository) as env:
+        proc = await asyncio.create_subprocess_exec(
+            *("git", "ls-remote", "--exit-code", "--", repository, ref),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd="/",  # no repository around it lends its remotes or config
+            start_new_session=True,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+        except TimeoutError as e:
+            await kill_group(proc)
+            raise SnapshotFailed(f"git ls-remote {repository} timed out after {timeout:g}s") from e
+    return _listed(proc.returncode, out, err, repository, branch, credential)
+
+
+def _listed(
+    code: int | None, out: bytes, err: bytes, repository: str, branch: str, cred: GitCredential
+) -> str:
+    ref = f"refs/heads/{branch}"
+    if code == 2:
         raise SnapshotFailed(f"branch {branch!r} not found in {repository}")
-    if proc.returncode != 0:
+    if code != 0:
         text = err.decode(errors="replace").strip()[-_MAX_ERROR:]
-        raise SnapshotFailed(f"git ls-remote {repository} failed (exit {proc.returncode}): {text}")
+        for secret in cred.secrets():
+            text = text.replace(secret, "***")
+        raise SnapshotFailed(f"git ls-remote {repository} failed (exit {code}): {text}")
     return _sha_of(out.decode(errors="replace"), ref, repository)
 
 
@@ -77,23 +97,38 @@ def settings(config: Workspace) -> dict[str, Any]:
 class Snapshotter:
     """Takes a run's snapshot at admission; the scheduler's `App` calls it."""
 
-    def __init__(self, secrets: SecretStore | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+    def __init__(
+        self,
+        secrets: SecretStore | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        access: GitAccess | None = None,
+    ):
         self.secrets = secrets
         self.timeout = timeout
+        # Whose credential `ls-remote` asks with (services/app/gitcreds.py); the root sets
+        # it. None: none at all, anonymously.
+        self.access = access
         # One `git ls-remote` per repository and branch at a time: admissions that ask
         # while one runs share its answer (the branch head as of at most one query ago;
         # at 10,000 workspaces the spawns were half the scheduler's time: bench/README.md).
-        self._resolving: dict[tuple[str, str], asyncio.Future[str]] = {}
+        # Per organization: each asks with its own credential.
+        self._resolving: dict[tuple[str, str, str], asyncio.Future[str]] = {}
 
-    async def _commit(self, repository: str, branch: str) -> str:
-        key = (repository, branch)
+    async def _commit(self, org: str, config: Workspace) -> str:
+        key = (org, config.repository, config.branch)
         running = self._resolving.get(key)
         if running is None:
-            query = resolve_commit(repository, branch, timeout=self.timeout)
-            running = asyncio.ensure_future(query)
+            running = asyncio.ensure_future(self._resolve(org, config))
             self._resolving[key] = running
             running.add_done_callback(lambda _: self._resolving.pop(key, None))
         return await asyncio.shield(running)
+
+    async def _resolve(self, org: str, config: Workspace) -> str:
+        cred = NONE if self.access is None else await self.access.credential(org, config)
+        return await resolve_commit(
+            config.repository, config.branch, timeout=self.timeout, credential=cred
+        )
 
     async def __call__(self, run: RunState) -> Snapshot:
         config = run.config
@@ -105,7 +140,7 @@ class Snapshotter:
         if run.source is not None:
             commit = ""
         else:
-            commit = run.requested_commit or await self._commit(config.repository, config.branch)
+            commit = run.requested_commit or await self._commit(run.org, config)
         return Snapshot(
             commit=commit,
             variables=variables(config, await self._secret_names(run, config)),

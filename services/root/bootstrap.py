@@ -43,6 +43,7 @@ from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from projections.projector import Projector
 from services.app.commands import App
 from services.app.flows import SnapshotHook
+from services.app.gitcreds import GitAccess
 from services.app.openruns import Limits as OpenRunLimits
 from services.app.openruns import OpenRuns
 from services.app.repositories import Sources, deployment_sources
@@ -86,14 +87,40 @@ def build(
     keys = keyring if keyring is not None else options.keyring(opts)
     events = store if store is not None else EventStore(nc)
     secrets = SecretStore(nc, keys)
-    app = App(events, clock=clock, ids=ids, snapshot=pinning(secrets))
-    limits = OpenRunLimits(opts.org_max_open_runs, opts.workspace_max_open_runs)
-    app.open_runs = OpenRuns(nc.jetstream(), limits, app.run_is_open)
     try:
-        sources = deployment_sources(opts.allowed_repos, opts.data_dir)
+        sources = deployment_sources(
+            opts.allowed_repos,
+            opts.data_dir,
+            unscoped=opts.unscoped_repos,
+            host_git=opts.host_git_credentials,
+        )
     except ValueError as e:
         raise ConfigError(f"--allowed-repos: {e}") from e
-    return Plane(opts, nc, stack, keys, events, app, secrets, sources)
+    hook = pinning(secrets)
+    app = App(events, clock=clock, ids=ids, snapshot=hook)
+    limits = OpenRunLimits(opts.org_max_open_runs, opts.workspace_max_open_runs)
+    app.open_runs = OpenRuns(nc.jetstream(), limits, app.run_is_open)
+    access = GitAccess(app, secrets, sources.host_credentials)
+    if isinstance(hook, Snapshotter):  # its `ls-remote` asks with the organization's own
+        hook.access = access
+    _say_repository_rules(sources)
+    return Plane(opts, nc, stack, keys, events, app, secrets, sources, access)
+
+
+def _say_repository_rules(sources: Sources) -> None:
+    """At every start: the rules every organization may use, and who uses the host's git
+    credentials (services/app/repositories.py)."""
+    unscoped = [p.text for p in sources.unscoped()]
+    if unscoped:
+        log.warning(
+            "repository_rules_unscoped",
+            rules=unscoped,
+            detail="every organization's workspaces may name these repository sources "
+            "(local paths too if file:// or a directory is among them); name organizations "
+            "(org=rule) and start with --unscoped-repos none to keep them apart",
+        )
+    if sources.host_git:
+        log.warning("git_host_credentials", organizations=sorted(sources.host_git))
 
 
 def readmodel_path(opts: Options) -> Path:
@@ -116,6 +143,7 @@ class Plane:
     app: App
     secrets: SecretStore
     repositories: Sources
+    git_access: GitAccess
 
     # ------------------------------------------------------------ starting
 
@@ -170,7 +198,9 @@ class Plane:
                 max_body=self.opts.webhook_max_body, concurrent=self.opts.webhook_concurrency
             ),
             # a push is started only if current: the API's own mirrors tell (never a job's)
-            "vcs_heads": GitHeads(self.opts.data_dir / "vcs-git", sources=self.repositories),
+            "vcs_heads": GitHeads(
+                self.opts.data_dir / "vcs-git", sources=self.repositories, access=self.git_access
+            ),
             **overrides,
         }
         if "admin_token" not in given:  # made once into the data directory if not given

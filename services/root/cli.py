@@ -46,7 +46,23 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         "--allowed-repos",
         default=os.environ.get("RUNPLANE_ALLOWED_REPOS", ""),
         help="comma-separated repository sources workspaces may name: schemes (https://), "
-        "hosts, path prefixes (/srv/git/); default: remote URLs only (up: local paths too)",
+        "hosts, path prefixes (/srv/git/), each for some organizations only after "
+        "`org+org=`; default: remote URLs only (up: local paths too)",
+    )
+    p.add_argument(
+        "--unscoped-repos",
+        choices=repositories.UNSCOPED_CHOICES,
+        default=os.environ.get("RUNPLANE_UNSCOPED_REPOS", "all"),
+        help="whom an --allowed-repos rule naming no organization is for: all (the default, "
+        "said at every start) or none (also RUNPLANE_UNSCOPED_REPOS)",
+    )
+    p.add_argument(
+        "--host-git-credentials",
+        default=os.environ.get("RUNPLANE_HOST_GIT_CREDENTIALS", ""),
+        metavar="ORG[,ORG...]",
+        help="organizations (or *) whose repositories git may reach with this host's own "
+        "credentials (~/.git-credentials, helpers, ssh keys and agent); every other one "
+        "uses its VCS connection's only (also RUNPLANE_HOST_GIT_CREDENTIALS)",
     )
     for flag, default, what in (
         ("--org-max-open-runs", 500, "an organization"),
@@ -270,8 +286,10 @@ def options(ns: argparse.Namespace) -> Options:
     """The process's options; ConfigError for a setting that cannot be used."""
     default = repositories.DEFAULTS.get(ns.command, repositories.API_DEFAULT)
     allowed = getattr(ns, "allowed_repos", "") or default
+    unscoped = getattr(ns, "unscoped_repos", "all")
+    host_git = getattr(ns, "host_git_credentials", "")
     try:
-        repositories.Sources.parse(allowed)
+        repositories.Sources.parse(allowed, unscoped=unscoped, host_git=host_git)
     except ValueError as e:
         raise ConfigError(f"--allowed-repos: {e}") from e
     try:
@@ -280,6 +298,8 @@ def options(ns: argparse.Namespace) -> Options:
         raise ConfigError(f"--org-weights: {e}") from e
     return Options(
         allowed_repos=allowed,
+        unscoped_repos=unscoped,
+        host_git_credentials=host_git,
         data_dir=ns.data_dir,
         nats_url=_nats_url(ns),
         nats_auth=_nats_auth(ns),

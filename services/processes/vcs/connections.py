@@ -26,10 +26,13 @@ from infra.kv import SECRETS_BUCKET, last_values
 from services.app.aggregates import VCS_CONNECTION
 from services.app.commands import App
 from services.app.execute import Repository
+from services.app.secrets import DEPLOY_KEY as DEPLOY_KEY  # sealed here too
 from services.app.secrets import SecretStore
+from services.app.secrets import sealed_key as sealed_key  # the tests read sealed values
 from services.processes.vcs import VcsError
 
 SECRET, TOKEN = "secret", "token"
+SEALED = (SECRET, TOKEN, DEPLOY_KEY)  # what a connection keeps sealed
 MAX_SECRET = 4096
 
 
@@ -102,10 +105,6 @@ async def command(
 # ---------------------------------------------------------------- sealed values
 
 
-def sealed_key(org: str, connection_id: str, which: str) -> str:
-    return f"{org}._vcs.{connection_id}.{which}"
-
-
 class Sealed:
     """A connection's webhook secret and token, sealed in the secrets bucket."""
 
@@ -123,7 +122,7 @@ class Sealed:
 
     async def forget(self, org: str, connection_id: str) -> None:
         kv = await self.nc.jetstream().key_value(SECRETS_BUCKET)
-        for which in (SECRET, TOKEN):
+        for which in SEALED:
             await _purge(kv, sealed_key(org, connection_id, which))
 
     async def get(self, org: str, connection_id: str, which: str) -> str:

@@ -94,7 +94,7 @@ class Deliveries:
         if change.kind in (payloads.PING, payloads.IGNORED):
             return Outcome(ignored=change.reason or change.kind)
         await self._caught_up()
-        fresh, stale = await self._fresh(conn.org, change, await self._targets(conn, change))
+        fresh, stale = await self._fresh(conn, change, await self._targets(conn, change))
         owner = await self._claim(conn, delivery, change) if fresh else delivery
         if owner != delivery:
             log.info("vcs_push_duplicate", connection=conn.id, first=owner)
@@ -126,9 +126,11 @@ class Deliveries:
     # ------------------------------------------------------------ is it current?
 
     async def _fresh(
-        self, org: str, change: Change, targets: list[matching.Target]
+        self, conn: vcs.VcsConnection, change: Change, targets: list[matching.Target]
     ) -> tuple[list[matching.Target], list[str]]:
-        """The targets the change may start, and the workspaces it is stale for."""
+        """The targets the change may start, and the workspaces it is stale for (asked of
+        the repository with the connection's own credential)."""
+        org = conn.org
         if change.kind not in _CHECKED or not targets:
             return targets, []  # a pull request plans, speculatively: nothing to undo
         read = self.projector.read
@@ -140,7 +142,7 @@ class Deliveries:
 
         async def judged(repo: str, ts: list[matching.Target]) -> list[bool]:
             async with gate:
-                return await self._current(org, repo, change, ts)
+                return await self._current(conn, repo, change, ts)
 
         verdicts = await asyncio.gather(*(judged(r, ts) for r, ts in by_repo.items()))
         fresh: list[matching.Target] = []
@@ -151,20 +153,21 @@ class Deliveries:
         return fresh, sorted(stale)
 
     async def _current(
-        self, org: str, repo: str, change: Change, targets: Sequence[matching.Target]
+        self, conn: vcs.VcsConnection, repo: str, change: Change, targets: Sequence[matching.Target]
     ) -> list[bool]:
         """Whether the change is current for each target, all naming `repo`."""
         if not repo:  # the workspace went between the match and this read
             return [False] * len(targets)
+        org, whose = conn.org, {"org": conn.org, "connection": conn.id}
         try:
-            head = await self.heads.head(repo, change.ref)
+            head = await self.heads.head(repo, change.ref, **whose)
             if head == change.commit:
                 return [True] * len(targets)
             if not head:  # the branch or tag is gone
                 return [False] * len(targets)
             read = self.projector.read
             lines = [await read.runs.applied_line(org, t.workspace) for t in targets]
-            return await self.heads.follows(repo, change.ref, change.commit, lines)
+            return await self.heads.follows(repo, change.ref, change.commit, lines, **whose)
         except VcsError as e:
             if not e.retryable:
                 raise

@@ -6,15 +6,18 @@ one its runs check out.
 - `head` is `git ls-remote` of the ref (a tag's peeled commit when it is annotated),
   bounded by `timeout`;
 - `follows` fetches the ref into a bare mirror of the repository kept under `mirrors`
-  (`<sha256 of the URL>.git`, like an executor's, executor/git.py: created whole by a
-  rename, only ever fetched into, the URL given to each fetch and never stored), then
-  asks `git merge-base --is-ancestor`. Without `mirrors` nothing follows: only a head
-  starts runs.
+  (`<sha256 of the organization and URL>.git`: one per organization, like an executor's,
+  executor/git.py: created whole by a rename, only ever fetched into, the URL given to
+  each fetch and never stored), then asks `git merge-base --is-ancestor`. Without
+  `mirrors` nothing follows: only a head starts runs.
 
 The ref and the commits come from a signed payload or the read model; whatever their
 source, a ref must be a branch or a tag git accepts and a commit a full object id, and
 the repository passes the deployment's sources (services/app/repositories.py) before git
 touches it: a local path that now leads into runplane's directories is refused.
+git reaches the repository with the credential of the delivery's VCS connection only
+(`access`, services/app/gitcreds.py), never the API host's (infra/gitenv.py) unless the
+deployment names the organization in `--host-git-credentials`.
 A repository that does not answer, or answers something else than git's listing, is a
 `HeadsError` (retryable: the delivery is refused and may be delivered again).
 """
@@ -29,10 +32,12 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from events.errors import RepositoryRefused
-from infra.childenv import git_env, kill_group
+from infra.childenv import kill_group
+from infra.gitenv import NONE, GitCredential, git_access
+from services.app.gitcreds import GitAccess
 from services.app.repositories import Sources
 from services.processes.vcs import VcsError
 from services.processes.vcs.payloads import valid_ref_name
@@ -53,12 +58,21 @@ class HeadsError(VcsError):
 class Heads(Protocol):
     """What the webhook asks of a workspace's repository before it starts a push."""
 
-    async def head(self, repository: str, ref: str) -> str:
-        """The commit `ref` names in `repository` now ("" when it names none)."""
+    async def head(self, repository: str, ref: str, *, org: str = "", connection: str = "") -> str:
+        """The commit `ref` names in `repository` now ("" when it names none), asked for
+        a workspace of `org` bound to its VCS connection `connection` (whose credential
+        git uses)."""
         ...
 
     async def follows(
-        self, repository: str, ref: str, commit: str, lines: Sequence[Sequence[str]]
+        self,
+        repository: str,
+        ref: str,
+        commit: str,
+        lines: Sequence[Sequence[str]],
+        *,
+        org: str = "",
+        connection: str = "",
     ) -> list[bool]:
         """For each of `lines`: whether `commit` is in `ref`'s history now and descends
         from every commit of that line (a commit it is equal to included)."""
@@ -89,18 +103,22 @@ class GitHeads:
         *,
         sources: Sources | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        access: GitAccess | None = None,
     ) -> None:
         self.mirrors = Path(os.path.abspath(mirrors)) if mirrors is not None else None
         self.sources = sources
+        self.access = access  # whose credential git uses (None: none, anonymously)
         self.timeout = timeout
         self._locks: dict[Path, asyncio.Lock] = {}  # one fetch per mirror at a time
 
-    async def head(self, repository: str, ref: str) -> str:
-        self._allowed(repository)
+    async def head(self, repository: str, ref: str, *, org: str = "", connection: str = "") -> str:
+        self._allowed(repository, org)
         check_ref(ref)
         peeled = f"{ref}^{{}}"
         code, out, err = await self._git(
-            ["ls-remote", "--exit-code", "--", repository, ref, peeled], cwd=None
+            ["ls-remote", "--exit-code", "--", repository, ref, peeled],
+            cwd=None,
+            remote=await self._remote(org, connection, repository),
         )
         if code == 2:  # no such ref (any more)
             return ""
@@ -113,16 +131,24 @@ class GitHeads:
         return found
 
     async def follows(
-        self, repository: str, ref: str, commit: str, lines: Sequence[Sequence[str]]
+        self,
+        repository: str,
+        ref: str,
+        commit: str,
+        lines: Sequence[Sequence[str]],
+        *,
+        org: str = "",
+        connection: str = "",
     ) -> list[bool]:
-        self._allowed(repository)
+        self._allowed(repository, org)
         check_ref(ref)
         check_sha(commit)
         for a in {a for line in lines for a in line}:
             check_sha(a)
-        if self.mirrors is None or not await self._on_ref(repository, ref, commit):
+        remote = await self._remote(org, connection, repository)
+        if self.mirrors is None or not await self._on_ref(remote, ref, commit):
             return [False] * len(lines)
-        mirror = self._mirror(repository)
+        mirror = self._mirror(remote)
         known: dict[str, bool] = {}  # a commit of the lines: whether `commit` descends from it
         for a in {a for line in lines for a in line}:
             # one not in this history is not an ancestor of anything on it
@@ -131,30 +157,40 @@ class GitHeads:
             )
         return [all(known[a] for a in line) for line in lines]
 
-    def _mirror(self, repository: str) -> Path:
-        assert self.mirrors is not None
-        return self.mirrors / f"{hashlib.sha256(repository.encode()).hexdigest()[:32]}.git"
+    async def _remote(self, org: str, connection: str, repository: str) -> _Remote:
+        """The repository, for whom, and with whose credential git reaches it."""
+        cred = NONE
+        if self.access is not None and org:
+            cred = await self.access.of_connection(org, connection)
+        return _Remote(repository, org, cred)
 
-    async def _on_ref(self, repository: str, ref: str, commit: str) -> bool:
+    def _mirror(self, remote: _Remote) -> Path:
+        """One mirror per organization: what one's credential fetched is not another's."""
+        assert self.mirrors is not None
+        key = f"{remote.org}\n{remote.repository}".encode()
+        return self.mirrors / f"{hashlib.sha256(key).hexdigest()[:32]}.git"
+
+    async def _on_ref(self, remote: _Remote, ref: str, commit: str) -> bool:
         """Fetch `ref` into the mirror; whether `commit` is in its history now (a commit
         a force-push left behind is not)."""
-        mirror = self._mirror(repository)
+        repository = remote.repository
+        mirror = self._mirror(remote)
         async with self._locks.setdefault(mirror, asyncio.Lock()):
             if not mirror.is_dir():
                 await self._fill(mirror)
             refspec = f"+{ref}:{ref}"
             fetch = ["fetch", "--no-progress", "--no-write-fetch-head", "--no-tags"]
-            await self._ok([*fetch, "--", repository, refspec], mirror, "fetch")
+            await self._ok([*fetch, "--", repository, refspec], mirror, "fetch", remote)
             head = await self._rev(mirror, f"{ref}^{{commit}}")
         if not head or not await self._rev(mirror, f"{commit}^{{commit}}"):
             return False
         return await self._ancestor(mirror, commit, head)
 
-    def _allowed(self, repository: str) -> None:
+    def _allowed(self, repository: str, org: str) -> None:
         if self.sources is None:
             return
         try:
-            self.sources.check(repository)
+            self.sources.check(repository, org=org)
         except RepositoryRefused as e:
             raise HeadsError(str(e), retryable=False) from e
 
@@ -181,31 +217,46 @@ class GitHeads:
             raise HeadsError(f"git merge-base failed (exit {code}): {err}")
         return code == 0
 
-    async def _ok(self, args: list[str], mirror: Path | None, what: str) -> None:
-        code, _, err = await self._git(args, mirror)
+    async def _ok(
+        self, args: list[str], mirror: Path | None, what: str, remote: _Remote | None = None
+    ) -> None:
+        code, _, err = await self._git(args, mirror, remote=remote)
         if code != 0:
             raise HeadsError(f"git {what} failed (exit {code}): {err}")
 
-    async def _git(self, args: list[str], cwd: Path | None) -> tuple[int, str, str]:
+    async def _git(
+        self, args: list[str], cwd: Path | None, *, remote: _Remote | None = None
+    ) -> tuple[int, str, str]:
         """git's exit code, output and the end of its error output; a command that runs
-        out of `timeout` is killed with what it started (ssh) and is a HeadsError."""
+        out of `timeout` is killed with what it started (ssh) and is a HeadsError. It
+        reaches `remote` with that organization's credential only (infra/gitenv.py)."""
         where = ["--git-dir", str(cwd)] if cwd is not None else []
-        proc = await asyncio.create_subprocess_exec(
-            *("git", *where, *args),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=git_env(),
-            cwd="/",  # no repository around it lends its remotes or config
-            start_new_session=True,
-        )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
-        except TimeoutError as e:
-            await kill_group(proc)
-            raise HeadsError(f"git {args[0]} timed out after {self.timeout:g}s") from e
+        cred = remote.credential if remote is not None else NONE
+        with git_access(cred, remote.repository if remote is not None else "") as env:
+            proc = await asyncio.create_subprocess_exec(
+                *("git", *where, *args),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+                cwd="/",  # no repository around it lends its remotes or config
+                start_new_session=True,
+            )
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+            except TimeoutError as e:
+                await kill_group(proc)
+                raise HeadsError(f"git {args[0]} timed out after {self.timeout:g}s") from e
         text = err.decode(errors="replace").strip()[-_MAX_ERROR:]
+        for secret in cred.secrets():
+            text = text.replace(secret, "***")
         return proc.returncode or 0, out.decode(errors="replace"), text
+
+
+class _Remote(NamedTuple):
+    repository: str
+    org: str
+    credential: GitCredential
 
 
 def _listing(out: str) -> list[tuple[str, str]]:

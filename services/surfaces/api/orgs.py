@@ -137,7 +137,7 @@ async def create_workspace(request: web.Request) -> web.Response:
     body = await read_body(request, CreateWorkspaceBody)
     name = check_name("name", body.name)
     check_timeouts(body)
-    check_repository(request, body.repository)
+    check_repository(request, org, body.repository)
     secrets.check_secret_names(body.secret_variables, body.variables)
     if body.secret_variables:
         secrets.store_of(request)  # 503 now, before anything is written, if there is none
@@ -175,14 +175,14 @@ async def create_workspace(request: web.Request) -> web.Response:
     )
 
 
-def check_repository(request: web.Request, repository: str) -> None:
+def check_repository(request: web.Request, org: str, repository: str) -> None:
     """422 `repository-not-allowed`, naming the rule, for a repository the deployment
-    does not take or one inside runplane's own directories."""
+    does not take for `org`, or one in runplane's own directories or the kernel's."""
     sources = request.app.get(SOURCES)
     if sources is None:
         return
     try:
-        sources.check(repository)
+        sources.check(repository, org=org)
     except RepositoryRefused as e:
         raise Problem("repository-not-allowed", str(e), rule=e.rule) from e
 
@@ -199,7 +199,7 @@ async def update_workspace(request: web.Request) -> web.Response:
     if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     if "repository" in changes:
-        check_repository(request, changes["repository"])
+        check_repository(request, org, changes["repository"])
     await workspaces.check_config(api, org, changes)
     result = None
     if changes:

@@ -1,7 +1,7 @@
 """VCS connections over HTTP (events/vcs.py), and the webhook endpoint each one has.
 
 `POST .../vcs-connections` `{"name", "provider": "github" | "gitlab", "api_url"?,
-"webhook_secret", "token"?}` creates one (admin; 201), `GET` lists them (viewer),
+"webhook_secret", "token"?, "deploy_key"?}` creates one (admin; 201), `GET` lists them (viewer),
 `GET|PATCH|DELETE .../vcs-connections/{id}` reads, changes (only the fields given) and
 deletes one; `GET .../vcs-connections/{id}/deliveries` (viewer) lists the deliveries it
 recorded, newest first, 100 a page (`?before=<seq>` the next): the runs each started, or
@@ -10,7 +10,10 @@ in `stale`; `duplicate`: `duplicate_of` brought the same push first).
 
 The webhook secret and the token are write-only: sealed into the secrets
 bucket (services/processes/vcs/connections.py), never answered; `has_secret` / `has_token` say
-whether each is set (`"token": ""` in a PATCH removes it). `api_url` defaults to the
+whether each is set (`"token": ""` in a PATCH removes it). The token and the deploy key
+(an ssh private key, also write-only, `""` removes it) are what runplane's git reaches the
+repositories of the workspaces bound to the connection with (infra/gitenv.py): the
+organization's own credentials, never the host's. `api_url` defaults to the
 provider's public API; another (GitHub Enterprise, a self-hosted GitLab) is any http(s)
 URL without credentials. The answer carries `webhook_path`, what to give the VCS.
 
@@ -29,7 +32,7 @@ from msgspec import Meta
 from events import vcs
 from events.errors import Invalid
 from services.processes.vcs import connections
-from services.processes.vcs.connections import SECRET, TOKEN, Sealed
+from services.processes.vcs.connections import DEPLOY_KEY, SECRET, TOKEN, Sealed
 from services.surfaces.api import secrets as secrets_api
 from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import Body, read_body
@@ -68,6 +71,7 @@ class ConnectionBody(Body, frozen=True, kw_only=True):
     api_url: Url | None = None
     webhook_secret: Annotated[str, Meta(min_length=1, max_length=connections.MAX_SECRET)]
     token: Secret = ""
+    deploy_key: Secret = ""
 
 
 class ConnectionPatchBody(Body, frozen=True, kw_only=True):
@@ -77,6 +81,13 @@ class ConnectionPatchBody(Body, frozen=True, kw_only=True):
         None
     )
     token: Secret | None = None
+    deploy_key: Secret | None = None
+
+
+def _check_key(key: str | None) -> None:
+    """A deploy key is an ssh private key in PEM or OpenSSH form (or "": none)."""
+    if key and not (key.lstrip().startswith("-----BEGIN ") and "PRIVATE KEY-----" in key):
+        raise Invalid("deploy_key must be an ssh private key (-----BEGIN ... PRIVATE KEY-----)")
 
 
 def webhook_path(connection_id: str) -> str:
@@ -141,10 +152,13 @@ async def create(request: web.Request) -> web.Response:
         has_token=bool(body.token),
     )
     vcs.decide(vcs.ConnectionState(), cmd, now=api.app.clock())  # 422 before anything is sealed
+    _check_key(body.deploy_key)
     sealed = _sealed(request)
     await sealed.put(org, connection_id, SECRET, body.webhook_secret)
     if body.token:
         await sealed.put(org, connection_id, TOKEN, body.token)
+    if body.deploy_key:
+        await sealed.put(org, connection_id, DEPLOY_KEY, body.deploy_key)
     state, seq = await _command(api, org, cmd)
     return await written(
         api,
@@ -187,11 +201,14 @@ async def patch_connection(request: web.Request) -> web.Response:
     )
     st, _ = await connections.state(api.app, org, connection_id)
     vcs.decide(st, cmd, now=api.app.clock())  # 422 before a secret changes
+    _check_key(body.deploy_key)
     sealed = _sealed(request)
     if body.webhook_secret is not None:
         await sealed.put(org, connection_id, SECRET, body.webhook_secret)
     if body.token is not None:
         await sealed.put(org, connection_id, TOKEN, body.token)  # "" removes it
+    if body.deploy_key is not None:
+        await sealed.put(org, connection_id, DEPLOY_KEY, body.deploy_key)  # "" removes it
     state, seq = await _command(api, org, cmd)
     return await written(
         api,
