@@ -64,18 +64,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         "credentials (~/.git-credentials, helpers, ssh keys and agent); every other one "
         "uses its VCS connection's only (also RUNPLANE_HOST_GIT_CREDENTIALS)",
     )
-    for flag, default, what in (
-        ("--org-max-open-runs", 500, "an organization"),
-        ("--workspace-max-open-runs", 100, "a workspace"),
-    ):
-        env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
-        p.add_argument(
-            flag,
-            type=int,
-            default=int(os.environ.get(env, str(default)) or default),
-            help=f"runs {what} may have open at once (also {env}; default {default}); "
-            "one more is refused, 429 quota-exceeded",
-        )
+    _open_runs_opts(p)
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
         p.add_argument(
@@ -95,6 +84,22 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "one made at /app/settings/tokens and pasted at its prompt)",
         )
         _webhook_opts(p)
+
+
+def _open_runs_opts(p: argparse.ArgumentParser) -> None:
+    """The open-runs quota (services/app/openruns.py): every process that starts runs."""
+    for flag, default, what in (
+        ("--org-max-open-runs", 500, "an organization"),
+        ("--workspace-max-open-runs", 100, "a workspace"),
+    ):
+        env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
+        p.add_argument(
+            flag,
+            type=int,
+            default=int(os.environ.get(env, str(default)) or default),
+            help=f"runs {what} may have open at once (also {env}; default {default}); "
+            "one more is refused, 429 quota-exceeded",
+        )
 
 
 def _webhook_opts(p: argparse.ArgumentParser) -> None:
