@@ -95,15 +95,10 @@ def job_pids() -> set[int]:
     return out
 
 
-def phase_groups() -> list[Path]:
-    """Every phase's control group on this host now (of any executor)."""
-    return [
-        g
-        for h in find().values()
-        for scope in (h.base / TOP).glob("*")
-        for g in scope.glob("*")
-        if g.is_dir()
-    ]
+def phase_groups(data: Path) -> list[Path]:
+    """The phase control groups of the executor on `data` now (those of its jobs root)."""
+    scope = default_jobs_dir(data / "work").name
+    return [g for h in find().values() for g in (h.base / TOP / scope).glob("*") if g.is_dir()]
 
 
 def job_ipc() -> set[str]:

@@ -71,7 +71,7 @@ async def test_a_job_over_each_cap_fails_with_its_reason_and_leaves_the_host_as_
 
             async def as_found() -> bool:
                 assert job_pids() - pids == set(), "a job process outlived its phase"
-                assert phase_groups() == [], "a phase's control group was left"
+                assert phase_groups(up.data) == [], "a phase's control group was left"
                 assert job_ipc() - ipc == set()
                 assert job_files() == []
                 assert not [p for p in up.jobs.iterdir()], "a job's directory was left"
