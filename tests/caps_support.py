@@ -13,7 +13,7 @@ from typing import Any
 
 from executor.cgroups import TOP, find
 from executor.isolation import sandbox_problem
-from executor.uids import DEFAULT_UIDS, uid_range
+from executor.uids import DEFAULT_UIDS
 from executor.worker import default_jobs_dir
 from tests.executor_support import commit
 from tests.procs import Client, Proc, free_port, wait_healthy
@@ -21,6 +21,11 @@ from tests.procs import Client, Proc, free_port, wait_healthy
 TOKEN = "admin-caps-7c1e"
 V1 = "/api/v1/orgs/acme"
 NO_SANDBOX = sandbox_problem(DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
+# The job uids of this module's `up`s: their own, so that another suite's jobs running
+# on this machine meanwhile (in the default range) are not taken for theirs.
+UIDS = range(
+    1_600_000_000 + (os.getpid() % 10_000) * 16, 1_600_000_000 + (os.getpid() % 10_000) * 16 + 16
+)
 # Small caps: each attack is over one quickly.
 SMALL = {
     "--job-memory": "64MiB",
@@ -51,7 +56,7 @@ async def running_up(tmp: Path, mode: str, *extra: str) -> AsyncIterator[Up]:
     proc = await Proc(
         [*args, "--isolation", mode, *extra],
         tmp / "up.log",
-        env={"RUNPLANE_ADMIN_TOKEN": TOKEN},
+        env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_JOB_UIDS": f"{UIDS[0]}-{UIDS[-1]}"},
     ).start()
     base = f"http://127.0.0.1:{port}"
     client = Client(base, TOKEN)
@@ -84,8 +89,8 @@ async def custom_run(up: Up, repo: Path, name: str, command: str) -> dict[str, A
 
 
 def job_pids() -> set[int]:
-    """The processes of any job uid now."""
-    jobs, out = uid_range(), set()
+    """The processes of this module's job uids now."""
+    jobs, out = UIDS, set()
     for d in os.listdir("/proc"):
         try:
             if d.isdigit() and os.stat(f"/proc/{d}").st_uid in jobs:
@@ -102,8 +107,8 @@ def phase_groups(data: Path) -> list[Path]:
 
 
 def job_ipc() -> set[str]:
-    """The SysV IPC objects (any table) of the job uids."""
-    jobs, out = uid_range(), set()
+    """The SysV IPC objects (any table) of this module's job uids."""
+    jobs, out = UIDS, set()
     for table in ("shm", "sem", "msg"):
         head, *rows = Path(f"/proc/sysvipc/{table}").read_text().splitlines()
         at = head.split().index("uid")
@@ -112,8 +117,8 @@ def job_ipc() -> set[str]:
 
 
 def job_files() -> list[str]:
-    """Files of job uids left in the shared temporary directories."""
-    jobs, out = uid_range(), []
+    """Files of this module's job uids left in the shared temporary directories."""
+    jobs, out = UIDS, []
     for place in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
         for entry in os.scandir(place):
             try:
