@@ -10,6 +10,12 @@ create, as by hand), from the create request to `applied` seen by a
 its step list) say where the rest goes.
 
     python -m bench.overhead [--rounds N]
+
+`--sandbox`: what the sandbox costs a phase against the uid mode instead (issue 23: at
+most +5%): two `runplane up`s, `--isolation user` and `--isolation sandbox`, a plan run of
+the same 10 null resources on a new workspace in each, alternated (the order swapped
+every round), from the create request to `planned`; medians, their ratio, and the plan
+step's own medians.
 """
 
 from __future__ import annotations
@@ -179,15 +185,78 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
     }
 
 
+async def _plan_run(client: Client, repo: Path, ws: str) -> tuple[float, float]:
+    """One plan run on a new workspace: (seconds to `planned`, its plan step's seconds)."""
+    await client.ok("POST", f"{V1}/workspaces", {"name": ws, "repository": str(repo)})
+    t = time.perf_counter()
+    run = await client.ok("POST", f"{V1}/workspaces/{ws}/runs", {"type": "plan"})
+    done = await client.wait_status("bench", run["id"], {"planned", "failed"}, timeout=120)
+    total = time.perf_counter() - t
+    if done["status"] != "planned":
+        raise RuntimeError(f"the bench plan failed: {done.get('error_message')}")
+    steps = _step_seconds(await client.ok("GET", f"{V1}/runs/{run['id']}/steps"))
+    return total, steps.get("plan/plan", 0.0)
+
+
+async def sandbox_overhead(rounds: int = 5) -> dict[str, Any]:
+    """A plan in the sandbox against one in the uid mode, alternated (module docstring)."""
+    scratch = Path(tempfile.mkdtemp(prefix="rp-bench-sandbox-"))
+    os.chmod(scratch, 0o711)
+    repo = _repo(scratch / "repo")
+    modes = ("user", "sandbox")
+    ups: dict[str, Proc] = {}
+    clients: dict[str, Client] = {}
+    seen: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    try:
+        for mode in modes:
+            data, port = scratch / mode, free_port()
+            ups[mode] = await Proc(
+                ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"],
+                scratch / f"up-{mode}.log",
+                env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_ISOLATION": mode},
+            ).start()
+            await wait_healthy(f"http://127.0.0.1:{port}")
+            clients[mode] = Client(f"http://127.0.0.1:{port}", TOKEN)
+            await clients[mode].ok("POST", "/api/v1/orgs", {"name": "bench"})
+            await _plan_run(clients[mode], repo, "warm")
+        for i in range(rounds):
+            for mode in modes if i % 2 == 0 else modes[::-1]:
+                seen[mode].append(await _plan_run(clients[mode], repo, f"p-{i}"))
+    finally:
+        for client in clients.values():
+            await client.close()
+        for up in ups.values():
+            await up.stop(signal.SIGTERM)
+        shutil.rmtree(scratch, ignore_errors=True)
+    run = {m: statistics.median(t for t, _ in seen[m]) for m in modes}
+    plan = {m: statistics.median(p for _, p in seen[m]) for m in modes}
+    return {
+        "rounds": rounds,
+        "resources": RESOURCES,
+        "user_plan_run_median_s": run["user"],
+        "sandbox_plan_run_median_s": run["sandbox"],
+        "ratio": run["sandbox"] / run["user"],
+        "user_plan_step_median_s": plan["user"],
+        "sandbox_plan_step_median_s": plan["sandbox"],
+        "plan_step_ratio": plan["sandbox"] / plan["user"],
+        "runs_s": {m: [round(t, 3) for t, _ in seen[m]] for m in modes},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.overhead", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--isolation", default="auto", choices=("auto", "user", "bwrap", "none"))
+    p.add_argument("--sandbox", action="store_true", help="the sandbox against the uid mode")
     args = p.parse_args(argv)
     from infra import logs
 
     logs.configure("console", "error")
-    print(json.dumps(asyncio.run(overhead(args.rounds, args.isolation)), indent=2))
+    if args.sandbox:
+        figures = asyncio.run(sandbox_overhead(args.rounds))
+    else:
+        figures = asyncio.run(overhead(args.rounds, args.isolation))
+    print(json.dumps(figures, indent=2))
     return 0
 
 

@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: `python bench/run.py`
 from bench import rp
 from bench.common import Result, Sizes, machine
 
-NAMES = ("append", "replay", "lifecycle", "latency", "admission", "reads", "overhead")
+NAMES = ("append", "replay", "lifecycle", "latency", "admission", "reads", "overhead", "sandbox")
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -216,6 +216,8 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
         )
     if (f := figs.get("overhead")) and "error" not in f:
         out.append(_overhead_row(f))
+    if (f := figs.get("sandbox")) and "error" not in f:
+        out.append(_sandbox_row(f))
     return out
 
 
@@ -255,6 +257,27 @@ async def _overhead(sizes: Sizes) -> dict[str, Any]:
     return await overhead(rounds=1 if sizes.read_runs < 10_000 else 5)
 
 
+async def _sandbox(sizes: Sizes) -> dict[str, Any]:
+    from bench.overhead import sandbox_overhead
+
+    return await sandbox_overhead(rounds=1 if sizes.read_runs < 10_000 else 5)
+
+
+def _sandbox_row(f: dict[str, Any]) -> Result:
+    return Result(
+        "8. plan run in the sandbox",
+        f["sandbox_plan_run_median_s"],
+        "s",
+        f["user_plan_run_median_s"],
+        "uid mode",
+        f["ratio"],
+        "<= 1.05x",
+        f["ratio"] <= 1.05,
+        note=f"plan step {f['sandbox_plan_step_median_s']:.2f}s vs "
+        f"{f['user_plan_step_median_s']:.2f}s; {f['rounds']} rounds alternated",
+    )
+
+
 def _overhead_row(f: dict[str, Any]) -> Result:
     steps = f["runplane_steps_median_s"]
     extra = ", ".join(f"{k} {v:.2f}s" for k, v in steps.items())
@@ -280,6 +303,7 @@ async def measure(sizes: Sizes, only: set[str]) -> tuple[dict[str, Any], dict[st
         "admission": rp.admission,
         "reads": rp.reads,
         "overhead": _overhead,
+        "sandbox": _sandbox,
     }
     print("raw limits ...", file=sys.stderr, flush=True)
     raw_figs = await rp.raw_limits(sizes)
@@ -309,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = Sizes.smoke() if args.smoke else Sizes.quick() if args.quick else Sizes()
     # The smoke run (tests/test_bench_smoke.py) leaves out Terraform's benchmark.
-    only = set(args.only or (n for n in NAMES if not (args.smoke and n == "overhead")))
+    slow = ("overhead", "sandbox")
+    only = set(args.only or (n for n in NAMES if not (args.smoke and n in slow)))
 
     from infra import logs
 

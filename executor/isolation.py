@@ -13,10 +13,11 @@ process; what runs tenant code is spawned through a `Jail`, one per phase:
   own directory writable), IPC, PID (it sees its own processes only, and they all die
   with the namespace's init, which dies with the executor) and UTS. Whatever a job
   leaves there (a file in `/run/lock`, a SysV shared memory segment, a daemon) dies with
-  its namespaces. The network is the host's (providers need it). Its init
-  (`SANDBOX_INIT`) outlives the executor just long enough to stop the job's process as
-  on Ctrl-C (Terraform writes `errored.tfstate` for the next executor to recover); then
-  the namespace and all in it are gone. Not yet what `auto` picks.
+  its namespaces. The network is the host's (providers need it), or none at all
+  (`--job-network none`: a network namespace with only loopback). Its init (`JOB_INIT`,
+  executor/jobinit.py) outlives the executor just long enough to stop the job's process
+  as on Ctrl-C (Terraform writes `errored.tfstate` for the next executor to recover);
+  then the namespace and all in it are gone. Not yet what `auto` picks.
 - `user` (the executor runs as root, no bubblewrap: the fallback, said loudly at start):
   an unprivileged numeric uid/gid of its own per phase, from a range (`RUNPLANE_JOB_UIDS`,
   default `DEFAULT_UIDS`; no passwd entry is needed). A uid is allocated by an exclusive
@@ -27,7 +28,13 @@ process; what runs tenant code is spawned through a `Jail`, one per phase:
   checkout, never following a link) and its `home/` (HOME and TMPDIR), both 0700; it
   cannot read the data or work directory (0700), the key, the mirrors, another phase's
   directories, nor any runplane process's `/proc/<pid>/environ` or memory (another uid).
-  `no_new_privs` is set: no setuid binary gives it root back.
+  `no_new_privs` is set: no setuid binary gives it root back. Each process starts under
+  the same init as in the sandbox, which, when the executor dies, stops the job
+  gracefully and then kills every process of the uid: nothing waits for the next start.
+
+In both, the phase's caps (executor/caps.py: memory, processes, CPU time, disk, tmpfs)
+hold every process of the job, in a control group of the phase's own where the host has
+them (executor/cgroups.py), killed whole when the phase ends.
 - `bwrap` (not root, bubblewrap works): the same uid, but in namespaces of its own (pid,
   ipc, uts; the network is shared, providers need it) with the data, work and jobs
   directories hidden under empty tmpfs mounts, its own phase's directory bound back.
@@ -45,15 +52,18 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from executor.caps import Enforcement, Exceeded, JobCaps, PhaseLimits
 from executor.errors import IsolationError
 from executor.jobfiles import adopt, remove_files_of, remove_ipc_of, remove_tree, seal
+from executor.jobinit import SCRATCH, init_python, read_reports, state_carry, under_init
 from executor.spawn import Spawn, death_signal, graceful
 from executor.uids import (
     DEFAULT_UIDS,
@@ -68,7 +78,7 @@ log = structlog.get_logger(__name__)
 
 MODES = ("auto", "sandbox", "user", "bwrap", "none")
 UID_MODES = ("sandbox", "user")  # a job uid of its own per phase
-TMPFS_BYTES = 256 * 1024 * 1024  # each of a sandbox's /tmp, /var/tmp, /run, /dev/shm
+NETWORKS = ("allowed", "none")
 # What the uid fallback does not cover, said at start (`runplane up`, `executor`).
 USER_ONLY = (
     "jobs share the host's IPC, PID and mount namespaces: a job sees other jobs' command "
@@ -89,13 +99,41 @@ class Isolation:
     hidden: tuple[Path, ...] = ()  # bwrap: directories the job must not see
     shown: tuple[Path, ...] = ()  # bwrap: and those it reads although /tmp is its own
     bwrap: str = "bwrap"
+    network: str = "allowed"  # or "none": the sandbox's own network namespace
+    limits: Enforcement = field(default_factory=Enforcement)  # caps: executor/caps.py
 
     @classmethod
-    def choose(cls, wanted: str, *, fallback_to_none: bool = False) -> Isolation:
-        """The isolation `wanted` names ("auto": root -> user, else bwrap if it works).
+    def choose(
+        cls,
+        wanted: str,
+        *,
+        fallback_to_none: bool = False,
+        caps: JobCaps | None = None,
+        network: str = "allowed",
+        cgroups: bool = True,
+    ) -> Isolation:
+        """The isolation `wanted` names ("auto": root -> user, else bwrap if it works),
+        with the jobs' `caps` (held by cgroups where the host has them, unless `cgroups`
+        is False: rlimits) and `network` ("none" only where a sandbox can unshare it).
 
         Nothing available: IsolationError, or `none` with a loud warning if
         `fallback_to_none` (`runplane up` on a laptop)."""
+        chosen = cls._choose(wanted, fallback_to_none=fallback_to_none)
+        if network not in NETWORKS:
+            raise IsolationError(f"unknown job network {network!r}: one of allowed, none")
+        if network == "none" and chosen.mode not in ("sandbox", "bwrap"):
+            raise IsolationError(
+                f"--job-network none needs a sandbox of its own network (--isolation "
+                f"sandbox), and jobs run in the {chosen.mode} mode, which shares the "
+                "host's network: refusing to start rather than let jobs reach it"
+            )
+        if chosen.mode not in UID_MODES:  # no uid of the job's own: the tmpfs size only
+            return replace(chosen, network=network, limits=Enforcement(caps or JobCaps()))
+        limits = Enforcement.find(caps or JobCaps(), cgroups=cgroups)
+        return replace(chosen, network=network, limits=limits)
+
+    @classmethod
+    def _choose(cls, wanted: str, *, fallback_to_none: bool) -> Isolation:
         if wanted not in MODES:
             raise IsolationError(f"unknown isolation {wanted!r}: one of {', '.join(MODES)}")
         uids = uid_range()
@@ -154,17 +192,30 @@ class Isolation:
             return Jail(self, root, temp, None, -1)
         assert self.lock_dir is not None
         uid, fd = allocate(self.uids, self.lock_dir)
+        limits = None
         try:
             kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
             remove_files_of(uid)  # and what it left where anyone may write
             remove_ipc_of(uid)  # and its SysV IPC objects
             for path in (home, temp):
                 os.chown(path, uid, uid, follow_symlinks=False)
+            # its group is named after the jobs directory (`scope`: runplane-<digest>)
+            limits = self.limits.phase(root.parent.parent.name, root.name, (root, temp))
         except BaseException:
             os.close(fd)
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        return Jail(self, root, temp, uid, fd)
+        return Jail(self, root, temp, uid, fd, limits)
+
+    def sweep(self, scope: str) -> int:
+        """Remove the phase groups a killed executor of `scope` left (executor/sweep.py)."""
+        return self.limits.sweep(scope) if self.mode in UID_MODES else 0
+
+    def caps_said(self) -> dict[str, str]:
+        """Which mechanism holds each cap of the jobs (logged at start), or {}."""
+        if self.mode not in UID_MODES:
+            return {}
+        return self.limits.mechanisms(sandbox=self.mode == "sandbox")
 
     def reclaim(self, uid: int) -> bool:
         """Kill what runs as job uid `uid` if no live phase holds it (executor/sweep.py);
@@ -178,13 +229,24 @@ class Jail:
     """One phase's identity: spawns its processes, kills them all at the end."""
 
     def __init__(
-        self, isolation: Isolation, root: Path, tmp: Path, uid: int | None, lock: int
+        self,
+        isolation: Isolation,
+        root: Path,
+        tmp: Path,
+        uid: int | None,
+        lock: int,
+        limits: PhaseLimits | None = None,
     ) -> None:
         self.isolation = isolation
         self.root = root
         self.tmp = tmp
         self.uid = uid
         self._lock = lock
+        self.limits = limits
+        self._guard = threading.Lock()
+        self._closed = False  # the caps' watch (a thread) against close()
+        # what the sandbox's inits report (full tmpfs mounts): theirs to write, ours to read
+        self._reports = os.pipe() if isolation.mode == "sandbox" else (-1, -1)
 
     @property
     def mode(self) -> str:
@@ -206,29 +268,63 @@ class Jail:
         if self.mode == "bwrap":  # --die-with-parent: it dies with the executor
             return Spawn(self._bwrap_argv(argv, cwd), env, cwd, options)
         if self.mode == "sandbox":  # its init stops it gracefully when the executor dies
-            assert self.uid is not None
+            assert self.uid is not None and self.limits is not None
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
-            options["preexec_fn"] = death_signal(os.getpid(), signal.SIGKILL)
-            inner = [init_python(), "-I", "-S", "-c", SANDBOX_INIT, *argv]
-            return Spawn(self._bwrap_argv(inner, cwd, init=True), env, cwd, options)
+            options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
+            carry = state_carry(env, self.root) if self.isolation.network == "none" else ""
+            inner = under_init(argv, parent=0, report=self._reports[1], carry=carry)
+            bwrapped = self._bwrap_argv(inner, cwd, init=True)
+            return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
+        if self.mode == "user" and init_python():  # its init: the same, and kills the uid
+            assert self.uid is not None and self.limits is not None
+            adopt(self.root / "src", self.uid)
+            options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
+            options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
+            return Spawn(under_init(argv, parent=os.getpid()), env, cwd, options)
         wrapped, death = graceful(argv)
         options["preexec_fn"] = death_signal(os.getpid(), death)
         if self.mode == "user":
-            assert self.uid is not None
+            assert self.uid is not None and self.limits is not None
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
+            options["preexec_fn"] = self.limits.preexec(options["preexec_fn"])
         return Spawn(wrapped, env, cwd, options)
+
+    def ended(self, code: int) -> None:
+        """A job's process ended with `code` (its rlimits may have killed it)."""
+        if self.limits is not None:
+            self.limits.saw_exit(code)
+
+    def check(self) -> Exceeded | None:
+        """The cap the phase went over, if any (walks its directory: off the event loop)."""
+        with self._guard:
+            if self.limits is None or self._closed:
+                return None
+            full = read_reports(self._reports[0]) if self._reports[0] >= 0 else []
+            return self.limits.check(full)
+
+    def kill(self) -> None:
+        """SIGKILL every process of the job now (a cap was exceeded)."""
+        with self._guard:
+            if self._closed:
+                return
+            if self.limits is not None:
+                self.limits.kill()
+            if self.uid is not None:
+                kill_uid(self.uid)
 
     def _bwrap_argv(self, argv: Sequence[str], cwd: Path, *, init: bool = False) -> list[str]:
         """bubblewrap around `argv`: the root file system read-only, runplane's
         directories hidden, this job's directory bound back writable. `init`: `argv` is
-        the namespace's init (SANDBOX_INIT), which outlives bwrap to stop the job."""
+        the namespace's init (JOB_INIT), which outlives bwrap to stop the job."""
         death = ["--as-pid-1"] if init else ["--die-with-parent"]
         out = [self.isolation.bwrap, *death, "--unshare-pid", "--unshare-ipc"]
+        if self.isolation.network == "none":
+            out.append("--unshare-net")
         out += ["--unshare-uts", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-        for scratch in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
-            out += ["--size", str(TMPFS_BYTES), "--tmpfs", scratch]
+        for scratch in SCRATCH:
+            out += ["--size", str(self.isolation.limits.caps.tmpfs), "--tmpfs", scratch]
         out += _run_files()
         for hidden in self.isolation.hidden:
             out += ["--tmpfs", str(hidden)]
@@ -241,7 +337,11 @@ class Jail:
     def close(self) -> None:
         """Kill every process of the job (all of its uid), remove its TMPDIR, give the
         uid back. (Its directory is the caller's to remove.)"""
+        with self._guard:
+            self._closed = True
         try:
+            if self.limits is not None:  # its group: everything in it killed, then removed
+                self.limits.close()
             if self._lock >= 0:
                 assert self.uid is not None
                 kill_uid(self.uid)
@@ -250,41 +350,13 @@ class Jail:
                 remove_ipc_of(self.uid)
         finally:
             remove_tree(self.tmp)
+            for fd in self._reports:
+                if fd >= 0:
+                    os.close(fd)
+            self._reports = (-1, -1)
             if self._lock >= 0:
                 os.close(self._lock)
                 self._lock = -1
-
-
-# The init of a sandbox's PID namespace (the sandbox mode): it starts the job's process,
-# then ignores the interrupts the executor sends the job's process group (the job's
-# process gets them and stops as on Ctrl-C), and when its parent (bwrap, killed with the
-# executor) dies it sends the job's process exactly one SIGTERM (a second would make
-# Terraform exit at once, writing no errored.tfstate) and waits for it. Whatever else
-# still runs in the namespace dies with this init, when it exits as the job exited.
-SANDBOX_INIT = """
-import ctypes, os, signal, subprocess, sys
-job = subprocess.Popen(sys.argv[1:])
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-told = []
-def stop(*_):
-    if not told:
-        told.append(1)
-        job.send_signal(signal.SIGTERM)
-signal.signal(signal.SIGTERM, stop)
-ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)
-code = job.wait()
-sys.exit(128 - code if code < 0 else code)
-"""
-
-
-def init_python() -> str:
-    """A python3 any uid may run (the sandbox's init; the executor's own may be in a
-    directory jobs cannot cross), or ""."""
-    for path in ("/usr/bin/python3", "/usr/local/bin/python3", "/bin/python3"):
-        real = os.path.realpath(path)
-        if os.path.isfile(real) and os.stat(real).st_mode & 0o001:
-            return real
-    return ""
 
 
 def sandbox_problem(as_uid: int) -> str:

@@ -22,6 +22,7 @@ import structlog
 
 from events.errors import DomainError
 from events.run import STOPPABLE, FinishStep, RunCommand, RunState, StartStep
+from executor.caps import REASON as CAP_REASON
 from executor.changes import show_plan
 from executor.context import PhaseContext
 from executor.custody import Custody
@@ -142,20 +143,40 @@ async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) ->
     try:
         result = await body(step_log)
     except StepFailed as e:
-        await _finish(job, name, started, step_log, ok=False, error=e.error)
-        raise
+        failure = await _over_cap(job, name, step_log) or e
+        await _finish(job, name, started, step_log, ok=False, error=failure.error)
+        if failure is e:
+            raise
+        raise failure from e
     except asyncio.CancelledError:
         await _finish_interrupted(job, name, started, step_log)
         raise
     except Exception as e:
         # An unexpected error inside the step (object store down, disk full): the step
         # fails like any other, with the error as its message.
-        failure = StepFailed(name, f"{type(e).__name__}: {job.tools.masker(str(e))}")
+        failure = await _over_cap(job, name, step_log) or StepFailed(
+            name, f"{type(e).__name__}: {job.tools.masker(str(e))}"
+        )
         log.exception("step_error", step=name)
         await _finish(job, name, started, step_log, ok=False, error=failure.error)
         raise failure from e
+    over = await _over_cap(job, name, step_log)  # also when the job shrugged it off
+    if over is not None:
+        await _finish(job, name, started, step_log, ok=False, error=over.error)
+        raise over
     await _finish(job, name, started, step_log, ok=True)
     return result
+
+
+async def _over_cap(job: Job, name: str, step_log: StepLog) -> StepFailed | None:
+    """The step's failure if the phase went over one of its caps (executor/caps.py)."""
+    jail = job.tools.jail
+    over = None if jail is None else await asyncio.to_thread(jail.check)
+    if over is None:
+        return None
+    step_log.note(f"{over.message}: the job's processes were stopped")
+    log.warning("job_over_cap", step=name, cap=over.cap, message=over.message)
+    return StepFailed(name, over.message, reason=CAP_REASON)
 
 
 async def _finish(

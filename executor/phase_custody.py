@@ -16,6 +16,7 @@ import structlog
 from events.run import secret_names
 from executor import secrets as secret_vars
 from executor.job import Job
+from executor.jobinit import STATE_SOCKET
 from executor.linksafe import open_regular
 from executor.statebackend import ERRORED_STATE, StateBackend
 
@@ -34,7 +35,11 @@ async def guarded(job: Job) -> AsyncIterator[None]:
     if not job.ctx.config.managed_state or job.ctx.phase not in ("plan", "apply"):
         yield
         return
-    served = StateBackend(job.ctx, custody.vault.state, runs=job.tools.app, report=job.report)
+    jail = job.tools.jail
+    socket = job.ctx.root / STATE_SOCKET if jail and jail.isolation.network == "none" else None
+    served = StateBackend(
+        job.ctx, custody.vault.state, runs=job.tools.app, report=job.report, socket=socket
+    )
     async with served as backend:
         custody.backend = backend
         _add_env(job, backend.env())

@@ -26,6 +26,7 @@ from events.values import ResourceChange
 from executor import git, gitaccess, linksafe, process
 from executor import terraform as tf
 from executor.applystate import track
+from executor.binary import BINARY_NOT_FOUND, NOT_RUNNABLE, find_as_job
 from executor.changes import plan_changes
 from executor.custom import custom_phase
 from executor.errors import StepFailed
@@ -42,7 +43,6 @@ from infra.gitenv import git_access
 
 log = structlog.get_logger(__name__)
 
-BINARY_NOT_FOUND = "terraform_binary_not_found"
 REPOSITORY_REFUSED = "repository_not_allowed"
 
 
@@ -193,7 +193,7 @@ def _allowed(job: Job, repository: str) -> None:
 
 async def _init(job: Job, step_log: StepLog) -> None:
     ctx = job.ctx
-    _use_binary(job, step_log)
+    await _use_binary(job, step_log)
     out = Output()
     if ctx.config.managed_state:
         write_override(ctx.workdir, within=ctx.src)
@@ -276,10 +276,12 @@ def _apply_error(job: Job, out: Output, code: int, kept: Path | None) -> str:
 # ---------------------------------------------------------------- helpers
 
 
-def _use_binary(job: Job, step_log: StepLog) -> None:
+async def _use_binary(job: Job, step_log: StepLog) -> None:
     """Run the phase with the binary the run's `terraform_binary` setting names, if any
-    (pinned at admission; empty: the executor's own). A binary this executor cannot find
-    or run fails the step with `terraform_binary_not_found`."""
+    (pinned at admission; empty: the executor's own), found as the job finds it and
+    only among the deployment's `--terraform-binaries` when it lists them
+    (executor/binary.py). Any failure is one error, `terraform_binary_not_found`: never
+    a word on whether or what some path is."""
     ctx = job.ctx
     tools = job.tools
     wanted = str(approval.setting(ctx.run.snapshot, "terraform_binary") or "")
@@ -288,11 +290,17 @@ def _use_binary(job: Job, step_log: StepLog) -> None:
     entry = ctx.run.snapshot.settings.get("terraform_binary") if ctx.run.snapshot else None
     origin = entry.get("origin", "") if isinstance(entry, dict) else ""
     source = f"setting terraform_binary{f' (from {origin})' if origin else ''}"
-    found, why = tf.resolve_binary(wanted, tools.terraform.env().get("PATH"))
+    found = await find_as_job(
+        wanted,
+        allowed=tools.terraform.allowed_binaries,
+        jail=tools.jail,
+        env=tools.terraform.env(),
+        cwd=ctx.workdir,
+    )
     if found is None:
         raise StepFailed(
             "init",
-            f"terraform binary {wanted!r} of the {source} cannot be run: {why}",
+            f"terraform binary {wanted!r} of the {source} cannot be run: {NOT_RUNNABLE}",
             reason=BINARY_NOT_FOUND,
         )
     tools.terraform = replace(tools.terraform, binary=found)

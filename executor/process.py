@@ -83,7 +83,10 @@ async def run(
     proc, outputs = await _start(argv, cwd=cwd, env=env, jail=jail)
     try:
         await _pump(outputs, step_log, on_line)
-        return await proc.wait()
+        code = await proc.wait()
+        if jail is not None:
+            jail.ended(code)
+        return code
     except BaseException:
         await _interrupt(proc, outputs, step_log, on_line, grace)
         raise
@@ -187,7 +190,7 @@ async def spawn(
         stdout=stdout,
         stderr=stderr,
         limit=_LINE_LIMIT,
-        pass_fds=tuple(pass_fds),
+        pass_fds=(*pass_fds, *how.keep_fds),
         **how.options,
     )
 

@@ -18,6 +18,7 @@ from events import wire
 from events.errors import DomainError
 from events.run import CancelRun, FailRun
 from events.wire import Heartbeat
+from executor.caps import WATCH_S
 from executor.custom import is_custom
 from executor.job import STOP_REQUESTED, STOPPED, Job
 from executor.jobfiles import remove_tree
@@ -30,6 +31,21 @@ log = structlog.get_logger(__name__)
 
 def heartbeat_subject(run_id: str, phase: str) -> str:
     return f"rp.hb.{run_id}.{phase}"
+
+
+async def _watch(job: Job) -> None:
+    """Look at the phase's disk and CPU time every `WATCH_S`; past a cap, kill its
+    processes (its step then fails with the cap: executor/job.py)."""
+    jail = job.tools.jail
+    if jail is None or jail.limits is None:
+        return
+    while True:
+        await asyncio.sleep(WATCH_S)
+        over = await asyncio.to_thread(jail.check)
+        if over is not None:
+            log.warning("job_over_cap", cap=over.cap, message=over.message)
+            await asyncio.to_thread(jail.kill)
+            return
 
 
 class PhaseRunner:
@@ -61,12 +77,14 @@ class PhaseRunner:
         )
         job.task = asyncio.create_task(run_phase(job), name=f"{ctx.run_id}-{ctx.phase}")
         beat = asyncio.create_task(self._heartbeat(job), name=f"{ctx.run_id}-{ctx.phase}-beat")
+        watch = asyncio.create_task(_watch(job), name=f"{ctx.run_id}-{ctx.phase}-caps")
         try:
             if self._stopping.is_set():  # stop() came while we were claiming
                 job.cancel(STOPPED)
             await asyncio.wait([job.task])
         finally:
             beat.cancel()
+            watch.cancel()
             if not job.task.done():  # we were cancelled from outside: take the phase down
                 job.cancel(STOPPED)
                 await asyncio.wait([job.task])

@@ -62,6 +62,7 @@ class Spawn:
     env: dict[str, str]
     cwd: Path
     options: dict[str, Any] = field(default_factory=dict)
+    keep_fds: tuple[int, ...] = ()  # open in the child (its init's report pipe)
 
 
 def death_signal(parent: int, sig: signal.Signals = DEATH_SIGNAL) -> Callable[[], None]:

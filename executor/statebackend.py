@@ -136,9 +136,17 @@ class StateBackend:
     """One phase's state server; an async context manager. `env()` configures Terraform."""
 
     def __init__(
-        self, lessee: Lessee, store: StateStore, *, runs: RunReader, report: Report
+        self,
+        lessee: Lessee,
+        store: StateStore,
+        *,
+        runs: RunReader,
+        report: Report,
+        socket: Path | None = None,
     ) -> None:
         self.lessee = lessee
+        # also served there (a job without a network reaches it through its init)
+        self.socket = socket
         self.store = store
         self.runs = runs  # what the backend reads of the runs: pushes, records, dead locks
         self.report = report
@@ -164,6 +172,9 @@ class StateBackend:
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
         port = self._runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}/state"
+        if self.socket is not None:
+            await web.UnixSite(self._runner, str(self.socket)).start()
+            os.chmod(self.socket, 0o666)  # the job's uid connects; basic auth keeps others out
         return self
 
     async def __aexit__(

@@ -49,11 +49,17 @@ MAX_KEPT_STATE = 256 * 1024 * 1024  # an errored.tfstate larger than this is not
 Reclaim = Callable[[int], bool]  # kill what runs as a job uid unless a live phase holds it
 
 
-def hold(work_dir: Path, jobs: Sequence[Path] = (), reclaim: Reclaim | None = None) -> int:
+def hold(
+    work_dir: Path,
+    jobs: Sequence[Path] = (),
+    reclaim: Reclaim | None = None,
+    groups: Callable[[], int] | None = None,
+) -> int:
     """Sweep if no other executor lives on `work_dir`, then hold it shared; the fd to keep
     open for the executor's life (closing it releases the hold). `jobs`: the executor's
     directories of jobs (phases, their TMPDIRs), besides `<work>/jobs`; `reclaim`:
-    `Isolation.reclaim`."""
+    `Isolation.reclaim`; `groups`: removes a killed executor's phase groups (what is in
+    them killed: `Isolation.sweep`), after its Terraform had its time to stop."""
     fd = os.open(work_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -62,6 +68,8 @@ def hold(work_dir: Path, jobs: Sequence[Path] = (), reclaim: Reclaim | None = No
     else:
         for where in dict.fromkeys([work_dir / "jobs", *jobs]):
             sweep(where, work_dir / "unsaved-state", reclaim)
+        if groups is not None and (removed := groups()):
+            log.warning("phase_groups_swept", groups_removed=removed)
     fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 

@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -84,6 +84,8 @@ class TerraformConfig:
     include_null_provider: bool = True
     plugin_cache_dir: Path | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    # what a run's `terraform_binary` may name (executor/binary.py); empty: any the job runs
+    allowed_binaries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +96,7 @@ class Terraform:
     cli_config: Path
     plugin_cache_dir: Path | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    allowed_binaries: tuple[str, ...] = ()  # TerraformConfig's
 
     def env(self) -> dict[str, str]:
         """The process environment: the host's, minus overrides, plus automation settings."""
@@ -132,7 +135,8 @@ def prepare(config: TerraformConfig, data_dir: Path, tools: Path | None = None) 
     if config.plugin_cache_dir is not None:
         Path(config.plugin_cache_dir).mkdir(parents=True, exist_ok=True)
     if tools is not None:
-        return publish(tools, binary.resolve(), mirrors, dict(config.extra_env))
+        published = publish(tools, binary.resolve(), mirrors, dict(config.extra_env))
+        return replace(published, allowed_binaries=tuple(config.allowed_binaries))
     cli_config = data_dir / "terraform.rc"
     write_cli_config(cli_config, mirrors)
     return Terraform(
@@ -140,6 +144,7 @@ def prepare(config: TerraformConfig, data_dir: Path, tools: Path | None = None) 
         cli_config=cli_config.resolve(),
         plugin_cache_dir=config.plugin_cache_dir,
         extra_env=dict(config.extra_env),
+        allowed_binaries=tuple(config.allowed_binaries),
     )
 
 
@@ -217,29 +222,6 @@ def _place(src: Path, dest: Path) -> None:
 def _open_dirs(top: Path) -> None:
     for dirpath, _, _ in os.walk(top):
         os.chmod(dirpath, 0o755)
-
-
-def resolve_binary(wanted: str, search_path: str | None) -> tuple[Path | None, str]:
-    """The binary a run's `terraform_binary` setting names: an absolute path, or a name
-    looked up on `search_path` (the executor's PATH). `(path, "")`, or `(None, why)`.
-
-    A relative path is refused: it would depend on the executor's working directory, or
-    run a file of the checked-out repository."""
-    if "/" not in wanted:
-        found = shutil.which(wanted, path=search_path)
-        if found is None:
-            return None, f"no executable {wanted!r} on the executor's PATH"
-        return Path(found), ""
-    path = Path(wanted)
-    if not path.is_absolute():
-        return None, f"{wanted!r} is neither an absolute path nor a name looked up on PATH"
-    if not path.exists():
-        return None, f"{wanted} does not exist on this executor"
-    if not path.is_file():
-        return None, f"{wanted} is not a file"
-    if not os.access(path, os.X_OK):
-        return None, f"{wanted} is not executable"
-    return path, ""
 
 
 def build_mirror(mirror: Path, provider: Path | None = None) -> bool:

@@ -160,8 +160,13 @@ class Executor:
         """Prepare Terraform, bind the pool's consumer and start taking work."""
         self.isolation = await asyncio.to_thread(self._isolation)
         # What a killed executor left here (providers still running, job directories).
+        scope = self.jobs_root.name  # what its phases' groups are named under
         self._hold = await asyncio.to_thread(
-            sweep.hold, self.work_dir, [self.jobs_dir, self.tmp_dir], self.isolation.reclaim
+            sweep.hold,
+            self.work_dir,
+            [self.jobs_dir, self.tmp_dir],
+            self.isolation.reclaim,
+            lambda: self.isolation.sweep(scope),
         )
         # A restart tells the truth (executor/recovery.py): a dead life's leases fail and
         # the state it left is recorded, before this one takes any work.
@@ -188,6 +193,8 @@ class Executor:
             isolation=self.isolation.mode,
             jobs_dir=str(self.jobs_dir),
         )
+        if said := self.isolation.caps_said():  # which mechanism holds each cap
+            log.info("job_caps", caps=said, network=self.isolation.network)
         return self
 
     def _isolation(self) -> Isolation:
@@ -236,6 +243,7 @@ class Executor:
             return  # a sibling lives on
         else:
             remove_tree(self.jobs_root)  # what jobs left may be deeper than rmtree goes
+            self.isolation.sweep(self.jobs_root.name)  # and its phases' groups
         finally:
             os.close(fd)
 

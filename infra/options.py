@@ -23,6 +23,13 @@ WEBHOOK_CONCURRENCY = 16
 WEBHOOK_CONCURRENCY_RANGE = (1, 1024)
 MAX_CONCURRENCY = 256  # phases one executor runs at once
 MAX_OPEN_RUNS = 100_000  # the ceiling of the open-runs quotas
+# Each job's caps (executor/caps.py): defaults, and the least a deployment may set.
+JOB_MEMORY, JOB_MEMORY_MIN = 2 * 1024**3, 16 * 1024**2
+JOB_PROCESSES, JOB_PROCESSES_MIN = 512, 8
+JOB_CPU_SECONDS, JOB_CPU_SECONDS_MIN = 3600, 1
+JOB_DISK, JOB_DISK_MIN = 10 * 1024**3, 1024**2
+JOB_TMPFS, JOB_TMPFS_MIN = 256 * 1024**2, 1024**2
+JOB_NETWORKS = ("allowed", "none")
 
 
 class ConfigError(Exception):
@@ -67,6 +74,13 @@ class Options:
     workspace_max_open_runs: int = 100
     org_weights: str = ""
     org_max_phases: int = 0
+    job_memory: int = JOB_MEMORY  # bytes, the most any job's processes hold at once
+    job_processes: int = JOB_PROCESSES  # tasks (threads count)
+    job_cpu_seconds: int = JOB_CPU_SECONDS
+    job_disk: int = JOB_DISK  # bytes of its directory
+    job_tmpfs: int = JOB_TMPFS  # bytes of each of the sandbox's tmpfs mounts
+    job_network: str = "allowed"  # or "none" (the sandbox only)
+    terraform_binaries: list[str] = field(default_factory=list)  # what runs may name
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -102,6 +116,25 @@ class Options:
         low, high = WEBHOOK_CONCURRENCY_RANGE
         if not low <= self.webhook_concurrency <= high:
             raise ConfigError(f"--webhook-concurrency wants {low} to {high}")
+        self._check_job_caps()
+
+    def _check_job_caps(self) -> None:
+        for flag, value, least in (
+            ("--job-memory", self.job_memory, JOB_MEMORY_MIN),
+            ("--job-processes", self.job_processes, JOB_PROCESSES_MIN),
+            ("--job-cpu-seconds", self.job_cpu_seconds, JOB_CPU_SECONDS_MIN),
+            ("--job-disk", self.job_disk, JOB_DISK_MIN),
+            ("--job-tmpfs", self.job_tmpfs, JOB_TMPFS_MIN),
+        ):
+            if value < least:
+                raise ConfigError(f"{flag} wants at least {least}, got {value}")
+        if self.job_network not in JOB_NETWORKS:
+            raise ConfigError(f"--job-network wants allowed or none, got {self.job_network!r}")
+        for binary in self.terraform_binaries:
+            if "/" in binary and not binary.startswith("/"):
+                raise ConfigError(
+                    f"--terraform-binaries: {binary!r} is neither absolute nor a name"
+                )
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")

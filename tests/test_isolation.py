@@ -29,6 +29,7 @@ from executor.uids import DEFAULT_UIDS, kill_uid, uid_range
 from executor.worker import Executor, default_jobs_dir
 from services.app.commands import App
 from services.root.bootstrap import Plane
+from tests.caps_support import phase_groups
 from tests.executor_support import Harness, commit, git
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, nats_servers_using, wait_healthy
@@ -456,18 +457,21 @@ def _pids_of(uid: int) -> list[int]:
     return found
 
 
-async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left(
+async def test_in_the_uid_mode_nothing_of_a_job_outlives_its_killed_executor(
     tmp_path: Path, repo: Path
 ) -> None:
-    """kill -9 of `runplane up` mid-apply: Terraform gets its parent death signal (SIGTERM)
-    and ends; what it started (the provider, the provisioner's shell, and the daemon
-    that shell put in a session of its own) dies when `up` starts again on the same
-    data directory."""
+    """kill -9 of `runplane up --isolation user` mid-apply (issue 23, item 4: Terraform
+    outlived it by 12 s, a provisioner's daemon until the next start): each job process's
+    init, told by its parent death signal, gives Terraform one SIGTERM (it stops and
+    writes `errored.tfstate`) and then kills every process of the job's uid, the daemon a
+    provisioner put in a session of its own too, with no executor alive. The next start
+    fails the run at once and finds no phase group left."""
     data, port = tmp_path / "data", free_port()
     daemon_pid = tmp_path / "daemon.pid"
     cmd = f"setsid sleep 300 >/dev/null 2>&1 & echo $! > {daemon_pid}; sleep 300"
     main = _provisioned(cmd)
     args = ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"]
+    args += ["--isolation", "user"]
     env = {"RUNPLANE_ADMIN_TOKEN": TOKEN}
     base = f"http://127.0.0.1:{port}"
     first = await Proc(args, tmp_path / "up1.log", env=env).start()
@@ -489,24 +493,25 @@ async def test_terraform_dies_with_the_executor_and_a_restart_kills_what_it_left
         assert terraform, "terraform runs as the job's uid"
         await _kill_up(first, data)
 
-        async def terraform_gone() -> bool:
-            return not [p for p in terraform if _alive(p)]
+        async def all_gone() -> bool:
+            return not [p for p in job if _alive(p)] and not _alive(daemon)
 
-        await eventually(terraform_gone, timeout=30, what="terraform ended with its executor")
-        assert _alive(daemon), "the daemon left its group: only a restart can find it"
+        await eventually(all_gone, timeout=40, what="every process of the job gone")
+        jobs = default_jobs_dir(data / "work")
+        assert list(jobs.rglob("errored.tfstate")), "terraform stopped gracefully"
     finally:
         await client.close()
         first.kill()
     second = await Proc(args, tmp_path / "up2.log", env=env).start()
+    client = Client(base, TOKEN)
     try:
         await wait_healthy(base)
-
-        async def daemon_gone() -> bool:
-            return not _alive(daemon)
-
-        await eventually(daemon_gone, timeout=30, what="the restart killed the daemon")
-        assert not [p for p in job if _alive(p)], "nor anything else of the job"
+        (run,) = (await client.ok("GET", f"{V1}/runs"))["items"]
+        failed = await client.wait_status("acme", run["id"], {"failed"}, timeout=30)
+        assert failed["status"] == "failed", failed
+        assert not phase_groups(data), "the killed executor's phase group was swept"
     finally:
+        await client.close()
         await second.stop(signal.SIGTERM)
 
 

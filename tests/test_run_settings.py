@@ -5,6 +5,7 @@ that bypass the workspace queue and take no state lock)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import nats.js.errors
 import pytest
 
 from executor import terraform as tf
+from executor.binary import find_as_job
 from infra import streams
 from services.root.cli import options, parser
 from tests.builders import api_workspace
@@ -188,21 +190,44 @@ async def test_a_missing_terraform_binary_fails_the_run_with_a_clear_reason(
     assert done.status == "planned", done.error_message
 
 
-def test_resolving_a_terraform_binary(tmp_path: Path) -> None:
-    script = _wrapper(tmp_path / "bin", tmp_path / "m")
-    assert tf.resolve_binary(str(script), "") == (script, "")
-    assert tf.resolve_binary(script.name, str(tmp_path / "bin")) == (script, "")
+async def test_a_terraform_binary_setting_tells_nothing_of_paths_the_job_cannot_read(
+    plane: Plane, repo: Path, tmp_path: Path
+) -> None:
+    """Attack F7 (issue 23): an organization's admin names, as its `terraform_binary`, a
+    file in a directory no job may read, a path that does not exist, the data directory
+    and a file the job may read but not run. The executor resolved them
+    as root, and the run's error said which existed (`does not exist`, `is not a file`,
+    `is not executable`). Now they are looked up as the job, and every one fails with the
+    same error, but for the name itself."""
+    secret_dir = Path(f"/root/.rp-f7-{os.getpid()}")
+    secret_dir.mkdir(mode=0o700, exist_ok=True)
+    hidden = secret_dir / "terraform"
+    hidden.write_text("#!/bin/sh\n")
+    hidden.chmod(0o755)
     plain = tmp_path / "plain"
-    plain.write_text("")
-    for wanted, why in (
-        ("terraform-wrapper", "on the executor's PATH"),
-        ("bin/terraform-wrapper", "neither an absolute path"),
-        (str(tmp_path / "nope"), "does not exist"),
-        (str(tmp_path), "is not a file"),
-        (str(plain), "is not executable"),
-    ):
-        found, reason = tf.resolve_binary(wanted, str(tmp_path))
-        assert found is None and why in reason, (wanted, reason)
+    shared_file(plain)
+    commit(repo, {"main.tf": TWO})
+    await api_workspace(plane.http, repo)
+    await plane.executor("e1")
+    said = set()
+    try:
+        for wanted in (
+            str(hidden),
+            "/nonexistent/terraform",
+            str(plane.system.opts.data_dir),
+            str(secret_dir),
+            str(plain),
+        ):
+            await _patch(plane, "/settings", {"terraform_binary": wanted})
+            run_id = await plane.start("net", "plan")
+            failed = await plane.reaches("net", run_id, "failed")
+            assert failed.reason == "terraform_binary_not_found", failed.error_message
+            assert wanted in failed.error_message
+            said.add(failed.error_message.replace(repr(wanted), "<name>"))
+    finally:
+        hidden.unlink()
+        secret_dir.rmdir()
+    assert len(said) == 1, said
 
 
 # ---------------------------------------------------------------- speculative_plans
@@ -318,3 +343,15 @@ async def test_with_speculative_plans_off_a_plan_queues_behind_the_apply(
 def test_a_speculative_plan_takes_no_state_lock() -> None:
     assert "-lock=false" not in tf.plan_args("plan")
     assert "-lock=false" in tf.plan_args("plan", lock=False)
+
+
+async def test_a_deployment_list_of_binaries_takes_only_those(tmp_path: Path) -> None:
+    """`--terraform-binaries`: a name not listed is refused without a look (the same
+    None as a missing one); a listed one is found as the job finds it."""
+    script = _wrapper(tmp_path / "bin", tmp_path / "m")
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    find = functools.partial(find_as_job, jail=None, env=env, cwd=tmp_path)
+    assert await find(str(script), allowed=("terraform-wrapper",)) is None
+    assert await find("terraform-wrapper", allowed=("terraform-wrapper",)) == script
+    assert await find(str(script), allowed=()) == script
+    assert await find("bin/terraform-wrapper", allowed=()) is None

@@ -31,6 +31,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
+from executor.caps import JobCaps
 from executor.errors import IsolationError
 from executor.isolation import Isolation
 from executor.turns import parse_weights
@@ -247,6 +248,7 @@ class Plane:
                 binary=opts.terraform_binary or None,
                 provider_mirrors=opts.provider_mirrors,
                 mirror_root=opts.data_dir / "providers",
+                allowed_binaries=tuple(opts.terraform_binaries),
             ),
             "executor_id": opts.executor_id or default_executor_id(),
             "keyring": self.keyring,
@@ -261,11 +263,24 @@ class Plane:
         return Executor(self.nc, self.app, **given)
 
     def _isolation(self, fallback_to_none: bool) -> Isolation:
+        opts = self.opts
+        caps = JobCaps(
+            memory=opts.job_memory,
+            processes=opts.job_processes,
+            cpu_seconds=opts.job_cpu_seconds,
+            disk=opts.job_disk,
+            tmpfs=opts.job_tmpfs,
+        )
         try:
-            isolation = Isolation.choose(self.opts.isolation, fallback_to_none=fallback_to_none)
+            isolation = Isolation.choose(
+                opts.isolation,
+                fallback_to_none=fallback_to_none,
+                caps=caps,
+                network=opts.job_network,
+            )
         except IsolationError as e:
             raise ConfigError(str(e)) from e
-        log.info("job_isolation", mode=isolation.mode)
+        log.info("job_isolation", mode=isolation.mode, network=isolation.network)
         return isolation.hiding(self.opts.data_dir)
 
     def subscribers(self) -> Host:

@@ -23,6 +23,7 @@ from infra.options import (
     prepare_data_dir,
     private_files,
 )
+from infra.sizes import parse_size
 from services.app import repositories
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
@@ -198,6 +199,7 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
         "works (executor/isolation.py)",
     )
     _share_opts(p)
+    _job_opts(p)
 
 
 def _share_opts(p: argparse.ArgumentParser) -> None:
@@ -223,6 +225,70 @@ def _share_opts(p: argparse.ArgumentParser) -> None:
         "default): all but one while another organization has had a phase waiting in "
         "the last 10 minutes, all of them otherwise",
     )
+
+
+# (flag, environment, default, what): each job's caps (executor/caps.py)
+_JOB_SIZES = (
+    ("--job-memory", "RUNPLANE_JOB_MEMORY", "2GiB", "memory all of a job's processes hold"),
+    ("--job-disk", "RUNPLANE_JOB_DISK", "10GiB", "disk of a job's directory"),
+    (
+        "--job-tmpfs",
+        "RUNPLANE_JOB_TMPFS",
+        "256MiB",
+        "each of the sandbox's /tmp, /var/tmp, /run, /dev/shm",
+    ),
+)
+_JOB_COUNTS = (
+    ("--job-processes", "RUNPLANE_JOB_PROCESSES", "512", "processes and threads of a job"),
+    ("--job-cpu-seconds", "RUNPLANE_JOB_CPU_SECONDS", "3600", "CPU time of a phase"),
+)
+
+
+def _job_opts(p: argparse.ArgumentParser) -> None:
+    """Each job's caps, network and the binaries a run may name."""
+    g = p.add_argument_group("jobs (each flag also its RUNPLANE_JOB_* variable)")
+    for flag, env, default, what in _JOB_SIZES:
+        g.add_argument(
+            flag,
+            default=os.environ.get(env, default),
+            metavar="SIZE",
+            help=f"the most {what} (also {env}; default {default}; e.g. 512MiB)",
+        )
+    for flag, env, default, what in _JOB_COUNTS:
+        g.add_argument(
+            flag,
+            default=os.environ.get(env, default),
+            metavar="N",
+            help=f"the most {what} (also {env}; default {default})",
+        )
+    g.add_argument(
+        "--job-network",
+        choices=("allowed", "none"),
+        default=os.environ.get("RUNPLANE_JOB_NETWORK", "allowed"),
+        help="none: jobs get a network of their own with loopback only (needs --isolation "
+        "sandbox; also RUNPLANE_JOB_NETWORK)",
+    )
+    g.add_argument(
+        "--terraform-binaries",
+        default=os.environ.get("RUNPLANE_TERRAFORM_BINARIES", ""),
+        metavar="LIST",
+        help="comma-separated paths or names a run's terraform_binary setting may name "
+        "(also RUNPLANE_TERRAFORM_BINARIES); default: any the job itself can run",
+    )
+
+
+def _job_caps(ns: argparse.Namespace) -> dict[str, int]:
+    """The caps' flags as Options fields; ConfigError for one that is not a number."""
+    out: dict[str, int] = {}
+    for flag, env, default, _ in (*_JOB_SIZES, *_JOB_COUNTS):
+        text = str(getattr(ns, flag[2:].replace("-", "_"), default))
+        try:
+            out[flag[2:].replace("-", "_")] = (
+                parse_size(text) if (flag, env, default, _) in _JOB_SIZES else int(text)
+            )
+        except ValueError as e:
+            raise ConfigError(f"{flag} ({env}): {e}") from e
+    return out
 
 
 def _tls_opts(p: argparse.ArgumentParser, *, local: bool) -> None:
@@ -301,7 +367,7 @@ def options(ns: argparse.Namespace) -> Options:
         parse_weights(getattr(ns, "org_weights", ""))
     except ValueError as e:
         raise ConfigError(f"--org-weights: {e}") from e
-    return Options(
+    opts = Options(
         allowed_repos=allowed,
         unscoped_repos=unscoped,
         host_git_credentials=host_git,
@@ -330,7 +396,14 @@ def options(ns: argparse.Namespace) -> Options:
         workspace_max_open_runs=getattr(ns, "workspace_max_open_runs", 100),
         org_weights=getattr(ns, "org_weights", ""),
         org_max_phases=getattr(ns, "org_max_phases", 0),
+        job_network=getattr(ns, "job_network", "allowed"),
+        terraform_binaries=[
+            b.strip() for b in getattr(ns, "terraform_binaries", "").split(",") if b.strip()
+        ],
     )
+    for name, value in (_job_caps(ns) if hasattr(ns, "job_memory") else {}).items():
+        setattr(opts, name, value)  # the caps' flags: up and executor only
+    return opts
 
 
 async def _dispatch(command: str, opts: Options) -> None:

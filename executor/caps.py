@@ -1,0 +1,230 @@
+"""Caps per job: memory, processes, CPU time, disk of its directory, and its tmpfs.
+
+Each is a deployment setting (`--job-memory`, `--job-processes`, `--job-cpu-seconds`,
+`--job-disk`, `--job-tmpfs`), the most any phase of this executor gets. How each is held
+(said at start, `job_caps`):
+
+- memory and processes: the phase's control group (executor/cgroups.py) where the host
+  has one, the kernel's own caps on the whole phase; else rlimits, per process
+  (RLIMIT_DATA) and per uid (RLIMIT_NPROC: a uid is the phase's alone).
+- CPU time: the phase's group counts it (v1 cpuacct, v2 cpu.stat) and the watch kills the
+  phase past the cap; RLIMIT_CPU caps each process besides (SIGXCPU).
+- disk of the job's directory (its checkout, home, logs and TMPDIR): a watch walks them
+  every `WATCH_S` and at each step's end and kills the phase past the cap; RLIMIT_FSIZE
+  holds each file to the cap meanwhile. Why a watch and not a quota: it works on every
+  host and file system, costs no mount per phase and no memory (a tmpfs job directory
+  would spend the host's RAM on checkouts and providers, and be charged to the job's
+  memory cap); a loop device or project quota per phase needs a file system set up for
+  it. What it gives up: a job may write past the cap for up to `WATCH_S` (at disk speed)
+  before it is killed.
+- tmpfs (the sandbox's `/tmp`, `/var/tmp`, `/run`, `/dev/shm`): each mount's own size;
+  the sandbox's init tells whether one was full when the job ended (a write refused).
+
+A job over a cap has its processes killed and its step fails with
+`resource_limit_exceeded: <cap> <value>`; the executor, the host and other jobs go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import stat
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from executor.cgroups import Hierarchy, PhaseGroup
+from executor.cgroups import find as find_cgroups
+from executor.cgroups import sweep as sweep_cgroups
+from infra.sizes import say_size
+
+REASON = "resource_limit_exceeded"
+WATCH_S = 1.0  # how often a running phase's disk and CPU time are looked at
+SIGXCPU, SIGXFSZ = 24, 25
+_EXIT = {-SIGXCPU: "cpu", 128 + SIGXCPU: "cpu", -SIGXFSZ: "disk", 128 + SIGXFSZ: "disk"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobCaps:
+    """The most one phase's processes may use (module docstring)."""
+
+    memory: int = 2 * 1024**3
+    processes: int = 512  # tasks: a thread counts, as the kernel counts them
+    cpu_seconds: int = 3600
+    disk: int = 10 * 1024**3
+    tmpfs: int = 256 * 1024**2  # each of the sandbox's four
+
+    def said(self, cap: str) -> str:
+        """`memory 2 GiB`, `processes 512`, `cpu 3600 s`."""
+        if cap == "processes":
+            return f"processes {self.processes}"
+        if cap == "cpu":
+            return f"cpu {self.cpu_seconds} s"
+        return f"{cap} {say_size(getattr(self, cap))}"
+
+
+@dataclass(frozen=True)
+class Exceeded:
+    """A cap a phase went over."""
+
+    cap: str
+    caps: JobCaps
+    detail: str = ""
+
+    @property
+    def message(self) -> str:
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{REASON}: {self.caps.said(self.cap)}{extra}"
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """How this executor holds its jobs' caps: the control groups it found, rlimits for
+    the rest."""
+
+    caps: JobCaps = JobCaps()
+    cgroups: dict[str, Hierarchy] = field(default_factory=dict)
+
+    @classmethod
+    def find(cls, caps: JobCaps, *, cgroups: bool = True) -> Enforcement:
+        """`cgroups=False`: rlimits only (the fallback, also for its tests)."""
+        return cls(caps, find_cgroups() if cgroups else {})
+
+    def mechanisms(self, *, sandbox: bool) -> dict[str, str]:
+        """Which mechanism holds each cap (logged at start)."""
+
+        def group(c: str) -> str:
+            h = self.cgroups.get(c)
+            return f"cgroup v{h.version} {h.base}" if h else ""
+
+        caps = self.caps
+        return {
+            caps.said("memory"): group("memory") or "RLIMIT_DATA per process",
+            caps.said("processes"): group("pids") or "RLIMIT_NPROC of the job's uid",
+            caps.said("cpu"): " + ".join(
+                x for x in (group("cpu") and f"{group('cpu')} (watched)", "RLIMIT_CPU") if x
+            ),
+            caps.said("disk"): f"a watch of the job's directory every {WATCH_S:g} s + RLIMIT_FSIZE",
+            caps.said("tmpfs"): "tmpfs size (each of /tmp, /var/tmp, /run, /dev/shm)"
+            if sandbox
+            else "not held: the uid mode has no private tmpfs (the host's /tmp is swept)",
+        }
+
+    def phase(self, scope: str, name: str, paths: Iterable[Path]) -> PhaseLimits:
+        """The caps of one phase: its group made and capped (before the job starts)."""
+        group = PhaseGroup(self.cgroups, scope, name) if self.cgroups else None
+        if group is not None:
+            try:
+                group.cap(memory=self.caps.memory, processes=self.caps.processes)
+            except BaseException:
+                group.remove()
+                raise
+        return PhaseLimits(self.caps, group, tuple(paths))
+
+    def sweep(self, scope: str) -> int:
+        """Remove the groups a killed executor of `scope` left, killing what is in them."""
+        return sweep_cgroups(self.cgroups, scope) if self.cgroups else 0
+
+
+class PhaseLimits:
+    """One phase's caps: how its processes start (`preexec`), whether it went over one
+    (`check`), and its end (`close`)."""
+
+    def __init__(self, caps: JobCaps, group: PhaseGroup | None, paths: tuple[Path, ...]) -> None:
+        self.caps = caps
+        self.group = group
+        self.paths = paths  # what counts as the job's disk
+        self.exceeded: Exceeded | None = None
+        self._rlimits = self._limits()
+
+    def _limits(self) -> list[tuple[int, tuple[int, int]]]:
+        caps, group = self.caps, self.group
+        out = [
+            (resource.RLIMIT_CPU, (caps.cpu_seconds, caps.cpu_seconds + 5)),
+            (resource.RLIMIT_FSIZE, (caps.disk, caps.disk)),
+            (resource.RLIMIT_CORE, (0, 0)),  # a core dump is disk too, and may hold secrets
+        ]
+        if group is None or "memory" not in group.dirs:
+            out.append((resource.RLIMIT_DATA, (caps.memory, caps.memory)))
+        if group is None or "pids" not in group.dirs:
+            out.append((resource.RLIMIT_NPROC, (caps.processes, caps.processes)))
+        return out
+
+    def preexec(self, then: Callable[[], None]) -> Callable[[], None]:
+        """The child's steps before exec (after its uid switch): join the phase's group,
+        take the rlimits, then `then` (the death signal)."""
+        limits, group = self._rlimits, self.group
+
+        def setup() -> None:
+            if group is not None:
+                group.join()
+            for which, value in limits:
+                resource.setrlimit(which, value)
+            then()
+
+        return setup
+
+    def saw_exit(self, code: int) -> None:
+        """A job's process ended with `code`: killed by SIGXCPU or SIGXFSZ (its rlimit),
+        directly or as its init reports it, is that cap."""
+        cap = _EXIT.get(code)
+        if cap and self.exceeded is None:
+            self.exceeded = Exceeded(cap, self.caps, "a process was killed at its rlimit")
+
+    def check(self, tmpfs_full: Iterable[str] = ()) -> Exceeded | None:
+        """The cap the phase went over, if any (cheap but for the disk walk: off the event
+        loop). `tmpfs_full`: the sandbox's mounts its init found full."""
+        if self.exceeded is not None:
+            return self.exceeded
+        caps, group, found = self.caps, self.group, None
+        if group is not None and group.memory_killed():
+            found = Exceeded("memory", caps, "the kernel killed a process at the cap")
+        elif group is not None and group.forks_refused():
+            found = Exceeded("processes", caps, "a new process was refused")
+        elif group is not None and group.cpu_seconds() > caps.cpu_seconds:
+            found = Exceeded("cpu", caps)
+        elif full := sorted(set(tmpfs_full)):
+            found = Exceeded("tmpfs", caps, f"{', '.join(full)} full")
+        elif (used := disk_usage(self.paths)) > caps.disk:
+            found = Exceeded("disk", caps, f"{say_size(used)} used")
+        self.exceeded = self.exceeded or found  # the watch may be checking meanwhile
+        return self.exceeded
+
+    def kill(self) -> None:
+        """SIGKILL every process of the phase (its group's)."""
+        if self.group is not None:
+            self.group.kill()
+
+    def close(self) -> None:
+        """Kill what is left in the phase's group and remove it."""
+        if self.group is not None:
+            self.group.remove()
+
+
+def disk_usage(paths: Iterable[Path]) -> int:
+    """Bytes allocated on disk under `paths` (each inode once), never following a link;
+    what vanishes meanwhile is skipped (the job is running)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [str(p) for p in paths]
+    while stack:
+        top = stack.pop()
+        with contextlib.suppress(OSError):
+            st = os.lstat(top)
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+            if not stat.S_ISDIR(st.st_mode):
+                continue
+            with os.scandir(top) as entries:
+                for entry in entries:
+                    with contextlib.suppress(OSError):
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                            continue
+                        est = entry.stat(follow_symlinks=False)
+                        if (est.st_dev, est.st_ino) not in seen:
+                            seen.add((est.st_dev, est.st_ino))
+                            total += est.st_blocks * 512
+    return total
