@@ -43,6 +43,7 @@ LOGIN_CODES_BUCKET = "rp-login-codes"
 # again, for replicas whose clocks are apart: a code no replica still takes is forgotten.
 LOGIN_CODES_KEPT_S = 120.0
 TFE_CONFIGS_BUCKET = "rp-tfe-configs"
+STATE_LEDGER_BUCKET = "rp-state-ledger"  # versions kept per org (executor/stateledger.py)
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
@@ -51,6 +52,7 @@ BUCKETS = (
     IDEMPOTENCY_BUCKET,
     LOGIN_CODES_BUCKET,
     TFE_CONFIGS_BUCKET,
+    STATE_LEDGER_BUCKET,
 )
 # The others keep their keys forever.
 _TTL = {

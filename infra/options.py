@@ -12,6 +12,7 @@ from pathlib import Path
 from infra import natsclient
 from infra.crypto import KeyConfigError, KeyRing, load_keyring
 from infra.natsclient import NatsAuth
+from infra.quotas import Quotas
 from infra.replicas import MAX_REPLICAS
 
 # What an unproven webhook body may cost (services/surfaces/webhooks/intake.py): its size
@@ -55,6 +56,7 @@ class Options:
     tls_names: list[str] = field(default_factory=list)  # more names the local certificate covers
     webhook_max_body: int = WEBHOOK_MAX_BODY  # bytes
     webhook_concurrency: int = WEBHOOK_CONCURRENCY
+    quotas: Quotas = field(default_factory=Quotas)  # what a tenant may grow (infra/quotas.py)
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -80,6 +82,8 @@ class Options:
         low, high = WEBHOOK_CONCURRENCY_RANGE
         if not low <= self.webhook_concurrency <= high:
             raise ConfigError(f"--webhook-concurrency wants {low} to {high}")
+        if problems := self.quotas.problems():
+            raise ConfigError("; ".join(problems))
 
     def host_port(self) -> tuple[str, int]:
         host, sep, port = self.listen.rpartition(":")

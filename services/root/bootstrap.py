@@ -166,6 +166,7 @@ class Plane:
             ),
             # a push is started only if current: the API's own mirrors tell (never a job's)
             "vcs_heads": GitHeads(self.opts.data_dir / "vcs-git", sources=self.repositories),
+            "quotas": self.opts.quotas,
             **overrides,
         }
         if "admin_token" not in given:  # made once into the data directory if not given
@@ -216,6 +217,7 @@ class Plane:
             "executor_id": opts.executor_id or default_executor_id(),
             "keyring": self.keyring,
             "repositories": self.repositories,
+            "quotas": opts.quotas,
             **overrides,
         }
         if "isolation" not in given:

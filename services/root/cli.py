@@ -12,7 +12,7 @@ from pathlib import Path
 
 import structlog
 
-from infra import logs
+from infra import logs, quotas
 from infra.natsclient import NatsAuth
 from infra.options import (
     WEBHOOK_CONCURRENCY,
@@ -165,6 +165,38 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
     )
 
 
+_QUOTA_HELP = {
+    "state_max_mb": "MiB a state version may have; a larger one is refused (413 "
+    "state-too-large, or the run's apply fails) and never stored",
+    "state_versions_per_workspace": "state versions a workspace keeps; the oldest "
+    "that are not its current state go first",
+    "state_mb_per_workspace": "MiB of state versions a workspace keeps (oldest first)",
+    "state_versions_per_org": "state versions an organization keeps in all (the oldest "
+    "that are no workspace's current state go first)",
+    "state_mb_per_org": "MiB of state versions an organization keeps in all",
+    "log_max_mb": "MiB of log a run's phase may print; past it the log is cut with a "
+    "marker line and the step's metrics say how much was left out",
+}
+
+
+def _quota_opts(p: argparse.ArgumentParser) -> None:
+    """What a tenant may grow (infra/quotas.py): each flag also RUNPLANE_<FLAG>."""
+    g = p.add_argument_group("quotas (each also RUNPLANE_<NAME>; bounds: README)")
+    for name, (default, _, high) in quotas.RANGES.items():
+        g.add_argument(
+            quotas.FLAGS[name],
+            type=int,
+            default=os.environ.get(quotas.ENV[name], str(default)),
+            metavar="N",
+            help=f"{_QUOTA_HELP[name]} (default {default}, at most {high})",
+        )
+
+
+def _quotas(ns: argparse.Namespace) -> quotas.Quotas:
+    given = {name: getattr(ns, name) for name in quotas.RANGES if hasattr(ns, name)}
+    return quotas.Quotas(**given)
+
+
 def _tls_opts(p: argparse.ArgumentParser, *, local: bool) -> None:
     """HTTPS for the API (the Terraform CLI speaks only HTTPS): services/surfaces/tfe/tls.py."""
     g = p.add_argument_group("TLS")
@@ -193,10 +225,12 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run everything on this machine (embedded NATS by default)")
     _common(up, listen=True)
     _executor_opts(up)
+    _quota_opts(up)
     up.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo workspace")
     _tls_opts(up, local=True)
     api = sub.add_parser("api", help="run the HTTP API and its projector")
     _common(api, listen=True)
+    _quota_opts(api)
     _tls_opts(api, local=False)
     sched = sub.add_parser("scheduler", help="run admission and dispatch")
     _common(sched)
@@ -205,6 +239,7 @@ def parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("executor", help="run an executor")
     _common(ex)
     _executor_opts(ex)
+    _quota_opts(ex)
     rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
     _common(rp)
     logs_cli.add_parser(sub)
@@ -257,6 +292,7 @@ def options(ns: argparse.Namespace) -> Options:
         tls_names=list(getattr(ns, "tls_names", []) or []),
         webhook_max_body=getattr(ns, "webhook_max_body", WEBHOOK_MAX_BODY),
         webhook_concurrency=getattr(ns, "webhook_concurrency", WEBHOOK_CONCURRENCY),
+        quotas=_quotas(ns),
     )
 
 
