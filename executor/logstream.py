@@ -177,8 +177,8 @@ class LogBudget:
         self.dropped_bytes = 0
 
     def take(self, size: int) -> bool:
-        """Whether a record of `size` bytes still fits."""
-        if self.used + size > self.limit:
+        """Whether a record of `size` bytes still fits: once one did not, none does."""
+        if self.cut or self.used + size > self.limit:
             return False
         self.used += size
         return True

@@ -210,9 +210,10 @@ class StateStore:
         serial, lineage = parse_state(data)
         digest = hashlib.sha256(data).hexdigest()
         name = version_object(org, ws, serial, digest)
-        await self._admit(org, ws, name, len(data), keep=frozenset())
+        gone = await self._admit(org, ws, name, len(data), keep=frozenset())
         sealed = self.keyring.seal(data, object_context(name))
         await self._store(name, sealed)
+        await self._let_go(gone)
         return Head(
             object=name,
             serial=serial,

@@ -9,12 +9,20 @@ import hashlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
+import aiohttp
 from nats.aio.client import Client as NATS
 
+from events.run import Workspace
+from executor.statebackend import StateBackend
+from executor.statestore import StateStore
+from infra.crypto import KeyRing
+from infra.quotas import Quotas
 from infra.streams import STATE_BUCKET
+from services.app.commands import App
+from tests.lock_support import Client, FakeJob, _job
 
 MIB = 1024 * 1024
 _FILLER = b'{"a":"' + b"x" * (3 * 1000) + b'"},'  # 3009 bytes: base64 chunks join cleanly
@@ -98,6 +106,22 @@ def peak_memory() -> Iterator[Peak]:
     finally:
         done.set()
         sampler.join()
+
+
+@asynccontextmanager
+async def served(nc: NATS, app: App, quotas: Quotas | None = None) -> AsyncIterator[Client]:
+    """A planning run's phase backend on acme/net, its lock taken as Terraform takes it."""
+    await app.create_org("acme", "alice")
+    await app.create_workspace("acme", "net", Workspace(repository="/nowhere"), "alice")
+    store = StateStore(nc.jetstream(), KeyRing.generate(), quotas)
+    job: FakeJob = await _job(app, "a", claim=True)
+    async with (
+        StateBackend(job, store, runs=app, report=job.report) as backend,
+        aiohttp.ClientSession() as session,
+    ):
+        client = Client(backend, job, session)
+        assert (await client.call("LOCK", {"ID": "L", "Who": "tf"})).status == 200
+        yield client
 
 
 async def stored_bytes(nc: NATS, bucket: str = STATE_BUCKET) -> tuple[int, int]:

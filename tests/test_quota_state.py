@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import aiohttp
 from nats.aio.client import Client as NATS
 
-from events.run import StateVersionCreated, Workspace
-from executor.statebackend import USER, StateBackend
-from executor.statestore import StateStore
-from infra.crypto import KeyRing
+from events.run import StateVersionCreated
+from executor.statebackend import USER
 from infra.quotas import Quotas
 from services.app.commands import App
-from tests.lock_support import Client, FakeJob, _job
+from tests.lock_support import Client, FakeJob
 from tests.quota_support import (
     MIB,
     peak_memory,
     push_document,
+    served,
     state_blocks,
     stored_bytes,
     streamed,
@@ -38,22 +36,6 @@ from tests.quota_support import (
 from tests.tfe_support import Tfe, a_state, tfe_fixture
 
 __all__ = ["tfe_fixture"]
-
-
-@asynccontextmanager
-async def served(nc: NATS, app: App, quotas: Quotas | None = None) -> AsyncIterator[Client]:
-    """A planning run's phase backend on acme/net, its lock taken as Terraform takes it."""
-    await app.create_org("acme", "alice")
-    await app.create_workspace("acme", "net", Workspace(repository="/nowhere"), "alice")
-    store = StateStore(nc.jetstream(), KeyRing.generate(), quotas)
-    job: FakeJob = await _job(app, "a", claim=True)
-    async with (
-        StateBackend(job, store, runs=app, report=job.report) as backend,
-        aiohttp.ClientSession() as session,
-    ):
-        client = Client(backend, job, session)
-        assert (await client.call("LOCK", {"ID": "L", "Who": "tf"})).status == 200
-        yield client
 
 
 async def _post_stream(client: Client, blocks: AsyncIterator[bytes]) -> int:
