@@ -20,6 +20,7 @@ from executor.objects import Objects
 from executor.statebackend import StateBackend
 from executor.statestore import StateStore
 from infra.crypto import KeyRing, load_keyring
+from infra.quotas import Quotas
 
 log = structlog.get_logger(__name__)
 
@@ -34,10 +35,17 @@ class Vault:
     state: StateStore
 
     @classmethod
-    def create(cls, nc: NATS, keyring: KeyRing | None, objects: Objects, work_dir: Path) -> Vault:
+    def create(
+        cls,
+        nc: NATS,
+        keyring: KeyRing | None,
+        objects: Objects,
+        work_dir: Path,
+        quotas: Quotas | None = None,
+    ) -> Vault:
         """Without a key ring, one generated once in `work_dir` (a lone executor, tests)."""
         keys = keyring or load_keyring("", work_dir, create=True)
-        return cls(nc, keys, objects, StateStore(nc.jetstream(), keys))
+        return cls(nc, keys, objects, StateStore(nc.jetstream(), keys, quotas))
 
     async def upload_sealed(self, bucket: str, name: str, path: Path) -> None:
         """Seal `path` (bound to `bucket/name`) and store it; the clear file stays local."""

@@ -29,7 +29,7 @@ from executor.custody import Custody
 from executor.errors import ObjectStoreError, StepFailed
 from executor.git import GitCache
 from executor.isolation import Jail
-from executor.logstream import LiveStepLog, open_step_log
+from executor.logstream import LiveStepLog, LogBudget, open_step_log
 from executor.objects import LOGS_BUCKET, Objects, log_object
 from executor.output import Masker, masked_command
 from executor.ports import RepositoryRules, RunLedger
@@ -73,6 +73,7 @@ class Job:
     finishing: bool = False  # the phase's final report is under way: do not cancel it
     cancel_reason: str = ""
     task: asyncio.Task[None] | None = None
+    log_budget: LogBudget = field(default_factory=LogBudget)  # the phase's steps' logs
 
     def now(self) -> datetime:
         return self.tools.app.clock()
@@ -138,7 +139,9 @@ async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) ->
     job.step = name
     started = job.now()
     await job.report(StartStep(actor=job.ctx.actor, lease_id=job.ctx.lease_id, step=name))
-    step_log = open_step_log(job.ctx, job.tools.app.store.nc, job.tools.masker, name)
+    step_log = open_step_log(
+        job.ctx, job.tools.app.store.nc, job.tools.masker, name, job.log_budget
+    )
     log.info("step_started", step=name)
     try:
         result = await body(step_log)

@@ -36,6 +36,7 @@ from events.codec import valid_id
 from executor.context import PhaseContext
 from executor.output import Masker, readable
 from executor.process import StepLog
+from infra.quotas import MIB, Quotas
 from infra.steplogs import STREAMS, encode_record, live_headers, log_subject
 
 log = structlog.get_logger(__name__)
@@ -161,6 +162,35 @@ class LivePublisher:
         return True
 
 
+class LogBudget:
+    """What a phase's steps may still write to their logs (the deployment's
+    `--log-max-mb`): shared by the phase's steps. Past it a step's lines are left out of
+    its file and of the live stream alike (a tenant printing without end would
+    otherwise grow RP_LOGS and `rp-logs` without end), after one marker line; they are
+    still masked and read by runplane (its summary, resource states, errors)."""
+
+    def __init__(self, limit: int = Quotas().log_max_bytes) -> None:
+        self.limit = limit
+        self.used = 0
+        self.cut = False  # the marker line is written
+        self.dropped_lines = 0
+        self.dropped_bytes = 0
+
+    def take(self, size: int) -> bool:
+        """Whether a record of `size` bytes still fits: once one did not, none does."""
+        if self.cut or self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def marker(self) -> str:
+        self.cut = True
+        return (
+            f"[runplane] log cut: this phase printed more than {self.limit // MIB} MiB "
+            "(the deployment's --log-max-mb); the rest of its output is left out of the log"
+        )
+
+
 # Terraform's http backend client logs every request to the executor's own loopback
 # backend on stderr; to a person reading the step it is noise.
 _OWN_BACKEND_CHATTER = re.compile(
@@ -174,9 +204,18 @@ class LiveStepLog(StepLog):
     The file holds JSON-lines records (`infra.steplogs`), stdout and stderr apart.
     """
 
-    def __init__(self, path: Path, masker: Masker, live: LivePublisher | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        masker: Masker,
+        live: LivePublisher | None,
+        budget: LogBudget | None = None,
+    ) -> None:
         super().__init__(path, masker)
         self.live = live
+        self.budget = budget or LogBudget()
+        self.dropped_lines = 0  # this step's lines past the phase's budget
+        self.dropped_bytes = 0
         self.lines = 0
         self.counts = dict.fromkeys(STREAMS, 0)
         self.summary: dict[str, int] = {}
@@ -192,12 +231,30 @@ class LiveStepLog(StepLog):
         if _OWN_BACKEND_CHATTER.match(body):
             return masked  # Terraform's http client logging our loopback state backend
         body = self.mask(readable(body))  # again: decoding a JSON record may unescape
+        record = encode_record(stream, self.lines + 1, body)
+        if not self.budget.take(len(record)):
+            self._drop(len(record))
+            return masked
+        self._record(stream, body, record)
+        return masked
+
+    def _record(self, stream: str, body: str, record: bytes) -> None:
         self.lines += 1
         self.counts[stream] = self.counts.get(stream, 0) + 1
-        self._file.write(encode_record(stream, self.lines, body))
+        self._file.write(record)
         if self.live is not None:
             self.live.offer(stream, self.lines, body)
-        return masked
+
+    def _drop(self, size: int) -> None:
+        """A line past the budget: counted; the first one is replaced by the marker."""
+        self.dropped_lines += 1
+        self.dropped_bytes += size
+        self.budget.dropped_lines += 1
+        self.budget.dropped_bytes += size
+        if not self.budget.cut:
+            marker = self.budget.marker()
+            self._record("stderr", marker, encode_record("stderr", self.lines + 1, marker))
+            log.warning("log_cut", path=str(self.path), limit=self.budget.limit)
 
     def _take_summary(self, body: str) -> None:
         try:
@@ -233,16 +290,22 @@ class LiveStepLog(StepLog):
         }
         if self.live is not None and self.live.dropped:
             out["live_dropped"] = self.live.dropped
+        if self.dropped_lines:  # the run is told: past the phase's log budget
+            out["log_cut_lines"] = self.dropped_lines
+            out["log_cut_bytes"] = self.dropped_bytes
         return out
 
 
-def open_step_log(ctx: PhaseContext, nc: NATS, masker: Masker, step: str) -> LiveStepLog:
+def open_step_log(
+    ctx: PhaseContext, nc: NATS, masker: Masker, step: str, budget: LogBudget | None = None
+) -> LiveStepLog:
     """The log of one step of a phase, published live on `rp.log.<run>.<phase>.<step>`
-    through `nc` (the executor's one connection: the one its reports go through)."""
+    through `nc` (the executor's one connection: the one its reports go through), within
+    the phase's `budget`."""
     path = ctx.root / "logs" / f"{step}.log"  # a job directory is one phase's
     live: LivePublisher | None = None
     if valid_id(step):
         live = LivePublisher(nc, log_subject(ctx.run_id, ctx.phase, step))
     else:  # not a subject-safe token: the log is still stored, just not streamed
         log.warning("step_not_streamed", step=step)
-    return LiveStepLog(path, masker, live)
+    return LiveStepLog(path, masker, live, budget)

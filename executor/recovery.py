@@ -21,8 +21,8 @@ the next start tries again (the files and dead incarnation files stay).
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
-import hashlib
 import os
 from pathlib import Path
 
@@ -32,7 +32,8 @@ from events.codec import run_subject
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RecoverStateVersion, RunState, StateVersionCreated
 from executor.ports import RunLedger, RunReader, RunWriter
-from executor.statestore import HeadMoved, StateStore, parse_state
+from executor.statefile import StateFile, StateRefused
+from executor.statestore import HeadMoved, StateStore
 from infra.heartbeats import DEADLINE, Board
 from infra.ids import new_id
 
@@ -139,22 +140,28 @@ def _run_of(name: str) -> tuple[str, str, str]:
 
 
 async def record_unsaved(app: RunLedger, store: StateStore, keep: Path, actor: str) -> int:
-    """Record every state kept in `keep` as a recovered version of its run."""
+    """Record every state kept in `keep` as a recovered version of its run. One that is
+    no Terraform state, or passes the deployment's bounds (size, quotas), is left there
+    with an error logged: never stored, never in the way of the executor's start."""
     recorded = 0
     for path in sorted(keep.glob("*.tfstate")) if keep.is_dir() else []:
-        data = path.read_bytes()
         try:
-            parse_state(data)
-        except ValueError:
-            log.error("unsaved_state_unreadable", path=str(path))
+            state = StateFile.existing(path, store.quotas.state_max_bytes)
+            parsed = await asyncio.to_thread(state.parse)
+        except StateRefused as e:
+            log.error("unsaved_state_refused", path=str(path), why=f"{e.kind}: {e}")
             continue
         org, ws, run_id = _run_of(path.name)
         run: RunState = (await app.load_run(org, ws or None, run_id)).state
         if not run.exists:
             log.error("unsaved_state_orphan", path=str(path), run_id=run_id)
             continue
-        if not await _known(app, run, hashlib.sha256(data).hexdigest()):  # (died after
-            await _recover(app, store, run, data, path, actor)  # recording: not twice)
+        if not await _known(app, run, state.digest):  # (died after recording: not twice)
+            try:
+                await _recover(app, store, run, state, parsed, path, actor)
+            except StateRefused as e:
+                log.error("unsaved_state_refused", path=str(path), why=f"{e.kind}: {e}")
+                continue
         path.rename(path.with_name(path.name + RECORDED))
         recorded += 1
     return recorded
@@ -166,10 +173,18 @@ async def _known(app: RunReader, run: RunState, digest: str) -> bool:
 
 
 async def _recover(
-    app: RunWriter, store: StateStore, run: RunState, data: bytes, path: Path, actor: str
+    app: RunWriter,
+    store: StateStore,
+    run: RunState,
+    state: StateFile,
+    parsed: tuple[int, str],
+    path: Path,
+    actor: str,
 ) -> None:
     head, revision = await store.head(run.org, run.workspace)
-    version = await store.put_version(run.org, run.workspace, data, run.run_id)
+    version = await store.put_state(
+        run.org, run.workspace, state, parsed, head=head, run_id=run.run_id
+    )
     newer = head is None or (version.lineage == head.lineage and version.serial > head.serial)
     if head is not None and head.digest == version.digest:
         newer = False

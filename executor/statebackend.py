@@ -21,10 +21,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hashlib
 import hmac
 import os
 import secrets
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
@@ -37,6 +37,7 @@ from events.errors import DomainError
 from events.run import RecordStateVersion, RunCommand, RunState
 from executor.linksafe import write_new
 from executor.ports import RunReader
+from executor.statefile import CHUNK, StateFile, StateRefused, StateTooLarge, continues
 from executor.statehead import current_head
 from executor.statestore import (
     Head,
@@ -45,7 +46,6 @@ from executor.statestore import (
     StateStore,
     StateStoreError,
     initial_state,
-    parse_state,
 )
 from infra import jsonbody
 from infra.eventstore import LATEST, StoreError
@@ -63,7 +63,9 @@ terraform {
 }
 """
 USER = "runplane"
-MAX_STATE = 512 * 1024 * 1024  # aiohttp's default (1 MiB) is far below real state files
+# aiohttp's own bound on a body read whole: the lock's. A state is streamed to a file,
+# bounded by the deployment's --state-max-mb (executor/statefile.py).
+MAX_LOCK_BODY = 1024 * 1024
 ERRORED_STATE = "errored.tfstate"
 # Pauses between tries to record a new state while NATS is away (about 30 s in all):
 # Terraform waits on its POST meanwhile; after that it keeps `errored.tfstate`.
@@ -132,6 +134,22 @@ async def _retrying(attempt: Callable[[], Awaitable[T]]) -> T:
     return await attempt()
 
 
+def _spool(lessee: Lessee) -> Path:
+    """Where a state being received is written: the phase's keep directory (the
+    executor's, never the job's), else the system's temporary directory."""
+    keep: Path | None = getattr(lessee, "keep_dir", None)
+    return keep if keep is not None else Path(tempfile.gettempdir())
+
+
+def _keep(lessee: Lessee, incoming: StateFile, serial: int) -> Path | None:
+    """Keep a state received in `<work>/unsaved-state/` (0600) until it is recorded."""
+    keep: Path | None = getattr(lessee, "keep_dir", None)
+    if keep is None:
+        return None
+    incoming.move(keep / f"{lessee.org}.{lessee.ws}.{lessee.run_id}.{serial}.tfstate")
+    return incoming.path
+
+
 class StateBackend:
     """One phase's state server; an async context manager. `env()` configures Terraform."""
 
@@ -159,7 +177,7 @@ class StateBackend:
         self._runner: web.AppRunner | None = None
 
     async def __aenter__(self) -> StateBackend:
-        app = web.Application(middlewares=[self._auth], client_max_size=MAX_STATE)
+        app = web.Application(middlewares=[self._auth], client_max_size=MAX_LOCK_BODY)
         for method, handler in (
             ("GET", self._get),
             ("POST", self._post),
@@ -247,44 +265,62 @@ class StateBackend:
         return web.Response(body=data, content_type="application/json")
 
     async def _post(self, request: web.Request) -> web.Response:
-        data = await request.read()
+        """A new version: from the lock's holder only (checked before the body is read),
+        received into a file up to the deployment's bound, and taken only if it is a
+        Terraform state that continues the workspace's (executor/statefile.py)."""
         holder, _ = await self.store.holder(self.lessee.org, self.lessee.ws)
         if not self._holds(holder, request.query.get("ID", "")):
             return self._refuse(409, "refusing a state write from a step that holds no lock")
+        limit = self.store.quotas.state_max_bytes
+        try:
+            incoming = await StateFile.receive(
+                request.content.iter_chunked(CHUNK),
+                _spool(self.lessee),
+                limit,
+                announced=request.content_length,
+            )
+        except StateTooLarge as e:
+            return self._refuse_state(e)
+        with incoming:
+            return await self._take(incoming)
+
+    async def _take(self, incoming: StateFile) -> web.Response:
         if not self._read:
             self._head, self._revision = await current_head(
                 self.store, self.runs, self.lessee.org, self.lessee.ws
             )
-        if self._head is not None and hashlib.sha256(data).hexdigest() == self._head.digest:
+        if self._head is not None and incoming.digest == self._head.digest:
             return _text(200, "unchanged")
+        now = self._head
         try:
-            parse_state(data)
-        except ValueError as e:
-            return self._refuse(400, f"not a Terraform state: {e}")
-        kept = self._keep(data)  # on disk until recorded: a restart records what we could not
+            serial, lineage = await asyncio.to_thread(incoming.parse)
+            continues(
+                (now.serial, now.lineage, now.digest) if now is not None else None,
+                serial,
+                lineage,
+                incoming.digest,
+            )
+        except StateRefused as e:
+            return self._refuse_state(e)
+        kept = _keep(self.lessee, incoming, serial)  # on disk until recorded: a restart records it
         lease = self.lessee
-        head = await _retrying(
-            lambda: self.store.put_version(lease.org, lease.ws, data, lease.run_id)
-        )
+        try:
+            head = await _retrying(
+                lambda: self.store.put_state(
+                    lease.org, lease.ws, incoming, (serial, lineage), head=now, run_id=lease.run_id
+                )
+            )
+        except StateRefused as e:  # a quota: nothing stored, so nothing to recover either
+            if kept is not None:
+                kept.unlink(missing_ok=True)
+            return self._refuse_state(e)
         response = await self._record(head)
         if response.status == 200 and kept is not None:
             kept.unlink(missing_ok=True)
         return response
 
-    def _keep(self, data: bytes) -> Path | None:
-        """Write a state received to `<work>/unsaved-state/` (0600) until it is recorded."""
-        keep: Path | None = getattr(self.lessee, "keep_dir", None)
-        if keep is None:
-            return None
-        keep.mkdir(parents=True, exist_ok=True)
-        serial, _ = parse_state(data)
-        path = keep / f"{self.lessee.org}.{self.lessee.ws}.{self.lessee.run_id}.{serial}.tfstate"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        return path
+    def _refuse_state(self, e: StateRefused) -> web.Response:
+        return self._refuse(e.status, f"{e.kind}: {e}")
 
     async def _record(self, head: Head) -> web.Response:
         """Record the version on the run (fenced), then move the head; pending between

@@ -16,10 +16,13 @@ state to plan on, or hide a lock that exists.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
+import os
 import uuid
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,10 +32,14 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue
 
+from executor import stateledger
 from executor.errors import ExecutorError
+from executor.statefile import MAX_STATE_DEPTH, StateFile, too_large
+from executor.stateledger import Entry
 from infra import jsonbody
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import STATE_HEAD_BUCKET, STATE_LOCKS_BUCKET
+from infra.quotas import Quotas
 from infra.streams import STATE_BUCKET, WRONG_LAST_SEQUENCES
 
 log = structlog.get_logger(__name__)
@@ -114,12 +121,6 @@ def initial_state(org: str, ws: str) -> bytes:
     return json.dumps(doc).encode()
 
 
-# A state holds the tenant's values (a resource's attributes, outputs), which nest as
-# deep as their configuration made them: far above a request body's bound
-# (infra/jsonbody.py), and below where decoding one would run out of stack.
-MAX_STATE_DEPTH = 512
-
-
 class _StateHead(msgspec.Struct):
     serial: int
     lineage: str = ""
@@ -145,9 +146,12 @@ def parse_state(data: bytes) -> tuple[int, str]:
 class StateStore:
     """Reads and writes managed state for any workspace; one per executor."""
 
-    def __init__(self, js: JetStreamContext, keyring: KeyRing) -> None:
+    def __init__(
+        self, js: JetStreamContext, keyring: KeyRing, quotas: Quotas | None = None
+    ) -> None:
         self.js = js
         self.keyring = keyring
+        self.quotas = quotas or Quotas()
 
     async def _kv(self, bucket: str) -> KeyValue:
         try:
@@ -198,16 +202,18 @@ class StateStore:
         return data
 
     async def put_version(self, org: str, ws: str, data: bytes, run_id: str = "") -> Head:
-        """Seal and store a new version; the head does not move yet (see `move_head`)."""
+        """Seal and store a new version; the head does not move yet (see `move_head`).
+        The state is in memory already (a test's, out of band): `put_state` is the way
+        for what the network brings."""
+        if len(data) > self.quotas.state_max_bytes:
+            raise too_large(self.quotas.state_max_bytes)
         serial, lineage = parse_state(data)
         digest = hashlib.sha256(data).hexdigest()
         name = version_object(org, ws, serial, digest)
+        gone = await self._admit(org, ws, name, len(data), keep=frozenset())
         sealed = self.keyring.seal(data, object_context(name))
-        try:
-            store = await self.js.object_store(STATE_BUCKET)
-            await store.put(name, sealed)
-        except _NATS_ERRORS as e:
-            raise StateStoreError(f"storing {STATE_BUCKET}/{name}: {e!r}") from e
+        await self._store(name, sealed)
+        await self._let_go(gone)
         return Head(
             object=name,
             serial=serial,
@@ -216,6 +222,81 @@ class StateStore:
             size=len(data),
             run_id=run_id,
         )
+
+    async def put_state(
+        self,
+        org: str,
+        ws: str,
+        state: StateFile,
+        parsed: tuple[int, str],
+        *,
+        head: Head | None,
+        run_id: str = "",
+    ) -> Head:
+        """Seal and store a state received into a file, judged already (its serial and
+        lineage `parsed` by `StateFile.parse`, its continuing `head` checked), a chunk at a
+        time: admitted to the organization's ledger first (executor/stateledger.py;
+        `StateQuotaExceeded`: nothing is stored), the versions it lets go deleted after.
+        The head does not move yet (see `move_head`)."""
+        serial, lineage = parsed
+        name = version_object(org, ws, serial, state.digest)
+        keep = frozenset({head.object} if head is not None else ())
+        gone = await self._admit(org, ws, name, state.size, keep=keep)
+        sealed = state.path.with_name(f".{state.path.name}.sealed")
+        try:
+            await asyncio.to_thread(self._seal_file, state, sealed, name)
+            with sealed.open("rb") as f:
+                await self._store(name, f)
+        finally:
+            sealed.unlink(missing_ok=True)
+        await self._let_go(gone)
+        return Head(
+            object=name,
+            serial=serial,
+            lineage=lineage,
+            digest=state.digest,
+            size=state.size,
+            run_id=run_id,
+        )
+
+    def _seal_file(self, state: StateFile, sealed: Path, name: str) -> None:
+        fd = os.open(sealed, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with state.open() as fin, os.fdopen(fd, "wb") as fout:
+            self.keyring.seal_stream(fin, fout, object_context(name))
+
+    async def _admit(
+        self, org: str, ws: str, name: str, size: int, keep: frozenset[str]
+    ) -> list[Entry]:
+        try:
+            return await stateledger.record(self.js, self.quotas, org, Entry(ws, name, size), keep)
+        except stateledger.LedgerUnavailable as e:
+            raise StateStoreError(str(e)) from e
+
+    async def _store(self, name: str, sealed: bytes | io.BufferedIOBase) -> None:
+        try:
+            store = await self.js.object_store(STATE_BUCKET)
+            await store.put(name, sealed)  # a file is read a chunk at a time
+        except _NATS_ERRORS as e:
+            raise StateStoreError(f"storing {STATE_BUCKET}/{name}: {e!r}") from e
+
+    async def _let_go(self, gone: list[Entry]) -> None:
+        """Delete the objects of the versions the ledger let go (best effort: the ledger
+        no longer counts them either way)."""
+        if not gone:
+            return
+        try:
+            store = await self.js.object_store(STATE_BUCKET)
+        except _NATS_ERRORS:
+            log.warning("state_versions_not_pruned", objects=[e.object for e in gone])
+            return
+        for entry in gone:
+            try:
+                await store.delete(entry.object)
+            except nats.js.errors.NotFoundError:
+                pass
+            except _NATS_ERRORS as e:
+                log.warning("state_version_not_pruned", object=entry.object, error=repr(e))
+        log.info("state_versions_pruned", objects=[e.object for e in gone])
 
     # A version between being recorded on its run and becoming the head is "pending": a
     # writer that dies in that window leaves the head one version behind, and the next

@@ -38,6 +38,7 @@ from executor.intake import Intake, Taken
 from executor.isolation import Isolation, Jail
 from executor.job import STOPPED, Job, Tools
 from executor.jobfiles import private_dir, remove_tree
+from executor.logstream import LogBudget
 from executor.objects import Objects
 from executor.ports import RepositoryRules, RunLedger
 from executor.runner import PhaseRunner
@@ -47,6 +48,7 @@ from infra.crypto import KeyRing
 from infra.heartbeats import Board
 from infra.ids import new_id
 from infra.policy.sandbox import PolicySandbox
+from infra.quotas import Quotas
 
 log = structlog.get_logger(__name__)
 
@@ -117,6 +119,7 @@ class Executor:
         jobs_dir: Path | None = None,
         org_weights: dict[str, int] | None = None,
         org_max_phases: int = 0,
+        quotas: Quotas | None = None,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -138,7 +141,8 @@ class Executor:
         self.git_cache = GitCache(self.work_dir / "git")  # shared with siblings on work_dir
         # The repositories it checks out: never one of its own directories (its mirrors).
         self.sources = repositories.guarding(self.work_dir, "the executor's work directory")
-        self.vault = Vault.create(nc, keyring, self.objects, self.work_dir)
+        self.quotas = quotas or Quotas()  # the deployment's bounds on state and logs
+        self.vault = Vault.create(nc, keyring, self.objects, self.work_dir, self.quotas)
         self.policy_sandbox = policy_sandbox or PolicySandbox()  # the deployment's caps
         self._slots = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
@@ -346,7 +350,7 @@ class Executor:
             policy_sandbox=self.policy_sandbox,
             jail=jail,
         )
-        return Job(ctx=ctx, tools=tools)
+        return Job(ctx=ctx, tools=tools, log_budget=LogBudget(self.quotas.log_max_bytes))
 
 
 def install_signal_handlers(executor: Executor) -> None:

@@ -123,15 +123,19 @@ class KeyRing:
 
     def seal_file(self, src: Path, dest: Path, context: str) -> None:
         """Encrypt file `src` into `dest` in chunks (plan files can be large)."""
+        with src.open("rb") as fin, _private(dest) as fout:
+            self.seal_stream(fin, fout, context)
+
+    def seal_stream(self, fin: BinaryIO, fout: BinaryIO, context: str) -> None:
+        """Encrypt what `fin` holds from where it is into `fout`, a chunk at a time."""
         header = _header(self.current)
         nonce = secrets.token_bytes(NONCE_BYTES)
         enc = Cipher(algorithms.AES(self.current), modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(_ad(header, context))
-        with src.open("rb") as fin, _private(dest) as fout:
-            fout.write(header + nonce)
-            while chunk := fin.read(_CHUNK):
-                fout.write(enc.update(chunk))
-            fout.write(enc.finalize() + enc.tag)
+        fout.write(header + nonce)
+        while chunk := fin.read(_CHUNK):
+            fout.write(enc.update(chunk))
+        fout.write(enc.finalize() + enc.tag)
 
     def open_file(self, src: Path, dest: Path, context: str) -> None:
         """Decrypt file `src` into `dest`; `dest` appears only once the tag has verified."""

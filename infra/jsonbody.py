@@ -155,3 +155,41 @@ def _kept(value: Any, skeleton_size: int) -> int:
         elif isinstance(item, list):
             todo.extend(item)
     return keys
+
+
+class DepthGauge:
+    """`check_depth` of a document read a chunk at a time (a Terraform state received
+    into a file: executor/statefile.py), never holding more than a chunk of it.
+
+    Each chunk's skeleton is judged with the levels left open before it in front (as
+    many `[`); a run of backslashes at a chunk's end goes on to the next chunk as its
+    parity (pairs escape each other), and whether the chunk ends inside a string goes
+    on too, so that the chunks' skeletons are the document's. At a chunk's edge a nest
+    may count a few levels more than it has (`_too_deep`'s passes): never fewer."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.depth = 0
+        self.keys = 0  # colons outside strings: the keys written
+        self.marks = 0  # brackets, colons and commas outside strings: about the values
+        self._carry = b""
+        self._inside = 0
+
+    def feed(self, chunk: bytes, *, last: bool = False) -> None:
+        """Judge the next chunk; TooDeep past the bound."""
+        data = self._carry + chunk
+        self._carry = b""
+        if not last:
+            stripped = data.rstrip(b"\\")
+            run = len(data) - len(stripped)
+            data, self._carry = stripped, b"\\" * (run % 2)
+        bare = data.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in data else data
+        pieces = bare.translate(None, _MARKS).split(b'"')
+        skeleton = b"".join(pieces[self._inside :: 2])
+        self._inside = (self._inside + len(pieces) - 1) % 2
+        if _too_deep(b"[" * self.depth + skeleton, self.bound):
+            raise TooDeep(f"the document nests arrays and objects deeper than {self.bound} levels")
+        self.keys += skeleton.count(b":")
+        self.marks += len(skeleton)
+        opened = skeleton.count(b"[") + skeleton.count(b"{")
+        self.depth = max(0, self.depth + opened - skeleton.count(b"]") - skeleton.count(b"}"))

@@ -46,6 +46,7 @@ LOGIN_CODES_BUCKET = "rp-login-codes"
 LOGIN_CODES_KEPT_S = 120.0
 TFE_CONFIGS_BUCKET = "rp-tfe-configs"
 OPEN_RUNS_BUCKET = "rp-open-runs"
+STATE_LEDGER_BUCKET = "rp-state-ledger"  # versions kept per org (executor/stateledger.py)
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
@@ -55,6 +56,7 @@ BUCKETS = (
     LOGIN_CODES_BUCKET,
     TFE_CONFIGS_BUCKET,
     OPEN_RUNS_BUCKET,
+    STATE_LEDGER_BUCKET,
 )
 # The others keep their keys forever.
 _TTL = {

@@ -12,6 +12,7 @@ from pathlib import Path
 from infra import natsclient
 from infra.crypto import KeyConfigError, KeyRing, load_keyring
 from infra.natsclient import NatsAuth
+from infra.quotas import Quotas
 from infra.replicas import MAX_REPLICAS
 
 # What an unproven webhook body may cost (services/surfaces/webhooks/intake.py): its size
@@ -81,6 +82,7 @@ class Options:
     job_tmpfs: int = JOB_TMPFS  # bytes of each of the sandbox's tmpfs mounts
     job_network: str = "allowed"  # or "none" (the sandbox only)
     terraform_binaries: list[str] = field(default_factory=list)  # what runs may name
+    quotas: Quotas = field(default_factory=Quotas)  # what a tenant may grow (infra/quotas.py)
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -116,6 +118,8 @@ class Options:
         low, high = WEBHOOK_CONCURRENCY_RANGE
         if not low <= self.webhook_concurrency <= high:
             raise ConfigError(f"--webhook-concurrency wants {low} to {high}")
+        if problems := self.quotas.problems():
+            raise ConfigError("; ".join(problems))
         self._check_job_caps()
 
     def _check_job_caps(self) -> None:

@@ -239,17 +239,15 @@ async def test_two_replicas_pushing_one_state_at_once_keep_the_heads_object(tfe:
     other = await _second_replica(tfe)
     try:
         states = _states(other)
-        put = states.put_version
+        put = states.put_state
         won: list[int] = []
 
-        async def put_then_the_other_replica_pushes(
-            org: str, ws: str, data: bytes, run_id: str = ""
-        ) -> Any:
-            version = await put(org, ws, data, run_id)
+        async def put_then_the_other_replica_pushes(*args: Any, **kw: Any) -> Any:
+            version = await put(*args, **kw)
             won.append((await tfe.push(ws_id, two, token=operator)).status)
             return version
 
-        states.put_version = put_then_the_other_replica_pushes  # type: ignore[method-assign]
+        states.put_state = put_then_the_other_replica_pushes  # type: ignore[method-assign]
         lost = await other.push(ws_id, two, token=operator)
         assert won == [201] and lost.status == 201, lost.body
     finally:
@@ -270,16 +268,16 @@ async def test_a_refused_rollback_keeps_the_version_it_rolls_back_to(tfe: Tfe) -
     first, _ = await _states(tfe).head("acme", "net")
     assert (await tfe.push(ws_id, a_state(2, lineage=one["lineage"]), token=operator)).status == 201
     states = _states(tfe)
-    put = states.put_version
+    put = states.put_state
 
-    async def put_then_unlocked(org: str, ws: str, data: bytes, run_id: str = "") -> Any:
-        version = await put(org, ws, data, run_id)
+    async def put_then_unlocked(*args: Any, **kw: Any) -> Any:
+        version = await put(*args, **kw)
         await tfe.app.unlock_workspace("acme", "net", "admin-user", admin=True)
         return version
 
-    states.put_version = put_then_unlocked  # type: ignore[method-assign]
+    states.put_state = put_then_unlocked  # type: ignore[method-assign]
     refused = await tfe.push(ws_id, one, token=operator, force=True)
-    states.put_version = put  # type: ignore[method-assign]
+    states.put_state = put  # type: ignore[method-assign]
     assert refused.status == 409, refused.body
     assert first is not None
     assert json.loads(await states.read(first)) == one  # version 1 still opens

@@ -30,7 +30,8 @@ from nats.aio.client import Client as NATS
 
 from events.run import CancelRun, ClaimPhase, Workspace
 from executor.statebackend import USER
-from executor.statestore import MAX_STATE_DEPTH, parse_state
+from executor.statefile import MAX_STATE_DEPTH
+from executor.statestore import parse_state
 from infra.crypto import KeyRing
 from services.app.commands import App
 from services.processes.chat import signing as slack_signing

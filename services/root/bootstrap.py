@@ -202,6 +202,7 @@ class Plane:
             "vcs_heads": GitHeads(
                 self.opts.data_dir / "vcs-git", sources=self.repositories, access=self.git_access
             ),
+            "quotas": self.opts.quotas,
             **overrides,
         }
         if "admin_token" not in given:  # made once into the data directory if not given
@@ -256,6 +257,7 @@ class Plane:
             "concurrency": opts.concurrency,
             "org_weights": parse_weights(opts.org_weights),
             "org_max_phases": opts.org_max_phases,
+            "quotas": opts.quotas,
             **overrides,
         }
         if "isolation" not in given:

@@ -13,7 +13,7 @@ from pathlib import Path
 import structlog
 
 from executor.turns import parse_weights
-from infra import logs
+from infra import logs, quotas
 from infra.natsclient import NatsAuth
 from infra.options import (
     WEBHOOK_CONCURRENCY,
@@ -25,6 +25,7 @@ from infra.options import (
 )
 from infra.sizes import parse_size
 from services.app import repositories
+from services.root import tenant_flags
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
 
@@ -65,7 +66,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         "credentials (~/.git-credentials, helpers, ssh keys and agent); every other one "
         "uses its VCS connection's only (also RUNPLANE_HOST_GIT_CREDENTIALS)",
     )
-    _open_runs_opts(p)
+    tenant_flags.open_runs_opts(p)
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
         p.add_argument(
@@ -85,22 +86,6 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "one made at /app/settings/tokens and pasted at its prompt)",
         )
         _webhook_opts(p)
-
-
-def _open_runs_opts(p: argparse.ArgumentParser) -> None:
-    """The open-runs quota (services/app/openruns.py): every process that starts runs."""
-    for flag, default, what in (
-        ("--org-max-open-runs", 500, "an organization"),
-        ("--workspace-max-open-runs", 100, "a workspace"),
-    ):
-        env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
-        p.add_argument(
-            flag,
-            type=int,
-            default=int(os.environ.get(env, str(default)) or default),
-            help=f"runs {what} may have open at once (also {env}; default {default}); "
-            "one more is refused, 429 quota-exceeded",
-        )
 
 
 def _webhook_opts(p: argparse.ArgumentParser) -> None:
@@ -198,33 +183,8 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
         "the executor's user (bwrap), or the executor itself (none); auto: the first that "
         "works (executor/isolation.py)",
     )
-    _share_opts(p)
+    tenant_flags.share_opts(p)
     _job_opts(p)
-
-
-def _share_opts(p: argparse.ArgumentParser) -> None:
-    """How an executor shares its slots between organizations (executor/turns.py)."""
-    g = p.add_argument_group("fair share (each also RUNPLANE_<FLAG>)")
-    g.add_argument(
-        "--concurrency",
-        type=int,
-        default=int(os.environ.get("RUNPLANE_CONCURRENCY", "1") or 1),
-        help="phases this executor runs at once (default 1)",
-    )
-    g.add_argument(
-        "--org-weights",
-        default=os.environ.get("RUNPLANE_ORG_WEIGHTS", ""),
-        metavar="ORG=N[,...]",
-        help="an organization's turns per round when several wait (default 1 each)",
-    )
-    g.add_argument(
-        "--org-max-phases",
-        type=int,
-        default=int(os.environ.get("RUNPLANE_ORG_MAX_PHASES", "0") or 0),
-        help="the most of this executor's slots one organization holds at once; 0 (the "
-        "default): all but one while another organization has had a phase waiting in "
-        "the last 10 minutes, all of them otherwise",
-    )
 
 
 # (flag, environment, default, what): each job's caps (executor/caps.py)
@@ -291,6 +251,38 @@ def _job_caps(ns: argparse.Namespace) -> dict[str, int]:
     return out
 
 
+_QUOTA_HELP = {
+    "state_max_mb": "MiB a state version may have; a larger one is refused (413 "
+    "state-too-large, or the run's apply fails) and never stored",
+    "state_versions_per_workspace": "state versions a workspace keeps; the oldest "
+    "that are not its current state go first",
+    "state_mb_per_workspace": "MiB of state versions a workspace keeps (oldest first)",
+    "state_versions_per_org": "state versions an organization keeps in all (the oldest "
+    "that are no workspace's current state go first)",
+    "state_mb_per_org": "MiB of state versions an organization keeps in all",
+    "log_max_mb": "MiB of log a run's phase may print; past it the log is cut with a "
+    "marker line and the step's metrics say how much was left out",
+}
+
+
+def _quota_opts(p: argparse.ArgumentParser) -> None:
+    """What a tenant may grow (infra/quotas.py): each flag also RUNPLANE_<FLAG>."""
+    g = p.add_argument_group("quotas (each also RUNPLANE_<NAME>; bounds: README)")
+    for name, (default, _, high) in quotas.RANGES.items():
+        g.add_argument(
+            quotas.FLAGS[name],
+            type=int,
+            default=os.environ.get(quotas.ENV[name], str(default)),
+            metavar="N",
+            help=f"{_QUOTA_HELP[name]} (default {default}, at most {high})",
+        )
+
+
+def _quotas(ns: argparse.Namespace) -> quotas.Quotas:
+    given = {name: getattr(ns, name) for name in quotas.RANGES if hasattr(ns, name)}
+    return quotas.Quotas(**given)
+
+
 def _tls_opts(p: argparse.ArgumentParser, *, local: bool) -> None:
     """HTTPS for the API (the Terraform CLI speaks only HTTPS): services/surfaces/tfe/tls.py."""
     g = p.add_argument_group("TLS")
@@ -319,10 +311,12 @@ def parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="run everything on this machine (embedded NATS by default)")
     _common(up, listen=True)
     _executor_opts(up)
+    _quota_opts(up)
     up.add_argument("--no-demo", dest="demo", action="store_false", help="skip the demo workspace")
     _tls_opts(up, local=True)
     api = sub.add_parser("api", help="run the HTTP API and its projector")
     _common(api, listen=True)
+    _quota_opts(api)
     _tls_opts(api, local=False)
     sched = sub.add_parser("scheduler", help="run admission and dispatch")
     _common(sched)
@@ -331,6 +325,7 @@ def parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("executor", help="run an executor")
     _common(ex)
     _executor_opts(ex)
+    _quota_opts(ex)
     rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
     _common(rp)
     logs_cli.add_parser(sub)
@@ -400,6 +395,7 @@ def options(ns: argparse.Namespace) -> Options:
         terraform_binaries=[
             b.strip() for b in getattr(ns, "terraform_binaries", "").split(",") if b.strip()
         ],
+        quotas=_quotas(ns),
     )
     for name, value in (_job_caps(ns) if hasattr(ns, "job_memory") else {}).items():
         setattr(opts, name, value)  # the caps' flags: up and executor only

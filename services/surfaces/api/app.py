@@ -11,6 +11,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from infra.policy.sandbox import PolicySandbox
+from infra.quotas import Quotas
 from projections.metrics import Metrics
 from projections.projector import Projector
 from services.app.commands import App
@@ -98,6 +99,7 @@ def build_app(
     browser_login: bool = True,
     webhook_limits: Limits | None = None,
     vcs_heads: Heads | None = None,
+    quotas: Quotas | None = None,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -111,6 +113,7 @@ def build_app(
     `webhook_limits`: what an unproven webhook body may cost (services/surfaces/webhooks/intake.py).
     `vcs_heads`: what a webhook's push is checked against (services/processes/vcs/heads.py);
     without it, git with no mirror: only a push of its ref's head starts runs.
+    `quotas`: the deployment's bounds on what a tenant grows (infra/quotas.py).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -133,5 +136,11 @@ def build_app(
     # the TFE API the Terraform CLI speaks (services/surfaces/tfe): after the UI, as it adds to
     # the routes that authenticate themselves
     keyring = secret_store.keyring if secret_store is not None else None
-    tfe.mount(web_app, keyring=keyring, js=app.store.nc.jetstream(), browser_login=browser_login)
+    tfe.mount(
+        web_app,
+        keyring=keyring,
+        js=app.store.nc.jetstream(),
+        browser_login=browser_login,
+        quotas=quotas,
+    )
     return web_app

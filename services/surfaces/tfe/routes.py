@@ -7,6 +7,7 @@ from nats.js import JetStreamContext
 
 from executor.statestore import StateStore
 from infra.crypto import KeyRing
+from infra.quotas import Quotas
 from services.surfaces.api.middleware import SELF_AUTHENTICATED
 from services.surfaces.tfe import (
     configs,
@@ -87,13 +88,15 @@ def mount(
     keyring: KeyRing | None,
     js: JetStreamContext,
     browser_login: bool = True,
+    quotas: Quotas | None = None,
 ) -> None:
     """Add the TFE routes. They authenticate themselves (JSON:API errors, not problem
     details), so runplane's middleware lets them through: call it after anything else
     that sets `SELF_AUTHENTICATED` (the web UI). `keyring` None: no key, so no
     capabilities and no state (503). `browser_login` False: discovery offers no login.v1
-    (`terraform login` asks for a pasted token instead)."""
-    states = StateStore(js, keyring) if keyring is not None else None
+    (`terraform login` asks for a pasted token instead). `quotas`: the deployment's
+    bounds on state (infra/quotas.py; default: the defaults)."""
+    states = StateStore(js, keyring, quotas) if keyring is not None else None
     signer = Signer.of(keyring) if keyring is not None else None
     web_app[TFE] = Tfe(signer=signer, states=states)
     web_app[login.TAKEN] = login.TakenCodes(js)

@@ -40,12 +40,12 @@ an inline `state` is refused with a 422 that says so.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import hashlib
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -53,10 +53,11 @@ from aiohttp import web
 
 from events.errors import DomainError, IllegalTransition
 from events.workspace import RecordStatePush, StatePushed
-from executor.statestore import Head, HeadMoved, StateStore, StateStoreError, parse_state
+from executor.statefile import CHUNK, StateFile, StateRefused, StateTooLarge, too_large
+from executor.statestore import Head, HeadMoved, StateStore, StateStoreError
 from services.surfaces.api.auth import OPERATOR, Principal
-from services.surfaces.tfe.context import api_of, read_json, tfe_of
-from services.surfaces.tfe.jsonapi import TfeError, attributes, document, response
+from services.surfaces.tfe.context import api_of, tfe_of
+from services.surfaces.tfe.jsonapi import TfeError, document, response
 from services.surfaces.tfe.state import (
     current_head,
     existing_workspace,
@@ -64,41 +65,26 @@ from services.surfaces.tfe.state import (
     recorded_at,
     render,
 )
+from services.surfaces.tfe.state_body import document_limit, read_state, tfe_refusal
 from services.surfaces.tfe.workspaces import workspace_by_id
 
 log = structlog.get_logger("runplane.tfe")
 
 
-def _decode_state(attrs: dict[str, Any]) -> tuple[bytes, int, str, bool]:
+def _check_attributes(attrs: dict[str, Any], state: StateFile) -> tuple[int, str, bool]:
     """The state sent, checked against what the request says of it."""
-    encoded = attrs.get("state")
-    if encoded is None:
-        # go-tfe (>= 1.x) reads this very phrase as "upload URLs not supported" and the
-        # CLI then sends the state inline
-        raise TfeError(
-            422,
-            "state required",
-            "param is missing or the value is empty: state (send it inline, base64: "
-            "this server does not hand out state upload URLs yet)",
-        )
-    if not isinstance(encoded, str):
-        raise TfeError(422, "invalid attribute", "state must be a base64 string")
-    try:
-        data = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise TfeError(422, "invalid attribute", "state is not valid base64") from e
     md5 = attrs.get("md5")
-    if not isinstance(md5, str) or hashlib.md5(data, usedforsecurity=False).hexdigest() != md5:
+    if not isinstance(md5, str) or state.md5 != md5:
         raise TfeError(422, "invalid attribute", "md5 does not match the state sent")
     try:
-        serial, lineage = parse_state(data)
-    except ValueError as e:
+        serial, lineage = state.parse()
+    except StateRefused as e:
         raise TfeError(422, "invalid attribute", f"state is not a Terraform state: {e}") from e
     if attrs.get("serial") != serial:
         raise TfeError(422, "invalid attribute", f"serial must be the state's own ({serial})")
     if attrs.get("lineage") not in (None, lineage):
         raise TfeError(422, "invalid attribute", "lineage must be the state's own")
-    return data, serial, lineage, attrs.get("force") is True
+    return serial, lineage, attrs.get("force") is True
 
 
 def _continues(head: Head | None, serial: int, lineage: str, digest: str, force: bool) -> None:
@@ -133,9 +119,9 @@ PUSHES: web.AppKey[dict[str, _Gate]] = web.AppKey("runplane.tfe.pushes", dict)
 
 @contextlib.asynccontextmanager
 async def _one_push_at_a_time(request: web.Request, org: str) -> AsyncIterator[None]:
-    """A push holds its body (up to MAX_BODY), its decoding and its state at once: one
-    organization's many concurrent pushes would fill the API process every organization
-    shares. Another organization's waits for none of them."""
+    """A push's body and its state take disk (up to the bounds of state_body.py) and a
+    pass of the CPU each: one organization's many concurrent pushes would take them
+    from every organization. Another organization's waits for none of them."""
     gates = request.app[PUSHES]
     gate = gates.setdefault(org, _Gate())
     gate.users += 1
@@ -164,20 +150,51 @@ def _writable(row: dict[str, Any], who: Principal) -> datetime | None:
 
 async def create_state_version(request: web.Request) -> web.Response:
     """POST /workspaces/:id/state-versions {serial, md5, lineage, state, force}: the
-    lock's holder only, which is checked before the body is read."""
+    lock's holder only, which is checked before the body is read. The body goes to a
+    file as it arrives, and the state out of it to another (state_body.py): past the
+    deployment's --state-max-mb it is a 413 `state too large`, and nothing is stored."""
     org, ws, who = await workspace_by_id(request, OPERATOR)
     states = tfe_of(request).need_states()
     _writable(await existing_workspace(request, org, ws), who)
     async with _one_push_at_a_time(request, org):
-        return await _push(request, org, ws, who, states)
+        folder = Path(tempfile.mkdtemp(prefix="runplane-tfe-state-"))
+        try:
+            return await _receive(request, org, ws, who, states, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+async def _receive(
+    request: web.Request, org: str, ws: str, who: Principal, states: StateStore, folder: Path
+) -> web.Response:
+    state_max = states.quotas.state_max_bytes
+    try:
+        document = await StateFile.receive(
+            request.content.iter_chunked(CHUNK),
+            folder,
+            document_limit(state_max),
+            announced=request.content_length,
+        )
+    except StateTooLarge as e:
+        raise tfe_refusal(too_large(state_max)) from e
+    with document:
+        state, attrs = await read_state(document, folder, state_max)
+    with state:
+        serial, lineage, force = await asyncio.to_thread(_check_attributes, attrs, state)
+        return await _push(request, org, ws, who, states, state, (serial, lineage), force)
 
 
 async def _push(
-    request: web.Request, org: str, ws: str, who: Principal, states: StateStore
+    request: web.Request,
+    org: str,
+    ws: str,
+    who: Principal,
+    states: StateStore,
+    state: StateFile,
+    parsed: tuple[int, str],
+    force: bool,
 ) -> web.Response:
-    data, serial, lineage, force = _decode_state(
-        attributes(await read_json(request), "state-versions")
-    )
+    serial, lineage = parsed
     lock_since = _writable(await existing_workspace(request, org, ws), who)
     try:
         holder, _ = await states.holder(org, ws)
@@ -186,14 +203,16 @@ async def _push(
     if holder is not None:
         raise TfeError(409, "state locked", f"run {holder.run_id} holds the state lock")
     head, revision = await current_head(request, org, ws)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = state.digest
     _continues(head, serial, lineage, digest, force)
     if head is not None and head.digest == digest:
         created = await recorded_at(request, org, ws, head)
         return response(document(render(request, org, ws, head, created, who)), status=201)
     try:
-        version = await states.put_version(org, ws, data)
+        version = await states.put_state(org, ws, state, parsed, head=head)
         await states.mark_pending(org, ws, version)
+    except StateRefused as e:
+        raise tfe_refusal(e) from e
     except StateStoreError as e:
         raise TfeError(503, "unavailable", str(e)) from e
     seq = await _record(request, org, ws, who, version, head, revision, force, lock_since)

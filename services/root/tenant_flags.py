@@ -1,0 +1,49 @@
+"""The flags that keep tenants apart on shared executors and a shared control plane:
+fair share of an executor's slots (executor/turns.py) and the open-runs quota
+(services/app/openruns.py). Part of the `runplane` console script (services/root/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def open_runs_opts(p: argparse.ArgumentParser) -> None:
+    """The open-runs quota (services/app/openruns.py): every process that starts runs."""
+    for flag, default, what in (
+        ("--org-max-open-runs", 500, "an organization"),
+        ("--workspace-max-open-runs", 100, "a workspace"),
+    ):
+        env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
+        p.add_argument(
+            flag,
+            type=int,
+            default=int(os.environ.get(env, str(default)) or default),
+            help=f"runs {what} may have open at once (also {env}; default {default}); "
+            "one more is refused, 429 quota-exceeded",
+        )
+
+
+def share_opts(p: argparse.ArgumentParser) -> None:
+    """How an executor shares its slots between organizations (executor/turns.py)."""
+    g = p.add_argument_group("fair share (each also RUNPLANE_<FLAG>)")
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_CONCURRENCY", "1") or 1),
+        help="phases this executor runs at once (default 1)",
+    )
+    g.add_argument(
+        "--org-weights",
+        default=os.environ.get("RUNPLANE_ORG_WEIGHTS", ""),
+        metavar="ORG=N[,...]",
+        help="an organization's turns per round when several wait (default 1 each)",
+    )
+    g.add_argument(
+        "--org-max-phases",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_ORG_MAX_PHASES", "0") or 0),
+        help="the most of this executor's slots one organization holds at once; 0 (the "
+        "default): all but one while another organization has had a phase waiting in "
+        "the last 10 minutes, all of them otherwise",
+    )
