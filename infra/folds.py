@@ -84,7 +84,7 @@ class States:
             state = fold([e.event for e in envs], state)
             self.remember(kind, subject, envs[-1].seq, state, real=real)
             since = envs[-1].seq
-        elif found is not None:
+        elif (kind, subject) in self._kept:  # evicted or forgotten during the read: gone
             self._kept.move_to_end((kind, subject))
         return real, since, state
 

@@ -106,6 +106,24 @@ async def test_only_a_few_states_are_kept_per_subject_and_a_few_subjects(
     assert states.peek("org", "rp.org.>") is None
 
 
+async def test_a_state_evicted_while_its_load_reads_is_not_an_error(store: EventStore) -> None:
+    """1,000 loads at once (tests/reliability/test_concurrency.py) evict a kept state
+    while another load of it waits on its read: that load answers as if nothing was
+    kept, never a KeyError."""
+    seqs = await _seed(store, 1)
+    states = States(store, kept=1)
+    await states.load("org", SUBJECT, O.fold, O.INITIAL)
+    read = store.read
+
+    async def evicting(*args: Any, **kw: Any) -> Any:
+        states.remember("org", "rp.org.other", 1, O.INITIAL)  # the only room taken
+        return await read(*args, **kw)
+
+    store.read = evicting  # type: ignore[method-assign]
+    _, seq, state = await states.load("org", SUBJECT, O.fold, O.INITIAL)
+    assert (seq, len(state.tokens)) == (seqs[-1], 1)
+
+
 async def test_a_conflict_on_a_write_forgets_the_subject(nc: Any, store: EventStore) -> None:
     seqs = await _seed(store, 1)
     repo = Repository(store, clock=lambda: NOW, ids=lambda: "x")
