@@ -15,6 +15,7 @@ Speculative plans count like the rest.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -70,9 +71,19 @@ class OpenRuns:
         self.limits = limits
         self.is_open = is_open
         self._pruned: dict[str, float] = {}  # org -> when this process last pruned it
+        self._locks: dict[str, asyncio.Lock] = {}  # org -> its reservations in this process
 
     async def reserve(self, org: str, ws: str, run_id: str) -> None:
-        """Count the run as open, or raise QuotaExceeded if a limit is reached."""
+        """Count the run as open, or raise QuotaExceeded if a limit is reached. A
+        process's reservations of one organization go one at a time: racing each other
+        on the key they would only retry; replicas still race, and retry."""
+        lock = self._locks.setdefault(org, asyncio.Lock())
+        async with lock:
+            await self._reserve(org, ws, run_id)
+        if not lock.locked() and self._locks.get(org) is lock:
+            del self._locks[org]
+
+    async def _reserve(self, org: str, ws: str, run_id: str) -> None:
         for _ in range(ATTEMPTS):
             ledger, revision = await self._read(org)
             if ledger.holds(run_id):

@@ -22,6 +22,7 @@ from events.errors import DomainError
 from infra import streams
 from infra.ids import new_id
 from infra.natsserver import EmbeddedNats
+from services.app import openruns
 from services.app.commands import App
 from tests.bootstrap_support import Process, System
 from tests.helpers import eventually
@@ -199,6 +200,8 @@ async def _race(
     rng = random.Random(seed)
     print(f"seed {seed}")
     nc, app = system.nc, system.app
+    assert app.open_runs is not None  # the deployment allows the race its runs
+    app.open_runs.limits = openruns.Limits(org=2 * creates, workspace=2 * creates)
     names = [f"ws{i}" for i in range(workspaces)]
     await app.create_org(ORG, "admin")
     await asyncio.gather(
