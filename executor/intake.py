@@ -25,11 +25,11 @@ from executor.job import Job
 from executor.ports import RunLedger
 from executor.turns import Slots, Turns, Waiting
 from infra.ids import new_id
-from infra.streams import DISPATCH, DISPATCHES, dispatch_subject, pool_subjects
+from infra.streams import DISPATCH, delete_dispatch, dispatch_subject, pool_subjects
 
 log = structlog.get_logger(__name__)
 
-NO_MESSAGE = 10057  # JetStream's error code for a delete of a message already gone
+LEGACY_EVERY = 60.0  # seconds between looks at the pool's subject of older versions
 
 # A claimed phase's Job: its directory and identity (the executor's `_job`).
 StartJob = Callable[[Dispatch, str, RunState], Job]
@@ -66,7 +66,7 @@ class Intake:
         executor_id: str,
         stopping: asyncio.Event,
         fetch_timeout: float,
-        nc: NATS | None = None,
+        nc: NATS,
         turns: Turns | None = None,
         slots: Slots | None = None,
     ) -> None:
@@ -83,11 +83,10 @@ class Intake:
         self._subs: list[Subscription] = []
         self._held: set[int] = set()  # taken here, their claims not yet decided
         self._later: dict[int, float] = {}  # not before (loop time), after a retryable refusal
+        self._legacy_at = -LEGACY_EVERY
 
     async def open(self) -> None:
         """Listen for the pool's dispatches (a wake-up only: the stream is the truth)."""
-        if self.nc is None:
-            return
 
         async def wake(_: Msg) -> None:
             self._wake.set()
@@ -124,13 +123,26 @@ class Intake:
 
     def _pause(self) -> float:
         now = asyncio.get_running_loop().time()
+        self._later = {s: t for s, t in self._later.items() if t > now}
         soonest = min(self._later.values(), default=now + self.fetch_timeout)
         return max(0.05, min(self.fetch_timeout, soonest - now))
 
+    async def _waiting(self, now: float) -> Waiting:
+        """This pool's waiting phases by organization (only its own subjects: another
+        pool's, however many, cost nothing here); the pool's own subject, of versions
+        before organizations took turns, looked at once every LEGACY_EVERY seconds."""
+        info = await self.js.stream_info(DISPATCH, subjects_filter=pool_subjects(self.pool))
+        subjects = dict(info.state.subjects or {})
+        if now - self._legacy_at >= LEGACY_EVERY:
+            self._legacy_at = now
+            own = dispatch_subject(self.pool)
+            old = await self.js.stream_info(DISPATCH, subjects_filter=own)
+            subjects.update(old.state.subjects or {})
+        return Waiting.of(subjects, dispatch_subject(self.pool))
+
     async def _take(self) -> Taken | None:
-        info = await self.js.stream_info(DISPATCH, subjects_filter=DISPATCHES)
-        waiting = Waiting.of(info.state.subjects or {}, dispatch_subject(self.pool))
         now = asyncio.get_running_loop().time()
+        waiting = await self._waiting(now)
         self.slots.saw(waiting.counts, now)
         for org in self.turns.order(waiting.counts):
             if org and not self.slots.room(org, now):
@@ -162,12 +174,12 @@ class Intake:
 
     async def drop(self, taken: Taken) -> None:
         """Delete a message (its claim is decided, or it is not a dispatch); held here
-        until it is gone, so this executor does not take it twice meanwhile."""
+        until it is gone, so this executor does not take it twice meanwhile. Never
+        raises: a message left behind is refused its claim next time, then deleted."""
         try:
-            await self.js.delete_msg(DISPATCH, taken.seq)
-        except nats.js.errors.Error as e:
-            if getattr(e, "err_code", 0) != NO_MESSAGE:  # else another executor's was first
-                log.warning("dispatch_not_deleted", error=repr(e))  # its claim is refused next
+            await delete_dispatch(self.nc, taken.seq)
+        except Exception as e:
+            log.warning("dispatch_not_deleted", error=repr(e))
         finally:
             self._held.discard(taken.seq)
 
@@ -185,6 +197,12 @@ class Intake:
         """Claim the phase under a fresh lease; delete the message whatever the claim
         decided (a retryable refusal puts it off instead). `start` makes the claimed
         phase's Job."""
+        try:
+            return await self._claim(taken, d, start)
+        finally:  # decided, put off, or cancelled: no longer in hand
+            self._held.discard(taken.seq)
+
+    async def _claim(self, taken: Taken, d: Dispatch, start: StartJob) -> Job | None:
         lease_id = new_id()
         claim = ClaimPhase(
             actor=f"executor:{self.executor_id}",

@@ -23,7 +23,7 @@ WEBHOOK_MAX_BODY_RANGE = (1024, 25 * 1024 * 1024)
 WEBHOOK_CONCURRENCY = 16
 WEBHOOK_CONCURRENCY_RANGE = (1, 1024)
 MAX_CONCURRENCY = 256  # phases one executor runs at once
-MAX_OPEN_RUNS = 100_000  # the ceiling of the open-runs quotas
+MAX_OPEN_RUNS = 5_000  # the ceiling of the open-runs quotas (one ledger value each)
 # Each job's caps (executor/caps.py): defaults, and the least a deployment may set.
 JOB_MEMORY, JOB_MEMORY_MIN = 2 * 1024**3, 16 * 1024**2
 JOB_PROCESSES, JOB_PROCESSES_MIN = 512, 8

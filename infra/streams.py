@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import nats.errors
@@ -47,12 +48,28 @@ DUPLICATE_WINDOW_S = 120
 
 
 DISPATCHES = "rp.dispatch.>"
+NO_MESSAGE = 10057  # JetStream's error code: no message at that sequence
 
 
 def dispatch_subject(pool: str, org: str = "") -> str:
     """Where a phase of an organization waits for its pool's executors; without `org`,
     the pool's own subject (dispatches of versions before organizations took turns)."""
     return f"rp.dispatch.{pool}.{org}" if org else f"rp.dispatch.{pool}"
+
+
+async def delete_dispatch(nc: NATS, seq: int, *, timeout: float = 5.0) -> bool:
+    """Delete a dispatch message once its claim is decided; False if it was gone already
+    (another executor decided it first). Without the secure erase `delete_msg` asks
+    for: a dispatch is a hint of no secret, and an erase is a write on every replica."""
+    body = json.dumps({"seq": seq, "no_erase": True}).encode()
+    reply = await nc.request(f"$JS.API.STREAM.MSG.DELETE.{DISPATCH}", body, timeout=timeout)
+    answer = json.loads(reply.data)
+    error = answer.get("error")
+    if not error:
+        return True
+    if error.get("err_code") == NO_MESSAGE:
+        return False
+    raise nats.js.errors.APIError.from_error(error)
 
 
 def pool_subjects(pool: str) -> str:

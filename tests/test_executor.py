@@ -284,3 +284,55 @@ async def test_a_heartbeat_whose_cancel_is_lost_still_ends_with_its_phase(
         return True
 
     await eventually(over, timeout=10, what="the heartbeat ended")
+
+
+async def test_a_claim_whose_delete_times_out_still_runs_its_phase(
+    h: Harness, repo: Path, monkeypatch: pytest.MonkeyPatch, executor: Executor
+) -> None:
+    """The attack review: the claim landed, then deleting the dispatch timed out (a
+    leader election). The phase is ours: it runs; the message left is refused its
+    claim later and deleted."""
+    from infra.streams import delete_dispatch as deleting
+
+    failed: list[int] = []
+
+    async def timing_out(nc: NATS, seq: int, **kw: Any) -> bool:
+        if not failed:
+            failed.append(seq)
+            raise TimeoutError("no answer from the stream's leader")
+        return await deleting(nc, seq, **kw)
+
+    monkeypatch.setattr("executor.intake.delete_dispatch", timing_out)
+    commit(repo, MAIN_TF)
+    await h.workspace("net", Workspace(repository=str(repo)))
+    run_id = await h.start_run("net")
+    planned = await h.reaches("net", run_id, "awaiting_approval")
+    assert failed and planned.plan_summary is not None
+
+
+async def test_an_idle_executor_after_a_put_off_does_not_poll_the_stream(
+    nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retryable refusal puts a message off for a second; once that second has passed
+    and nothing waits, the executor waits for a dispatch (or its fetch timeout), not 50 ms
+    over and over."""
+    from executor.intake import Intake, Taken
+
+    intake = Intake(nc.jetstream(), None, "default", "e", asyncio.Event(), 0.5, nc)  # type: ignore[arg-type]
+    await intake.open()
+    intake._put_off(Taken(seq=7, org="acme", data=b"", headers={}), 0.01)
+    await asyncio.sleep(0.05)
+    calls = 0
+    info = intake.js.stream_info
+
+    async def counted(*a: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return await info(*a, **kw)
+
+    monkeypatch.setattr(intake.js, "stream_info", counted)
+    started = asyncio.get_running_loop().time()
+    while asyncio.get_running_loop().time() - started < 1.0:
+        assert await intake.next() is None
+    await intake.close()
+    assert calls <= 6, f"{calls} reads of the stream in an idle second"

@@ -16,11 +16,13 @@ from nats.aio.client import Client as NATS
 from events.errors import QuotaExceeded
 from events.run import CancelRun
 from services.app import openruns
+from services.app.commands import App
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
 from tests import builders
 from tests.api_support import Http, served
 from tests.bootstrap_support import built, options_for
+from tests.helpers import eventually
 
 
 @pytest.fixture
@@ -107,3 +109,58 @@ async def test_replicas_racing_never_pass_the_quota(
 
         made = await asyncio.gather(*(create(i) for i in range(12)))
     assert sum(made) == 5
+
+
+async def test_creates_racing_a_ledger_full_of_ended_runs_all_get_in(
+    system: Plane, nc: NATS, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack review's livelock: a workspace's ledger full of runs that ended (their
+    releases lost), creates in it from two replicas at once while others come in on
+    another workspace: each prune is written at once, so every create that fits gets in."""
+    app = system.app
+    await app.create_org("acme", "test")
+    await _workspaces(system, "acme", "net", "web")
+    for _ in range(3):
+        run = (await app.create_run("acme", "net", "plan", "alice")).state.run_id
+        await app.run_command("acme", "net", run, CancelRun(actor="alice"))
+    monkeypatch.setattr(openruns, "GRACE", 0.0)
+    assert app.open_runs is not None
+    looked_up = app.open_runs.is_open
+
+    async def slowly(org: str, ws: str, run_id: str) -> bool:  # the other writes meanwhile
+        await asyncio.sleep(0.05)
+        return await looked_up(org, ws, run_id)
+
+    app.open_runs.is_open = slowly
+    opts = options_for(tmp_path, org_max_open_runs=5, workspace_max_open_runs=3)
+    async with AsyncExitStack() as stack:
+        other = built(nc, stack, tmp_path, opts=opts).app
+        made = await asyncio.gather(
+            *(a.create_run("acme", "net", "plan", "alice") for a in (app, app, app)),
+            *(other.create_run("acme", "web", "plan", "alice") for _ in range(2)),
+        )
+    assert all(r.state.exists for r in made)
+    with pytest.raises(QuotaExceeded, match="the organization has 5 open runs"):
+        await app.create_run("acme", "web", "plan", "alice")
+
+
+async def test_the_scheduler_takes_an_ended_run_out(system: Plane, app: App) -> None:
+    """No prune needed: the scheduler releases a run's place when it ends."""
+    await app.create_org("acme", "test")
+    await _workspaces(system, "acme", "net")
+    async with system.scheduler():
+        runs = [
+            (await app.create_run("acme", "net", "plan", "alice")).state.run_id for _ in range(3)
+        ]
+        await app.run_command("acme", "net", runs[0], CancelRun(actor="alice"))
+        ledger = openruns.Ledger()
+
+        async def released() -> bool:
+            nonlocal ledger
+            assert app.open_runs is not None
+            ledger, _ = await app.open_runs._read("acme", leader=True)
+            return not ledger.holds(runs[0])
+
+        await eventually(released, what="the canceled run out of the ledger")
+    assert [r for _, r, _ in ledger.runs] == runs[1:]
+    assert (await app.create_run("acme", "net", "plan", "alice")).state.exists

@@ -143,12 +143,12 @@ class RunFlows(Repository):
         out; `options`: the plan's targets, replaces, refresh and run variables. A deleted
         workspace starts no run (`_shape`)."""
         new_run = run_id or self.ids()
-        if self.open_runs is not None:
-            await self.open_runs.reserve(org, ws, new_run)
 
         async def attempt() -> tuple[Result[run_agg.RunState], Loaded[ws_agg.WorkspaceState]]:
             w, o = await asyncio.gather(self.load_ws(org, ws), self.load_org(org))
             config, steps, outside_queue = _shape(o.state, w.state, run_type, template, speculative)
+            if self.open_runs is not None:  # the workspace takes it: counted, or refused
+                await self.open_runs.reserve(org, ws, new_run)
             create = run_agg.CreateRun(
                 actor=actor,
                 run_id=new_run,

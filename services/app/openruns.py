@@ -1,21 +1,25 @@
 """Open runs per organization and per workspace: a quota on what a tenant keeps waiting.
 
 Every way to start a run (the API, the Terraform CLI, webhooks, schedules, triggers,
-Slack) goes through `RunFlows.create_run`, which reserves the run here first. The
-ledger is one key per organization in the `rp-open-runs` bucket: the runs reserved, as
-`[workspace, run, reserved at]`, moved with optimistic concurrency so that replicas
-agree. A run is never taken out when it ends (that would be one more write on every
-run's end); instead, when a reservation finds a limit reached, the ledger is pruned:
-each run reserved more than GRACE seconds ago is looked up and dropped if it has ended
-or was never created. Only if the limit is still reached is the run refused
-(`QuotaExceeded`, a 429 `quota-exceeded`). A process prunes an organization's ledger at
-most once per PRUNE_EVERY seconds, so refusals that keep coming cost no lookups.
-Speculative plans count like the rest.
+Slack) goes through `RunFlows.create_run`, which reserves the run here once its
+workspace is known to take it, before `run.created`. The ledger is one key per
+organization in the `rp-open-runs` bucket: the runs reserved, as `[workspace, run,
+reserved at]`, moved with optimistic concurrency (with a jittered back-off, reading from
+the stream's leader after a lost write) so that replicas agree; one process's
+reservations of an organization go one at a time. The scheduler takes a run out when
+it ends (`release`). Should a release be lost (a scheduler killed at that line), a
+reservation that finds a limit reached prunes the ledger first: each run reserved more
+than GRACE seconds ago is looked up (PRUNE_AT_ONCE at a time) and dropped if it has
+ended or was never created, and the pruned ledger is written at once. Only if the
+limit is still reached is the run refused (`QuotaExceeded`, a 429 `quota-exceeded`);
+a prune that freed nothing is not tried again by this process for PRUNE_EVERY seconds,
+so refusals that keep coming cost no lookups. Speculative plans count like the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,7 +34,8 @@ from infra.kv import OPEN_RUNS_BUCKET
 
 GRACE = 60.0  # a reservation this young may be a create still in flight: kept
 PRUNE_EVERY = 2.0
-ATTEMPTS = 20  # writes lost to another replica's before giving up (a 503)
+PRUNE_AT_ONCE = 16  # runs looked up at once by a prune
+ATTEMPTS = 30  # writes lost to another replica's before giving up (a 503)
 ORG_MAX_OPEN_RUNS = 500
 WORKSPACE_MAX_OPEN_RUNS = 100
 
@@ -48,6 +53,9 @@ class Ledger(msgspec.Struct, frozen=True):
 
     def holds(self, run_id: str) -> bool:
         return any(r == run_id for _, r, _ in self.runs)
+
+    def without(self, run_id: str) -> Ledger:
+        return Ledger([e for e in self.runs if e[1] != run_id])
 
     def full(self, ws: str, limits: Limits) -> str:
         """Which limit a new run of `ws` would pass ("" none)."""
@@ -70,33 +78,46 @@ class OpenRuns:
         self._kv: KeyValue | None = None
         self.limits = limits
         self.is_open = is_open
-        self._pruned: dict[str, float] = {}  # org -> when this process last pruned it
-        self._locks: dict[str, asyncio.Lock] = {}  # org -> its reservations in this process
+        self._barren: dict[str, float] = {}  # org -> when a prune here last freed nothing
+        self._locks: dict[str, asyncio.Lock] = {}  # org -> its ledger writes in this process
 
     async def reserve(self, org: str, ws: str, run_id: str) -> None:
-        """Count the run as open, or raise QuotaExceeded if a limit is reached. A
-        process's reservations of one organization go one at a time: racing each other
-        on the key they would only retry; replicas still race, and retry."""
-        lock = self._locks.setdefault(org, asyncio.Lock())
-        async with lock:
-            await self._reserve(org, ws, run_id)
-        if not lock.locked() and self._locks.get(org) is lock:
-            del self._locks[org]
+        """Count the run as open, or raise QuotaExceeded if a limit is reached."""
+        async with self._lock(org):
+            await self._change(org, lambda ledger: self._admit(org, ws, run_id, ledger))
 
-    async def _reserve(self, org: str, ws: str, run_id: str) -> None:
-        for _ in range(ATTEMPTS):
-            ledger, revision = await self._read(org)
-            if ledger.holds(run_id):
+    async def release(self, org: str, run_id: str) -> None:
+        """Take an ended run out (nothing written if it is not in)."""
+
+        async def out(ledger: Ledger) -> Ledger | None:
+            return ledger.without(run_id) if ledger.holds(run_id) else None
+
+        async with self._lock(org):
+            await self._change(org, out)
+
+    async def _admit(self, org: str, ws: str, run_id: str, ledger: Ledger) -> Ledger | None:
+        if ledger.holds(run_id):
+            return None
+        if ledger.full(ws, self.limits):
+            ledger = await self._pruned_of(org, ledger)
+            if why := ledger.full(ws, self.limits):
+                raise QuotaExceeded(f"{why}: a new run waits until one ends")
+        return Ledger([*ledger.runs, (ws, run_id, time.time())])
+
+    def _lock(self, org: str) -> asyncio.Lock:
+        if len(self._locks) > 10_000:  # the idle ones go
+            self._locks = {o: lk for o, lk in self._locks.items() if lk.locked()}
+        return self._locks.setdefault(org, asyncio.Lock())
+
+    async def _change(self, org: str, change: Callable[[Ledger], Awaitable[Ledger | None]]) -> None:
+        """Read, change (None: nothing to write), write if unchanged since; again after
+        a lost write, from the leader, after a jittered pause."""
+        for attempt in range(ATTEMPTS):
+            ledger, revision = await self._read(org, leader=attempt > 0)
+            changed = await change(ledger)
+            if changed is None or await self._write(org, changed, revision):
                 return
-            why = ledger.full(ws, self.limits)
-            if why:
-                ledger = await self._pruned_of(org, ledger)
-                why = ledger.full(ws, self.limits)
-                if why:
-                    raise QuotaExceeded(f"{why}: a new run waits until one ends")
-            runs = [*ledger.runs, (ws, run_id, time.time())]
-            if await self._write(org, Ledger(runs), revision):
-                return
+            await asyncio.sleep(random.uniform(0, min(0.2, 0.002 * 2**attempt)))
         raise Conflict(f"the open-runs ledger of {org} changed {ATTEMPTS} times meanwhile")
 
     async def _bucket(self) -> KeyValue:
@@ -104,13 +125,22 @@ class OpenRuns:
             self._kv = await self.js.key_value(OPEN_RUNS_BUCKET)
         return self._kv
 
-    async def _read(self, org: str) -> tuple[Ledger, int]:
+    async def _read(self, org: str, *, leader: bool = False) -> tuple[Ledger, int]:
         kv = await self._bucket()
         try:
-            entry = await kv.get(org)
-        except nats.js.errors.KeyNotFoundError:
+            if leader:  # a follower may not have the write this one lost to
+                raw = await self.js.get_msg(
+                    f"KV_{OPEN_RUNS_BUCKET}", subject=f"$KV.{OPEN_RUNS_BUCKET}.{org}"
+                )
+                value, revision = raw.data, raw.seq or 0
+                if raw.headers and raw.headers.get("KV-Operation") in ("DEL", "PURGE"):
+                    value = b""
+            else:
+                entry = await kv.get(org)
+                value, revision = entry.value, entry.revision or 0
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError):
             return Ledger(), 0
-        return (_decode(entry.value) if entry.value else Ledger()), entry.revision or 0
+        return (_decode(value) if value else Ledger()), revision
 
     async def _write(self, org: str, ledger: Ledger, revision: int) -> bool:
         data, kv = msgspec.json.encode(ledger), await self._bucket()
@@ -124,12 +154,21 @@ class OpenRuns:
         return True
 
     async def _pruned_of(self, org: str, ledger: Ledger) -> Ledger:
-        """The ledger without the runs that ended (this process's view: written by the
-        next reservation's compare-and-set)."""
+        """The ledger without the runs that ended (written by the caller's
+        compare-and-set, or read again if that loses)."""
         now = time.monotonic()
-        if now - self._pruned.get(org, -PRUNE_EVERY) < PRUNE_EVERY:
+        if now - self._barren.get(org, -PRUNE_EVERY) < PRUNE_EVERY:
             return ledger
-        self._pruned[org] = now
-        cutoff = time.time() - GRACE
-        kept = [(w, r, t) for w, r, t in ledger.runs if t > cutoff or await self.is_open(org, w, r)]
-        return Ledger(kept)
+        cutoff, gate = time.time() - GRACE, asyncio.Semaphore(PRUNE_AT_ONCE)
+
+        async def keep(entry: tuple[str, str, float]) -> bool:
+            if entry[2] > cutoff:
+                return True
+            async with gate:
+                return await self.is_open(org, entry[0], entry[1])
+
+        kept = await asyncio.gather(*(keep(e) for e in ledger.runs))
+        pruned = Ledger([e for e, k in zip(ledger.runs, kept, strict=True) if k])
+        if len(pruned.runs) == len(ledger.runs):
+            self._barren[org] = now
+        return pruned

@@ -138,6 +138,8 @@ class Scheduler:
         message's redelivery (every action is idempotent)."""
         for action in react(r.event, r.state):
             await self._act(action, r)
+        if isinstance(r.state, RunState) and r.state.terminal and self.app.open_runs:
+            await self.app.open_runs.release(r.state.org, r.state.run_id)  # the quota's
 
     async def _act(self, action: Action, r: Received) -> None:
         match action:
