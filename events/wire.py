@@ -73,7 +73,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     version: int = 0
 
 
-class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True):
+class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """An executor's request for its run's secrets, under the lease it holds."""
 
     run_id: str

@@ -54,6 +54,9 @@ async def _awaiting(plane: Plane, token: str, message: str = "") -> str:
     )
     assert a.status == 201, a.body
     await plane.reaches("net", a.body["id"], "awaiting_approval")
+    # The pages read the projection: wait until it holds the run as awaiting approval
+    # (a loaded CI run showed the page one event behind, without the approvers' rule).
+    assert await plane.http.api.reached(await plane.app.store.last_seq(), 10)
     return str(a.body["id"])
 
 
