@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 from nats.aio.client import Client as NATS
 
+from executor import jobinit
 from executor.statebackend import USER
 from services.app.commands import App
+from tests.helpers import eventually
 from tests.quota_support import served
 
 
@@ -67,3 +75,74 @@ async def test_one_state_write_at_a_time(nc: NATS, app: App) -> None:
         finally:
             release.set()
         assert await first == 200
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+async def test_the_init_relays_a_bounded_number_of_connections(tmp_path: Path) -> None:
+    """40 connections held open to the init's loopback port: at most RELAYED reach the
+    state socket at once (2 threads each), the rest wait in the backlog and are carried
+    as earlier ones end."""
+    folder = Path(tempfile.mkdtemp(prefix="rp-relay-"))
+    os.chmod(folder, 0o755)
+    path = folder / jobinit.STATE_SOCKET
+    reached: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reached.append(writer)
+        await reader.read()  # until the relayed client goes
+        writer.close()
+
+    server = await asyncio.start_unix_server(hold, path=str(path))
+    os.chmod(path, 0o666)
+    port = _free_port()
+    uid = 1_499_999_123  # no process runs as it: the init's kill(-1) reaches nothing else
+    argv = jobinit.under_init(["sleep", "60"], parent=0, carry=f"{port}:{path}")
+    init = await asyncio.create_subprocess_exec(*argv, user=uid, group=uid)
+    clients: list[asyncio.StreamWriter] = []
+    try:
+
+        async def listening() -> bool:
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                return False
+            clients.append(w)
+            return True
+
+        await eventually(listening, timeout=10, what="the init listening")
+        for _ in range(39):
+            clients.append((await asyncio.open_connection("127.0.0.1", port))[1])
+
+        async def full() -> bool:
+            return len(reached) >= jobinit.RELAYED
+
+        await eventually(full, timeout=10, what="the relay's places taken")
+        await asyncio.sleep(0.5)
+        assert len(reached) == jobinit.RELAYED
+        assert _threads(init.pid) <= 2 + 2 * jobinit.RELAYED
+
+        for w in clients:
+            w.close()
+
+        async def all_carried() -> bool:
+            return len(reached) == 40
+
+        await eventually(all_carried, timeout=15, what="every connection carried in turn")
+    finally:
+        children = Path(f"/proc/{init.pid}/task/{init.pid}/children").read_text().split()
+        init.send_signal(signal.SIGKILL)  # not SIGTERM: that ends in kill(-1)
+        await init.wait()
+        for child in children:  # its job, `sleep`
+            os.kill(int(child), signal.SIGKILL)
+        server.close()
+        shutil.rmtree(folder, ignore_errors=True)
