@@ -33,6 +33,9 @@ from pathlib import Path
 STATE_SOCKET = "state.sock"  # in the phase's directory (executor/statebackend.py)
 STOP_GRACE_S = 90  # Terraform stopping on SIGTERM takes ~12 s (its state backend is gone)
 SCRATCH = ("/tmp", "/var/tmp", "/run", "/dev/shm")  # the sandbox's tmpfs mounts
+# Connections the init carries to the state socket at once (two threads each); more wait
+# in the listen backlog. Terraform's http backend uses one or two.
+RELAYED = 8
 
 JOB_INIT = """
 import ctypes, os, signal, subprocess, sys, time
@@ -58,12 +61,16 @@ if carry:
             b.shutdown(socket.SHUT_WR)
         except OSError:
             pass
-        ends.append(1)
-        if len(ends) == 2:
+        try:
+            ends.pop()
+        except IndexError:
             a.close()
             b.close()
+            slots.release()
+    slots = threading.BoundedSemaphore(RELAYED)
     def serve():
         while True:
+            slots.acquire()
             c = srv.accept()[0]
             u = socket.socket(socket.AF_UNIX)
             try:
@@ -71,8 +78,9 @@ if carry:
             except OSError:
                 c.close()
                 u.close()
+                slots.release()
                 continue
-            ends = []
+            ends = [1]
             threading.Thread(target=pipe, args=(c, u, ends), daemon=True).start()
             threading.Thread(target=pipe, args=(u, c, ends), daemon=True).start()
     threading.Thread(target=serve, daemon=True).start()
@@ -111,6 +119,7 @@ if s["told"]:
     os.kill(-1, signal.SIGKILL)
 sys.exit(128 - code if code < 0 else code)
 """.replace("GRACE", str(STOP_GRACE_S)).replace("SCRATCH", repr(SCRATCH))
+JOB_INIT = JOB_INIT.replace("RELAYED", str(RELAYED))
 
 
 def init_python() -> str:

@@ -4,12 +4,13 @@ planned secrets masked, the state Terraform could not store kept on this host.""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import BinaryIO
 
 import structlog
 
@@ -19,6 +20,8 @@ from executor.job import Job
 from executor.jobinit import STATE_SOCKET
 from executor.linksafe import open_regular
 from executor.statebackend import ERRORED_STATE, StateBackend
+from executor.statefile import CHUNK
+from infra.quotas import MIB
 
 log = structlog.get_logger(__name__)
 
@@ -86,19 +89,50 @@ async def mask_planned_secrets(job: Job) -> None:
     job.tools.masker.add(planned)
 
 
-def rescue_errored_state(job: Job) -> Path | None:
-    """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600).
+async def rescue_errored_state(job: Job) -> str:
+    """Keep the state Terraform could not store (`errored.tfstate`) on this host (0600),
+    as `<work>/unsaved-state/<org>.<ws>.<run>.tfstate`; what the run's error says of it
+    ("" if Terraform left none).
 
-    Read only as a regular file, never through a link (executor/linksafe.py)."""
+    The file is the job's to write: read only as a regular file, never through a link
+    (executor/linksafe.py), its size taken from the open file and refused past the
+    deployment's `--state-max-mb` (a sparse `truncate -s 10G` costs the job nothing and
+    would have cost the executor 10 GiB of zeros), and copied off the event loop, no more
+    than that bound even if it grows meanwhile."""
     ctx = job.ctx
+    limit = job.tools.custody.vault.state.quotas.state_max_bytes
     try:
         src = open_regular(ctx.workdir / ERRORED_STATE, within=ctx.src, step="apply")
     except FileNotFoundError:
-        return None
-    ctx.keep_dir.mkdir(parents=True, exist_ok=True)
+        return ""
     kept = ctx.keep_dir / f"{ctx.org}.{ctx.ws}.{ctx.run_id}.tfstate"
-    fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out, src:
-        shutil.copyfileobj(src, out)
+    with src:
+        size = os.fstat(src.fileno()).st_size
+        if size <= limit:
+            size = await asyncio.to_thread(_copy_bounded, src, kept, limit)
+    if size > limit:
+        log.error("state_not_kept", size=size, limit=limit)
+        return (
+            f"Terraform could not store the new state, and its {ERRORED_STATE} "
+            f"({size // MIB} MiB) passes this deployment's bound of {limit // MIB} MiB "
+            "(--state-max-mb): not kept"
+        )
     log.error("state_not_stored", kept=str(kept))
-    return kept
+    return f"the new state was not stored; a copy is kept at {kept} on this host"
+
+
+def _copy_bounded(src: BinaryIO, kept: Path, limit: int) -> int:
+    """Copy `src` to `kept` (a new private file), at most `limit` bytes: the bytes
+    copied, or one past `limit` (then `kept` is removed)."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    copied = 0
+    with os.fdopen(fd, "wb") as out:
+        while chunk := src.read(min(CHUNK, limit + 1 - copied)):
+            copied += len(chunk)
+            if copied > limit:
+                break
+            out.write(chunk)
+    if copied > limit:
+        kept.unlink(missing_ok=True)
+    return copied

@@ -259,17 +259,16 @@ async def _apply(job: Job, step_log: StepLog) -> PlanSummary:
         finally:
             # Also after a failure or an interruption: a state Terraform could not store
             # records what was changed, and must not be lost with the directory.
-            kept = rescue_errored_state(job)
+            rescued = await rescue_errored_state(job)
     if code != 0:
-        raise StepFailed("apply", _apply_error(job, out, code, kept))
+        raise StepFailed("apply", _apply_error(job, out, code, rescued))
     return out.summary()
 
 
-def _apply_error(job: Job, out: Output, code: int, kept: Path | None) -> str:
+def _apply_error(job: Job, out: Output, code: int, rescued: str) -> str:
     parts = [out.error_text() or f"terraform apply failed (exit {code})"]
     parts.append(job.tools.custody.problems())
-    if kept is not None:
-        parts.append(f"the new state was not stored; a copy is kept at {kept} on this host")
+    parts.append(rescued)  # what became of errored.tfstate
     return "\n\n".join(p for p in parts if p)
 
 

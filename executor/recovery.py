@@ -13,10 +13,13 @@ executor on that work directory takes new work (`restart`):
    not record, or Terraform's `errored.tfstate` that `executor.sweep` collected) is
    sealed, stored and recorded on its run as a state version marked `recovered`, and
    becomes the workspace's head if it is newer than the head; recorded files are
-   renamed `*.recorded` (kept, never deleted).
+   renamed `*.recorded` (kept, never deleted). A file that can never be recorded is
+   deleted or set aside in a bounded quarantine (`record_unsaved`), never tried forever.
 
-A recovery that fails (NATS away) raises: the executor does not start without it, and
-the next start tries again (the files and dead incarnation files stay).
+A recovery that cannot reach NATS raises: the executor does not start without it, and
+the next start tries again (the files and dead incarnation files stay). A state the
+store cannot take (`StateStoreError`) is left for the next start, logged, and the start
+goes on: one file never holds every start back.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ from events.codec import run_subject
 from events.errors import DomainError, IllegalTransition
 from events.run import FailRun, RecoverStateVersion, RunState, StateVersionCreated
 from executor.ports import RunLedger, RunReader, RunWriter
-from executor.statefile import StateFile, StateRefused
-from executor.statestore import HeadMoved, StateStore
+from executor.statefile import StateFile, StateQuotaExceeded, StateRefused, StateTooLarge
+from executor.statestore import HeadMoved, StateStore, StateStoreError
 from infra.heartbeats import DEADLINE, Board
 from infra.ids import new_id
 
@@ -42,6 +45,8 @@ log = structlog.get_logger(__name__)
 INCARNATIONS = "incarnations"
 UNSAVED = "unsaved-state"
 RECORDED = ".recorded"
+REFUSED = "refused"  # kept files that will never be recorded, a few of them
+QUARANTINE = 8
 REASON = "executor_unavailable"
 
 
@@ -140,31 +145,66 @@ def _run_of(name: str) -> tuple[str, str, str]:
 
 
 async def record_unsaved(app: RunLedger, store: StateStore, keep: Path, actor: str) -> int:
-    """Record every state kept in `keep` as a recovered version of its run. One that is
-    no Terraform state, or passes the deployment's bounds (size, quotas), is left there
-    with an error logged: never stored, never in the way of the executor's start."""
+    """Record every state kept in `keep` as a recovered version of its run; how many.
+
+    None stands in the way of the executor's start, and none is copied past the
+    deployment's bounds (each with an error logged):
+    - one past `--state-max-mb` is deleted: it can never be stored, and such a file is a
+      tenant's (a sparse `errored.tfstate` costs its job nothing);
+    - one that is no Terraform state, is of no run, or is refused by `_recover`
+      otherwise goes to `keep/refused/` (the newest `QUARANTINE` files stay there);
+    - one the organization's quotas refuse, or that the store could not take (NATS away,
+      a ledger that cannot be written), stays for the next start.
+    """
     recorded = 0
     for path in sorted(keep.glob("*.tfstate")) if keep.is_dir() else []:
         try:
-            state = StateFile.existing(path, store.quotas.state_max_bytes)
-            parsed = await asyncio.to_thread(state.parse)
-        except StateRefused as e:
-            log.error("unsaved_state_refused", path=str(path), why=f"{e.kind}: {e}")
-            continue
-        org, ws, run_id = _run_of(path.name)
-        run: RunState = (await app.load_run(org, ws or None, run_id)).state
-        if not run.exists:
-            log.error("unsaved_state_orphan", path=str(path), run_id=run_id)
-            continue
-        if not await _known(app, run, state.digest):  # (died after recording: not twice)
-            try:
-                await _recover(app, store, run, state, parsed, path, actor)
-            except StateRefused as e:
-                log.error("unsaved_state_refused", path=str(path), why=f"{e.kind}: {e}")
-                continue
-        path.rename(path.with_name(path.name + RECORDED))
-        recorded += 1
+            recorded += await _record_one(app, store, path, actor)
+        except StateStoreError as e:
+            log.error("unsaved_state_not_recorded", path=str(path), error=str(e))
     return recorded
+
+
+async def _record_one(app: RunLedger, store: StateStore, path: Path, actor: str) -> bool:
+    try:
+        state = await asyncio.to_thread(StateFile.existing, path, store.quotas.state_max_bytes)
+        parsed = await asyncio.to_thread(state.parse)
+    except StateTooLarge as e:
+        log.error("unsaved_state_deleted", path=str(path), why=f"{e.kind}: {e}")
+        path.unlink(missing_ok=True)
+        return False
+    except StateRefused as e:
+        _quarantine(path, f"{e.kind}: {e}")
+        return False
+    org, ws, run_id = _run_of(path.name)
+    run: RunState = (await app.load_run(org, ws or None, run_id)).state
+    if not run.exists:
+        _quarantine(path, f"no run {run_id}")
+        return False
+    if not await _known(app, run, state.digest):  # (died after recording: not twice)
+        try:
+            await _recover(app, store, run, state, parsed, path, actor)
+        except StateQuotaExceeded as e:  # the organization's to make room: tried again
+            log.error("unsaved_state_refused", path=str(path), why=f"{e.kind}: {e}")
+            return False
+        except StateRefused as e:
+            _quarantine(path, f"{e.kind}: {e}")
+            return False
+    path.rename(path.with_name(path.name + RECORDED))
+    return True
+
+
+def _quarantine(path: Path, why: str) -> None:
+    """Move a kept file runplane will not record to `refused/` beside it, keeping only
+    the newest `QUARANTINE` files there (each at most `--state-max-mb`)."""
+    folder = path.parent / REFUSED
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path.rename(folder / path.name)
+    log.error("unsaved_state_refused", path=str(folder / path.name), why=why)
+    held = sorted(folder.iterdir(), key=lambda p: p.lstat().st_mtime, reverse=True)
+    for old in held[QUARANTINE:]:
+        old.unlink(missing_ok=True)
+        log.error("unsaved_state_deleted", path=str(old), why="quarantine full")
 
 
 async def _known(app: RunReader, run: RunState, digest: str) -> bool:

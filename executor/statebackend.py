@@ -12,8 +12,14 @@ other local processes out.
   `rp-state`, recorded on the run (`RecordStateVersion`, fenced by the lease: a zombie's
   write is refused and Terraform keeps it in `errored.tfstate`), and the head moves with
   optimistic concurrency;
-- `LOCK` / `UNLOCK`: the lock in KV. A second locker gets 423 and the holder's lock info.
-  A lock whose run has ended (or moved on to a later phase) is dead and is broken.
+- `LOCK` / `UNLOCK`: the lock in KV. A second locker gets 423 and the holder's lock info,
+  without its `ID`: the ID is what a write or an unlock must name, and any process of a
+  phase may ask (Terraform needs none to report the lock). A lock whose run has ended (or
+  moved on to a later phase) is dead and is broken.
+
+One write at a time: a `POST` while another is being received or stored is refused (429),
+so what a phase spools in `<work>/unsaved-state/` outside its caps is at most one state
+of `--state-max-mb` (Terraform itself never writes two at once).
 """
 
 from __future__ import annotations
@@ -174,6 +180,7 @@ class StateBackend:
         self._head: Head | None = None
         self._revision = 0
         self._read = False
+        self._writing = False  # a POST is in flight: the next is refused
         self._runner: web.AppRunner | None = None
 
     async def __aenter__(self) -> StateBackend:
@@ -268,6 +275,15 @@ class StateBackend:
         """A new version: from the lock's holder only (checked before the body is read),
         received into a file up to the deployment's bound, and taken only if it is a
         Terraform state that continues the workspace's (executor/statefile.py)."""
+        if self._writing:
+            return self._refuse(429, "refusing a state write while another is in progress")
+        self._writing = True
+        try:
+            return await self._write(request)
+        finally:
+            self._writing = False
+
+    async def _write(self, request: web.Request) -> web.Response:
         holder, _ = await self.store.holder(self.lessee.org, self.lessee.ws)
         if not self._holds(holder, request.query.get("ID", "")):
             return self._refuse(409, "refusing a state write from a step that holds no lock")
@@ -393,9 +409,10 @@ class StateBackend:
         )
 
     def _locked(self, holder: LockRecord) -> web.Response:
-        """423 with the holder's lock info, which Terraform prints."""
+        """423 with the holder's lock info, which Terraform prints, but not its ID."""
         by = f"runplane run {holder.run_id} (executor {holder.executor_id})"
-        info = {**holder.info, "Info": holder.info.get("Info") or by}
+        info = {k: v for k, v in holder.info.items() if k != "ID"}
+        info["Info"] = holder.info.get("Info") or by
         self.problems.append(f"the state is locked by {by}")
         return web.json_response(info, status=423)
 

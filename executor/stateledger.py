@@ -11,10 +11,16 @@ last place). Past the deployment's quotas (`--state-versions-per-workspace`,
 `--state-mb-per-workspace`, `--state-versions-per-org`, `--state-mb-per-org`) the
 oldest versions that are no workspace's current state are let go: removed from the
 ledger in the same write, then their objects deleted. A workspace's current state is
-never let go: the version being written, the head its writer read, and each workspace's
-newest version in the ledger are kept whatever the quotas say. Only when what must be
-kept alone passes a quota is the new version refused (`StateQuotaExceeded`), and then
-nothing is stored.
+never let go: the version being written, the head its writer read, each workspace's
+newest version in the ledger (one being written), and each workspace's head and pending
+version as `rp-state-head` has them are kept whatever the quotas say. (The newest is not
+always the head: a version stored and then refused at record, one that lost its head
+move to a concurrent push, a recovered state older than the head; the head is read for
+each workspace a write would let a version of go, so only when something goes.) Only
+when what must be kept alone passes a quota is the new version refused
+(`StateQuotaExceeded`), and then nothing is stored. Before an object is deleted the
+ledger and its workspace's head are read again: one admitted again meanwhile (the same
+state written anew, same object) or become a head is left.
 
 Why prune rather than refuse: a state write refused in the middle of an apply leaves
 resources made and recorded nowhere but in `errored.tfstate` on one executor's disk,
@@ -31,6 +37,8 @@ the ledger existed are not counted.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import msgspec
 import nats.errors
 import nats.js.errors
@@ -46,6 +54,9 @@ log = structlog.get_logger(__name__)
 
 _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
 _CAS_ATTEMPTS = 20
+
+# The objects a workspace's current state is in (`rp-state-head`: its head and pending).
+Current = Callable[[str], Awaitable[frozenset[str]]]
 
 
 class Entry(msgspec.Struct, frozen=True, array_like=True):
@@ -99,17 +110,20 @@ def admit(
 
 
 async def record(
-    js: JetStreamContext, quotas: Quotas, org: str, entry: Entry, keep: frozenset[str]
+    js: JetStreamContext,
+    quotas: Quotas,
+    org: str,
+    entry: Entry,
+    keep: frozenset[str],
+    current: Current,
 ) -> list[Entry]:
-    """Admit `entry` to `org`'s ledger (compare-and-set); the entries let go, whose
-    objects the caller deletes."""
-    try:
-        kv = await js.key_value(STATE_LEDGER_BUCKET)
-    except _NATS_ERRORS as e:
-        raise LedgerUnavailable(f"opening {STATE_LEDGER_BUCKET}: {e!r}") from e
+    """Admit `entry` to `org`'s ledger (compare-and-set), keeping every workspace's
+    `current` state; the entries let go, whose objects the caller deletes (`still_gone`
+    first)."""
+    kv = await _bucket(js)
     for _ in range(_CAS_ATTEMPTS):
         ledger, revision = await _load(kv, org)
-        updated, gone = admit(ledger, entry, quotas, keep)
+        updated, gone = await _admit_current(ledger, entry, quotas, keep, current)
         try:
             data = msgspec.json.encode(updated)
             if revision:
@@ -122,6 +136,42 @@ async def record(
             raise LedgerUnavailable(f"writing the state ledger of {org}: {e!r}") from e
         return gone
     raise LedgerUnavailable(f"the state ledger of {org} keeps changing")
+
+
+async def _admit_current(
+    ledger: Ledger, entry: Entry, quotas: Quotas, keep: frozenset[str], current: Current
+) -> tuple[Ledger, list[Entry]]:
+    """`admit`, keeping each workspace's current state as `rp-state-head` has it, read
+    for the workspaces a version of would go (none while nothing goes)."""
+    heads: dict[str, frozenset[str]] = {}
+    while True:
+        updated, gone = admit(ledger, entry, quotas, keep.union(*heads.values()))
+        unread = {e.ws for e in gone} - heads.keys()
+        if not unread:
+            return updated, gone
+        for ws in sorted(unread):
+            heads[ws] = await current(ws)
+
+
+async def still_gone(
+    js: JetStreamContext, org: str, gone: list[Entry], current: Current
+) -> list[Entry]:
+    """Of the entries a write let go, those still out of the ledger and no workspace's
+    current state, read again just before their objects are deleted."""
+    ledger, _ = await _load(await _bucket(js), org)
+    listed = {e.object for e in ledger.entries}
+    out = []
+    for entry in gone:
+        if entry.object not in listed and entry.object not in await current(entry.ws):
+            out.append(entry)
+    return out
+
+
+async def _bucket(js: JetStreamContext) -> KeyValue:
+    try:
+        return await js.key_value(STATE_LEDGER_BUCKET)
+    except _NATS_ERRORS as e:
+        raise LedgerUnavailable(f"opening {STATE_LEDGER_BUCKET}: {e!r}") from e
 
 
 async def _load(kv: KeyValue, org: str) -> tuple[Ledger, int]:

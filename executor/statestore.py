@@ -213,7 +213,7 @@ class StateStore:
         gone = await self._admit(org, ws, name, len(data), keep=frozenset())
         sealed = self.keyring.seal(data, object_context(name))
         await self._store(name, sealed)
-        await self._let_go(gone)
+        await self._let_go(org, gone)
         return Head(
             object=name,
             serial=serial,
@@ -249,7 +249,7 @@ class StateStore:
                 await self._store(name, f)
         finally:
             sealed.unlink(missing_ok=True)
-        await self._let_go(gone)
+        await self._let_go(org, gone)
         return Head(
             object=name,
             serial=serial,
@@ -268,9 +268,21 @@ class StateStore:
         self, org: str, ws: str, name: str, size: int, keep: frozenset[str]
     ) -> list[Entry]:
         try:
-            return await stateledger.record(self.js, self.quotas, org, Entry(ws, name, size), keep)
+            return await stateledger.record(
+                self.js, self.quotas, org, Entry(ws, name, size), keep, self._current(org)
+            )
         except stateledger.LedgerUnavailable as e:
             raise StateStoreError(str(e)) from e
+
+    def _current(self, org: str) -> stateledger.Current:
+        """The objects a workspace of `org` has as its current state: head and pending."""
+
+        async def current(ws: str) -> frozenset[str]:
+            head, _ = await self.head(org, ws)
+            pending = await self.pending(org, ws)
+            return frozenset(h.object for h in (head, pending) if h is not None)
+
+        return current
 
     async def _store(self, name: str, sealed: bytes | io.BufferedIOBase) -> None:
         try:
@@ -279,14 +291,16 @@ class StateStore:
         except _NATS_ERRORS as e:
             raise StateStoreError(f"storing {STATE_BUCKET}/{name}: {e!r}") from e
 
-    async def _let_go(self, gone: list[Entry]) -> None:
-        """Delete the objects of the versions the ledger let go (best effort: the ledger
-        no longer counts them either way)."""
+    async def _let_go(self, org: str, gone: list[Entry]) -> None:
+        """Delete the objects of the versions the ledger let go, unless admitted again or
+        become a head meanwhile (best effort: the ledger no longer counts them either
+        way)."""
         if not gone:
             return
         try:
+            gone = await stateledger.still_gone(self.js, org, gone, self._current(org))
             store = await self.js.object_store(STATE_BUCKET)
-        except _NATS_ERRORS:
+        except (*_NATS_ERRORS, stateledger.LedgerUnavailable, StateStoreError):
             log.warning("state_versions_not_pruned", objects=[e.object for e in gone])
             return
         for entry in gone:

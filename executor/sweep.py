@@ -11,7 +11,8 @@ Terraform until it ended or its `errored.tfstate` is whole, then kills every pro
 working directory lies under its jobs directory (and under `<work>/jobs`, where older
 versions kept them) and every process of each leftover job's uid (the owner of its
 `home/`, unless a live phase of some executor holds that uid now), keeps any
-`errored.tfstate` found there in `<work>/unsaved-state/`, and removes the directories.
+`errored.tfstate` found there in `<work>/unsaved-state/`, and removes the directories,
+and what it left half written in `<work>/unsaved-state/` (`clear_leftovers`).
 
 Executors may share a work directory: each holds a shared `flock` on `<work>/.executor.lock`
 for its life, and sweeps only if it can take it exclusively first, so it never kills
@@ -68,6 +69,7 @@ def hold(
     else:
         for where in dict.fromkeys([work_dir / "jobs", *jobs]):
             sweep(where, work_dir / "unsaved-state", reclaim)
+        clear_leftovers(work_dir / "unsaved-state")
         if groups is not None and (removed := groups()):
             log.warning("phase_groups_swept", groups_removed=removed)
     fcntl.flock(fd, fcntl.LOCK_SH)
@@ -102,6 +104,20 @@ def sweep(jobs: Path, keep: Path, reclaim: Reclaim | None = None) -> tuple[int, 
     if killed or removed:
         log.warning("work_dir_swept", processes_killed=killed, job_dirs_removed=removed)
     return killed, removed
+
+
+def clear_leftovers(keep: Path) -> int:
+    """Remove what a killed executor left half done in `keep`: states being received
+    (`.incoming-*.part`) and sealed copies being stored (`.*.sealed`). Only when no other
+    executor lives on the work directory (`hold`): a live one's may be in flight."""
+    removed = 0
+    for pattern in (".incoming-*.part", ".*.sealed"):
+        for path in keep.glob(pattern) if keep.is_dir() else []:
+            path.unlink(missing_ok=True)
+            removed += 1
+    if removed:
+        log.warning("unsaved_leftovers_removed", files=removed)
+    return removed
 
 
 def _job_owners(jobs: Path) -> dict[int, Path]:

@@ -4,7 +4,9 @@
 Each is a deployment setting (a flag of `up`, `api` and `executor`, and a `RUNPLANE_*`
 variable), with a safe default and a ceiling no deployment may pass: a state is one
 message stream of chunks in `rp-state` and one `terraform show` in an executor, and the
-ledger that counts an organization's versions is one KV value (at most 1 MiB).
+ledger that counts an organization's versions is one KV value, which must stay under
+NATS's default payload of 1 MiB (`LEDGER_MAX_BYTES`): so an organization keeps at most
+`LEDGER_MAX_BYTES // LEDGER_ENTRY_BYTES` versions.
 """
 
 from __future__ import annotations
@@ -12,13 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIB = 1024 * 1024
+# An organization's state ledger (executor/stateledger.py) is one KV value: with room
+# to spare under NATS's default max_payload of 1 MiB. A version's entry there is at most
+# LEDGER_ENTRY_BYTES: names of 63 characters, a serial of 20 digits, a size of 10, a comma
+# (measured by tests/test_quota_ledger.py), so the versions an organization may keep
+# have a ceiling of 3,686.
+LEDGER_MAX_BYTES = 900 * 1024
+LEDGER_ENTRY_BYTES = 250
+VERSIONS_PER_ORG_CEILING = LEDGER_MAX_BYTES // LEDGER_ENTRY_BYTES
 
 # name: (default, lowest, ceiling), in the unit the flag takes (MiB for sizes)
 RANGES: dict[str, tuple[int, int, int]] = {
     "state_max_mb": (64, 1, 1024),
     "state_versions_per_workspace": (100, 2, 1000),
     "state_mb_per_workspace": (2048, 1, 1024 * 1024),
-    "state_versions_per_org": (2000, 2, 8000),
+    "state_versions_per_org": (2000, 2, VERSIONS_PER_ORG_CEILING),
     "state_mb_per_org": (20480, 1, 16 * 1024 * 1024),
     "log_max_mb": (64, 1, 4096),
 }
