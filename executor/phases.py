@@ -137,12 +137,13 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
         return unpacked
     if pinned and not ctx.run.commit:
         raise StepFailed("checkout", "the run has no planned commit to apply")
-    _allowed(job, cfg.repository)
+    # git reads the path as checked, resolved: never the workspace's string again.
+    target = _allowed(job, cfg.repository)
     commit = ctx.run.commit if pinned else ""
     with git_access(await gitaccess.credential(job), cfg.repository) as env:
         if job.tools.git_cache is None:
             found = await git.checkout(
-                cfg.repository,
+                target,
                 ctx.src,
                 branch=cfg.branch,
                 commit=commit,
@@ -152,7 +153,7 @@ async def _checkout(job: Job, step_log: StepLog, *, pinned: bool = False) -> git
             )
         else:
             found = await job.tools.git_cache.checkout(
-                cfg.repository,
+                target,
                 ctx.src,
                 org=ctx.org,
                 branch=cfg.branch,
@@ -179,14 +180,16 @@ def check_workdir(job: Job, at: str) -> None:
         raise StepFailed("checkout", f"directory {directory!r} does not exist {at}")
 
 
-def _allowed(job: Job, repository: str) -> None:
-    """Refuse a repository the deployment does not take for the run's organization, or
-    one inside this executor's own directories or the kernel's (services/app/repositories.py),
-    before git touches it: the API checked it when it was set, this holds for a run whose
-    configuration came past it (an old event, another API's rules)."""
+def _allowed(job: Job, repository: str) -> str:
+    """What git is given for the repository (a local one: its path resolved, which no one
+    but root can change, services/app/repopaths.py). Refuse one the deployment does not
+    take for the run's organization, or one inside this executor's own directories or
+    the kernel's (services/app/repositories.py), before git touches it: the API checked
+    it when it was set, this holds for a run whose configuration came past it (an old
+    event, another API's rules) and for a path that changed since."""
     sources = job.tools.sources.guarding(job.ctx.root.parent, "the executor's job directories")
     try:
-        sources.check(repository, org=job.ctx.org)
+        return sources.check(repository, org=job.ctx.org)
     except RepositoryRefused as e:
         raise StepFailed("checkout", str(e), reason=REPOSITORY_REFUSED) from e
 

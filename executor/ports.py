@@ -92,8 +92,9 @@ class RepositoryRules(Protocol):
         """These rules, also refusing anything inside `path` (`what` names it)."""
         ...
 
-    def check(self, repository: str, *, org: str) -> None:
-        """Raise `events.errors.RepositoryRefused` unless `repository` is allowed for a
+    def check(self, repository: str, *, org: str) -> str:
+        """What git is given for `repository` (a local path: resolved, and safe to read
+        as resolved); `events.errors.RepositoryRefused` unless it is allowed for a
         workspace of `org`."""
         ...
 

@@ -374,4 +374,7 @@ def test_a_repository_pointing_into_a_guarded_directory_is_refused(tmp_path: Pat
         with pytest.raises(RepositoryRefused, match="runplane-directory"):
             sources.check(str(repo), org="acme")
     sources.check(str(guarded / "demo-repo"), org="acme")
-    sources.check(str(tmp_path), org="acme")
+    fine = tmp_path / "fine"  # (not tmp_path: world-writable, it is `unsafe-path`)
+    fine.mkdir()
+    git(fine, "init", "-q")
+    sources.check(str(fine), org="acme")

@@ -127,7 +127,9 @@ async def test_admissions_of_one_repository_share_a_running_ls_remote(
     calls: list[tuple[str, str]] = []
     gate = asyncio.Event()
 
-    async def fake(repository: str, branch: str, *, timeout: float, credential: object) -> str:
+    async def fake(
+        repository: str, branch: str, *, timeout: float, credential: object, **_: object
+    ) -> str:
         calls.append((repository, branch))
         await gate.wait()
         return ("a" if branch == "main" else "b") * 40

@@ -25,7 +25,11 @@ naming it. Every process logs at start the unscoped rules every organization may
 Whatever the list says, a local repository in `/proc`, `/sys`, `/dev` or one of runplane's
 own directories (the data directory with its mirrors, an executor's work directory, every
 executor's jobs directory) is refused, also when it reaches there through a symlink, `..`,
-a `.git` file (`gitdir:`) or git's `alternates` (services/app/repopaths.py). A relative
+a `.git` file (`gitdir:`) or git's `alternates` (services/app/repopaths.py), and so is
+one whose path someone other than root (or runplane's user) could change between the
+check and git's read (`unsafe-path`: a symlink or a directory a job's uid owns, a
+directory others can write, such as the shared `/tmp` itself), and git is given the
+checked path resolved, never the string again. A relative
 path is refused (git would resolve it against whatever directory it runs in), and so is
 git's `transport::address` form (it runs a remote helper: `ext::` runs any command). The
 API checks at workspace creation and change (422 `repository-not-allowed`, naming the
@@ -50,12 +54,13 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from events.errors import RepositoryRefused
 from events.workspace import repository_problem
 from services.app.repopaths import RUNPLANE_DIR as RUNPLANE_DIR  # a rule refusals name
 from services.app.repopaths import SYSTEM_DIR as SYSTEM_DIR
+from services.app.repopaths import UNSAFE_PATH as UNSAFE_PATH
 from services.app.repopaths import Guarded, check_local, under
 
 UP_DEFAULT = "https://,ssh://,file://"
@@ -249,9 +254,10 @@ class Sources:
         """Whether `org`'s checkouts may use the host's git credentials."""
         return "*" in self.host_git or org in self.host_git
 
-    def check(self, repository: str, *, org: str) -> None:
-        """Raise RepositoryRefused unless the deployment takes `repository` for a
-        workspace of `org`."""
+    def check(self, repository: str, *, org: str) -> str:
+        """What git is to be given for `repository`, a workspace of `org`'s: itself, or a
+        local one's path resolved and pinned (services/app/repopaths.py; a `file://` URL
+        stays one); RepositoryRefused unless the deployment takes it."""
         src = parse_source(repository)
         real = check_local(repository, src.path, self.guarded, self.exempt) if src.local else ""
         rules = self.rules_for(org)
@@ -262,6 +268,9 @@ class Sources:
                 f"repository {repository!r} is not among the sources this deployment allows "
                 f"organization {org!r} ({listed})",
             )
+        if not src.local:
+            return repository
+        return "file://" + quote(real) if _URL.fullmatch(repository) else real
 
 
 def deployment_sources(

@@ -1,9 +1,11 @@
 """The admission snapshot: what a run is pinned to before any executor sees it.
 
 The scheduler resolves the workspace branch's head with `git ls-remote` (bounded by a
-timeout), lists the variable names with their origins (secret values never: only the
-names of the secret variables stored for the workspace), and copies the effective
-settings. The plan then checks out exactly that commit, however far the branch has moved.
+timeout) of the repository as the deployment's sources take it for the run's
+organization (checked again here: a local path is pinned, services/app/repopaths.py),
+lists the variable names with their origins (secret values never: only the names of the
+secret variables stored for the workspace), and copies the effective settings. The plan
+then checks out exactly that commit, however far the branch has moved.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import asyncio
 import re
 from typing import Any
 
-from events.errors import SnapshotFailed
+from events.errors import RepositoryRefused, SnapshotFailed
 from events.inherit import config_settings
 from events.run import RunState, Snapshot, VariableRef, Workspace
 from events.settings import effective
 from infra.childenv import kill_group
 from infra.gitenv import NONE, GitCredential, git_access
 from services.app.gitcreds import GitAccess
+from services.app.repositories import Sources
 from services.app.secrets import SecretStore
 
 # A slow remote holds only its workspace's lane, marked in progress while it waits.
@@ -33,13 +36,21 @@ async def resolve_commit(
     *,
     timeout: float = DEFAULT_TIMEOUT,
     credential: GitCredential = NONE,
+    sources: Sources | None = None,
+    org: str = "",
 ) -> str:
     """The sha `refs/heads/<branch>` points at in `repository`, asked with `credential`
-    only (infra/gitenv.py: never the host's unless it is `HOST`); SnapshotFailed if none."""
+    only (infra/gitenv.py: never the host's unless it is `HOST`); SnapshotFailed if none,
+    or if `sources` (default: any source, but never a local path that is not safe to
+    read: services/app/repopaths.py) do not take it for a workspace of `org`."""
     ref = f"refs/heads/{branch}"
+    try:
+        target = (sources or Sources()).check(repository, org=org)
+    except RepositoryRefused as e:
+        raise SnapshotFailed(str(e)) from e
     with git_access(credential, repository) as env:
         proc = await asyncio.create_subprocess_exec(
-            *("git", "ls-remote", "--exit-code", "--", repository, ref),
+            *("git", "ls-remote", "--exit-code", "--", target, ref),
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
@@ -103,9 +114,12 @@ class Snapshotter:
         *,
         timeout: float = DEFAULT_TIMEOUT,
         access: GitAccess | None = None,
+        sources: Sources | None = None,
     ):
         self.secrets = secrets
         self.timeout = timeout
+        # What `ls-remote` may ask (the deployment's sources: the root sets them).
+        self.sources = sources
         # Whose credential `ls-remote` asks with (services/app/gitcreds.py); the root sets
         # it. None: none at all, anonymously.
         self.access = access
@@ -127,7 +141,12 @@ class Snapshotter:
     async def _resolve(self, org: str, config: Workspace) -> str:
         cred = NONE if self.access is None else await self.access.credential(org, config)
         return await resolve_commit(
-            config.repository, config.branch, timeout=self.timeout, credential=cred
+            config.repository,
+            config.branch,
+            timeout=self.timeout,
+            credential=cred,
+            sources=self.sources,
+            org=org,
         )
 
     async def __call__(self, run: RunState) -> Snapshot:

@@ -103,7 +103,8 @@ def build(
     app.open_runs = OpenRuns(nc.jetstream(), limits, app.run_is_open)
     access = GitAccess(app, secrets, sources.host_credentials)
     if isinstance(hook, Snapshotter):  # its `ls-remote` asks with the organization's own
-        hook.access = access
+        hook.access = access  # credential, of a repository the sources take for it
+        hook.sources = sources
     _say_repository_rules(sources)
     return Plane(opts, nc, stack, keys, events, app, secrets, sources, access)
 

@@ -112,7 +112,7 @@ class GitHeads:
         self._locks: dict[Path, asyncio.Lock] = {}  # one fetch per mirror at a time
 
     async def head(self, repository: str, ref: str, *, org: str = "", connection: str = "") -> str:
-        self._allowed(repository, org)
+        repository = self._allowed(repository, org)
         check_ref(ref)
         peeled = f"{ref}^{{}}"
         code, out, err = await self._git(
@@ -140,7 +140,7 @@ class GitHeads:
         org: str = "",
         connection: str = "",
     ) -> list[bool]:
-        self._allowed(repository, org)
+        repository = self._allowed(repository, org)
         check_ref(ref)
         check_sha(commit)
         for a in {a for line in lines for a in line}:
@@ -186,11 +186,13 @@ class GitHeads:
             return False
         return await self._ancestor(mirror, commit, head)
 
-    def _allowed(self, repository: str, org: str) -> None:
+    def _allowed(self, repository: str, org: str) -> str:
+        """What git is given: `repository`, a local one resolved and pinned (what the
+        deployment's sources check, services/app/repositories.py)."""
         if self.sources is None:
-            return
+            return repository
         try:
-            self.sources.check(repository, org=org)
+            return self.sources.check(repository, org=org)
         except RepositoryRefused as e:
             raise HeadsError(str(e), retryable=False) from e
 
