@@ -245,6 +245,7 @@ class Jail:
         self.limits = limits
         self._guard = threading.Lock()
         self._closed = False  # the caps' watch (a thread) against close()
+        self._under_init = False  # the uid mode's processes start under JOB_INIT
         # what the sandbox's inits report (full tmpfs mounts): theirs to write, ours to read
         self._reports = os.pipe() if isolation.mode == "sandbox" else (-1, -1)
 
@@ -278,6 +279,7 @@ class Jail:
             return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
         if self.mode == "user" and init_python():  # its init: the same, and kills the uid
             assert self.uid is not None and self.limits is not None
+            self._under_init = True
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
             options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
@@ -291,10 +293,15 @@ class Jail:
             options["preexec_fn"] = self.limits.preexec(options["preexec_fn"])
         return Spawn(wrapped, env, cwd, options)
 
-    def ended(self, code: int) -> None:
-        """A job's process ended with `code` (its rlimits may have killed it)."""
+    def ended(self, code: int) -> bool:
+        """A job's process ended with `code` (its rlimits may have killed it). True if it
+        was an init the job killed (the uid mode: the same uid may): then nothing would
+        kill the rest with the executor, and the caller kills them now (`kill`)."""
         if self.limits is not None:
             self.limits.saw_exit(code)
+        # the init ends by exit(), with the job's status (128 + a signal): only a signal
+        # sent to the init itself (SIGKILL, SIGHUP...) ends it by a signal
+        return self.mode == "user" and self._under_init and code < 0
 
     def check(self) -> Exceeded | None:
         """The cap the phase went over, if any (walks its directory: off the event loop)."""
