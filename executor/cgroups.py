@@ -1,10 +1,11 @@
 """A control group per phase: the kernel's caps on a job's memory and processes, its CPU
 time counted, and everything in it killed when the phase ends.
 
-Where the host has them: cgroup v1's `memory`, `pids` and `cpuacct` hierarchies (each
-used if mounted and writable), else cgroup v2 where the executor's cgroup was delegated
-(its parent enables `memory` and `pids` for its children, as systemd's `Delegate=yes` with
-the executor in a leaf of its own). A phase's group is
+Where the host has them: cgroup v1's `memory`, `pids`, `cpuacct` and `cpu` (the cores
+a phase may use at once, its CFS quota) hierarchies (each used if mounted and writable),
+else cgroup v2 where the executor's cgroup was delegated (its parent enables `memory`
+and `pids` for its children, as systemd's `Delegate=yes` with the executor in a leaf of
+its own). A phase's group is
 `<the executor's own cgroup>/runplane/<scope>/<phase>` in each hierarchy (v2: beside the
 executor's), made before the job starts; each process of the job joins it before it
 executes anything (`join`, in the child: a write of "0" to `cgroup.procs` through a file
@@ -29,8 +30,11 @@ import structlog
 log = structlog.get_logger(__name__)
 
 TOP = "runplane"  # under the executor's own cgroup
-CONTROLLERS = ("memory", "pids", "cpu")  # cpu: v1's cpuacct (counting only)
-_V1_NAMES = {"memory": "memory", "pids": "pids", "cpu": "cpuacct"}
+# cpu: the CPU time counted (v1's cpuacct, v2's cpu.stat); cpus: the cores a phase may
+# use at once (v1's cpu controller, v2's cpu.max), its CFS quota
+CONTROLLERS = ("memory", "pids", "cpu", "cpus")
+_V1_NAMES = {"memory": "memory", "pids": "pids", "cpu": "cpuacct", "cpus": "cpu"}
+CFS_PERIOD_US = 100_000
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def find() -> dict[str, Hierarchy]:
             continue
         if {"memory", "pids"} <= enabled and os.access(parent, os.W_OK):
             for controller in CONTROLLERS:
-                if controller not in found and (controller == "cpu" or controller in enabled):
+                name = "cpu" if controller == "cpus" else controller  # cpu.stat: always
+                if controller not in found and (controller == "cpu" or name in enabled):
                     found[controller] = Hierarchy(controller, 2, parent)
     return found
 
@@ -117,8 +122,8 @@ class PhaseGroup:
             raise
         self.version = {c: h.version for c, h in hierarchies.items()}
 
-    def cap(self, *, memory: int, processes: int) -> None:
-        """Set the kernel's caps (before any process joins)."""
+    def cap(self, *, memory: int, processes: int, cpus: float = 0.0) -> None:
+        """Set the kernel's caps (before any process joins); `cpus` 0: no quota."""
         if "memory" in self.dirs:
             d = self.dirs["memory"]
             if self.version["memory"] == 1:
@@ -129,6 +134,13 @@ class PhaseGroup:
                 _write(d / "memory.swap.max", 0, missing_ok=True)
         if "pids" in self.dirs:
             _write(self.dirs["pids"] / "pids.max", processes)
+        if "cpus" in self.dirs and cpus > 0:
+            d, quota = self.dirs["cpus"], max(1000, int(cpus * CFS_PERIOD_US))
+            if self.version["cpus"] == 1:
+                _write(d / "cpu.cfs_period_us", CFS_PERIOD_US)
+                _write(d / "cpu.cfs_quota_us", quota)
+            else:
+                (d / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
         for path in dict.fromkeys(self.dirs.values()):
             self._fds.append(os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
 
@@ -160,6 +172,12 @@ class PhaseGroup:
                 return int((d / "cpuacct.usage").read_text()) / 1e9
             return 0.0
         return _field(d / "cpu.stat", "usage_usec") / 1e6
+
+    def pids(self) -> list[int]:
+        """The processes in the phase's groups now (each group holds all of them)."""
+        for path in self.dirs.values():
+            return list(_procs(path))
+        return []
 
     def kill(self) -> int:
         """SIGKILL every process in the groups until none is left; how many were seen."""

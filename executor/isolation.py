@@ -86,6 +86,11 @@ USER_ONLY = (
     "when its phase ends"
 )
 
+BWRAP_UNHELD = (
+    "NOT HELD: the bwrap mode (no root) makes no control group, sets no rlimit and watches "
+    "no disk; a job may use the host's memory, processes, CPU and disk until it ends"
+)
+
 _DANGER = "every run's code can read this machine's runplane data, keys and other runs"
 
 
@@ -121,11 +126,16 @@ class Isolation:
         chosen = cls._choose(wanted, fallback_to_none=fallback_to_none)
         if network not in NETWORKS:
             raise IsolationError(f"unknown job network {network!r}: one of allowed, none")
-        if network == "none" and chosen.mode not in ("sandbox", "bwrap"):
+        if network == "none" and chosen.mode != "sandbox":
             raise IsolationError(
                 f"--job-network none needs a sandbox of its own network (--isolation "
-                f"sandbox), and jobs run in the {chosen.mode} mode, which shares the "
-                "host's network: refusing to start rather than let jobs reach it"
+                f"sandbox), and jobs run in the {chosen.mode} mode, which "
+                + (
+                    "cannot carry the phase's state backend into one (its jobs' plans would fail)"
+                    if chosen.mode == "bwrap"
+                    else "shares the host's network"
+                )
+                + ": refusing to start rather than let jobs reach it"
             )
         if chosen.mode not in UID_MODES:  # no uid of the job's own: the tmpfs size only
             return replace(chosen, network=network, limits=Enforcement(caps or JobCaps()))
@@ -199,8 +209,8 @@ class Isolation:
             remove_ipc_of(uid)  # and its SysV IPC objects
             for path in (home, temp):
                 os.chown(path, uid, uid, follow_symlinks=False)
-            # its group is named after the jobs directory (`scope`: runplane-<digest>)
-            limits = self.limits.phase(root.parent.parent.name, root.name, (root, temp))
+            scope = root.parent.parent.name  # the jobs directory's: runplane-<digest>
+            limits = self.limits.phase(scope, root.name, (root, temp), uid=uid)
         except BaseException:
             os.close(fd)
             shutil.rmtree(temp, ignore_errors=True)
@@ -212,7 +222,10 @@ class Isolation:
         return self.limits.sweep(scope) if self.mode in UID_MODES else 0
 
     def caps_said(self) -> dict[str, str]:
-        """Which mechanism holds each cap of the jobs (logged at start), or {}."""
+        """Which mechanism holds each cap of the jobs (logged at start), or {}: the bwrap
+        mode holds only the tmpfs sizes, and says so."""
+        if self.mode == "bwrap":
+            return self.limits.unheld(BWRAP_UNHELD)
         if self.mode not in UID_MODES:
             return {}
         return self.limits.mechanisms(sandbox=self.mode == "sandbox")
@@ -245,6 +258,7 @@ class Jail:
         self.limits = limits
         self._guard = threading.Lock()
         self._closed = False  # the caps' watch (a thread) against close()
+        self._under_init = False  # the uid mode's processes start under JOB_INIT
         # what the sandbox's inits report (full tmpfs mounts): theirs to write, ours to read
         self._reports = os.pipe() if isolation.mode == "sandbox" else (-1, -1)
 
@@ -278,6 +292,7 @@ class Jail:
             return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
         if self.mode == "user" and init_python():  # its init: the same, and kills the uid
             assert self.uid is not None and self.limits is not None
+            self._under_init = True
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
             options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
@@ -291,18 +306,25 @@ class Jail:
             options["preexec_fn"] = self.limits.preexec(options["preexec_fn"])
         return Spawn(wrapped, env, cwd, options)
 
-    def ended(self, code: int) -> None:
-        """A job's process ended with `code` (its rlimits may have killed it)."""
+    def ended(self, code: int) -> bool:
+        """A job's process ended with `code` (its rlimits may have killed it). True if it
+        was an init the job killed (the uid mode: the same uid may): then nothing would
+        kill the rest with the executor, and the caller kills them now (`kill`)."""
         if self.limits is not None:
             self.limits.saw_exit(code)
+        # the init ends by exit(), with the job's status (128 + a signal): only a signal
+        # sent to the init itself (SIGKILL, SIGHUP...) ends it by a signal
+        return self.mode == "user" and self._under_init and code < 0
 
     def check(self) -> Exceeded | None:
-        """The cap the phase went over, if any (walks its directory: off the event loop)."""
-        with self._guard:
+        """The cap the phase went over, if any (walks its directory: off the event loop).
+        The walk holds no lock: `close` does not wait for it, it stops when closed."""
+        with self._guard:  # the report pipe is closed by close(): read it before
             if self.limits is None or self._closed:
                 return None
             full = read_reports(self._reports[0]) if self._reports[0] >= 0 else []
-            return self.limits.check(full)
+        over = self.limits.check(full, stop=lambda: self._closed)
+        return None if self._closed else over
 
     def kill(self) -> None:
         """SIGKILL every process of the job now (a cap was exceeded)."""

@@ -31,6 +31,7 @@ SHARED_TEMP = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
 # target), looked for at most this deep below each (never /proc or /sys).
 _WRITABLE_ROOTS = ("/run", "/var", "/dev", "/srv", "/opt", "/home", "/mnt", "/media")
 _WRITABLE_DEPTH = 3
+_IPC_BATCH = 2000  # ids per ipcrm: far below the kernel's bound on arguments
 _IPC = (("/proc/sysvipc/shm", "-m"), ("/proc/sysvipc/sem", "-s"), ("/proc/sysvipc/msg", "-q"))
 
 
@@ -53,11 +54,9 @@ def world_writable() -> tuple[Path, ...]:
     return tuple(sorted(found))
 
 
-def remove_ipc_of(uid: int) -> int:
-    """Remove the SysV IPC objects (shared memory, semaphores, message queues) `uid`
-    owns or made, with `ipcrm`; how many. A segment a job left outlives it otherwise,
-    readable by whoever holds its uid next."""
-    removed = 0
+def ipc_of(uid: int) -> list[tuple[str, str]]:
+    """(ipcrm's flag, id) of each SysV IPC object `uid` owns or made."""
+    found = []
     for table, flag in _IPC:
         try:
             head, *rows = Path(table).read_text().splitlines()
@@ -67,11 +66,23 @@ def remove_ipc_of(uid: int) -> int:
         uid_at, cuid_at, id_at = names.index("uid"), names.index("cuid"), 1
         for row in rows:
             cols = row.split()
-            if uid not in (int(cols[uid_at]), int(cols[cuid_at])):
-                continue
-            done = subprocess.run(["ipcrm", flag, cols[id_at]], capture_output=True, check=False)
-            removed += done.returncode == 0
-    return removed
+            if uid in (int(cols[uid_at]), int(cols[cuid_at])):
+                found.append((flag, cols[id_at]))
+    return found
+
+
+def remove_ipc_of(uid: int) -> int:
+    """Remove the SysV IPC objects (shared memory, semaphores, message queues) `uid`
+    owns or made, with `ipcrm`; how many. A segment a job left outlives it otherwise,
+    readable by whoever holds its uid next. One `ipcrm` per `_IPC_BATCH` objects: a job
+    may leave tens of thousands (one process each took a minute)."""
+    found = ipc_of(uid)
+    for at in range(0, len(found), _IPC_BATCH):
+        argv = ["ipcrm"]
+        for flag, ipc_id in found[at : at + _IPC_BATCH]:
+            argv += [flag, ipc_id]
+        subprocess.run(argv, capture_output=True, check=False)  # one gone meanwhile: fine
+    return len(found) - len(ipc_of(uid)) if found else 0
 
 
 def private_dir(path: Path, mode: int) -> Path:

@@ -81,17 +81,27 @@ async def run(
     be recorded nowhere. With the pipes held it may print up to a pipe's buffer.
     """
     proc, outputs = await _start(argv, cwd=cwd, env=env, jail=jail)
+    reaped = asyncio.ensure_future(_reap(proc, jail))
     try:
         await _pump(outputs, step_log, on_line)
-        code = await proc.wait()
-        if jail is not None:
-            jail.ended(code)
-        return code
+        return await reaped
     except BaseException:
+        reaped.cancel()
         await _interrupt(proc, outputs, step_log, on_line, grace)
         raise
     finally:
         outputs.close()
+
+
+async def _reap(proc: asyncio.subprocess.Process, jail: Jail | None) -> int:
+    """The child's exit code, told to `jail` as soon as it ends, even while what it
+    started still holds its output open: a job that killed its own init (the uid mode:
+    the same uid) has the rest of its processes killed at once, for nothing else would
+    bring them down with the executor."""
+    code = await proc.wait()
+    if jail is not None and jail.ended(code):
+        await asyncio.to_thread(jail.kill)
+    return code
 
 
 class _Outputs:

@@ -9,6 +9,8 @@ or someone asked to stop it.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -39,13 +41,29 @@ async def _watch(job: Job) -> None:
     jail = job.tools.jail
     if jail is None or jail.limits is None:
         return
+    wait = WATCH_S
     while True:
-        await asyncio.sleep(WATCH_S)
+        await asyncio.sleep(wait)
+        began = time.monotonic()
         over = await asyncio.to_thread(jail.check)
+        # A slow look (a large tree, many processes) waits longer before the next: the
+        # watch takes at most a tenth of a core, whatever the job makes.
+        wait = max(WATCH_S, 9 * (time.monotonic() - began))
         if over is not None:
             log.warning("job_over_cap", cap=over.cap, message=over.message)
             await asyncio.to_thread(jail.kill)
             return
+
+
+async def _in_thread(work: Callable[[], None]) -> None:
+    """`work` in a thread, waited for to its end even if we are cancelled meanwhile (the
+    phase's directory is removed only after its jail closed)."""
+    done = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        await asyncio.shield(done)
+    except asyncio.CancelledError:
+        await asyncio.wait([done])
+        raise
 
 
 class PhaseRunner:
@@ -91,7 +109,9 @@ class PhaseRunner:
             self.jobs.discard(job)
             try:
                 if job.tools.jail is not None:  # every process of the job, escaped daemons too
-                    job.tools.jail.close()
+                    # off the loop: its kills, rm -rf and ipcrm may take seconds, and every
+                    # other phase's heartbeat would wait for them
+                    await _in_thread(job.tools.jail.close)
             finally:
                 self._remove(ctx.root)  # beside the final report, not before it
                 await self._conclude(job)

@@ -198,7 +198,8 @@ class Executor:
             jobs_dir=str(self.jobs_dir),
         )
         if said := self.isolation.caps_said():  # which mechanism holds each cap
-            log.info("job_caps", caps=said, network=self.isolation.network)
+            loud = log.warning if self.isolation.mode == "bwrap" else log.info
+            loud("job_caps", caps=said, network=self.isolation.network)
         return self
 
     def _isolation(self) -> Isolation:

@@ -30,6 +30,8 @@ JOB_PROCESSES, JOB_PROCESSES_MIN = 512, 8
 JOB_CPU_SECONDS, JOB_CPU_SECONDS_MIN = 3600, 1
 JOB_DISK, JOB_DISK_MIN = 10 * 1024**3, 1024**2
 JOB_TMPFS, JOB_TMPFS_MIN = 256 * 1024**2, 1024**2
+JOB_FILES, JOB_FILES_MIN = 200_000, 1_000
+JOB_CPUS, JOB_CPUS_MIN = 2.0, 0.01  # 0: no quota
 JOB_NETWORKS = ("allowed", "none")
 
 
@@ -80,6 +82,8 @@ class Options:
     job_cpu_seconds: int = JOB_CPU_SECONDS
     job_disk: int = JOB_DISK  # bytes of its directory
     job_tmpfs: int = JOB_TMPFS  # bytes of each of the sandbox's tmpfs mounts
+    job_files: int = JOB_FILES  # inodes under its directories
+    job_cpus: float = JOB_CPUS  # cores at once, its group's CFS quota
     job_network: str = "allowed"  # or "none" (the sandbox only)
     terraform_binaries: list[str] = field(default_factory=list)  # what runs may name
     quotas: Quotas = field(default_factory=Quotas)  # what a tenant may grow (infra/quotas.py)
@@ -129,9 +133,12 @@ class Options:
             ("--job-cpu-seconds", self.job_cpu_seconds, JOB_CPU_SECONDS_MIN),
             ("--job-disk", self.job_disk, JOB_DISK_MIN),
             ("--job-tmpfs", self.job_tmpfs, JOB_TMPFS_MIN),
+            ("--job-files", self.job_files, JOB_FILES_MIN),
         ):
             if value < least:
                 raise ConfigError(f"{flag} wants at least {least}, got {value}")
+        if self.job_cpus != 0 and not JOB_CPUS_MIN <= self.job_cpus <= 1024:
+            raise ConfigError(f"--job-cpus wants 0 (no quota) or 0.01 to 1024, got {self.job_cpus}")
         if self.job_network not in JOB_NETWORKS:
             raise ConfigError(f"--job-network wants allowed or none, got {self.job_network!r}")
         for binary in self.terraform_binaries:

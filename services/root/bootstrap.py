@@ -273,6 +273,8 @@ class Plane:
             cpu_seconds=opts.job_cpu_seconds,
             disk=opts.job_disk,
             tmpfs=opts.job_tmpfs,
+            files=opts.job_files,
+            cpus=opts.job_cpus,
         )
         try:
             isolation = Isolation.choose(

@@ -201,6 +201,7 @@ _JOB_SIZES = (
 _JOB_COUNTS = (
     ("--job-processes", "RUNPLANE_JOB_PROCESSES", "512", "processes and threads of a job"),
     ("--job-cpu-seconds", "RUNPLANE_JOB_CPU_SECONDS", "3600", "CPU time of a phase"),
+    ("--job-files", "RUNPLANE_JOB_FILES", "200000", "files and directories a job has"),
 )
 
 
@@ -221,6 +222,13 @@ def _job_opts(p: argparse.ArgumentParser) -> None:
             metavar="N",
             help=f"the most {what} (also {env}; default {default})",
         )
+    g.add_argument(
+        "--job-cpus",
+        default=os.environ.get("RUNPLANE_JOB_CPUS", "2"),
+        metavar="CORES",
+        help="the most cores a job's processes use at once, e.g. 0.5 (also RUNPLANE_JOB_CPUS; "
+        "default 2; 0: no quota)",
+    )
     g.add_argument(
         "--job-network",
         choices=("allowed", "none"),
@@ -249,6 +257,13 @@ def _job_caps(ns: argparse.Namespace) -> dict[str, int]:
         except ValueError as e:
             raise ConfigError(f"{flag} ({env}): {e}") from e
     return out
+
+
+def _job_cpus(ns: argparse.Namespace) -> float:
+    try:
+        return float(getattr(ns, "job_cpus", "2"))
+    except ValueError as e:
+        raise ConfigError(f"--job-cpus (RUNPLANE_JOB_CPUS): {e}") from e
 
 
 _QUOTA_HELP = {
@@ -399,6 +414,8 @@ def options(ns: argparse.Namespace) -> Options:
     )
     for name, value in (_job_caps(ns) if hasattr(ns, "job_memory") else {}).items():
         setattr(opts, name, value)  # the caps' flags: up and executor only
+    if hasattr(ns, "job_cpus"):
+        opts.job_cpus = _job_cpus(ns)
     return opts
 
 
