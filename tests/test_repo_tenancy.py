@@ -433,3 +433,15 @@ async def test_admission_and_webhook_checks_ask_with_the_orgs_token_never_the_ho
         with pytest.raises(HeadsError):
             await heads.head(url, ref, org="alpha", connection="")
         assert len(server.served) == served
+
+
+def test_a_standalone_scheduler_leaves_the_sources_to_the_api_as_an_executor_does() -> None:
+    """Admission checks a repository again (its `ls-remote`): a standalone scheduler given
+    no list allows what the API allowed, as the executor does, and still refuses the
+    directories and paths every list refuses. (Its default was the api's: the benchmark's
+    scheduler refused every local repository the api had taken.)"""
+    from services.root.cli import options, parser
+
+    for command in ("scheduler", "executor"):
+        assert options(parser().parse_args([command])).allowed_repos == "*"
+    assert options(parser().parse_args(["api"])).allowed_repos == "https://,ssh://"

@@ -37,9 +37,10 @@ rule); the executor checks again, for the run's organization, before each checko
 
 Defaults: `runplane up` allows `https://,ssh://,file://` (its demo and local trials use
 local repositories: its single operator's); a standalone `api` allows `https://,ssh://`;
-a standalone `executor` allows `*` (the API is the gate for sources; the executor still
-refuses the directories above, relative paths and remote helpers). Give executors the
-API's list to have the organizations checked at checkout too.
+a standalone `executor` or `scheduler` allows `*` (the API is the gate for sources; they
+still refuse the directories above, unsafe local paths, relative paths and remote
+helpers). Give them the API's list to have the organizations checked at admission and
+checkout too.
 
 Which credentials a checkout uses (`host_credentials`): the organization's own (its VCS
 connection's token, executor/gitaccess.py), never the host's, unless the deployment names
@@ -66,7 +67,14 @@ from services.app.repopaths import Guarded, check_local, under
 UP_DEFAULT = "https://,ssh://,file://"
 API_DEFAULT = "https://,ssh://"
 EXECUTOR_DEFAULT = "*"
-DEFAULTS = {"up": UP_DEFAULT, "api": API_DEFAULT, "executor": EXECUTOR_DEFAULT}
+# The scheduler checks a repository again at admission (its `ls-remote`): like the
+# executor, it leaves the sources to the API unless given the API's list.
+DEFAULTS = {
+    "up": UP_DEFAULT,
+    "api": API_DEFAULT,
+    "executor": EXECUTOR_DEFAULT,
+    "scheduler": EXECUTOR_DEFAULT,
+}
 
 # Rules a refusal names (the `rule` member of the 422 and the checkout's message).
 NOT_ALLOWED = "allowed-repos"
