@@ -38,7 +38,7 @@ from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
 from services.surfaces.tfe.context import TFE
 from tests.api_support import ADMIN_TOKEN, Answer, Http, served
-from tests.bootstrap_support import built
+from tests.bootstrap_support import built, options_for
 
 JSONAPI = "application/vnd.api+json"
 
@@ -122,11 +122,13 @@ async def web_replica(system: Plane, projector: Projector) -> AsyncIterator[Tfe]
 
 
 @contextlib.asynccontextmanager
-async def replica(nc: NATS, keyring: KeyRing, path: Path) -> AsyncIterator[Tfe]:
+async def replica(nc: NATS, keyring: KeyRing, path: Path, **changes: Any) -> AsyncIterator[Tfe]:
     """An api replica: its own graph (App, projector and read model at `path`) on `nc`,
-    the deployment's one key ring."""
+    the deployment's one key ring; `changes` to its options (tests/bootstrap_support.py
+    `options_for`)."""
     async with AsyncExitStack() as stack:
-        system = built(nc, stack, path.parent, keyring=keyring)
+        opts = options_for(path.parent, **changes)
+        system = built(nc, stack, path.parent, keyring=keyring, opts=opts)
         async with system.projector(path) as projector, web_replica(system, projector) as t:
             yield t
 

@@ -56,6 +56,7 @@ from infra import streams
 from infra.crypto import KeyRing
 from infra.eventstore import LATEST, EventStore
 from infra.kv import STATE_HEAD_BUCKET
+from infra.quotas import Quotas
 from infra.streams import EVENTS
 from services.app.commands import App
 from services.surfaces.tfe import ids
@@ -349,7 +350,11 @@ async def cluster_state_push(tmp_path: Path, sc: Scenario) -> None:
         for i, node in enumerate(cluster.nodes[:2]):
             nc = await connect_first_to(cluster, node)
             stack.push_async_callback(nc.close)
-            tfes.append(await stack.enter_async_context(replica(nc, keyring, tmp_path / f"rm{i}")))
+            keep_all = Quotas(state_versions_per_workspace=1000)  # every version stays readable
+            path = tmp_path / f"rm{i}"
+            tfes.append(
+                await stack.enter_async_context(replica(nc, keyring, path, quotas=keep_all))
+            )
         tokens = await tfes[0].org(ORG)
         operator = tokens["operator"]
         made = await tfes[0].workspace(ORG, WS, repository=str(a_repo(tmp_path / "repo")))
