@@ -69,18 +69,21 @@ async def browser(base: str, ca: Path, token: str, authz_url: str) -> None:
             back = r.headers["Location"]
     assert back.startswith("http://localhost:100") and "code=" in back
 
+    # Terraform listens on 127.0.0.1 only ("tcp4"), so the browser goes there rather than
+    # to whatever `localhost` resolves to first. Its listener is bound before it prints
+    # the URL, yet CI saw it refuse for 10 s three times: asked again for a while.
+    loopback = URL(back, encoded=True).with_host("127.0.0.1")
+
     async def callback(plain: aiohttp.ClientSession) -> int | None:
-        # Refused now and then beside other suites (twice today, cause not found: the
-        # listener is bound before the URL is printed): asked again for a few seconds.
         try:
-            async with plain.get(URL(back, encoded=True)) as r:
+            async with plain.get(loopback) as r:
                 return r.status
         except aiohttp.ClientConnectorError:
             return None
 
     async with aiohttp.ClientSession() as plain:
         status = await eventually(
-            lambda: callback(plain), timeout=10, interval=0.25, what="Terraform's listener"
+            lambda: callback(plain), timeout=30, interval=0.25, what="Terraform's listener"
         )
     assert status == 200  # Terraform's listener took the code
 
@@ -98,7 +101,7 @@ async def login_v1(binary: str, host: str, ca: Path, token: str, env: dict[str, 
         try:
             await browser(f"https://{host}", ca, token, found.group(0).decode())
         except (AssertionError, aiohttp.ClientError) as e:
-            raise AssertionError(f"{e!r}; terraform said: {term.text()}") from e
+            raise AssertionError(f"{e!r}; terraform said: {term.drain()}") from e
         code = await asyncio.to_thread(term.finish)
         assert code == 0, term.text()
         return term.text()

@@ -184,6 +184,20 @@ class Terminal:
                 assert chunk, f"ended without {pattern!r}: {self.text()}"
                 self.seen += chunk
 
+    def drain(self) -> str:
+        """Read what the program has printed so far without waiting; all it printed, and
+        whether it is still running."""
+        while select.select([self.master], [], [], 0)[0]:
+            try:
+                chunk = os.read(self.master, 4096)
+            except OSError:
+                break
+            if not chunk:
+                break
+            self.seen += chunk
+        state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
+        return f"{self.text()}\n[{state}]"
+
     def send(self, text: str) -> None:
         os.write(self.master, text.encode())
 
