@@ -43,6 +43,7 @@ from tests.procs import Client, Proc, free_port, wait_healthy
 
 RESOURCES = 10
 TOKEN = "bench-overhead-token"
+MODES = ("sandbox", "user", "bwrap", "none")  # what `--isolation auto` may turn into
 V1 = "/api/v1/orgs/bench"
 MAIN_TF = f'resource "null_resource" "r" {{\n  count = {RESOURCES}\n}}\n'
 _GIT = {
@@ -157,9 +158,7 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
         for i in range(rounds):
             hand.append(await asyncio.to_thread(_by_hand, repo, tools, scratch))
             ours.append(await _through_runplane(client, repo, f"net-{i}"))
-        mode = next(
-            (m for m in ("user", "bwrap", "none") if f'"isolation": "{m}"' in up.output()), "?"
-        )
+        mode = next((m for m in MODES if f'"isolation": "{m}"' in up.output()), "?")
     finally:
         await client.close()
         await up.stop(signal.SIGTERM)
@@ -246,7 +245,7 @@ async def sandbox_overhead(rounds: int = 5) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.overhead", description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--isolation", default="auto", choices=("auto", "user", "bwrap", "none"))
+    p.add_argument("--isolation", default="auto", choices=("auto", *MODES))
     p.add_argument("--sandbox", action="store_true", help="the sandbox against the uid mode")
     args = p.parse_args(argv)
     from infra import logs

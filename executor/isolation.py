@@ -5,7 +5,7 @@ Every process the executor starts for a run (Terraform and its providers, a cust
 the repository mirrors, reading plan files, the state backend) stays in the executor
 process; what runs tenant code is spawned through a `Jail`, one per phase:
 
-- `sandbox` (the executor runs as root and bubblewrap works; asked for): `user`'s
+- `sandbox` (the executor runs as root and bubblewrap works: what `auto` picks): `user`'s
   uid, inside namespaces of its own, which bubblewrap (Debian's `bubblewrap`, a
   well-kept setuid-free tool that does exactly this, rather than our own unshare and
   mount code) makes as that uid: mount (the system read-only; `/tmp`, `/var/tmp`, `/run`
@@ -17,7 +17,7 @@ process; what runs tenant code is spawned through a `Jail`, one per phase:
   (`--job-network none`: a network namespace with only loopback). Its init (`JOB_INIT`,
   executor/jobinit.py) outlives the executor just long enough to stop the job's process
   as on Ctrl-C (Terraform writes `errored.tfstate` for the next executor to recover);
-  then the namespace and all in it are gone. Not yet what `auto` picks.
+  then the namespace and all in it are gone.
 - `user` (the executor runs as root, no bubblewrap: the fallback, said loudly at start):
   an unprivileged numeric uid/gid of its own per phase, from a range (`RUNPLANE_JOB_UIDS`,
   default `DEFAULT_UIDS`; no passwd entry is needed). A uid is allocated by an exclusive
@@ -151,9 +151,7 @@ class Isolation:
             log.warning("isolation_none", why="asked for", danger=_DANGER)
             return cls(mode="none")
         if wanted in ("auto", "sandbox", "user") and os.geteuid() == 0:
-            # `auto` is the uid mode until the sandbox has run the chaos and cluster
-            # suites and its overhead is measured (issue 23)
-            why = "asked for" if wanted != "sandbox" else sandbox_problem(uids[-1])
+            why = "asked for" if wanted == "user" else sandbox_problem(uids[-1])
             if not why:
                 return cls(mode="sandbox", uids=uids, lock_dir=default_lock_dir())
             if wanted == "sandbox":

@@ -38,7 +38,6 @@ from projections.readmodel import ReadModel
 from services.root import natsstatus
 from tests.cluster_support import NatsCluster, Node
 from tests.executor_support import commit, git
-from tests.helpers import shared_file
 from tests.procs import Proc, descendants, free_port
 
 ORG = "chaos"
@@ -47,16 +46,24 @@ TERMINAL = {"applied", "planned", "no_changes", "drifted", "discarded", "failed"
 OPEN = ["pending", "queued", "planning", "running", "awaiting_approval", "apply_queued", "applying"]
 
 # Every apply replaces the resource (timestamp() is unknown at plan time), and its
-# provisioner appends Terraform's working directory, `<work>/jobs/<run>-apply-XXXX/...`,
-# to a file outside that directory: Terraform's own record of which run applied. The
-# sleep widens the window between the provisioner and the state write.
+# provisioner sends Terraform's working directory, `<work>/jobs/<run>-apply-XXXX/...`, to
+# the test's `Witness` over loopback TCP: Terraform's own record of which run applied,
+# outside runplane. (A file would not do: a sandboxed job writes its own directory only.)
+# The sleep widens the window between the provisioner and the state write.
 CHAOS_TF = """
-variable "marker" {}
+variable "witness" {}
 resource "null_resource" "chaos" {
   triggers = { at = timestamp() }
-  provisioner "local-exec" { command = "pwd >> ${var.marker}; sleep 1" }
+  provisioner "local-exec" {
+    interpreter = ["/bin/bash", "-c"]
+    command     = "pwd > /dev/tcp/127.0.0.1/${var.witness}; sleep 1"
+  }
 }
 """
+# The executors' jobs run as production runs them by default (`auto`: the sandbox as root
+# with bubblewrap, else the uid mode), not in the uid mode the rest of the suite pins
+# (tests/conftest.py); RUNPLANE_CHAOS_ISOLATION=user runs the fallback instead.
+ISOLATION = os.environ.get("RUNPLANE_CHAOS_ISOLATION", "auto")
 _RUN_IN_PATH = re.compile(r"/jobs/([0-9A-Za-z]+)-apply-")
 
 
@@ -357,6 +364,16 @@ class Plane:
     def base(self) -> str:
         return self.bases[0]
 
+    def isolation(self) -> str:
+        """The job isolation the executors said at start they run (`job_isolation`)."""
+        modes = {
+            str(json.loads(line).get("mode"))
+            for c in self.executors
+            for line in c.log.read_text().splitlines()
+            if "job_isolation" in line and line.startswith("{")
+        }
+        return ",".join(sorted(modes)) or "?"
+
     @classmethod
     async def start(cls, root: Path, nats_side: NatsSide | None = None, count: int = 1) -> Plane:
         """Start the nats side (by default one nats-server of its own) and `count`
@@ -378,9 +395,10 @@ class Plane:
                     args += ["--listen", f"127.0.0.1:{port}"]
                     bases.append(f"http://127.0.0.1:{port}")
                 label = role + (str(i + 1) if count > 1 else "")
-                made[role].append(
-                    Component(label, args, root / f"{name}.log", _READY[role], nats_side.env())
-                )
+                env = nats_side.env()
+                if role == "executor":
+                    env["RUNPLANE_ISOLATION"] = ISOLATION
+                made[role].append(Component(label, args, root / f"{name}.log", _READY[role], env))
         plane = cls(root, nats_side, made["api"], made["scheduler"], made["executor"], bases)
         for c in plane.components():
             await c.start()
@@ -774,11 +792,41 @@ def make_repo(path: Path) -> Path:
     return path
 
 
-async def setup_org(api: Api, root: Path, workspaces: list[str], settings: dict[str, Any]) -> Path:
-    """The organization, its limits, and workspaces sharing one repository; the marker
-    file (Terraform's record of applies) is returned."""
+class Witness:
+    """Terraform's record of applies: a TCP listener on loopback (port 0) that keeps every
+    line a provisioner sends it. It lives in the test's process, which no fault kills."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> Witness:
+        self.server = await asyncio.start_server(self._take, "127.0.0.1", 0)
+        return self
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _take(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            data = await asyncio.wait_for(reader.read(), timeout=30)
+            self.lines += data.decode(errors="replace").splitlines()
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+async def setup_org(
+    api: Api, root: Path, workspaces: list[str], settings: dict[str, Any], witness: Witness
+) -> None:
+    """The organization, its limits, and workspaces sharing one repository whose applies
+    report to `witness`."""
     repo = make_repo(root / "repo")
-    marker = shared_file(root / "applies.txt")
     await api.ok("POST", "/api/v1/orgs", {"name": ORG})
     if settings:
         await api.ok("PATCH", f"/api/v1/orgs/{ORG}/settings", settings)
@@ -786,22 +834,20 @@ async def setup_org(api: Api, root: Path, workspaces: list[str], settings: dict[
         await api.ok(
             "POST",
             f"/api/v1/orgs/{ORG}/workspaces",
-            {"name": ws, "repository": str(repo), "variables": {"marker": str(marker)}},
+            {"name": ws, "repository": str(repo), "variables": {"witness": str(witness.port)}},
         )
-    return marker
 
 
 # ---------------------------------------------------------------- the checks
 
 
-def applies_from_terraform(marker: Path) -> Counter[str]:
+def applies_from_terraform(witness: Witness) -> Counter[str]:
     """Runs whose apply ran the provisioner, counted from Terraform's own output."""
     found: Counter[str] = Counter()
-    if marker.exists():
-        for line in marker.read_text().splitlines():
-            m = _RUN_IN_PATH.search(line)
-            assert m, f"unexpected marker line {line!r}"
-            found[m.group(1)] += 1
+    for line in witness.lines:
+        m = _RUN_IN_PATH.search(line)
+        assert m, f"unexpected witness line {line!r}"
+        found[m.group(1)] += 1
     return found
 
 

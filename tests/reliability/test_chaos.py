@@ -31,6 +31,7 @@ from tests.reliability.chaos_support import (
     Api,
     Fault,
     Plane,
+    Witness,
     Workload,
     applies_from_terraform,
     check_runs,
@@ -90,11 +91,12 @@ async def chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
     started = time.monotonic()
     plane = await Plane.start(tmp_path / "plane")
     api = Api(plane.base)
+    witness = await Witness().start()
     summary: dict[str, Any] = {"seed": seed}
     try:
         workspaces = [f"ws{i}" for i in range(sc.workspaces)]
         limits = {"run_timeout": sc.run_timeout, "approval_timeout": sc.approval_timeout}
-        marker = await setup_org(api, tmp_path, workspaces, limits)
+        await setup_org(api, tmp_path, workspaces, limits, witness)
         for ws in workspaces:
             await api.ok(
                 "PATCH",
@@ -161,7 +163,8 @@ async def chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         orphan_lifetimes = [t.result() if t.done() else None for t in plane.orphans]
         for t in plane.orphans:
             t.cancel()
-        applies_tf = applies_from_terraform(marker)
+        applies_tf = applies_from_terraform(witness)
+        summary["isolation"] = plane.isolation()
         statuses = Counter(r["status"] for r in runs)
         summary |= {
             "runs": len(runs),
@@ -208,6 +211,7 @@ async def chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         # Replay identity.
         assert diff_dumps(live, replayed) == []
     finally:
+        witness.close()
         await api.close()
         await plane.kill_all()
 

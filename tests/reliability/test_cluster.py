@@ -70,6 +70,7 @@ from tests.reliability.chaos_support import (
     Fault,
     Plane,
     StreamView,
+    Witness,
     Workload,
     _maybe,
     _subscribers,
@@ -127,10 +128,11 @@ async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
     nats_side = ClusterNats(NatsCluster(tmp_path / "cluster", size=3))
     plane = await Plane.start(tmp_path / "plane", nats_side, count=2)
     api = Api(plane.bases)
+    witness = await Witness().start()
     summary: dict[str, Any] = {"seed": seed, "startup_s": round(time.monotonic() - started, 1)}
     try:
         workspaces = [f"ws{i}" for i in range(sc.workspaces)]
-        marker = await setup_org(api, tmp_path, workspaces, {})
+        await setup_org(api, tmp_path, workspaces, {}, witness)
         plan = KINDS * sc.faults_per_kind
         rng.shuffle(plan)
         work = Workload(api, workspaces, sc.runs, rng)
@@ -170,7 +172,8 @@ async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         orphan_lifetimes = [t.result() if t.done() else None for t in plane.orphans]
         for t in plane.orphans:
             t.cancel()
-        applies_tf = applies_from_terraform(marker)
+        applies_tf = applies_from_terraform(witness)
+        summary["isolation"] = plane.isolation()
         fault_log = recovery(plane.faults, api, stream)
         errors = server_errors(plane.faults, api)
         summary |= {
@@ -232,6 +235,7 @@ async def cluster_chaos(tmp_path: Path, sc: Scenario, seed: int) -> None:
         assert len(plane.faults) == len(plan)
         assert len(nats_side.killed) == sc.faults_per_kind
     finally:
+        witness.close()
         await api.close()
         await plane.kill_all()
 
@@ -432,10 +436,11 @@ async def cluster_notifications(
     api = Api(plane.bases)
     summary: dict[str, Any] = {"plans": sc.plans, "startup_s": round(time.monotonic() - started, 1)}
     wall = time.time() - time.monotonic()  # Got.at (monotonic) to wall clock
+    witness = await Witness().start()  # the applies report to it (not counted here)
     try:
         async with Receiver(token=NOTIFY_TOKEN, delay=0.2) as receiver:
             workspaces = ["ws0", "ws1", "ws2"]
-            await setup_org(api, tmp_path, workspaces, {})
+            await setup_org(api, tmp_path, workspaces, {}, witness)
             triggers = ["run:created", "run:completed", "run:errored"]
             body = {"name": "cluster", "url": receiver.url, "token": NOTIFY_TOKEN}
             cfg = await api.ok(
@@ -523,6 +528,7 @@ async def cluster_notifications(
             failed = [s.role for s in subs if "consumer_fetch_failed" in s.log.read_text()]
             assert failed == [], failed
     finally:
+        witness.close()
         await api.close()
         for s in subs:
             if s.proc and s.proc.proc and s.returncode() is None:

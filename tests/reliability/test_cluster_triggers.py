@@ -43,6 +43,7 @@ from tests.reliability.chaos_support import (
     ClusterNats,
     Component,
     Plane,
+    Witness,
     _maybe,
     _subscribers,
     replicated,
@@ -183,8 +184,9 @@ async def cluster_triggers(tmp_path: Path, sc: TriggerScenario) -> None:
     store = EventStore(nc)
     rng = random.Random()
     summary: dict[str, Any] = {"startup_s": round(time.monotonic() - started, 1)}
+    witness = await Witness().start()  # the applies report to it (not counted here)
     try:
-        await setup_org(api, tmp_path, ["a", "b"], {})
+        await setup_org(api, tmp_path, ["a", "b"], {}, witness)
         await api.ok(
             "PATCH", f"/api/v1/orgs/{ORG}/workspaces/a/settings", {"require_approval": False}
         )
@@ -253,6 +255,7 @@ async def cluster_triggers(tmp_path: Path, sc: TriggerScenario) -> None:
         assert settled, "the run-triggers consumer still holds events"
         assert [f for f in faults if f["back_s"] is None] == []
     finally:
+        witness.close()
         await nc.close()
         await api.close()
         await kill_components(subs)
