@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # Names the process's own secrets and settings live under.
 _PRIVATE_PREFIXES = ("RUNPLANE_", "NATS_")
@@ -39,6 +39,30 @@ def git_env() -> dict[str, str]:
     env["GIT_TERMINAL_PROMPT"] = "0"
     env.setdefault("GIT_SSH_COMMAND", GIT_DEFAULTS["GIT_SSH_COMMAND"])
     return env
+
+
+async def run_quietly(
+    argv: Sequence[str], env: Mapping[str, str], timeout: float
+) -> tuple[int, bytes, bytes]:
+    """Run `argv` (git, most often) with no input, in `/` (no repository around it lends
+    its remotes or config) and a session of its own: its exit code, output and error
+    output. Past `timeout` it is killed with all it started (`kill_group`) and
+    TimeoutError is raised."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=dict(env),
+        cwd="/",
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        await kill_group(proc)
+        raise
+    return proc.returncode or 0, out, err
 
 
 async def kill_group(proc: asyncio.subprocess.Process, *, wait: float = 5.0) -> None:

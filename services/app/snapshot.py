@@ -18,7 +18,7 @@ from events.errors import RepositoryRefused, SnapshotFailed
 from events.inherit import config_settings
 from events.run import RunState, Snapshot, VariableRef, Workspace
 from events.settings import effective
-from infra.childenv import kill_group
+from infra.childenv import run_quietly
 from infra.gitenv import NONE, GitCredential, git_access
 from services.app.gitcreds import GitAccess
 from services.app.repositories import Sources
@@ -48,22 +48,13 @@ async def resolve_commit(
         target = (sources or Sources()).check(repository, org=org)
     except RepositoryRefused as e:
         raise SnapshotFailed(str(e)) from e
+    argv = ("git", "ls-remote", "--exit-code", "--", target, ref)
     with git_access(credential, repository) as env:
-        proc = await asyncio.create_subprocess_exec(
-            *("git", "ls-remote", "--exit-code", "--", target, ref),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            cwd="/",  # no repository around it lends its remotes or config
-            start_new_session=True,
-        )
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
+            code, out, err = await run_quietly(argv, env, timeout)
         except TimeoutError as e:
-            await kill_group(proc)
             raise SnapshotFailed(f"git ls-remote {repository} timed out after {timeout:g}s") from e
-    return _listed(proc.returncode, out, err, repository, branch, credential)
+    return _listed(code, out, err, repository, branch, credential)
 
 
 def _listed(

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from events.errors import RepositoryRefused
-from infra.childenv import kill_group
+from infra.childenv import run_quietly
 from infra.gitenv import NONE, GitCredential, git_access
 from services.app.gitcreds import GitAccess
 from services.app.repositories import Sources
@@ -235,24 +235,14 @@ class GitHeads:
         where = ["--git-dir", str(cwd)] if cwd is not None else []
         cred = remote.credential if remote is not None else NONE
         with git_access(cred, remote.repository if remote is not None else "") as env:
-            proc = await asyncio.create_subprocess_exec(
-                *("git", *where, *args),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-                cwd="/",  # no repository around it lends its remotes or config
-                start_new_session=True,
-            )
             try:
-                out, err = await asyncio.wait_for(proc.communicate(), self.timeout)
+                code, out, err = await run_quietly(("git", *where, *args), env, self.timeout)
             except TimeoutError as e:
-                await kill_group(proc)
                 raise HeadsError(f"git {args[0]} timed out after {self.timeout:g}s") from e
         text = err.decode(errors="replace").strip()[-_MAX_ERROR:]
         for secret in cred.secrets():
             text = text.replace(secret, "***")
-        return proc.returncode or 0, out.decode(errors="replace"), text
+        return code, out.decode(errors="replace"), text
 
 
 class _Remote(NamedTuple):
