@@ -103,6 +103,25 @@ async def test_a_workspace_the_cli_creates_is_read_by_name_and_id_and_listed(tfe
     assert upper.status == 422 and "lowercase" in upper.body["errors"][0]["detail"]
 
 
+async def test_a_json_body_past_one_mib_is_refused_before_it_is_held(tfe: Tfe) -> None:
+    """Only states are large, and they are streamed to a file: every other body the TFE
+    slice reads (a workspace, a lock reason) stops at 1 MiB with 413 (it was 96 MiB,
+    held whole, for any token's request)."""
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    reason = "x" * (1024 * 1024)
+    big = {"data": {"type": "workspaces", "attributes": {"name": "big", "pad": reason}}}
+    made = await tfe.tfe("POST", "/api/v2/organizations/acme/workspaces", json=big)
+    assert made.status == 413, made.body
+    assert made.body["errors"][0]["title"] == "body too large"
+    locked = await tfe.tfe(
+        "POST", f"/api/v2/workspaces/{ws_id}/actions/lock", json={"reason": reason}
+    )
+    assert locked.status == 413, locked.body
+    assert (await tfe.get("/api/v1/orgs/acme/workspaces/net")).body["lock"] is None
+    assert (await tfe.get("/api/v1/orgs/acme/workspaces/big")).status == 404
+
+
 async def test_lock_unlock_and_force_unlock_are_runplanes_workspace_lock(tfe: Tfe) -> None:
     tokens = await tfe.org("acme")
     ws_id = await tfe.cli_workspace("acme", "net")

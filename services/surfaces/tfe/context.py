@@ -29,7 +29,9 @@ from services.surfaces.tfe.jsonapi import TfeError, error_response
 log = structlog.get_logger("runplane.tfe")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-MAX_BODY = 96 * 1024 * 1024  # a state of 64 MiB, base64 in a JSON:API document
+# A JSON:API document the CLI sends (a workspace, a lock reason): a few hundred bytes.
+# States, the only large bodies, are streamed to a file instead (state_body.py).
+MAX_JSON = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -104,10 +106,9 @@ def route(handler: Handler, *, public: bool = False) -> Handler:
     return wrapped
 
 
-async def read_json(request: web.Request, *, limit: int = MAX_BODY) -> object:
-    """The request's JSON body, read up to `limit` bytes (the app's own cap, 1 MiB, is
-    below the states the CLI sends); 413 beyond it, 422 if it is not JSON, nests too deep
-    or repeats a key (infra/jsonbody.py)."""
+async def read_json(request: web.Request, *, limit: int = MAX_JSON) -> object:
+    """The request's JSON body, read up to `limit` bytes; 413 beyond it, 422 if it is not
+    JSON, nests too deep or repeats a key (infra/jsonbody.py)."""
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_chunked(64 * 1024):
