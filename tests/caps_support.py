@@ -41,25 +41,40 @@ class Up:
     proc: Proc
     client: Client
     data: Path
-    mode: str
+    mode: str  # the jobs' isolation
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.proc is not None
+        return self.proc.proc.pid
+
+    def key(self) -> str:
+        return (self.data / "encryption.key").read_text().strip()
+
+    def work(self) -> Path:
+        return self.data / "work"
 
     @property
     def jobs(self) -> Path:
-        return default_jobs_dir(self.data / "work") / "jobs"
+        return default_jobs_dir(self.work()) / "jobs"
 
 
 @asynccontextmanager
-async def running_up(tmp: Path, mode: str, *extra: str) -> AsyncIterator[Up]:
-    """`runplane up --isolation mode` with `extra` flags and an organization `acme`."""
+async def running_up(
+    tmp: Path, mode: str, *extra: str, token: str = TOKEN, env: dict[str, str] | None = None
+) -> AsyncIterator[Up]:
+    """`runplane up --isolation mode` with `extra` flags, the admin `token` and `env` in
+    its environment (by default this module's job uids), and an organization `acme`."""
     data, port = tmp / "data", free_port()
     args = ["up", "--no-demo", "--data-dir", str(data), "--listen", f"127.0.0.1:{port}"]
+    uids = {"RUNPLANE_JOB_UIDS": f"{UIDS[0]}-{UIDS[-1]}"}
     proc = await Proc(
         [*args, "--isolation", mode, *extra],
         tmp / "up.log",
-        env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_JOB_UIDS": f"{UIDS[0]}-{UIDS[-1]}"},
+        env={"RUNPLANE_ADMIN_TOKEN": token, **(uids if env is None else env)},
     ).start()
     base = f"http://127.0.0.1:{port}"
-    client = Client(base, TOKEN)
+    client = Client(base, token)
     try:
         await wait_healthy(base)
         await client.ok("POST", "/api/v1/orgs", {"name": "acme"})

@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ from executor.uids import DEFAULT_UIDS, kill_uid, uid_range
 from executor.worker import Executor, default_jobs_dir
 from services.app.commands import App
 from services.root.bootstrap import Plane
-from tests.caps_support import phase_groups
+from tests.caps_support import Up, phase_groups, running_up
 from tests.executor_support import Harness, commit, git
 from tests.helpers import eventually
 from tests.procs import Client, Proc, free_port, nats_servers_using, wait_healthy
@@ -41,25 +40,6 @@ pytestmark = [
 
 TOKEN = "admin-canary-9f3b6c1d2e"  # the admin token in `runplane up`'s environment
 V1 = "/api/v1/orgs/acme"
-
-
-@dataclass
-class Up:
-    proc: Proc
-    client: Client
-    data: Path
-    mode: str  # the jobs' isolation
-
-    @property
-    def pid(self) -> int:
-        assert self.proc.proc is not None
-        return self.proc.proc.pid
-
-    def key(self) -> str:
-        return (self.data / "encryption.key").read_text().strip()
-
-    def work(self) -> Path:
-        return self.data / "work"
 
 
 NO_SANDBOX = sandbox_problem(DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
@@ -78,25 +58,10 @@ async def up(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Up
     """`runplane up` with the admin token in its environment and the key in a file; its
     jobs in each isolation a root executor has (the sandbox, and the uid fallback)."""
     mode = str(request.param)
-    data, port = tmp_path / "data", free_port()
-    proc = await Proc(
-        [
-            *("up", "--no-demo", "--data-dir", str(data)),
-            *("--listen", f"127.0.0.1:{port}", "--isolation", mode),
-        ],
-        tmp_path / "up.log",
-        env={"RUNPLANE_ADMIN_TOKEN": TOKEN, "RUNPLANE_ENCRYPTION_KEY": ""},
-    ).start()
-    base = f"http://127.0.0.1:{port}"
-    client = Client(base, TOKEN)
-    try:
-        await wait_healthy(base)
-        await client.ok("POST", "/api/v1/orgs", {"name": "acme"})
-        yield Up(proc, client, data, mode)
-    finally:
-        await client.close()
-        await proc.stop(signal.SIGTERM)
-    assert f'"isolation": "{mode}"' in proc.output(), "runplane up logs its isolation mode"
+    env = {"RUNPLANE_ENCRYPTION_KEY": ""}  # the key in a file, where a job might look
+    async with running_up(tmp_path, mode, token=TOKEN, env=env) as up:
+        yield up
+    assert f'"isolation": "{mode}"' in up.proc.output(), "runplane up logs its isolation mode"
 
 
 async def _workspace(up: Up, repo: Path, main_tf: str, name: str = "net") -> None:

@@ -17,6 +17,7 @@ import os
 import re
 import ssl
 import subprocess
+import time
 from pathlib import Path
 
 import aiohttp
@@ -24,7 +25,6 @@ from yarl import URL
 
 from executor.terraform import default_binary
 from services.surfaces.tfe.login import AUTHZ
-from tests.helpers import eventually
 from tests.tfe_cli_support import CLOUD_HCL, HCL, _newer_terraform, ok, plane, terraform
 from tests.tfe_support import Terminal
 
@@ -42,9 +42,10 @@ def _repo(path: Path) -> Path:
     return path
 
 
-async def browser(base: str, ca: Path, token: str, authz_url: str) -> None:
+async def browser(base: str, ca: Path, token: str, authz_url: str) -> str:
     """A person's browser: signs in to runplane's web UI with a token, opens the page the
-    CLI printed, allows, and follows the redirect back to the CLI's listener."""
+    CLI printed and allows; where runplane redirects it (the CLI's listener, with the
+    code)."""
     ctx = ssl.create_default_context(cafile=str(ca))
     connector = aiohttp.TCPConnector(ssl=ctx)
     jar = aiohttp.CookieJar(unsafe=True)
@@ -68,24 +69,34 @@ async def browser(base: str, ca: Path, token: str, authz_url: str) -> None:
             assert r.status == 303, await r.text()
             back = r.headers["Location"]
     assert back.startswith("http://localhost:100") and "code=" in back
+    return back
 
-    # Terraform listens on 127.0.0.1 only ("tcp4"), so the browser goes there rather than
-    # to whatever `localhost` resolves to first. Its listener is bound before it prints
-    # the URL, yet CI saw it refuse for 10 s three times: asked again for a while.
+
+async def follow_back(back: str, term: Terminal) -> None:
+    """The browser follows runplane's redirect to Terraform's listener, which takes the
+    code. Terraform listens on 127.0.0.1 only ("tcp4"), so the browser goes there. CI saw
+    no 200 come back three times, though Terraform then said it had the token: once it
+    has the code it may exchange it and exit before its answer is flushed. So what
+    counts is that the listener answered 200 or that Terraform says it got the token;
+    every attempt is told if neither happens."""
     loopback = URL(back, encoded=True).with_host("127.0.0.1")
-
-    async def callback(plain: aiohttp.ClientSession) -> int | None:
-        try:
-            async with plain.get(loopback) as r:
-                return r.status
-        except aiohttp.ClientConnectorError:
-            return None
-
+    attempts: list[str] = []
+    deadline = time.monotonic() + 30
     async with aiohttp.ClientSession() as plain:
-        status = await eventually(
-            lambda: callback(plain), timeout=30, interval=0.25, what="Terraform's listener"
-        )
-    assert status == 200  # Terraform's listener took the code
+        while time.monotonic() < deadline:
+            try:
+                async with plain.get(loopback) as r:
+                    attempts.append(f"HTTP {r.status}")
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError as e:
+                attempts.append(repr(e))
+            if "Terraform has obtained and saved an API token" in term.drain():
+                return
+            await asyncio.sleep(0.25)
+    raise AssertionError(
+        f"Terraform's listener took no code; tried {attempts[:5]}...{attempts[-3:]}"
+    )
 
 
 async def login_v1(binary: str, host: str, ca: Path, token: str, env: dict[str, str]) -> str:
@@ -99,7 +110,8 @@ async def login_v1(binary: str, host: str, ca: Path, token: str, env: dict[str, 
             term.expect, rb"https://[^\s']+/app/oauth/authorize\?[^\s']+"
         )
         try:
-            await browser(f"https://{host}", ca, token, found.group(0).decode())
+            back = await browser(f"https://{host}", ca, token, found.group(0).decode())
+            await follow_back(back, term)
         except (AssertionError, aiohttp.ClientError) as e:
             raise AssertionError(f"{e!r}; terraform said: {term.drain()}") from e
         code = await asyncio.to_thread(term.finish)

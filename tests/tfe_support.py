@@ -184,17 +184,23 @@ class Terminal:
                 assert chunk, f"ended without {pattern!r}: {self.text()}"
                 self.seen += chunk
 
+    def _read(self, wait: float) -> bool | None:
+        """Take what the program printed within `wait` seconds: True if something came,
+        False if nothing did, None if the terminal has closed (the program ended)."""
+        if not select.select([self.master], [], [], wait)[0]:
+            return False
+        try:
+            chunk = os.read(self.master, 4096)
+        except OSError:
+            return None
+        self.seen += chunk
+        return True if chunk else None
+
     def drain(self) -> str:
         """Read what the program has printed so far without waiting; all it printed, and
         whether it is still running."""
-        while select.select([self.master], [], [], 0)[0]:
-            try:
-                chunk = os.read(self.master, 4096)
-            except OSError:
-                break
-            if not chunk:
-                break
-            self.seen += chunk
+        while self._read(0):
+            pass
         state = "running" if self.proc.poll() is None else f"exited {self.proc.returncode}"
         return f"{self.text()}\n[{state}]"
 
@@ -205,16 +211,8 @@ class Terminal:
         """Read to the end; the exit status."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.master], [], [], 0.5)
-            if ready:
-                try:
-                    chunk = os.read(self.master, 4096)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                self.seen += chunk
-            elif self.proc.poll() is not None:
+            got = self._read(0.5)
+            if got is None or (got is False and self.proc.poll() is not None):
                 break
         return self.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
 
