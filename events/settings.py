@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from events import workload_rules as workload
 from events.errors import Invalid
 
 
@@ -95,6 +96,16 @@ SPECS: dict[str, Spec] = {
     "templates": Spec({}, _templates, "default template per run type (empty: built-in)"),
     "auto_apply_run_triggers": Spec(
         False, _bool, "a run a run trigger started applies without waiting for approval"
+    ),
+    # events/workload.py: each plan and apply phase gets a JWT runplane signs
+    workload.ENABLED: Spec(False, _bool, "each plan and apply phase gets a workload identity JWT"),
+    workload.AUDIENCE: Spec(
+        workload.DEFAULT_AUDIENCE, workload.audience_problem, "the workload token's `aud`"
+    ),
+    workload.TTL: Spec(
+        workload.DEFAULT_TTL,
+        workload.ttl_problem,
+        "seconds a workload token lives (60 to 43200; never past the run's run_timeout)",
     ),
 }
 

@@ -80,6 +80,8 @@ class SecretsRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     lease_id: str
     # The run's git credential (`GitSecret`) instead of its secret variables.
     git: bool = False
+    # The phase's workload identity token (a JWT, services/app/workload.py) instead.
+    workload: bool = False
 
 
 class GitSecret(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -108,10 +110,11 @@ def secrets_subject(org: str, ws: str) -> str:
     return f"{SECRETS_PREFIX}.{org}.{ws}"
 
 
-def reply_context(run_id: str, lease_id: str, *, git: bool = False) -> str:
+def reply_context(run_id: str, lease_id: str, *, git: bool = False, workload: bool = False) -> str:
     """What a sealed answer is bound to: it opens only for this run and lease (and as
     what was asked: variables never open as a git credential, nor the reverse)."""
-    return f"{'git' if git else 'secrets'}:{run_id}:{lease_id}"
+    kind = "workload" if workload else "git" if git else "secrets"
+    return f"{kind}:{run_id}:{lease_id}"
 
 
 T = TypeVar("T")

@@ -16,6 +16,8 @@ import structlog
 
 from events.run import secret_names
 from executor import secrets as secret_vars
+from executor import workload
+from executor.custody import Custody
 from executor.job import Job
 from executor.jobinit import STATE_SOCKET
 from executor.linksafe import open_regular
@@ -34,6 +36,13 @@ async def guarded(job: Job) -> AsyncIterator[None]:
     """
     custody = job.tools.custody
     await _take_secrets(job)
+    async with workload.provided(job):  # executor/workload.py: when the workspace asks
+        async with _state_served(job, custody):
+            yield
+
+
+@asynccontextmanager
+async def _state_served(job: Job, custody: Custody) -> AsyncIterator[None]:
     # A custom step's command (executor/custom.py) runs no Terraform of runplane's: no state.
     if not job.ctx.config.managed_state or job.ctx.phase not in ("plan", "apply"):
         yield

@@ -18,7 +18,9 @@
 - `rp-tfe-configs`: `<org>` -> the organization's ledger of configuration versions in
   `rp-plans` (services/surfaces/tfe/quota.py), moved with optimistic concurrency;
 - `rp-open-runs`: `<org>` -> the organization's ledger of open runs, its quota
-  (services/app/openruns.py), moved with optimistic concurrency.
+  (services/app/openruns.py), moved with optimistic concurrency;
+- `rp-signing-keys`: `keys` -> the workload identity signing keys (infra/signing.py), each
+  private key sealed, rotated with optimistic concurrency and read from the leader.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ LOGIN_CODES_KEPT_S = 120.0
 TFE_CONFIGS_BUCKET = "rp-tfe-configs"
 OPEN_RUNS_BUCKET = "rp-open-runs"
 STATE_LEDGER_BUCKET = "rp-state-ledger"  # versions kept per org (executor/stateledger.py)
+SIGNING_KEYS_BUCKET = "rp-signing-keys"  # workload identity's keys (infra/signing.py)
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
@@ -57,6 +60,7 @@ BUCKETS = (
     TFE_CONFIGS_BUCKET,
     OPEN_RUNS_BUCKET,
     STATE_LEDGER_BUCKET,
+    SIGNING_KEYS_BUCKET,
 )
 # The others keep their keys forever.
 _TTL = {

@@ -33,6 +33,9 @@ JOB_TMPFS, JOB_TMPFS_MIN = 256 * 1024**2, 1024**2
 JOB_FILES, JOB_FILES_MIN = 200_000, 1_000
 JOB_CPUS, JOB_CPUS_MIN = 2.0, 0.01  # 0: no quota
 JOB_NETWORKS = ("allowed", "none")
+# Workload identity's signing keys (infra/signing.py): how often a new one is made.
+WORKLOAD_KEY_ROTATION = 7 * 86400
+WORKLOAD_KEY_ROTATION_RANGE = (3600, 90 * 86400)
 
 
 class ConfigError(Exception):
@@ -87,6 +90,14 @@ class Options:
     job_network: str = "allowed"  # or "none" (the sandbox only)
     terraform_binaries: list[str] = field(default_factory=list)  # what runs may name
     quotas: Quotas = field(default_factory=Quotas)  # what a tenant may grow (infra/quotas.py)
+    # The deployment's URL as people and clouds reach it: workload identity's issuer
+    # (services/surfaces/api/oidc.py); empty: http://<listen>
+    public_url: str = ""
+    workload_key_rotation: int = WORKLOAD_KEY_ROTATION  # seconds
+
+    def issuer(self) -> str:
+        """Workload identity's `iss`: the public URL, without a trailing slash."""
+        return (self.public_url or f"http://{self.listen}").rstrip("/")
 
     def nats_servers(self) -> list[str]:
         """The `--nats-url` list, checked (a bad URL is a `ConfigError`)."""
@@ -125,6 +136,20 @@ class Options:
         if problems := self.quotas.problems():
             raise ConfigError("; ".join(problems))
         self._check_job_caps()
+        self._check_identity()
+
+    def _check_identity(self) -> None:
+        low, high = WORKLOAD_KEY_ROTATION_RANGE
+        if not low <= self.workload_key_rotation <= high:
+            raise ConfigError(f"--workload-key-rotation wants {low} to {high} seconds")
+        url = self.public_url
+        scheme, _, rest = url.partition("://")
+        bad = scheme not in ("http", "https") or not rest or any(c in rest for c in "?#@ ")
+        if url and (bad or not url.isascii() or not url.isprintable()):
+            raise ConfigError(
+                f"--public-url wants http(s)://host[:port][/path] (no query, fragment or "
+                f"user), got {url!r}"
+            )
 
     def _check_job_caps(self) -> None:
         for flag, value, least in (

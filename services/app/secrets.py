@@ -27,11 +27,13 @@ from events import vcs, wire
 from events.codec import valid_id
 from events.run import RunState, secret_names
 from events.wire import SECRETS_PREFIX, GitSecret, SecretsReply, reply_context
+from events.workload import WorkloadRefused
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import SECRETS_BUCKET, last_values
 from services.app.aggregates import VCS_CONNECTION
 from services.app.commands import App
 from services.app.execute import Repository
+from services.app.workload import Minter
 
 log = structlog.get_logger(__name__)
 
@@ -130,10 +132,13 @@ async def connection_secret(
 class SecretsResponder:
     """Answers executors' secret requests; an async context manager, one or many replicas."""
 
-    def __init__(self, nc: NATS, app: App, store: SecretStore) -> None:
+    def __init__(
+        self, nc: NATS, app: App, store: SecretStore, minter: Minter | None = None
+    ) -> None:
         self.nc = nc
         self.app = app
         self.store = store
+        self.minter = minter  # None: no workload identity tokens (no signing keys)
         self._sub: Subscription | None = None
 
     async def __aenter__(self) -> SecretsResponder:
@@ -178,6 +183,8 @@ class SecretsResponder:
             )
         if req.git:
             return await self._git(org, ws, run, req.lease_id)
+        if req.workload:
+            return await self._workload(run, req.lease_id)
         try:
             values = await self.store.values(org, ws, secret_names(run))
         except SecretError as e:
@@ -203,3 +210,15 @@ class SecretsResponder:
             "git_credential_handed_over", org=org, workspace=ws, run_id=run.run_id, given=given
         )
         return SecretsReply(sealed=sealed)
+
+    async def _workload(self, run: RunState, lease_id: str) -> SecretsReply:
+        """The token of the run's claimed phase (services/app/workload.py)."""
+        if self.minter is None:
+            return SecretsReply(error="this deployment issues no workload identity tokens")
+        try:
+            token = await self.minter.mint(run)
+        except WorkloadRefused as e:
+            log.warning("workload_token_refused", run_id=run.run_id, why=str(e))
+            return SecretsReply(error=str(e))
+        context = reply_context(run.run_id, lease_id, workload=True)
+        return SecretsReply(sealed=self.store.keyring.seal(token.encode(), context))

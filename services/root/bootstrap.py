@@ -41,6 +41,7 @@ from infra.crypto import KeyRing
 from infra.eventstore import EventStore
 from infra.ids import new_id, utcnow
 from infra.options import ConfigError, Options, admin_token, prepare_data_dir
+from infra.signing import SigningKeys
 from projections.projector import Projector
 from services.app.commands import App
 from services.app.flows import SnapshotHook
@@ -50,6 +51,7 @@ from services.app.openruns import OpenRuns
 from services.app.repositories import Sources, deployment_sources
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
+from services.app.workload import Minter
 from services.processes.runwatch import RunWatch
 from services.processes.scheduler.reaper import Reaper
 from services.processes.scheduler.scheduler import Scheduler
@@ -59,6 +61,7 @@ from services.processes.subscribers.host import Host
 from services.processes.vcs.heads import GitHeads
 from services.root.runtime import http_site
 from services.surfaces.api.app import build_app
+from services.surfaces.api.oidc import Issuer
 from services.surfaces.tfe import tls
 from services.surfaces.webhooks.intake import Limits
 
@@ -106,7 +109,13 @@ def build(
         hook.access = access  # credential, of a repository the sources take for it
         hook.sources = sources
     _say_repository_rules(sources)
-    return Plane(opts, nc, stack, keys, events, app, secrets, sources, access)
+    signing = SigningKeys(nc, keys, rotate_after=opts.workload_key_rotation, clock=app_seconds(app))
+    return Plane(opts, nc, stack, keys, events, app, secrets, sources, access, signing)
+
+
+def app_seconds(app: App) -> Callable[[], float]:
+    """The `App`'s clock as unix seconds (a test's clock moves the keys' rotation too)."""
+    return lambda: app.clock().timestamp()
 
 
 def _say_repository_rules(sources: Sources) -> None:
@@ -146,6 +155,7 @@ class Plane:
     secrets: SecretStore
     repositories: Sources
     git_access: GitAccess
+    signing: SigningKeys  # workload identity's keys (infra/signing.py)
 
     # ------------------------------------------------------------ starting
 
@@ -204,6 +214,7 @@ class Plane:
                 self.opts.data_dir / "vcs-git", sources=self.repositories, access=self.git_access
             ),
             "quotas": self.opts.quotas,
+            "workload_identity": Issuer(self.signing, self.opts.issuer()),
             **overrides,
         }
         if "admin_token" not in given:  # made once into the data directory if not given
@@ -228,7 +239,8 @@ class Plane:
 
     def secrets_responder(self) -> SecretsResponder:
         """Answers executors' secret requests from this process's secret store."""
-        return SecretsResponder(self.nc, self.app, self.secrets)
+        minter = Minter(self.app, self.signing, self.opts.issuer())
+        return SecretsResponder(self.nc, self.app, self.secrets, minter)
 
     def reaper(self, **overrides: Any) -> Reaper:
         return Reaper(self.nc, self.app, **overrides)

@@ -18,6 +18,7 @@ from infra.natsclient import NatsAuth
 from infra.options import (
     WEBHOOK_CONCURRENCY,
     WEBHOOK_MAX_BODY,
+    WORKLOAD_KEY_ROTATION,
     ConfigError,
     Options,
     prepare_data_dir,
@@ -25,7 +26,7 @@ from infra.options import (
 )
 from infra.sizes import parse_size
 from services.app import repositories
-from services.root import tenant_flags
+from services.root import identity_flags, tenant_flags
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
 
@@ -67,6 +68,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         "uses its VCS connection's only (also RUNPLANE_HOST_GIT_CREDENTIALS)",
     )
     tenant_flags.open_runs_opts(p)
+    identity_flags.identity_opts(p)
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
         p.add_argument(
@@ -411,6 +413,8 @@ def options(ns: argparse.Namespace) -> Options:
             b.strip() for b in getattr(ns, "terraform_binaries", "").split(",") if b.strip()
         ],
         quotas=_quotas(ns),
+        public_url=getattr(ns, "public_url", ""),
+        workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),
     )
     for name, value in (_job_caps(ns) if hasattr(ns, "job_memory") else {}).items():
         setattr(opts, name, value)  # the caps' flags: up and executor only

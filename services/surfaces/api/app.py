@@ -28,6 +28,7 @@ from services.surfaces.api import (
     locks,
     logs,
     metrics,
+    oidc,
     openapi,
     orgs,
     runs,
@@ -100,6 +101,7 @@ def build_app(
     webhook_limits: Limits | None = None,
     vcs_heads: Heads | None = None,
     quotas: Quotas | None = None,
+    workload_identity: oidc.Issuer | None = None,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -135,12 +137,12 @@ def build_app(
     ui.mount(web_app, behind_tls_proxy=behind_tls_proxy)
     # the TFE API the Terraform CLI speaks (services/surfaces/tfe): after the UI, as it adds to
     # the routes that authenticate themselves
-    keyring = secret_store.keyring if secret_store is not None else None
     tfe.mount(
         web_app,
-        keyring=keyring,
+        keyring=secret_store.keyring if secret_store is not None else None,
         js=app.store.nc.jetstream(),
         browser_login=browser_login,
         quotas=quotas,
     )
+    oidc.mount(web_app, workload_identity)  # last: after the UI's public routes
     return web_app
