@@ -86,6 +86,11 @@ async def no_guard(url: str) -> None:
     """Judges nothing: for a caller that reaches only what it chose itself."""
 
 
+def plain_session() -> aiohttp.ClientSession:
+    """A session that judges no address: for a caller that reaches only what it chose."""
+    return aiohttp.ClientSession()
+
+
 @dataclass
 class _Keys:
     keys: dict[str, jwt.PyJWK] = field(default_factory=dict)
@@ -196,14 +201,21 @@ class OidcClient:
         if entry is None or self.now() - entry.fetched >= self.cache_s:
             entry = await self._fetch_keys(issuer)
         found = _pick(entry.keys, kid)
-        if found is None and self.now() - entry.forced >= self.refetch_s:
-            entry.forced = self.now()
-            entry = await self._fetch_keys(issuer)
-            entry.forced = self.now()
-            found = _pick(entry.keys, kid)
+        if found is None and await self.refetch(issuer):
+            found = _pick(self._keys[issuer].keys, kid)
         if found is None:
             raise TokenRefused(f"the token's key {kid[:64]!r} is not in {issuer}'s key set")
         return found
+
+    async def refetch(self, issuer: str) -> bool:
+        """Fetch the issuer's key set again unless an unknown key did within `refetch_s`
+        (whatever tokens come, a provider is asked at most once per that time)."""
+        entry = self._keys.setdefault(issuer, _Keys())
+        if self.now() - entry.forced < self.refetch_s:
+            return False
+        entry.forced = self.now()
+        await self._fetch_keys(issuer)
+        return True
 
     # ------------------------------------------------------------ the code and the token
 
@@ -249,7 +261,23 @@ class OidcClient:
         alg = header.get("alg")
         if alg not in SIGNING_ALGS:
             raise TokenRefused(f"the ID token's algorithm {str(alg)[:16]!r} is not accepted")
-        key = await self.key(issuer, str(header.get("kid", "")))
+        kid = str(header.get("kid", ""))
+        try:
+            claims = self._decode(token, await self.key(issuer, kid), alg, issuer, client_id)
+        except jwt.InvalidSignatureError as e:
+            # a token naming no key, signed by a key the provider rotated in since
+            if kid or not await self.refetch(issuer):
+                raise TokenRefused("the ID token's signature does not verify") from e
+            try:
+                claims = self._decode(token, await self.key(issuer, kid), alg, issuer, client_id)
+            except jwt.InvalidSignatureError as again:
+                raise TokenRefused("the ID token's signature does not verify") from again
+        self._check_claims(claims, client_id=client_id, nonce=nonce)
+        return claims
+
+    def _decode(
+        self, token: str, key: jwt.PyJWK, alg: str, issuer: str, client_id: str
+    ) -> dict[str, Any]:
         if getattr(key, "algorithm_name", alg) not in (alg, None):
             raise TokenRefused("the ID token's algorithm is not its key's")
         try:
@@ -274,9 +302,10 @@ class OidcClient:
             raise TokenRefused(
                 "the ID token is another issuer's", reason="sso-issuer-mismatch"
             ) from e
+        except jwt.InvalidSignatureError:
+            raise
         except jwt.PyJWTError as e:
             raise TokenRefused(f"the ID token does not verify: {_short(e)}") from e
-        self._check_claims(claims, client_id=client_id, nonce=nonce)
         return claims
 
     def _check_claims(self, claims: dict[str, Any], *, client_id: str, nonce: str) -> None:

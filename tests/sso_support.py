@@ -20,7 +20,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 import aiohttp
 import pytest
@@ -56,8 +56,9 @@ class Idp:
                 *args, stdout=out, stderr=out, start_new_session=True
             )
         self.log.touch()
+        seen = self.log.stat().st_size  # a restart's log follows the last life's
         for _ in range(300):
-            found = _LISTENING.findall(self.log.read_bytes())
+            found = _LISTENING.findall(self.log.read_bytes()[seen:])
             if found and (self.port == 0 or int(found[-1]) == self.port):
                 self.port = int(found[-1])
                 if self.proc.returncode is None:
@@ -178,10 +179,12 @@ class Sso:
 
 
 @contextlib.asynccontextmanager
-async def sso_api(system: Plane, db: Path, **knobs: Any) -> AsyncIterator[Sso]:
-    """The API over `system` (its key ring) with loopback providers allowed; `acme` and
-    `beta` exist."""
-    async with served(system, db, "acme", sso_allow=LOOPBACK, **knobs) as (web_app, client):
+async def sso_api(
+    system: Plane, db: Path, *, sso_allow: frozenset[str] = LOOPBACK, **knobs: Any
+) -> AsyncIterator[Sso]:
+    """The API over `system` (its key ring) with loopback providers allowed (unless told
+    otherwise); `acme` and `beta` exist."""
+    async with served(system, db, "acme", sso_allow=sso_allow, **knobs) as (web_app, client):
         http = Http(client, web_app[API], system.app)
         assert (await http.post("/api/v1/orgs", json={"name": "beta"})).status == 201
         sso = Sso(http, web_app, client)
@@ -200,3 +203,32 @@ async def sso_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Sso]:
 
 def query_of(location: str) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(urlsplit(location).query).items()}
+
+
+async def id_token(idp: Idp, client_id: str, sub: str, *, nonce: str = "n0nce") -> str:
+    """An ID token the provider issues to `client_id` for `sub`, as any client of it (an
+    attacker's too) can obtain one: authorization, then the code at the token endpoint."""
+    redirect = "http://127.0.0.1:9/cb"
+    query = {
+        "response_type": "code",
+        "client_id": client_id,
+        "redirect_uri": redirect,
+        "scope": "openid email profile",
+        "state": "s",
+        "nonce": nonce,
+    }
+    url = f"{idp.issuer}/oauth2/authorize?{urlencode(query)}"
+    code = query_of(await idp.authorize(url, sub))["code"]
+    form = {"grant_type": "authorization_code", "code": code, "redirect_uri": redirect}
+    async with aiohttp.ClientSession() as s:
+        auth = aiohttp.BasicAuth(client_id, "any")
+        async with s.post(f"{idp.issuer}/oauth2/token", data=form, auth=auth) as r:
+            assert r.status == 200, await r.text()
+            return str((await r.json())["id_token"])
+
+
+async def org_tokens(sso: Sso, org: str) -> int:
+    """How many tokens `org` has issued (a sign-in issues one: refused ones none)."""
+    a = await sso.http.get(f"/api/v1/orgs/{org}/tokens")
+    assert a.status == 200, a.body
+    return len(a.body["items"])
