@@ -133,7 +133,7 @@ async def token_expiry(api: Api, token: str) -> str:
 def _signin_needed(detail: str, request: web.Request) -> web.Response:
     """Sign in first: with a token in another tab, or single sign-on, which comes back
     here (services/surfaces/ui/sso.py)."""
-    here = html.escape(request.path_qs if request.method == "GET" else AUTHZ)
+    here = html.escape(request.raw_path if request.method == "GET" else AUTHZ)
     return _page(
         "Sign in to runplane first",
         f"<p>{html.escape(detail)}.</p><p>Open <a href='/' target='_blank'>runplane</a>, sign "
