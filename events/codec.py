@@ -12,6 +12,7 @@ from events.org import OrgEvent
 from events.run import RunEvent
 from events.run_triggers import RunTriggerEvent
 from events.schedule import ScheduleEvent
+from events.sso import SsoEvent
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
 from events.workspace import WorkspaceEvent
@@ -26,6 +27,7 @@ AnyEvent = (
     | VcsReportEvent
     | RunTriggerEvent
     | ScheduleEvent
+    | SsoEvent
 )
 
 _encoder = msgspec.json.Encoder()

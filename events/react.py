@@ -36,7 +36,7 @@ import msgspec
 from events import chat as ch
 from events import run_triggers as rt
 from events import schedule as sc
-from events import vcs
+from events import sso, vcs
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -246,6 +246,7 @@ OthersEvent = (
     | VcsReportEvent
     | rt.RunTriggerEvent
     | sc.ScheduleEvent
+    | sso.SsoEvent
 )
 
 
@@ -296,6 +297,8 @@ def _others_own(event: OthersEvent) -> bool:
         case (  # schedules' own (events/schedule.py): the schedule loop reads them itself
             sc.ScheduleSaved() | sc.ScheduleDeleted() | sc.ScheduleFired() | sc.ScheduleSkipped()
         ):
+            return True
+        case sso.SsoConfigured() | sso.SsoRemoved():  # read by sign-ins from its subject
             return True
         case _:
             assert_never(event)

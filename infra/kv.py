@@ -15,6 +15,10 @@
   keyed by a digest of the code, each written expecting no earlier value
   (`update(last=0)`: so by one replica only) and
   dropped `LOGIN_CODES_KEPT_S` after, once the code has expired anyway;
+- `rp-sso-flows`: single sign-on's flows under way (services/app/sso_flows.py): each
+  started flow's `state`, sealed with a key only its browser's cookie gives, taken once
+  (`update(last=revision)`), and each ID token's nonce once used (`update(last=0)`);
+  dropped `SSO_FLOWS_KEPT_S` after, when no flow is still alive anyway;
 - `rp-tfe-configs`: `<org>` -> the organization's ledger of configuration versions in
   `rp-plans` (services/surfaces/tfe/quota.py), moved with optimistic concurrency;
 - `rp-open-runs`: `<org>` -> the organization's ledger of open runs, its quota
@@ -46,6 +50,8 @@ LOGIN_CODES_BUCKET = "rp-login-codes"
 # A login code lives 60 s (services/surfaces/tfe/login.py CODE_TTL_S); its mark is kept as long
 # again, for replicas whose clocks are apart: a code no replica still takes is forgotten.
 LOGIN_CODES_KEPT_S = 120.0
+SSO_FLOWS_BUCKET = "rp-sso-flows"
+SSO_FLOWS_KEPT_S = 900.0  # a flow lives 10 minutes (services/app/sso_flows.py FLOW_TTL_S)
 TFE_CONFIGS_BUCKET = "rp-tfe-configs"
 OPEN_RUNS_BUCKET = "rp-open-runs"
 STATE_LEDGER_BUCKET = "rp-state-ledger"  # versions kept per org (executor/stateledger.py)
@@ -57,6 +63,7 @@ BUCKETS = (
     UI_SESSIONS_BUCKET,
     IDEMPOTENCY_BUCKET,
     LOGIN_CODES_BUCKET,
+    SSO_FLOWS_BUCKET,
     TFE_CONFIGS_BUCKET,
     OPEN_RUNS_BUCKET,
     STATE_LEDGER_BUCKET,
@@ -67,6 +74,7 @@ _TTL = {
     UI_SESSIONS_BUCKET: UI_SESSION_IDLE_S,
     IDEMPOTENCY_BUCKET: IDEMPOTENCY_TTL_S,
     LOGIN_CODES_BUCKET: LOGIN_CODES_KEPT_S,
+    SSO_FLOWS_BUCKET: SSO_FLOWS_KEPT_S,
 }
 _BATCH = 1000
 

@@ -53,6 +53,9 @@ class Options:
         False  # X-Forwarded-Proto is believed (services/surfaces/ui/sessions.py)
     )
     terraform_login: str = "browser"  # or "token": no login.v1 (services/surfaces/tfe/discovery.py)
+    # the address kinds an identity provider may have besides public ones (`loopback`,
+    # `private`); None: RUNPLANE_SSO_ALLOW, else RUNPLANE_NOTIFY_ALLOW
+    sso_allow: frozenset[str] | None = None
     admin_token: str = ""
     pool: str = "default"
     terraform_binary: str = ""

@@ -34,6 +34,7 @@ from events.policies import PolicyDeleted, PolicySaved
 from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
 from events.run_triggers import RunTriggerEvent
 from events.schedule import ScheduleEvent
+from events.sso import SsoEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
@@ -409,6 +410,8 @@ FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     # run triggers: the audit history only (the API reads the graph's own subject)
     **{t: _audit_only for t in get_args(RunTriggerEvent)},
     **{t: project_schedule for t in get_args(ScheduleEvent)},
+    # single sign-on: the audit history only (the API reads the configuration's own subject)
+    **{t: _audit_only for t in get_args(SsoEvent)},
     # a pull request's report: the audit history only (the reporter reads its own subject)
     **{t: _audit_only for t in get_args(VcsReportEvent)},
 }

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from events import chat as ch
-from events import codec, vcs
+from events import codec, sso, vcs
 from events import notification as nt
 from events import run_triggers as rt
 from events import schedule as sc
@@ -354,6 +354,21 @@ SAMPLES += [
     rt.RunTriggerRemoved(at=AT, actor="alice", source="net", target="app"),
 ]
 
+SAMPLES += [
+    sso.SsoConfigured(
+        at=AT,
+        actor="alice",
+        issuer="https://idp.example.com",
+        client_id="runplane",
+        display_name="Example",
+        allowed_domains=["example.com"],
+        groups_claim="groups",
+        group_rules=[sso.GroupRule(group="net-admins", team="network")],
+        secret_changed=True,
+    ),
+    sso.SsoRemoved(at=AT, actor="alice"),
+]
+
 EVENT_TYPES = [
     *get_args(RunEvent),
     *get_args(WorkspaceEvent),
@@ -364,6 +379,7 @@ EVENT_TYPES = [
     *get_args(vr.VcsReportEvent),
     *get_args(rt.RunTriggerEvent),
     *get_args(sc.ScheduleEvent),
+    *get_args(sso.SsoEvent),
 ]
 
 

@@ -598,6 +598,9 @@ def _samples() -> list[tuple[Any, Any]]:
         {"type": "org.schedule_deleted", "schedule_id": "s"},
         {"type": "org.schedule_fired", "schedule_id": "s", "fire_time": AT, "run_id": "r"},
         {"type": "org.schedule_skipped", "schedule_id": "s", "fire_time": AT, "reason": "waiting"},
+        # single sign-on (events/sso.py): read by sign-ins from its own subject
+        {"type": "org.sso_configured", "issuer": "https://idp.example", "client_id": "c"},
+        {"type": "org.sso_removed"},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -15,7 +15,7 @@ from events import org as org_agg
 from events import run as run_agg
 from events import run_triggers as rt
 from events import schedule as sc
-from events import vcs
+from events import sso, vcs
 from events import workspace as ws_agg
 from services.app.execute import Aggregate
 
@@ -78,4 +78,10 @@ VCS_CONNECTION: Aggregate[vcs.ConnectionState, vcs.SaveConnection | vcs.DeleteCo
         fold=vcs.fold,
         decide=lambda s, c, now, new_id: vcs.decide(s, c, now=now),
     )
+)
+SSO: Aggregate[sso.SsoState, sso.SsoCommand] = Aggregate(
+    name="sso",
+    initial=sso.INITIAL,
+    fold=sso.fold,
+    decide=lambda s, c, now, new_id: sso.decide(s, c, now=now, new_id=new_id),
 )

@@ -60,6 +60,7 @@ from services.processes.subscribers.context import SubscriberContext
 from services.processes.subscribers.host import Host
 from services.processes.vcs.heads import GitHeads
 from services.root.runtime import http_site
+from services.surfaces.api import sso as sso_api
 from services.surfaces.api.app import build_app
 from services.surfaces.api.oidc import Issuer
 from services.surfaces.tfe import tls
@@ -219,7 +220,10 @@ class Plane:
         }
         if "admin_token" not in given:  # made once into the data directory if not given
             given["admin_token"] = admin_token(self.opts)
-        return build_app(app=self.app, projector=projector, **given)
+        sso_allow = given.pop("sso_allow", self.opts.sso_allow)
+        web_app = build_app(app=self.app, projector=projector, **given)
+        sso_api.mount(web_app, allow=sso_allow)  # single sign-on, with the secret store's key
+        return web_app
 
     def tls(self) -> ssl.SSLContext | None:
         """The API's TLS (services/surfaces/tfe/tls.py): the given pair, or with `--tls`

@@ -42,6 +42,7 @@ from services.surfaces.api import policies as policies_api
 from services.surfaces.api import run_triggers as run_triggers_api
 from services.surfaces.api import schedules as schedules_api
 from services.surfaces.api import settings as settings_api
+from services.surfaces.api import sso as sso_api
 from services.surfaces.api import templates as templates_api
 from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.common import json_response
@@ -82,6 +83,7 @@ ROUTES = [
     *run_triggers_api.routes(WS),
     *schedules_api.routes(WS),
     *chat.ROUTES,
+    *sso_api.ROUTES,
     *vcs_api.routes(ORG),
 ]
 

@@ -28,6 +28,7 @@ from services.surfaces.api import policies as policies_api
 from services.surfaces.api import run_triggers as run_triggers_api
 from services.surfaces.api import schedules as schedules_api
 from services.surfaces.api import settings as settings_api
+from services.surfaces.api import sso as sso_api
 from services.surfaces.api import templates as templates_api
 from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.bodies import BODIES
@@ -417,6 +418,7 @@ PATHS: dict[str, Doc] = {
     **notifications_api.PATHS,
     **schedules_api.PATHS,
     **chat.PATHS,
+    **sso_api.PATHS,
     **vcs_api.PATHS,
     **run_triggers_api.PATHS,
 }
@@ -469,6 +471,7 @@ def document() -> Doc:
                 **notifications_api.SCHEMAS,
                 **schedules_api.SCHEMAS,
                 **chat.SCHEMAS,
+                **sso_api.SCHEMAS,
                 **whoami.SCHEMAS,
                 **vcs_api.SCHEMAS,
                 **run_triggers_api.SCHEMAS,

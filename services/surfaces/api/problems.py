@@ -48,6 +48,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "invalid-command": (422, "The command is invalid"),
     "invalid-policy": (422, "The policy does not compile"),
     "repository-not-allowed": (422, "The repository is not one this deployment allows"),
+    "invalid-sso-issuer": (422, "The identity provider cannot be used"),
     "destination-refused": (422, "The destination's address is not one this deployment allows"),
     "policy-limit-exceeded": (422, "The policy passed the sandbox's memory or time cap"),
     "run-trigger-cycle": (422, "The run trigger would close a cycle"),

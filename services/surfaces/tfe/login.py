@@ -49,6 +49,8 @@ from services.surfaces.ui.sessions import COOKIE, SessionError, check_csrf, chec
 from services.surfaces.ui.web import SESSIONS, read_form
 
 CLIENT = "terraform-cli"
+CLI_CLIENT = "runplane-cli"  # `runplane login --sso` (services/surfaces/client/sso.py)
+CLIENTS = {CLIENT: "Terraform", CLI_CLIENT: "runplane's CLI"}
 PORTS = (10000, 10010)
 AUTHZ, TOKEN = "/app/oauth/authorize", "/app/oauth/token"
 CODE_TTL_S = 60
@@ -93,8 +95,8 @@ def _page(title: str, body: str, status: int = 200) -> web.Response:
 
 def _checked(params: dict[str, str]) -> tuple[str, str, str]:
     """The (redirect, challenge, state) of an authorization request, or _Refused."""
-    if params.get("client_id") != CLIENT or params.get("response_type") != "code":
-        raise _Refused("this page serves Terraform's login only")
+    if params.get("client_id") not in CLIENTS or params.get("response_type") != "code":
+        raise _Refused("this page serves Terraform's and runplane's CLI login only")
     redirect = params.get("redirect_uri", "")
     parts = urlsplit(redirect)
     port_ok = parts.port is not None and PORTS[0] <= parts.port <= PORTS[1]
@@ -128,11 +130,18 @@ async def token_expiry(api: Api, token: str) -> str:
     return str(expires) if expires else ""
 
 
-def _signin_needed(detail: str) -> web.Response:
+def _signin_needed(detail: str, request: web.Request) -> web.Response:
+    """Sign in first: with a token in another tab, or single sign-on, which comes back
+    here (services/surfaces/ui/sso.py)."""
+    here = html.escape(request.raw_path if request.method == "GET" else AUTHZ)
     return _page(
         "Sign in to runplane first",
         f"<p>{html.escape(detail)}.</p><p>Open <a href='/' target='_blank'>runplane</a>, sign "
-        "in with your organization token, then reload this page.</p>",
+        "in with your organization token, then reload this page.</p>"
+        "<form method='get' action='/app/sso/start'><p>Or sign in with your organization's "
+        "identity provider: <label>organization <input name='org' required></label>"
+        f"<input type='hidden' name='next' value='{here}'> "
+        "<button>Sign in with single sign-on</button></p></form>",
         status=401,
     )
 
@@ -147,7 +156,7 @@ async def authorize_page(request: web.Request) -> web.Response:
     try:
         org, user, role, csrf, _ = await _session(request)
     except (SessionError, Problem) as e:
-        return _signin_needed(str(e))
+        return _signin_needed(str(e), request)
     hidden = "".join(
         f"<input type='hidden' name='{html.escape(k)}' value='{html.escape(v)}'>"
         for k, v in sorted(params.items())
@@ -163,7 +172,7 @@ async def authorize_page(request: web.Request) -> web.Response:
     )
     return _page(
         "Log in Terraform",
-        f"<p>Terraform on this machine asks for a runplane token acting as "
+        f"<p>{CLIENTS[params['client_id']]} on this machine asks for a runplane token acting as "
         f"<b>{html.escape(user)}</b> ({html.escape(role)}) in organization "
         f"<b>{html.escape(org)}</b>.</p>"
         f"<form method='post' action='{AUTHZ}'>{hidden}"
@@ -185,7 +194,7 @@ async def authorize(request: web.Request) -> web.Response:
         org, user, role, csrf, expires = await _session(request)
         check_csrf(fields.get("csrf", ""), csrf)
     except (SessionError, Problem) as e:
-        return _signin_needed(str(e))
+        return _signin_needed(str(e), request)
     if fields.get("decision") != "allow":
         answer = {"error": "access_denied", "state": state}
     else:
@@ -216,7 +225,7 @@ async def token(request: web.Request) -> web.Response:
         return _token_error("invalid_request", p.detail)
     if fields.get("grant_type") != "authorization_code":
         return _token_error("unsupported_grant_type", "only authorization_code")
-    if fields.get("client_id", CLIENT) != CLIENT:
+    if fields.get("client_id", CLIENT) not in CLIENTS:
         return _token_error("invalid_client", "unknown client")
     code, verifier = fields.get("code", ""), fields.get("code_verifier", "")
     try:

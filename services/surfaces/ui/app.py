@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.surfaces.api.context import API
 from services.surfaces.api.middleware import SELF_AUTHENTICATED, problems
-from services.surfaces.ui import actions, live, pages, signin, tokens
+from services.surfaces.ui import actions, live, pages, signin, sso, tokens
 from services.surfaces.ui.sessions import TLS_PROXY, Sessions
 from services.surfaces.ui.templating import GLOBALS
 from services.surfaces.ui.web import JINJA, SESSIONS, html_errors
@@ -33,6 +33,7 @@ ROUTES = [
     web.get("/", signin.signin_page, allow_head=False),
     web.post("/signin", signin.signin),
     web.post("/signout", signin.signout),
+    *sso.ROUTES,
     web.get(tokens.TOKENS, tokens.tokens_page, allow_head=False),
     web.post(tokens.TOKENS, tokens.create_token),
     web.get(ORG, pages.org_page, allow_head=False),

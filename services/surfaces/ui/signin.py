@@ -18,13 +18,18 @@ from services.surfaces.ui.sessions import (
     check_origin,
     set_cookie,
 )
+from services.surfaces.ui.sso import sso_button
 from services.surfaces.ui.web import SESSIONS, error_page, guarded, read_form, render, see_other
 
 
-def _form(request: web.Request, *, error: str = "", status: int = 200) -> web.Response:
-    """The sign-in form with its double-submit CSRF value (a new one if none yet)."""
+def _form(
+    request: web.Request, *, error: str = "", status: int = 200, sso: dict[str, str] | None = None
+) -> web.Response:
+    """The sign-in form with its double-submit CSRF value (a new one if none yet), and
+    single sign-on's button when the page names an organization that has it."""
     presign = request.cookies.get(PRESIGN) or secrets.token_urlsafe(32)
-    response = render(request, "signin.html", {"csrf": presign, "error": error}, status=status)
+    context = {"csrf": presign, "error": error, "sso": sso}
+    response = render(request, "signin.html", context, status=status)
     set_cookie(response, request, PRESIGN, presign)
     return response
 
@@ -36,7 +41,7 @@ async def signin_page(request: web.Request) -> web.StreamResponse:
         session = await request.app[SESSIONS].get(request.cookies.get(COOKIE))
         if session is not None:
             raise web.HTTPSeeOther(f"/orgs/{session.org}")
-        return _form(request)
+        return _form(request, sso=await sso_button(request))
 
     return await guarded(request, call)
 

@@ -1,0 +1,110 @@
+"""Single sign-on's configuration per organization, its sealed client secret, and the one
+hook that turns a verified person into a runplane user.
+
+The configuration is the aggregate of events/sso.py on `rp.org.<org>.sso`. Its client
+secret is sealed with the key ring into the secrets bucket under a key no workspace can
+have (`<org>._sso.client-secret`: a workspace name never starts with `_`), bound to that
+key's name: it is write-only, never in an event, an answer or a log.
+
+`SignIn` is the hook the identity work fills (`sign_in_user` of services/app: it creates
+or finds the user, records the membership and sets the team memberships the groups give
+through the organization's rules). Until it does, `interim_sign_in` stands in: the
+person signs in as their verified email with the least role, `viewer`. It is called in
+one place only, `SsoFlows.finish` (services/app/sso_flows.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from events import sso
+from events.errors import NotFound
+from infra.crypto import CryptoError, KeyRing
+from infra.eventstore import LATEST
+from infra.kv import SECRETS_BUCKET, last_values
+from services.app.aggregates import SSO
+from services.app.commands import App
+from services.app.execute import Result
+
+CLIENT_SECRET = "client-secret"
+
+
+def secret_key(org: str) -> str:
+    return f"{org}._sso.{CLIENT_SECRET}"
+
+
+class Person(msgspec.Struct, frozen=True, kw_only=True):
+    """Who the identity provider vouched for, every claim checked."""
+
+    org: str
+    email: str
+    name: str
+    groups: list[str]
+    issuer: str
+    subject: str
+
+
+class SignedIn(msgspec.Struct, frozen=True, kw_only=True):
+    """What a session needs of the signed-in person: the user a token names and its role."""
+
+    user: str
+    role: str
+
+
+class SignIn(Protocol):
+    """The identity hook: `sign_in_user(org, *, email, name, groups, issuer, subject)`."""
+
+    async def __call__(
+        self, org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
+    ) -> SignedIn: ...
+
+
+async def interim_sign_in(
+    org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
+) -> SignedIn:
+    """Until users and teams exist: the verified email as the user, the least role."""
+    return SignedIn(user=email, role="viewer")
+
+
+class SsoConfigs:
+    """Every organization's single sign-on, over the App's store and the key ring."""
+
+    def __init__(self, nc: NATS, app: App, keyring: KeyRing) -> None:
+        self.nc = nc
+        self.app = app
+        self.keyring = keyring
+
+    async def load(self, org: str, *, latest: bool = False) -> sso.SsoState:
+        """The organization's configuration (`latest`: as the stream's leader has it)."""
+        subject = sso.config_subject(org)
+        loaded = await self.app.load(SSO, subject, min_seq=LATEST if latest else 0)
+        return loaded.state
+
+    async def command(self, org: str, command: sso.SsoCommand) -> Result[sso.SsoState]:
+        if not (await self.app.load_org(org)).state.exists:
+            raise NotFound(f"organization {org} not found")
+        return await self.app.execute(SSO, sso.config_subject(org), command)
+
+    async def put_secret(self, org: str, value: str) -> None:
+        kv = await self.nc.jetstream().key_value(SECRETS_BUCKET)
+        key = secret_key(org)
+        await kv.put(key, self.keyring.seal(value.encode(), key))
+
+    async def forget_secret(self, org: str) -> None:
+        kv = await self.nc.jetstream().key_value(SECRETS_BUCKET)
+        await kv.purge(secret_key(org))
+
+    async def secret(self, org: str) -> str:
+        """The clear client secret, "" if none is set (a public client) or it no longer
+        opens (sealed with a key the ring lost, or copied from another key)."""
+        key = secret_key(org)
+        sealed = (await last_values(self.nc, SECRETS_BUCKET, key)).get(key)
+        if not sealed:
+            return ""
+        try:
+            return self.keyring.open(sealed, key).decode()
+        except CryptoError:
+            return ""
