@@ -88,7 +88,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "one made at /app/settings/tokens and pasted at its prompt)",
         )
         _webhook_opts(p)
-        _sso_opts(p)
+        identity_flags.sso_opts(p)
 
 
 def _webhook_opts(p: argparse.ArgumentParser) -> None:
@@ -107,25 +107,6 @@ def _webhook_opts(p: argparse.ArgumentParser) -> None:
         help="unproven webhook bodies read at once, for VCS deliveries and for Slack each; "
         "one more is answered 503 (also RUNPLANE_WEBHOOK_CONCURRENCY; default 16)",
     )
-
-
-def _sso_opts(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--sso-allow",
-        default=os.environ.get("RUNPLANE_SSO_ALLOW"),
-        metavar="KINDS",
-        help="address kinds an identity provider may have besides public ones: loopback, "
-        "private (comma separated; also RUNPLANE_SSO_ALLOW; default RUNPLANE_NOTIFY_ALLOW's)",
-    )
-
-
-def _kinds(raw: str | None) -> frozenset[str] | None:
-    if raw is None:
-        return None
-    kinds = frozenset(k.strip() for k in raw.split(",") if k.strip())
-    if kinds - {"loopback", "private"}:
-        raise ConfigError(f"--sso-allow: {raw!r}: only loopback and private")
-    return kinds
 
 
 class _RefuseSecret(argparse.Action):
@@ -410,7 +391,7 @@ def options(ns: argparse.Namespace) -> Options:
         listen=getattr(ns, "listen", "127.0.0.1:8080"),
         behind_tls_proxy=getattr(ns, "behind_tls_proxy", False),
         terraform_login=getattr(ns, "terraform_login", "browser"),
-        sso_allow=_kinds(getattr(ns, "sso_allow", None)),
+        sso_allow=identity_flags.kinds(getattr(ns, "sso_allow", None)),
         admin_token=os.environ.get("RUNPLANE_ADMIN_TOKEN", ""),
         encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
         pool=getattr(ns, "pool", "default"),

@@ -1,14 +1,15 @@
-"""The flags of workload identity (docs/workload-identity.md): the issuer's public URL and
-how often its signing key rotates. Part of the `runplane` console script
-(services/root/cli.py); every process takes them (the api publishes the keys, the
-scheduler's secrets responder signs with them)."""
+"""The flags of identity. Workload identity (docs/workload-identity.md): the issuer's
+public URL and how often its signing key rotates; every process takes them (the api
+publishes the keys, the scheduler's secrets responder signs with them). Single sign-on:
+what addresses an organization's identity provider may have (the api). Part of the
+`runplane` console script (services/root/cli.py)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from infra.options import WORKLOAD_KEY_ROTATION
+from infra.options import WORKLOAD_KEY_ROTATION, ConfigError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -41,3 +42,23 @@ def identity_opts(p: argparse.ArgumentParser) -> None:
         "RUNPLANE_WORKLOAD_KEY_ROTATION; 1h to 90d, default 7d); the old one stays published "
         "until every token it signed has expired",
     )
+
+
+def sso_opts(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sso-allow",
+        default=os.environ.get("RUNPLANE_SSO_ALLOW"),
+        metavar="KINDS",
+        help="address kinds an identity provider may have besides public ones: loopback, "
+        "private (comma separated; also RUNPLANE_SSO_ALLOW; default RUNPLANE_NOTIFY_ALLOW's)",
+    )
+
+
+def kinds(raw: str | None) -> frozenset[str] | None:
+    """`--sso-allow`'s address kinds (None: not given)."""
+    if raw is None:
+        return None
+    found = frozenset(k.strip() for k in raw.split(",") if k.strip())
+    if found - {"loopback", "private"}:
+        raise ConfigError(f"--sso-allow: {raw!r}: only loopback and private")
+    return found
