@@ -22,17 +22,19 @@ and every answer is read to at most `MAX_BODY` bytes.
 
 from __future__ import annotations
 
+import base64
 import hmac
-import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote_plus, urlsplit
 
 import aiohttp
 import jwt
 import msgspec
+
+from infra import jsonbody
 
 MAX_BODY = 256 * 1024
 TIMEOUT_S = 10.0
@@ -139,10 +141,10 @@ class OidcClient:
             raise ProviderUnreachable(f"{_host(url)} did not answer: {_short(e)}") from e
         if len(raw) > MAX_BODY:
             raise ProviderUnreachable(f"{_host(url)} answered more than {MAX_BODY} bytes")
-        try:
-            return status, json.loads(raw)
-        except ValueError as e:
-            raise ProviderUnreachable(f"{_host(url)} answered {status}, not JSON") from e
+        try:  # an organization's admin runs the provider: its JSON is bounded like a body
+            return status, jsonbody.decode(raw)
+        except (msgspec.DecodeError, jsonbody.BodyError) as e:
+            raise ProviderUnreachable(f"{_host(url)} answered {status}, not JSON: {e}") from e
 
     # ------------------------------------------------------------ discovery
 
@@ -237,8 +239,8 @@ class OidcClient:
             "code_verifier": verifier,
             "client_id": client_id,
         }
-        auth = aiohttp.BasicAuth(client_id, client_secret) if client_secret else None
-        status, doc = await self._json("POST", found.token_endpoint, data=form, auth=auth)
+        headers = {"Authorization": _basic(client_id, client_secret)} if client_secret else {}
+        status, doc = await self._json("POST", found.token_endpoint, data=form, headers=headers)
         if status != 200 or not isinstance(doc, dict):
             error = doc.get("error", "") if isinstance(doc, dict) else ""
             raise TokenRefused(
@@ -255,8 +257,9 @@ class OidcClient:
     ) -> dict[str, Any]:
         """The ID token's claims once every check of the module's docstring holds."""
         try:
+            _shallow(token)
             header = jwt.get_unverified_header(token)
-        except jwt.DecodeError as e:
+        except (jwt.DecodeError, jsonbody.BodyError) as e:
             raise TokenRefused(f"the ID token is not a JWT: {e}") from e
         alg = header.get("alg")
         if alg not in SIGNING_ALGS:
@@ -329,6 +332,24 @@ class OidcClient:
         sent = claims.get("nonce")
         if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), nonce.encode()):
             raise TokenRefused("the ID token's nonce is not this sign-in's", reason="sso-replay")
+
+
+def _basic(client_id: str, secret: str) -> str:
+    """HTTP Basic credentials as OAuth 2.0 has a client send them (RFC 6749 2.3.1: each
+    part form-encoded first, so a ':' in the id cannot move the split)."""
+    pair = f"{quote_plus(client_id)}:{quote_plus(secret)}".encode()
+    return "Basic " + base64.b64encode(pair).decode()
+
+
+def _shallow(token: str) -> None:
+    """jsonbody.TooDeep if the token's header or claims nest deeper than JSON bodies may
+    (PyJWT's json.loads would recurse until RecursionError: a 500, not a refusal)."""
+    for part in token.split(".")[:2]:
+        try:
+            raw = base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+        except ValueError:
+            continue  # not base64: PyJWT refuses it (DecodeError)
+        jsonbody.check_depth(raw, 32)
 
 
 def _pick(keys: dict[str, jwt.PyJWK], kid: str) -> jwt.PyJWK | None:

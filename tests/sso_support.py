@@ -221,8 +221,8 @@ async def id_token(idp: Idp, client_id: str, sub: str, *, nonce: str = "n0nce") 
     code = query_of(await idp.authorize(url, sub))["code"]
     form = {"grant_type": "authorization_code", "code": code, "redirect_uri": redirect}
     async with aiohttp.ClientSession() as s:
-        auth = aiohttp.BasicAuth(client_id, "any")
-        async with s.post(f"{idp.issuer}/oauth2/token", data=form, auth=auth) as r:
+        auth = {"Authorization": aiohttp.encode_basic_auth(client_id, "any")}
+        async with s.post(f"{idp.issuer}/oauth2/token", data=form, headers=auth) as r:
             assert r.status == 200, await r.text()
             return str((await r.json())["id_token"])
 

@@ -8,6 +8,7 @@ every one of these fails: `/app/sso/*` and `/api/v1/orgs/{org}/sso` did not exis
 
 from __future__ import annotations
 
+import base64
 import time
 
 import jwt
@@ -251,6 +252,22 @@ async def test_keys_rotate_and_made_up_key_ids_cost_one_fetch(idp: Idp) -> None:
     unsigned = jwt.encode({"iss": idp.issuer}, None, "none")  # type: ignore[arg-type]  # alg none
     with pytest.raises(OidcError):
         await oidc.verify(unsigned, issuer=idp.issuer, client_id="c", nonce="n")
+
+
+async def test_a_token_nesting_past_the_bound_is_refused_not_a_crash(idp: Idp) -> None:
+    """The provider is an organization admin's: a header or claims nested 5,000 deep made
+    PyJWT's json.loads raise RecursionError (a 500 with a traceback); now a refusal."""
+    oidc = OidcClient(plain_session)
+    deep = "[" * 5000 + "]" * 5000
+    for header, claims in ((f'{{"alg":"RS256","x":{deep}}}', "{}"), ('{"alg":"RS256"}', deep)):
+        parts = [
+            base64.urlsafe_b64encode(p.encode()).rstrip(b"=").decode() for p in (header, claims)
+        ]
+        with pytest.raises(OidcError) as e:
+            await oidc.verify(
+                ".".join([*parts, "c2ln"]), issuer=idp.issuer, client_id="c", nonce="n"
+            )
+        assert e.value.reason == "sso-token-refused" and "deeper" in str(e.value)
 
 
 async def _round_trip(sso: Sso, idp: Idp, sub: str) -> tuple[int, str, str]:
