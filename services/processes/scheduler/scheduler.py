@@ -62,6 +62,7 @@ log = structlog.get_logger(__name__)
 ENQUEUE_GRACE = 1.0
 # Workspaces whose last admission attempt is remembered (see `_admit`).
 ADMITTED_KEPT = 10_000
+RELEASED_KEPT = 10_000  # ended runs remembered as taken out of the open-runs quota
 
 
 def _consulted(event: AnyEvent) -> bool:
@@ -112,6 +113,8 @@ class Scheduler:
         self.ready = self.consumer.ready
         # By workspace: the highest stream sequence an admission attempt has read past.
         self._admitted: OrderedDict[str, int] = OrderedDict()
+        # The ended runs this process has taken out of the open-runs quota, newest last.
+        self._released: OrderedDict[str, None] = OrderedDict()
 
     async def __aenter__(self) -> Scheduler:
         await self.consumer.start()
@@ -139,7 +142,20 @@ class Scheduler:
         for action in react(r.event, r.state):
             await self._act(action, r)
         if isinstance(r.state, RunState) and r.state.terminal and self.app.open_runs:
-            await self.app.open_runs.release(r.state.org, r.state.run_id)  # the quota's
+            await self._release(r.state)
+
+    async def _release(self, run: RunState) -> None:
+        """Take an ended run out of its organization's open runs (the quota's), once: the
+        events that follow its end need no ledger read (after a restart, the first one
+        seen releases it again, which changes nothing)."""
+        if run.run_id in self._released:
+            self._released.move_to_end(run.run_id)
+            return
+        assert self.app.open_runs is not None
+        await self.app.open_runs.release(run.org, run.run_id)
+        self._released[run.run_id] = None
+        if len(self._released) > RELEASED_KEPT:
+            self._released.popitem(last=False)
 
     async def _act(self, action: Action, r: Received) -> None:
         match action:
