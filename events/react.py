@@ -34,8 +34,10 @@ from typing import Final, TypedDict, assert_never
 import msgspec
 
 from events import chat as ch
+from events import members as mb
 from events import run_triggers as rt
 from events import schedule as sc
+from events import teams as tm
 from events import vcs
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -262,6 +264,16 @@ def _others_own(event: OthersEvent) -> bool:
             | OrgSettingsSet()
             | FolderSettingsSet()
             | GroupSet()
+            | mb.UserAdded()
+            | mb.UserSuspended()
+            | mb.UserReactivated()
+            | mb.UserLinked()
+            | tm.TeamSet()
+            | tm.TeamDeleted()
+            | tm.TeamMembersSet()
+            | tm.UserTeamsSynced()
+            | tm.AccessGranted()
+            | tm.AccessRevoked()
             | TemplateSaved()
             | TemplateDeleted()
             | PolicySaved()
