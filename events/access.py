@@ -32,8 +32,10 @@ from typing import Final, Literal
 
 import msgspec
 
+from events import folder as fo
 from events.errors import Forbidden, NotFound
 from events.members import Member
+from events.org import OrgState
 from events.teams import LEVELS, OWNERS, RIGHTS, Team, with_owners
 
 NONE, READ, PLAN, WRITE, ADMIN = range(5)
@@ -80,6 +82,14 @@ ACTIONS: Final[dict[str, Need]] = {
 }
 
 
+PLAN_ONLY: Final = frozenset({"plan", "drift"})  # run types that change nothing
+
+
+def run_action(run_type: str) -> str:
+    """What starting a run of `run_type` is: queueing a plan, or an apply."""
+    return "run.plan" if run_type in PLAN_ONLY else "run.apply"
+
+
 class Target(msgspec.Struct, frozen=True, kw_only=True):
     """What an action is on: the organization, a folder (its path from the outermost,
     `folders`) or a workspace (with the path of the folder it is in)."""
@@ -118,13 +128,18 @@ class Access(msgspec.Struct, frozen=True, kw_only=True):
         if self.org != target.org:
             return NONE
         level = self.org_level
-        if (target.workspace or target.folders) and "manage-workspaces" in self.rights:
+        if "manage-workspaces" in self.rights:
             level = ADMIN
         for folder in target.folders:
             level = max(level, self.folders.get(folder, NONE))
         if target.workspace:
             level = max(level, self.workspaces.get(target.workspace, NONE))
         return min(level, self.cap)
+
+    def uniform(self, level: int) -> bool:
+        """Whether the caller holds `level` on every workspace of its organization (so no
+        workspace need be looked up to decide)."""
+        return self.org is None or self.level_on(Target(org=self.org)) >= level
 
     def highest(self) -> int:
         """The highest level the caller holds anywhere in its organization."""
@@ -218,6 +233,29 @@ def for_team(org: str, user: str, teams: Mapping[str, Team], team: str) -> Acces
     """A team token's access: None once the team is gone."""
     found = with_owners(teams).get(team)
     return None if found is None else for_teams(org, user, [found])
+
+
+def resolve(state: OrgState, *, token_id: str, user: str, role: str) -> Access | None:
+    """The access of one of `state`'s tokens now (its lifecycle checked elsewhere): None
+    when it stands for nobody any more (a suspended user, a deleted team). Folder grants
+    come expanded to every folder inside, so a workspace's own folder decides."""
+    owner = state.owners.get(token_id)
+    if owner is None:
+        return for_role(state.name, user, role)
+    if owner.kind == "user":
+        found = for_member(state.name, state.members.get(owner.owner), state.teams, cap=owner.level)
+    else:
+        found = for_team(state.name, user, state.teams, owner.owner)
+    return None if found is None else inherited(found, state.folders)
+
+
+def inherited(who: Access, tree: Mapping[str, fo.Folder]) -> Access:
+    """`who` with each folder grant held by every folder inside it (nested)."""
+    if not who.folders:
+        return who
+    folders = {name: max(who.folders.get(f, NONE) for f in fo.path(tree, name)) for name in tree}
+    kept = {k: v for k, v in folders.items() if v > NONE}
+    return msgspec.structs.replace(who, folders=kept)
 
 
 def is_owner(teams: Mapping[str, Team], user_id: str) -> bool:
