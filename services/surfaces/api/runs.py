@@ -272,6 +272,7 @@ async def rerun(request: web.Request) -> web.Response:
     old: RunState = (await api.app.load_run(org, None, run_id)).state
     if not old.exists:
         raise Problem("not-found", f"run {run_id} not found")
+    await require_on(api, who, org, run_action(old.run_type), old.workspace)
     if not old.terminal:
         raise Problem(
             "conflict",
@@ -280,7 +281,6 @@ async def rerun(request: web.Request) -> web.Response:
         )
     if not (await api.app.load_ws(org, old.workspace)).state.exists:
         raise Problem("not-found", f"workspace {old.workspace} of run {run_id} no longer exists")
-    await require_on(api, who, org, run_action(old.run_type), old.workspace)
     result = await api.app.create_run(
         org,
         old.workspace,
