@@ -429,6 +429,7 @@ async def reads(sizes: Sizes) -> dict[str, Any]:
             ) as (_, line):
                 m = re.search(r"(http://\S+)", line)
                 assert m, line
+                token = await _reads_token(m.group(1), token)
                 proc = await asyncio.create_subprocess_exec(
                     PY,
                     "-m",
@@ -454,6 +455,33 @@ async def reads(sizes: Sizes) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     result.update({"runs": sizes.read_runs, "events": events, "fill_seconds": fill_s})
     return result
+
+
+async def _reads_token(url: str, admin: str) -> str:
+    """The token the reads load uses: `RP_BENCH_READS_AS` "admin" (the default: the
+    deployment's admin token, which reads no organization), "viewer" (an organization
+    token: the leader's sequence and the organization's access on every request), or
+    "member" (a person's token whose team holds read on every workspace one by one: the
+    access check's worst case, a run's workspace looked up per request)."""
+    import aiohttp
+
+    who = os.environ.get("RP_BENCH_READS_AS", "admin")
+    if who == "admin":
+        return admin
+    base, auth = f"{url}/api/v1/orgs/{ORG}", {"Authorization": f"Bearer {admin}"}
+    async with aiohttp.ClientSession(headers=auth) as http:
+        if who == "viewer":
+            async with http.post(f"{base}/tokens", json={"user": "bench", "role": "viewer"}) as r:
+                return str((await r.json())["token"])
+        async with http.post(f"{base}/users", json={"email": "bench@example.com"}) as r:
+            user_id = (await r.json())["id"]
+        await http.post(f"{base}/teams", json={"name": "readers"})
+        await http.put(f"{base}/teams/readers/members", json={"members": [user_id]})
+        for j in range(1000):
+            grant = {"team": "readers", "level": "read"}
+            await http.put(f"{base}/workspaces/{ws_name(j)}/access", json=grant)
+        async with http.post(f"{base}/tokens", json={"kind": "user", "user_id": user_id}) as r:
+            return str((await r.json())["token"])
 
 
 # ---------------------------------------------------------------- 3. lifecycle

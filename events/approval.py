@@ -7,11 +7,12 @@ defaults), the caller the shell resolved (user, role, the groups they belong to)
 plan's destructive addresses the run keeps:
 
 - `four_eyes`: the run's creator may not approve it (discarding one's own run is fine).
-- `approvers` (user names and `group:<name>` entries): only they may approve or discard,
-  whatever their role (the route still needs operator). With none set (the default),
-  any token of the organization of role operator or higher (operator, approver, admin)
-  may: the rule of the seed. Role approver adds nothing over operator then; it matters
-  only as a name to hand out, and the `approvers` setting is how to narrow who approves.
+- `approvers` (user names, `group:<name>` and `team:<name>` entries): only they may
+  approve or discard, whatever their level (the route still needs write on the
+  workspace: events/access.py). With none set (the default), any caller with write on
+  the workspace (a token of role operator or higher) may: the rule of the seed. Role
+  approver adds nothing over operator then; it matters only as a name to hand out, and
+  the `approvers` setting is how to narrow who approves.
 - The admin token (`superuser`) passes the approvers rule, never four-eyes.
 - `confirm_destructive`: the approval lists in `acknowledged` every address the plan
   deletes or replaces (refused with `Unacknowledged`, which names the missing ones).
@@ -39,12 +40,16 @@ DESTRUCTIVE = frozenset({"delete", "replace"})
 
 class Caller(msgspec.Struct, frozen=True, kw_only=True):
     """Who asks: a token's user and role; `superuser` for the admin token; `groups`, the
-    organization's groups the user is a member of (resolved by the shell)."""
+    organization's groups the user is a member of, and `teams` theirs (resolved by the
+    shell); `level`, their level on the run's workspace (events/access.py) when the shell
+    resolved it, which then decides instead of the role."""
 
     user: str
-    role: str
+    role: str = ""
     superuser: bool = False
     groups: list[str] = []
+    teams: list[str] = []
+    level: str = ""
 
 
 class Unacknowledged(IllegalTransition):
@@ -112,6 +117,13 @@ def check_caller(
             listed = ", ".join(approvers)
             raise Forbidden(f"{caller.user} is not among the workspace's approvers ({listed})")
         return
+    if caller.level:
+        if caller.level not in ("write", "admin"):
+            raise Forbidden(
+                f"{caller.user} has {caller.level} on the workspace and may not {action}: "
+                "with no approvers set it needs write or above"
+            )
+        return
     if _rank(caller.role) < _rank(DEFAULT_ROLE):
         raise Forbidden(
             f"role {caller.role} may not {action}: with no approvers set it needs "
@@ -120,8 +132,12 @@ def check_caller(
 
 
 def _listed(caller: Caller, approvers: Sequence[str]) -> bool:
-    """Whether the approvers name the caller, directly or through one of their groups."""
-    return caller.user in approvers or any(f"group:{g}" in approvers for g in caller.groups)
+    """Whether the approvers name the caller, directly or through a group or team."""
+    return (
+        caller.user in approvers
+        or any(f"group:{g}" in approvers for g in caller.groups)
+        or any(f"team:{t}" in approvers for t in caller.teams)
+    )
 
 
 def _rank(role: str) -> int:

@@ -19,8 +19,10 @@ import msgspec
 
 from events import folder as fo
 from events import groups as gr
+from events import members as mb
 from events import policies as po
 from events import settings as st
+from events import teams as tm
 from events import templates as te
 from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
@@ -37,12 +39,26 @@ class OrgCreated(Event, frozen=True, kw_only=True, tag="org.created"):
     name: str
 
 
+TOKEN_KINDS = ("", "user", "team")  # "": an organization token of a role (as before users)
+
+
 class TokenIssued(Event, frozen=True, kw_only=True, tag="org.token_issued"):
     token_id: str
     token_hash: str
     user: str
     role: str
     expires_at: datetime | None = None  # None: never expires
+    kind: str = ""  # TOKEN_KINDS; events of before users have none: an organization token
+    owner: str = ""  # the user id of a personal token, the team of a team token
+    level: str = ""  # a personal token's own ceiling ("": its user's access, whole)
+
+
+class TokenOwner(msgspec.Struct, frozen=True, kw_only=True):
+    """Whom a personal or team token belongs to (organization tokens have none)."""
+
+    kind: str
+    owner: str
+    level: str = ""
 
 
 class TokenRevoked(Event, frozen=True, kw_only=True, tag="org.token_revoked"):
@@ -70,6 +86,16 @@ OrgEvent = (
     | fo.OrgSettingsSet
     | fo.FolderSettingsSet
     | gr.GroupSet
+    | mb.UserAdded
+    | mb.UserSuspended
+    | mb.UserReactivated
+    | mb.UserLinked
+    | tm.TeamSet
+    | tm.TeamDeleted
+    | tm.TeamMembersSet
+    | tm.UserTeamsSynced
+    | tm.AccessGranted
+    | tm.AccessRevoked
     | te.TemplateSaved
     | te.TemplateDeleted
     | po.PolicySaved
@@ -84,9 +110,22 @@ class CreateOrg(Command, frozen=True, kw_only=True):
 class IssueToken(Command, frozen=True, kw_only=True):
     token_id: str
     token_hash: str
-    user: str
-    role: str = "admin"
+    user: str = ""  # an organization token's user; a personal token's is its user's email
+    role: str = "admin"  # an organization token's; "" for personal and team tokens
     expires_at: datetime | None = None
+    kind: str = ""
+    owner: str = ""
+    level: str = ""
+
+
+class SignInUser(Command, frozen=True, kw_only=True):
+    """A person signed in through single sign-on (services/app/identity.py)."""
+
+    email: str
+    name: str = ""
+    groups: list[str] = []
+    issuer: str
+    subject: str
 
 
 class RevokeToken(Command, frozen=True, kw_only=True):
@@ -102,6 +141,14 @@ OrgCommand = (
     | fo.SetFolderSettings
     | gr.CreateGroup
     | gr.SetGroupMembers
+    | mb.InviteUser
+    | mb.SuspendUser
+    | mb.ReactivateUser
+    | SignInUser
+    | tm.SetTeam
+    | tm.DeleteTeam
+    | tm.SetTeamMembers
+    | tm.GrantAccess
     | te.SaveTemplate
     | te.DeleteTemplate
     | po.SavePolicy
@@ -117,6 +164,9 @@ class OrgState(msgspec.Struct, frozen=True, kw_only=True):
     settings: dict[str, Any] = {}  # the organization's own, not the effective ones
     folders: dict[str, fo.Folder] = {}  # by name, in creation order
     groups: dict[str, tuple[str, ...]] = {}  # members by group name
+    members: dict[str, mb.Member] = {}  # the organization's users, by id
+    teams: dict[str, tm.Team] = {}  # by name (owners only once an admin gave it members)
+    owners: dict[str, TokenOwner] = {}  # personal and team tokens, by token id
     templates: dict[str, te.Template] = {}  # the organization's own, by name
     policies: dict[str, po.PolicySet] = {}  # by name, each with its scope
     version: int = 0
@@ -135,7 +185,11 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
         case OrgCreated():
             return msgspec.structs.replace(s, name=event.name, created_at=event.at)
         case TokenIssued():
-            return msgspec.structs.replace(s, tokens=(*s.tokens, event.token_id))
+            s = msgspec.structs.replace(s, tokens=(*s.tokens, event.token_id))
+            if not event.kind:
+                return s
+            owner = TokenOwner(kind=event.kind, owner=event.owner, level=event.level)
+            return msgspec.structs.replace(s, owners={**s.owners, event.token_id: owner})
         case TokenRevoked():
             return msgspec.structs.replace(s, revoked=s.revoked | {event.token_id})
         case TokenUsed():
@@ -148,6 +202,17 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
             return msgspec.structs.replace(s, folders=fo.changed(s.folders, event))
         case gr.GroupSet():
             return msgspec.structs.replace(s, groups=gr.applied(s.groups, event))
+        case mb.UserAdded() | mb.UserSuspended() | mb.UserReactivated() | mb.UserLinked():
+            return msgspec.structs.replace(s, members=mb.applied(s.members, event))
+        case (
+            tm.TeamSet()
+            | tm.TeamDeleted()
+            | tm.TeamMembersSet()
+            | tm.UserTeamsSynced()
+            | tm.AccessGranted()
+            | tm.AccessRevoked()
+        ):
+            return msgspec.structs.replace(s, teams=tm.applied(s.teams, event))
         case te.TemplateSaved() | te.TemplateDeleted():
             return msgspec.structs.replace(s, templates=te.applied(s.templates, event))
         case po.PolicySaved() | po.PolicyDeleted():
@@ -184,6 +249,18 @@ def decide(
         case gr.SetGroupMembers():
             _exists(state)
             return [gr.set_members(state.groups, command, now)]
+        case (
+            mb.InviteUser()
+            | mb.SuspendUser()
+            | mb.ReactivateUser()
+            | SignInUser()
+            | tm.SetTeam()
+            | tm.DeleteTeam()
+            | tm.SetTeamMembers()
+            | tm.GrantAccess()
+        ):
+            _exists(state)
+            return _decide_people(state, command, now)
         case te.SaveTemplate():
             _exists(state)
             return list(te.save(state.templates, command, now))
@@ -210,7 +287,7 @@ def _decide_tokens(
 ) -> list[OrgEvent]:
     match command:
         case IssueToken():
-            return [_issue(command, now)]
+            return [_issue(state, command, now)]
         case RevokeToken():
             _known_token(state, command.token_id)
             if command.token_id in state.revoked:
@@ -220,10 +297,8 @@ def _decide_tokens(
             assert_never(command)
 
 
-def _issue(command: IssueToken, now: datetime) -> TokenIssued:
-    check_user(command.user)
-    if command.role not in ROLES:
-        raise Invalid(f"unknown role {command.role!r}; one of {', '.join(ROLES)}")
+def _issue(state: OrgState, command: IssueToken, now: datetime) -> TokenIssued:
+    user, role = _token_user(state, command)
     if command.expires_at is not None and command.expires_at <= now:
         raise Invalid(f"expires_at {command.expires_at.isoformat()} is not in the future")
     return TokenIssued(
@@ -231,10 +306,79 @@ def _issue(command: IssueToken, now: datetime) -> TokenIssued:
         actor=command.actor,
         token_id=command.token_id,
         token_hash=command.token_hash,
-        user=command.user,
-        role=command.role,
+        user=user,
+        role=role,
         expires_at=command.expires_at,
+        kind=command.kind,
+        owner=command.owner,
+        level=command.level,
     )
+
+
+def _token_user(state: OrgState, command: IssueToken) -> tuple[str, str]:
+    """The user and role a token is issued as, by its kind: an organization token's
+    own; a personal token's user, active; a team token's team, existing."""
+    match command.kind:
+        case "":
+            if command.role not in ROLES:
+                raise Invalid(f"unknown role {command.role!r}; one of {', '.join(ROLES)}")
+            return check_user(command.user), command.role
+        case "user":
+            member = mb.known(state.members, command.owner)
+            if not member.active:
+                raise mb.Suspended(f"{member.email} is suspended in this organization")
+            if command.level not in ("", *tm.LEVELS[1:]):
+                raise Invalid(f"a token's level is one of {', '.join(tm.LEVELS[1:])}")
+            return member.email, ""
+        case "team":
+            if command.owner not in tm.with_owners(state.teams) or command.level:
+                raise NotFound(f"team {command.owner} not found")
+            return f"team:{command.owner}", ""
+        case _:
+            raise Invalid(f"unknown token kind {command.kind!r}; user, team or none")
+
+
+def _decide_people(state: OrgState, command: OrgCommand, now: datetime) -> list[OrgEvent]:
+    """Users, teams and grants (events/members.py, events/teams.py)."""
+    match command:
+        case mb.InviteUser():
+            return [mb.invite(state.members, command, now)]
+        case mb.SuspendUser():
+            return list(mb.suspend(state.members, command, now))
+        case mb.ReactivateUser():
+            return list(mb.reactivate(state.members, command, now))
+        case SignInUser():
+            return _sign_in(state, command, now)
+        case tm.SetTeam():
+            return [tm.set_team(state.teams, command, now)]
+        case tm.DeleteTeam():
+            return [tm.delete_team(state.teams, command, now), *_revoke_team(state, command, now)]
+        case tm.SetTeamMembers():
+            return [tm.set_members(state.teams, state.members, command, now)]
+        case tm.GrantAccess():
+            return list(tm.grant(state.teams, state.folders, command, now))
+        case _:
+            raise Invalid(f"not a people command: {type(command).__name__}")
+
+
+def _revoke_team(state: OrgState, command: tm.DeleteTeam, now: datetime) -> list[OrgEvent]:
+    """A deleted team's tokens go with it (a team made again later gets none of them)."""
+    live = [
+        t for t, o in state.owners.items()
+        if o.kind == "team" and o.owner == command.name and t not in state.revoked
+    ]  # fmt: skip
+    return [TokenRevoked(at=now, actor=command.actor, token_id=t) for t in live]
+
+
+def _sign_in(state: OrgState, command: SignInUser, now: datetime) -> list[OrgEvent]:
+    """A single sign-on: the user (first time), their identity, their synced teams."""
+    people = mb.signed_in(
+        state.members, email=command.email, name=command.name, issuer=command.issuer,
+        subject=command.subject, actor=command.actor, now=now,
+    )  # fmt: skip
+    user_id = mb.user_id_of(command.email)
+    teams = tm.sync(state.teams, user_id, command.groups, actor=command.actor, now=now)
+    return [*people, *teams]
 
 
 def _known_token(state: OrgState, token_id: str) -> None:

@@ -34,9 +34,11 @@ from typing import Final, TypedDict, assert_never
 import msgspec
 
 from events import chat as ch
+from events import members as mb
 from events import run_triggers as rt
 from events import schedule as sc
 from events import sso, vcs
+from events import teams as tm
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
 from events.groups import GroupSet
@@ -250,9 +252,27 @@ OthersEvent = (
 )
 
 
+# Who is who and may do what (events/members.py, events/teams.py): read by each request
+# from its organization's aggregate, never reacted to.
+_IDENTITY = (
+    mb.UserAdded,
+    mb.UserSuspended,
+    mb.UserReactivated,
+    mb.UserLinked,
+    tm.TeamSet,
+    tm.TeamDeleted,
+    tm.TeamMembersSet,
+    tm.UserTeamsSynced,
+    tm.AccessGranted,
+    tm.AccessRevoked,
+)
+
+
 def _others_own(event: OthersEvent) -> bool:
     """Every other aggregate's event calls for nothing here: each is read by its own
     process, or by none."""
+    if isinstance(event, _IDENTITY):
+        return True
     match event:
         case (
             OrgCreated()

@@ -60,11 +60,15 @@ def _templates(v: Any) -> str:
 
 
 def _principals(v: Any) -> str:
-    """People are plain user names; groups are written `group:<name>`."""
+    """People are plain user names (or emails); groups are written `group:<name>`, teams
+    `team:<name>`."""
     if not isinstance(v, list) or len(v) > 1000:
-        return "must be a list of user names and group:<name> entries"
+        return "must be a list of user names, group:<name> and team:<name> entries"
     for item in v:
-        name = item[6:] if isinstance(item, str) and item.startswith("group:") else item
+        kind, _, rest = item.partition(":") if isinstance(item, str) else ("", "", item)
+        name = rest if kind in ("group", "team") else item
+        if kind not in ("group", "team") and isinstance(item, str) and "@" in item:
+            name = item.replace("@", "-").replace(".", "-").replace("_", "-").casefold()
         if _name(name):
             return f"has an invalid entry {item!r}"
     return ""
@@ -80,7 +84,7 @@ SPECS: dict[str, Spec] = {
     "require_approval": Spec(True, _bool, "a person must approve before apply"),
     "confirm_destructive": Spec(False, _bool, "approval lists every delete and replace"),
     "four_eyes": Spec(False, _bool, "the run's creator may not approve it"),
-    "approvers": Spec([], _principals, "who may approve or discard (empty: any operator)"),
+    "approvers": Spec([], _principals, "who may approve or discard (empty: anyone with write)"),
     "heartbeat_timeout": Spec(600, _positive_seconds, "seconds of executor silence"),
     "dispatch_timeout": Spec(0, _seconds, "seconds a step may wait for an executor (0: ever)"),
     "approval_timeout": Spec(0, _seconds, "seconds a run may await approval (0: no limit)"),

@@ -22,7 +22,9 @@ from typing import Any, assert_never, get_args
 
 import msgspec
 
+from events import members as mb
 from events import run as run_agg
+from events import teams as tm
 from events import workspace as ws_agg
 from events.chat import ChatEvent
 from events.codec import AnyEvent
@@ -150,6 +152,19 @@ def project_org(w: Working, meta: Meta, event: OrgEvent) -> None:
             | PolicyDeleted()
         ):
             pass  # read from the organization aggregate itself (services/surfaces/api/settings.py)
+        case (
+            mb.UserAdded()
+            | mb.UserSuspended()
+            | mb.UserReactivated()
+            | mb.UserLinked()
+            | tm.TeamSet()
+            | tm.TeamDeleted()
+            | tm.TeamMembersSet()
+            | tm.UserTeamsSynced()
+            | tm.AccessGranted()
+            | tm.AccessRevoked()
+        ):
+            pass  # read from the organization aggregate too (events/access.py decides on it)
         case _:
             assert_never(event)
 

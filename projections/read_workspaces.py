@@ -38,6 +38,19 @@ class Workspaces:
             )
         return _workspace(row, [q["run_id"] for q in queue])
 
+    async def folder_of(self, org: str, ws: str) -> str | None:
+        """The workspace's folder ("" for none; the access check's question), or None."""
+        row = await self._read.row(
+            "SELECT folder FROM workspaces WHERE org = ? AND name = ?", (org, ws)
+        )
+        return None if row is None else str(row["folder"] or "")
+
+    async def folders(self, org: str) -> dict[str, str]:
+        """Every workspace's folder ("" for none), by name: what a list's access filter
+        needs of them."""
+        rows = await self._read.rows("SELECT name, folder FROM workspaces WHERE org = ?", (org,))
+        return {str(r["name"]): str(r["folder"] or "") for r in rows}
+
     async def find(self, org: str, *, deleted: bool = False) -> list[dict[str, Any]]:
         """Every workspace of the organization, by name, each with its queue; those
         deleted (not purged) only with `deleted`."""

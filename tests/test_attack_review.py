@@ -105,7 +105,7 @@ async def test_a_viewer_named_in_approvers_may_not_approve_from_slack_as_from_th
     assert acted == [], acted
     for hook in ("va", "vc", "vd"):
         reply = " ".join(str(m.get("text", "")) for m in slack.receiver.to(hook))
-        assert "viewer" in reply and "may not" in reply, (hook, reply)
+        assert "has read on workspace net" in reply and "needs write" in reply, (hook, reply)
 
 
 # ---------------------------------------------------------------- the guard's answers

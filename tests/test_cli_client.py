@@ -142,7 +142,7 @@ async def test_refusals_are_one_line_with_the_problems_detail_and_type(
     viewer = Cli(tmp_path / "viewer")
     await viewer.login(url, await _token(plane, "vera", "viewer"))
     viewer_refused = await viewer("run", "create", "web")
-    viewer_refused.one_error("role viewer may not do this", "(403 forbidden)")
+    viewer_refused.one_error("has read on workspace", "needs write (403 forbidden)")
     (await viewer("run", "show", "nosuch")).one_error("run nosuch not found", "(404 not-found)")
     (await viewer("run", "list", "--status", "bogus")).one_error("(400 invalid-query)")
     (await viewer("run", "show", "Bad!")).one_error("not a valid name")
@@ -160,7 +160,11 @@ async def test_the_org_is_the_flag_else_the_tokens_else_an_error(
 ) -> None:
     url = _url(plane)
     who = await plane.http.get("/api/v1/whoami")
-    assert who.body == {"user": "admin", "role": "admin", "org": None, "token_id": None}
+    shown = {k: who.body[k] for k in ("user", "role", "org", "token_id", "user_id", "kind")}
+    assert shown == {
+        "user": "admin", "role": "admin", "org": None, "token_id": None, "user_id": None,
+        "kind": "admin",
+    }  # fmt: skip
     bob = await plane.http.get("/api/v1/whoami", token=await _token(plane, "bob", "viewer"))
     assert (bob.body["user"], bob.body["role"], bob.body["org"]) == ("bob", "viewer", "acme")
     (await plane.http.get("/api/v1/whoami", token=None)).problem("unauthorized", 401)

@@ -11,9 +11,11 @@ import pytest
 
 from events import chat as ch
 from events import codec, sso, vcs
+from events import members as mb
 from events import notification as nt
 from events import run_triggers as rt
 from events import schedule as sc
+from events import teams as tm
 from events import vcs_report as vr
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -171,6 +173,16 @@ SAMPLES: list[Any] = [
     TokenRevoked(at=AT, actor="alice", token_id="tok-1"),
     TokenUsed(at=AT, actor="bob", token_id="tok-1"),
     GroupSet(at=AT, actor="alice", name="sre", members=["bob", "carol"]),
+    mb.UserAdded(at=AT, actor="alice", user_id="u-1", email="bob@acme.io", name="Bob"),
+    mb.UserSuspended(at=AT, actor="alice", user_id="u-1", reason="left"),
+    mb.UserReactivated(at=AT, actor="alice", user_id="u-1"),
+    mb.UserLinked(at=AT, actor="sso", user_id="u-1", issuer="https://idp", subject="42"),
+    tm.TeamSet(at=AT, actor="alice", name="net", rights=["manage-vcs"], idp_groups=["g"]),
+    tm.TeamDeleted(at=AT, actor="alice", name="net"),
+    tm.TeamMembersSet(at=AT, actor="alice", name="net", members=["u-1"]),
+    tm.UserTeamsSynced(at=AT, actor="sso", user_id="u-1", teams=["net"]),
+    tm.AccessGranted(at=AT, actor="alice", team="net", target="folder:prod", level="write"),
+    tm.AccessRevoked(at=AT, actor="alice", team="net", target="folder:prod"),
     CustomStepFinished(at=AT, actor="exec-a", lease_id="lease-1", number=300),
     TemplateSaved(
         at=AT,

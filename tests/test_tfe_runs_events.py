@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from events import access
 from events.codec import decode, encode
 from events.errors import Invalid
 from events.run import (
@@ -149,7 +150,10 @@ async def test_the_cli_may_confirm_only_what_runplanes_rule_would_take(
     the caller; a plan the CLI cannot approve ends its log saying why."""
     await app.create_org("acme", "test")
     s = _waiting(**settings)
-    doc = await render_run(app, s, Principal(user=who, role="admin", org="acme"))
+    caller = Principal(
+        user=who, role="admin", org="acme", access=access.for_role("acme", who, "admin")
+    )
+    doc = await render_run(app, s, caller, level=access.ADMIN)
     assert doc["attributes"]["actions"]["is-confirmable"] is confirmable
     assert doc["attributes"]["permissions"]["can-apply"] is confirmable
     assert doc["attributes"]["status"] == "planned"

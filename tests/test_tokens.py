@@ -43,6 +43,9 @@ LISTED = {
     "expires_at",
     "last_used_at",
     "expired",
+    "kind",
+    "owner",
+    "level",
 }
 
 

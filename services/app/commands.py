@@ -35,9 +35,20 @@ class App(Admission):
 
     @tracing.command
     async def issue_token(
-        self, org: str, user: str, role: str, actor: str, *, expires_at: datetime | None = None
+        self,
+        org: str,
+        user: str,
+        role: str,
+        actor: str,
+        *,
+        expires_at: datetime | None = None,
+        kind: str = "",
+        owner: str = "",
+        level: str = "",
     ) -> tuple[str, Result[org_agg.OrgState]]:
-        """Issue a token scoped to the organization; only its hash is stored."""
+        """Issue a token scoped to the organization; only its hash is stored. `kind`
+        "user" (owner: a user id) or "team" (owner: a team) makes a personal or team
+        token (events/access.py); none, an organization token of `role`."""
         token = f"rp_{secrets.token_urlsafe(32)}"
         cmd = org_agg.IssueToken(
             actor=actor,
@@ -46,6 +57,9 @@ class App(Admission):
             user=user,
             role=role,
             expires_at=expires_at,
+            kind=kind,
+            owner=owner,
+            level=level,
         )
         return token, await self.org_command(org, cmd)
 

@@ -6,11 +6,11 @@ secret is sealed with the key ring into the secrets bucket under a key no worksp
 have (`<org>._sso.client-secret`: a workspace name never starts with `_`), bound to that
 key's name: it is write-only, never in an event, an answer or a log.
 
-`SignIn` is the hook the identity work fills (`sign_in_user` of services/app: it creates
-or finds the user, records the membership and sets the team memberships the groups give
-through the organization's rules). Until it does, `interim_sign_in` stands in: the
-person signs in as their verified email with the least role, `viewer`. It is called in
-one place only, `SsoFlows.finish` (services/app/sso_flows.py).
+`SignIn` is the hook that turns the verified person into a user: `sign_in_user` of
+services/app/identity.py (it creates or finds the user, keyed by email with the first
+(issuer, subject) kept, sets the team memberships the groups give through each team's
+`idp_groups`, and issues the session's personal token). It is called in one place only,
+`SsoFlows.finish` (services/app/sso_flows.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from infra.kv import SECRETS_BUCKET, last_values
 from services.app.aggregates import SSO
 from services.app.commands import App
 from services.app.execute import Result
+from services.app.identity import SignedIn, sign_in_user
 
 CLIENT_SECRET = "client-secret"
 
@@ -47,26 +48,27 @@ class Person(msgspec.Struct, frozen=True, kw_only=True):
     subject: str
 
 
-class SignedIn(msgspec.Struct, frozen=True, kw_only=True):
-    """What a session needs of the signed-in person: the user a token names and its role."""
-
-    user: str
-    role: str
-
-
 class SignIn(Protocol):
-    """The identity hook: `sign_in_user(org, *, email, name, groups, issuer, subject)`."""
+    """The identity hook: services/app/identity.py `sign_in_user` over an App."""
 
     async def __call__(
         self, org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
     ) -> SignedIn: ...
 
 
-async def interim_sign_in(
-    org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
-) -> SignedIn:
-    """Until users and teams exist: the verified email as the user, the least role."""
-    return SignedIn(user=email, role="viewer")
+def sign_in_of(app: App) -> SignIn:
+    """The identity hook over `app`: the person becomes (or is found as) a user of the
+    organization, their teams set from their groups, with a personal token for the
+    session."""
+
+    async def sign_in(
+        org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
+    ) -> SignedIn:
+        return await sign_in_user(
+            app, org, email=email, name=name, groups=groups, issuer=issuer, subject=subject
+        )
+
+    return sign_in
 
 
 class SsoConfigs:

@@ -44,7 +44,8 @@ from events.users import user_problem
 from infra.directget import as_raw, leader_get
 from infra.kv import SSO_FLOWS_BUCKET, KvError
 from infra.oidc import OidcClient, OidcError
-from services.app.sso import Person, SignedIn, SignIn, SsoConfigs, interim_sign_in
+from services.app.identity import SignedIn
+from services.app.sso import Person, SignIn, SsoConfigs
 
 FLOW_TTL_S = 600.0  # from the redirect to the provider to the callback
 USED = b"used"
@@ -103,7 +104,7 @@ class SsoFlows:
         nc: NATS,
         configs: SsoConfigs,
         oidc: OidcClient,
-        sign_in: SignIn = interim_sign_in,
+        sign_in: SignIn,
         *,
         now: Callable[[], float] = time.time,
         timeout: float = 5.0,

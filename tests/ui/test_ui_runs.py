@@ -168,7 +168,7 @@ async def test_discard_with_a_reason_and_the_approvers_rule_shown(plane: Plane, 
         await vic.signin(tokens["vic"])
         viewed = await vic.get(f"/orgs/acme/runs/{run_id}")
         assert (
-            "role viewer may only read" in viewed.text
+            "may only read this workspace" in viewed.text
             and '<form method="post" action="/orgs/acme/runs' not in viewed.text
         )
         await alice.signin(tokens["alice"])

@@ -182,7 +182,7 @@ async def test_a_viewer_sees_no_action_and_may_post_none(ui: Ui) -> None:
     await b.signin(acme["viewer"])
     page = await b.get(f"/orgs/acme/runs/{run['id']}")
     assert page.status == 200 and 'id="cancel"' not in page.text
-    assert "role viewer may only read" in page.text
+    assert "viewer-user may only read" in page.text  # (events/access.py)
     ws = await b.get("/orgs/acme/workspaces/net")
     assert "Start a run" not in ws.text and "/lock" not in ws.text
     for path, fields in (

@@ -6,9 +6,11 @@ bucket (as secret variables are: services/app/secrets.py), under keys no workspa
 name. Events say only that they were set (events/chat.py).
 
 Who a Slack user is, is read from the aggregates, never the read model (never stale): the
-mapping from the chat aggregate, and from the organization's own history the user's
-role (the highest of the user's tokens there that are neither revoked nor expired: a
-user whose tokens are all revoked can do nothing from Slack either) and groups.
+mapping from the chat aggregate, and from the organization's own history their access
+(events/access.py): a mapped user of the organization (by email or id) has their teams'
+access, nothing once suspended; a mapped token user name of before users has the role of
+the highest of their tokens that are neither revoked nor expired (a user whose tokens
+are all revoked can do nothing from Slack either); and their groups.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from datetime import datetime
 import msgspec
 from nats.aio.client import Client as NATS
 
-from events import approval
+from events import access, approval
 from events import chat as chat_agg
+from events import members as mb
 from events import org as org_agg
 from events.codec import org_subject
-from events.errors import Forbidden, NotFound
+from events.errors import NotFound
+from events.teams import LEVELS
 from infra.crypto import CryptoError, KeyRing
 from infra.kv import SECRETS_BUCKET, last_values
 from services.app.aggregates import CHAT
@@ -33,7 +37,6 @@ from services.app.execute import Result
 
 SIGNING_SECRET = "slack-signing-secret"
 BOT_TOKEN = "slack-bot-token"
-OPERATOR = "operator"  # what creating and canceling runs needs, as in the API
 
 
 class ChatError(Exception):
@@ -58,6 +61,7 @@ class Who(msgspec.Struct, frozen=True, kw_only=True):
 
     caller: approval.Caller
     slack_user: str
+    access: access.Access
 
 
 class ChatConfig:
@@ -131,15 +135,37 @@ class ChatConfig:
         envs = await self.app.store.read(org_subject(org))
         events = [e.event for e in envs]
         org_state = org_agg.fold(events)  # type: ignore[arg-type]  # the org's own subject
-        role = standing(events, user, self.app.clock())
-        if not role:
-            raise NotLinked(
-                f"{user} holds no valid token in {org}, so no role: an admin issues one"
-            )
-        groups = approval.groups_of(user, org_state.groups)
-        return Who(
-            caller=approval.Caller(user=user, role=role, groups=groups), slack_user=slack_user
-        )
+        role, found = _access_of(org, org_state, events, user, self.app.clock())
+        groups = approval.groups_of(found.user, org_state.groups)
+        caller = approval.Caller(user=found.user, role=role, groups=groups, teams=list(found.teams))
+        return Who(caller=caller, slack_user=slack_user, access=found)
+
+    async def allow(self, org: str, who: Who, action: str, ws: str) -> Who:
+        """`who`, once they may `action` on workspace `ws` (events/access.py), with their
+        level there in the caller the core's approval rule reads."""
+        folder = (await self.app.load_ws(org, ws)).state.folder
+        target = access.Target(org=org, workspace=ws, folders=(folder,) if folder else ())
+        access.require(who.access, action, target)
+        level = LEVELS[who.access.level_on(target)]
+        return msgspec.structs.replace(who, caller=msgspec.structs.replace(who.caller, level=level))
+
+
+def _access_of(
+    org: str, state: org_agg.OrgState, events: Sequence[object], user: str, now: datetime
+) -> tuple[str, access.Access]:
+    """(role, access) of a mapped user: a user of the organization (email or id) has
+    their teams' access; a token user name, the role of their live tokens."""
+    user_id = user if user.startswith("u-") else mb.user_id_of(user) if "@" in user else ""
+    member = state.members.get(user_id) if user_id else None
+    if member is not None:
+        found = access.for_member(org, member, state.teams)
+        if found is None:
+            raise NotLinked(f"{member.email} is suspended in {org}")
+        return "", access.inherited(found, state.folders)
+    role = standing(events, user, now)
+    if not role:
+        raise NotLinked(f"{user} holds no valid token in {org}, so no role: an admin issues one")
+    return role, access.for_role(org, user, role)
 
 
 def standing(events: Sequence[object], user: str, now: datetime) -> str:
@@ -154,15 +180,6 @@ def standing(events: Sequence[object], user: str, now: datetime) -> str:
     live = [t.role for t in issued.values() if t.expires_at is None or t.expires_at > now]
     ranked = [r for r in org_agg.ROLES if r in live]
     return ranked[-1] if ranked else ""
-
-
-def require(who: Who, role: str, what: str) -> None:
-    """Forbidden unless the caller's role is at least `role` (as the API's routes ask)."""
-    roles: tuple[str, ...] = org_agg.ROLES
-    if roles.index(who.caller.role) < roles.index(role):
-        raise Forbidden(
-            f"role {who.caller.role} of {who.caller.user} may not {what}; it needs {role}"
-        )
 
 
 def _url_context(org: str, request_id: str) -> str:

@@ -26,13 +26,14 @@ from ulid import ULID
 
 from events import approval
 from events import chat as chat_agg
+from events.access import PLAN_ONLY, run_action
 from events.codec import valid_id
 from events.errors import DomainError, Invalid, NotFound
 from events.run import ApproveRun, CancelRun, Cause, DiscardRun, RunState
 from infra.eventstore import Append
 from services.app.commands import App
 from services.processes.chat import text as tx
-from services.processes.chat.config import OPERATOR, ChatConfig, ChatError, Who, require
+from services.processes.chat.config import ChatConfig, ChatError, Who
 from services.processes.chat.poster import Poster
 
 log = structlog.get_logger(__name__)
@@ -126,8 +127,9 @@ class Worker:
                 run = await self._run(org, None, parsed.arg)
                 return await self._discard(org, event, who, run, parsed.reason)
             case "cancel":
-                require(who, OPERATOR, "cancel runs")
                 run = await self._run(org, None, parsed.arg)
+                cancel_as = "run.cancel_plan" if run.run_type in PLAN_ONLY else "run.cancel"
+                who = await self.config.allow(org, who, cancel_as, run.workspace)
                 cancel = CancelRun(actor=who.caller.user, reason="canceled from Slack")
                 done = await self.app.run_command(org, run.workspace, run.run_id, cancel)
                 return await self._linked(org, event, done.state, "canceled from Slack"), run.run_id
@@ -139,7 +141,7 @@ class Worker:
     async def _create(
         self, org: str, event: chat_agg.SlackRequestReceived, who: Who, run_type: str, ws: str
     ) -> tuple[tx.Message, str]:
-        require(who, OPERATOR, "create runs")
+        who = await self.config.allow(org, who, run_action(run_type), ws)
         run_id = run_id_of(event)
         existing = (await self.app.load_run(org, ws, run_id)).state
         if existing.exists:  # redelivered after the create: the run is there
@@ -161,7 +163,7 @@ class Worker:
         run: RunState,
         acknowledged: list[str],
     ) -> tuple[tx.Message, str]:
-        require(who, OPERATOR, "approve runs")  # as the API's route: approvers grant no role
+        who = await self.config.allow(org, who, "run.approve", run.workspace)
         command = ApproveRun(
             actor=who.caller.user,
             acknowledged=acknowledged,
@@ -180,7 +182,7 @@ class Worker:
     async def _discard(
         self, org: str, event: chat_agg.SlackRequestReceived, who: Who, run: RunState, reason: str
     ) -> tuple[tx.Message, str]:
-        require(who, OPERATOR, "discard runs")
+        who = await self.config.allow(org, who, "run.approve", run.workspace)
         command = DiscardRun(
             actor=who.caller.user,
             reason=reason or "discarded from Slack",

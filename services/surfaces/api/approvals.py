@@ -15,19 +15,30 @@ from collections.abc import Sequence
 
 from events import approval
 from events.run import ApproveRun, DiscardRun, RunState
+from events.teams import LEVELS
 from services.app.execute import Result
 from services.surfaces.api.auth import Principal
+from services.surfaces.api.common import run_workspace, workspace_target
 from services.surfaces.api.context import Api
 from services.surfaces.api.problems import Problem
 
 VIA = "api"
 
 
-async def caller(api: Api, org: str, who: Principal) -> approval.Caller:
-    """Who asks, with the organization's groups they are a member of."""
+async def caller(api: Api, org: str, who: Principal, run_id: str) -> approval.Caller:
+    """Who asks: the organization's groups they are a member of, their teams, and their
+    level on the run's workspace (events/access.py)."""
     groups = (await api.app.load_org(org)).state.groups
     member_of = approval.groups_of(who.user, groups)
-    return approval.Caller(user=who.user, role=who.role, superuser=who.superuser, groups=member_of)
+    target = await workspace_target(api, org, await run_workspace(api, org, run_id))
+    return approval.Caller(
+        user=who.user,
+        role=who.role,
+        superuser=who.superuser,
+        groups=member_of,
+        teams=list(who.access.teams),
+        level=LEVELS[who.access.level_on(target)],
+    )
 
 
 async def approve(
@@ -37,7 +48,7 @@ async def approve(
     command = ApproveRun(
         actor=who.user,
         acknowledged=list(acknowledged),
-        caller=await caller(api, org, who),
+        caller=await caller(api, org, who, run_id),
         via=VIA,
     )
     try:
@@ -48,5 +59,7 @@ async def approve(
 
 async def discard(api: Api, org: str, run_id: str, who: Principal, reason: str) -> Result[RunState]:
     """Discard the run as `who`."""
-    command = DiscardRun(actor=who.user, reason=reason, caller=await caller(api, org, who), via=VIA)
+    command = DiscardRun(
+        actor=who.user, reason=reason, caller=await caller(api, org, who, run_id), via=VIA
+    )
     return await api.app.run_command(org, None, run_id, command)

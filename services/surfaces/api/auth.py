@@ -1,11 +1,12 @@
-"""Bearer tokens and roles.
+"""Bearer tokens: who calls, and their access.
 
 The admin token (given at start) may do everything in every organization. Any other token
-is scoped to one organization with one role; roles are ordered, each adding to the last:
-viewer (read), operator (+ create and cancel runs, and approve and discard them where the
-workspace names no approvers: events/approval.py), approver (the same rights as operator
-today; the `approvers` setting, not the role, narrows who approves), admin (+ workspaces
-and tokens).
+is scoped to one organization: an organization token of a role (as before users), a
+personal token (its user's access now, at most) or a team token (its team's). Each
+request resolves the caller's `Access` (events/access.py) from the organization's
+aggregate at or past its last event (services/app/identity.py `org_at`), and every
+surface asks `events.access.allowed` / `require` about it. A suspended user's tokens
+are refused (401 `user-suspended`) at their next use, on every replica.
 Another organization's things are invisible: a request for them is answered 404, never
 403, so a token cannot probe what exists elsewhere.
 
@@ -37,15 +38,16 @@ import nats.errors
 import structlog
 from aiohttp import web
 
+from events import access as ac
 from events.codec import org_subject
 from events.errors import DomainError
 from events.org import ROLES
 from infra.eventstore import StoreError
+from services.app.identity import org_at
 from services.surfaces.api.context import Api
 from services.surfaces.api.problems import Problem, unauthorized
 
 VIEWER, OPERATOR, APPROVER, ADMIN = ROLES
-_RANK = {role: i for i, role in enumerate(ROLES)}
 ADMIN_USER = "admin"
 USES_KEPT = 100_000  # token ids a replica remembers recording a use of (then it forgets all)
 
@@ -53,10 +55,12 @@ log = structlog.get_logger("runplane.api")
 
 
 class Principal(msgspec.Struct, frozen=True, kw_only=True):
-    """Who is calling. `org` None means the admin token: every organization."""
+    """Who is calling. `org` None means the admin token: every organization. `role` is
+    an organization token's ("" for personal and team tokens); `access` decides."""
 
     user: str
     role: str
+    access: ac.Access
     org: str | None = None
     token_id: str = ""
 
@@ -64,14 +68,8 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     def superuser(self) -> bool:
         return self.org is None
 
-    def require(self, org: str, role: str) -> None:
-        """Allow the call in `org` if the principal holds at least `role` there."""
-        if self.superuser:
-            return
-        if self.org != org:
-            raise Problem("not-found", f"organization {org} not found")
-        if _RANK.get(self.role, -1) < _RANK[role]:
-            raise Problem("forbidden", f"role {self.role} may not do this; it needs {role}")
+    def may(self, action: str, target: ac.Target) -> bool:
+        return ac.allowed(self.access, action, target)
 
 
 PRINCIPAL: web.RequestKey[Principal] = web.RequestKey("runplane.principal", Principal)
@@ -92,25 +90,36 @@ async def authenticate(api: Api, header: str | None) -> Principal:
     """The principal of a request's Authorization header, or a 401 problem."""
     digest = hashlib.sha256(bearer(header).encode()).digest()
     if hmac.compare_digest(digest, api.admin_digest):
-        return Principal(user=ADMIN_USER, role=ADMIN)
+        return Principal(user=ADMIN_USER, role=ADMIN, access=ac.superuser(ADMIN_USER))
     token_hash = digest.hex()
     projected = api.projector.seq  # the first read below sees at least this much
     row = await api.token(token_hash)
     if row is None:
         raise unauthorized("the token is not valid", invalid_token=True)
-    row = await _fresh(api, row, token_hash, projected)
+    row, last = await _fresh(api, row, token_hash, projected)
     now = api.app.clock()
     _check_lifecycle(row, now)
+    org, user = row["org"], row["user"]
+    state = await org_at(api.app, org, last)
+    found = ac.resolve(state, token_id=row["token_id"], user=user, role=row["role"])
+    if found is None:
+        raise unauthorized(
+            f"{user} is suspended in {org}, or the token's team is gone",
+            invalid_token=True,
+            slug="user-suspended",
+        )
     await _record_use(api, row, now)
-    return Principal(user=row["user"], role=row["role"], org=row["org"], token_id=row["token_id"])
+    return Principal(user=user, role=row["role"], org=org, token_id=row["token_id"], access=found)
 
 
-async def _fresh(api: Api, row: dict[str, Any], token_hash: str, projected: int) -> dict[str, Any]:
+async def _fresh(
+    api: Api, row: dict[str, Any], token_hash: str, projected: int
+) -> tuple[dict[str, Any], int]:
     """The token's row from a projection at or past its organization's last event, so that
-    no replica trusts a token revoked through another one."""
+    no replica trusts a token revoked through another one; and that event's sequence."""
     last = await api.app.store.last_seq_of(org_subject(row["org"]))
     if projected >= last:
-        return row
+        return row, last
     if not await api.reached(last, api.token_wait):
         raise Problem(
             "stale-read",
@@ -121,7 +130,7 @@ async def _fresh(api: Api, row: dict[str, Any], token_hash: str, projected: int)
     fresh = await api.read.orgs.token(token_hash)
     if fresh is None:  # tokens are never deleted: only a rebuilt read model could miss it
         raise unauthorized("the token is not valid", invalid_token=True)
-    return fresh
+    return fresh, last
 
 
 def _check_lifecycle(row: dict[str, Any], now: datetime) -> None:

@@ -59,6 +59,19 @@ MAX_TOKEN_LIFETIME_S = 10 * 366 * 86400
 class CreateTokenBody(Body, frozen=True, kw_only=True):
     user: Annotated[str, Meta(min_length=1, max_length=200)] = "admin"
     role: Annotated[str, Meta(description="viewer, operator, approver or admin")] = "admin"
+    kind: Annotated[
+        str,
+        Meta(
+            description='"" (an organization token of `role`), "user" (a personal token: '
+            "the caller's own unless `user_id` names another, which needs an org admin) or "
+            '"team" (of `team`)'
+        ),
+    ] = ""
+    user_id: Annotated[str, Meta(max_length=64)] = ""
+    team: Annotated[str, Meta(max_length=63)] = ""
+    level: Annotated[
+        str, Meta(description="a personal token's ceiling: read, plan, write or admin")
+    ] = ""
     # Range-checked by `orgs.token_expiry` (a 422 invalid-command), hence only documented.
     expires_in: Annotated[
         int | None,

@@ -15,7 +15,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from events.values import CHANGE_GROUPS, RESOURCE_STATES
-from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.common import items, json_response, path_id, scope
 from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
@@ -25,7 +24,7 @@ _ACTIONS = [action for action, _ in CHANGE_GROUPS]
 
 
 async def run_changes(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     review = await api.read.runs.changes(org, run_id)
     if review is None:
@@ -34,7 +33,7 @@ async def run_changes(request: web.Request) -> web.Response:
 
 
 async def run_resources(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     if await api.read.runs.get(org, run_id) is None:
         raise Problem("not-found", f"run {run_id} not found")

@@ -15,13 +15,13 @@ from typing import Annotated, Any
 import msgspec
 from aiohttp import web
 
+from events import access
 from events import chat as chat_agg
 from events.chat import SlackState
 from events.users import MAX_USER
 from events.values import SENSITIVE
 from services.processes.chat import text as tx
 from services.processes.chat.config import BOT_TOKEN, SIGNING_SECRET, ChatConfig, Who
-from services.surfaces.api.auth import ADMIN
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import Row, command_answer, items, json_response, scope
 from services.surfaces.api.context import API
@@ -85,7 +85,7 @@ def _app_row(state: SlackState) -> Row:
 
 async def put_slack(request: web.Request) -> web.Response:
     """PUT .../chat/slack: configure the organization's Slack app."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "org.settings")
     body = await read_body(request, SlackAppBody)
     config = config_of(request)
     state, _ = await config.load(org)
@@ -106,7 +106,7 @@ async def put_slack(request: web.Request) -> web.Response:
 
 
 async def get_slack(request: web.Request) -> web.Response:
-    _, org, _ = scope(request, ADMIN)
+    _, org, _ = await scope(request, "org.settings")
     state, _ = await config_of(request).load(org)
     if not state.configured:
         raise Problem("not-found", f"organization {org} has no Slack app")
@@ -114,7 +114,7 @@ async def get_slack(request: web.Request) -> web.Response:
 
 
 async def delete_slack(request: web.Request) -> web.Response:
-    _, org, who = scope(request, ADMIN)
+    _, org, who = await scope(request, "org.settings")
     config = config_of(request)
     result = await config.command(org, chat_agg.RemoveSlack(actor=who.user))
     await config.forget_secrets(org)  # after: a request until then is still the app's
@@ -123,7 +123,7 @@ async def delete_slack(request: web.Request) -> web.Response:
 
 async def put_slack_user(request: web.Request) -> web.Response:
     """PUT .../chat/slack/users/{slack_id} {"user"}: the Slack user acts as `user`."""
-    _, org, who = scope(request, ADMIN)
+    _, org, who = await scope(request, "org.settings")
     slack_id = _slack_id(request)
     body = await read_body(request, SlackUserBody)
     cmd = chat_agg.MapSlackUser(actor=who.user, slack_id=slack_id, user=body.user)
@@ -132,7 +132,7 @@ async def put_slack_user(request: web.Request) -> web.Response:
 
 
 async def get_slack_user(request: web.Request) -> web.Response:
-    _, org, _ = scope(request, ADMIN)
+    _, org, _ = await scope(request, "org.settings")
     slack_id = _slack_id(request)
     state, _ = await config_of(request).load(org)
     if slack_id not in state.users:
@@ -141,13 +141,13 @@ async def get_slack_user(request: web.Request) -> web.Response:
 
 
 async def list_slack_users(request: web.Request) -> web.Response:
-    _, org, _ = scope(request, ADMIN)
+    _, org, _ = await scope(request, "org.settings")
     state, _ = await config_of(request).load(org)
     return items([{"slack_id": k, "user": v} for k, v in sorted(state.users.items())])
 
 
 async def delete_slack_user(request: web.Request) -> web.Response:
-    _, org, who = scope(request, ADMIN)
+    _, org, who = await scope(request, "org.settings")
     cmd = chat_agg.UnmapSlackUser(actor=who.user, slack_id=_slack_id(request))
     result = await config_of(request).command(org, cmd)
     return web.Response(status=204, headers={"RP-Seq": str(result.seq)})
@@ -192,18 +192,29 @@ async def slack_interaction(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+def _reads(who: Who, org: str, ws: str, folder: str | None) -> bool:
+    target = access.Target(org=org, workspace=ws, folders=(folder,) if folder else ())
+    return access.allowed(who.access, "workspace.read", target)
+
+
 async def _query(request: web.Request, org: str, parsed: tx.Parsed, who: Who) -> tx.Message:
-    """help, status and runs: read from this replica's projection, answered at once."""
+    """help, status and runs: read from this replica's projection, answered at once, of
+    the workspaces the mapped user may read (events/access.py)."""
     read = request.app[API].read
     if parsed.verb == "help":
         return tx.reply(tx.help_text())
     if parsed.verb == "runs":
         status = [parsed.arg] if parsed.arg else None
         runs = await read.runs.find(org, status=status, limit=10)
+        if not who.access.uniform(access.READ):
+            folders = await read.workspaces.folders(org)
+            mine = {ws for ws, folder in folders.items() if _reads(who, org, ws, folder)}
+            runs = [r for r in runs if r["workspace"] in mine]
         lines = [tx.run_line(r) for r in runs] or ["no runs"]
         return tx.reply("\n".join(lines))
     ws = await read.workspaces.get(org, parsed.arg)
-    if ws is None:
+    folder = await read.workspaces.folder_of(org, parsed.arg)
+    if ws is None or not _reads(who, org, ws["name"], folder):
         return tx.reply(f"workspace {tx.shown(parsed.arg)} not found")
     active = await read.runs.get(org, ws["active_run"]) if ws.get("active_run") else None
     lines = [f"*{tx.escape(parsed.arg)}*: " + (tx.run_line(active) if active else "idle")]

@@ -9,6 +9,8 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from events import access
+from events.errors import NotFound
 from events.org import OrgState
 from services.surfaces.api.auth import PRINCIPAL, Principal
 from services.surfaces.api.bodies import check_name
@@ -42,12 +44,82 @@ def path_id(request: web.Request, key: str) -> str:
     return check_name(key, request.match_info[key])
 
 
-def scope(request: web.Request, role: str) -> tuple[Api, str, Principal]:
-    """The api, the path's organization and the caller, once the caller may act there."""
+async def scope(request: web.Request, action: str, *, ws: str = "") -> tuple[Api, str, Principal]:
+    """The api, the path's organization and the caller, once the caller may do `action`
+    (events/access.py) on its target: the workspace `ws`, else the path's workspace, the
+    run's workspace, the folder, else the organization. 404 for another organization and
+    for a workspace or run the caller may not read, 403 when it lacks the level."""
     org = path_id(request, "org")
     who = request[PRINCIPAL]
-    who.require(org, role)
-    return request.app[API], org, who
+    api = request.app[API]
+    target, hidden = await target_of(api, who, org, action, request.match_info, ws=ws)
+    access.require(who.access, action, target, hidden=hidden)
+    return api, org, who
+
+
+async def target_of(
+    api: Api, who: Principal, org: str, action: str, match: Mapping[str, str], *, ws: str = ""
+) -> tuple[access.Target, str]:
+    """What `action` is on, and how to name it when hidden. Nothing is looked up when the
+    caller's level is the same on every workspace (an organization token, owners)."""
+    need = access.ACTIONS[action]
+    if need.on != "workspace" or who.org != org or who.access.uniform(need.level):
+        return access.Target(org=org), ""
+    hidden = ""
+    if not ws and "ws" in match:
+        ws = check_name("ws", match["ws"])
+    if not ws and "run" in match:
+        run_id = check_name("run", match["run"])
+        hidden = f"run {run_id}"
+        ws = await run_workspace(api, org, run_id)
+    if ws:
+        return await workspace_target(api, org, ws), hidden
+    if "folder" in match:
+        return access.Target(org=org, folders=(check_name("folder", match["folder"]),)), ""
+    return access.Target(org=org), ""
+
+
+async def run_workspace(api: Api, org: str, run_id: str) -> str:
+    """The run's workspace: from the read model, else the run's own events (a run just
+    created through another replica); NotFound if there is no such run."""
+    ws = await api.read.runs.workspace_of(org, run_id)
+    if ws is None:
+        state = (await api.app.load_run(org, None, run_id)).state
+        if not state.exists:
+            raise NotFound(f"run {run_id} not found")
+        ws = state.workspace
+    return ws
+
+
+async def workspace_target(api: Api, org: str, ws: str) -> access.Target:
+    """A workspace as the access check sees it: with its folder (fixed at creation)."""
+    folder = await api.read.workspaces.folder_of(org, ws)
+    if folder is None:  # not projected here yet, or no such workspace
+        folder = (await api.app.load_ws(org, ws)).state.folder
+    return access.Target(org=org, workspace=ws, folders=(folder,) if folder else ())
+
+
+async def may_on(api: Api, who: Principal, org: str, action: str, ws: str) -> bool:
+    """Whether the caller may also do `action` on workspace `ws` (a second question of a
+    handler that passed `scope`, e.g. an unlock by an admin)."""
+    need = access.ACTIONS[action]
+    if who.access.uniform(need.level):
+        return who.may(action, access.Target(org=org))
+    return who.may(action, await workspace_target(api, org, ws))
+
+
+async def require_on(api: Api, who: Principal, org: str, action: str, ws: str) -> None:
+    """`access.require` of `action` on workspace `ws`."""
+    need = access.ACTIONS[action]
+    if who.access.uniform(need.level) and who.may(action, access.Target(org=org)):
+        return
+    access.require(who.access, action, await workspace_target(api, org, ws))
+
+
+def may_read(who: Principal, org: str, ws: str, folder: str) -> bool:
+    """Whether the caller may see a workspace (a list's filter: no read per row)."""
+    target = access.Target(org=org, workspace=ws, folders=(folder,) if folder else ())
+    return who.may("workspace.read", target)
 
 
 async def org_state(api: Api, org: str) -> OrgState:

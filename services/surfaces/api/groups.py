@@ -14,7 +14,6 @@ from aiohttp import web
 
 from events import groups as gr
 from events.org import OrgState
-from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import Body, Name, check_name, read_body
 from services.surfaces.api.common import (
     Row,
@@ -49,7 +48,7 @@ def _row(state: OrgState, name: str) -> Row:
 
 async def create_group(request: web.Request) -> web.Response:
     """POST .../groups {"name", "members"}: 409 if the group exists."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "teams.manage")
     body = await read_body(request, CreateGroupBody)
     name = check_name("name", body.name)
     await org_state(api, org)
@@ -61,7 +60,7 @@ async def create_group(request: web.Request) -> web.Response:
 
 async def set_group_members(request: web.Request) -> web.Response:
     """PUT .../groups/{group}/members {"members"}: replaces every member."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "teams.manage")
     name = path_id(request, "group")
     body = await read_body(request, GroupMembersBody)
     await org_state(api, org)
@@ -71,7 +70,7 @@ async def set_group_members(request: web.Request) -> web.Response:
 
 
 async def list_groups(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     state = await org_state(api, org)
     return items([_row(state, name) for name in state.groups])
 

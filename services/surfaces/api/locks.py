@@ -14,9 +14,8 @@ import msgspec
 from aiohttp import web
 
 from services.surfaces.api import secrets
-from services.surfaces.api.auth import ADMIN, OPERATOR
 from services.surfaces.api.bodies import Body, read_body
-from services.surfaces.api.common import path_id, scope
+from services.surfaces.api.common import may_on, path_id, scope
 from services.surfaces.api.paths import WS
 from services.surfaces.api.schemas import REF, Doc, operation
 
@@ -33,7 +32,7 @@ class UnlockBody(Body, frozen=True, kw_only=True):
 
 async def lock_workspace(request: web.Request) -> web.Response:
     """POST .../workspaces/{ws}/lock {"reason": ...}: 409 if it is locked already."""
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "workspace.lock")
     ws = path_id(request, "ws")
     body = await read_body(request, LockBody)
     result = await api.app.lock_workspace(org, ws, body.reason, who.user)
@@ -42,10 +41,10 @@ async def lock_workspace(request: web.Request) -> web.Response:
 
 async def unlock_workspace(request: web.Request) -> web.Response:
     """POST .../workspaces/{ws}/unlock: the holder or an org admin; 409 if not locked."""
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "workspace.lock")
     ws = path_id(request, "ws")
     await read_body(request, UnlockBody, optional=True)
-    admin = who.superuser or who.role == ADMIN
+    admin = await may_on(api, who, org, "workspace.force_unlock", ws)
     result = await api.app.unlock_workspace(org, ws, who.user, admin=admin)
     return await secrets.workspace_written(request, api, org, ws, result, who.user)
 

@@ -24,7 +24,6 @@ from nats.aio.client import Client as NATS
 from events.run import TERMINAL
 from events.templates import valid_phase
 from infra.steplogs import STREAMS, LogError, LogLine
-from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import path_id, scope
 from services.surfaces.api.follow import Follower
@@ -77,7 +76,7 @@ def _query(request: web.Request) -> tuple[bool, str | None, str | None]:
 
 
 async def run_logs(request: web.Request) -> web.StreamResponse:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     follow, phase, step = _query(request)
     page = _page(request, follow)

@@ -28,13 +28,14 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
+from events import access
 from events import notification as nt
 from events.errors import Invalid
 from services.processes.notifications import Refused, formats, guard, outbox, signing
 from services.processes.notifications.delivery import Policy, Sender, outcome
 from services.processes.notifications.tokens import MAX_TOKEN, TokenStore
 from services.surfaces.api import secrets as secrets_api
-from services.surfaces.api.auth import ADMIN, VIEWER, Principal
+from services.surfaces.api.auth import Principal
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import (
     SEQ_HEADER,
@@ -113,6 +114,15 @@ def _ws_of(request: web.Request) -> str | None:
     return path_id(request, "ws") if "ws" in request.match_info else None
 
 
+def _settings(request: web.Request) -> str:
+    """The action changing a configuration is: a workspace's settings, or the org's."""
+    return "workspace.settings" if "ws" in request.match_info else "org.settings"
+
+
+def _reading(request: web.Request) -> str:
+    return "workspace.read" if "ws" in request.match_info else "org.read"
+
+
 async def _guarded(url: str) -> None:
     try:
         await guard.check_url(url, guard.allowed_from_env())
@@ -138,7 +148,7 @@ async def _found(api: Api, org: str, config_id: str, ws: str | None) -> nt.Notif
 
 
 async def create(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, _settings(request))
     ws = _ws_of(request)
     body = await read_body(request, NotificationBody)
     await _workspace(api, org, ws)
@@ -190,33 +200,36 @@ def _fields(cmd: nt.SaveConfig) -> dict[str, Any]:
     }
 
 
-def _shown(row: Row, who: Principal) -> Row:
-    """The row as `who` may see it: below admin, the URL's origin only. A Slack or Teams
-    incoming webhook's URL is its credential (whoever holds it posts in the channel, as
-    runplane), so like the token it is for those who may change it."""
-    if who.superuser or who.role == ADMIN:
+def _shown(row: Row, who: Principal, request: web.Request) -> Row:
+    """The row as `who` may see it: to those who may not change it, the URL's origin only.
+    A Slack or Teams incoming webhook's URL is its credential (whoever holds it posts in
+    the channel, as runplane), so like the token it is for those who may change it."""
+    target = access.Target(org=path_id(request, "org"), workspace=_ws_of(request) or "")
+    if who.may(_settings(request), target):  # (a folder's admin sees the origin only)
         return row
     parts = urlsplit(str(row.get("url", "")))
     return {**row, "url": f"{parts.scheme}://{parts.netloc}/…"}
 
 
 async def list_configs(request: web.Request) -> web.Response:
-    api, org, who = scope(request, VIEWER)
+    api, org, who = await scope(request, _reading(request))
     ws = _ws_of(request)
     await _workspace(api, org, ws)
-    return items([_shown(r, who) for r in await api.read.integrations.notifications(org, ws)])
+    return items(
+        [_shown(r, who, request) for r in await api.read.integrations.notifications(org, ws)]
+    )
 
 
 async def get_config(request: web.Request) -> web.Response:
-    api, org, who = scope(request, VIEWER)
+    api, org, who = await scope(request, _reading(request))
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     cfg = await _found(api, org, config_id, ws)
     row = await api.read.integrations.notification(org, config_id)
-    return json_response(_shown(row or _row(cfg), who))
+    return json_response(_shown(row or _row(cfg), who, request))
 
 
 async def patch_config(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, _settings(request))
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     body = await read_body(request, NotificationPatchBody)
     await _found(api, org, config_id, ws)
@@ -248,7 +261,7 @@ async def patch_config(request: web.Request) -> web.Response:
 
 
 async def delete_config(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, _settings(request))
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     cfg = await _found(api, org, config_id, ws)
     _, seq = await _command(api, org, nt.DeleteConfig(actor=who.user, config_id=config_id))
@@ -259,7 +272,7 @@ async def delete_config(request: web.Request) -> web.Response:
 
 
 async def deliveries(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, _reading(request))
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     await _found(api, org, config_id, ws)
     return items(await api.read.integrations.notify_attempts(org, config_id))
@@ -268,7 +281,7 @@ async def deliveries(request: web.Request) -> web.Response:
 async def verify(request: web.Request) -> web.Response:
     """Send a `verification` payload now and answer with the receiver's response (the
     attempt is recorded like any other; a verification is never retried)."""
-    api, org, _ = scope(request, ADMIN)
+    api, org, _ = await scope(request, _settings(request))
     config_id, ws = path_id(request, "notification"), _ws_of(request)
     cfg = await _found(api, org, config_id, ws)
     token = await _tokens(request).get(org, config_id) if cfg.has_token else ""

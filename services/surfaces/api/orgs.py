@@ -6,14 +6,16 @@ from datetime import datetime, timedelta
 
 from aiohttp import web
 
+from events import access
 from events.errors import RepositoryRefused
-from events.org import RevokeToken
+from events.org import OrgState, RevokeToken
 from events.run import Workspace
+from events.teams import LEVELS, OWNERS
 from projections.working import iso
 from services.app import repositories
 from services.surfaces.api import render, secrets, workspaces
 from services.surfaces.api import vcs as vcs_api
-from services.surfaces.api.auth import ADMIN, PRINCIPAL, VIEWER
+from services.surfaces.api.auth import PRINCIPAL, Principal
 from services.surfaces.api.bodies import (
     MAX_TOKEN_LIFETIME_S,
     CreateOrgBody,
@@ -29,6 +31,8 @@ from services.surfaces.api.common import (
     Row,
     items,
     json_response,
+    may_read,
+    org_state,
     path_id,
     scope,
     written,
@@ -69,18 +73,23 @@ async def create_org(request: web.Request) -> web.Response:
 
 
 async def get_org(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     return json_response(await _existing_org(api, org))
 
 
 async def create_token(request: web.Request) -> web.Response:
-    """POST /orgs/{org}/tokens: the only answer that ever shows the clear token."""
-    api, org, who = scope(request, ADMIN)
+    """POST /orgs/{org}/tokens: the only answer that ever shows the clear token. An
+    organization token needs an org admin; a team token `manage-teams` (owners': an org
+    admin); a personal token is its user's own (or an org admin's for another user),
+    never above the caller's own ceiling (events/access.py)."""
     body = await read_body(request, CreateTokenBody, optional=True)
+    api, org, who = await scope(request, "tokens.personal")
     expires_at = token_expiry(body, api.app.clock())
+    owner, level = await _token_rules(request, who, body)
     token, result = await api.app.issue_token(
-        org, body.user, body.role, who.user, expires_at=expires_at
-    )
+        org, body.user, body.role if not body.kind else "", who.user,
+        expires_at=expires_at, kind=body.kind, owner=owner, level=level,
+    )  # fmt: skip
     await api.after_write(result.seq)  # so the token works here at once
     issued = result.events[-1]
     answer = {
@@ -88,10 +97,38 @@ async def create_token(request: web.Request) -> web.Response:
         "token_id": issued.token_id,
         "user": issued.user,
         "role": issued.role,
+        "kind": issued.kind or "org",
+        "level": issued.level or None,
         "org": org,
         "expires_at": iso(issued.expires_at) if issued.expires_at else None,
     }
     return json_response(answer, status=201, headers={SEQ_HEADER: str(result.seq)})
+
+
+async def _token_rules(
+    request: web.Request, who: Principal, body: CreateTokenBody
+) -> tuple[str, str]:
+    """Who may make the token asked for; its owner and ceiling."""
+    mine = who.access
+    match body.kind:
+        case "":
+            await scope(request, "org.settings")
+            return "", ""
+        case "team":
+            await scope(request, "org.access" if body.team == OWNERS else "teams.manage")
+            return body.team, ""
+        case "user":
+            owner = body.user_id or mine.user_id
+            if not owner:
+                raise Problem("invalid-command", "a personal token needs a user: give user_id")
+            if owner != mine.user_id:
+                await scope(request, "org.access")
+            if mine.cap < access.ADMIN:  # a capped token makes no token above its cap
+                wanted = LEVELS.index(body.level) if body.level in LEVELS else access.ADMIN
+                return owner, LEVELS[min(wanted, mine.cap)]
+            return owner, body.level
+        case _:
+            raise Problem("invalid-command", f"unknown token kind {body.kind!r}")
 
 
 def token_expiry(body: CreateTokenBody, now: datetime) -> datetime | None:
@@ -112,29 +149,75 @@ def token_expiry(body: CreateTokenBody, now: datetime) -> datetime | None:
 
 
 async def list_tokens(request: web.Request) -> web.Response:
-    """GET /orgs/{org}/tokens: the tokens not revoked, never their secret nor its hash."""
-    api, org, _ = scope(request, ADMIN)
+    """GET /orgs/{org}/tokens: the tokens not revoked, never their secret nor its hash:
+    all of them to an org admin, team tokens too to `manage-teams`, else the caller's own
+    personal tokens."""
+    api, org, who = await scope(request, "tokens.personal")
+    await _owns_tokens(request, who, org)
     await _existing_org(api, org)
+    state = await org_state(api, org)
     now = iso(api.app.clock())
-    rows = await api.read.orgs.tokens(org)
+    rows = [r for r in await api.read.orgs.tokens(org) if _visible(who, org, state, r)]
     return items(
-        [r | {"expired": r["expires_at"] is not None and r["expires_at"] <= now} for r in rows]
+        [
+            r
+            | _kind(state, r)
+            | {"expired": r["expires_at"] is not None and r["expires_at"] <= now}
+            for r in rows
+        ]
     )
+
+
+async def _owns_tokens(request: web.Request, who: Principal, org: str) -> None:
+    """Organization tokens (of before users) own no token: listing and revoking stay an
+    org admin's (403 otherwise), as before."""
+    if not who.access.user_id and not who.may("teams.manage", access.Target(org=org)):
+        await scope(request, "org.settings")
+
+
+def _kind(state: OrgState, row: Row) -> Row:
+    owner = state.owners.get(row["token_id"])
+    if owner is None:
+        return {"kind": "org", "owner": None, "level": None}
+    return {"kind": owner.kind, "owner": owner.owner, "level": owner.level or None}
+
+
+def _visible(who: Principal, org: str, state: OrgState, row: Row) -> bool:
+    """Whether `who` may see (and revoke) the token of `row`."""
+    whole = access.Target(org=org)
+    if who.may("org.settings", whole):
+        return True
+    owner = state.owners.get(row["token_id"])
+    if owner is None:
+        return False
+    if owner.kind == "team":
+        return owner.owner != OWNERS and who.may("teams.manage", whole)
+    return bool(who.access.user_id) and owner.owner == who.access.user_id
 
 
 async def revoke_token(request: web.Request) -> web.Response:
     """DELETE /orgs/{org}/tokens/{token}: from the answer on, the token is refused on
-    every replica (services/surfaces/api/auth.py); revoking it again changes nothing."""
-    api, org, who = scope(request, ADMIN)
+    every replica (services/surfaces/api/auth.py); revoking it again changes nothing.
+    One the caller may not see is not found."""
+    api, org, who = await scope(request, "tokens.personal")
+    await _owns_tokens(request, who, org)
     token_id = path_id(request, "token")
+    state = await org_state(api, org)
+    row = {"token_id": token_id}
+    if not _visible(who, org, state, row):
+        raise Problem("not-found", f"token {token_id} not found")
     result = await api.app.org_command(org, RevokeToken(actor=who.user, token_id=token_id))
     await api.after_write(result.seq)
     return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
 
 
 async def create_workspace(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    """POST .../workspaces: `manage-workspaces` (or an org admin), or admin on its folder."""
     body = await read_body(request, CreateWorkspaceBody)
+    api, org, who = await scope(request, "org.read")
+    folder = check_name("folder", body.folder) if body.folder else ""
+    if not (folder and who.may("workspace.settings", access.Target(org=org, folders=(folder,)))):
+        await scope(request, "workspaces.create")
     name = check_name("name", body.name)
     check_timeouts(body)
     check_repository(request, org, body.repository)
@@ -160,7 +243,6 @@ async def create_workspace(request: web.Request) -> web.Response:
     )
     if config.vcs_connection:
         await vcs_api.check_binding(api, org, config.vcs_connection)  # the org's own only
-    folder = check_name("folder", body.folder) if body.folder else ""
     result = await api.app.create_workspace(org, name, config, who.user, folder=folder)
     await secrets.store_all(request, org, name, body.secret_variables)
     return await secrets.workspace_written(
@@ -190,10 +272,10 @@ def check_repository(request: web.Request, org: str, repository: str) -> None:
 async def update_workspace(request: web.Request) -> web.Response:
     """PATCH .../workspaces/{ws}: its plain variables and configuration members
     (`ws.variables_set`, `ws.config_changed`); runs already created keep theirs."""
-    api, org, who = scope(request, ADMIN)
-    ws = path_id(request, "ws")
     body = await read_body(request, UpdateWorkspaceBody)
     changes = workspaces.config_changes(body)
+    api, org, who = await scope(request, "workspace.settings" if changes else "variables.write")
+    ws = path_id(request, "ws")
     if body.variables is None and not changes:
         raise Problem("invalid-command", "nothing to change: give variables or a config member")
     if await api.read.workspaces.get(org, ws) is None:
@@ -213,16 +295,20 @@ async def update_workspace(request: web.Request) -> web.Response:
 
 async def list_workspaces(request: web.Request) -> web.Response:
     """GET .../workspaces: the live ones; `?deleted=true` adds those deleted (not purged)."""
-    api, org, _ = scope(request, VIEWER)
+    api, org, who = await scope(request, "org.read")
     await _existing_org(api, org)
     deleted = request.query.get("deleted", "false")
     if deleted not in ("true", "false"):
         raise Problem("invalid-query", "deleted must be true or false")
-    return items(await api.read.workspaces.find(org, deleted=deleted == "true"))
+    rows = await api.read.workspaces.find(org, deleted=deleted == "true")
+    if not who.access.uniform(access.READ):  # only those the caller may read
+        folders = await api.read.workspaces.folders(org)
+        rows = [r for r in rows if may_read(who, org, r["name"], folders.get(r["name"], ""))]
+    return items(rows)
 
 
 async def get_workspace(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     row = await secrets.workspace_shown(request, api, org, ws)
     if row is None:

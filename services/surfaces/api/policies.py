@@ -29,7 +29,6 @@ from infra.policy.sandbox import (
     SandboxUnavailable,
 )
 from infra.policy.wire import package_of
-from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import (
     SEQ_HEADER,
@@ -103,7 +102,7 @@ def _order(policy: po.PolicySet) -> tuple[int, str, str]:
 
 async def list_policies(request: web.Request) -> web.Response:
     """GET .../policies[?scope=...]: the organization's, then folders', then workspaces'."""
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     unknown = sorted(set(request.query) - {"scope"})
     if unknown:
         raise Problem("invalid-query", f"unknown query parameter {', '.join(unknown)}")
@@ -114,7 +113,7 @@ async def list_policies(request: web.Request) -> web.Response:
 
 
 async def get_policy(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     name = path_id(request, "policy")
     policy = (await org_state(api, org)).policies.get(name)
     if policy is None:
@@ -124,7 +123,7 @@ async def get_policy(request: web.Request) -> web.Response:
 
 async def put_policy(request: web.Request) -> web.Response:
     """Create (201) or replace (200) a policy set, once its source compiles."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "policies.manage")
     name = path_id(request, "policy")
     body = await read_body(request, PolicyBody)
     before = await org_state(api, org)
@@ -165,7 +164,7 @@ async def _check(sandbox: PolicySandbox, name: str, source: str) -> None:
 
 
 async def delete_policy(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "policies.manage")
     name = path_id(request, "policy")
     await org_state(api, org)
     result = await api.app.org_command(org, po.DeletePolicy(actor=who.user, name=name))

@@ -25,9 +25,8 @@ from events import run_triggers as rt
 from events.codec import ID_RE
 from infra.eventstore import LATEST
 from services.processes.triggers import graph
-from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import Body, check_name, read_body
-from services.surfaces.api.common import SEQ_HEADER, json_response, path_id, scope
+from services.surfaces.api.common import SEQ_HEADER, json_response, path_id, require_on, scope
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import ID, REF, SEQ_DOC, Doc, operation, problems
 
@@ -53,10 +52,11 @@ def _view(g: rt.TriggerGraph, ws: str) -> dict[str, object]:
 
 
 async def create_run_trigger(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "workspace.settings")
     ws = path_id(request, "ws")
     body = await read_body(request, RunTriggerBody)
     source = check_name("source", body.source)
+    await require_on(api, who, org, "workspace.read", source)  # never a way to probe
     try:
         g = await graph.add(api.app, org, ws, source, who.user)
     except rt.TriggerCycle as e:
@@ -69,7 +69,7 @@ async def create_run_trigger(request: web.Request) -> web.Response:
 
 
 async def list_run_triggers(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     if not (await api.app.load_ws(org, ws)).state.exists:
         raise Problem("not-found", f"workspace {ws} not found")
@@ -79,7 +79,7 @@ async def list_run_triggers(request: web.Request) -> web.Response:
 
 
 async def delete_run_trigger(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "workspace.settings")
     ws = path_id(request, "ws")
     source = path_id(request, "source")
     g = await graph.remove(api.app, org, ws, source, who.user)

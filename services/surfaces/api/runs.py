@@ -7,10 +7,11 @@ from typing import Any
 
 from aiohttp import web
 
+from events import access
 from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
 from services.app.execute import Result
 from services.surfaces.api import approvals, render
-from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
+from services.surfaces.api.auth import Principal
 from services.surfaces.api.bodies import (
     ApproveBody,
     Body,
@@ -20,7 +21,16 @@ from services.surfaces.api.bodies import (
     check_name,
     read_body,
 )
-from services.surfaces.api.common import Row, items, json_response, path_id, scope, written
+from services.surfaces.api.common import (
+    Row,
+    items,
+    json_response,
+    may_read,
+    path_id,
+    require_on,
+    scope,
+    written,
+)
 from services.surfaces.api.context import Api
 from services.surfaces.api.paths import ORG, RUN, WS
 from services.surfaces.api.problems import Problem
@@ -55,10 +65,13 @@ async def _answer(api: Api, org: str, result: Result[RunState], *, status: int) 
     )
 
 
+PLAN_ONLY, run_action = access.PLAN_ONLY, access.run_action
+
+
 async def create_run(request: web.Request) -> web.Response:
-    api, org, who = scope(request, OPERATOR)
-    ws = path_id(request, "ws")
     body = await read_body(request, CreateRunBody)
+    api, org, who = await scope(request, run_action(body.type))
+    ws = path_id(request, "ws")
     # A client's claim, between api and cli only: never a way to claim a webhook's cause.
     kind = "cli" if request.headers.get(CLIENT_HEADER, "").strip().lower() == "cli" else "api"
     result = await api.app.create_run(
@@ -75,7 +88,7 @@ async def create_run(request: web.Request) -> web.Response:
 
 async def get_run(request: web.Request) -> web.Response:
     """The run, with its live `owner` or its `deadline` (projections/liveness.py)."""
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     row = await _live_run(api, org, run_id)
     if row is None:
@@ -152,25 +165,42 @@ def _filters(request: web.Request) -> dict[str, Any]:
     return filters
 
 
-async def _list(api: Api, org: str, filters: dict[str, Any]) -> web.Response:
+async def _list(
+    api: Api, org: str, filters: dict[str, Any], *, readable: set[str] | None = None
+) -> web.Response:
     """Newest first; a full page carries `next`, the `before` of the following page."""
     await api.projector.settle(api.settle_wait)
     # each run as GET shows it (`full`), with its owner and deadline read with it
     rows = await api.read.runs.find(org, **filters, live=True)
     page_full = len(rows) == filters["limit"]
-    return items(rows, next=rows[-1]["id"] if page_full and rows else None)
+    after = rows[-1]["id"] if page_full and rows else None
+    if readable is not None:
+        rows = [r for r in rows if r["workspace"] in readable]
+    return items(rows, next=after)
+
+
+async def readable(api: Api, who: Principal, org: str) -> set[str]:
+    """The names of the organization's workspaces the caller may read."""
+    folders = await api.read.workspaces.folders(org)
+    return {ws for ws, folder in folders.items() if may_read(who, org, ws, folder)}
 
 
 async def list_runs(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    """The organization's runs: those of the workspaces the caller may read (a page of a
+    caller who reads only some may hold fewer than `limit`; `next` still leads on)."""
+    api, org, who = await scope(request, "org.read")
     filters = _filters(request)
     if await api.read.orgs.get(org) is None:
         raise Problem("not-found", f"organization {org} not found")
-    return await _list(api, org, filters)
+    if "workspace" in filters:
+        await require_on(api, who, org, "workspace.read", filters["workspace"])
+    if who.access.uniform(access.READ):
+        return await _list(api, org, filters)
+    return await _list(api, org, filters, readable=await readable(api, who, org))
 
 
 async def list_workspace_runs(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     filters = _filters(request)
     if "workspace" in filters:
@@ -185,11 +215,11 @@ async def list_workspace_runs(request: web.Request) -> web.Response:
 
 async def _command(
     request: web.Request,
-    role: str,
+    action: str,
     kind: type[Body],
     make: Callable[[Principal, Any], RunCommand],
 ) -> web.Response:
-    api, org, who = scope(request, role)
+    api, org, who = await scope(request, action)
     run_id = path_id(request, "run")
     body = await read_body(request, kind, optional=True)
     result = await api.app.run_command(org, None, run_id, make(who, body))
@@ -199,7 +229,7 @@ async def _command(
 async def approve_run(request: web.Request) -> web.Response:
     """Approve: the approval rule (events/approval.py) decides who, on the run's own
     recorded settings; operators pass the role check so that approvers may name them."""
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "run.approve")
     run_id = path_id(request, "run")
     body = await read_body(request, ApproveBody, optional=True)
     result = await approvals.approve(api, org, run_id, who, body.acknowledged)
@@ -208,7 +238,7 @@ async def approve_run(request: web.Request) -> web.Response:
 
 async def discard_run(request: web.Request) -> web.Response:
     """Discard: the same approvers rule as approve (four-eyes aside)."""
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "run.approve")
     run_id = path_id(request, "run")
     body = await read_body(request, DiscardBody, optional=True)
     result = await approvals.discard(api, org, run_id, who, body.reason)
@@ -216,9 +246,13 @@ async def discard_run(request: web.Request) -> web.Response:
 
 
 async def cancel_run(request: web.Request) -> web.Response:
+    """Cancel: a plan-only run needs plan on its workspace, any other write."""
+    api, org, _ = await scope(request, "run.cancel_plan")
+    run: RunState = (await api.app.load_run(org, None, path_id(request, "run"))).state
+    action = "run.cancel_plan" if run.exists and run.run_type in PLAN_ONLY else "run.cancel"
     return await _command(
         request,
-        OPERATOR,
+        action,
         CancelBody,
         lambda who, body: CancelRun(actor=who.user, reason=body.reason),
     )
@@ -232,12 +266,13 @@ async def rerun(request: web.Request) -> web.Response:
     """POST .../runs/{run}/rerun: a new run of the ended run's type and template, on its
     workspace's current commit and settings, caused by it (`rerun_of`); the old run is
     not touched. 409 while the run is not over; 409 if its workspace was deleted."""
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     await read_body(request, RerunBody, optional=True)
     old: RunState = (await api.app.load_run(org, None, run_id)).state
     if not old.exists:
         raise Problem("not-found", f"run {run_id} not found")
+    await require_on(api, who, org, run_action(old.run_type), old.workspace)
     if not old.terminal:
         raise Problem(
             "conflict",
@@ -263,14 +298,14 @@ async def rerun(request: web.Request) -> web.Response:
 
 
 async def run_events(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     await _existing_run(api, org, run_id)
     return items(await api.read.runs.events(org, run_id))
 
 
 async def run_steps(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     await _existing_run(api, org, run_id)
     return items(await api.read.runs.steps(org, run_id))

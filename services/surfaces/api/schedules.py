@@ -29,7 +29,6 @@ from events import schedule as sc
 from events import templates as te
 from events.errors import Invalid
 from services.processes.schedules import store
-from services.surfaces.api.auth import OPERATOR, VIEWER
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import (
     SEQ_HEADER,
@@ -166,7 +165,7 @@ async def _found(api: Api, org: str, ws: str, schedule_id: str, min_seq: int = 0
 
 
 async def create(request: web.Request) -> web.Response:
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "schedules.write")
     ws = path_id(request, "ws")
     body = await read_body(request, ScheduleBody)
     await _workspace(api, org, ws)
@@ -187,7 +186,7 @@ async def create(request: web.Request) -> web.Response:
 
 
 async def list_schedules(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     await _workspace(api, org, ws)
     state, _ = await store.load(api.app, org, ws, min_seq=_floor(request))
@@ -196,14 +195,14 @@ async def list_schedules(request: web.Request) -> web.Response:
 
 
 async def get_schedule(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
     found = await _found(api, org, ws, schedule_id, _floor(request))
     return json_response(await _shown(api, found))
 
 
 async def patch_schedule(request: web.Request) -> web.Response:
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "schedules.write")
     ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
     body = await read_body(request, SchedulePatchBody)
     s = await _found(api, org, ws, schedule_id)
@@ -222,7 +221,7 @@ async def patch_schedule(request: web.Request) -> web.Response:
 
 
 async def delete_schedule(request: web.Request) -> web.Response:
-    api, org, who = scope(request, OPERATOR)
+    api, org, who = await scope(request, "schedules.write")
     ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
     await _found(api, org, ws, schedule_id)
     _, seq = await _command(
@@ -234,7 +233,7 @@ async def delete_schedule(request: web.Request) -> web.Response:
 async def list_fires(request: web.Request) -> web.Response:
     """The schedule's fire records from the read model, newest first: each fire time it
     handled, fired (with its run) or skipped (with why)."""
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws, schedule_id = path_id(request, "ws"), path_id(request, "schedule")
     await _found(api, org, ws, schedule_id, _floor(request))
     return items(await api.read.workspaces.schedule_fires(org, ws, schedule_id))

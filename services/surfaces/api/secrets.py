@@ -18,7 +18,6 @@ from events.workspace import WorkspaceState
 from services.app.execute import Result
 from services.app.secrets import MAX_VALUE, NAME_RE, SecretStore, valid_name
 from services.surfaces.api import render
-from services.surfaces.api.auth import ADMIN
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import Row, json_response, path_id, scope, written
 from services.surfaces.api.context import Api
@@ -133,7 +132,7 @@ def _name(request: web.Request) -> str:
 
 async def put_secret(request: web.Request) -> web.Response:
     """PUT .../secret-variables/{name} {"value": ...}: set one secret variable."""
-    api, org, _ = scope(request, ADMIN)
+    api, org, _ = await scope(request, "variables.write")
     ws, name = path_id(request, "ws"), _name(request)
     body = await read_body(request, SetSecretBody)
     store = store_of(request)
@@ -146,7 +145,7 @@ async def put_secret(request: web.Request) -> web.Response:
 
 async def delete_secret(request: web.Request) -> web.Response:
     """DELETE .../secret-variables/{name}: remove one secret variable."""
-    api, org, _ = scope(request, ADMIN)
+    api, org, _ = await scope(request, "variables.write")
     ws, name = path_id(request, "ws"), _name(request)
     store = store_of(request)
     await _existing_workspace(api, org, ws)

@@ -10,14 +10,13 @@ from typing import Any
 
 from aiohttp import web
 
+from events import access, inherit
 from events import folder as fo
-from events import inherit
 from events import settings as st
 from events import templates as te
 from events.errors import Invalid
 from events.org import OrgState
 from events.workspace import WorkspaceState
-from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import CreateFolderBody, check_name, decode_as, read_body
 from services.surfaces.api.common import (
     Row,
@@ -96,10 +95,13 @@ def _folder_row(state: OrgState, name: str) -> Row:
 
 
 async def create_folder(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    """POST .../folders: `manage-workspaces` (or an org admin), or admin on its parent."""
+    api, org, who = await scope(request, "org.read")
     body = await read_body(request, CreateFolderBody)
     name = check_name("name", body.name)
     parent = check_name("parent", body.parent) if body.parent else ""
+    if not (parent and who.may("workspace.settings", access.Target(org=org, folders=(parent,)))):
+        await scope(request, "folders.create")
     await org_state(api, org)
     cmd = fo.CreateFolder(actor=who.user, name=name, parent=parent)
     result = await api.app.org_command(org, cmd)
@@ -108,7 +110,7 @@ async def create_folder(request: web.Request) -> web.Response:
 
 
 async def list_folders(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     state = await org_state(api, org)
     return items([_folder_row(state, name) for name in state.folders])
 
@@ -136,25 +138,25 @@ def _workspace_settings(org: OrgState, ws: WorkspaceState) -> Row:
 
 
 async def get_org_settings(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     return json_response(_org_settings(await org_state(api, org)))
 
 
 async def patch_org_settings(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "org.settings")
     changes = await _changes(request, await org_state(api, org))
     result = await api.app.org_command(org, fo.SetOrgSettings(actor=who.user, changes=changes))
     return command_answer(_org_settings(result.state), result.seq)
 
 
 async def get_folder_settings(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     state = await org_state(api, org)
     return json_response(_folder_settings(state, _folder_of(request, state)))
 
 
 async def patch_folder_settings(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "workspace.settings")
     state = await org_state(api, org)
     name = _folder_of(request, state)
     changes = await _changes(request, state)
@@ -165,14 +167,14 @@ async def patch_folder_settings(request: web.Request) -> web.Response:
 
 async def get_workspace_settings(request: web.Request) -> web.Response:
     """The workspace's own settings and every effective value, with its origin."""
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     state = await org_state(api, org)
     return json_response(_workspace_settings(state, await _workspace(api, org, ws)))
 
 
 async def patch_workspace_settings(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "workspace.settings")
     ws = path_id(request, "ws")
     state = await org_state(api, org)
     await _workspace(api, org, ws)

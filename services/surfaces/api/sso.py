@@ -24,11 +24,10 @@ from aiohttp import web
 from events import sso
 from events.values import SENSITIVE
 from infra.oidc import OidcClient, OidcError
-from services.app.sso import SignIn, SsoConfigs, interim_sign_in
+from services.app.sso import SignIn, SsoConfigs, sign_in_of
 from services.app.sso_flows import SsoFlows
 from services.processes.notifications import Refused
 from services.processes.notifications.guard import KINDS, GuardedResolver, check_url
-from services.surfaces.api.auth import ADMIN
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import command_answer, json_response, scope
 from services.surfaces.api.context import API
@@ -58,7 +57,7 @@ class SsoKit:
 
 
 def kit(
-    request_app: web.Application, *, allow: frozenset[str], sign_in: SignIn = interim_sign_in
+    request_app: web.Application, *, allow: frozenset[str], sign_in: SignIn | None = None
 ) -> SsoKit | None:
     """The kit over the API's App and secret store (None without the key: no sealing)."""
     store = request_app.get(SECRETS)
@@ -79,7 +78,8 @@ def kit(
     api = request_app[API]
     configs = SsoConfigs(store.nc, api.app, store.keyring)
     oidc = OidcClient(connect, guard)
-    return SsoKit(configs=configs, flows=SsoFlows(store.nc, configs, oidc, sign_in), oidc=oidc)
+    flows = SsoFlows(store.nc, configs, oidc, sign_in or sign_in_of(api.app))
+    return SsoKit(configs=configs, flows=flows, oidc=oidc)
 
 
 KIT: web.AppKey[SsoKit] = web.AppKey("runplane.sso", SsoKit)
@@ -89,11 +89,12 @@ def mount(
     web_app: web.Application,
     *,
     allow: frozenset[str] | None = None,
-    sign_in: SignIn = interim_sign_in,
+    sign_in: SignIn | None = None,
 ) -> None:
     """Single sign-on for the API's application (after its secret store is set): `allow`,
     the address kinds an identity provider may have besides public ones (None:
-    `RUNPLANE_SSO_ALLOW`); `sign_in`, the identity hook a sign-in ends in."""
+    `RUNPLANE_SSO_ALLOW`); `sign_in`, the identity hook a sign-in ends in (None: the
+    App's `sign_in_user`)."""
     found = kit(web_app, allow=allow_from_env() if allow is None else allow, sign_in=sign_in)
     if found is not None:
         web_app[KIT] = found
@@ -138,7 +139,7 @@ def _row(state: sso.SsoState, *, secret: bool) -> dict[str, Any]:
 
 async def put_sso(request: web.Request) -> web.Response:
     """PUT .../sso: configure the organization's identity provider."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "org.access")
     body = await read_body(request, SsoBody)
     command = sso.ConfigureSso(
         actor=who.user,
@@ -167,7 +168,7 @@ async def put_sso(request: web.Request) -> web.Response:
 
 
 async def get_sso(request: web.Request) -> web.Response:
-    _, org, _ = scope(request, ADMIN)
+    _, org, _ = await scope(request, "org.access")
     found = kit_of(request)
     state = await found.configs.load(org)
     if not state.configured:
@@ -176,7 +177,7 @@ async def get_sso(request: web.Request) -> web.Response:
 
 
 async def delete_sso(request: web.Request) -> web.Response:
-    _, org, who = scope(request, ADMIN)
+    _, org, who = await scope(request, "org.access")
     found = kit_of(request)
     result = await found.configs.command(org, sso.RemoveSso(actor=who.user))
     await found.configs.forget_secret(org)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.common import items, path_id, scope
 from services.surfaces.api.paths import WS
 from services.surfaces.api.problems import Problem
@@ -17,7 +16,7 @@ from services.surfaces.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, re
 
 
 async def list_state_versions(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")

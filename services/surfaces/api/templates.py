@@ -17,7 +17,6 @@ from aiohttp import web
 
 from events import templates as te
 from events.org import OrgState
-from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import (
     SEQ_HEADER,
@@ -107,20 +106,20 @@ def _find(state: OrgState, name: str) -> te.Template:
 
 
 async def list_templates(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     state = await org_state(api, org)
     return items([row(t) for t in (*te.BUILTIN.values(), *state.templates.values())])
 
 
 async def get_template(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     name = path_id(request, "template")
     return json_response(row(_find(await org_state(api, org), name)))
 
 
 async def put_template(request: web.Request) -> web.Response:
     """Create or replace one of the organization's templates: 201 if new, else 200."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "org.settings")
     name = path_id(request, "template")
     body = await read_body(request, TemplateBody)
     before = await org_state(api, org)
@@ -133,7 +132,7 @@ async def put_template(request: web.Request) -> web.Response:
 
 
 async def delete_template(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "org.settings")
     name = path_id(request, "template")
     await org_state(api, org)
     if name in te.BUILTIN:

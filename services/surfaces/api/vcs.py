@@ -34,7 +34,6 @@ from events.errors import Invalid
 from services.processes.vcs import connections
 from services.processes.vcs.connections import DEPLOY_KEY, SECRET, TOKEN, Sealed
 from services.surfaces.api import secrets as secrets_api
-from services.surfaces.api.auth import ADMIN, VIEWER
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import (
     SEQ_HEADER,
@@ -133,7 +132,7 @@ async def _found(api: Api, org: str, connection_id: str) -> vcs.VcsConnection:
 
 
 async def create(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "vcs.manage")
     body = await read_body(request, ConnectionBody)
     if not (await api.app.load_org(org)).state.exists:
         raise Problem("not-found", f"organization {org} not found")
@@ -175,19 +174,19 @@ async def _fresh(api: Api, org: str, connection_id: str) -> Row | None:
 
 
 async def list_connections(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     return items([r for r in map(_shown, await api.read.integrations.vcs_connections(org)) if r])
 
 
 async def get_connection(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     connection_id = path_id(request, "connection")
     c = await _found(api, org, connection_id)
     return json_response(await _fresh(api, org, connection_id) or _row(c))
 
 
 async def patch_connection(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "vcs.manage")
     connection_id = path_id(request, "connection")
     body = await read_body(request, ConnectionPatchBody)
     await _found(api, org, connection_id)
@@ -220,7 +219,7 @@ async def patch_connection(request: web.Request) -> web.Response:
 
 
 async def delete_connection(request: web.Request) -> web.Response:
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "vcs.manage")
     connection_id = path_id(request, "connection")
     await _found(api, org, connection_id)
     cmd = vcs.DeleteConnection(actor=who.user, connection_id=connection_id)
@@ -232,7 +231,7 @@ async def delete_connection(request: web.Request) -> web.Response:
 
 
 async def list_deliveries(request: web.Request) -> web.Response:
-    api, org, _ = scope(request, VIEWER)
+    api, org, _ = await scope(request, "org.read")
     connection_id = path_id(request, "connection")
     await _found(api, org, connection_id)
     raw = request.query.get("before")

@@ -43,7 +43,6 @@ from services.processes.schedules import store as schedule_store
 from services.processes.triggers import graph
 from services.surfaces.api import secrets
 from services.surfaces.api import vcs as vcs_api
-from services.surfaces.api.auth import ADMIN
 from services.surfaces.api.bodies import UpdateWorkspaceBody, check_name
 from services.surfaces.api.common import SEQ_HEADER, path_id, scope
 from services.surfaces.api.context import Api
@@ -79,7 +78,7 @@ async def check_config(api: Api, org: str, changes: dict[str, Any]) -> None:
 
 async def delete_workspace(request: web.Request) -> web.Response:
     """DELETE .../workspaces/{ws}: 204, or 409 naming a run that is not over."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "workspace.delete")
     ws = path_id(request, "ws")
     row = await api.read.workspaces.get(org, ws)
     if row is None:
@@ -99,7 +98,7 @@ async def delete_workspace(request: web.Request) -> web.Response:
 
 async def purge_workspace(request: web.Request) -> web.Response:
     """POST .../workspaces/{ws}/purge: free a deleted workspace's name (module docstring)."""
-    api, org, who = scope(request, ADMIN)
+    api, org, who = await scope(request, "workspace.delete")
     ws = path_id(request, "ws")
     state = (await api.app.load_ws(org, ws)).state
     if not state.exists:

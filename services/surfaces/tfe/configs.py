@@ -45,7 +45,6 @@ from executor.objects import PLANS_BUCKET, Objects
 from executor.upload import MAX_UPLOAD
 from infra.crypto import CryptoError, KeyRing
 from infra.ids import new_id
-from services.surfaces.api.auth import OPERATOR, VIEWER
 from services.surfaces.api.context import API
 from services.surfaces.tfe import ids
 from services.surfaces.tfe import sweep as tfe_sweep
@@ -235,7 +234,7 @@ def _iso(when: datetime) -> str:
 async def create_config_version(request: web.Request) -> web.Response:
     """POST /workspaces/:id/configuration-versions: a pending version and its upload URL."""
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
-    require(request, org, OPERATOR)
+    await require(request, org, "run.plan", ws)  # an apply of it needs write (runs.py)
     if await api_of(request).read.workspaces.get(org, ws) is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
     body = await _optional_json(request)
@@ -264,7 +263,7 @@ async def read_config_version(request: web.Request) -> web.Response:
     """GET /configuration-versions/:id: polled by the CLI until `uploaded`."""
     cv = request.match_info["cv_id"]
     org, ws, _ = parse_config_id(cv)
-    require(request, org, VIEWER)
+    await require(request, org, "workspace.read", ws)
     record = await _stored(configs_of(request).record(org, ws, cv))
     if record is None:
         raise not_found(f"configuration version {cv} not found")

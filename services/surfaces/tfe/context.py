@@ -16,11 +16,13 @@ import nats.errors
 import structlog
 from aiohttp import web
 
+from events import access
 from events.errors import DomainError
 from executor.statestore import StateStore
 from infra import jsonbody
 from infra.eventstore import StoreError
 from services.surfaces.api.auth import PRINCIPAL, Principal, authenticate
+from services.surfaces.api.common import may_on, require_on
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.problems import Problem, from_domain
 from services.surfaces.tfe.capability import Signer
@@ -68,11 +70,20 @@ def principal(request: web.Request) -> Principal:
     return request[PRINCIPAL]
 
 
-def require(request: web.Request, org: str, role: str) -> Principal:
-    """The caller, once it may act in `org` with `role`: 404 for another organization."""
+async def require(request: web.Request, org: str, action: str, ws: str = "") -> Principal:
+    """The caller, once it may do `action` (events/access.py) in `org`, on workspace `ws`
+    if given: 404 for another organization and a workspace it may not read."""
     who = principal(request)
-    who.require(org, role)
+    if ws:
+        await require_on(api_of(request), who, org, action, ws)
+    else:
+        access.require(who.access, action, access.Target(org=org))
     return who
+
+
+async def may(request: web.Request, org: str, action: str, ws: str) -> bool:
+    """Whether the caller may also do `action` on workspace `ws`."""
+    return await may_on(api_of(request), principal(request), org, action, ws)
 
 
 def _from_problem(p: Problem) -> TfeError:

@@ -38,9 +38,11 @@ from aiohttp import web
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from events import access
+from events.teams import LEVELS
 from infra.ids import hash_token
 from infra.kv import LOGIN_CODES_BUCKET
-from services.surfaces.api.auth import authenticate
+from services.surfaces.api.auth import Principal, authenticate
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.problems import Problem
 from services.surfaces.tfe.capability import CapabilityError
@@ -72,6 +74,20 @@ class Grant(msgspec.Struct, frozen=True, array_like=True):
     challenge: str
     redirect: str
     expires: str = ""  # the session token's end (ISO 8601), which the new one keeps
+    kind: str = ""  # the session token's kind, owner and ceiling, which the new one keeps
+    owner: str = ""
+    level: str = ""
+
+
+def token_kind(who: Principal) -> tuple[str, str, str]:
+    """(kind, owner, level) of a token acting as `who` and never more: a person's own
+    personal token (capped as theirs is), a team's token, or an organization token."""
+    mine = who.access
+    if mine.user_id:
+        return "user", mine.user_id, LEVELS[mine.cap] if mine.cap < access.ADMIN else ""
+    if not who.role and mine.teams:
+        return "team", mine.teams[0], ""
+    return "", "", ""
 
 
 class _Refused(Exception):
@@ -110,8 +126,8 @@ def _checked(params: dict[str, str]) -> tuple[str, str, str]:
     return redirect, challenge, params.get("state", "")
 
 
-async def _session(request: web.Request) -> tuple[str, str, str, str, str]:
-    """(org, user, role, csrf, expiry) of the browser's session, or SessionError."""
+async def _session(request: web.Request) -> tuple[str, str, str, str, str, Principal]:
+    """(org, user, role, csrf, expiry, caller) of the browser's session, or SessionError."""
     session = await request.app[SESSIONS].get(request.cookies.get(COOKIE))
     if session is None:
         raise SessionError("not signed in")
@@ -119,7 +135,8 @@ async def _session(request: web.Request) -> tuple[str, str, str, str, str]:
     who = await authenticate(api, f"Bearer {session.token}")
     if who.org is None:
         raise SessionError("signed in with the admin token, which is no organization's user")
-    return who.org, who.user, who.role, session.csrf, await token_expiry(api, session.token)
+    expiry = await token_expiry(api, session.token)
+    return who.org, who.user, who.role, session.csrf, expiry, who
 
 
 async def token_expiry(api: Api, token: str) -> str:
@@ -154,7 +171,7 @@ async def authorize_page(request: web.Request) -> web.Response:
     except _Refused as e:
         return _page("Not a login request", f"<p>{html.escape(str(e))}.</p>", status=400)
     try:
-        org, user, role, csrf, _ = await _session(request)
+        org, user, role, csrf, _, _ = await _session(request)
     except (SessionError, Problem) as e:
         return _signin_needed(str(e), request)
     hidden = "".join(
@@ -191,14 +208,16 @@ async def authorize(request: web.Request) -> web.Response:
     except (SessionError, _Refused, Problem) as e:
         return _page("Refused", f"<p>{html.escape(str(e))}.</p>", status=400)
     try:
-        org, user, role, csrf, expires = await _session(request)
+        org, user, role, csrf, expires, who = await _session(request)
         check_csrf(fields.get("csrf", ""), csrf)
     except (SessionError, Problem) as e:
         return _signin_needed(str(e), request)
     if fields.get("decision") != "allow":
         answer = {"error": "access_denied", "state": state}
     else:
-        grant = msgspec.json.encode(Grant(user, role, challenge, redirect, expires)).decode()
+        kind, owner, level = token_kind(who)
+        made = Grant(user, role, challenge, redirect, expires, kind, owner, level)
+        grant = msgspec.json.encode(made).decode()
         code = tfe_of(request).need_signer().sign(KIND, org, grant, CODE_TTL_S)
         answer = {"code": code, "state": state}
     return web.Response(status=303, headers={"Location": f"{redirect}?{urlencode(answer)}"})
@@ -244,19 +263,27 @@ async def token(request: web.Request) -> web.Response:
         return _token_error("temporarily_unavailable", "try again", status=503)
     if not first:
         return _token_error("invalid_grant", "the code was used already")
-    issued = await issue_token(request.app[API], org, grant.user, grant.role, grant.expires)
+    issued = await issue_token(
+        request.app[API], org, grant.user, grant.role, grant.expires,
+        kind=grant.kind, owner=grant.owner, level=grant.level,
+    )  # fmt: skip
     return web.json_response(
         {"access_token": issued, "token_type": "bearer"}, headers={"Cache-Control": "no-store"}
     )
 
 
-async def issue_token(api: Api, org: str, user: str, role: str, expires: str = "") -> str:
+async def issue_token(
+    api: Api, org: str, user: str, role: str, expires: str = "", *,
+    kind: str = "", owner: str = "", level: str = "",
+) -> str:  # fmt: skip
     """A new token of `org` acting as `user` with `role` and ending at `expires` (the
     caller's own: never more, never longer; "" never), recorded as any other
     (`org.token_issued`, by that user) and in this replica's read model before it is
     shown: the CLI checks it at once, maybe on this replica."""
     expires_at = datetime.fromisoformat(expires) if expires else None
-    issued, result = await api.app.issue_token(org, user, role, user, expires_at=expires_at)
+    issued, result = await api.app.issue_token(
+        org, user, role, user, expires_at=expires_at, kind=kind, owner=owner, level=level
+    )
     await api.after_write(result.seq)
     return issued
 

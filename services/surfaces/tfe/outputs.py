@@ -23,7 +23,6 @@ import msgspec
 from aiohttp import web
 
 from executor.statestore import Head, StateStoreError
-from services.surfaces.api.auth import VIEWER, Principal
 from services.surfaces.tfe import ids
 from services.surfaces.tfe.context import require, tfe_of
 from services.surfaces.tfe.jsonapi import (
@@ -108,7 +107,7 @@ async def _outputs(request: web.Request, head: Head) -> dict[str, dict[str, Any]
 
 async def current_outputs(request: web.Request) -> web.Response:
     """GET /workspaces/:id/current-state-version-outputs: every sensitive value null."""
-    org, ws, _ = await workspace_by_id(request, VIEWER)
+    org, ws, _ = await workspace_by_id(request, "workspace.read")
     await existing_workspace(request, org, ws)
     head, _ = await current_head(request, org, ws)
     if head is None:
@@ -124,11 +123,11 @@ async def current_outputs(request: web.Request) -> web.Response:
 async def read_output(request: web.Request) -> web.Response:
     """GET /state-version-outputs/:id: a sensitive value to those who may read state."""
     org, ws, serial, prefix, name = _parse_output_id(request.match_info["output_id"])
-    who: Principal = require(request, org, VIEWER)
+    await require(request, org, "workspace.read", ws)
     await existing_workspace(request, org, ws)
     version, _ = await version_of(request, org, ws, serial, prefix)
     out = (await _outputs(request, version)).get(name)
     if out is None:
         raise not_found(f"state version output {request.match_info['output_id']!r} not found")
-    doc = render_output(org, ws, version, name, out, reveal=may_read_state(who))
+    doc = render_output(org, ws, version, name, out, reveal=await may_read_state(request, org, ws))
     return answer(document(doc))

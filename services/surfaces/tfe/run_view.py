@@ -9,15 +9,16 @@ from typing import Any
 
 from aiohttp import web
 
-from events import approval
+from events import access, approval
 from events.errors import Forbidden
 from events.run import RunOptions, RunState, Status
+from events.teams import LEVELS
 from infra.eventstore import LATEST
 from services.app.commands import App
-from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
-from services.surfaces.api.problems import Problem
+from services.surfaces.api.auth import Principal
+from services.surfaces.api.common import workspace_target
 from services.surfaces.tfe import ids
-from services.surfaces.tfe.context import api_of, require
+from services.surfaces.tfe.context import api_of, principal, require
 from services.surfaces.tfe.jsonapi import Doc, not_found, resource
 from services.surfaces.tfe.statuses import cancelable, force_cancelable, run_status
 
@@ -30,14 +31,20 @@ def _destroying(s: RunState) -> bool:
     return s.run_type == "destroy" or bool(s.options and s.options.destroy)
 
 
-async def _may_approve(app: App, s: RunState, who: Principal) -> bool:
+async def _may_approve(app: App, s: RunState, who: Principal, level: int) -> bool:
     """Whether the caller's "yes" would be taken: the approval rule on the run's own
     settings (four-eyes, approvers), and nothing destructive left to acknowledge (the
     CLI cannot acknowledge: confirm_destructive's runs wait for approval elsewhere)."""
     if s.status != Status.AWAITING_APPROVAL:
         return False
     groups = (await app.load_org(s.org)).state.groups
-    me = approval.Caller(user=who.user, role=who.role, superuser=who.superuser)
+    me = approval.Caller(
+        user=who.user,
+        role=who.role,
+        superuser=who.superuser,
+        teams=list(who.access.teams),
+        level=LEVELS[level],
+    )
     try:
         approval.check("approve", me, creator=s.created_by, snapshot=s.snapshot, groups=groups)
     except Forbidden:
@@ -45,10 +52,13 @@ async def _may_approve(app: App, s: RunState, who: Principal) -> bool:
     return not approval.unacknowledged(s.snapshot, s.destructive, s.acknowledged)
 
 
-async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -> Doc:
+async def render_run(
+    app: App, s: RunState, who: Principal, position: int = 0, *, level: int = access.NONE
+) -> Doc:
+    """The run as go-tfe's `Run`; `level`: the caller's on its workspace (what it may do)."""
     org, ws, run = s.org, s.workspace, s.run_id
-    confirmable = await _may_approve(app, s, who)
-    operate = _may(who, org, OPERATOR)
+    confirmable = await _may_approve(app, s, who, level)
+    operate = level >= access.WRITE
     discardable = s.status == Status.AWAITING_APPROVAL
     options = s.options or RunOptions()
     attrs: Doc = {
@@ -95,19 +105,21 @@ async def render_run(app: App, s: RunState, who: Principal, position: int = 0) -
     return resource("runs", ids.run_object_id("run", org, ws, run), attrs, relationships, links)
 
 
-def _may(who: Principal, org: str, role: str) -> bool:
-    try:
-        who.require(org, role)
-    except Problem:
-        return False
-    return True
+async def level_on(request: web.Request, org: str, ws: str) -> int:
+    """The caller's level on workspace `ws`."""
+    who = principal(request)
+    if who.access.uniform(access.ADMIN):
+        return access.ADMIN
+    return who.access.level_on(await workspace_target(api_of(request), org, ws))
 
 
-async def load(request: web.Request, kind: str, role: str = VIEWER) -> tuple[RunState, Principal]:
-    """The run an id of `kind` names, once the caller may `role` in its organization."""
+async def load(
+    request: web.Request, kind: str, action: str = "workspace.read"
+) -> tuple[RunState, Principal]:
+    """The run an id of `kind` names, once the caller may `action` on its workspace."""
     raw = request.match_info["object_id"]
     org, ws, run = ids.parse_run_object_id(kind, raw)
-    who = require(request, org, role)
+    who = await require(request, org, action, ws)
     loaded = await api_of(request).app.load_run(org, ws, run, min_seq=LATEST)
     if not loaded.state.exists or loaded.state.workspace != ws:
         raise not_found(f"{kind} {raw!r} not found")

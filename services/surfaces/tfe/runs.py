@@ -39,7 +39,8 @@ from events.run import (
 from services.app.commands import App
 from services.app.execute import Result
 from services.surfaces.api.approvals import caller
-from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
+from services.surfaces.api.auth import Principal
+from services.surfaces.api.runs import PLAN_ONLY
 from services.surfaces.tfe import configs, ids
 from services.surfaces.tfe.context import api_of, read_json, require
 from services.surfaces.tfe.jsonapi import (
@@ -52,7 +53,7 @@ from services.surfaces.tfe.jsonapi import (
     response,
 )
 from services.surfaces.tfe.run_options import flag, options_of, related
-from services.surfaces.tfe.run_view import load, render_run, row_doc
+from services.surfaces.tfe.run_view import level_on, load, render_run, row_doc
 from services.surfaces.tfe.statuses import (
     ENDED,
     STOPPED,
@@ -94,12 +95,14 @@ async def create_run(request: web.Request) -> web.Response:
         raise TfeError(422, "invalid body", "attributes and relationships must be objects")
     ws_id = related(rels, "workspace")
     org, ws = ids.parse_workspace_id(ws_id)
-    who = require(request, org, OPERATOR)
+    who = await require(request, org, "run.plan", ws)
     cv = related(rels, "configuration-version", required=False)
     api = api_of(request)
     run_id = api.app.ids()  # named before it exists: the version is claimed for it
     if cv:
         speculative = await _speculative(request, org, ws, cv)
+        if not speculative:  # a run that may apply needs write; a plan, plan
+            await require(request, org, "run.apply", ws)
         source = await configs.source_of(request, org, ws, cv, run=run_id)
     else:
         raise TfeError(
@@ -118,7 +121,8 @@ async def create_run(request: web.Request) -> web.Response:
                 await configs.unclaim(request, org, cv, run_id)
         raise
     await api.after_write(result.seq)
-    doc = await render_run(api.app, result.state, who)
+    level = await level_on(request, org, ws)
+    doc = await render_run(api.app, result.state, who, level=level)
     return response(document(doc), status=201)
 
 
@@ -189,14 +193,15 @@ async def read_run(request: web.Request) -> web.Response:
     """GET /runs/:id (any `include=`: ignored)."""
     s, who = await load(request, "run")
     app = api_of(request).app
-    doc = await render_run(app, s, who, await _position(app, request, s))
+    level = await level_on(request, s.org, s.workspace)
+    doc = await render_run(app, s, who, await _position(app, request, s), level=level)
     return response(document(doc))
 
 
 async def list_workspace_runs(request: web.Request) -> web.Response:
     """GET /workspaces/:id/runs: newest first; the CLI counts the runs ahead of its own."""
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
-    require(request, org, VIEWER)
+    await require(request, org, "workspace.read", ws)
     api = api_of(request)
     if await api.read.workspaces.get(org, ws) is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
@@ -210,13 +215,13 @@ async def run_queue(request: web.Request) -> web.Response:
     the workspace's runs for its position), and executors pull in FIFO order: no org-wide
     queue to show."""
     org = ids.check_org(request.match_info["org"])
-    require(request, org, VIEWER)
+    await require(request, org, "org.read")
     return response(listing([], page_of(request)))
 
 
 async def capacity(request: web.Request) -> web.Response:
     org = ids.check_org(request.match_info["org"])
-    require(request, org, VIEWER)
+    await require(request, org, "org.read")
     attrs = {"pending": 0, "running": 0}
     return response(document(resource("organization-capacity", org, attrs)))
 
@@ -232,18 +237,19 @@ async def run_events(request: web.Request) -> web.Response:
 
 async def apply_action(request: web.Request) -> web.Response:
     """POST /runs/:id/actions/apply: the CLI's "yes", an approval under runplane's rule."""
-    s, who = await load(request, "run", OPERATOR)
+    s, who = await load(request, "run", "run.approve")
     api = api_of(request)
-    command = ApproveRun(actor=who.user, caller=await caller(api, s.org, who), via=VIA)
+    asking = await caller(api, s.org, who, s.run_id)
+    command = ApproveRun(actor=who.user, caller=asking, via=VIA)
     await _act(api.app, s, command)
     return response(None, status=202)
 
 
 async def discard_action(request: web.Request) -> web.Response:
-    s, who = await load(request, "run", OPERATOR)
+    s, who = await load(request, "run", "run.approve")
     api = api_of(request)
     reason = await _comment(request, "discarded from the Terraform CLI")
-    asking = await caller(api, s.org, who)
+    asking = await caller(api, s.org, who, s.run_id)
     command = DiscardRun(actor=who.user, reason=reason, caller=asking, via=VIA)
     await _act(api.app, s, command)
     return response(None, status=202)
@@ -253,7 +259,8 @@ async def cancel_action(request: web.Request) -> web.Response:
     """POST /runs/:id/actions/cancel (the CLI's Ctrl-C, answered "yes"): a waiting run is
     canceled, a planning one asked to stop (its executor interrupts Terraform, then
     cancels the run); 409 exactly when `is-cancelable` is false."""
-    s, who = await load(request, "run", OPERATOR)
+    s, who = await load(request, "run", "run.cancel_plan")
+    await _may_cancel(request, s)
     if not cancelable(s):
         raise TfeError(409, "transition not allowed", not_cancelable(s))
     reason = await _comment(request, "canceled from the Terraform CLI")
@@ -268,13 +275,20 @@ async def force_cancel_action(request: web.Request) -> web.Response:
     grace period, and a dead executor's run is ended by the reaper; so this confirms
     that stop (a stop asked again records nothing) and never ends the run early, which
     would let another run write the state while this Terraform may still hold it."""
-    s, who = await load(request, "run", OPERATOR)
+    s, who = await load(request, "run", "run.cancel_plan")
+    await _may_cancel(request, s)
     if not force_cancelable(s):
         detail = not_cancelable(s) if not cancelable(s) else "cancel the run first"
         raise TfeError(409, "transition not allowed", detail)
     reason = await _comment(request, "force-canceled from the Terraform CLI")
     await _act(api_of(request).app, s, CancelRun(actor=who.user, reason=reason))
     return response(None, status=202)
+
+
+async def _may_cancel(request: web.Request, s: RunState) -> None:
+    """A plan-only run is canceled by whoever may plan; any other needs write."""
+    if s.run_type not in PLAN_ONLY:
+        await require(request, s.org, "run.cancel", s.workspace)
 
 
 async def _comment(request: web.Request, default: str) -> str:

@@ -34,10 +34,10 @@ from events.run import StateVersionCreated
 from events.workspace import StatePushed
 from executor.statestore import Head, HeadMoved, StateStoreError
 from infra.eventstore import LATEST
-from services.surfaces.api.auth import OPERATOR, VIEWER, Principal
+from services.surfaces.api.auth import Principal
 from services.surfaces.tfe import ids
 from services.surfaces.tfe.capability import CapabilityError
-from services.surfaces.tfe.context import api_of, require, tfe_of
+from services.surfaces.tfe.context import api_of, may, require, tfe_of
 from services.surfaces.tfe.jsonapi import (
     Doc,
     TfeError,
@@ -56,10 +56,10 @@ DOWNLOAD_PATH = "/api/v2/capabilities/state/"
 _RANK = {role: i for i, role in enumerate(ROLES)}
 
 
-def may_read_state(who: Principal) -> bool:
-    """Whether the caller may read whole states (and sensitive outputs' values): an
-    operator, approver or admin of the organization (the caller's organization is checked first)."""
-    return who.superuser or _RANK.get(who.role, -1) >= _RANK[OPERATOR]
+async def may_read_state(request: web.Request, org: str, ws: str) -> bool:
+    """Whether the caller may read the workspace's whole states (and sensitive outputs'
+    values): plan or above on it (an operator, approver or admin token; events/access.py)."""
+    return await may(request, org, "state.read", ws)
 
 
 def _download_url(request: web.Request, org: str, head: Head) -> str:
@@ -69,7 +69,7 @@ def _download_url(request: web.Request, org: str, head: Head) -> str:
 
 
 def render(
-    request: web.Request, org: str, ws: str, head: Head, created_at: str | None, who: Principal
+    request: web.Request, org: str, ws: str, head: Head, created_at: str | None, readable: bool
 ) -> Doc:
     """A state version as go-tfe's `StateVersion`. A version the CLI pushed is shown with
     the time its event was recorded, or the present one before the read model has it
@@ -77,7 +77,7 @@ def render(
     if created_at is None:
         now = api_of(request).app.clock()
         created_at = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    url = _download_url(request, org, head) if may_read_state(who) else None
+    url = _download_url(request, org, head) if readable else None
     attrs = {
         "serial": head.serial,
         "lineage": head.lineage,
@@ -98,17 +98,17 @@ def render(
     return resource("state-versions", sv_id, attrs, rels)
 
 
-def refuse_whole_state(who: Principal) -> None:
+async def refuse_whole_state(request: web.Request, org: str, ws: str, who: Principal) -> None:
     """403 unless the caller may read whole states: the detail is what the CLI prints."""
-    if may_read_state(who):
+    if await may_read_state(request, org, ws):
         return
     raise TfeError(
         403,
-        "state not readable with this role",
-        f"role {who.role} may read this workspace's outputs but not its whole state "
-        "(`terraform state pull`, and the remote backend's every state read, need the "
-        "operator, approver or admin role); `terraform output` of a cloud block "
-        "(Terraform >= 1.3) reads the outputs alone",
+        "state not readable with this access",
+        f"{who.user} may read this workspace's outputs but not its whole state "
+        "(`terraform state pull`, and the remote backend's every state read, need plan "
+        "or above on the workspace: an operator, approver or admin token); `terraform "
+        "output` of a cloud block (Terraform >= 1.3) reads the outputs alone",
     )
 
 
@@ -205,14 +205,16 @@ def _whole(at: str) -> str:
 async def current_state_version(request: web.Request) -> web.Response:
     """GET /workspaces/:id/current-state-version: 404 when the workspace has no state
     (the CLI then starts from none); 403 for a viewer (its one use is the whole state)."""
-    org, ws, who = await workspace_by_id(request, VIEWER)
+    org, ws, who = await workspace_by_id(request, "workspace.read")
     await existing_workspace(request, org, ws)
-    refuse_whole_state(who)
+    await refuse_whole_state(request, org, ws, who)
     head, _ = await current_head(request, org, ws)
     if head is None:
         raise not_found(f"workspace {ws} has no state yet")
     created = await recorded_at(request, org, ws, head)
-    return response(document(render(request, org, ws, head, created, who)))
+    return response(
+        document(render(request, org, ws, head, created, await may_read_state(request, org, ws)))
+    )
 
 
 async def version_of(
@@ -241,10 +243,12 @@ async def read_state_version(request: web.Request) -> web.Response:
     """GET /state-versions/:id: the current version, or one a run or push recorded;
     its metadata to a viewer, its download URL only to those who may read state."""
     org, ws, serial, prefix = ids.parse_state_version_id(request.match_info["sv_id"])
-    who = require(request, org, VIEWER)
+    await require(request, org, "workspace.read", ws)
     await existing_workspace(request, org, ws)
     version, created = await version_of(request, org, ws, serial, prefix)
-    return response(document(render(request, org, ws, version, created, who)))
+    return response(
+        document(render(request, org, ws, version, created, await may_read_state(request, org, ws)))
+    )
 
 
 async def download(request: web.Request) -> web.Response:

@@ -55,13 +55,14 @@ from events.errors import DomainError, IllegalTransition
 from events.workspace import RecordStatePush, StatePushed
 from executor.statefile import CHUNK, StateFile, StateRefused, StateTooLarge, too_large
 from executor.statestore import Head, HeadMoved, StateStore, StateStoreError
-from services.surfaces.api.auth import OPERATOR, Principal
+from services.surfaces.api.auth import Principal
 from services.surfaces.tfe.context import api_of, tfe_of
 from services.surfaces.tfe.jsonapi import TfeError, document, response
 from services.surfaces.tfe.state import (
     current_head,
     existing_workspace,
     last_pushed,
+    may_read_state,
     recorded_at,
     render,
 )
@@ -153,7 +154,7 @@ async def create_state_version(request: web.Request) -> web.Response:
     lock's holder only, which is checked before the body is read. The body goes to a
     file as it arrives, and the state out of it to another (state_body.py): past the
     deployment's --state-max-mb it is a 413 `state too large`, and nothing is stored."""
-    org, ws, who = await workspace_by_id(request, OPERATOR)
+    org, ws, who = await workspace_by_id(request, "state.write")
     states = tfe_of(request).need_states()
     _writable(await existing_workspace(request, org, ws), who)
     async with _one_push_at_a_time(request, org):
@@ -207,7 +208,12 @@ async def _push(
     _continues(head, serial, lineage, digest, force)
     if head is not None and head.digest == digest:
         created = await recorded_at(request, org, ws, head)
-        return response(document(render(request, org, ws, head, created, who)), status=201)
+        return response(
+            document(
+                render(request, org, ws, head, created, await may_read_state(request, org, ws))
+            ),
+            status=201,
+        )
     try:
         version = await states.put_state(org, ws, state, parsed, head=head)
         await states.mark_pending(org, ws, version)
@@ -222,7 +228,12 @@ async def _push(
     log.info("tfe_state_pushed", org=org, ws=ws, serial=serial, user=who.user, force=force)
     await api_of(request).after_write(seq)
     created = await recorded_at(request, org, ws, version)
-    return response(document(render(request, org, ws, version, created, who)), status=201)
+    return response(
+        document(
+            render(request, org, ws, version, created, await may_read_state(request, org, ws))
+        ),
+        status=201,
+    )
 
 
 def push_command(
@@ -320,7 +331,12 @@ async def _theirs(
     follows them."""
     await current_head(request, org, ws)
     created = await recorded_at(request, org, ws, version)
-    return response(document(render(request, org, ws, version, created, who)), status=201)
+    return response(
+        document(
+            render(request, org, ws, version, created, await may_read_state(request, org, ws))
+        ),
+        status=201,
+    )
 
 
 async def _move(request: web.Request, org: str, ws: str, version: Head, revision: int) -> None:

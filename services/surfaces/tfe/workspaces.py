@@ -18,13 +18,13 @@ from typing import Any
 
 from aiohttp import web
 
+from events import access
 from events.codec import valid_id
-from events.org import ROLES
 from events.run import Workspace
-from services.surfaces.api.auth import ADMIN, OPERATOR, VIEWER, Principal
+from services.surfaces.api.auth import Principal
 from services.surfaces.api.secrets import SECRETS
 from services.surfaces.tfe import ids
-from services.surfaces.tfe.context import api_of, principal, read_json, require
+from services.surfaces.tfe.context import api_of, may, principal, read_json, require
 from services.surfaces.tfe.jsonapi import (
     Doc,
     TfeError,
@@ -40,11 +40,13 @@ from services.surfaces.tfe.jsonapi import (
 CLI_REPOSITORY = "runplane-cli://configuration-upload"
 LOCK_REASON = "Locked by Terraform"
 MAX_REASON = 1024
-_RANK = {role: i for i, role in enumerate(ROLES)}
 
 
-def _may(who: Principal, role: str) -> bool:
-    return who.superuser or _RANK.get(who.role, -1) >= _RANK[role]
+def _level(who: Principal, org: str, row: dict[str, Any]) -> int:
+    """The caller's level on a workspace row (its folder is in the row)."""
+    folder = row.get("folder") or ""
+    target = access.Target(org=org, workspace=row["name"], folders=(folder,) if folder else ())
+    return who.access.level_on(target)
 
 
 # ---------------------------------------------------------------- account, organizations
@@ -72,8 +74,9 @@ async def _existing_org(request: web.Request, org: str) -> None:
 
 async def get_organization(request: web.Request) -> web.Response:
     org = ids.check_org(request.match_info["org"])
-    who = require(request, org, VIEWER)
+    who = await require(request, org, "org.read")
     await _existing_org(request, org)
+    whole = access.Target(org=org)
     attrs = {
         "name": org,
         "external-id": org,
@@ -81,8 +84,8 @@ async def get_organization(request: web.Request) -> web.Response:
         "collaborator-auth-policy": "password",
         "cost-estimation-enabled": False,
         "permissions": {
-            "can-create-workspace": _may(who, ADMIN),
-            "can-update": _may(who, ADMIN),
+            "can-create-workspace": who.may("workspaces.create", whole),
+            "can-update": who.may("org.settings", whole),
             "can-destroy": False,
         },
     }
@@ -92,7 +95,7 @@ async def get_organization(request: web.Request) -> web.Response:
 async def entitlement_set(request: web.Request) -> web.Response:
     """Remote operations are on: the `remote` backend would otherwise run locally."""
     org = ids.check_org(request.match_info["org"])
-    require(request, org, VIEWER)
+    await require(request, org, "org.read")
     await _existing_org(request, org)
     attrs = {
         "operations": True,
@@ -114,7 +117,8 @@ async def entitlement_set(request: web.Request) -> web.Response:
 
 def render_workspace(org: str, row: dict[str, Any], who: Principal) -> Doc:
     """A workspace row of the read model as go-tfe's `Workspace`."""
-    operate, admin = _may(who, OPERATOR), _may(who, ADMIN)
+    level = _level(who, org, row)
+    operate, admin = level >= access.WRITE, level >= access.ADMIN
     directory = row.get("directory") or "."
     cli = row.get("repository") == CLI_REPOSITORY
     attrs = {
@@ -177,31 +181,32 @@ def _time(value: str | None) -> str | None:
 
 
 async def _workspace_row(request: web.Request, org: str, ws: str) -> dict[str, Any]:
-    row = await api_of(request).read.workspaces.get(org, ws)
+    read = api_of(request).read
+    row = await read.workspaces.get(org, ws)
     if row is None:
         raise not_found(f"workspace {ws} not found in organization {org}")
-    return row
+    return row | {"folder": await read.workspaces.folder_of(org, ws) or ""}
 
 
-async def workspace_by_id(request: web.Request, role: str) -> tuple[str, str, Principal]:
-    """The (org, ws, caller) of the path's workspace id, once the caller may `role`."""
+async def workspace_by_id(request: web.Request, action: str) -> tuple[str, str, Principal]:
+    """The (org, ws, caller) of the path's workspace id, once the caller may `action`."""
     org, ws = ids.parse_workspace_id(request.match_info["workspace_id"])
-    return org, ws, require(request, org, role)
+    return org, ws, await require(request, org, action, ws)
 
 
 async def read_workspace(request: web.Request) -> web.Response:
     """GET /organizations/:org/workspaces/:name."""
     org = ids.check_org(request.match_info["org"])
-    who = require(request, org, VIEWER)
     name = request.match_info["name"]
     if not valid_id(name):
         raise not_found(f"workspace {name!r} not found")
+    who = await require(request, org, "workspace.read", name)
     row = await _workspace_row(request, org, name)
     return response(document(render_workspace(org, row, who)))
 
 
 async def read_workspace_by_id(request: web.Request) -> web.Response:
-    org, ws, who = await workspace_by_id(request, VIEWER)
+    org, ws, who = await workspace_by_id(request, "workspace.read")
     row = await _workspace_row(request, org, ws)
     return response(document(render_workspace(org, row, who)))
 
@@ -210,11 +215,17 @@ async def list_workspaces(request: web.Request) -> web.Response:
     """GET /organizations/:org/workspaces: `search[name]` a part of the name (the CLI
     sends the configured name or prefix), paged."""
     org = ids.check_org(request.match_info["org"])
-    who = require(request, org, VIEWER)
+    who = await require(request, org, "org.read")
     await _existing_org(request, org)
     search = request.query.get("search[name]", "")
-    rows = await api_of(request).read.workspaces.find(org)
-    shown = [render_workspace(org, r, who) for r in rows if search in r["name"]]
+    read = api_of(request).read
+    folders = await read.workspaces.folders(org)
+    rows = [r | {"folder": folders.get(r["name"], "")} for r in await read.workspaces.find(org)]
+    shown = [
+        render_workspace(org, r, who)
+        for r in rows
+        if search in r["name"] and _level(who, org, r) >= access.READ
+    ]
     return response(listing(shown, page_of(request)))
 
 
@@ -222,7 +233,7 @@ async def create_workspace(request: web.Request) -> web.Response:
     """POST /organizations/:org/workspaces: what `init` sends for a missing workspace
     (name, maybe terraform-version, which runplane does not take: its executors choose)."""
     org = ids.check_org(request.match_info["org"])
-    who = require(request, org, ADMIN)
+    who = await require(request, org, "workspaces.create")
     attrs = attributes(await read_json(request), "workspaces")
     name = attrs.get("name")
     if not isinstance(name, str):
@@ -244,7 +255,7 @@ async def update_workspace(request: web.Request) -> web.Response:
     """PATCH /workspaces/:id: what the `cloud` block sends after creating a workspace
     (its own terraform-version). runplane's executors choose the binary: 422, which the
     CLI tolerates there."""
-    org, ws, _ = await workspace_by_id(request, ADMIN)
+    org, ws, _ = await workspace_by_id(request, "workspace.settings")
     await _workspace_row(request, org, ws)
     raise TfeError(
         422,
@@ -259,7 +270,7 @@ async def update_workspace(request: web.Request) -> web.Response:
 
 async def lock_workspace(request: web.Request) -> web.Response:
     """POST /workspaces/:id/actions/lock: 409 if locked (go-tfe: ErrWorkspaceLocked)."""
-    org, ws, who = await workspace_by_id(request, OPERATOR)
+    org, ws, who = await workspace_by_id(request, "workspace.lock")
     reason = LOCK_REASON
     body = await read_json(request) if request.can_read_body else None
     if isinstance(body, dict):
@@ -274,15 +285,16 @@ async def lock_workspace(request: web.Request) -> web.Response:
 async def unlock_workspace(request: web.Request) -> web.Response:
     """POST /workspaces/:id/actions/unlock: the holder (or an org admin); 409 if not
     locked."""
-    org, ws, who = await workspace_by_id(request, OPERATOR)
+    org, ws, who = await workspace_by_id(request, "workspace.lock")
     api = api_of(request)
-    result = await api.app.unlock_workspace(org, ws, who.user, admin=_may(who, ADMIN))
+    admin = await may(request, org, "workspace.force_unlock", ws)
+    result = await api.app.unlock_workspace(org, ws, who.user, admin=admin)
     return await _written(request, org, ws, who, result.seq)
 
 
 async def force_unlock_workspace(request: web.Request) -> web.Response:
     """POST /workspaces/:id/actions/force-unlock: an org admin lifts anyone's lock."""
-    org, ws, who = await workspace_by_id(request, ADMIN)
+    org, ws, who = await workspace_by_id(request, "workspace.force_unlock")
     api = api_of(request)
     result = await api.app.unlock_workspace(org, ws, who.user, admin=True)
     return await _written(request, org, ws, who, result.seq)
@@ -302,7 +314,7 @@ async def _written(
 async def list_vars(request: web.Request) -> web.Response:
     """GET /workspaces/:id/vars: the plain variables with their values, the secret
     ones by name, sensitive and without value (services/surfaces/api/secrets.py)."""
-    org, ws, _ = await workspace_by_id(request, VIEWER)
+    org, ws, _ = await workspace_by_id(request, "workspace.read")
     row = await _workspace_row(request, org, ws)
     workspace_id = ids.workspace_id(org, ws)
     out = [_var(workspace_id, k, v, False) for k, v in sorted(row["variables"].items())]

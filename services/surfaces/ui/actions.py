@@ -15,13 +15,13 @@ from events.errors import DomainError
 from events.run import CancelRun, Cause, RunState
 from services.app.execute import Result
 from services.surfaces.api import approvals
-from services.surfaces.api.auth import ADMIN, OPERATOR
 from services.surfaces.api.problems import Problem, from_domain
+from services.surfaces.api.runs import PLAN_ONLY, run_action
 from services.surfaces.ui import pages
+from services.surfaces.ui.pages import RUN_TYPES
 from services.surfaces.ui.web import FORM, Visit, base, form, render, see_other
 
 MAX_REASON = 1024
-RUN_TYPES = ("plan", "apply", "destroy", "drift")
 
 
 def _text(visit: Visit, name: str, *, required: bool = False, limit: int = MAX_REASON) -> str:
@@ -68,7 +68,7 @@ async def _on_run(
     return see_other(f"/orgs/{visit.org}/runs/{run_id}")
 
 
-@form(OPERATOR)
+@form("run.approve")
 async def approve(visit: Visit) -> web.StreamResponse:
     """Approve with the ticked addresses as `acknowledged`."""
     acked = [a for a in visit.request[FORM].getall("ack", []) if isinstance(a, str)]
@@ -76,15 +76,19 @@ async def approve(visit: Visit) -> web.StreamResponse:
     return await _on_run(visit, lambda run_id: approvals.approve(api, org, run_id, who, acked))
 
 
-@form(OPERATOR)
+@form("run.approve")
 async def discard(visit: Visit) -> web.StreamResponse:
     reason = _text(visit, "reason")
     api, org, who = visit.api, visit.org, visit.who
     return await _on_run(visit, lambda run_id: approvals.discard(api, org, run_id, who, reason))
 
 
-@form(OPERATOR)
+@form("run.cancel_plan")
 async def cancel(visit: Visit) -> web.StreamResponse:
+    """Cancel: a plan-only run by whoever may plan, any other by write."""
+    run = await _run_or_404(visit)
+    if run["type"] not in PLAN_ONLY:
+        visit.require("run.cancel")
     reason = _text(visit, "reason")
     command = CancelRun(actor=visit.who.user, reason=reason)
     app, org = visit.api.app, visit.org
@@ -98,12 +102,14 @@ async def _workspace_or_404(visit: Visit) -> str:
     return ws
 
 
-@form(OPERATOR)
+@form("run.plan")
 async def start_run(visit: Visit) -> web.StreamResponse:
+    """Start a run: a plan or drift run at plan, an apply or destroy at write."""
     ws = await _workspace_or_404(visit)
     run_type = _text(visit, "type", required=True)
     if run_type not in RUN_TYPES:
         raise Problem("invalid-body", f"type must be one of {', '.join(RUN_TYPES)}")
+    visit.require(run_action(run_type))
     message = _text(visit, "message", limit=4096)
     template = _text(visit, "template", limit=63)
     result = await visit.api.app.create_run(
@@ -119,7 +125,7 @@ async def start_run(visit: Visit) -> web.StreamResponse:
     return see_other(f"/orgs/{visit.org}/runs/{result.state.run_id}")
 
 
-@form(OPERATOR)
+@form("workspace.lock")
 async def lock(visit: Visit) -> web.StreamResponse:
     ws = await _workspace_or_404(visit)
     reason = _text(visit, "reason", required=True)
@@ -128,10 +134,10 @@ async def lock(visit: Visit) -> web.StreamResponse:
     return see_other(f"/orgs/{visit.org}/workspaces/{ws}")
 
 
-@form(OPERATOR)
+@form("workspace.lock")
 async def unlock(visit: Visit) -> web.StreamResponse:
     ws = await _workspace_or_404(visit)
-    admin = visit.who.superuser or visit.who.role == ADMIN
+    admin = visit.can("workspace.force_unlock")
     result = await visit.api.app.unlock_workspace(visit.org, ws, visit.who.user, admin=admin)
     await visit.api.after_write(result.seq)
     return see_other(f"/orgs/{visit.org}/workspaces/{ws}")

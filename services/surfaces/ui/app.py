@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.surfaces.api.context import API
 from services.surfaces.api.middleware import SELF_AUTHENTICATED, problems
-from services.surfaces.ui import actions, live, pages, signin, sso, tokens
+from services.surfaces.ui import actions, live, pages, people, signin, sso, tokens
 from services.surfaces.ui.sessions import TLS_PROXY, Sessions
 from services.surfaces.ui.templating import GLOBALS
 from services.surfaces.ui.web import JINJA, SESSIONS, html_errors
@@ -43,6 +43,14 @@ ROUTES = [
     web.post(WS + "/lock", actions.lock),
     web.post(WS + "/unlock", actions.unlock),
     web.get(RUN, pages.run_page, allow_head=False),
+    web.get(ORG + "/people", people.people_page, allow_head=False),
+    web.post(ORG + "/people/invite", people.invite),
+    web.post(ORG + "/people/suspend", people.suspend),
+    web.post(ORG + "/people/reactivate", people.reactivate),
+    web.post(ORG + "/people/team", people.team_members),
+    web.get(ORG + "/folders/{folder}", people.folder_page, allow_head=False),
+    web.post(ORG + "/folders/{folder}/access", people.grant),
+    web.post(WS + "/access", people.grant),
     web.get(RUN + "/live", live.run_feed, allow_head=False),
     web.get(RUN + "/log", live.log_page, allow_head=False),
     web.post(RUN + "/approve", actions.approve),

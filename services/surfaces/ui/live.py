@@ -23,13 +23,12 @@ import structlog
 from aiohttp import web
 
 from events.templates import valid_phase
-from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.runlog import Lines, Out, Target
 from services.surfaces.ui import pages
-from services.surfaces.ui.web import JINJA, Visit, base, page, render
+from services.surfaces.ui.web import JINJA, Visit, base, page, render, still_signed_in
 
 log = structlog.get_logger("runplane.ui")
 
@@ -77,6 +76,8 @@ async def _moved(visit: Visit, seen: int, timeout: float) -> int:
         await asyncio.gather(moved, stop, return_exceptions=True)
     if closing.is_set():
         raise Closing
+    if not await still_signed_in(visit):  # revoked, expired, suspended: the stream ends
+        raise Closing
     return int(projector.seq)
 
 
@@ -88,7 +89,7 @@ async def close_streams(app: web.Application) -> None:
     app[CLOSING].set()
 
 
-@page(VIEWER)
+@page("org.read")
 async def bar_feed(visit: Visit) -> web.StreamResponse:
     """The active runs bar, each time it changes, until the browser goes."""
     resp = await _open(visit)
@@ -108,7 +109,7 @@ async def bar_feed(visit: Visit) -> web.StreamResponse:
     return resp
 
 
-@page(VIEWER)
+@page("workspace.read")
 async def run_feed(visit: Visit) -> web.StreamResponse:
     """The run's log, status and resource states live, until it ends."""
     run_id = visit.path_id("run")
@@ -223,7 +224,7 @@ def _step_query(request: web.Request) -> tuple[str | None, str | None]:
     return phase, check_name("step", step)
 
 
-@page(VIEWER)
+@page("workspace.read")
 async def log_page(visit: Visit) -> web.StreamResponse:
     """The whole log as a page, for a browser without script (and for keeping)."""
     run_id = visit.path_id("run")

@@ -11,8 +11,8 @@ from aiohttp import web
 from events import approval, inherit
 from events.run import CANCELABLE, STOPPABLE, TERMINAL, Cause, Status
 from services.surfaces.api import approvals
-from services.surfaces.api.auth import OPERATOR, VIEWER
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.runs import PLAN_ONLY
 from services.surfaces.ui.web import Visit, base, page, render
 
 PAGE = 50  # runs per page
@@ -45,7 +45,17 @@ async def _runs_page(visit: Visit, **filters: Any) -> tuple[list[dict[str, Any]]
     return rows, rows[-1]["id"] if len(rows) == PAGE else None
 
 
-@page(VIEWER)
+RUN_TYPES = ("plan", "apply", "destroy", "drift")
+
+
+async def _grants(visit: Visit, key: str) -> list[dict[str, str]]:
+    """The teams' levels granted on exactly `key` ("workspace:x", "folder:y")."""
+    teams = (await visit.api.app.load_org(visit.org)).state.teams
+    ranked = sorted(teams.values(), key=lambda t: t.name)
+    return [{"team": t.name, "level": t.access[key]} for t in ranked if key in t.access]
+
+
+@page("org.read")
 async def org_page(visit: Visit) -> web.StreamResponse:
     """Workspaces (latest run, lock, queue, folder), filtered by status and name; runs."""
     query = visit.request.query
@@ -56,6 +66,7 @@ async def org_page(visit: Visit) -> web.StreamResponse:
         raise Problem("not-found", f"organization {visit.org} not found")
     at = _page_number(query)
     workspaces = await visit.api.read.workspaces.summaries(visit.org)
+    workspaces = [w for w in workspaces if visit.may_read(w["name"], w.get("folder") or "")]
     latest = await visit.api.read.runs.latest(visit.org)
     matching = [
         {**w, "latest": latest.get(w["name"])}
@@ -65,6 +76,8 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     ]
     shown = matching[at * PAGE : (at + 1) * PAGE]
     runs, next_before = await _runs_page(visit, status=[status] if status else None, before=before)
+    names = {w["name"] for w in workspaces}
+    runs = [r for r in runs if r["workspace"] in names]
     context = await base(
         visit,
         workspaces=shown,
@@ -80,7 +93,7 @@ async def org_page(visit: Visit) -> web.StreamResponse:
     return render(visit.request, "org.html", context)
 
 
-@page(VIEWER)
+@page("workspace.read")
 async def workspace_page(visit: Visit) -> web.StreamResponse:
     """The queue in FIFO order, runs (paged), variables, lock, state versions, settings."""
     ws = visit.path_id("ws")
@@ -98,7 +111,8 @@ async def workspace_page(visit: Visit) -> web.StreamResponse:
         states=(await visit.api.read.workspaces.state_versions(visit.org, ws))[:20],
         settings=await _settings(visit, ws),
         secrets=await _secret_names(visit, ws),
-        run_types=["plan", "apply", "destroy", "drift"],
+        run_types=[t for t in RUN_TYPES if t in PLAN_ONLY or visit.can("run.apply")],
+        grants=await _grants(visit, f"workspace:{ws}"),
         templates=await _templates(visit),
     )
     return render(visit.request, "workspace.html", context)
@@ -122,7 +136,7 @@ async def _templates(visit: Visit) -> list[str]:
     return sorted(getattr(state, "templates", {}) or {})
 
 
-@page(VIEWER)
+@page("workspace.read")
 async def run_page(visit: Visit) -> web.StreamResponse:
     """Everything about one run, and the buttons its caller may use on it."""
     run_id = visit.path_id("run")
@@ -173,8 +187,9 @@ async def run_actions(visit: Visit, run: dict[str, Any]) -> dict[str, Any]:
     """Which buttons the caller gets, and why one is absent (the core's own words)."""
     status = run["status"]
     out: dict[str, Any] = {"approve": None, "discard": None, "cancel": None, "why": []}
-    if not visit.can(OPERATOR):
-        out["why"].append(f"role {visit.who.role} may only read")
+    cancel = "run.cancel_plan" if run["type"] in PLAN_ONLY else "run.cancel"
+    if not visit.can(cancel):
+        out["why"].append(f"{visit.who.user} may only read this workspace's runs")
         return out
     if status in {str(s) for s in CANCELABLE}:
         out["cancel"] = "Cancel"
@@ -186,8 +201,11 @@ async def run_actions(visit: Visit, run: dict[str, Any]) -> dict[str, Any]:
         )
     if status != "awaiting_approval":
         return out
+    if not visit.can("run.approve"):
+        out["why"].append(f"{visit.who.user} may plan here but not approve (it needs write)")
+        return out
     state = (await visit.api.app.load_run(visit.org, run["workspace"], run["id"])).state
-    caller = await approvals.caller(visit.api, visit.org, visit.who)
+    caller = await approvals.caller(visit.api, visit.org, visit.who, run["id"])
     for action in ("approve", "discard"):
         try:
             approval.check_caller(

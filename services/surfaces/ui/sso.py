@@ -4,10 +4,11 @@
 sends the browser to the provider. The flow is bound to this browser by the `rp_sso`
 cookie (`HttpOnly`, `SameSite=Lax`: the provider's redirect back is a top-level
 navigation from its site, which a Strict cookie would miss; its path is `/app/sso`
-only). `GET /app/sso/callback` finishes it on whichever replica the browser reaches,
-then issues the session's token for the person the identity hook named (with that
-user's role, ending when an idle session would) and starts the UI session, as the token
-sign-in does (a new session id: nothing planted before is promoted).
+only). `GET /app/sso/callback` finishes it on whichever replica the browser reaches:
+the identity hook (services/app/identity.py `sign_in_user`) makes the person a user of
+the organization with the teams their groups give and a personal token (the user's
+access, nothing more), and the UI session starts on that token, as the token sign-in
+does (a new session id: nothing planted before is promoted).
 
 Every failure is an HTML page naming its reason (`sso-replay`, `sso-wrong-audience`,
 ...), status 400 (503 when NATS or the provider is out of reach), with nothing written.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-from datetime import timedelta
 from urllib.parse import urlencode, urlsplit
 
 import structlog
@@ -37,7 +37,7 @@ from services.surfaces.api.bodies import check_name
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.sso import KIT, kit_of
-from services.surfaces.ui.sessions import COOKIE, IDLE_S, scheme, secure, set_cookie
+from services.surfaces.ui.sessions import COOKIE, scheme, secure, set_cookie
 from services.surfaces.ui.web import SESSIONS, error_page
 
 START, CALLBACK = "/app/sso/start", "/app/sso/callback"
@@ -133,19 +133,14 @@ async def callback(request: web.Request) -> web.StreamResponse:
             binding=request.cookies.get(FLOW_COOKIE, ""),
             iss=q.get("iss"),
         )
-        api = request.app[API]
         signed = done.signed_in
-        expires = api.app.clock() + timedelta(seconds=IDLE_S)
-        token, result = await api.app.issue_token(
-            done.flow.org, signed.user, signed.role, signed.user, expires_at=expires
-        )
-        await api.after_write(result.seq)
+        await request.app[API].after_write(signed.seq)
     except (OidcError, Problem, InfraError, DomainError) as e:
         return _failed(request, e)
     sessions = request.app[SESSIONS]
     await sessions.end(request.cookies.get(COOKIE))
-    session_id, _ = await sessions.start(token, done.flow.org)
-    log.info("sso_signed_in", org=done.flow.org, user=signed.user, issuer=done.flow.issuer)
+    session_id, _ = await sessions.start(signed.token, done.flow.org)
+    log.info("sso_signed_in", org=done.flow.org, user=signed.user_id, issuer=done.flow.issuer)
     response = web.Response(status=303, headers={"Location": done.flow.return_to})
     set_cookie(response, request, COOKIE, session_id)
     return response

@@ -18,9 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from services.surfaces.api.auth import VIEWER
 from services.surfaces.api.problems import Problem
-from services.surfaces.tfe.login import issue_token, token_expiry
+from services.surfaces.tfe.login import issue_token, token_expiry, token_kind
 from services.surfaces.ui.sessions import SessionError
 from services.surfaces.ui.web import Visit, base, error_page, form, guarded, render, visit_of
 
@@ -60,10 +59,14 @@ async def tokens_page(request: web.Request) -> web.StreamResponse:
     return await guarded(request, call)
 
 
-@form(VIEWER)
+@form("tokens.personal")
 async def create_token(visit: Visit) -> web.StreamResponse:
-    """POST: a new token of the session's user and role, shown this once."""
+    """POST: a new token of the session's user and access, shown this once."""
     _organization_user(visit)
     expires = await token_expiry(visit.api, visit.session.token)  # never outlives it
-    issued = await issue_token(visit.api, visit.org, visit.who.user, visit.who.role, expires)
+    kind, owner, level = token_kind(visit.who)
+    issued = await issue_token(
+        visit.api, visit.org, visit.who.user, visit.who.role, expires,
+        kind=kind, owner=owner, level=level,
+    )  # fmt: skip
     return await _page(visit, issued)

@@ -1,11 +1,14 @@
 """What every page and form of the UI shares: the visit (session, caller, organization),
 the role rules, rendering, and errors as HTML pages (never a traceback, never JSON).
 
-A page is `@page(role)`: no session sends the browser to the sign-in form; a session of
+A page is `@page(action)`: no session sends the browser to the sign-in form; a session of
 another organization, or an object that is not the organization's, is a 404 page (as
 the API answers 404, never 403, so that nothing probes what exists elsewhere). A form
-is `@form(role)`: the same, plus the CSRF token and the Origin check. Below `role` the
-page is refused (403) and, as the templates ask `visit.can(...)`, nothing leads to it.
+is `@form(action)`: the same, plus the CSRF token and the Origin check. The action is
+checked by the one access check (events/access.py) on the page's target: the path's
+workspace, the run's workspace, the folder, else the organization (a workspace the
+caller may not read is a 404 page). As the templates ask `visit.can(...)` about the same
+target, nothing leads to what would be refused.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ from aiohttp import web
 from aiohttp.typedefs import Handler as AioHandler
 from multidict import MultiDictProxy
 
+from events import access
 from events.errors import DomainError
-from events.org import ROLES
 from infra.eventstore import StoreError
 from infra.heartbeats import BoardError
 from infra.kv import KvError
 from services.surfaces.api.auth import PRINCIPAL, Principal, authenticate
 from services.surfaces.api.bodies import check_name
+from services.surfaces.api.common import run_workspace, workspace_target
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.problems import Problem, from_domain, from_http
 from services.surfaces.ui.sessions import (
@@ -44,7 +48,6 @@ log = structlog.get_logger("runplane.ui")
 
 JINJA: web.AppKey[Any] = web.AppKey("runplane.ui.jinja", object)
 SESSIONS: web.AppKey[Sessions] = web.AppKey("runplane.ui.sessions", Sessions)
-_RANK = {role: i for i, role in enumerate(ROLES)}
 MAX_FORM = 64 * 1024  # bytes of a form post
 BAR_LIMIT = 50  # active runs the bar lists, awaiting approval first (it counts all)
 
@@ -58,14 +61,42 @@ class Visit:
     session: Session
     who: Principal
     org: str
+    target: access.Target | None = None  # the page's workspace or folder, once known
 
-    def can(self, role: str) -> bool:
-        """Whether the caller's role reaches `role` (what the templates show or hide)."""
-        return self.who.superuser or _RANK.get(self.who.role, -1) >= _RANK[role]
+    def where(self) -> access.Target:
+        return self.target or access.Target(org=self.org)
 
-    def require(self, role: str) -> None:
-        if not self.can(role):
-            raise Problem("forbidden", f"role {self.who.role} may not do this; it needs {role}")
+    def can(self, action: str) -> bool:
+        """Whether the caller may `action` here (what the templates show or hide)."""
+        return self.who.may(action, self.where())
+
+    def require(self, action: str, *, hidden: str = "") -> None:
+        access.require(self.who.access, action, self.where(), hidden=hidden)
+
+    async def on_workspace(self, ws: str, *, hidden: str = "") -> None:
+        """The page is about workspace `ws`: 404 unless the caller may read it."""
+        self.target = await workspace_target(self.api, self.org, ws)
+        self.require("workspace.read", hidden=hidden)
+
+    async def aim(self) -> str:
+        """Set the target from the path ({ws}, {run}, {folder}); the name a refusal
+        hides it under."""
+        match = self.request.match_info
+        if "ws" in match:
+            await self.on_workspace(self.path_id("ws"))
+        elif "run" in match:
+            run_id = self.path_id("run")
+            hidden = f"run {run_id}"
+            await self.on_workspace(await run_workspace(self.api, self.org, run_id), hidden=hidden)
+            return hidden
+        elif "folder" in match:
+            self.target = access.Target(org=self.org, folders=(self.path_id("folder"),))
+        return ""
+
+    def may_read(self, ws: str, folder: str = "") -> bool:
+        """Whether the caller may see workspace `ws` (a list's filter)."""
+        target = access.Target(org=self.org, workspace=ws, folders=(folder,) if folder else ())
+        return self.who.may("workspace.read", target)
 
     def path_id(self, key: str) -> str:
         return check_name(key, self.request.match_info[key])
@@ -79,6 +110,11 @@ async def base(visit: Visit, **context: Any) -> dict[str, Any]:
     """What every signed-in page shows: who, the organization, its active runs (the bar:
     the oldest BAR_LIMIT listed, all counted)."""
     bar, count, awaiting = await visit.api.read.runs.active(visit.org, BAR_LIMIT)
+    if not visit.who.access.uniform(access.READ):  # only what the caller may read
+        readable = await readable_workspaces(visit)
+        bar = [r for r in bar if r["workspace"] in readable]
+        count = len(bar)
+        awaiting = sum(1 for r in bar if r["status"] == "awaiting_approval")
     return {
         "visit": visit,
         "org": visit.org,
@@ -153,7 +189,7 @@ async def visit_of(request: web.Request) -> Visit:
     org = check_name("org", request.match_info.get("org", session.org))
     if org != session.org:
         raise Problem("not-found", f"organization {org} not found")
-    who.require(org, ROLES[0])
+    access.require(who.access, "org.read", access.Target(org=org))
     visit = Visit(request=request, api=api, session=session, who=who, org=org)
     request[VISIT] = visit
     return visit
@@ -189,8 +225,28 @@ async def guarded(
         return await _error_page(request, 500, "Internal error", "an unexpected error occurred")
 
 
-def page(role: str) -> Callable[[Handler], Callable[[web.Request], Awaitable[web.StreamResponse]]]:
-    """A page of the signed-in UI for callers of at least `role`."""
+async def still_signed_in(visit: Visit) -> bool:
+    """Whether the visit's session token still stands (a live stream asks each time it
+    moves: a suspension, a revocation or an expiry ends it)."""
+    try:
+        visit.who = await authenticate(visit.api, f"Bearer {visit.session.token}")
+    except Problem as p:
+        if p.status == 401:
+            return False
+        raise
+    return True
+
+
+async def readable_workspaces(visit: Visit) -> set[str]:
+    """The names of the organization's workspaces the caller may read."""
+    folders = await visit.api.read.workspaces.folders(visit.org)
+    return {ws for ws, folder in folders.items() if visit.may_read(ws, folder)}
+
+
+def page(
+    action: str,
+) -> Callable[[Handler], Callable[[web.Request], Awaitable[web.StreamResponse]]]:
+    """A page of the signed-in UI for callers who may `action` on its target."""
 
     def wrap(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         @functools.wraps(handler)
@@ -200,7 +256,8 @@ def page(role: str) -> Callable[[Handler], Callable[[web.Request], Awaitable[web
                     visit = await visit_of(request)
                 except SessionError:
                     raise web.HTTPSeeOther("/") from None
-                visit.require(role)
+                hidden = await visit.aim()
+                visit.require(action, hidden=hidden)
                 return await handler(visit)
 
             return await guarded(request, call)
@@ -213,8 +270,11 @@ def page(role: str) -> Callable[[Handler], Callable[[web.Request], Awaitable[web
 FORM: web.RequestKey[MultiDictProxy[str]] = web.RequestKey("runplane.ui.form", MultiDictProxy)
 
 
-def form(role: str) -> Callable[[Handler], Callable[[web.Request], Awaitable[web.StreamResponse]]]:
-    """A form post of the signed-in UI: the session, its CSRF token, then `role`."""
+def form(
+    action: str,
+) -> Callable[[Handler], Callable[[web.Request], Awaitable[web.StreamResponse]]]:
+    """A form post of the signed-in UI: the session, its CSRF token, then `action` on its
+    target (a handler may ask more, e.g. an apply's write once it read the run type)."""
 
     def wrap(handler: Handler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         @functools.wraps(handler)
@@ -228,7 +288,8 @@ def form(role: str) -> Callable[[Handler], Callable[[web.Request], Awaitable[web
                 except SessionError as e:
                     return error_page(request, 403, "Refused", str(e))
                 request[FORM] = fields
-                visit.require(role)
+                hidden = await visit.aim()
+                visit.require(action, hidden=hidden)
                 return await handler(visit)
 
             return await guarded(request, call)
