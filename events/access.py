@@ -258,6 +258,35 @@ def inherited(who: Access, tree: Mapping[str, fo.Folder]) -> Access:
     return msgspec.structs.replace(who, folders=kept)
 
 
+def beyond(who: Access, other: Access, ws_folders: Mapping[str, str] | None = None) -> str:
+    """What `other` holds that `who` does not ("" if nothing): a right, or a level on the
+    organization, a folder or a workspace (`ws_folders`: each workspace's folder, so that
+    `who`'s folder grants count; a workspace missing there is judged without them). A
+    holder of `manage-teams` may hand out (members, tokens, a user's standing) no more
+    than it holds itself: a right held is not a way to more."""
+    if who.org is None:
+        return ""
+    org = who.org
+    for right in sorted(other.rights) if other.cap == ADMIN else ():
+        if not who.holds(right):
+            return f"the right {right}"
+    if min(other.org_level, other.cap) > min(who.org_level, who.cap):
+        return f"{LEVELS[min(other.org_level, other.cap)]} on organization {org}"
+    wanted = [(Target(org=org, folders=(f,)), v) for f, v in other.folders.items()]
+    for ws, level in other.workspaces.items():
+        folder = (ws_folders or {}).get(ws, "")
+        wanted.append((Target(org=org, workspace=ws, folders=(folder,) if folder else ()), level))
+    for target, level in sorted(wanted, key=lambda t: t[0].describe()):
+        if min(level, other.cap) > who.level_on(target):
+            return f"{LEVELS[min(level, other.cap)]} on {target.describe()}"
+    return ""
+
+
+def of_team(org: str, team: Team, folders: Mapping[str, fo.Folder]) -> Access:
+    """What a team's member (or token) holds through `team`."""
+    return inherited(for_teams(org, f"team:{team.name}", [team]), folders)
+
+
 def is_owner(teams: Mapping[str, Team], user_id: str) -> bool:
     return with_owners(teams)[OWNERS].has(user_id)
 

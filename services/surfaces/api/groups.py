@@ -48,7 +48,7 @@ def _row(state: OrgState, name: str) -> Row:
 
 async def create_group(request: web.Request) -> web.Response:
     """POST .../groups {"name", "members"}: 409 if the group exists."""
-    api, org, who = await scope(request, "teams.manage")
+    api, org, who = await scope(request, "org.access")
     body = await read_body(request, CreateGroupBody)
     name = check_name("name", body.name)
     await org_state(api, org)
@@ -60,7 +60,7 @@ async def create_group(request: web.Request) -> web.Response:
 
 async def set_group_members(request: web.Request) -> web.Response:
     """PUT .../groups/{group}/members {"members"}: replaces every member."""
-    api, org, who = await scope(request, "teams.manage")
+    api, org, who = await scope(request, "org.access")
     name = path_id(request, "group")
     body = await read_body(request, GroupMembersBody)
     await org_state(api, org)

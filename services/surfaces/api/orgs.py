@@ -7,13 +7,13 @@ from datetime import datetime, timedelta
 from aiohttp import web
 
 from events import access
-from events.errors import RepositoryRefused
+from events.errors import Forbidden, RepositoryRefused
 from events.org import OrgState, RevokeToken
 from events.run import Workspace
 from events.teams import LEVELS, OWNERS
 from projections.working import iso
 from services.app import repositories
-from services.surfaces.api import render, secrets, workspaces
+from services.surfaces.api import people, render, secrets, workspaces
 from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.auth import PRINCIPAL, Principal
 from services.surfaces.api.bodies import (
@@ -115,7 +115,10 @@ async def _token_rules(
             await scope(request, "org.settings")
             return "", ""
         case "team":
-            await scope(request, "org.access" if body.team == OWNERS else "teams.manage")
+            api, org, _ = await scope(
+                request, "org.access" if body.team == OWNERS else "teams.manage"
+            )
+            await _team_token_rule(api, who, await org_state(api, org), body.team)
             return body.team, ""
         case "user":
             owner = body.user_id or mine.user_id
@@ -129,6 +132,18 @@ async def _token_rules(
             return owner, body.level
         case _:
             raise Problem("invalid-command", f"unknown token kind {body.kind!r}")
+
+
+async def _team_token_rule(api: Api, who: Principal, state: OrgState, name: str) -> None:
+    """A team token acts as the team: a `manage-teams` holder mints one only of a team
+    it is a member of and that holds no more than it does (an org admin, any)."""
+    team = state.teams.get(name)
+    if team is None or who.may("org.access", access.Target(org=state.name)):
+        return  # a missing team: the core's 404
+    what = f"mint a token of team {name}"
+    await people.hand_out(api, who, state, access.of_team(state.name, team, state.folders), what)
+    if not team.has(who.access.user_id):
+        raise Forbidden(f"{who.user} may {what} only as its member (an organization admin may)")
 
 
 def token_expiry(body: CreateTokenBody, now: datetime) -> datetime | None:

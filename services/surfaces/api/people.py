@@ -1,14 +1,19 @@
 """Users and teams of an organization (events/members.py, events/teams.py), read from the
 organization's aggregate, so a change shows at once.
 
-Who may: anyone of the organization reads them; `manage-teams` invites, suspends and
-reactivates users, creates and deletes teams and sets their members; organization rights
-on a team, and `owners`' members (or suspending an owner), are for admins of the
-organization (`org.access`): a right held is not a way to more of them.
+Who may: anyone of the organization reads them (a team's grants on workspaces the
+reader may not read left out); `manage-teams` invites, suspends and reactivates users,
+creates and deletes teams and sets their members; organization rights on a team,
+`owners`' members and which identity provider groups map to a team (`idp_groups`, as
+single sign-on's configuration) are for admins of the organization (`org.access`). A
+right held is not a way to more: a `manage-teams` holder changes the members of (or
+mints a token of, or suspends or reactivates a member of) only what holds no more than
+it holds itself (events/access.py `beyond`), and never adds itself to a team.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -17,13 +22,16 @@ from aiohttp import web
 from events import access
 from events import members as mb
 from events import teams as tm
+from events.errors import Forbidden
 from events.org import OrgState
+from services.surfaces.api.auth import Principal
 from services.surfaces.api.bodies import Body, Name, check_name, read_body
 from services.surfaces.api.common import (
     Row,
     command_answer,
     items,
     json_response,
+    may_read,
     org_state,
     path_id,
     scope,
@@ -91,17 +99,78 @@ def user_row(state: OrgState, member: mb.Member) -> Row:
     }
 
 
-def team_row(state: OrgState, name: str) -> Row:
+def team_row(state: OrgState, name: str, shown: Callable[[str], bool] = lambda _: True) -> Row:
+    """A team as answered; `shown(target)`: whether the reader may see a grant's target
+    (a workspace it may not read is not named to it, as everywhere else)."""
     team = tm.with_owners(state.teams)[name]
     emails = {m.user_id: m.email for m in state.members.values()}
+    grants = sorted((k, v) for k, v in team.access.items() if shown(k))
     return {
         "name": team.name,
         "rights": list(team.rights),
         "idp_groups": list(team.idp_groups),
         "members": [{"id": u, "email": emails.get(u, "")} for u in team.members],
         "synced": [{"id": u, "email": emails.get(u, "")} for u in team.synced],
-        "access": [{"target": k, "level": v} for k, v in sorted(team.access.items())],
+        "access": [{"target": k, "level": v} for k, v in grants],
     }
+
+
+async def grants_shown(api: Api, who: Principal, org: str) -> Callable[[str], bool]:
+    """Which grant targets `who` may see: all to a reader of every workspace; else the
+    organization, folders and the workspaces it may read."""
+    if who.access.uniform(access.READ):
+        return lambda _: True
+    folders = await api.read.workspaces.folders(org)
+
+    def shown(key: str) -> bool:
+        kind, _, ws = key.partition(":")
+        return kind != "workspace" or may_read(who, org, ws, folders.get(ws, ""))
+
+    return shown
+
+
+async def hand_out(
+    api: Api, who: Principal, state: OrgState, other: access.Access, what: str
+) -> None:
+    """Forbidden unless the caller is an admin of the organization or holds everything
+    `other` holds (a team's members, a team token, a user suspended or reactivated)."""
+    if who.may("org.access", access.Target(org=state.name)):
+        return
+    more = access.beyond(who.access, other, await api.read.workspaces.folders(state.name))
+    if more:
+        raise Forbidden(
+            f"{who.user} may not {what}: that holds {more}, which {who.user} does not "
+            "(an organization admin may)"
+        )
+
+
+async def check_members(
+    api: Api, who: Principal, state: OrgState, name: str, members: list[str]
+) -> None:
+    """Whether the caller may set team `name`'s members to `members` (user ids): not a
+    team above it, never itself into a team it is not in (an approvers rule may name the
+    team), unless it is an admin of the organization."""
+    team = state.teams.get(name)
+    if team is None or who.may("org.access", access.Target(org=state.name)):
+        return  # a missing team: the core's 404
+    what = f"set the members of team {name}"
+    await hand_out(api, who, state, access.of_team(state.name, team, state.folders), what)
+    mine = who.access.user_id
+    if mine and mine in members and not team.has(mine):
+        raise Forbidden(
+            f"{who.user} may not add themselves to team {name} (an organization admin may)"
+        )
+
+
+async def check_standing(api: Api, who: Principal, state: OrgState, user_id: str) -> None:
+    """Suspending or reactivating a user who holds more than the caller (an owner, an
+    admin through a team) is an organization admin's."""
+    member = state.members.get(user_id)
+    if member is None:
+        return  # the core's 404
+    mine = [t for t in tm.with_owners(state.teams).values() if t.has(user_id)]
+    theirs = access.inherited(access.for_teams(state.name, member.email, mine), state.folders)
+    await hand_out(api, who, state, theirs, f"change the standing of {member.email}")
 
 
 def _user_id(state: OrgState, ref: str) -> str:
@@ -137,12 +206,6 @@ async def invite_user(request: web.Request) -> web.Response:
     return command_answer(row, result.seq, status=201, location=where)
 
 
-async def _owner_guard(api: Api, request: web.Request, state: OrgState, user_id: str) -> None:
-    """Suspending an owner, or reactivating one, is for admins of the organization."""
-    if access.is_owner(state.teams, user_id):
-        await scope(request, "org.access")
-
-
 async def suspend_user(request: web.Request) -> web.Response:
     """POST .../users/{user}/suspend: every token and session of theirs in this
     organization is refused from the answer on, on every replica."""
@@ -150,7 +213,7 @@ async def suspend_user(request: web.Request) -> web.Response:
     user_id = path_id(request, "user")
     body = await read_body(request, SuspendBody, optional=True)
     state = await org_state(api, org)
-    await _owner_guard(api, request, state, user_id)
+    await check_standing(api, who, state, user_id)
     cmd = mb.SuspendUser(actor=who.user, user_id=user_id, reason=body.reason)
     result = await api.app.org_command(org, cmd)
     await api.after_write(result.seq)
@@ -161,7 +224,7 @@ async def reactivate_user(request: web.Request) -> web.Response:
     api, org, who = await scope(request, "teams.manage")
     user_id = path_id(request, "user")
     state = await org_state(api, org)
-    await _owner_guard(api, request, state, user_id)
+    await check_standing(api, who, state, user_id)
     result = await api.app.org_command(org, mb.ReactivateUser(actor=who.user, user_id=user_id))
     return command_answer(user_row(result.state, result.state.members[user_id]), result.seq)
 
@@ -170,24 +233,26 @@ async def reactivate_user(request: web.Request) -> web.Response:
 
 
 async def list_teams(request: web.Request) -> web.Response:
-    api, org, _ = await scope(request, "org.read")
+    api, org, who = await scope(request, "org.read")
     state = await org_state(api, org)
-    return items([team_row(state, name) for name in sorted(tm.with_owners(state.teams))])
+    shown = await grants_shown(api, who, org)
+    return items([team_row(state, name, shown) for name in sorted(tm.with_owners(state.teams))])
 
 
 async def get_team(request: web.Request) -> web.Response:
-    api, org, _ = await scope(request, "org.read")
+    api, org, who = await scope(request, "org.read")
     state = await org_state(api, org)
     name = path_id(request, "team")
     if name not in tm.with_owners(state.teams):
         raise Problem("not-found", f"team {name} not found")
-    return json_response(team_row(state, name))
+    return json_response(team_row(state, name, await grants_shown(api, who, org)))
 
 
 async def create_team(request: web.Request) -> web.Response:
     """POST .../teams {"name", "rights", "idp_groups"}: rights need an org admin."""
     body = await read_body(request, TeamBody)
-    api, org, who = await scope(request, "org.access" if body.rights else "teams.manage")
+    admin = body.rights or body.idp_groups  # rights and the groups' mapping: an admin's
+    api, org, who = await scope(request, "org.access" if admin else "teams.manage")
     name = check_name("name", body.name)
     await org_state(api, org)
     cmd = tm.SetTeam(
@@ -211,6 +276,8 @@ async def patch_team(request: web.Request) -> web.Response:
     if set(rights) != set(team.rights):
         await scope(request, "org.access")
     groups = list(team.idp_groups) if body.idp_groups is None else list(body.idp_groups)
+    if groups != list(team.idp_groups):
+        await scope(request, "org.access")
     cmd = tm.SetTeam(actor=who.user, name=name, rights=rights, idp_groups=groups, create=False)
     result = await api.app.org_command(org, cmd)
     return command_answer(team_row(result.state, name), result.seq)
@@ -234,6 +301,7 @@ async def set_members(request: web.Request) -> web.Response:
     body = await read_body(request, MembersBody)
     state = await org_state(api, org)
     members = [_user_id(state, m) for m in body.members]
+    await check_members(api, who, state, name, members)
     cmd = tm.SetTeamMembers(actor=who.user, name=name, members=members)
     result = await api.app.org_command(org, cmd)
     await api.after_write(result.seq)

@@ -11,7 +11,13 @@ from aiohttp import web
 
 from events import members as mb
 from events import teams as tm
-from services.surfaces.api.people import team_row, user_row
+from services.surfaces.api.people import (
+    check_members,
+    check_standing,
+    grants_shown,
+    team_row,
+    user_row,
+)
 from services.surfaces.api.problems import Problem
 from services.surfaces.ui.web import FORM, Visit, base, form, page, render, see_other
 
@@ -28,7 +34,8 @@ async def people_page(visit: Visit) -> web.StreamResponse:
     """Users and teams of the organization, and the forms the caller may use."""
     state = (await visit.api.app.load_org(visit.org)).state
     users = [user_row(state, m) for m in state.members.values()]
-    teams = [team_row(state, name) for name in sorted(tm.with_owners(state.teams))]
+    shown = await grants_shown(visit.api, visit.who, visit.org)
+    teams = [team_row(state, name, shown) for name in sorted(tm.with_owners(state.teams))]
     context: dict[str, Any] = await base(visit, users=users, teams=teams)
     return render(visit.request, "people.html", context)
 
@@ -46,8 +53,7 @@ async def invite(visit: Visit) -> web.StreamResponse:
 async def _user_state(visit: Visit, suspend: bool) -> web.StreamResponse:
     user_id = _field(visit, "user", 64)
     state = (await visit.api.app.load_org(visit.org)).state
-    if tm.OWNERS in tm.teams_of(state.teams, user_id):
-        visit.require("org.access")  # an owner's standing is an org admin's to change
+    await check_standing(visit.api, visit.who, state, user_id)  # nobody above the caller
     cmd: mb.SuspendUser | mb.ReactivateUser
     if suspend:
         cmd = mb.SuspendUser(actor=visit.who.user, user_id=user_id)
@@ -80,6 +86,7 @@ async def team_members(visit: Visit) -> web.StreamResponse:
         mb.user_id_of(e) if "@" in e else e for e in (x.strip() for x in raw.split("\n")) if e
     ]
     state = (await visit.api.app.load_org(visit.org)).state
+    await check_members(visit.api, visit.who, state, name, members)  # as the API's
     if name not in tm.with_owners(state.teams):
         await visit.api.app.org_command(visit.org, tm.SetTeam(actor=visit.who.user, name=name))
     cmd = tm.SetTeamMembers(actor=visit.who.user, name=name, members=members)
