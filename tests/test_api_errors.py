@@ -75,6 +75,9 @@ ORG_ENDPOINTS = [
     ("PUT", "/api/v1/orgs/{org}/folders/{folder}/access"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/access"),
     ("PUT", "/api/v1/orgs/{org}/workspaces/{ws}/access"),
+    ("PUT", "/api/v1/orgs/{org}/sso"),
+    ("GET", "/api/v1/orgs/{org}/sso"),
+    ("DELETE", "/api/v1/orgs/{org}/sso"),
     ("POST", "/api/v1/orgs/{org}/groups"),
     ("PUT", "/api/v1/orgs/{org}/groups/{group}/members"),
     ("GET", "/api/v1/orgs/{org}/policies"),
@@ -151,6 +154,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/access": {"team": "ops", "level": "read"},
     "/api/v1/orgs/{org}/folders/{folder}/access": {"team": "ops", "level": "read"},
     "/api/v1/orgs/{org}/workspaces/{ws}/access": {"team": "ops", "level": "read"},
+    "/api/v1/orgs/{org}/sso": {"issuer": "https://idp.example.com", "client_id": "rp"},
     "/api/v1/orgs/{org}/policies/{policy}": {
         "enforcement": "advisory",
         "source": "package p\ndeny contains m if { m := input.x }\n",
