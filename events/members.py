@@ -105,9 +105,14 @@ class ReactivateUser(Command, frozen=True, kw_only=True):
 
 
 def normal_email(email: object) -> str:
-    """The email, case-folded and checked (Invalid saying why)."""
+    """The email, case-folded and checked (Invalid saying why). ASCII only: the user id
+    derives from the folded address, and Unicode folds other letters into ASCII ones
+    (LONG S to `s`, KELVIN SIGN to `k`, ligatures to their letters), so `\u017fam@x` would
+    be sam@x's user; an internationalized domain comes as its ASCII (punycode) form."""
     if not isinstance(email, str) or not 3 <= len(email) <= MAX_EMAIL:
         raise Invalid(f"an email is 3 to {MAX_EMAIL} characters")
+    if not email.isascii():
+        raise Invalid("an email is ASCII (a domain in its punycode form)")
     folded = email.strip().casefold()
     local, at, domain = folded.rpartition("@")
     if not at or not local or "." not in domain or domain.startswith("."):

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from events.errors import Invalid
+from services.app.identity import sign_in_user
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
 from tests.ui.support import Ui, ui_fixture  # noqa: F401  # `ui`
 
@@ -216,3 +220,28 @@ async def test_teams_show_a_reader_no_workspace_it_may_not_read(http: Http) -> N
         assert a.status == 200 and "secret" not in str(a.body), (path, a.body)
     admin = await http.get(f"{V1}/a/teams/vault")
     assert admin.body["access"] == [{"target": "workspace:secret", "level": "admin"}]
+
+
+# ------------------------------------------------ emails that fold into another
+
+
+@pytest.mark.parametrize(
+    ("victim", "lookalike"),
+    [("sam@a.io", "\u017fam@a.io"), ("kate@a.io", "\u212aate@a.io"), ("ffi@a.io", "\ufb00i@a.io")],
+)
+async def test_an_email_that_folds_into_another_users_is_refused(
+    http: Http, victim: str, lookalike: str
+) -> None:
+    """The victim is invited into owners and has not signed in yet. An identity provider's
+    user whose email is `\u017fam@a.io` (LATIN SMALL LETTER LONG S, which case-folds to
+    `s`; KELVIN SIGN to `k`; the ligature ff to `ff`) signed in as the victim on main: the
+    same user id, owners. A non-ASCII address is refused (sign-in and invitation alike)."""
+    await http.org("a")
+    invited = await http.post(f"{V1}/a/users", json={"email": victim})
+    owners = {"members": [invited.body["id"]]}
+    assert (await http.call("PUT", f"{V1}/a/teams/owners/members", json=owners)).status == 200
+    with pytest.raises(Invalid):
+        await sign_in_user(http.app, "a", email=lookalike, name="x", groups=[],
+                           issuer="https://idp", subject="mallory")  # fmt: skip
+    a = await http.post(f"{V1}/a/users", json={"email": lookalike})
+    a.problem("invalid-command", 422)

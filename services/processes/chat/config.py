@@ -155,7 +155,8 @@ def _access_of(
 ) -> tuple[str, access.Access]:
     """(role, access) of a mapped user: a user of the organization (email or id) has
     their teams' access; a token user name, the role of their live tokens."""
-    user_id = user if user.startswith("u-") else mb.user_id_of(user) if "@" in user else ""
+    email = "@" in user and user.isascii()  # no user of a non-ASCII email (members.py)
+    user_id = user if user.startswith("u-") else mb.user_id_of(user) if email else ""
     member = state.members.get(user_id) if user_id else None
     if member is not None:
         found = access.for_member(org, member, state.teams)
