@@ -16,6 +16,7 @@ import pytest
 from events.errors import Invalid
 from services.app.identity import sign_in_user
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
+from tests.sso_support import Idp, Sso, idp_fixture, sso_fixture  # noqa: F401  # fixtures
 from tests.ui.support import Ui, ui_fixture  # noqa: F401  # `ui`
 
 V1 = "/api/v1/orgs"
@@ -245,3 +246,35 @@ async def test_an_email_that_folds_into_another_users_is_refused(
                            issuer="https://idp", subject="mallory")  # fmt: skip
     a = await http.post(f"{V1}/a/users", json={"email": lookalike})
     a.problem("invalid-command", 422)
+
+
+# ------------------------------------------------ single sign-on's start
+
+
+async def test_a_stranger_page_cannot_start_a_sign_in_in_the_victims_browser(
+    sso: Sso, idp: Idp
+) -> None:
+    """Login CSRF by the front door: org acme's (hostile) admin runs its own provider,
+    which answers at once; a page of theirs sends the victim's browser to
+    /app/sso/start?org=acme, the provider answers for the attacker's account, and the
+    callback ends the victim's session and signs them in as the attacker. The state
+    binding does not help: the browser started the flow itself. A cross-site start is
+    refused (Fetch Metadata); the sign-in page's own button and a typed URL still work."""
+    await sso.configure("acme", idp)
+    b = sso.browser()
+    async with b.session.get(
+        b.url("/app/sso/start"),
+        params={"org": "acme"},
+        headers={"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"},
+        allow_redirects=False,
+    ) as r:
+        assert r.status == 403, (r.status, r.headers.get("Location"))
+        assert "sso-cross-site" in await r.text()
+    for site in ("same-origin", "none"):
+        async with b.session.get(
+            b.url("/app/sso/start"),
+            params={"org": "acme"},
+            headers={"Sec-Fetch-Site": site},
+            allow_redirects=False,
+        ) as r:
+            assert r.status == 303, (site, r.status)

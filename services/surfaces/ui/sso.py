@@ -13,6 +13,10 @@ does (a new session id: nothing planted before is promoted).
 Every failure is an HTML page naming its reason (`sso-replay`, `sso-wrong-audience`,
 ...), status 400 (503 when NATS or the provider is out of reach), with nothing written.
 
+A start another site's page sent the browser to (`Sec-Fetch-Site` cross-site or
+same-site) is refused (`sso-cross-site`): with a provider that answers at once, it would
+sign the victim in as someone else.
+
 `next` is where the browser goes after: a path on this site only (never a URL, `//host`
 or a backslash: no open redirect), either the organization's own pages or the consent
 page of `terraform login` / `runplane login` (services/surfaces/tfe/login.py); anything
@@ -88,8 +92,26 @@ def _failed(request: web.Request, e: Exception) -> web.Response:
     return error_page(request, 503, "Single sign-on failed", "try again in a moment.")
 
 
+# Where a start may come from (Fetch Metadata): runplane's own pages, or the browser itself
+# (a typed URL, a bookmark). A browser that sends no Sec-Fetch-Site is let through.
+STARTED_FROM = frozenset({"same-origin", "none", ""})
+
+
 async def start(request: web.Request) -> web.StreamResponse:
-    """GET /app/sso/start: off to the organization's identity provider."""
+    """GET /app/sso/start: off to the organization's identity provider. Not from another
+    site's page: an organization's admin runs its own provider, which may answer at once,
+    so a link of theirs would sign the victim's browser in as the attacker's account
+    (ending the victim's own session): login CSRF by the front door."""
+    site = request.headers.get("Sec-Fetch-Site", "").strip().lower()
+    if site not in STARTED_FROM:
+        log.info("sso_refused", reason="sso-cross-site", site=site[:32])
+        return error_page(
+            request,
+            403,
+            "Single sign-on refused",
+            "a sign-in starts from runplane's own sign-in page, not from another site's "
+            "(sso-cross-site).",
+        )
     binding = request.cookies.get(FLOW_COOKIE, "")
     if not _BINDING.fullmatch(binding):
         binding = new_binding()
