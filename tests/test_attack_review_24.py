@@ -9,6 +9,7 @@ review's table (every attempt, those refused already included) is in the branch'
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -278,3 +279,24 @@ async def test_a_stranger_page_cannot_start_a_sign_in_in_the_victims_browser(
             allow_redirects=False,
         ) as r:
             assert r.status == 303, (site, r.status)
+
+
+# ------------------------------------------------ a token outliving its user
+
+
+async def test_a_followed_log_ends_when_its_user_is_suspended(http: Http) -> None:
+    """`GET .../logs?follow=1` was authenticated once: on main the stream of a suspended
+    user (or a revoked token) went on until the run ended, hours of an apply's log later.
+    It now ends within a recheck with an `error` event."""
+    await http.org("a")
+    await http.workspace("a", "net")
+    token = await person(http, "a", "sue@a.io", "ops", **{"workspaces/net": "read"})
+    sue = await user_id(http, token)
+    run = await http.run("a", "net", "plan")  # no executor here: it never ends
+    headers = {"Authorization": f"Bearer {token}"}
+    path = f"{V1}/a/runs/{run['id']}/logs?follow=1"
+    async with http.client.get(path, headers=headers) as stream:
+        assert stream.status == 200
+        assert (await http.post(f"{V1}/a/users/{sue}/suspend")).status == 200
+        rest = await asyncio.wait_for(stream.content.read(), timeout=20)
+    assert b"no longer stands" in rest

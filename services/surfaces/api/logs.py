@@ -8,13 +8,18 @@ the run has ended and nothing is left. With `follow=1`: `text/event-stream` of `
 one item as above), `event: step` (a step started or ended: phase, step, status, and at
 the end error and metrics), and finally `event: end` (data: the run's terminal status and
 reason), after which the server closes the stream. A comment line is sent every 15
-seconds of silence so that proxies keep the connection open.
+seconds of silence so that proxies keep the connection open. The stream's token is asked
+again every `RECHECK_S`: once it is refused (revoked, expired, its user suspended) the
+stream ends with an `error` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 import structlog
@@ -24,8 +29,10 @@ from nats.aio.client import Client as NATS
 from events.run import TERMINAL
 from events.templates import valid_phase
 from infra.steplogs import STREAMS, LogError, LogLine
+from services.surfaces.api.auth import authenticate
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import path_id, scope
+from services.surfaces.api.context import API
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
@@ -40,6 +47,7 @@ MAX_LIMIT = 10_000  # lines of one page
 _NUMBER = re.compile(r"^[0-9]{1,12}$")
 PHASE_SCHEMA = {"type": "string", "pattern": "^(plan|apply|custom-[1-9][0-9]{0,4})$"}
 _FOLLOW = {"1": True, "true": True, "0": False, "false": False, "": False}
+RECHECK_S = 5.0  # how often a followed stream asks whether its token still stands
 
 
 def _page(request: web.Request, follow: bool) -> Page | None:
@@ -138,7 +146,10 @@ async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.
         await resp.write(encode_sse(batch))
 
     try:
-        await Follower(nc, target, send).run()
+        if not await _while_standing(request, Follower(nc, target, send).run()):
+            with contextlib.suppress(ConnectionError):
+                detail = "the token no longer stands (revoked, expired or its user suspended)"
+                await send([("error", {"detail": detail})])
     except ConnectionError:
         log.info("log_follow_client_gone")
     except Exception as e:  # noqa: BLE001 - the response is under way: no problem document now
@@ -146,6 +157,40 @@ async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.
         with contextlib.suppress(ConnectionError):
             await send([("error", {"detail": "the log stream failed; reconnect to resume"})])
     return resp
+
+
+async def _while_standing(request: web.Request, follow: Coroutine[Any, Any, None]) -> bool:
+    """Run `follow` while the request's token stands: True once it is done, False (it
+    cancelled) once the token is refused. A stream is authenticated once, at its start,
+    and may last as long as its run: a revocation, an expiry or a suspension must end it
+    too, as the next request would be refused (the UI's live streams ask as they move)."""
+    followed = asyncio.ensure_future(follow)
+    refused = asyncio.ensure_future(_refused(request))
+    try:
+        await asyncio.wait((followed, refused), return_when=asyncio.FIRST_COMPLETED)
+        if followed.done():
+            followed.result()
+            return True
+        return False
+    finally:
+        for task in (followed, refused):
+            task.cancel()
+        await asyncio.gather(followed, refused, return_exceptions=True)
+
+
+async def _refused(request: web.Request) -> None:
+    """Returns once the request's token is refused (401); asks every `RECHECK_S`."""
+    api, header = request.app[API], request.headers.get("Authorization")
+    while True:
+        await asyncio.sleep(RECHECK_S)
+        try:
+            await authenticate(api, header)
+        except Problem as p:
+            if p.status == 401:
+                log.info("log_follow_token_refused", slug=p.slug)
+                return
+        except Exception as e:  # noqa: BLE001 - NATS out of reach: ask again next time
+            log.warning("log_follow_recheck_failed", error=repr(e))
 
 
 # ---------------------------------------------------------------- OpenAPI
