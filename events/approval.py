@@ -6,7 +6,8 @@ admission (its snapshot: `{"value", "origin"}` entries; a run without a snapshot
 defaults), the caller the shell resolved (user, role, the groups they belong to) and the
 plan's destructive addresses the run keeps:
 
-- `four_eyes`: the run's creator may not approve it (discarding one's own run is fine).
+- `four_eyes`: the run's creator may not approve it (discarding one's own run is fine),
+  nor may a team's token (no person), nor a member of the team whose token created it.
 - `approvers` (user names, `group:<name>` and `team:<name>` entries): only they may
   approve or discard, whatever their level (the route still needs write on the
   workspace: events/access.py). With none set (the default), any caller with write on
@@ -107,8 +108,8 @@ def check_caller(
     action: Action, caller: Caller | None, *, actor: str, creator: str, snapshot: Snapshot | None
 ) -> None:
     """`check`, for a command's `actor` and its `caller` (None: the system itself)."""
-    if action == "approve" and setting(snapshot, "four_eyes") and actor == creator:
-        raise Forbidden(f"four_eyes is on: {creator} created this run and may not approve it")
+    if action == "approve" and setting(snapshot, "four_eyes"):
+        _four_eyes(caller, actor=actor, creator=creator)
     if caller is None or caller.superuser:
         return
     approvers: list[str] = list(setting(snapshot, "approvers"))
@@ -129,6 +130,25 @@ def check_caller(
             f"role {caller.role} may not {action}: with no approvers set it needs "
             f"{DEFAULT_ROLE} or above"
         )
+
+
+def _four_eyes(caller: Caller | None, *, actor: str, creator: str) -> None:
+    """Another person approves: not the creator, and no team token (a team is no person:
+    its member could create a run with their own token and approve it with the team's,
+    or the other way round), nor a member of the team whose token created the run."""
+    if actor == creator:
+        raise Forbidden(f"four_eyes is on: {creator} created this run and may not approve it")
+    if caller is None or caller.superuser:
+        return
+    if actor.startswith(TEAM):
+        raise Forbidden(
+            f"four_eyes is on: {actor} is a team's token, no person, and may not approve"
+        )
+    if creator.startswith(TEAM) and creator[len(TEAM) :] in caller.teams:
+        raise Forbidden(f"four_eyes is on: {creator} created this run and {actor} is of that team")
+
+
+TEAM = "team:"  # a team token's user (events/org.py)
 
 
 def _listed(caller: Caller, approvers: Sequence[str]) -> bool:

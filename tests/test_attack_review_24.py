@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-from events.errors import Invalid
+from events import approval
+from events.approval import Caller
+from events.errors import Forbidden, Invalid
+from events.values import Snapshot
 from services.app.identity import sign_in_user
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
 from tests.sso_support import Idp, Sso, idp_fixture, sso_fixture  # noqa: F401  # fixtures
@@ -300,3 +303,27 @@ async def test_a_followed_log_ends_when_its_user_is_suspended(http: Http) -> Non
         assert (await http.post(f"{V1}/a/users/{sue}/suspend")).status == 200
         rest = await asyncio.wait_for(stream.content.read(), timeout=20)
     assert b"no longer stands" in rest
+
+
+# ------------------------------------------------ four eyes and team tokens
+
+
+async def test_four_eyes_takes_no_team_token_for_a_person(http: Http) -> None:
+    """hr (manage-teams, write on net through its team) may mint its own team's token
+    (it holds all the team holds). With four_eyes on, a run it created with its personal
+    token was approved on main with that team token (`team:hr` is not `hr@a.io`), and the
+    other way round: one person, both eyes."""
+    hr = await hr_and_platform(http)
+    await grant_to(http, "a", "hr", "workspaces/net", "write")
+    made = await http.post(f"{V1}/a/tokens", json={"kind": "team", "team": "hr"}, token=hr)
+    assert made.status == 201, made.body  # a member's own team, no more than it holds
+    four = Snapshot(settings={"four_eyes": {"value": True, "origin": "workspace"}})
+    as_team = Caller(user="team:hr", teams=["hr"], level="write")
+    with pytest.raises(Forbidden, match="four_eyes"):
+        approval.check("approve", as_team, creator="hr@a.io", snapshot=four, groups={})
+    as_person = Caller(user="hr@a.io", teams=["hr"], level="write")
+    with pytest.raises(Forbidden, match="four_eyes"):
+        approval.check("approve", as_person, creator="team:hr", snapshot=four, groups={})
+    other = Caller(user="ann@a.io", teams=["ops"], level="write")
+    approval.check("approve", other, creator="team:hr", snapshot=four, groups={})
+    approval.check("discard", as_team, creator="hr@a.io", snapshot=four, groups={})
