@@ -327,3 +327,59 @@ async def test_four_eyes_takes_no_team_token_for_a_person(http: Http) -> None:
     other = Caller(user="ann@a.io", teams=["ops"], level="write")
     approval.check("approve", other, creator="team:hr", snapshot=four, groups={})
     approval.check("discard", as_team, creator="hr@a.io", snapshot=four, groups={})
+
+
+# ------------------------------------------------ hostile input on the new routes
+
+
+async def test_hostile_bodies_on_the_people_routes_are_4xx_problems_never_500(
+    http: Http,
+) -> None:
+    """Deep JSON, duplicate keys, a huge body, look-alike and control characters in names,
+    unknown levels and kinds: each new route answers a problem with a stable type (this
+    held on main already; kept as the review's record)."""
+    await http.org("a")
+    await http.workspace("a", "net")
+    await team(http, "a", "ops")
+    deep = "[" * 5000 + "]" * 5000
+    raw = [
+        ("POST", f"{V1}/a/users", '{"email": ' + deep + "}"),
+        ("PUT", f"{V1}/a/teams/ops/members", '{"members": ' + deep + "}"),
+        ("PUT", f"{V1}/a/access", '{"team": "ops", "level": "read", "level": "admin"}'),
+        ("PUT", f"{V1}/a/sso", '{"issuer": ' + deep + "}"),
+        ("POST", f"{V1}/a/users", '{"email": "' + "x" * (2 * 1024 * 1024) + '@a.io"}'),
+    ]
+    for method, path, text in raw:
+        a = await http.call(method, path, data=text.encode(),
+                            headers={"Content-Type": "application/json"})  # fmt: skip
+        assert 400 <= a.status < 500 and a.content_type.startswith("application/problem"), (
+            path,
+            a.status,
+        )
+    bodies = [
+        ("POST", f"{V1}/a/users", {"email": "ann@a.io\u202e"}),
+        ("POST", f"{V1}/a/users", {"email": "ann\u0000@a.io"}),
+        ("POST", f"{V1}/a/users", {"email": "ann@a.io", "name": "\u202egnp.exe"}),
+        ("POST", f"{V1}/a/teams", {"name": "\uff4f\uff57\uff4e\uff45\uff52\uff53"}),
+        ("POST", f"{V1}/a/teams", {"name": "owners"}),
+        ("PATCH", f"{V1}/a/teams/owners", {"rights": ["manage-vcs"]}),
+        ("POST", f"{V1}/a/teams", {"name": "x", "idp_groups": ["a\nb"]}),
+        ("PUT", f"{V1}/a/access", {"team": "ops", "level": "ADMIN"}),
+        ("PUT", f"{V1}/a/access", {"team": "owners", "level": "read"}),
+        ("PUT", f"{V1}/a/workspaces/nope/access", {"team": "ops", "level": "read"}),
+        ("PUT", f"{V1}/a/folders/nope/access", {"team": "ops", "level": "read"}),
+        ("PUT", f"{V1}/a/teams/ops/members", {"members": ["u-../../x", "stranger@b.io"]}),
+        ("POST", f"{V1}/a/tokens", {"kind": "robot"}),
+        ("POST", f"{V1}/a/tokens", {"kind": "user", "user_id": "u-nobody", "level": "root"}),
+        ("POST", f"{V1}/a/users/u-%E2%80%AE/suspend", {}),
+        ("PUT", f"{V1}/a/sso", {"issuer": "javascript:alert(1)", "client_id": "x"}),
+        ("PUT", f"{V1}/a/sso", {"issuer": "http://169.254.169.254/", "client_id": "x"}),
+    ]
+    for method, path, body in bodies:
+        a = await http.call(method, path, json=body)
+        assert 400 <= a.status < 500 and a.content_type.startswith("application/problem"), (
+            path,
+            body,
+            a.status,
+            a.body,
+        )
