@@ -63,7 +63,15 @@ import structlog
 
 from executor.caps import Enforcement, Exceeded, JobCaps, PhaseLimits
 from executor.errors import IsolationError
-from executor.jobfiles import adopt, remove_files_of, remove_ipc_of, remove_tree, seal
+from executor.jobfiles import (
+    adopt,
+    clear_files_of,
+    ipc_of,
+    remove_files_of,
+    remove_ipc_of,
+    remove_tree,
+    seal,
+)
 from executor.jobinit import SCRATCH, init_python, read_reports, state_carry, under_init
 from executor.shellinit import shell_init, under_shell_init, usable_for
 from executor.spawn import Spawn, death_signal, graceful, setpriv
@@ -71,6 +79,7 @@ from executor.uids import (
     DEFAULT_UIDS,
     allocate,
     default_lock_dir,
+    gave_back_clean,
     kill_uid,
     reclaim_uid,
     uid_range,
@@ -203,12 +212,13 @@ class Isolation:
         if self.mode not in UID_MODES:
             return Jail(self, root, temp, None, -1)
         assert self.lock_dir is not None
-        uid, fd = allocate(self.uids, self.lock_dir)
+        uid, fd, clean = allocate(self.uids, self.lock_dir)
         limits = None
         try:
-            kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
-            remove_files_of(uid)  # and what it left where anyone may write
-            remove_ipc_of(uid)  # and its SysV IPC objects
+            if not clean:  # its last holder's end was not seen to leave nothing of it
+                kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
+                remove_files_of(uid)  # and what it left where anyone may write
+                remove_ipc_of(uid)  # and its SysV IPC objects
             for path in (home, temp):
                 os.chown(path, uid, uid, follow_symlinks=False)
             scope = root.parent.parent.name  # the jobs directory's: runplane-<digest>
@@ -390,9 +400,11 @@ class Jail:
             if self._lock >= 0:
                 assert self.uid is not None
                 kill_uid(self.uid)
-                seal(self.root)  # before the uid may serve another phase: see `seal`
-                remove_files_of(self.uid)
+                sealed = seal(self.root)  # before the uid may serve another phase: see `seal`
+                _, cleared = clear_files_of(self.uid)
                 remove_ipc_of(self.uid)
+                if sealed and cleared and not ipc_of(self.uid):
+                    gave_back_clean(self._lock)  # its next phase needs no sweep first
         finally:
             remove_tree(self.tmp)
             for fd in self._reports:
