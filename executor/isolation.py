@@ -151,6 +151,7 @@ class Isolation:
         if chosen.mode not in UID_MODES:  # no uid of the job's own: the tmpfs size only
             return replace(chosen, network=network, limits=Enforcement(caps or JobCaps()))
         limits = Enforcement.find(caps or JobCaps(), cgroups=cgroups)
+        shell_init()  # installed now, and said now if the Python init stands in for it
         return replace(chosen, network=network, limits=limits)
 
     @classmethod
