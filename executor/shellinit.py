@@ -98,6 +98,7 @@ def _tools() -> dict[str, str] | None:
     return {k: v for k, v in found.items() if v is not None}
 
 
+@functools.cache
 def script() -> str:
     """SH_INIT with its tools' paths and constants in place."""
     tools = _tools()
