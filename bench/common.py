@@ -255,10 +255,12 @@ def rss_kb(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of a process and of its children it has waited for (user + system)."""
+def cpu_seconds(pid: int, *, children_only: bool = False) -> float:
+    """CPU time of a process and of its children it has waited for (user + system);
+    `children_only`: of those children alone."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    # utime, stime, cutime, cstime
+    ticks = sum(int(f) for f in fields[13 if children_only else 11 : 15])
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

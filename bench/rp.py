@@ -538,6 +538,10 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
 
             sub = await nc.subscribe("rp.ws.>", cb=on_release)
             env = {"RUNPLANE_ENCRYPTION_KEY": new_key()}
+            # child_env leaves the caller's RUNPLANE_* out: the executors' isolation is
+            # the one setting the benchmark passes on (RUNPLANE_ISOLATION=sandbox ...)
+            isolation = os.environ.get("RUNPLANE_ISOLATION", "auto")
+            executor_env = {**env, "RUNPLANE_ISOLATION": isolation}
             async with AsyncExitStack() as stack:
                 sched, _ = await stack.enter_async_context(
                     runplane_process(
@@ -548,7 +552,11 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                 for k in range(sizes.lifecycle_executors):
                     proc, _ = await stack.enter_async_context(
                         runplane_process(
-                            "executor", server.url, Path(tmp) / f"ex{k}", "executor running", env
+                            "executor",
+                            server.url,
+                            Path(tmp) / f"ex{k}",
+                            "executor running",
+                            executor_env,
                         )
                     )
                     executors.append(proc.pid)
@@ -561,8 +569,11 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                 def cpu() -> dict[str, float]:
                     return {k: sum(cpu_seconds(p) for p in v) for k, v in pids.items()}
 
+                def children() -> float:  # git, the step's shell, what isolation starts
+                    return sum(cpu_seconds(p, children_only=True) for p in executors)
+
                 first = await last_seq(nc)
-                cpu0 = cpu()
+                cpu0, kids0 = cpu(), children()
                 t0 = time.perf_counter()
                 created = await gather_limited(
                     n,
@@ -577,7 +588,7 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(changed.wait(), 1.0)
                 t_end = max((released[r][0] for r in runs if r in released), default=t0)
-                cpu1 = cpu()
+                cpu1, kids1 = cpu(), children()
                 await asyncio.sleep(0.5)
                 events = await last_seq(nc) - first
             await sub.unsubscribe()
@@ -590,6 +601,7 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
         "workspaces": n,
         "runs": n,
         "executors": sizes.lifecycle_executors,
+        "isolation": isolation,
         "terminal": len(done),
         "all_terminal": len(done) == n,
         "statuses": statuses,
@@ -600,4 +612,5 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
         "events_per_s": events / span if span > 0 else 0.0,
         "runs_per_s": len(done) / span if span > 0 else 0.0,
         "cpu_ms_per_run": {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in cpu0},
+        "executor_children_cpu_ms_per_run": (kids1 - kids0) * 1000 / n,
     }

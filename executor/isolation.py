@@ -14,10 +14,11 @@ process; what runs tenant code is spawned through a `Jail`, one per phase:
   with the namespace's init, which dies with the executor) and UTS. Whatever a job
   leaves there (a file in `/run/lock`, a SysV shared memory segment, a daemon) dies with
   its namespaces. The network is the host's (providers need it), or none at all
-  (`--job-network none`: a network namespace with only loopback). Its init (`JOB_INIT`,
-  executor/jobinit.py) outlives the executor just long enough to stop the job's process
-  as on Ctrl-C (Terraform writes `errored.tfstate` for the next executor to recover);
-  then the namespace and all in it are gone.
+  (`--job-network none`: a network namespace with only loopback). Its init (a shell,
+  executor/shellinit.py, or `JOB_INIT`, executor/jobinit.py) outlives the executor
+  just long enough to stop the job's process as on Ctrl-C (Terraform writes
+  `errored.tfstate` for the next executor to recover); then the namespace and all in it
+  are gone.
 - `user` (the executor runs as root, no bubblewrap: the fallback, said loudly at start):
   an unprivileged numeric uid/gid of its own per phase, from a range (`RUNPLANE_JOB_UIDS`,
   default `DEFAULT_UIDS`; no passwd entry is needed). A uid is allocated by an exclusive
@@ -62,13 +63,23 @@ import structlog
 
 from executor.caps import Enforcement, Exceeded, JobCaps, PhaseLimits
 from executor.errors import IsolationError
-from executor.jobfiles import adopt, remove_files_of, remove_ipc_of, remove_tree, seal
+from executor.jobfiles import (
+    adopt,
+    clear_files_of,
+    ipc_of,
+    remove_files_of,
+    remove_ipc_of,
+    remove_tree,
+    seal,
+)
 from executor.jobinit import SCRATCH, init_python, read_reports, state_carry, under_init
-from executor.spawn import Spawn, death_signal, graceful
+from executor.shellinit import shell_init, under_shell_init, usable_for
+from executor.spawn import Spawn, death_signal, graceful, setpriv
 from executor.uids import (
     DEFAULT_UIDS,
     allocate,
     default_lock_dir,
+    gave_back_clean,
     kill_uid,
     reclaim_uid,
     uid_range,
@@ -140,6 +151,7 @@ class Isolation:
         if chosen.mode not in UID_MODES:  # no uid of the job's own: the tmpfs size only
             return replace(chosen, network=network, limits=Enforcement(caps or JobCaps()))
         limits = Enforcement.find(caps or JobCaps(), cgroups=cgroups)
+        shell_init()  # installed now, and said now if the Python init stands in for it
         return replace(chosen, network=network, limits=limits)
 
     @classmethod
@@ -199,12 +211,13 @@ class Isolation:
         if self.mode not in UID_MODES:
             return Jail(self, root, temp, None, -1)
         assert self.lock_dir is not None
-        uid, fd = allocate(self.uids, self.lock_dir)
+        uid, fd, clean = allocate(self.uids, self.lock_dir)
         limits = None
         try:
-            kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
-            remove_files_of(uid)  # and what it left where anyone may write
-            remove_ipc_of(uid)  # and its SysV IPC objects
+            if not clean:  # its last holder's end was not seen to leave nothing of it
+                kill_uid(uid)  # a daemon an earlier holder left (its executor was killed)
+                remove_files_of(uid)  # and what it left where anyone may write
+                remove_ipc_of(uid)  # and its SysV IPC objects
             for path in (home, temp):
                 os.chown(path, uid, uid, follow_symlinks=False)
             scope = root.parent.parent.name  # the jobs directory's: runplane-<digest>
@@ -256,7 +269,7 @@ class Jail:
         self.limits = limits
         self._guard = threading.Lock()
         self._closed = False  # the caps' watch (a thread) against close()
-        self._under_init = False  # the uid mode's processes start under JOB_INIT
+        self._under_init = False  # the uid mode's processes start under an init
         # what the sandbox's inits report (full tmpfs mounts): theirs to write, ours to read
         self._reports = os.pipe() if isolation.mode == "sandbox" else (-1, -1)
 
@@ -280,19 +293,16 @@ class Jail:
         if self.mode == "bwrap":  # --die-with-parent: it dies with the executor
             return Spawn(self._bwrap_argv(argv, cwd), env, cwd, options)
         if self.mode == "sandbox":  # its init stops it gracefully when the executor dies
+            return self._sandboxed(argv, env, cwd, options)
+        if self.mode == "user" and (usable_for(argv) or init_python()):
             assert self.uid is not None and self.limits is not None
+            self._under_init = True  # its init: the same, and kills the uid
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
-            options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
-            carry = state_carry(env, self.root) if self.isolation.network == "none" else ""
-            inner = under_init(argv, parent=0, report=self._reports[1], carry=carry)
-            bwrapped = self._bwrap_argv(inner, cwd, init=True)
-            return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
-        if self.mode == "user" and init_python():  # its init: the same, and kills the uid
-            assert self.uid is not None and self.limits is not None
-            self._under_init = True
-            adopt(self.root / "src", self.uid)
-            options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
+            if usable_for(argv):  # executor/shellinit.py: the death signal set here
+                setup = death_signal(os.getpid(), signal.SIGTERM)
+                options["preexec_fn"] = self.limits.preexec(setup)
+                return Spawn(under_shell_init(argv, report=False), env, cwd, options)
             options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
             return Spawn(under_init(argv, parent=os.getpid()), env, cwd, options)
         wrapped, death = graceful(argv)
@@ -303,6 +313,27 @@ class Jail:
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
             options["preexec_fn"] = self.limits.preexec(options["preexec_fn"])
         return Spawn(wrapped, env, cwd, options)
+
+    def _sandboxed(
+        self, argv: Sequence[str], env: dict[str, str], cwd: Path, options: dict[str, Any]
+    ) -> Spawn:
+        """`argv` as the job in its sandbox, under its init: the shell init (its death
+        signal set by `setpriv` as bwrap starts it, its report on its standard input),
+        or the Python one where the shell's cannot serve (a network of none, whose
+        state backend only the Python init carries in)."""
+        assert self.uid is not None and self.limits is not None
+        adopt(self.root / "src", self.uid)
+        options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
+        options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
+        carry = state_carry(env, self.root) if self.isolation.network == "none" else ""
+        tool = setpriv()
+        if not carry and tool and usable_for(argv):
+            inner = [tool, "--pdeathsig", "TERM", "--", *under_shell_init(argv, report=True)]
+            bwrapped = self._bwrap_argv(inner, cwd, init=True, files=(shell_init(),))
+            return Spawn(bwrapped, env, cwd, options, stdin=self._reports[1])
+        inner = under_init(argv, parent=0, report=self._reports[1], carry=carry)
+        bwrapped = self._bwrap_argv(inner, cwd, init=True)
+        return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
 
     def ended(self, code: int) -> bool:
         """A job's process ended with `code` (its rlimits may have killed it). True if it
@@ -334,10 +365,13 @@ class Jail:
             if self.uid is not None:
                 kill_uid(self.uid)
 
-    def _bwrap_argv(self, argv: Sequence[str], cwd: Path, *, init: bool = False) -> list[str]:
+    def _bwrap_argv(
+        self, argv: Sequence[str], cwd: Path, *, init: bool = False, files: Sequence[str] = ()
+    ) -> list[str]:
         """bubblewrap around `argv`: the root file system read-only, runplane's
         directories hidden, this job's directory bound back writable. `init`: `argv` is
-        the namespace's init (JOB_INIT), which outlives bwrap to stop the job."""
+        the namespace's init (JOB_INIT), which outlives bwrap to stop the job. `files`:
+        bound read-only where they are (the shell init, in a directory a tmpfs hides)."""
         death = ["--as-pid-1"] if init else ["--die-with-parent"]
         out = [self.isolation.bwrap, *death, "--unshare-pid", "--unshare-ipc"]
         if self.isolation.network == "none":
@@ -348,7 +382,7 @@ class Jail:
         out += _run_files()
         for hidden in self.isolation.hidden:
             out += ["--tmpfs", str(hidden)]
-        for shown in self.isolation.shown:
+        for shown in (*self.isolation.shown, *files):
             out += ["--ro-bind", str(shown), str(shown)]
         out += ["--bind", str(self.root), str(self.root), "--bind", str(self.tmp), str(self.tmp)]
         out += ["--chdir", str(cwd), "--"]
@@ -365,9 +399,11 @@ class Jail:
             if self._lock >= 0:
                 assert self.uid is not None
                 kill_uid(self.uid)
-                seal(self.root)  # before the uid may serve another phase: see `seal`
-                remove_files_of(self.uid)
+                sealed = seal(self.root)  # before the uid may serve another phase: see `seal`
+                _, cleared = clear_files_of(self.uid)
                 remove_ipc_of(self.uid)
+                if sealed and cleared and not ipc_of(self.uid):
+                    gave_back_clean(self._lock)  # its next phase needs no sweep first
         finally:
             remove_tree(self.tmp)
             for fd in self._reports:

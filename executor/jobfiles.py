@@ -101,11 +101,13 @@ def private_dir(path: Path, mode: int) -> Path:
     return path
 
 
-def seal(root: Path) -> None:
+def seal(root: Path) -> bool:
     """Make a finished job's directories (`src/`, `home/`) the executor's again, 0700, so
     that what is in them (a plan file, a state) cannot be read by the next phase given the
     same uid, perhaps another organization's, while the directory waits to be removed.
-    The job cannot have replaced them: `root` is the executor's (0711)."""
+    The job cannot have replaced them: `root` is the executor's (0711). False if one
+    that is there could not be sealed."""
+    sealed = True
     for name in ("src", "home"):
         path = root / name
         try:
@@ -113,8 +115,12 @@ def seal(root: Path) -> None:
                 continue
             os.chown(path, os.geteuid(), os.getegid(), follow_symlinks=False)
             os.chmod(path, 0o700)  # a directory still: the job cannot replace it
+        except FileNotFoundError:
+            continue  # never made (a phase that ended before its checkout)
         except OSError as e:
             log.warning("job_dir_not_sealed", path=str(path), error=repr(e))
+            sealed = False
+    return sealed
 
 
 def remove_tree(path: Path, *, as_uid: int | None = None) -> bool:
@@ -147,7 +153,12 @@ def remove_files_of(uid: int, places: Sequence[Path] | None = None) -> int:
     """Remove what `uid` owns at the top of each world-writable directory (a directory
     with all below it, removed as that uid); how many entries were removed. Never follows
     a link, and never fails the caller: what is left is logged."""
-    removed = 0
+    return clear_files_of(uid, places)[0]
+
+
+def clear_files_of(uid: int, places: Sequence[Path] | None = None) -> tuple[int, bool]:
+    """`remove_files_of`, and whether nothing of `uid` was left there."""
+    removed, cleared = 0, True
     for place in world_writable() if places is None else places:
         try:
             entries = list(os.scandir(place))
@@ -163,9 +174,13 @@ def remove_files_of(uid: int, places: Sequence[Path] | None = None) -> int:
                     os.unlink(entry.path)
                     gone = True
                 removed += gone
+                cleared = cleared and gone
+            except FileNotFoundError:
+                continue  # gone meanwhile
             except Exception as e:  # noqa: BLE001  # a job's leftovers never stop a phase's end
                 log.warning("job_file_not_removed", path=entry.path, error=repr(e))
-    return removed
+                cleared = False
+    return removed, cleared
 
 
 def adopt(top: Path, uid: int) -> int:

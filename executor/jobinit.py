@@ -1,4 +1,7 @@
-"""The init every job process starts under, in the sandbox and in the uid mode alike.
+"""The Python init a job process starts under where the shell init (executor/shellinit.py,
+which does the same for a fortieth of the CPU) cannot serve: a sandbox without a
+network, whose state backend only this one carries in, or a host whose `env` or
+`fs.suid_dumpable` the shell init cannot use.
 
 `JOB_INIT` runs as the job's uid (the system's python3, which any uid may run: the
 executor's own may be in a directory jobs cannot cross) and starts the job's process.
@@ -146,14 +149,26 @@ def state_carry(env: Mapping[str, str], root: Path) -> str:
 
 def read_reports(fd: int) -> list[str]:
     """What the inits of a phase reported so far (the places found full), without
-    waiting."""
+    waiting: `tmpfs PLACE` (JOB_INIT: PLACE was full) or `tmpfs PLACE FREE BLOCKS` (the
+    shell init, executor/shellinit.py: `stat -f` of each; full when it has blocks and
+    none free). Anything else is no report."""
     out: list[str] = []
     while select.select([fd], [], [], 0)[0]:
         with contextlib.suppress(BlockingIOError):
             chunk = os.read(fd, 4096)
             if not chunk:
                 break
-            out += [line.split(" ", 1)[1] for line in chunk.decode().splitlines() if " " in line]
+            out += [place for line in chunk.decode().splitlines() if (place := _full(line))]
             continue
         break
     return out
+
+
+def _full(line: str) -> str:
+    """The place a report line says was full, or ""."""
+    words = line.split()
+    if len(words) not in (2, 4) or words[0] != "tmpfs" or words[1] not in SCRATCH:
+        return ""
+    if len(words) == 4 and not (words[2] == "0" and words[3].isdigit() and int(words[3]) > 0):
+        return ""
+    return words[1]

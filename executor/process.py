@@ -196,7 +196,7 @@ async def spawn(
         *how.argv,
         cwd=how.cwd,
         env=how.env,
-        stdin=asyncio.subprocess.DEVNULL,
+        stdin=how.stdin if how.stdin >= 0 else asyncio.subprocess.DEVNULL,
         stdout=stdout,
         stderr=stderr,
         limit=_LINE_LIMIT,

@@ -63,6 +63,7 @@ class Spawn:
     cwd: Path
     options: dict[str, Any] = field(default_factory=dict)
     keep_fds: tuple[int, ...] = ()  # open in the child (its init's report pipe)
+    stdin: int = -1  # the child's standard input (the shell init's report pipe); -1: none
 
 
 def death_signal(parent: int, sig: signal.Signals = DEATH_SIGNAL) -> Callable[[], None]:

@@ -47,8 +47,18 @@ def default_lock_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"runplane-uids-{os.geteuid()}"
 
 
-def allocate(pool: range, lock_dir: Path) -> tuple[int, int]:
-    """A job uid no other phase of this machine holds, and the fd of its lock."""
+# What a uid's lock file holds once its last phase ended with nothing of it left
+# (`gave_back_clean`); emptied when the uid is taken again, so a phase whose executor
+# dies leaves it dirty.
+CLEAN = b"clean"
+
+
+def allocate(pool: range, lock_dir: Path) -> tuple[int, int, bool]:
+    """A job uid no other phase of this machine holds, the fd of its lock, and whether
+    its last holder gave it back clean (`gave_back_clean`: no process, file in a shared
+    place, SysV IPC object nor unsealed directory of it left, and none could appear since:
+    only its holder starts anything as it). A clean uid needs no look at what runs and
+    no sweep; any other is looked at, and swept by the caller."""
     locks = private_dir(lock_dir, 0o700)
     # Uids in use when last looked: one look (all of /proc, every jobs directory)
     # serves the whole walk, not one per uid: with dozens of uids left by killed
@@ -61,6 +71,9 @@ def allocate(pool: range, lock_dir: Path) -> tuple[int, int]:
         except BlockingIOError:
             os.close(fd)
             continue
+        if os.pread(fd, len(CLEAN) + 1, 0) == CLEAN:
+            os.ftruncate(fd, 0)  # dirty until its phase gives it back clean
+            return uid, fd, True
         if seen is None or uid not in seen:  # looked at again holding its lock
             seen = uids_in_use()
         if uid in seen:
@@ -70,8 +83,15 @@ def allocate(pool: range, lock_dir: Path) -> tuple[int, int]:
             # (executor/sweep.py), never handed to another phase with them.
             os.close(fd)
             continue
-        return uid, fd
+        return uid, fd, False
     raise IsolationError(f"all {len(pool)} job uids are in use")
+
+
+def gave_back_clean(fd: int) -> None:
+    """Mark the uid whose lock `fd` is as given back clean (`allocate`), just before its
+    lock is let go."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, CLEAN, 0)
 
 
 def reclaim_uid(lock_dir: Path, uid: int) -> bool:

@@ -5,9 +5,13 @@ Slack) goes through `RunFlows.create_run`, which reserves the run here once its
 workspace is known to take it, before `run.created`. The ledger is one key per
 organization in the `rp-open-runs` bucket: the runs reserved, as `[workspace, run,
 reserved at]`, moved with optimistic concurrency (with a jittered back-off, reading from
-the stream's leader after a lost write) so that replicas agree; one process's
-reservations of an organization go one at a time. The scheduler takes a run out when
-it ends (`release`). Should a release be lost (a scheduler killed at that line), a
+the stream's leader after a lost write) so that replicas agree. One process writes an
+organization's ledger one write at a time, and what its callers ask meanwhile (creates
+racing, the scheduler's releases of runs ending together) waits and goes in the next
+write together, each reservation judged in turn against the ledger as the ones before
+it left it: a burst of N creates costs a few writes of the ledger, not N (each write is
+the whole ledger, ~55 bytes a run). The scheduler takes a run out when it ends
+(`release`). Should a release be lost (a scheduler killed at that line), a
 reservation that finds a limit reached prunes the ledger first: each run reserved more
 than GRACE seconds ago is looked up (PRUNE_AT_ONCE at a time) and dropped if it has
 ended or was never created, and the pruned ledger is written at once. Only if the
@@ -22,7 +26,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import nats.js.errors
@@ -70,6 +74,17 @@ class Ledger(msgspec.Struct, frozen=True):
 _decode = msgspec.json.Decoder(Ledger).decode
 
 
+@dataclass(eq=False)
+class _Ask:
+    """One caller's change, waiting for its organization's next write."""
+
+    run_id: str
+    ws: str = ""  # a reservation's workspace; "" a release
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
 class OpenRuns:
     """The ledger of open runs (see the module's docstring)."""
 
@@ -79,35 +94,73 @@ class OpenRuns:
         self.limits = limits
         self.is_open = is_open
         self._barren: dict[str, float] = {}  # org -> when a prune here last freed nothing
-        self._locks: dict[str, asyncio.Lock] = {}  # org -> its ledger writes in this process
+        self._asks: dict[str, list[_Ask]] = {}  # org -> what waits for its next write
+        self._writers: dict[str, asyncio.Task[None]] = {}  # org -> its writes in this process
 
     async def reserve(self, org: str, ws: str, run_id: str) -> None:
         """Count the run as open, or raise QuotaExceeded if a limit is reached."""
-        async with self._lock(org):
-            await self._change(org, lambda ledger: self._admit(org, ws, run_id, ledger))
+        await self._ask(org, _Ask(run_id, ws))
 
     async def release(self, org: str, run_id: str) -> None:
         """Take an ended run out (nothing written if it is not in)."""
+        await self._ask(org, _Ask(run_id))
 
-        async def out(ledger: Ledger) -> Ledger | None:
-            return ledger.without(run_id) if ledger.holds(run_id) else None
+    async def _ask(self, org: str, ask: _Ask) -> None:
+        """`ask` in the organization's next write; its outcome. A caller cancelled
+        meanwhile leaves it in (a reservation of a run never created is pruned)."""
+        self._asks.setdefault(org, []).append(ask)
+        if org not in self._writers:
+            self._writers[org] = asyncio.create_task(self._write_asks(org))
+        await asyncio.shield(ask.done)
 
-        async with self._lock(org):
-            await self._change(org, out)
+    async def _write_asks(self, org: str) -> None:
+        """Write what the organization's callers ask, a batch per write, until none waits."""
+        asks: list[_Ask] = []
+        try:
+            while asks := self._asks.pop(org, []):
+                try:
+                    outcomes = await self._settle(org, asks)
+                except Exception as e:  # noqa: BLE001 - each caller gets it, as from a write of its own
+                    outcomes = [e] * len(asks)
+                for ask, outcome in zip(asks, outcomes, strict=True):
+                    if ask.done.done():
+                        continue
+                    if outcome is None:
+                        ask.done.set_result(None)
+                    else:
+                        ask.done.set_exception(outcome)
+        finally:  # cancelled (the process stops): no caller waits forever
+            for ask in [*asks, *self._asks.pop(org, [])]:
+                ask.done.cancel()
+            del self._writers[org]
 
-    async def _admit(self, org: str, ws: str, run_id: str, ledger: Ledger) -> Ledger | None:
-        if ledger.holds(run_id):
-            return None
-        if ledger.full(ws, self.limits):
-            ledger = await self._pruned_of(org, ledger)
-            if why := ledger.full(ws, self.limits):
-                raise QuotaExceeded(f"{why}: a new run waits until one ends")
-        return Ledger([*ledger.runs, (ws, run_id, time.time())])
+    async def _settle(self, org: str, asks: list[_Ask]) -> list[BaseException | None]:
+        """One write of the ledger with `asks` in it, in order; each ask's outcome (a
+        reservation past a limit: QuotaExceeded, and it is left out)."""
+        outcomes: list[BaseException | None] = []
 
-    def _lock(self, org: str) -> asyncio.Lock:
-        if len(self._locks) > 10_000:  # the idle ones go
-            self._locks = {o: lk for o, lk in self._locks.items() if lk.locked()}
-        return self._locks.setdefault(org, asyncio.Lock())
+        async def change(ledger: Ledger) -> Ledger | None:
+            outcomes.clear()
+            before, pruned = ledger, False
+            for ask in asks:
+                if not ask.ws:
+                    ledger = ledger.without(ask.run_id) if ledger.holds(ask.run_id) else ledger
+                    outcomes.append(None)
+                    continue
+                if ledger.holds(ask.run_id):
+                    outcomes.append(None)
+                    continue
+                if ledger.full(ask.ws, self.limits) and not pruned:
+                    ledger, pruned = await self._pruned_of(org, ledger), True
+                if why := ledger.full(ask.ws, self.limits):
+                    outcomes.append(QuotaExceeded(f"{why}: a new run waits until one ends"))
+                    continue
+                ledger = Ledger([*ledger.runs, (ask.ws, ask.run_id, time.time())])
+                outcomes.append(None)
+            return None if ledger is before or ledger.runs == before.runs else ledger
+
+        await self._change(org, change)
+        return outcomes
 
     async def _change(self, org: str, change: Callable[[Ledger], Awaitable[Ledger | None]]) -> None:
         """Read, change (None: nothing to write), write if unchanged since; again after
