@@ -28,6 +28,7 @@ import structlog
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
+from events.members import user_id_of
 from events.run import CancelRun, ClaimPhase, Workspace
 from executor.statebackend import USER
 from executor.statefile import MAX_STATE_DEPTH
@@ -103,6 +104,15 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     },
     ("PATCH", "/api/v1/orgs/{org}/vcs-connections/{connection}"): {"name": "gh3"},
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"): {"source": "other"},
+    ("POST", "/api/v1/orgs/{org}/users"): {"email": "carol@acme.io"},
+    ("POST", "/api/v1/orgs/{org}/users/{user}/suspend"): {"reason": "left"},
+    ("POST", "/api/v1/orgs/{org}/teams"): {"name": "storage"},
+    ("PATCH", "/api/v1/orgs/{org}/teams/{team}"): {"rights": []},
+    ("PUT", "/api/v1/orgs/{org}/teams/{team}/members"): {"members": ["bob@acme.io"]},
+    ("PUT", "/api/v1/orgs/{org}/access"): {"team": "network", "level": "read"},
+    ("PUT", "/api/v1/orgs/{org}/folders/{folder}/access"): {"team": "network", "level": "read"},
+    ("PUT", "/api/v1/orgs/{org}/workspaces/{ws}/access"): {"team": "network", "level": "plan"},
+    ("PUT", "/api/v1/orgs/{org}/sso"): {"issuer": "https://idp.example", "client_id": "c"},
 }
 # Routes that write and read no body (a DELETE never does).
 API_NO_BODY = frozenset(
@@ -110,6 +120,7 @@ API_NO_BODY = frozenset(
         ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/purge"),
         ("POST", "/api/v1/orgs/{org}/notifications/{notification}/verify"),
         ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/notifications/{notification}/verify"),
+        ("POST", "/api/v1/orgs/{org}/users/{user}/reactivate"),
     }
 )
 SLACK_COMMANDS = "/api/v1/chat/slack/commands"
@@ -260,6 +271,8 @@ async def world(tfe: Tfe) -> AsyncIterator[dict[str, str]]:
     for path, body in (
         ("/api/v1/orgs/acme/folders", {"name": "platform"}),
         ("/api/v1/orgs/acme/groups", {"name": "ops", "members": []}),
+        ("/api/v1/orgs/acme/users", {"email": "bob@acme.io"}),
+        ("/api/v1/orgs/acme/teams", {"name": "network"}),
         ("/api/v1/orgs/acme/workspaces/net/schedules", {"cron": "0 0 * * *", "run_type": "plan"}),
         ("/api/v1/orgs/acme/vcs-connections", None),
     ):
@@ -300,6 +313,8 @@ def _api_path(template: str, ids: dict[str, str]) -> str:
         schedule=ids["schedule"],
         slack_id="U0BOB",
         connection=ids["connection"],
+        team="network",
+        user=user_id_of("bob@acme.io"),
     )
 
 
