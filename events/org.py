@@ -126,6 +126,7 @@ class SignInUser(Command, frozen=True, kw_only=True):
     groups: list[str] = []
     issuer: str
     subject: str
+    rules: list[tuple[str, str]] = []  # single sign-on's (group, team) rules
 
 
 class RevokeToken(Command, frozen=True, kw_only=True):
@@ -377,7 +378,9 @@ def _sign_in(state: OrgState, command: SignInUser, now: datetime) -> list[OrgEve
         subject=command.subject, actor=command.actor, now=now,
     )  # fmt: skip
     user_id = mb.user_id_of(command.email)
-    teams = tm.sync(state.teams, user_id, command.groups, actor=command.actor, now=now)
+    teams = tm.sync(
+        state.teams, user_id, command.groups, actor=command.actor, now=now, rules=command.rules
+    )
     return [*people, *teams]
 
 
