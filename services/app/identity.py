@@ -31,6 +31,7 @@ from services.app.aggregates import ORG
 from services.app.commands import App
 
 SESSION_LIFETIME = timedelta(hours=12)  # a sign-in's token, unless the caller says
+SESSION_TOKEN_NAME = "single sign-on session"
 
 
 class SignedIn(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,8 +88,9 @@ async def sign_in_user(
         raise NotFound(f"organization {org} not found")
     expires = app.clock() + lifetime
     token, issued = await app.issue_token(
-        org, member.email, "", member.email, expires_at=expires, kind="user", owner=user_id
-    )
+        org, member.email, "", member.email, expires_at=expires, kind="user", owner=user_id,
+        name=SESSION_TOKEN_NAME,
+    )  # fmt: skip
     return SignedIn(
         org=org,
         user_id=user_id,
