@@ -61,3 +61,29 @@ async def test_the_configurations_group_rules_give_their_teams_at_sign_in(
     users = (await sso.http.get("/api/v1/orgs/acme/users")).body["items"]
     dee = next(u for u in users if u["email"] == "dee@acme.test")
     assert dee["teams"] == ["db"], dee
+
+
+async def test_a_person_out_of_the_group_loses_the_team_at_the_next_sign_in_everywhere(
+    sso: Sso, idp: Idp
+) -> None:
+    """The provider drops the group: the next sign-in syncs the team away, and a token
+    made while they had it (an earlier session's) loses that access at once, as a
+    personal token carries its user's access at each use."""
+    await sso.http.workspace("acme", "db")
+    made = await sso.http.post("/api/v1/orgs/acme/teams", json={"name": "db"})
+    assert made.status == 201, made.body
+    grant = {"team": "db", "level": "write"}
+    a = await sso.http.call("PUT", "/api/v1/orgs/acme/workspaces/db/access", json=grant)
+    assert a.status == 200, a.body
+    await sso.configure("acme", idp, group_rules=[{"group": "db-eng", "team": "db"}])
+    await idp.user("dee", email="dee@acme.test", groups=["db-eng"])
+    first = sso.browser()
+    assert (await first.sign_in(idp, "acme", "dee"))[0] == 303
+    status, _, page = await first.get("/orgs/acme/workspaces/db")
+    assert status == 200 and "Start a run" in page
+    await idp.user("dee", email="dee@acme.test", groups=[])
+    assert (await sso.browser().sign_in(idp, "acme", "dee"))[0] == 303
+    status, _, page = await first.get("/orgs/acme/workspaces/db")
+    assert status == 404, page  # the first session's token: no access to db any more
+    users = (await sso.http.get("/api/v1/orgs/acme/users")).body["items"]
+    assert next(u for u in users if u["email"] == "dee@acme.test")["teams"] == []

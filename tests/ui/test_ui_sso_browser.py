@@ -90,6 +90,13 @@ async def _sso_sign_in(chrome: Chrome, base: str, sub: str) -> float:
     return time.perf_counter() - started
 
 
+async def _no_serious_violation(chrome: Chrome, name: str) -> None:
+    """The screenshot, then no serious accessibility violation (axe-core)."""
+    await chrome.shot(name)
+    violations = await chrome.axe()
+    assert not violations, [(v["id"], v["help"], len(v["nodes"])) for v in violations]
+
+
 async def _title(chrome: Chrome) -> str:
     return str(await chrome.call(lambda: chrome.driver.title))
 
@@ -125,6 +132,7 @@ async def test_sso_sign_in_lands_with_the_groups_teams_and_suspension_locks_out_
     assert "apply" not in options and "plan" in options, options
     note = await chrome.text("#run-access")
     assert "access here is plan" in note and "an apply needs write" in note, note
+    await _no_serious_violation(chrome, "sso-02-workspace-as-plan")
     await chrome.js("document.getElementById('run-type').value = 'plan';")
     await _click(chrome, "form.start button[type=submit]")
     await chrome.until(lambda d: "/orgs/acme/runs/" in d.current_url, "the plan's run page")
@@ -146,10 +154,17 @@ async def test_sso_sign_in_lands_with_the_groups_teams_and_suspension_locks_out_
 
     # A personal token of theirs, made on the tokens page (acts as them, at most).
     await chrome.open(base + "/app/settings/tokens")
+    await _no_serious_violation(chrome, "sso-03-tokens")
+    await chrome.call(lambda: chrome.driver.find_element(By.ID, "token-name").send_keys("laptop"))
     await _click(chrome, "#create-token")
     personal = await chrome.text("#new-token")
     me = await sso.http.get("/api/v1/whoami", token=personal)
     assert me.status == 200 and me.body["teams"] == ["network"], me.body
+    await chrome.open(base + "/app/settings/tokens")
+    names = await chrome.js(
+        "return [...document.querySelectorAll('#my-tokens .token-name')].map(e => e.textContent)"
+    )
+    assert names == ["single sign-on session (this session)", "laptop"], names
     tfe = {"Accept": "application/vnd.api+json"}
     account = await sso.http.get("/api/v2/account/details", token=personal, headers=tfe)
     assert account.status == 200, account.body
@@ -169,7 +184,7 @@ async def test_sso_sign_in_lands_with_the_groups_teams_and_suspension_locks_out_
         lambda d: d.find_element(By.XPATH, row + "/td[@class='user-state']").text == "suspended",
         "nora suspended",
     )
-    await chrome.shot("sso-02-suspended")
+    await chrome.shot("sso-04-suspended")
     await chrome.call(chrome.driver.delete_all_cookies)
     await chrome.call(lambda: [chrome.driver.add_cookie(c) for c in kept])
 
@@ -189,7 +204,7 @@ async def test_sso_sign_in_lands_with_the_groups_teams_and_suspension_locks_out_
     await chrome.call(lambda: field.send_keys("nora\n"))
     await chrome.until(lambda d: "Single sign-on failed" in d.title, "the sign-in error page")
     assert "suspended" in await chrome.text("#main")
-    await chrome.shot("sso-03-refused")
+    await chrome.shot("sso-05-refused")
 
 
 async def test_the_sign_in_round_trip_through_chromium_is_measured(
