@@ -126,7 +126,21 @@ async def test_a_plan_user_through_the_tfe_api_plans_and_reads_but_applies_locks
         assert run.body["data"]["attributes"]["status"] == "pending", run.body
         if wanted == 404:
             assert await _reads(tfe, pam, ws_id) == [404, 404, 404, 404]
+            run = (await tfe.tfe("GET", f"/api/v2/runs/{run_id}")).body["data"]
+            plan_id = run["relationships"]["plan"]["data"]["id"]
+            for path in (
+                f"/api/v2/runs/{run_id}",
+                f"/api/v2/plans/{plan_id}",
+                f"/api/v2/workspaces/{ws_id}/runs",
+                f"/api/v2/configuration-versions/{cv}",
+            ):
+                got = (await tfe.tfe("GET", path, token=pam)).status
+                assert got == 404, (path, got)
     assert await _states(tfe) == before
+    listed = await tfe.tfe("GET", "/api/v2/organizations/acme/workspaces", token=pam)
+    assert [w["attributes"]["name"] for w in listed.body["data"]] == ["net"], listed.body
+    got = await tfe.tfe("GET", "/api/v2/organizations/beta/workspaces", token=pam)
+    assert got.status == 404, got.body
     for org in ("acme", "beta"):
         row = (await tfe.get(f"{V1}/{org}/workspaces/net")).body
         assert row["lock"] is None, row
