@@ -8,7 +8,10 @@ the run has ended and nothing is left. With `follow=1`: `text/event-stream` of `
 one item as above), `event: step` (a step started or ended: phase, step, status, and at
 the end error and metrics), and finally `event: end` (data: the run's terminal status and
 reason), after which the server closes the stream. A comment line is sent every 15
-seconds of silence so that proxies keep the connection open.
+seconds of silence so that proxies keep the connection open. The stream stands only while
+its token may read the workspace (services/surfaces/api/standing.py): once it may not (a
+revocation, a suspension, a grant taken back), an `event: error` says why and the stream
+ends, without `end`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.surfaces.api.schemas import INT, STR, Doc
+from services.surfaces.api.standing import Lapsed, Standing
 
 log = structlog.get_logger("runplane.api")
 _encoder = msgspec.json.Encoder()
@@ -133,12 +137,18 @@ async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.
     resp = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     resp.content_type = "text/event-stream"
     await resp.prepare(request)
+    standing = Standing(request, target.org, target.ws)
 
     async def send(batch: list[Out]) -> None:
+        await standing.check(now=not batch)  # a keep-alive: a quiet stream is checked too
         await resp.write(encode_sse(batch))
 
     try:
         await Follower(nc, target, send).run()
+    except Lapsed as e:
+        log.info("log_follow_lapsed", reason=str(e))
+        with contextlib.suppress(ConnectionError):
+            await resp.write(encode_sse([("error", {"detail": f"{e}: the stream ends"})]))
     except ConnectionError:
         log.info("log_follow_client_gone")
     except Exception as e:  # noqa: BLE001 - the response is under way: no problem document now
