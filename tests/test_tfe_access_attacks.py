@@ -139,8 +139,8 @@ async def test_a_plan_user_through_the_tfe_api_plans_and_reads_but_applies_locks
     assert await _states(tfe) == before
     listed = await tfe.tfe("GET", "/api/v2/organizations/acme/workspaces", token=pam)
     assert [w["attributes"]["name"] for w in listed.body["data"]] == ["net"], listed.body
-    got = await tfe.tfe("GET", "/api/v2/organizations/beta/workspaces", token=pam)
-    assert got.status == 404, got.body
+    elsewhere = await tfe.tfe("GET", "/api/v2/organizations/beta/workspaces", token=pam)
+    assert elsewhere.status == 404, elsewhere.body
     for org in ("acme", "beta"):
         row = (await tfe.get(f"{V1}/{org}/workspaces/net")).body
         assert row["lock"] is None, row
