@@ -106,6 +106,9 @@ ORG_ENDPOINTS = [
     ("PUT", "/api/v1/orgs/{org}/chat/slack/users/{slack_id}"),
     ("GET", "/api/v1/orgs/{org}/chat/slack/users/{slack_id}"),
     ("DELETE", "/api/v1/orgs/{org}/chat/slack/users/{slack_id}"),
+    ("PUT", "/api/v1/orgs/{org}/sso"),
+    ("GET", "/api/v1/orgs/{org}/sso"),
+    ("DELETE", "/api/v1/orgs/{org}/sso"),
     ("GET", "/api/v1/orgs/{org}/vcs-connections"),
     ("POST", "/api/v1/orgs/{org}/vcs-connections"),
     ("GET", "/api/v1/orgs/{org}/vcs-connections/{connection}"),
@@ -133,6 +136,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/folders": {"name": "platform"},
     "/api/v1/orgs/{org}/chat/slack": {"team_id": "T0ACME", "signing_secret": "s"},
     "/api/v1/orgs/{org}/chat/slack/users/{slack_id}": {"user": "bob"},
+    "/api/v1/orgs/{org}/sso": {"issuer": "https://idp.example", "client_id": "runplane"},
     "/api/v1/orgs/{org}/vcs-connections": {
         "name": "gh",
         "provider": "github",
