@@ -9,9 +9,10 @@ from tests.api_support import Http
 V1 = "/api/v1/orgs"
 
 
-async def person(http: Http, org: str, email: str, team: str = "", **grant: str) -> str:
-    """Invite `email` into `org` (in `team`, granted `grant` {target: level}, "org" for
-    the organization, else e.g. "workspaces/net"); a personal token of theirs."""
+async def person(http: Http, org_name: str, email: str, team: str = "", **grant: str) -> str:
+    """Invite `email` into `org_name` (in `team`, granted `grant` {target: level}, "org"
+    for the organization, else e.g. "workspaces/net"); a personal token of theirs."""
+    org = org_name
     a = await http.post(f"{V1}/{org}/users", json={"email": email})
     assert a.status == 201, a.body
     user_id = a.body["id"]

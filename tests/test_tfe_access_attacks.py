@@ -19,6 +19,7 @@ from yarl import URL
 
 from services.surfaces.tfe import ids
 from tests.access_support import person
+from tests.tfe_login_support import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, a_state, new_run, tfe_fixture, uploaded
 
 __all__ = ["tfe_fixture"]
@@ -211,3 +212,22 @@ async def test_a_state_or_log_url_handed_to_a_user_ends_with_their_token_or_acce
     token_id = (await tfe.get("/api/v1/whoami", token=pam)).body["token_id"]
     assert (await tfe.call("DELETE", f"{V1}/acme/tokens/{token_id}")).status == 204
     assert await statuses() == (404, 404, 200)
+
+
+async def test_a_login_code_allowed_before_a_suspension_buys_no_token_after_it(
+    tfe: Tfe,
+) -> None:
+    """`terraform login`'s consent given, then the user suspended within the code's
+    minute: the exchange is an OAuth invalid_grant (what the CLI reads), no token made."""
+    await tfe.org("acme")
+    pam = await person(tfe, "acme", "pam@acme.io", "ops", org="read")
+    await _signin(tfe, pam)
+    verifier, challenge = _pkce()
+    code = await _code(tfe, challenge)
+    user_id = (await tfe.get("/api/v1/whoami", token=pam)).body["user_id"]
+    assert (await tfe.post(f"{V1}/acme/users/{user_id}/suspend")).status == 200
+    before = len((await tfe.get(f"{V1}/acme/tokens")).body["items"])
+    status, answer = await _exchange(tfe, code, verifier)
+    assert (status, answer["error"]) == (400, "invalid_grant"), answer
+    assert "suspended" in answer["error_description"] and "access_token" not in answer
+    assert len((await tfe.get(f"{V1}/acme/tokens")).body["items"]) == before

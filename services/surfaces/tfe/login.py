@@ -39,6 +39,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from events import access
+from events import members as mb
+from events.errors import NotFound
 from events.teams import LEVELS
 from infra.ids import hash_token
 from infra.kv import LOGIN_CODES_BUCKET
@@ -265,10 +267,13 @@ async def token(request: web.Request) -> web.Response:
         return _token_error("temporarily_unavailable", "try again", status=503)
     if not first:
         return _token_error("invalid_grant", "the code was used already")
-    issued = await issue_token(
-        request.app[API], org, grant.user, grant.role, grant.expires,
-        kind=grant.kind, owner=grant.owner, level=grant.level, name=grant.name,
-    )  # fmt: skip
+    try:
+        issued = await issue_token(
+            request.app[API], org, grant.user, grant.role, grant.expires,
+            kind=grant.kind, owner=grant.owner, level=grant.level, name=grant.name,
+        )  # fmt: skip
+    except (mb.Suspended, NotFound) as e:  # suspended (or gone) since the consent
+        return _token_error("invalid_grant", str(e))
     return web.json_response(
         {"access_token": issued, "token_type": "bearer"}, headers={"Cache-Control": "no-store"}
     )
