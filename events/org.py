@@ -40,6 +40,7 @@ class OrgCreated(Event, frozen=True, kw_only=True, tag="org.created"):
 
 
 TOKEN_KINDS = ("", "user", "team")  # "": an organization token of a role (as before users)
+MAX_TOKEN_NAME = 100  # characters of a token's name
 
 
 class TokenIssued(Event, frozen=True, kw_only=True, tag="org.token_issued"):
@@ -51,6 +52,7 @@ class TokenIssued(Event, frozen=True, kw_only=True, tag="org.token_issued"):
     kind: str = ""  # TOKEN_KINDS; events of before users have none: an organization token
     owner: str = ""  # the user id of a personal token, the team of a team token
     level: str = ""  # a personal token's own ceiling ("": its user's access, whole)
+    name: str = ""  # what its owner calls it ("": none given, events of before names)
 
 
 class TokenOwner(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +61,7 @@ class TokenOwner(msgspec.Struct, frozen=True, kw_only=True):
     kind: str
     owner: str
     level: str = ""
+    name: str = ""  # the token's name, shown to its owner (services/surfaces/ui/tokens.py)
 
 
 class TokenRevoked(Event, frozen=True, kw_only=True, tag="org.token_revoked"):
@@ -116,6 +119,7 @@ class IssueToken(Command, frozen=True, kw_only=True):
     kind: str = ""
     owner: str = ""
     level: str = ""
+    name: str = ""
 
 
 class SignInUser(Command, frozen=True, kw_only=True):
@@ -126,6 +130,7 @@ class SignInUser(Command, frozen=True, kw_only=True):
     groups: list[str] = []
     issuer: str
     subject: str
+    rules: list[tuple[str, str]] = []  # single sign-on's (group, team) rules
 
 
 class RevokeToken(Command, frozen=True, kw_only=True):
@@ -188,7 +193,9 @@ def evolve(state: OrgState, event: OrgEvent) -> OrgState:
             s = msgspec.structs.replace(s, tokens=(*s.tokens, event.token_id))
             if not event.kind:
                 return s
-            owner = TokenOwner(kind=event.kind, owner=event.owner, level=event.level)
+            owner = TokenOwner(
+                kind=event.kind, owner=event.owner, level=event.level, name=event.name
+            )
             return msgspec.structs.replace(s, owners={**s.owners, event.token_id: owner})
         case TokenRevoked():
             return msgspec.structs.replace(s, revoked=s.revoked | {event.token_id})
@@ -301,6 +308,8 @@ def _issue(state: OrgState, command: IssueToken, now: datetime) -> TokenIssued:
     user, role = _token_user(state, command)
     if command.expires_at is not None and command.expires_at <= now:
         raise Invalid(f"expires_at {command.expires_at.isoformat()} is not in the future")
+    if len(command.name) > MAX_TOKEN_NAME or not command.name.isprintable():
+        raise Invalid(f"a token's name is at most {MAX_TOKEN_NAME} printable characters")
     return TokenIssued(
         at=now,
         actor=command.actor,
@@ -312,6 +321,7 @@ def _issue(state: OrgState, command: IssueToken, now: datetime) -> TokenIssued:
         kind=command.kind,
         owner=command.owner,
         level=command.level,
+        name=command.name,
     )
 
 
@@ -377,7 +387,9 @@ def _sign_in(state: OrgState, command: SignInUser, now: datetime) -> list[OrgEve
         subject=command.subject, actor=command.actor, now=now,
     )  # fmt: skip
     user_id = mb.user_id_of(command.email)
-    teams = tm.sync(state.teams, user_id, command.groups, actor=command.actor, now=now)
+    teams = tm.sync(
+        state.teams, user_id, command.groups, actor=command.actor, now=now, rules=command.rules
+    )
     return [*people, *teams]
 
 

@@ -2,10 +2,9 @@
 
 One aggregate per organization on `rp.org.<org>.sso` (`config_subject`; the stream takes
 `rp.org.>`, and the organization's own subject does not grow with it): the issuer, the
-client id, the email domains allowed to sign in and the claim that carries a person's
-groups (which teams a group gives is each team's `idp_groups`, events/teams.py, applied
-at each sign-in: one place for that rule, an organization admin's). The client secret is
-sealed apart (services/app/sso.py): an event says only that it changed.
+client id, the email domains allowed to sign in, the claim that carries a person's groups
+and the rules from a group to a team (identity applies them at each sign-in). The client
+secret is sealed apart (services/app/sso.py): an event says only that it changed.
 
 Every rule here is a check of what an organization's admin, who may be hostile, writes:
 an issuer is `https://` (or `http://` on a loopback host, for a provider on the same
@@ -27,16 +26,25 @@ from events.errors import Invalid, NotFound
 
 MAX_ISSUER = 512
 MAX_DOMAINS = 50
+MAX_RULES = 200
 MAX_GROUP = 256
 DEFAULT_GROUPS_CLAIM = "groups"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 CLIENT_ID_RE = re.compile(r"^[\x21-\x7e]{1,255}$")  # printable ASCII, no blank
 CLAIM_RE = re.compile(r"^[A-Za-z0-9_:./-]{1,64}$")
 DOMAIN_RE = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
+TEAM_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
 
 def config_subject(org: str) -> str:
     return f"rp.org.{org}.sso"
+
+
+class GroupRule(msgspec.Struct, frozen=True, kw_only=True):
+    """Members of the identity provider's `group` are members of runplane's `team`."""
+
+    group: str
+    team: str
 
 
 # ---------------------------------------------------------------- events
@@ -51,6 +59,7 @@ class SsoConfigured(Event, frozen=True, kw_only=True, tag="org.sso_configured"):
     display_name: str = ""
     allowed_domains: list[str] = []
     groups_claim: str = DEFAULT_GROUPS_CLAIM
+    group_rules: list[GroupRule] = []
     secret_changed: bool = False
 
 
@@ -70,6 +79,7 @@ class ConfigureSso(Command, frozen=True, kw_only=True):
     display_name: str = ""
     allowed_domains: list[str] = []
     groups_claim: str = DEFAULT_GROUPS_CLAIM
+    group_rules: list[GroupRule] = []
     secret_changed: bool = False
 
 
@@ -86,6 +96,7 @@ class SsoState(msgspec.Struct, frozen=True, kw_only=True):
     display_name: str = ""
     allowed_domains: list[str] = []
     groups_claim: str = DEFAULT_GROUPS_CLAIM
+    group_rules: list[GroupRule] = []
     configured_at: datetime | None = None
     configured_by: str = ""
     version: int = 0
@@ -114,6 +125,7 @@ def evolve(state: SsoState, event: SsoEvent) -> SsoState:
                 display_name=event.display_name,
                 allowed_domains=list(event.allowed_domains),
                 groups_claim=event.groups_claim,
+                group_rules=list(event.group_rules),
                 configured_at=event.at,
                 configured_by=event.actor,
             )
@@ -145,6 +157,7 @@ def decide(
                 display_name=command.display_name,
                 allowed_domains=sorted(set(command.allowed_domains)),
                 groups_claim=command.groups_claim,
+                group_rules=command.group_rules,
                 secret_changed=command.secret_changed,
             )
             if not command.secret_changed and _same(state, event):
@@ -165,7 +178,8 @@ def _same(state: SsoState, e: SsoConfigured) -> bool:
         state.display_name,
         state.allowed_domains,
         state.groups_claim,
-    ) == (e.issuer, e.client_id, e.display_name, e.allowed_domains, e.groups_claim)
+        state.group_rules,
+    ) == (e.issuer, e.client_id, e.display_name, e.allowed_domains, e.groups_claim, e.group_rules)
 
 
 # ---------------------------------------------------------------- the checks
@@ -202,6 +216,7 @@ def check_configuration(c: ConfigureSso) -> None:
         ),
         (bool(CLAIM_RE.fullmatch(c.groups_claim)), "groups_claim is 1 to 64 of [A-Za-z0-9_:./-]"),
         (len(c.allowed_domains) <= MAX_DOMAINS, f"at most {MAX_DOMAINS} allowed_domains"),
+        (len(c.group_rules) <= MAX_RULES, f"at most {MAX_RULES} group_rules"),
     ]
     for ok, why in checks:
         if not ok:
@@ -209,6 +224,11 @@ def check_configuration(c: ConfigureSso) -> None:
     for domain in c.allowed_domains:
         if not DOMAIN_RE.fullmatch(domain):
             raise Invalid(f"allowed_domains: {domain[:64]!r} is no lower-case domain name")
+    for rule in c.group_rules:
+        if not (0 < len(rule.group) <= MAX_GROUP and rule.group.isprintable()):
+            raise Invalid(f"group_rules: a group is 1 to {MAX_GROUP} printable characters")
+        if not TEAM_RE.fullmatch(rule.team):
+            raise Invalid(f"group_rules: team {rule.team[:64]!r} is no team name ([a-z0-9-])")
 
 
 def email_allowed(email: str, domains: Sequence[str]) -> bool:

@@ -224,14 +224,25 @@ def grant(
 
 
 def sync(
-    teams: Mapping[str, Team], user_id: str, groups: Sequence[str], *, actor: str, now: datetime
+    teams: Mapping[str, Team],
+    user_id: str,
+    groups: Sequence[str],
+    *,
+    actor: str,
+    now: datetime,
+    rules: Sequence[tuple[str, str]] = (),
 ) -> list[TeamEvent]:
     """The user's synced teams from their identity provider `groups`: every team (but
-    owners, which only an admin fills) that maps one of them. Nothing when unchanged."""
+    owners, which only an admin fills) that maps one of them, by its own `idp_groups` or
+    by a (group, team) rule of the organization's single sign-on. A rule naming no team
+    gives nothing. Nothing when unchanged."""
     if not isinstance(groups, list | tuple) or not all(isinstance(g, str) for g in groups):
         raise Invalid("groups is a list of strings")
     have = set(groups)
-    wanted = sorted(t.name for t in teams.values() if have.intersection(t.idp_groups))
+    ruled = {team for group, team in rules if group in have}
+    wanted = sorted(
+        t.name for t in teams.values() if have.intersection(t.idp_groups) or t.name in ruled
+    )
     current = sorted(t.name for t in teams.values() if user_id in t.synced)
     if wanted == current:
         return []

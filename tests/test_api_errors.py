@@ -136,6 +136,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/folders": {"name": "platform"},
     "/api/v1/orgs/{org}/chat/slack": {"team_id": "T0ACME", "signing_secret": "s"},
     "/api/v1/orgs/{org}/chat/slack/users/{slack_id}": {"user": "bob"},
+    "/api/v1/orgs/{org}/sso": {"issuer": "https://idp.example", "client_id": "runplane"},
     "/api/v1/orgs/{org}/vcs-connections": {
         "name": "gh",
         "provider": "github",
@@ -154,7 +155,6 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/access": {"team": "ops", "level": "read"},
     "/api/v1/orgs/{org}/folders/{folder}/access": {"team": "ops", "level": "read"},
     "/api/v1/orgs/{org}/workspaces/{ws}/access": {"team": "ops", "level": "read"},
-    "/api/v1/orgs/{org}/sso": {"issuer": "https://idp.example.com", "client_id": "rp"},
     "/api/v1/orgs/{org}/policies/{policy}": {
         "enforcement": "advisory",
         "source": "package p\ndeny contains m if { m := input.x }\n",

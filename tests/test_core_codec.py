@@ -375,6 +375,7 @@ SAMPLES += [
         display_name="Example",
         allowed_domains=["example.com"],
         groups_claim="groups",
+        group_rules=[sso.GroupRule(group="net-admins", team="network")],
         secret_changed=True,
     ),
     sso.SsoRemoved(at=AT, actor="alice"),

@@ -46,6 +46,7 @@ LISTED = {
     "kind",
     "owner",
     "level",
+    "name",
 }
 
 

@@ -45,6 +45,7 @@ class App(Admission):
         kind: str = "",
         owner: str = "",
         level: str = "",
+        name: str = "",
     ) -> tuple[str, Result[org_agg.OrgState]]:
         """Issue a token scoped to the organization; only its hash is stored. `kind`
         "user" (owner: a user id) or "team" (owner: a team) makes a personal or team
@@ -60,6 +61,7 @@ class App(Admission):
             kind=kind,
             owner=owner,
             level=level,
+            name=name,
         )
         return token, await self.org_command(org, cmd)
 

@@ -17,6 +17,7 @@ frozen at sign-in) and ends with the session's lifetime.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 import msgspec
@@ -30,6 +31,7 @@ from services.app.aggregates import ORG
 from services.app.commands import App
 
 SESSION_LIFETIME = timedelta(hours=12)  # a sign-in's token, unless the caller says
+SESSION_TOKEN_NAME = "single sign-on session"
 
 
 class SignedIn(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,17 +67,19 @@ async def sign_in_user(
     groups: list[str],
     issuer: str,
     subject: str,
+    rules: Sequence[tuple[str, str]] = (),
     lifetime: timedelta = SESSION_LIFETIME,
 ) -> SignedIn:
     """Create or find the user of `email` in `org`, record their identity (`issuer`,
     `subject`: the first one seen stays, another is refused), set their synced teams from
-    `groups` (each team's `idp_groups`), and issue a personal token for the session.
+    `groups` (each team's `idp_groups`, and the configuration's (group, team) `rules`), and
+    issue a personal token for the session.
 
     Raises NotFound (no such organization), members.Suspended, members.IdentityMismatch,
     Invalid (a malformed email, issuer, subject or groups)."""
     cmd = org_agg.SignInUser(
         actor=mb.normal_email(email), email=email, name=name, groups=list(groups),
-        issuer=issuer, subject=subject,
+        issuer=issuer, subject=subject, rules=list(rules),
     )  # fmt: skip
     signed = await app.org_command(org, cmd)
     user_id = mb.user_id_of(email)
@@ -84,8 +88,9 @@ async def sign_in_user(
         raise NotFound(f"organization {org} not found")
     expires = app.clock() + lifetime
     token, issued = await app.issue_token(
-        org, member.email, "", member.email, expires_at=expires, kind="user", owner=user_id
-    )
+        org, member.email, "", member.email, expires_at=expires, kind="user", owner=user_id,
+        name=SESSION_TOKEN_NAME,
+    )  # fmt: skip
     return SignedIn(
         org=org,
         user_id=user_id,

@@ -52,7 +52,15 @@ class SignIn(Protocol):
     """The identity hook: services/app/identity.py `sign_in_user` over an App."""
 
     async def __call__(
-        self, org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
+        self,
+        org: str,
+        *,
+        email: str,
+        name: str,
+        groups: list[str],
+        issuer: str,
+        subject: str,
+        rules: list[tuple[str, str]],
     ) -> SignedIn: ...
 
 
@@ -62,11 +70,19 @@ def sign_in_of(app: App) -> SignIn:
     session."""
 
     async def sign_in(
-        org: str, *, email: str, name: str, groups: list[str], issuer: str, subject: str
+        org: str,
+        *,
+        email: str,
+        name: str,
+        groups: list[str],
+        issuer: str,
+        subject: str,
+        rules: list[tuple[str, str]],
     ) -> SignedIn:
         return await sign_in_user(
-            app, org, email=email, name=name, groups=groups, issuer=issuer, subject=subject
-        )
+            app, org, email=email, name=name, groups=groups, issuer=issuer, subject=subject,
+            rules=rules,
+        )  # fmt: skip
 
     return sign_in
 

@@ -197,6 +197,7 @@ class SsoFlows:
             groups=person.groups,
             issuer=person.issuer,
             subject=person.subject,
+            rules=[(r.group, r.team) for r in config.group_rules],
         )
         return Finished(flow=flow, person=person, signed_in=signed_in)
 

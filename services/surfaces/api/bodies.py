@@ -72,6 +72,9 @@ class CreateTokenBody(Body, frozen=True, kw_only=True):
     level: Annotated[
         str, Meta(description="a personal token's ceiling: read, plan, write or admin")
     ] = ""
+    name: Annotated[
+        str, Meta(max_length=100, description="what a personal or team token is called")
+    ] = ""
     # Range-checked by `orgs.token_expiry` (a 422 invalid-command), hence only documented.
     expires_in: Annotated[
         int | None,

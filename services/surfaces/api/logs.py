@@ -8,18 +8,16 @@ the run has ended and nothing is left. With `follow=1`: `text/event-stream` of `
 one item as above), `event: step` (a step started or ended: phase, step, status, and at
 the end error and metrics), and finally `event: end` (data: the run's terminal status and
 reason), after which the server closes the stream. A comment line is sent every 15
-seconds of silence so that proxies keep the connection open. The stream's token is asked
-again every `RECHECK_S`: once it is refused (revoked, expired, its user suspended) the
-stream ends with an `error` event.
+seconds of silence so that proxies keep the connection open. The stream stands only while
+its token may read the workspace (services/surfaces/api/standing.py): once it may not (a
+revocation, a suspension, a grant taken back), an `event: error` says why and the stream
+ends, without `end`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
-from collections.abc import Coroutine
-from typing import Any
 
 import msgspec
 import structlog
@@ -29,15 +27,14 @@ from nats.aio.client import Client as NATS
 from events.run import TERMINAL
 from events.templates import valid_phase
 from infra.steplogs import STREAMS, LogError, LogLine
-from services.surfaces.api.auth import authenticate
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import path_id, scope
-from services.surfaces.api.context import API
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.surfaces.api.schemas import INT, STR, Doc
+from services.surfaces.api.standing import Lapsed, Standing
 
 log = structlog.get_logger("runplane.api")
 _encoder = msgspec.json.Encoder()
@@ -47,7 +44,6 @@ MAX_LIMIT = 10_000  # lines of one page
 _NUMBER = re.compile(r"^[0-9]{1,12}$")
 PHASE_SCHEMA = {"type": "string", "pattern": "^(plan|apply|custom-[1-9][0-9]{0,4})$"}
 _FOLLOW = {"1": True, "true": True, "0": False, "false": False, "": False}
-RECHECK_S = 5.0  # how often a followed stream asks whether its token still stands
 
 
 def _page(request: web.Request, follow: bool) -> Page | None:
@@ -141,15 +137,18 @@ async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.
     resp = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     resp.content_type = "text/event-stream"
     await resp.prepare(request)
+    standing = Standing(request, target.org, target.ws)
 
     async def send(batch: list[Out]) -> None:
+        await standing.check(now=not batch)  # a keep-alive: a quiet stream is checked too
         await resp.write(encode_sse(batch))
 
     try:
-        if not await _while_standing(request, Follower(nc, target, send).run()):
-            with contextlib.suppress(ConnectionError):
-                detail = "the token no longer stands (revoked, expired or its user suspended)"
-                await send([("error", {"detail": detail})])
+        await Follower(nc, target, send).run()
+    except Lapsed as e:
+        log.info("log_follow_lapsed", reason=str(e))
+        with contextlib.suppress(ConnectionError):
+            await resp.write(encode_sse([("error", {"detail": f"{e}: the stream ends"})]))
     except ConnectionError:
         log.info("log_follow_client_gone")
     except Exception as e:  # noqa: BLE001 - the response is under way: no problem document now
@@ -157,40 +156,6 @@ async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.
         with contextlib.suppress(ConnectionError):
             await send([("error", {"detail": "the log stream failed; reconnect to resume"})])
     return resp
-
-
-async def _while_standing(request: web.Request, follow: Coroutine[Any, Any, None]) -> bool:
-    """Run `follow` while the request's token stands: True once it is done, False (it
-    cancelled) once the token is refused. A stream is authenticated once, at its start,
-    and may last as long as its run: a revocation, an expiry or a suspension must end it
-    too, as the next request would be refused (the UI's live streams ask as they move)."""
-    followed = asyncio.ensure_future(follow)
-    refused = asyncio.ensure_future(_refused(request))
-    try:
-        await asyncio.wait((followed, refused), return_when=asyncio.FIRST_COMPLETED)
-        if followed.done():
-            followed.result()
-            return True
-        return False
-    finally:
-        for task in (followed, refused):
-            task.cancel()
-        await asyncio.gather(followed, refused, return_exceptions=True)
-
-
-async def _refused(request: web.Request) -> None:
-    """Returns once the request's token is refused (401); asks every `RECHECK_S`."""
-    api, header = request.app[API], request.headers.get("Authorization")
-    while True:
-        await asyncio.sleep(RECHECK_S)
-        try:
-            await authenticate(api, header)
-        except Problem as p:
-            if p.status == 401:
-                log.info("log_follow_token_refused", slug=p.slug)
-                return
-        except Exception as e:  # noqa: BLE001 - NATS out of reach: ask again next time
-            log.warning("log_follow_recheck_failed", error=repr(e))
 
 
 # ---------------------------------------------------------------- OpenAPI

@@ -89,6 +89,7 @@ async def create_token(request: web.Request) -> web.Response:
     token, result = await api.app.issue_token(
         org, body.user, body.role if not body.kind else "", who.user,
         expires_at=expires_at, kind=body.kind, owner=owner, level=level,
+        name=body.name if body.kind else "",
     )  # fmt: skip
     await api.after_write(result.seq)  # so the token works here at once
     issued = result.events[-1]
@@ -193,8 +194,9 @@ async def _owns_tokens(request: web.Request, who: Principal, org: str) -> None:
 def _kind(state: OrgState, row: Row) -> Row:
     owner = state.owners.get(row["token_id"])
     if owner is None:
-        return {"kind": "org", "owner": None, "level": None}
-    return {"kind": owner.kind, "owner": owner.owner, "level": owner.level or None}
+        return {"kind": "org", "owner": None, "level": None, "name": None}
+    level, name = owner.level or None, owner.name or None
+    return {"kind": owner.kind, "owner": owner.owner, "level": level, "name": name}
 
 
 def _visible(who: Principal, org: str, state: OrgState, row: Row) -> bool:

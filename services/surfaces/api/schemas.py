@@ -133,6 +133,7 @@ SCHEMAS: dict[str, Doc] = {
             "description": "recorded at most once per 15 minutes: exact to within that",
         },
         expired=BOOL,
+        name={**_nullable(STR), "description": "a personal or team token's name, if given"},
     ),
     "Workspace": _obj(
         ["org", "name", "repository", "branch", "directory", "variables"],

@@ -2,7 +2,7 @@
 web UI's sign-in uses (services/surfaces/ui/sso.py).
 
 `PUT /api/v1/orgs/{org}/sso` `{"issuer", "client_id", "client_secret"?, "display_name"?,
-"allowed_domains"?, "groups_claim"?}`: the body is checked, then the
+"allowed_domains"?, "groups_claim"?, "group_rules"?}`: the body is checked, then the
 issuer's address is judged (`RUNPLANE_SSO_ALLOW`, as notifications' destinations are) and
 its discovery document fetched and checked (it must name exactly this issuer) before
 anything is written; a refusal is 422 `invalid-sso-issuer` with the `reason`. The client
@@ -107,6 +107,11 @@ def kit_of(request: web.Request) -> SsoKit:
     return found
 
 
+class RuleBody(Body, frozen=True, kw_only=True):
+    group: Annotated[str, msgspec.Meta(min_length=1, max_length=sso.MAX_GROUP)]
+    team: Annotated[str, msgspec.Meta(min_length=1, max_length=63)]
+
+
 class SsoBody(Body, frozen=True, kw_only=True):
     issuer: Annotated[str, msgspec.Meta(min_length=1, max_length=sso.MAX_ISSUER)]
     client_id: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -114,6 +119,7 @@ class SsoBody(Body, frozen=True, kw_only=True):
     display_name: Annotated[str, msgspec.Meta(max_length=64)] = ""
     allowed_domains: Annotated[list[str], msgspec.Meta(max_length=sso.MAX_DOMAINS)] = []
     groups_claim: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "groups"
+    group_rules: Annotated[list[RuleBody], msgspec.Meta(max_length=sso.MAX_RULES)] = []
 
 
 def _row(state: sso.SsoState, *, secret: bool) -> dict[str, Any]:
@@ -125,6 +131,7 @@ def _row(state: sso.SsoState, *, secret: bool) -> dict[str, Any]:
         "label": state.label,
         "allowed_domains": state.allowed_domains,
         "groups_claim": state.groups_claim,
+        "group_rules": [{"group": r.group, "team": r.team} for r in state.group_rules],
         "configured_at": state.configured_at.isoformat() if state.configured_at else None,
         "configured_by": state.configured_by,
     }
@@ -141,6 +148,7 @@ async def put_sso(request: web.Request) -> web.Response:
         display_name=body.display_name,
         allowed_domains=[d.lower() for d in body.allowed_domains],
         groups_claim=body.groups_claim,
+        group_rules=[sso.GroupRule(group=r.group, team=r.team) for r in body.group_rules],
         secret_changed=body.client_secret is not None,
     )
     sso.check_configuration(command)  # 422 before the provider is asked anything
@@ -196,6 +204,7 @@ _SSO: Doc = {
         "label": STR,
         "allowed_domains": {"type": "array", "items": STR},
         "groups_claim": STR,
+        "group_rules": {"type": "array", "items": {"$ref": REF.format(name="RuleBody")}},
         "configured_at": {"anyOf": [TIME, {"type": "null"}]},
         "configured_by": STR,
     },

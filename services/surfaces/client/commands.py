@@ -81,10 +81,26 @@ def add_parsers(sub: Any) -> None:
         "login",
         help="check a token with a server and store both (0600) for the commands below",
         description="Store URL and a token in $XDG_CONFIG_HOME/runplane/credentials.json. "
-        "The token: --token-stdin, else RUNPLANE_TOKEN, else asked for (not echoed).",
+        "The token: --token-stdin, else RUNPLANE_TOKEN, else asked for (not echoed); or, "
+        "with --sso ORG, signed in through the browser with the organization's identity "
+        "provider (authorization code with PKCE, the browser sent back to this machine's "
+        "localhost:10000-10010). The provider's device flow is not supported: on a machine "
+        "without a browser, use --no-browser and open the URL elsewhere with that port "
+        "forwarded (ssh -L), or make a token in the web UI and use --token-stdin.",
     )
     login.add_argument("url", help="the API's URL, e.g. https://runplane.example.com")
     login.add_argument("--token-stdin", action="store_true", help="read the token from stdin")
+    login.add_argument(
+        "--sso",
+        default="",
+        metavar="ORG",
+        help="sign in to ORG through the browser with its identity provider (single sign-on)",
+    )
+    login.add_argument(
+        "--no-browser",
+        action="store_true",
+        help="with --sso: print the URL to open instead of starting a browser",
+    )
     login.add_argument("--ca-file", default="", help="verify the server with these CAs (PEM)")
     login.add_argument("--json", action="store_true", help="print who the token is as JSON")
     login.set_defaults(handler=None)

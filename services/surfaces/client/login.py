@@ -8,7 +8,8 @@ import getpass
 import os
 import sys
 
-from services.surfaces.client import output
+from events.codec import valid_id
+from services.surfaces.client import output, sso
 from services.surfaces.client.credentials import Credentials, Login, describe, normal_url
 from services.surfaces.client.errors import ClientError
 from services.surfaces.client.http import Api
@@ -52,9 +53,18 @@ def _read_token(ns: argparse.Namespace) -> str:
 
 
 async def login(ns: argparse.Namespace) -> int:
-    """Check the token with the server, then store it: a wrong token is never stored."""
+    """Check the token with the server, then store it: a wrong token is never stored.
+    With `--sso ORG`, the token is one the browser's sign-in gives
+    (services/surfaces/client/sso.py)."""
     url = normal_url(ns.url)
-    token = _read_token(ns)
+    if getattr(ns, "sso", ""):
+        if not valid_id(ns.sso):
+            raise ClientError(f"organization {ns.sso!r} is not a valid name", kind="bad-input")
+        if ns.token_stdin:
+            raise ClientError("--sso takes no token: the browser's sign-in gives one", kind="login")
+        token = await sso.sso_token(url, ns.sso, ca_file=ns.ca_file, browser=not ns.no_browser)
+    else:
+        token = _read_token(ns)
     async with Api(url, token, ca_file=ns.ca_file) as api:
         who = await api.get("/api/v1/whoami")
     if not isinstance(who, dict) or not isinstance(who.get("user"), str):

@@ -7,7 +7,9 @@ its organization, its id and an expiry; the mac is HMAC-SHA256 over the payload 
 key derived from the deployment's sealed key material (infra/crypto.py), so a
 URL for one object never opens another, an altered one opens nothing, and none outlives
 its expiry. Keys rotate with the key ring: a capability signed with an older key still
-verifies until it expires (minutes), and the current key signs.
+verifies until it expires (minutes), and the current key signs. A capability handed to a
+caller may name its `holder` (the caller's token id): its use then stands only while that
+token does (services/surfaces/tfe/holders.py).
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ class CapabilityError(Exception):
     retryable = False
 
 
-class _Payload(msgspec.Struct, frozen=True, array_like=True):
+class _Payload(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     kind: str
     org: str
     object_id: str
     expires: int
+    holder: str = ""  # the token it was handed to ("" none: the admin token, or older ones)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -76,16 +79,22 @@ class Signer:
     def of(cls, keyring: KeyRing) -> Signer:
         return cls(derive_keys(keyring))
 
-    def sign(self, kind: str, org: str, object_id: str, ttl: int) -> str:
-        """A capability for one object of `org`, valid `ttl` seconds."""
+    def sign(self, kind: str, org: str, object_id: str, ttl: int, *, holder: str = "") -> str:
+        """A capability for one object of `org`, valid `ttl` seconds (and, with `holder`,
+        while that token stands: the verifier's caller checks)."""
         if not 0 < ttl <= MAX_TTL_S:
             raise ValueError(f"ttl must be 1 to {MAX_TTL_S} seconds")
-        payload = _encode(_Payload(kind, org, object_id, int(self.clock()) + ttl))
+        payload = _encode(_Payload(kind, org, object_id, int(self.clock()) + ttl, holder))
         mac = hmac.new(self.keys[0], payload, hashlib.sha256).digest()
         return f"{_b64(payload)}.{_b64(mac)}"
 
     def verify(self, token: str, kind: str) -> tuple[str, str]:
         """The (org, object id) a capability of `kind` grants; CapabilityError if none."""
+        org, object_id, _ = self.verify_held(token, kind)
+        return org, object_id
+
+    def verify_held(self, token: str, kind: str) -> tuple[str, str, str]:
+        """The (org, object id, holder) a capability of `kind` grants ("" no holder)."""
         payload = self._authentic(token)
         try:
             grant = _decode(payload)
@@ -96,7 +105,7 @@ class Signer:
             raise CapabilityError("invalid capability")
         if grant.expires <= self.clock():
             raise CapabilityError("invalid capability")
-        return grant.org, grant.object_id
+        return grant.org, grant.object_id, grant.holder
 
     def check(self, token: str, kind: str, org: str, object_id: str) -> None:
         """Raise CapabilityError unless the capability grants exactly this object."""

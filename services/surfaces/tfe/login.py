@@ -39,6 +39,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from events import access
+from events import members as mb
+from events.errors import NotFound
 from events.teams import LEVELS
 from infra.ids import hash_token
 from infra.kv import LOGIN_CODES_BUCKET
@@ -77,6 +79,7 @@ class Grant(msgspec.Struct, frozen=True, array_like=True):
     kind: str = ""  # the session token's kind, owner and ceiling, which the new one keeps
     owner: str = ""
     level: str = ""
+    name: str = ""  # the new token's, after the client that asked ("Terraform login")
 
 
 def token_kind(who: Principal) -> tuple[str, str, str]:
@@ -216,7 +219,8 @@ async def authorize(request: web.Request) -> web.Response:
         answer = {"error": "access_denied", "state": state}
     else:
         kind, owner, level = token_kind(who)
-        made = Grant(user, role, challenge, redirect, expires, kind, owner, level)
+        name = f"{CLIENTS[fields.get('client_id', CLIENT)]} login"
+        made = Grant(user, role, challenge, redirect, expires, kind, owner, level, name)
         grant = msgspec.json.encode(made).decode()
         code = tfe_of(request).need_signer().sign(KIND, org, grant, CODE_TTL_S)
         answer = {"code": code, "state": state}
@@ -263,10 +267,13 @@ async def token(request: web.Request) -> web.Response:
         return _token_error("temporarily_unavailable", "try again", status=503)
     if not first:
         return _token_error("invalid_grant", "the code was used already")
-    issued = await issue_token(
-        request.app[API], org, grant.user, grant.role, grant.expires,
-        kind=grant.kind, owner=grant.owner, level=grant.level,
-    )  # fmt: skip
+    try:
+        issued = await issue_token(
+            request.app[API], org, grant.user, grant.role, grant.expires,
+            kind=grant.kind, owner=grant.owner, level=grant.level, name=grant.name,
+        )  # fmt: skip
+    except (mb.Suspended, NotFound) as e:  # suspended (or gone) since the consent
+        return _token_error("invalid_grant", str(e))
     return web.json_response(
         {"access_token": issued, "token_type": "bearer"}, headers={"Cache-Control": "no-store"}
     )
@@ -274,7 +281,7 @@ async def token(request: web.Request) -> web.Response:
 
 async def issue_token(
     api: Api, org: str, user: str, role: str, expires: str = "", *,
-    kind: str = "", owner: str = "", level: str = "",
+    kind: str = "", owner: str = "", level: str = "", name: str = "",
 ) -> str:  # fmt: skip
     """A new token of `org` acting as `user` with `role` and ending at `expires` (the
     caller's own: never more, never longer; "" never), recorded as any other
@@ -282,8 +289,9 @@ async def issue_token(
     shown: the CLI checks it at once, maybe on this replica."""
     expires_at = datetime.fromisoformat(expires) if expires else None
     issued, result = await api.app.issue_token(
-        org, user, role, user, expires_at=expires_at, kind=kind, owner=owner, level=level
-    )
+        org, user, role, user, expires_at=expires_at, kind=kind, owner=owner, level=level,
+        name=name if kind else "",
+    )  # fmt: skip
     await api.after_write(result.seq)
     return issued
 

@@ -39,6 +39,7 @@ from services.surfaces.api.context import Api
 from services.surfaces.api.runlog import Lines, Target
 from services.surfaces.tfe.capability import MAX_TTL_S, CapabilityError
 from services.surfaces.tfe.context import api_of, tfe_of
+from services.surfaces.tfe.holders import holder_of, still_may
 from services.surfaces.tfe.jsonapi import TfeError, not_found
 from services.surfaces.tfe.statuses import is_final_apply, is_final_plan
 
@@ -54,7 +55,9 @@ STATUS_EVERY_S = 0.5  # and looks at the run this often meanwhile (its phase may
 
 def read_url(request: web.Request, phase: str, s: RunState) -> str:
     signer = tfe_of(request).need_signer()
-    token = signer.sign(KINDS[phase], s.org, f"{s.workspace}.{s.run_id}", MAX_TTL_S)
+    token = signer.sign(
+        KINDS[phase], s.org, f"{s.workspace}.{s.run_id}", MAX_TTL_S, holder=holder_of(request)
+    )
     return f"{request.url.origin()}{READ_PATH}{phase}/{token}"
 
 
@@ -75,10 +78,12 @@ async def read_log(request: web.Request) -> web.Response:
     is_final = is_final_plan if phase == "plan" else is_final_apply
     signer = tfe_of(request).need_signer()
     try:
-        org, object_id = signer.verify(request.match_info["token"], KINDS[phase])
+        org, object_id, holder = signer.verify_held(request.match_info["token"], KINDS[phase])
     except CapabilityError as e:
         raise not_found("no such log") from e
     ws, _, run_id = object_id.partition(".")
+    if not await still_may(request, org, holder, "workspace.read", ws):
+        raise not_found("no such log")
     offset = _int(request, "offset", 0)
     limit = min(_int(request, "limit", DEFAULT_LIMIT), MAX_LIMIT)
     api = api_of(request)

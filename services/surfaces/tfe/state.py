@@ -38,6 +38,7 @@ from services.surfaces.api.auth import Principal
 from services.surfaces.tfe import ids
 from services.surfaces.tfe.capability import CapabilityError
 from services.surfaces.tfe.context import api_of, may, require, tfe_of
+from services.surfaces.tfe.holders import holder_of, still_may
 from services.surfaces.tfe.jsonapi import (
     Doc,
     TfeError,
@@ -64,7 +65,8 @@ async def may_read_state(request: web.Request, org: str, ws: str) -> bool:
 
 def _download_url(request: web.Request, org: str, head: Head) -> str:
     signer = tfe_of(request).need_signer()
-    token = signer.sign(KIND, org, f"{head.object}@{head.digest}", DOWNLOAD_TTL_S)
+    object_id = f"{head.object}@{head.digest}"
+    token = signer.sign(KIND, org, object_id, DOWNLOAD_TTL_S, holder=holder_of(request))
     return f"{request.url.origin()}{DOWNLOAD_PATH}{token}"
 
 
@@ -256,11 +258,13 @@ async def download(request: web.Request) -> web.Response:
     capability names, whatever Authorization the request carries (none is needed)."""
     signer = tfe_of(request).need_signer()
     try:
-        org, granted = signer.verify(request.match_info["token"], KIND)
+        org, granted, holder = signer.verify_held(request.match_info["token"], KIND)
     except CapabilityError as e:
         raise TfeError(404, "not found", "no such state version (or the link expired)") from e
     name, _, digest = granted.rpartition("@")
     if not name.startswith(f"{org}/"):  # signed by us for one org's object: never else
+        raise TfeError(404, "not found", "no such state version (or the link expired)")
+    if not await still_may(request, org, holder, "state.read", name.split("/")[1]):
         raise TfeError(404, "not found", "no such state version (or the link expired)")
     states = tfe_of(request).need_states()
     try:

@@ -36,6 +36,7 @@ ROUTES = [
     *sso.ROUTES,
     web.get(tokens.TOKENS, tokens.tokens_page, allow_head=False),
     web.post(tokens.TOKENS, tokens.create_token),
+    web.post(tokens.REVOKE, tokens.revoke_token),
     web.get(ORG, pages.org_page, allow_head=False),
     web.get(ORG + "/live", live.bar_feed, allow_head=False),
     web.get(WS, pages.workspace_page, allow_head=False),

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from events import approval, inherit
 from events.run import CANCELABLE, STOPPABLE, TERMINAL, Cause, Status
+from events.teams import LEVELS
 from services.surfaces.api import approvals
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.runs import PLAN_ONLY
@@ -114,6 +115,7 @@ async def workspace_page(visit: Visit) -> web.StreamResponse:
         run_types=[t for t in RUN_TYPES if t in PLAN_ONLY or visit.can("run.apply")],
         grants=await _grants(visit, f"workspace:{ws}"),
         templates=await _templates(visit),
+        level=LEVELS[visit.who.access.level_on(visit.where())],
     )
     return render(visit.request, "workspace.html", context)
 
