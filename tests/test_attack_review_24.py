@@ -302,7 +302,7 @@ async def test_a_followed_log_ends_when_its_user_is_suspended(http: Http) -> Non
         assert stream.status == 200
         assert (await http.post(f"{V1}/a/users/{sue}/suspend")).status == 200
         rest = await asyncio.wait_for(stream.content.read(), timeout=20)
-    assert b"no longer stands" in rest
+    assert b"event: error" in rest and b"is suspended" in rest, rest
 
 
 # ------------------------------------------------ four eyes and team tokens
