@@ -21,7 +21,6 @@ from typing import Any
 
 import jwt
 import pytest
-from jwt.algorithms import RSAAlgorithm
 from nats.aio.client import Client as NATS
 
 from events import wire
@@ -42,9 +41,9 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     commit,
     plane_fixture,
 )
+from tests.workload_support import ISSUER, verify
 
 V1 = "/api/v1/orgs/acme"
-ISSUER = "http://127.0.0.1:8080"  # the test deployment's (no --public-url: http://<listen>)
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
 
@@ -60,21 +59,6 @@ def _run(org: str = "acme", ws: str = "net", **settings: Any) -> RunState:
         cause=Cause(kind="vcs", ref="refs/heads/main"),
         created_at=NOW,
         phase="apply",
-    )
-
-
-def verify(token: str, jwks: dict[str, Any], audience: str, issuer: str = ISSUER) -> Any:
-    """What a cloud does with a token: the key its `kid` names, then every check."""
-    kid = jwt.get_unverified_header(token)["kid"]
-    jwk = next(k for k in jwks["keys"] if k["kid"] == kid)
-    key = RSAAlgorithm.from_jwk(json.dumps(jwk))
-    return jwt.decode(
-        token,
-        key,  # type: ignore[arg-type]  # an RSA public key from a public JWK
-        algorithms=["RS256"],
-        audience=audience,
-        issuer=issuer,
-        options={"require": ["exp", "iat", "nbf", "sub", "iss", "aud", "jti"]},
     )
 
 
