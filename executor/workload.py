@@ -71,17 +71,21 @@ async def provided(job: Job) -> AsyncIterator[None]:
 
 
 async def _refresh(job: Job, token: str) -> None:
-    """A new token each time the last has lived half its life, until the phase ends."""
+    """A new token each time the last has lived half its life, until the phase ends; a
+    failed refresh is tried again every `MIN_REFRESH_S` (the token in hand has at most
+    half its life left: waiting another half would let it expire)."""
+    wait = _half_life(token)
     while True:
-        await asyncio.sleep(_half_life(token))
+        await asyncio.sleep(wait)
         try:
             token = await _fetch(job)
         except StepFailed as e:  # the phase goes on with the token it has
             log.warning("workload_token_refresh_failed", error=e.error)
-            await asyncio.sleep(MIN_REFRESH_S)
+            wait = MIN_REFRESH_S
             continue
         _hand_over(job, token)
         log.info("workload_token_refreshed")
+        wait = _half_life(token)
 
 
 def _half_life(token: str) -> float:
