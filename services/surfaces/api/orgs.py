@@ -82,8 +82,8 @@ async def create_token(request: web.Request) -> web.Response:
     organization token needs an org admin; a team token `manage-teams` (owners': an org
     admin); a personal token is its user's own (or an org admin's for another user),
     never above the caller's own ceiling (events/access.py)."""
-    body = await read_body(request, CreateTokenBody, optional=True)
     api, org, who = await scope(request, "tokens.personal")
+    body = await read_body(request, CreateTokenBody, optional=True)
     expires_at = token_expiry(body, api.app.clock())
     owner, level = await _token_rules(request, who, body)
     token, result = await api.app.issue_token(
@@ -230,8 +230,8 @@ async def revoke_token(request: web.Request) -> web.Response:
 
 async def create_workspace(request: web.Request) -> web.Response:
     """POST .../workspaces: `manage-workspaces` (or an org admin), or admin on its folder."""
+    api, org, who = await scope(request, "org.read")  # another organization: 404 first
     body = await read_body(request, CreateWorkspaceBody)
-    api, org, who = await scope(request, "org.read")
     folder = check_name("folder", body.folder) if body.folder else ""
     if not (folder and who.may("workspace.settings", access.Target(org=org, folders=(folder,)))):
         await scope(request, "workspaces.create")
@@ -289,6 +289,7 @@ def check_repository(request: web.Request, org: str, repository: str) -> None:
 async def update_workspace(request: web.Request) -> web.Response:
     """PATCH .../workspaces/{ws}: its plain variables and configuration members
     (`ws.variables_set`, `ws.config_changed`); runs already created keep theirs."""
+    await scope(request, "workspace.read")  # another organization's, or hidden: 404 first
     body = await read_body(request, UpdateWorkspaceBody)
     changes = workspaces.config_changes(body)
     api, org, who = await scope(request, "workspace.settings" if changes else "variables.write")

@@ -250,6 +250,7 @@ async def get_team(request: web.Request) -> web.Response:
 
 async def create_team(request: web.Request) -> web.Response:
     """POST .../teams {"name", "rights", "idp_groups"}: rights need an org admin."""
+    await scope(request, "org.read")  # another organization: 404 before its body
     body = await read_body(request, TeamBody)
     admin = body.rights or body.idp_groups  # rights and the groups' mapping: an admin's
     api, org, who = await scope(request, "org.access" if admin else "teams.manage")
@@ -265,9 +266,9 @@ async def create_team(request: web.Request) -> web.Response:
 
 async def patch_team(request: web.Request) -> web.Response:
     """PATCH .../teams/{team} {"rights"?, "idp_groups"?}: each given replaces."""
+    api, org, who = await scope(request, "teams.manage")
     body = await read_body(request, TeamPatchBody)
     name = path_id(request, "team")
-    api, org, who = await scope(request, "teams.manage")
     state = await org_state(api, org)
     team = state.teams.get(name)
     if team is None or name == tm.OWNERS:

@@ -69,6 +69,7 @@ PLAN_ONLY, run_action = access.PLAN_ONLY, access.run_action
 
 
 async def create_run(request: web.Request) -> web.Response:
+    await scope(request, "workspace.read")  # another organization's, or hidden: 404 first
     body = await read_body(request, CreateRunBody)
     api, org, who = await scope(request, run_action(body.type))
     ws = path_id(request, "ws")
