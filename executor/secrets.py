@@ -8,6 +8,8 @@ them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import nats.errors
 from nats.aio.client import Client as NATS
 
@@ -31,11 +33,11 @@ async def fetch(
 ) -> dict[str, str]:
     """The run's secret values; StepFailed (`secrets_unavailable`) if they cannot be had."""
     request = SecretsRequest(run_id=run_id, lease_id=lease_id)
-    opened = await _ask(nc, keyring, org, ws, request, timeout)
+    opened = await ask(nc, keyring, org, ws, request, timeout)
     try:
         return wire.decode_secret_values(opened)
     except wire.WireError as e:
-        raise _failed(f"malformed answer from the secrets responder: {e}") from e
+        raise _secrets_failed(f"malformed answer from the secrets responder: {e}") from e
 
 
 async def fetch_git(
@@ -51,24 +53,36 @@ async def fetch_git(
     """The run's git credential (its VCS connection's token and deploy key, of its own
     organization); StepFailed (`secrets_unavailable`) if it cannot be had."""
     request = SecretsRequest(run_id=run_id, lease_id=lease_id, git=True)
-    opened = await _ask(nc, keyring, org, ws, request, timeout)
+    opened = await ask(nc, keyring, org, ws, request, timeout)
     try:
         return wire.decode_git_secret(opened)
     except wire.WireError as e:
-        raise _failed(f"malformed answer from the secrets responder: {e}") from e
+        raise _secrets_failed(f"malformed answer from the secrets responder: {e}") from e
 
 
-async def _ask(
-    nc: NATS, keyring: KeyRing, org: str, ws: str, request: SecretsRequest, timeout: float
+async def ask(
+    nc: NATS,
+    keyring: KeyRing,
+    org: str,
+    ws: str,
+    request: SecretsRequest,
+    timeout: float,
+    failed: Callable[[str], StepFailed] | None = None,
 ) -> bytes:
-    """The opened answer to `request`, bound to its run, lease and kind."""
+    """The opened answer to `request` (secret values, a git credential or a workload
+    identity token), bound to its run, lease and kind; `failed(message)` is the step's
+    error when none is had (by default the secrets'; executor/workload.py passes its
+    own)."""
+    _failed = failed or _secrets_failed
     try:
         msg = await nc.request(secrets_subject(org, ws), wire.encode(request), timeout=timeout)
     except nats.errors.NoRespondersError as e:
         raise _failed("no secrets responder is running (it runs beside the scheduler)") from e
     except (TimeoutError, nats.errors.TimeoutError) as e:
         raise _failed(f"the secrets responder did not answer within {timeout:g}s") from e
-    context = reply_context(request.run_id, request.lease_id, git=request.git)
+    context = reply_context(
+        request.run_id, request.lease_id, git=request.git, workload=request.workload
+    )
     try:
         answer = wire.decode_secrets_reply(msg.data)
         if answer.error:
@@ -87,5 +101,5 @@ def terraform_env(values: dict[str, str]) -> dict[str, str]:
     return {f"TF_VAR_{name}": value for name, value in values.items()}
 
 
-def _failed(message: str) -> StepFailed:
+def _secrets_failed(message: str) -> StepFailed:
     return StepFailed("secrets", f"secret variables unavailable: {message}", reason=REASON)

@@ -33,13 +33,13 @@ import jwt
 import structlog
 from nats.aio.client import Client as NATS
 
-from events import wire
 from events import workload as wl
-from events.wire import SecretsRequest, reply_context, secrets_subject
+from events.wire import SecretsRequest
 from events.workload_rules import PHASES
 from executor.errors import StepFailed
 from executor.job import Job
-from infra.crypto import CryptoError, KeyRing
+from executor.secrets import ask
+from infra.crypto import KeyRing
 
 log = structlog.get_logger(__name__)
 
@@ -146,16 +146,11 @@ async def fetch(
     """The phase's token; StepFailed (`workload_identity_unavailable`) if none is had."""
     request = SecretsRequest(run_id=run_id, lease_id=lease_id, workload=True)
     try:
-        msg = await nc.request(secrets_subject(org, ws), wire.encode(request), timeout=timeout)
-        answer = wire.decode_secrets_reply(msg.data)
-    except Exception as e:  # no responder, a timeout, a malformed answer: one reason
+        return (await ask(nc, keyring, org, ws, request, timeout, _failed)).decode()
+    except StepFailed:
+        raise
+    except Exception as e:  # a lost connection, an answer no text: the same one reason
         raise _failed(f"the secrets responder gave no answer: {type(e).__name__}") from e
-    if answer.error or not answer.sealed:
-        raise _failed(f"refused: {answer.error or 'no token'}")
-    try:
-        return keyring.open(answer.sealed, reply_context(run_id, lease_id, workload=True)).decode()
-    except CryptoError as e:
-        raise _failed(f"the answer does not open with this executor's keys: {e}") from e
 
 
 def _failed(message: str) -> StepFailed:
