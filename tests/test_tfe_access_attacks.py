@@ -20,7 +20,7 @@ from yarl import URL
 from services.surfaces.tfe import ids
 from tests.access_support import person
 from tests.tfe_login_support import _code, _exchange, _pkce, _signin
-from tests.tfe_support import Tfe, a_state, new_run, tfe_fixture, uploaded
+from tests.tfe_support import Tfe, a_state, new_run, new_run_as, tfe_fixture, uploaded
 
 __all__ = ["tfe_fixture"]
 V1 = "/api/v1/orgs"
@@ -56,22 +56,9 @@ async def _call(tfe: Tfe, token: str, method: str, path: str, body: Any) -> int:
     if method == "STATE":
         return (await tfe.push(path, body, token=token, force=True)).status
     if method == "RUN":
-        return (await _run_as(tfe, path, body, token)).status
+        return (await new_run_as(tfe, path, body, token)).status
     kw = {} if body is None else {"json": body}
     return (await tfe.tfe(method, path, token=token, **kw)).status
-
-
-async def _run_as(tfe: Tfe, ws_id: str, cv: str, token: str) -> Any:
-    body = {
-        "data": {
-            "type": "runs",
-            "relationships": {
-                "workspace": {"data": {"type": "workspaces", "id": ws_id}},
-                "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
-            },
-        }
-    }
-    return await tfe.tfe("POST", "/api/v2/runs", token=token, json=body)
 
 
 async def _reads(tfe: Tfe, token: str, ws_id: str) -> list[int]:
@@ -110,7 +97,7 @@ async def test_a_plan_user_through_the_tfe_api_plans_and_reads_but_applies_locks
     status, raw = await tfe.raw(download)
     assert status == 200 and b"acme-net" in raw
     spec_cv, _ = await uploaded(tfe, net, speculative=True)
-    plan = await _run_as(tfe, net, spec_cv, pam)
+    plan = await new_run_as(tfe, net, spec_cv, pam)
     assert plan.status == 201, plan.body
     _, _, plan_id = plan.body["data"]["id"].removeprefix("run-").split(".")
     made = (await tfe.app.load_run("acme", "net", plan_id)).state
@@ -155,7 +142,7 @@ async def test_a_plan_user_through_the_tfe_api_plans_and_reads_but_applies_locks
     assert (await tfe.post(f"{V1}/acme/users/{user_id}/suspend")).status == 200
     assert await _reads(tfe, pam, net) == [401, 401, 401, 401]
     assert (await tfe.tfe("GET", "/api/v2/account/details", token=pam)).status == 401
-    assert (await _run_as(tfe, net, spec_cv, pam)).status == 401
+    assert (await new_run_as(tfe, net, spec_cv, pam)).status == 401
 
 
 async def _states(tfe: Tfe) -> list[tuple[str, int]]:
@@ -181,7 +168,7 @@ async def test_a_state_or_log_url_handed_to_a_user_ends_with_their_token_or_acce
     current = await tfe.tfe("GET", f"/api/v2/workspaces/{net}/current-state-version", token=pam)
     state_url = URL(current.body["data"]["attributes"]["hosted-state-download-url"]).path
     spec_cv, _ = await uploaded(tfe, net, speculative=True)
-    run = (await _run_as(tfe, net, spec_cv, pam)).body["data"]
+    run = (await new_run_as(tfe, net, spec_cv, pam)).body["data"]
     plan = await tfe.tfe("GET", f"/api/v2/plans/{run['relationships']['plan']['data']['id']}")
     assert plan.status == 200, plan.body
     _, _, run_id = run["id"].removeprefix("run-").split(".")

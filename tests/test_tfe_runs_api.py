@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any
 
 import pytest
 from yarl import URL
@@ -17,7 +16,17 @@ from infra.steplogs import live_headers, log_subject
 from services.surfaces.tfe import configs
 from services.surfaces.tfe.context import TFE
 from tests.helpers import eventually
-from tests.tfe_support import JSONAPI, Tfe, archive, new_config, new_run, put, tfe_fixture, uploaded
+from tests.tfe_support import (
+    JSONAPI,
+    Tfe,
+    archive,
+    new_config,
+    new_run,
+    new_run_as,
+    put,
+    tfe_fixture,
+    uploaded,
+)
 
 __all__ = ["tfe_fixture"]
 
@@ -264,19 +273,6 @@ async def test_another_organizations_token_sees_no_run(tfe: Tfe) -> None:
     a = await tfe.tfe("POST", f"/api/v2/runs/{run['id']}/actions/cancel", token=token, json={})
     assert a.status == 404
     assert (await new_run_as(tfe, ws_id, cv, token)).status == 404
-
-
-async def new_run_as(tfe: Tfe, ws_id: str, cv: str, token: str) -> Any:
-    body = {
-        "data": {
-            "type": "runs",
-            "relationships": {
-                "workspace": {"data": {"type": "workspaces", "id": ws_id}},
-                "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
-            },
-        }
-    }
-    return await tfe.tfe("POST", "/api/v2/runs", token=token, json=body)
 
 
 async def test_a_log_read_with_nothing_new_is_answered_when_a_line_is_written(tfe: Tfe) -> None:

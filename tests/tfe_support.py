@@ -269,21 +269,27 @@ async def uploaded(tfe: Tfe, ws_id: str, *, speculative: bool = True) -> tuple[s
     return cv["id"], body
 
 
+def _run_body(ws_id: str, cv: str, attrs: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "data": {
+            "type": "runs",
+            "attributes": attrs,
+            "relationships": {
+                "workspace": {"data": {"type": "workspaces", "id": ws_id}},
+                "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
+            },
+        }
+    }
+
+
 async def new_run(tfe: Tfe, ws_id: str, cv: str, **attrs: Any) -> Any:
-    return await tfe.tfe(
-        "POST",
-        "/api/v2/runs",
-        json={
-            "data": {
-                "type": "runs",
-                "attributes": attrs,
-                "relationships": {
-                    "workspace": {"data": {"type": "workspaces", "id": ws_id}},
-                    "configuration-version": {"data": {"type": "configuration-versions", "id": cv}},
-                },
-            }
-        },
-    )
+    """POST /runs of configuration `cv` on workspace `ws_id` with `attrs`."""
+    return await tfe.tfe("POST", "/api/v2/runs", json=_run_body(ws_id, cv, attrs))
+
+
+async def new_run_as(tfe: Tfe, ws_id: str, cv: str, token: str) -> Any:
+    """The same, as `token`."""
+    return await tfe.tfe("POST", "/api/v2/runs", token=token, json=_run_body(ws_id, cv, {}))
 
 
 # ---------------------------------------------------------------- state
