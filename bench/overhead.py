@@ -14,8 +14,8 @@ its step list) say where the rest goes.
 `--sandbox`: what the sandbox costs a phase against the uid mode instead (issue 23: at
 most +5%): two `runplane up`s, `--isolation user` and `--isolation sandbox`, a plan run of
 the same 10 null resources on a new workspace in each, alternated (the order swapped
-every round), from the create request to `planned`; medians, their ratio, and the plan
-step's own medians.
+every round), from the create request to `planned`; medians, their ratio, the median
+of each round's own ratio (and its quartiles), and the plan step's own medians.
 """
 
 from __future__ import annotations
@@ -229,12 +229,17 @@ async def sandbox_overhead(rounds: int = 5) -> dict[str, Any]:
         shutil.rmtree(scratch, ignore_errors=True)
     run = {m: statistics.median(t for t, _ in seen[m]) for m in modes}
     plan = {m: statistics.median(p for _, p in seen[m]) for m in modes}
+    paired = [s[0] / u[0] for u, s in zip(seen["user"], seen["sandbox"], strict=True)]
     return {
         "rounds": rounds,
         "resources": RESOURCES,
         "user_plan_run_median_s": run["user"],
         "sandbox_plan_run_median_s": run["sandbox"],
         "ratio": run["sandbox"] / run["user"],
+        # each round's two runs ran back to back: the median of their ratios holds the
+        # machine's drift out of the comparison (the ratio of medians above does not)
+        "paired_ratio_median": statistics.median(paired),
+        "paired_ratio_quartiles": [round(q, 3) for q in statistics.quantiles(paired, n=4)],
         "user_plan_step_median_s": plan["user"],
         "sandbox_plan_step_median_s": plan["sandbox"],
         "plan_step_ratio": plan["sandbox"] / plan["user"],
