@@ -19,6 +19,10 @@
   started flow's `state`, sealed with a key only its browser's cookie gives, taken once
   (`update(last=revision)`), and each ID token's nonce once used (`update(last=0)`);
   dropped `SSO_FLOWS_KEPT_S` after, when no flow is still alive anyway;
+- `rp-device-grants`: `runplane login --device`'s grants (services/app/device.py, RFC 8628),
+  keyed by a digest of the device code, another key by a digest of the user code, and
+  wrong-code counts per signer; approved and redeemed with `update(last=revision)`, so
+  once; dropped `DEVICE_GRANTS_KEPT_S` after their last write;
 - `rp-tfe-configs`: `<org>` -> the organization's ledger of configuration versions in
   `rp-plans` (services/surfaces/tfe/quota.py), moved with optimistic concurrency;
 - `rp-open-runs`: `<org>` -> the organization's ledger of open runs, its quota
@@ -52,6 +56,10 @@ LOGIN_CODES_BUCKET = "rp-login-codes"
 LOGIN_CODES_KEPT_S = 120.0
 SSO_FLOWS_BUCKET = "rp-sso-flows"
 SSO_FLOWS_KEPT_S = 900.0  # a flow lives 10 minutes (services/app/sso_flows.py FLOW_TTL_S)
+DEVICE_GRANTS_BUCKET = "rp-device-grants"
+# A grant lives 10 minutes (services/app/device.py GRANT_TTL_S); its key is kept 5 more,
+# so a poll just after the end is told `expired_token` rather than `invalid_grant`.
+DEVICE_GRANTS_KEPT_S = 900.0
 TFE_CONFIGS_BUCKET = "rp-tfe-configs"
 OPEN_RUNS_BUCKET = "rp-open-runs"
 STATE_LEDGER_BUCKET = "rp-state-ledger"  # versions kept per org (executor/stateledger.py)
@@ -64,6 +72,7 @@ BUCKETS = (
     IDEMPOTENCY_BUCKET,
     LOGIN_CODES_BUCKET,
     SSO_FLOWS_BUCKET,
+    DEVICE_GRANTS_BUCKET,
     TFE_CONFIGS_BUCKET,
     OPEN_RUNS_BUCKET,
     STATE_LEDGER_BUCKET,
@@ -75,6 +84,7 @@ _TTL = {
     IDEMPOTENCY_BUCKET: IDEMPOTENCY_TTL_S,
     LOGIN_CODES_BUCKET: LOGIN_CODES_KEPT_S,
     SSO_FLOWS_BUCKET: SSO_FLOWS_KEPT_S,
+    DEVICE_GRANTS_BUCKET: DEVICE_GRANTS_KEPT_S,
 }
 _BATCH = 1000
 

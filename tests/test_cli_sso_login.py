@@ -170,4 +170,4 @@ async def test_no_browser_prints_the_url_a_foreign_state_is_ignored_and_a_denial
     assert proc.returncode == 2 and "refused in the browser" in err.decode(), (out, err)
     assert not opened.exists() and not cli.credentials.exists()
     helped = await cli("login", "--help")
-    assert "device flow is not supported" in " ".join(helped.out.split()), helped.out
+    assert "--device --org ORG on a machine without a browser" in " ".join(helped.out.split())

@@ -45,6 +45,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "workspace-deleted": (409, "The workspace is deleted"),
     "body-too-large": (413, "The request body is too large"),
     "quota-exceeded": (429, "A quota of the deployment is reached"),
+    "rate-limited": (429, "Too many requests from this address: wait a minute"),
     "invalid-id": (422, "An identifier is invalid"),
     "invalid-command": (422, "The command is invalid"),
     "invalid-policy": (422, "The policy does not compile"),

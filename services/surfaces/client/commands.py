@@ -84,17 +84,28 @@ def add_parsers(sub: Any) -> None:
         "The token: --token-stdin, else RUNPLANE_TOKEN, else asked for (not echoed); or, "
         "with --sso ORG, signed in through the browser with the organization's identity "
         "provider (authorization code with PKCE, the browser sent back to this machine's "
-        "localhost:10000-10010). The provider's device flow is not supported: on a machine "
-        "without a browser, use --no-browser and open the URL elsewhere with that port "
-        "forwarded (ssh -L), or make a token in the web UI and use --token-stdin.",
+        "localhost:10000-10010); or, with --device --org ORG on a machine without a "
+        "browser, by the device flow: open the page it prints in a browser on any machine, "
+        "enter the code, sign in and approve (runplane's own device authorization grant, "
+        "RFC 8628).",
     )
     login.add_argument("url", help="the API's URL, e.g. https://runplane.example.com")
     login.add_argument("--token-stdin", action="store_true", help="read the token from stdin")
-    login.add_argument(
+    how = login.add_mutually_exclusive_group()
+    how.add_argument(
         "--sso",
         default="",
         metavar="ORG",
         help="sign in to ORG through the browser with its identity provider (single sign-on)",
+    )
+    how.add_argument(
+        "--device",
+        action="store_true",
+        help="with --org ORG: print a page and a code to approve in a browser on any "
+        "machine (the device flow), and wait for the approval",
+    )
+    login.add_argument(
+        "--org", default="", metavar="ORG", help="with --device: the organization to log in to"
     )
     login.add_argument(
         "--no-browser",

@@ -9,7 +9,7 @@ import os
 import sys
 
 from events.codec import valid_id
-from services.surfaces.client import output, sso
+from services.surfaces.client import device, output, sso
 from services.surfaces.client.credentials import Credentials, Login, describe, normal_url
 from services.surfaces.client.errors import ClientError
 from services.surfaces.client.http import Api
@@ -55,7 +55,8 @@ def _read_token(ns: argparse.Namespace) -> str:
 async def login(ns: argparse.Namespace) -> int:
     """Check the token with the server, then store it: a wrong token is never stored.
     With `--sso ORG`, the token is one the browser's sign-in gives
-    (services/surfaces/client/sso.py)."""
+    (services/surfaces/client/sso.py); with `--device --org ORG`, one a browser anywhere
+    approves (services/surfaces/client/device.py)."""
     url = normal_url(ns.url)
     if getattr(ns, "sso", ""):
         if not valid_id(ns.sso):
@@ -63,6 +64,15 @@ async def login(ns: argparse.Namespace) -> int:
         if ns.token_stdin:
             raise ClientError("--sso takes no token: the browser's sign-in gives one", kind="login")
         token = await sso.sso_token(url, ns.sso, ca_file=ns.ca_file, browser=not ns.no_browser)
+    elif getattr(ns, "device", False):
+        org = getattr(ns, "org", "") or ""
+        if not valid_id(org):
+            raise ClientError(
+                "--device needs --org ORG (a valid organization name)", kind="bad-input"
+            )
+        if ns.token_stdin:
+            raise ClientError("--device takes no token: the approval gives one", kind="login")
+        token = await device.device_token(url, org, ca_file=ns.ca_file)
     else:
         token = _read_token(ns)
     async with Api(url, token, ca_file=ns.ca_file) as api:

@@ -13,9 +13,10 @@ more; ending when their sign-in's token does). Only a request to `/login` carryi
 CLI's own `state` is taken: anything else on the port is answered 400 and ignored.
 
 `--no-browser` prints the URL to open (on this machine or, with a tunnel to the port,
-another) instead of starting one. The provider's device flow (RFC 8628, for a terminal
-without a browser) is not used: runplane's consent page, not the provider, issues the
-token, and the tested provider (oidc-provider-mock) has no device endpoint.
+another) instead of starting one. A terminal without a browser uses `--device` instead
+(services/surfaces/client/device.py): runplane's own device authorization grant, not
+the provider's (runplane, not the provider, issues the token, and the tested provider,
+oidc-provider-mock, has no device endpoint).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from services.surfaces.api.context import API
 from services.surfaces.api.middleware import SELF_AUTHENTICATED, problems
-from services.surfaces.ui import actions, live, pages, people, signin, sso, tokens
+from services.surfaces.ui import actions, device, live, pages, people, signin, sso, tokens
 from services.surfaces.ui.sessions import TLS_PROXY, Sessions
 from services.surfaces.ui.templating import GLOBALS
 from services.surfaces.ui.web import JINJA, SESSIONS, html_errors
@@ -34,6 +34,7 @@ ROUTES = [
     web.post("/signin", signin.signin),
     web.post("/signout", signin.signout),
     *sso.ROUTES,
+    *device.ROUTES,
     web.get(tokens.TOKENS, tokens.tokens_page, allow_head=False),
     web.post(tokens.TOKENS, tokens.create_token),
     web.post(tokens.REVOKE, tokens.revoke_token),

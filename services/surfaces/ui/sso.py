@@ -19,8 +19,9 @@ sign the victim in as someone else.
 
 `next` is where the browser goes after: a path on this site only (never a URL, `//host`
 or a backslash: no open redirect), either the organization's own pages or the consent
-page of `terraform login` / `runplane login` (services/surfaces/tfe/login.py); anything
-else lands on the organization's page.
+page of `terraform login` / `runplane login` (services/surfaces/tfe/login.py), or the
+device page of `runplane login --device` (services/surfaces/ui/device.py); anything else
+lands on the organization's page.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PUBLIC_URL_ENV = "RUNPLANE_PUBLIC_URL"
 MAX_NEXT = 2048
 _BINDING = re.compile(r"^[A-Za-z0-9_-]{43}$")
 CONSENT = "/app/oauth/authorize"
+DEVICE = "/device"  # `runplane login --device`'s page (services/surfaces/ui/device.py)
 
 log = structlog.get_logger("runplane.ui.sso")
 
@@ -67,16 +69,20 @@ def safe_next(org: str, wanted: str) -> str:
         return home
     if parts.path == home or parts.path.startswith(home + "/"):
         return wanted
-    if parts.path == CONSENT:
+    if parts.path in (CONSENT, DEVICE):
         return wanted
     return home
 
 
+def public_base(request: web.Request) -> str:
+    """The deployment's public URL if set (`RUNPLANE_PUBLIC_URL`), else this request's
+    own origin."""
+    return os.environ.get(PUBLIC_URL_ENV, "").rstrip("/") or f"{scheme(request)}://{request.host}"
+
+
 def callback_url(request: web.Request) -> str:
-    """Where the provider sends the browser back: the deployment's public URL if set
-    (`RUNPLANE_PUBLIC_URL`), else this request's own origin."""
-    base = os.environ.get(PUBLIC_URL_ENV, "").rstrip("/") or f"{scheme(request)}://{request.host}"
-    return base + CALLBACK
+    """Where the provider sends the browser back."""
+    return public_base(request) + CALLBACK
 
 
 def _failed(request: web.Request, e: Exception) -> web.Response:
@@ -172,6 +178,15 @@ async def sso_button(request: web.Request) -> dict[str, str] | None:
     """The sign-in page's "Sign in with <provider>" of `?org=`, if that organization has
     single sign-on (`next` passed on as given: the start judges it)."""
     org = request.query.get("org", "")
+    label = await sso_label(request, org)
+    if label is None:
+        return None
+    query = urlencode({"org": org, "next": request.query.get("next", "")})
+    return {"label": label, "href": f"{START}?{query}", "org": org}
+
+
+async def sso_label(request: web.Request, org: str) -> str | None:
+    """The name of `org`'s identity provider, if it has single sign-on."""
     kit = request.app.get(KIT)
     if kit is None or not org or not valid_id(org):
         return None
@@ -179,10 +194,7 @@ async def sso_button(request: web.Request) -> dict[str, str] | None:
         config = await kit.configs.load(org)
     except InfraError:
         return None
-    if not config.configured:
-        return None
-    query = urlencode({"org": org, "next": request.query.get("next", "")})
-    return {"label": config.label, "href": f"{START}?{query}", "org": org}
+    return config.label if config.configured else None
 
 
 ROUTES = [
