@@ -60,6 +60,7 @@ from services.processes.subscribers.context import SubscriberContext
 from services.processes.subscribers.host import Host
 from services.processes.vcs.heads import GitHeads
 from services.root.runtime import http_site
+from services.surfaces.api import device as device_api
 from services.surfaces.api import sso as sso_api
 from services.surfaces.api.app import build_app
 from services.surfaces.api.oidc import Issuer
@@ -221,8 +222,11 @@ class Plane:
         if "admin_token" not in given:  # made once into the data directory if not given
             given["admin_token"] = admin_token(self.opts)
         sso_allow = given.pop("sso_allow", self.opts.sso_allow)
+        device_grants = given.pop("device_grants", None)  # tests: their clock and interval
         web_app = build_app(app=self.app, projector=projector, **given)
         sso_api.mount(web_app, allow=sso_allow)  # single sign-on, with the secret store's key
+        # `runplane login --device` (after the UI: it adds to the self-authenticated routes)
+        device_api.mount(web_app, device_grants)
         return web_app
 
     def tls(self) -> ssl.SSLContext | None:

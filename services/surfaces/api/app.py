@@ -15,7 +15,6 @@ from infra.quotas import Quotas
 from projections.metrics import Metrics
 from projections.projector import Projector
 from services.app.commands import App
-from services.app.device import DeviceGrants
 from services.app.repositories import Sources
 from services.app.secrets import SecretStore
 from services.processes.vcs.deliveries import Deliveries
@@ -23,7 +22,6 @@ from services.processes.vcs.heads import GitHeads, Heads
 from services.surfaces.api import (
     changes,
     chat,
-    device,
     docs,
     grants,
     groups,
@@ -110,7 +108,6 @@ def build_app(
     vcs_heads: Heads | None = None,
     quotas: Quotas | None = None,
     workload_identity: oidc.Issuer | None = None,
-    device_grants: DeviceGrants | None = None,
 ) -> web.Application:
     """The aiohttp application of the API over `app` (writes) and `projector` (reads).
 
@@ -125,8 +122,6 @@ def build_app(
     `vcs_heads`: what a webhook's push is checked against (services/processes/vcs/heads.py);
     without it, git with no mirror: only a push of its ref's head starts runs.
     `quotas`: the deployment's bounds on what a tenant grows (infra/quotas.py).
-    `device_grants`: `runplane login --device`'s grants (services/app/device.py; None:
-    the defaults, over the App's NATS connection).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)
@@ -155,7 +150,5 @@ def build_app(
         browser_login=browser_login,
         quotas=quotas,
     )
-    # `runplane login --device`'s endpoints: after the UI too, for the same reason
-    device.mount(web_app, device_grants)
     oidc.mount(web_app, workload_identity)  # last: after the UI's public routes
     return web_app
