@@ -69,7 +69,12 @@ async def test_grants_per_address_are_limited_and_an_unknown_org_gets_the_same_a
 ) -> None:
     unknown = await device.code("no-such-org")
     assert set(unknown) == set(await device.code("acme")), unknown
-    for _ in range(8):
+    r = await device.sso.client.post("/oauth/device/code", json={"organization": "acme"})
+    assert r.status == 200 and set(await r.json()) == set(unknown)  # JSON as well as a form
+    bad = await device.sso.client.post("/oauth/device/code", json=["acme"])
+    problem = await bad.json(content_type=None)
+    assert bad.status == 400 and problem["type"].endswith("/invalid-body"), problem
+    for _ in range(6):
         await device.code("acme")
     status, refused = await device.ask("acme")
     assert status == 429, refused

@@ -9,10 +9,12 @@ fast is told `slow_down`; two polls of an approved grant at once get one token."
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import re
 import stat
 from pathlib import Path
+from urllib.parse import urlencode
 
 from tests.cli_client_support import Cli
 from tests.device_support import V1, Device, device_fixture, nora  # noqa: F401
@@ -139,3 +141,30 @@ async def test_two_polls_of_an_approved_grant_at_once_get_one_token(
     assert len(after) == before + 1, after
     again = await device.poll(answer["device_code"])
     assert again[0] == 400 and again[1]["error"] == "invalid_grant", again
+
+
+async def test_without_a_session_the_page_signs_in_by_sso_and_comes_back_to_the_code(
+    device: Device, idp: Idp
+) -> None:
+    await nora(device.sso, idp)
+    answer = await device.code()
+    complete = answer["verification_uri_complete"].removeprefix(device.base)
+    browser = device.sso.browser()
+    status, _, page = await browser.get(complete)
+    assert status == 401 and "Sign in with" in page, page
+    start = html.unescape(re.search(r'id="sso" href="([^"]+)"', page).group(1))  # type: ignore[union-attr]
+    back = "/device?" + urlencode({"user_code": answer["user_code"]})
+    assert start == "/app/sso/start?" + urlencode({"org": "acme", "next": back}), start
+    status, to_idp, _ = await browser.get(start)
+    assert status == 303, to_idp
+    status, location, _ = await browser.get(await idp.authorize(to_idp, "nora"))
+    assert (status, location) == (303, back)
+    # typed in lower case without the dash, the code is the same code
+    typed = answer["user_code"].replace("-", "").lower()
+    status, _, page = await browser.get(f"/device?user_code={typed}")
+    assert status == 200 and answer["user_code"] in page and "nora@acme.test" in page, page
+    # a next that leaves /device (or the site) is not followed after the sign-in
+    for wanted in ("/device/../orgs/beta", "//evil.test/device", "https://evil.test/device"):
+        other = device.sso.browser()
+        status, location = await other.sign_in(idp, "acme", "nora", wanted)
+        assert (status, location) == (303, "/orgs/acme"), wanted
