@@ -82,11 +82,12 @@ LIMIT: web.AppKey[Window] = web.AppKey("runplane.device.limit", Window)
 def client_address(request: web.Request) -> str:
     """The caller's address: the peer's, or behind the deployment's TLS proxy
     (`--behind-tls-proxy`) the nearest hop's X-Forwarded-For (else it is a client's word)."""
+    found = request.remote or "unknown"
     if request.app.get(TLS_PROXY, False):
         forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
-        if forwarded:
-            return forwarded[:64]
-    return (request.remote or "unknown")[:64]
+        found = forwarded or found
+    # shown on the page and named in a token's name: printable text only
+    return "".join(c for c in found if c.isprintable() and c != " ")[:64] or "unknown"
 
 
 def client_label(client_id: str) -> str:
