@@ -23,13 +23,19 @@ V1 = "/api/v1/orgs"
 
 
 class Clock:
-    """time.time(), moved forward by the test (a grant's expiry without waiting)."""
+    """time.time(), moved forward by the test (a grant's expiry without waiting), or
+    stopped (`freeze`: only the test moves it, so a loaded machine's pause between two
+    requests is not a poll in time)."""
 
     def __init__(self) -> None:
         self.offset = 0.0
+        self.frozen: float | None = None
+
+    def freeze(self) -> None:
+        self.frozen = time.time()
 
     def __call__(self) -> float:
-        return time.time() + self.offset
+        return (time.time() if self.frozen is None else self.frozen) + self.offset
 
 
 class Hidden(HTMLParser):

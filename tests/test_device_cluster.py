@@ -33,6 +33,11 @@ async def test_approved_on_one_replica_and_redeemed_once_across_both(
     second = tmp_path / "replica-2" / "rm.sqlite"
     second.parent.mkdir()
     async with replica(nc, system.keyring, second, sso_allow=LOOPBACK) as other:
+
+        async def caught_up() -> bool:  # replica 2's read model knows acme (its sign-in asks)
+            return (await other.get("/api/v1/orgs/acme")).status == 200
+
+        await eventually(caught_up, what="replica 2's read model")
         status, pending = await _poll(other.client, answer["device_code"])  # polled at replica 2
         assert (status, pending["error"]) == (400, "authorization_pending"), pending
         browser = Browser(other.client)  # the person reaches replica 2

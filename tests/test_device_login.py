@@ -106,6 +106,7 @@ async def test_an_expired_code_ends_the_cli_and_is_approved_by_no_one(
 async def test_polling_faster_than_the_interval_is_told_slow_down_and_the_interval_grows(
     device: Device,
 ) -> None:
+    device.clock.freeze()
     answer = await device.code()
     assert answer["interval"] == 1 and answer["expires_in"] == 600, answer
     assert re.fullmatch(r"[BCDFGHJKLMNPQRSTVWXZ]{4}-[BCDFGHJKLMNPQRSTVWXZ]{4}", answer["user_code"])
