@@ -16,9 +16,10 @@ import stat
 from pathlib import Path
 from urllib.parse import urlencode
 
+from services.root.bootstrap import Plane
 from tests.cli_client_support import Cli
 from tests.device_support import V1, Device, device_fixture, nora  # noqa: F401
-from tests.sso_support import Idp, idp_fixture  # noqa: F401
+from tests.sso_support import Idp, idp_fixture, sso_api  # noqa: F401
 
 _LINE = re.compile(r"^Open (\S+/device) and enter ([A-Z]{4}-[A-Z]{4}) \(or open (\S+)\)$")
 
@@ -169,3 +170,14 @@ async def test_without_a_session_the_page_signs_in_by_sso_and_comes_back_to_the_
         other = device.sso.browser()
         status, location = await other.sign_in(idp, "acme", "nora", wanted)
         assert (status, location) == (303, "/orgs/acme"), wanted
+
+
+async def test_the_verification_uri_is_the_deployments_public_url(
+    system: Plane, tmp_path: Path
+) -> None:
+    public = "https://runplane.example.test/base"
+    async with sso_api(system, tmp_path / "rm.sqlite", public_url=public + "/") as sso:
+        r = await sso.client.post("/oauth/device/code", data={"organization": "acme"})
+        answer = await r.json()
+    assert answer["verification_uri"] == public + "/device", answer
+    assert answer["verification_uri_complete"].startswith(public + "/device?user_code="), answer

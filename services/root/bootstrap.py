@@ -223,10 +223,11 @@ class Plane:
             given["admin_token"] = admin_token(self.opts)
         sso_allow = given.pop("sso_allow", self.opts.sso_allow)
         device_grants = given.pop("device_grants", None)  # tests: their clock and interval
+        public_url = given.pop("public_url", self.opts.public_url)
         web_app = build_app(app=self.app, projector=projector, **given)
         sso_api.mount(web_app, allow=sso_allow)  # single sign-on, with the secret store's key
         # `runplane login --device` (after the UI: it adds to the self-authenticated routes)
-        device_api.mount(web_app, device_grants)
+        device_api.mount(web_app, device_grants, public_url=public_url)
         return web_app
 
     def tls(self) -> ssl.SSLContext | None:

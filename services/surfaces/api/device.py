@@ -5,7 +5,7 @@ services/app/device.py's.
 
 `POST /oauth/device/code` (form or JSON: `organization`, `client_id` default
 `runplane-cli`) answers RFC 8628 3.2's JSON: `device_code`, `user_code` (`XXXX-XXXX`),
-`verification_uri` (`<public URL>/device`), `verification_uri_complete`, `expires_in`,
+`verification_uri` (`<--public-url>/device`), `verification_uri_complete`, `expires_in`,
 `interval`. An organization that does not exist gets the same answer (nothing tells which
 organizations exist), and its grant can never be approved: only a signed-in member of the
 grant's organization approves, and no session exists for an organization that does not.
@@ -53,6 +53,7 @@ WINDOW_S = 60.0
 MAX_BODY = 16 * 1024
 MAX_ORG = 100
 DEVICE: web.AppKey[DeviceGrants] = web.AppKey("runplane.device", DeviceGrants)
+PUBLIC_URL: web.AppKey[str] = web.AppKey("runplane.device.public_url", str)
 
 log = structlog.get_logger("runplane.device")
 
@@ -135,7 +136,7 @@ async def device_code(request: web.Request) -> web.Response:
     grants = request.app[DEVICE]
     device, grant = await grants.create(org, client_id, address)
     log.info("device_grant_created", org=org, client=client_id, address=address)
-    verify = public_base(request) + VERIFY
+    verify = (request.app.get(PUBLIC_URL) or public_base(request)) + VERIFY
     complete = verify + "?" + urlencode({"user_code": shown(grant.user_code), "org": org})
     answer = {
         "device_code": device,
@@ -193,10 +194,15 @@ async def device_token(request: web.Request) -> web.Response:
 ROUTES = [web.post(CODE, device_code), web.post(TOKEN, device_token)]
 
 
-def mount(web_app: web.Application, grants: DeviceGrants | None = None) -> None:
+def mount(
+    web_app: web.Application, grants: DeviceGrants | None = None, *, public_url: str = ""
+) -> None:
     """Add the endpoints (after the web UI: they add to the routes that authenticate
-    themselves). `grants`: the bucket's grants (None: over the API's NATS connection)."""
+    themselves). `grants`: the bucket's grants (None: over the API's NATS connection).
+    `public_url`: the deployment's (`--public-url`), the verification URI's base; ""
+    `RUNPLANE_PUBLIC_URL`, else the URL the request reached."""
     web_app[DEVICE] = grants or DeviceGrants(web_app[API].app.store.nc)
+    web_app[PUBLIC_URL] = public_url.rstrip("/")
     web_app[LIMIT] = Window(PER_ADDRESS, WINDOW_S)
     web_app.add_routes(ROUTES)
     own = web_app.get(SELF_AUTHENTICATED, frozenset())
