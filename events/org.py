@@ -154,6 +154,7 @@ OrgCommand = (
     | tm.DeleteTeam
     | tm.SetTeamMembers
     | tm.GrantAccess
+    | tm.ForgetWorkspace
     | te.SaveTemplate
     | te.DeleteTemplate
     | po.SavePolicy
@@ -265,6 +266,7 @@ def decide(
             | tm.DeleteTeam()
             | tm.SetTeamMembers()
             | tm.GrantAccess()
+            | tm.ForgetWorkspace()
         ):
             _exists(state)
             return _decide_people(state, command, now)
@@ -367,6 +369,8 @@ def _decide_people(state: OrgState, command: OrgCommand, now: datetime) -> list[
             return [tm.set_members(state.teams, state.members, command, now)]
         case tm.GrantAccess():
             return list(tm.grant(state.teams, state.folders, command, now))
+        case tm.ForgetWorkspace():
+            return list(tm.forget(state.teams, command, now))
         case _:
             raise Invalid(f"not a people command: {type(command).__name__}")
 

@@ -86,8 +86,16 @@ class AccessGranted(Event, frozen=True, kw_only=True, tag="org.access_granted"):
 
 
 class AccessRevoked(Event, frozen=True, kw_only=True, tag="org.access_revoked"):
+    """`team`'s grant on `target` ended: an admin took it back (`reason` ""), or the
+    workspace it named was purged (`reason` "workspace purged": the name is free, and a
+    workspace made again under it starts with no grant)."""
+
     team: str
     target: str
+    reason: str = ""
+
+
+PURGED = "workspace purged"
 
 
 TeamEvent = TeamSet | TeamDeleted | TeamMembersSet | UserTeamsSynced | AccessGranted | AccessRevoked
@@ -113,6 +121,12 @@ class GrantAccess(Command, frozen=True, kw_only=True):
     team: str
     target: str
     level: str  # "none" revokes
+
+
+class ForgetWorkspace(Command, frozen=True, kw_only=True):
+    """The workspace's name is being freed (its purge): every grant naming it ends."""
+
+    workspace: str
 
 
 def target_key(kind: str, name: str = "") -> str:
@@ -221,6 +235,17 @@ def grant(
     if key not in team.access and len(team.access) >= MAX_GRANTS:
         raise Invalid(f"a team holds at most {MAX_GRANTS} grants")
     return [AccessGranted(at=now, actor=cmd.actor, team=cmd.team, target=key, level=cmd.level)]
+
+
+def forget(teams: Mapping[str, Team], cmd: ForgetWorkspace, now: datetime) -> list[TeamEvent]:
+    """Every team's grant on the workspace, revoked (nothing when none holds one): a grant
+    names a workspace by name, and must not pass to another workspace given that name."""
+    key = target_key("workspace", cmd.workspace)
+    return [
+        AccessRevoked(at=now, actor=cmd.actor, team=name, target=key, reason=PURGED)
+        for name, team in sorted(teams.items())
+        if key in team.access
+    ]
 
 
 def sync(

@@ -5,6 +5,12 @@ Each change is an event of the organization naming who granted what to whom
 (`org.access_granted`, `org.access_revoked`), and holds on every replica from its answer
 (every request reads the organization at or past its last event). Granting on the
 organization needs its admin; on a folder or a workspace, admin there.
+
+A grant names its workspace by name, and ends with it: a deleted workspace takes no new
+grant (409 `workspace-deleted`), and its purge revokes every grant on it
+(services/surfaces/api/workspaces.py), so a workspace made again under the name starts
+with none. A grant decided on the workspace as it was just before a delete and purge
+is checked again once written, and taken back (404) if the workspace it named is gone.
 """
 
 from __future__ import annotations
@@ -15,6 +21,12 @@ import msgspec
 from aiohttp import web
 
 from events import teams as tm
+from events.codec import ws_subject
+from events.org import OrgState
+from events.workspace import WorkspaceState
+from infra.eventstore import LATEST
+from services.app.aggregates import WORKSPACE
+from services.app.execute import Result
 from services.surfaces.api.bodies import Body, Name, read_body
 from services.surfaces.api.common import (
     Row,
@@ -24,6 +36,7 @@ from services.surfaces.api.common import (
     path_id,
     scope,
 )
+from services.surfaces.api.context import Api
 from services.surfaces.api.paths import ORG, WS
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import REF, STR, Doc, list_of, operation
@@ -73,14 +86,45 @@ async def put_grant(request: web.Request) -> web.Response:
     api, org, who = await scope(request, action)
     body = await read_body(request, GrantBody)
     await org_state(api, org)
-    if key.startswith("workspace:"):
-        ws = key.partition(":")[2]
-        if not (await api.app.load_ws(org, ws)).state.exists:
-            raise Problem("not-found", f"workspace {ws} not found")
     cmd = tm.GrantAccess(actor=who.user, team=body.team, target=key, level=body.level)
-    result = await api.app.org_command(org, cmd)
+    result = await grant(api, org, cmd)
     await api.after_write(result.seq)
     return command_answer({"items": _grants(result.state.teams, key)}, result.seq)
+
+
+async def grant(api: Api, org: str, cmd: tm.GrantAccess) -> Result[OrgState]:
+    """Record a grant (API and UI alike): on a workspace, only while one lives under the
+    name (404 none, 409 deleted), and taken back (404) if it was purged meanwhile."""
+    kind, _, ws = cmd.target.partition(":")
+    if kind != "workspace" or cmd.level == "none":
+        return await api.app.org_command(org, cmd)
+    life = _life(ws, await _workspace(api, org, ws))
+    result = await api.app.org_command(org, cmd)
+    if result.events and not _same_life(await _workspace(api, org, ws), life):
+        # deleted (and purged) between the check and the write: the grant goes again
+        undo = msgspec.structs.replace(cmd, level="none")
+        await api.app.org_command(org, undo)
+        raise Problem("not-found", f"workspace {ws} not found")
+    return result
+
+
+async def _workspace(api: Api, org: str, ws: str) -> WorkspaceState:
+    """The workspace named `ws` as the stream's leader has it."""
+    return (await api.app.load(WORKSPACE, ws_subject(org, ws), min_seq=LATEST)).state
+
+
+def _life(ws: str, state: WorkspaceState) -> int:
+    """Which life of its name a live workspace is (its name's purges so far); 404 when
+    no workspace has the name, 409 when it is deleted."""
+    if not state.exists:
+        raise Problem("not-found", f"workspace {ws} not found")
+    if state.deleted:
+        raise Problem("workspace-deleted", f"workspace {ws} is deleted: it takes no grant")
+    return state.purges
+
+
+def _same_life(state: WorkspaceState, life: int) -> bool:
+    return state.exists and not state.deleted and state.purges == life
 
 
 # ---------------------------------------------------------------- OpenAPI

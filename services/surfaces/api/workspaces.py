@@ -12,8 +12,10 @@ workspace. It removes what a new workspace of that name would otherwise inherit:
 sealed secret variables (`rp-secrets`), its managed state's head, pending version and
 lock (`rp-state-head`, `rp-state-locks`; the state versions themselves stay in `rp-state`,
 named by their `run.state_version` events, for an operator to restore), its
-notification configurations, its schedules and the run triggers it follows or is
-followed by; then it records `ws.purged`, after which the aggregate
+notification configurations, its schedules, the run triggers it follows or is
+followed by, and every team's grant on it (`org.access_revoked`, reason "workspace
+purged": a grant names a workspace by name, and must not pass to a workspace made
+again under it); then it records `ws.purged`, after which the aggregate
 folds to a workspace never created, and the read model drops the workspace's row and
 its old runs' rows (runs, steps, changes, resource states) and state versions, so a
 workspace created again under the name lists only its own. The removals come first: a
@@ -33,6 +35,7 @@ from aiohttp import web
 
 from events import notification as nt
 from events import schedule as sc
+from events import teams as tm
 from events.workspace import CONFIG_MEMBERS, VCS_RUN_TYPES
 from executor.statestore import pending_key, ws_key
 from infra.eventstore import LATEST
@@ -137,6 +140,7 @@ async def _remove_attached(request: web.Request, api: Api, org: str, ws: str, us
             delete = nt.DeleteConfig(actor=user, config_id=config.id)
             await outbox.command(api.app, org, delete)
     await _forget_schedules_and_triggers(api, org, ws, user)
+    await api.app.org_command(org, tm.ForgetWorkspace(actor=user, workspace=ws))
     log.info("workspace_purging", org=org, workspace=ws)
 
 

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from events import members as mb
 from events import teams as tm
+from services.surfaces.api import grants
 from services.surfaces.api.people import (
     check_members,
     check_standing,
@@ -123,7 +124,7 @@ async def grant(visit: Visit) -> web.StreamResponse:
         target=f"{kind}:{name}",
         level=_field(visit, "level", 10),
     )
-    result = await visit.api.app.org_command(visit.org, cmd)
+    result = await grants.grant(visit.api, visit.org, cmd)
     await visit.api.after_write(result.seq)
     where = "workspaces" if kind == "workspace" else "folders"
     return see_other(f"/orgs/{visit.org}/{where}/{name}")
