@@ -8,10 +8,13 @@ TLS (to this process, or to the deployment's TLS proxy when it says it has one:
 The server keeps the session (its token, organization and CSRF token) in a NATS bucket
 (`rp-ui-sessions`, infra/kv.py) that every api replica reads, so a browser
 signed in through one replica is signed in on all, and signing out on any ends it on
-all, whatever the browser keeps. Each request authenticates the session's token
-again (services/surfaces/api/auth.py), so a token revoked or expired ends its sessions at once. A
-sign-in always mints a new id (no fixation: an id planted before it is never promoted),
-and a session is bound to the one organization it signed in to.
+all, whatever the browser keeps. Signing out of a single sign-on session also revokes
+the token the sign-in made for it (`org.token_revoked`: every replica refuses it from
+the answer on), so neither a copied cookie nor that token works after. Each request
+authenticates the session's token again (services/surfaces/api/auth.py), so a token
+revoked or expired ends its sessions at once. A sign-in always mints a new id (no
+fixation: an id planted before it is never promoted), and a session is bound to the one
+organization it signed in to.
 
 What the bucket holds names no usable cookie and no token: the key is a digest of the
 session id, the value is sealed (AES-GCM) with a key derived from that id, which only the
@@ -56,12 +59,15 @@ _STREAM = f"KV_{UI_SESSIONS_BUCKET}"
 
 
 class Session(msgspec.Struct, kw_only=True):
-    """One signed-in browser: its token (never sent back), organization and CSRF token."""
+    """One signed-in browser: its token (never sent back), organization and CSRF token.
+    `minted`: the token was made for this session (single sign-on's), so signing out
+    revokes it; a token the person pasted at sign-in is theirs to keep."""
 
     token: str
     org: str
     csrf: str
     used: float
+    minted: bool = False
 
 
 class SessionError(Exception):
@@ -127,10 +133,12 @@ class Sessions:
             self._kv = await self.nc.jetstream(timeout=self.timeout).key_value(UI_SESSIONS_BUCKET)
         return self._kv
 
-    async def start(self, token: str, org: str) -> tuple[str, Session]:
+    async def start(self, token: str, org: str, *, minted: bool = False) -> tuple[str, Session]:
         """A new session with a fresh id (the cookie's value) and CSRF token."""
         session_id = secrets.token_urlsafe(32)
-        session = Session(token=token, org=org, csrf=secrets.token_urlsafe(32), used=time.time())
+        session = Session(
+            token=token, org=org, csrf=secrets.token_urlsafe(32), used=time.time(), minted=minted
+        )
         key = _key(session_id)
         try:
             bucket = await self._bucket()

@@ -1,4 +1,12 @@
-"""Sign in at `/` with a token, sign out at `/signout`."""
+"""Sign in at `/` with a token, sign out at `/signout`.
+
+Signing out ends the browser's session on every replica; a single sign-on session's
+token (made by the sign-in for that session alone) is revoked with it, so a copy of the
+cookie or of the token works nowhere after. A token pasted at sign-in is the person's
+own (they may use it elsewhere): signing out leaves it, as revoking it is theirs to do
+(`/app/settings/tokens`). Tokens `terraform login` or `runplane login --sso` made from
+the session are the CLI's and stay until they expire (never later than the session's).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +14,8 @@ import secrets
 
 from aiohttp import web
 
+from events.org import RevokeToken
+from infra.ids import hash_token
 from services.surfaces.api.auth import authenticate
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.context import API
@@ -89,7 +99,8 @@ async def _signin(request: web.Request, token: str, org_field: str) -> web.Strea
 
 
 async def signout(request: web.Request) -> web.StreamResponse:
-    """End the session on the server (CSRF checked: no other site signs anyone out)."""
+    """End the session on the server (CSRF checked: no other site signs anyone out), and
+    revoke the token single sign-on made for it."""
 
     async def call() -> web.StreamResponse:
         sessions = request.app[SESSIONS]
@@ -101,9 +112,24 @@ async def signout(request: web.Request) -> web.StreamResponse:
             check_csrf(fields.get("csrf", ""), session.csrf if session else "")
         except SessionError as e:
             return error_page(request, 403, "Refused", str(e))
+        if session is not None and session.minted:
+            await _revoke(request, session.token)
+            await sessions.end_token(session.token)
         await sessions.end(session_id)
         response = see_other("/")
         response.del_cookie(COOKIE, path="/")
         return response
 
     return await guarded(request, call)
+
+
+async def _revoke(request: web.Request, token: str) -> None:
+    """Revoke a session's own token (`org.token_revoked`), read back before the answer:
+    a stolen copy of the token or cookie is refused on every replica from then on."""
+    api = request.app[API]
+    row = await api.token(hash_token(token))
+    if row is None or row["revoked_at"] is not None:
+        return
+    command = RevokeToken(actor=row["user"], token_id=row["token_id"])
+    result = await api.app.org_command(row["org"], command)
+    await api.after_write(result.seq)

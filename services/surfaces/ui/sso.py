@@ -167,7 +167,7 @@ async def callback(request: web.Request) -> web.StreamResponse:
         return _failed(request, e)
     sessions = request.app[SESSIONS]
     await sessions.end(request.cookies.get(COOKIE))
-    session_id, _ = await sessions.start(signed.token, done.flow.org)
+    session_id, _ = await sessions.start(signed.token, done.flow.org, minted=True)
     log.info("sso_signed_in", org=done.flow.org, user=signed.user_id, issuer=done.flow.issuer)
     response = web.Response(status=303, headers={"Location": done.flow.return_to})
     set_cookie(response, request, COOKIE, session_id)
