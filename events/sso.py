@@ -14,7 +14,7 @@ machine), with no credentials, query or fragment; names are short and printable.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import assert_never
 from urllib.parse import urlsplit
@@ -61,6 +61,9 @@ class SsoConfigured(Event, frozen=True, kw_only=True, tag="org.sso_configured"):
     groups_claim: str = DEFAULT_GROUPS_CLAIM
     group_rules: list[GroupRule] = []
     secret_changed: bool = False
+    # refuse an ID token without `email_verified: true` (events of before: False, which
+    # refuses only an explicit false)
+    require_email_verified: bool = False
 
 
 class SsoRemoved(Event, frozen=True, kw_only=True, tag="org.sso_removed"):
@@ -81,6 +84,7 @@ class ConfigureSso(Command, frozen=True, kw_only=True):
     groups_claim: str = DEFAULT_GROUPS_CLAIM
     group_rules: list[GroupRule] = []
     secret_changed: bool = False
+    require_email_verified: bool = False
 
 
 class RemoveSso(Command, frozen=True, kw_only=True):
@@ -97,6 +101,7 @@ class SsoState(msgspec.Struct, frozen=True, kw_only=True):
     allowed_domains: list[str] = []
     groups_claim: str = DEFAULT_GROUPS_CLAIM
     group_rules: list[GroupRule] = []
+    require_email_verified: bool = False
     configured_at: datetime | None = None
     configured_by: str = ""
     version: int = 0
@@ -126,6 +131,7 @@ def evolve(state: SsoState, event: SsoEvent) -> SsoState:
                 allowed_domains=list(event.allowed_domains),
                 groups_claim=event.groups_claim,
                 group_rules=list(event.group_rules),
+                require_email_verified=event.require_email_verified,
                 configured_at=event.at,
                 configured_by=event.actor,
             )
@@ -159,6 +165,7 @@ def decide(
                 groups_claim=command.groups_claim,
                 group_rules=command.group_rules,
                 secret_changed=command.secret_changed,
+                require_email_verified=command.require_email_verified,
             )
             if not command.secret_changed and _same(state, event):
                 return []
@@ -179,7 +186,16 @@ def _same(state: SsoState, e: SsoConfigured) -> bool:
         state.allowed_domains,
         state.groups_claim,
         state.group_rules,
-    ) == (e.issuer, e.client_id, e.display_name, e.allowed_domains, e.groups_claim, e.group_rules)
+        state.require_email_verified,
+    ) == (
+        e.issuer,
+        e.client_id,
+        e.display_name,
+        e.allowed_domains,
+        e.groups_claim,
+        e.group_rules,
+        e.require_email_verified,
+    )
 
 
 # ---------------------------------------------------------------- the checks
@@ -229,6 +245,18 @@ def check_configuration(c: ConfigureSso) -> None:
             raise Invalid(f"group_rules: a group is 1 to {MAX_GROUP} printable characters")
         if not TEAM_RE.fullmatch(rule.team):
             raise Invalid(f"group_rules: team {rule.team[:64]!r} is no team name ([a-z0-9-])")
+
+
+def email_unverified(claims: Mapping[str, object], *, required: bool) -> bool:
+    """Whether an ID token's `email_verified` refuses its sign-in: false (the boolean, or
+    the string "false" some providers send) always; missing (many providers leave it
+    out) or anything but true only when the configuration `required` it."""
+    verified = claims.get("email_verified")
+    if isinstance(verified, str):
+        verified = {"true": True, "false": False}.get(verified.strip().lower(), verified)
+    if verified is False:
+        return True
+    return required and verified is not True
 
 
 def email_allowed(email: str, domains: Sequence[str]) -> bool:

@@ -19,6 +19,7 @@ from tests.sso_support import (
     Idp,
     Sso,
     idp_fixture,  # noqa: F401  # the fixture
+    org_tokens,
     sso_fixture,  # noqa: F401  # the fixture
 )
 
@@ -30,6 +31,13 @@ async def _post(browser: Browser, path: str, page: str, **fields: str) -> tuple[
     data = {"csrf": _CSRF.findall(page)[0], **fields}
     async with browser.session.post(browser.url(path), data=data, allow_redirects=False) as r:
         return r.status, await r.text()
+
+
+async def _callback(sso: Sso, idp: Idp, sub: str) -> tuple[int, str]:
+    """A browser's whole sign-in as `sub`: the callback's (status, page)."""
+    browser = sso.browser()
+    status, _, page = await browser.get(await idp.authorize(await browser.begin("acme"), sub))
+    return status, page
 
 
 async def _ui_sign_in(browser: Browser, token: str) -> tuple[int, str]:
@@ -91,3 +99,25 @@ async def test_signing_out_of_a_pasted_token_session_leaves_the_token(sso: Sso) 
     assert (await _post(browser, "/signout", page))[0] == 303
     assert (await browser.get("/orgs/acme"))[0] != 200
     assert (await sso.http.get("/api/v1/whoami", token=token)).status == 200
+
+
+async def test_an_id_token_whose_email_is_not_verified_signs_no_one_in(sso: Sso, idp: Idp) -> None:
+    """`email_verified: false` (a boolean, or the string some providers send) is the
+    sign-in error page `sso-email-unverified`, nothing written. A missing claim is taken
+    (many providers leave it out), unless the configuration sets `require_email_verified`,
+    which then refuses it too."""
+    await sso.configure("acme", idp)
+    before = await org_tokens(sso, "acme")
+    for sub, verified in (("mallory", False), ("trudy", "false")):
+        await idp.user(sub, email=f"{sub}@acme.test", email_verified=verified)
+        status, page = await _callback(sso, idp, sub)
+        assert status == 400 and "(sso-email-unverified)" in page, (sub, status, page)
+    assert await org_tokens(sso, "acme") == before
+    await idp.user("alice", email="alice@acme.test")  # no email_verified claim
+    await idp.user("vera", email="vera@acme.test", email_verified=True)
+    assert (await sso.browser().sign_in(idp, "acme", "alice"))[0] == 303
+    config = await sso.configure("acme", idp, require_email_verified=True)
+    assert config["require_email_verified"] is True
+    status, page = await _callback(sso, idp, "alice")
+    assert status == 400 and "(sso-email-unverified)" in page, page
+    assert (await sso.browser().sign_in(idp, "acme", "vera"))[0] == 303

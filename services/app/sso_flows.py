@@ -15,8 +15,10 @@ the flow began with (issuer and client id, read from the stream's leader: a flow
 for one configuration never finishes under another), the callback's `iss` (RFC 9207)
 is that issuer, the code is exchanged at that issuer's token endpoint with the verifier,
 the ID token verifies (infra/oidc.py), its nonce is used for the first time anywhere
-(`update(last=0)`), the email is present and of an allowed domain, the groups claim is a
-list of strings. Only then is the identity hook called (services/app/sso.py `SignIn`).
+(`update(last=0)`), the email is present, not `email_verified: false` (`"false"` too;
+a missing claim is taken, as many providers leave it out, unless the configuration sets
+`require_email_verified`: then only `true` is) and of an allowed domain, the groups claim
+is a list of strings. Only then is the identity hook called (services/app/sso.py `SignIn`).
 """
 
 from __future__ import annotations
@@ -248,8 +250,10 @@ def person_of(org: str, config: sso.SsoState, claims: dict[str, Any]) -> Person:
     email = claims.get("email")
     if not isinstance(email, str) or user_problem(email) or "@" not in email:
         raise SsoError("the ID token carries no usable email", reason="sso-bad-claims")
-    if claims.get("email_verified") is False:
-        raise SsoError("the identity provider has not verified the email", reason="sso-bad-claims")
+    if sso.email_unverified(claims, required=config.require_email_verified):
+        raise SsoError(
+            "the identity provider has not verified the email", reason="sso-email-unverified"
+        )
     if not sso.email_allowed(email, config.allowed_domains):
         raise SsoError(
             f"{email.rpartition('@')[2][:64]} is not a domain allowed to sign in to {org}",

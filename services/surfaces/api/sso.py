@@ -2,13 +2,14 @@
 web UI's sign-in uses (services/surfaces/ui/sso.py).
 
 `PUT /api/v1/orgs/{org}/sso` `{"issuer", "client_id", "client_secret"?, "display_name"?,
-"allowed_domains"?, "groups_claim"?, "group_rules"?}`: the body is checked, then the
-issuer's address is judged (`RUNPLANE_SSO_ALLOW`, as notifications' destinations are) and
-its discovery document fetched and checked (it must name exactly this issuer) before
-anything is written; a refusal is 422 `invalid-sso-issuer` with the `reason`. The client
-secret is write-only: sealed (services/app/sso.py), shown as `(sensitive)`, never logged;
-a later PUT without it keeps it, `""` removes it (a public client: PKCE alone). `GET`
-answers the configuration, `DELETE` turns single sign-on off and purges the secret.
+"allowed_domains"?, "groups_claim"?, "group_rules"?, "require_email_verified"?}`: the body
+is checked, then the issuer's address is judged (`RUNPLANE_SSO_ALLOW`, as notifications'
+destinations are) and its discovery document fetched and checked (it must name exactly
+this issuer) before anything is written; a refusal is 422 `invalid-sso-issuer` with the
+`reason`. The client secret is write-only: sealed (services/app/sso.py), shown as
+`(sensitive)`, never logged; a later PUT without it keeps it, `""` removes it (a public
+client: PKCE alone). `GET` answers the configuration, `DELETE` turns single sign-on off
+and purges the secret.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class SsoBody(Body, frozen=True, kw_only=True):
     allowed_domains: Annotated[list[str], msgspec.Meta(max_length=sso.MAX_DOMAINS)] = []
     groups_claim: Annotated[str, msgspec.Meta(min_length=1, max_length=64)] = "groups"
     group_rules: Annotated[list[RuleBody], msgspec.Meta(max_length=sso.MAX_RULES)] = []
+    require_email_verified: bool = False
 
 
 def _row(state: sso.SsoState, *, secret: bool) -> dict[str, Any]:
@@ -132,6 +134,7 @@ def _row(state: sso.SsoState, *, secret: bool) -> dict[str, Any]:
         "allowed_domains": state.allowed_domains,
         "groups_claim": state.groups_claim,
         "group_rules": [{"group": r.group, "team": r.team} for r in state.group_rules],
+        "require_email_verified": state.require_email_verified,
         "configured_at": state.configured_at.isoformat() if state.configured_at else None,
         "configured_by": state.configured_by,
     }
@@ -150,6 +153,7 @@ async def put_sso(request: web.Request) -> web.Response:
         groups_claim=body.groups_claim,
         group_rules=[sso.GroupRule(group=r.group, team=r.team) for r in body.group_rules],
         secret_changed=body.client_secret is not None,
+        require_email_verified=body.require_email_verified,
     )
     sso.check_configuration(command)  # 422 before the provider is asked anything
     found = kit_of(request)
@@ -205,6 +209,7 @@ _SSO: Doc = {
         "allowed_domains": {"type": "array", "items": STR},
         "groups_claim": STR,
         "group_rules": {"type": "array", "items": {"$ref": REF.format(name="RuleBody")}},
+        "require_email_verified": {"type": "boolean"},
         "configured_at": {"anyOf": [TIME, {"type": "null"}]},
         "configured_by": STR,
     },
