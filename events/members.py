@@ -13,8 +13,11 @@ the single sign-on identity it saw), in its own aggregate, for two reasons:
   team change or a revoked grant holds on every replica from its acknowledgement.
 
 A user comes by an admin's invitation (`via` "invitation") or at first single sign-on
-(`via` "sso", services/app/identity.py). Suspension is an event; a suspended user's
+(`via` "sso", services/app/identity.py). Suspension is an event; with it every personal
+token of the user is revoked (events/org.py: a reactivation brings none back), so their
 tokens and sessions are refused at their next use, and nothing they sign in with works.
+Team and organization tokens they made stay: they are their team's and organization's,
+not the person's (as HCP Terraform's team and organization tokens outlive a member).
 """
 
 from __future__ import annotations

@@ -356,7 +356,8 @@ def _decide_people(state: OrgState, command: OrgCommand, now: datetime) -> list[
         case mb.InviteUser():
             return [mb.invite(state.members, command, now)]
         case mb.SuspendUser():
-            return list(mb.suspend(state.members, command, now))
+            suspended = list(mb.suspend(state.members, command, now))
+            return [*suspended, *_revoke_personal(state, command, now)] if suspended else []
         case mb.ReactivateUser():
             return list(mb.reactivate(state.members, command, now))
         case SignInUser():
@@ -380,6 +381,18 @@ def _revoke_team(state: OrgState, command: tm.DeleteTeam, now: datetime) -> list
     live = [
         t for t, o in state.owners.items()
         if o.kind == "team" and o.owner == command.name and t not in state.revoked
+    ]  # fmt: skip
+    return [TokenRevoked(at=now, actor=command.actor, token_id=t) for t in live]
+
+
+def _revoke_personal(state: OrgState, command: mb.SuspendUser, now: datetime) -> list[OrgEvent]:
+    """A suspension ends the user's personal tokens (those made by the API, the tokens
+    page, single sign-on's sessions, `terraform login`, `runplane login --sso`): revoked,
+    so a reactivation brings none back. Team and organization tokens the user made are
+    their team's and organization's (as HCP Terraform's): they stay."""
+    live = [
+        t for t, o in state.owners.items()
+        if o.kind == "user" and o.owner == command.user_id and t not in state.revoked
     ]  # fmt: skip
     return [TokenRevoked(at=now, actor=command.actor, token_id=t) for t in live]
 

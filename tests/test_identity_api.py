@@ -94,9 +94,11 @@ async def test_a_folder_grant_holds_for_workspaces_in_nested_folders(http: Http)
     (await http.get(f"{V1}/a/workspaces/db", token=token)).problem("not-found", 404)
 
 
-async def test_suspension_ends_every_token_of_the_user_at_once_and_reactivation_restores(
+async def test_suspension_ends_every_token_of_the_user_at_once_and_reactivation_restores_the_user(
     http: Http,
 ) -> None:
+    """Reactivated, the user may have tokens again; the ones of before stay revoked (a
+    suspension ends them: one that leaked does not come back with its user)."""
     await http.org("a")
     token = await person(http, "a", "sam@a.io", "ops", org="read")
     user_id = (await http.get("/api/v1/whoami", token=token)).body["user_id"]
@@ -108,7 +110,10 @@ async def test_suspension_ends_every_token_of_the_user_at_once_and_reactivation_
     made = await http.post(f"{V1}/a/tokens", json={"kind": "user", "user_id": user_id})
     made.problem("forbidden", 403)  # nothing new for a suspended user either
     assert (await http.post(f"{V1}/a/users/{user_id}/reactivate")).status == 200
-    assert (await http.get(f"{V1}/a/workspaces", token=token)).status == 200
+    (await http.get(f"{V1}/a/workspaces", token=token)).problem("unauthorized", 401)
+    made = await http.post(f"{V1}/a/tokens", json={"kind": "user", "user_id": user_id})
+    assert made.status == 201, made.body
+    assert (await http.get(f"{V1}/a/workspaces", token=made.body["token"])).status == 200
 
 
 async def test_a_personal_token_carries_its_users_access_now_not_at_issue(http: Http) -> None:

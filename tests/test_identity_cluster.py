@@ -78,4 +78,5 @@ async def test_a_user_suspended_through_one_replica_is_refused_at_once_by_the_ot
         assert (await a.post(f"{V1}/acme/users/{user_id}/reactivate")).status == 200
         async with browser.get("/orgs/acme", allow_redirects=False) as r:
             assert r.status == 303  # ended sessions stay ended: sign in again
-        assert (await b.get(f"{V1}/acme/workspaces", token=token)).status == 200
+        # and so do the tokens: the suspension revoked them
+        (await b.get(f"{V1}/acme/workspaces", token=token)).problem("unauthorized", 401)

@@ -159,9 +159,10 @@ async def test_a_state_or_log_url_handed_to_a_user_ends_with_their_token_or_acce
     tfe: Tfe,
 ) -> None:
     """The URLs Terraform fetches without a token carry the token they were handed to:
-    a suspension, a revoked token or a grant taken back ends them at once (they lived on
-    10 minutes, a log's an hour); a reactivation brings them back within their life. The
-    admin token's URLs name nobody and stand."""
+    a grant taken back or a suspension ends them at once (they lived on 10 minutes, a
+    log's an hour); a grant given back brings them back within their life, a reactivation
+    does not (the suspension revoked the token they name). The admin token's URLs name
+    nobody and stand."""
     await tfe.org("acme")
     net = await _with_state(tfe, "acme", "net")
     pam = await person(tfe, "acme", "pam@acme.io", "network", **{"workspaces/net": "plan"})
@@ -186,18 +187,17 @@ async def test_a_state_or_log_url_handed_to_a_user_ends_with_their_token_or_acce
         )
 
     assert await statuses() == (200, 200, 200)
-    user_id = (await tfe.get("/api/v1/whoami", token=pam)).body["user_id"]
-    assert (await tfe.post(f"{V1}/acme/users/{user_id}/suspend")).status == 200
-    assert await statuses() == (404, 404, 200)
-    assert (await tfe.post(f"{V1}/acme/users/{user_id}/reactivate")).status == 200
-    assert await statuses() == (200, 200, 200)
     taken = {"team": "network", "level": "none"}
     assert (await tfe.call("PUT", f"{V1}/acme/workspaces/net/access", json=taken)).status == 200
     assert await statuses() == (404, 404, 200)
     back = {"team": "network", "level": "plan"}
     assert (await tfe.call("PUT", f"{V1}/acme/workspaces/net/access", json=back)).status == 200
-    token_id = (await tfe.get("/api/v1/whoami", token=pam)).body["token_id"]
-    assert (await tfe.call("DELETE", f"{V1}/acme/tokens/{token_id}")).status == 204
+    assert await statuses() == (200, 200, 200)
+    user_id = (await tfe.get("/api/v1/whoami", token=pam)).body["user_id"]
+    assert (await tfe.post(f"{V1}/acme/users/{user_id}/suspend")).status == 200
+    assert await statuses() == (404, 404, 200)
+    assert (await tfe.post(f"{V1}/acme/users/{user_id}/reactivate")).status == 200
+    # the suspension revoked pam's token: its URLs stay ended
     assert await statuses() == (404, 404, 200)
 
 

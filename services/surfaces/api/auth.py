@@ -6,7 +6,8 @@ personal token (its user's access now, at most) or a team token (its team's). Ea
 request resolves the caller's `Access` (events/access.py) from the organization's
 aggregate at or past its last event (services/app/identity.py `org_at`), and every
 surface asks `events.access.allowed` / `require` about it. A suspended user's tokens
-are refused (401 `user-suspended`) at their next use, on every replica.
+are refused (401 `user-suspended`) at their next use, on every replica; the suspension
+revokes their personal tokens, so a reactivation brings none of them back.
 Another organization's things are invisible: a request for them is answered 404, never
 403, so a token cannot probe what exists elsewhere.
 
@@ -98,16 +99,16 @@ async def authenticate(api: Api, header: str | None) -> Principal:
         raise unauthorized("the token is not valid", invalid_token=True)
     row, last = await _fresh(api, row, token_hash, projected)
     now = api.app.clock()
-    _check_lifecycle(row, now)
     org, user = row["org"], row["user"]
     state = await org_at(api.app, org, last)
     found = ac.resolve(state, token_id=row["token_id"], user=user, role=row["role"])
-    if found is None:
+    if found is None:  # first: a suspension revokes the user's tokens, and says so
         raise unauthorized(
             f"{user} is suspended in {org}, or the token's team is gone",
             invalid_token=True,
             slug="user-suspended",
         )
+    _check_lifecycle(row, now)
     await _record_use(api, row, now)
     return Principal(user=user, role=row["role"], org=org, token_id=row["token_id"], access=found)
 
