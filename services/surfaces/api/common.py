@@ -122,6 +122,15 @@ def may_read(who: Principal, org: str, ws: str, folder: str) -> bool:
     return who.may("workspace.read", target)
 
 
+async def readable(api: Api, who: Principal, org: str) -> Callable[[str], bool]:
+    """Whether the caller may read a workspace of `org`, by name (one read for all; a
+    name no workspace has is judged without folder grants)."""
+    if who.access.uniform(access.READ):
+        return lambda _: True
+    folders = await api.read.workspaces.folders(org)
+    return lambda ws: may_read(who, org, ws, folders.get(ws) or "")
+
+
 async def org_state(api: Api, org: str) -> OrgState:
     """The organization's aggregate (folders, groups, settings, templates, policies):
     404 if it does not exist."""

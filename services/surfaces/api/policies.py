@@ -10,10 +10,17 @@ cap is 422 `policy-limit-exceeded`, saying which. `GET
 .../policies` lists them (`?scope=` filters), `GET .../policies/{policy}` answers one,
 `DELETE` removes one. Read from the organization aggregate, not the read model. A run
 pins its workspace's sets at admission, so a change reaches only runs admitted later.
+
+A set scoped to a workspace names it: to a caller who may not read that workspace
+(events/access.py) the set does not exist (left out of lists, 404 to GET and DELETE), a
+PUT scoping one to it is 404 exactly as for a missing workspace (`manage-policies` is no
+way to probe names), and a PUT over such a set's name is 409 `conflict` (taken, never
+replaced by someone who may not see it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -29,6 +36,7 @@ from infra.policy.sandbox import (
     SandboxUnavailable,
 )
 from infra.policy.wire import package_of
+from services.surfaces.api.auth import Principal
 from services.surfaces.api.bodies import Body, read_body
 from services.surfaces.api.common import (
     SEQ_HEADER,
@@ -38,8 +46,11 @@ from services.surfaces.api.common import (
     json_response,
     org_state,
     path_id,
+    readable,
+    require_on,
     scope,
 )
+from services.surfaces.api.context import Api
 from services.surfaces.api.paths import ORG
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import (
@@ -102,23 +113,38 @@ def _order(policy: po.PolicySet) -> tuple[int, str, str]:
 
 async def list_policies(request: web.Request) -> web.Response:
     """GET .../policies[?scope=...]: the organization's, then folders', then workspaces'."""
-    api, org, _ = await scope(request, "org.read")
+    api, org, who = await scope(request, "org.read")
     unknown = sorted(set(request.query) - {"scope"})
     if unknown:
         raise Problem("invalid-query", f"unknown query parameter {', '.join(unknown)}")
     wanted = request.query.get("scope")
     state = await org_state(api, org)
-    chosen = [p for p in state.policies.values() if wanted is None or p.scope == wanted]
+    seen = await readable(api, who, org)
+    chosen = [
+        p
+        for p in state.policies.values()
+        if (wanted is None or p.scope == wanted) and not _hidden(p, seen)
+    ]
     return items([row(p) for p in sorted(chosen, key=_order)])
 
 
-async def get_policy(request: web.Request) -> web.Response:
-    api, org, _ = await scope(request, "org.read")
-    name = path_id(request, "policy")
+def _hidden(policy: po.PolicySet, seen: Callable[[str], bool]) -> bool:
+    """Whether the set names a workspace the caller may not read."""
+    kind, _, target = policy.scope.partition(":")
+    return kind == "workspace" and not seen(target)
+
+
+async def _visible(api: Api, who: Principal, org: str, name: str) -> po.PolicySet:
+    """The set `name`, or 404 (missing, or scoped to a workspace the caller may not read)."""
     policy = (await org_state(api, org)).policies.get(name)
-    if policy is None:
+    if policy is None or _hidden(policy, await readable(api, who, org)):
         raise Problem("not-found", f"policy {name} not found")
-    return json_response(row(policy))
+    return policy
+
+
+async def get_policy(request: web.Request) -> web.Response:
+    api, org, who = await scope(request, "org.read")
+    return json_response(row(await _visible(api, who, org, path_id(request, "policy"))))
 
 
 async def put_policy(request: web.Request) -> web.Response:
@@ -136,7 +162,11 @@ async def put_policy(request: web.Request) -> web.Response:
     )
     po.check(policy, before.folders)  # 422 with the reason; 404 for a missing folder
     kind, _, target = policy.scope.partition(":")
+    old = before.policies.get(name)
+    if old is not None and _hidden(old, await readable(api, who, org)):
+        raise Problem("conflict", f"policy {name} exists: choose another name")
     if kind == "workspace":
+        await require_on(api, who, org, "workspace.read", target)  # as if missing
         ws: WorkspaceState = (await api.app.load_ws(org, target)).state
         if not ws.exists:
             raise Problem("not-found", f"workspace {target} not found")
@@ -166,7 +196,8 @@ async def _check(sandbox: PolicySandbox, name: str, source: str) -> None:
 async def delete_policy(request: web.Request) -> web.Response:
     api, org, who = await scope(request, "policies.manage")
     name = path_id(request, "policy")
-    await org_state(api, org)
+    if name in (await org_state(api, org)).policies:
+        await _visible(api, who, org, name)
     result = await api.app.org_command(org, po.DeletePolicy(actor=who.user, name=name))
     return web.Response(status=204, headers={SEQ_HEADER: str(result.seq)})
 

@@ -12,10 +12,17 @@
 Writing a trigger is an admin's, as a workspace's settings are: it makes one
 workspace's applies start runs in another (and with `auto_apply_run_triggers`, apply
 them), which is configuration, not a run.
+
+Nothing here tells a caller of a workspace it may not read (events/access.py): a source
+it may not read is 404 exactly as a missing one, at creation and at deletion; a list
+leaves out the sources and followers it may not read; a cycle names those as
+`(hidden)`. A trigger gives the follower nothing of its source (no output, no state:
+a triggered run reads only its own workspace), and its run's cause names the source.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -26,11 +33,19 @@ from events.codec import ID_RE
 from infra.eventstore import LATEST
 from services.processes.triggers import graph
 from services.surfaces.api.bodies import Body, check_name, read_body
-from services.surfaces.api.common import SEQ_HEADER, json_response, path_id, require_on, scope
+from services.surfaces.api.common import (
+    SEQ_HEADER,
+    json_response,
+    path_id,
+    readable,
+    require_on,
+    scope,
+)
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.schemas import ID, REF, SEQ_DOC, Doc, operation, problems
 
 PREFIX = "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"
+HIDDEN = "(hidden)"  # a workspace of a cycle the caller may not read
 
 
 class RunTriggerBody(Body, frozen=True, kw_only=True):
@@ -43,11 +58,12 @@ class RunTriggerBody(Body, frozen=True, kw_only=True):
     ]
 
 
-def _view(g: rt.TriggerGraph, ws: str) -> dict[str, object]:
+def _view(g: rt.TriggerGraph, ws: str, seen: Callable[[str], bool]) -> dict[str, object]:
+    """What `ws` follows and what follows it, those the caller may read (`seen`)."""
     return {
         "workspace": ws,
-        "sources": [{"workspace": s} for s in g.sources_of(ws)],
-        "followers": [{"workspace": f} for f in g.followers_of(ws)],
+        "sources": [{"workspace": s} for s in g.sources_of(ws) if seen(s)],
+        "followers": [{"workspace": f} for f in g.followers_of(ws) if seen(f)],
     }
 
 
@@ -60,28 +76,33 @@ async def create_run_trigger(request: web.Request) -> web.Response:
     try:
         g = await graph.add(api.app, org, ws, source, who.user)
     except rt.TriggerCycle as e:
-        raise Problem("run-trigger-cycle", str(e), cycle=e.cycle) from e
+        seen = await readable(api, who, org)
+        cycle = [w if seen(w) else HIDDEN for w in e.cycle]
+        detail = f"the run trigger would close a cycle: {' -> '.join(cycle)}"
+        raise Problem("run-trigger-cycle", detail, cycle=cycle) from e
     except rt.TooManyTriggers as e:
         raise Problem("run-trigger-limit", str(e)) from e
     location = f"/api/v1/orgs/{org}/workspaces/{ws}/run-triggers/{source}"
     headers = {SEQ_HEADER: str(g.seq), "Location": location}
-    return json_response(_view(g.state, ws), status=201, headers=headers)
+    view = _view(g.state, ws, await readable(api, who, org))
+    return json_response(view, status=201, headers=headers)
 
 
 async def list_run_triggers(request: web.Request) -> web.Response:
-    api, org, _ = await scope(request, "workspace.read")
+    api, org, who = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
     if not (await api.app.load_ws(org, ws)).state.exists:
         raise Problem("not-found", f"workspace {ws} not found")
     # as the stream's leader has it: a trigger just added is listed, whichever replica reads
     g = await graph.load(api.app, org, min_seq=LATEST)
-    return json_response(_view(g.state, ws))
+    return json_response(_view(g.state, ws, await readable(api, who, org)))
 
 
 async def delete_run_trigger(request: web.Request) -> web.Response:
     api, org, who = await scope(request, "workspace.settings")
     ws = path_id(request, "ws")
     source = path_id(request, "source")
+    await require_on(api, who, org, "workspace.read", source)  # no edge probed either
     g = await graph.remove(api.app, org, ws, source, who.user)
     return web.Response(status=204, headers={SEQ_HEADER: str(g.seq)})
 
