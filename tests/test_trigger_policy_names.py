@@ -76,6 +76,13 @@ async def test_run_triggers_tell_nothing_of_a_workspace_the_caller_may_not_read(
         ("vault", "nope"),
     )
     assert (await http.get(f"{V1}/workspaces/mine/run-triggers")).body["sources"] != []
+    # another organization's workspaces are no sources at all: its paths are 404 to Eve
+    await http.org("b")
+    await http.workspace("b", "mine")
+    across = await http.post(
+        "/api/v1/orgs/b/workspaces/mine/run-triggers", json={"source": "mine"}, token=eve
+    )
+    across.problem("not-found", 404)
     # and following gives nothing of the source: its state stays out of reach
     versions = await http.get(f"{V1}/workspaces/vault/state-versions", token=eve)
     versions.problem("not-found", 404)

@@ -11,6 +11,7 @@ grant (409 `workspace-deleted`), and its purge revokes every grant on it
 (services/surfaces/api/workspaces.py), so a workspace made again under the name starts
 with none. A grant decided on the workspace as it was just before a delete and purge
 is checked again once written, and taken back (404) if the workspace it named is gone.
+Folders are never deleted (events/folder.py): a folder grant ends only when revoked.
 """
 
 from __future__ import annotations
