@@ -15,7 +15,7 @@ import pytest
 
 from events import access, org
 from events import teams as tm
-from events.codec import org_subject
+from events.codec import decode, encode, org_subject
 from events.org import OrgCreated
 from services.surfaces.api import grants
 from services.surfaces.api.problems import Problem
@@ -109,3 +109,16 @@ async def test_a_deleted_or_missing_workspace_takes_no_grant_through_the_api_or_
     none = {"team": "t", "level": "none"}
     assert (await http.call("PUT", f"{V1}/a/workspaces/prod/access", json=none)).status == 200
     assert "workspace:prod" not in (await http.app.load_org("a")).state.teams["t"].access
+
+
+def test_a_revocation_recorded_before_reasons_reads_as_an_admins() -> None:
+    """`org.access_revoked` as main wrote it (no `reason`) decodes, reason "", and folds
+    as before; the purge's carries its reason."""
+    old = b'{"type":"org.access_revoked","at":"2026-01-01T00:00:00Z","actor":"admin",'
+    old += b'"team":"net","target":"workspace:prod"}'
+    event = decode(old)
+    assert isinstance(event, tm.AccessRevoked) and event.reason == ""
+    purged = tm.AccessRevoked(
+        at=NOW, actor="admin", team="net", target="workspace:prod", reason=tm.PURGED
+    )
+    assert decode(encode(purged)) == purged

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from events import sso as sso_agg
+from events.codec import decode
 from services.root.bootstrap import Plane
 from services.surfaces.ui.sessions import COOKIE
 from services.surfaces.ui.web import SESSIONS
@@ -121,3 +123,16 @@ async def test_an_id_token_whose_email_is_not_verified_signs_no_one_in(sso: Sso,
     status, page = await _callback(sso, idp, "alice")
     assert status == 400 and "(sso-email-unverified)" in page, page
     assert (await sso.browser().sign_in(idp, "acme", "vera"))[0] == 303
+
+
+def test_a_configuration_recorded_before_the_setting_requires_nothing() -> None:
+    """`org.sso_configured` as main wrote it decodes with `require_email_verified` off:
+    an organization's sign-ins go on as before until its admin turns it on."""
+    old = b'{"type":"org.sso_configured","at":"2026-01-01T00:00:00Z","actor":"admin",'
+    old += b'"issuer":"https://idp.example.com","client_id":"runplane"}'
+    event = decode(old)
+    assert isinstance(event, sso_agg.SsoConfigured) and not event.require_email_verified
+    assert not sso_agg.fold([event]).require_email_verified
+    assert sso_agg.email_unverified({}, required=False) is False
+    assert sso_agg.email_unverified({}, required=True) is True
+    assert sso_agg.email_unverified({"email_verified": " False "}, required=False) is True
