@@ -1,6 +1,6 @@
 """A suspension ends everything of the user (issue 24's loose ends, item 3): a table over
-every kind of credential a person can obtain, each refused after the suspension on two
-api replicas, and none back after a reactivation.
+every kind of credential a person can obtain (the device flow's too), each refused after
+the suspension on two api replicas, and none back after a reactivation.
 
 The decision on the rest (as HCP Terraform's team and organization tokens outlive the
 member who made them): a team token or an organization token the suspended user made
@@ -35,13 +35,13 @@ from services.root.bootstrap import Plane
 from services.surfaces.ui.sessions import COOKIE
 from services.surfaces.ui.web import SESSIONS
 from tests.api_support import ADMIN_TOKEN, Http
+from tests.device_support import Device, device_fixture  # noqa: F401  # `device`
 from tests.sso_support import (
     LOOPBACK,
     Browser,
     Idp,
     Sso,
     idp_fixture,  # noqa: F401  # the fixture
-    sso_fixture,  # noqa: F401  # the fixture
 )
 
 V1 = "/api/v1/orgs/acme"
@@ -101,9 +101,20 @@ async def _pasted(sso: Sso, token: str) -> Browser:
     return browser
 
 
-async def _obtain(sso: Sso, idp: Idp) -> tuple[dict[str, str], dict[str, Browser], str, str]:
+async def _device_token(device: Device, browser: Browser) -> str:
+    """`runplane login --device`: a code asked, approved in the browser, then polled."""
+    code = await device.code()
+    assert (await device.decide(browser, code["user_code"]))[0] == 200
+    device.clock.offset += 2  # past the poll interval
+    status, answer = await device.poll(code["device_code"])
+    assert status == 200, answer
+    return str(answer["access_token"])
+
+
+async def _obtain(device: Device, idp: Idp) -> tuple[dict[str, str], dict[str, Browser], str, str]:
     """Sam, an owner of acme, signs in with the provider and obtains every credential a
     person can: (personal tokens by kind, browser sessions by kind, team token, org token)."""
+    sso = device.sso
     await sso.configure("acme", idp)
     await idp.user("sam", email="sam@acme.test")
     sam = sso.browser()
@@ -123,6 +134,7 @@ async def _obtain(sso: Sso, idp: Idp) -> tuple[dict[str, str], dict[str, Browser
     tokens["personal token (tokens page)"] = await _page_token(sam)
     tokens["terraform login"] = await _login_token(sam, "terraform-cli")
     tokens["runplane login --sso"] = await _login_token(sam, "runplane-cli")
+    tokens["runplane login --device"] = await _device_token(device, sam)
     pasted = await _pasted(sso, tokens["personal token (API, own)"])
     browsers = {"single sign-on session": sam, "token sign-in session": pasted}
     team = await http.post(
@@ -151,16 +163,16 @@ async def _slack_user(sso: Sso, system: Plane) -> str:
 
 
 async def test_every_credential_of_a_suspended_user_is_refused_and_none_comes_back(
-    sso: Sso, idp: Idp, system: Plane, tmp_path: Path
+    device: Device, idp: Idp, system: Plane, tmp_path: Path
 ) -> None:
-    """Each personal token (six ways to get one), each browser session and the Slack
+    """Each personal token (seven ways to get one), each browser session and the Slack
     mapping work; the user is suspended: every token is 401 `user-suspended` on this
     replica and another, every session is signed out, the Slack user is refused; the
     team and organization tokens the user made stay. Reactivated: the Slack mapping
     holds again, but no token or session of before does (revoked at the suspension).
     On main every token and session of before worked again after the reactivation."""
-    tokens, browsers, team_token, org_token = await _obtain(sso, idp)
-    http = sso.http
+    tokens, browsers, team_token, org_token = await _obtain(device, idp)
+    sso, http = device.sso, device.sso.http
     for kind, token in tokens.items():
         assert (await http.get("/api/v1/whoami", token=token)).status == 200, kind
     for kind, browser in browsers.items():
