@@ -104,3 +104,19 @@ async def test_terraform_login_offers_single_sign_on(sso: Sso, idp: Idp, client_
         token = (await r.json())["access_token"]
     who = await sso.http.get("/api/v1/whoami", token=token)
     assert who.status == 200 and who.body["user"] == "alice@acme.test", who.body
+
+
+def test_the_callback_follows_the_public_url_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--public-url` (not only RUNPLANE_PUBLIC_URL) is the base of the URL the provider
+    sends the browser back to: behind a proxy, the request's own host is an inside name."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from services.root import cli
+    from services.surfaces.ui.sso import callback_url
+
+    monkeypatch.delenv("RUNPLANE_PUBLIC_URL", raising=False)
+    request = make_mocked_request("GET", "/app/sso/start", headers={"Host": "inside:8080"})
+    assert callback_url(request) == "http://inside:8080/app/sso/callback"
+    ns = cli.parser().parse_args(["api", "--public-url", "https://runplane.example.com/"])
+    assert cli.options(ns).public_url
+    assert callback_url(request) == "https://runplane.example.com/app/sso/callback"

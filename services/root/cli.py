@@ -418,6 +418,10 @@ def options(ns: argparse.Namespace) -> Options:
         public_url=getattr(ns, "public_url", ""),
         workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),
     )
+    if opts.public_url:
+        # one URL for every reader: the SSO callback, notification and VCS links read
+        # RUNPLANE_PUBLIC_URL, and processes `up` starts inherit it
+        os.environ["RUNPLANE_PUBLIC_URL"] = opts.public_url
     for name, value in (_job_caps(ns) if hasattr(ns, "job_memory") else {}).items():
         setattr(opts, name, value)  # the caps' flags: up and executor only
     if hasattr(ns, "job_cpus"):
