@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -40,6 +41,11 @@ _NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError)
 # Files up to this size are read whole on the event loop (no thread hop per chunk).
 SMALL_OBJECT = 1024 * 1024
 DOWNLOAD_PATIENCE_S = 30.0  # a bucket's leader election after a node died: seconds
+# One read of an object may take this long plus a second per MIN_RATE bytes: nats-py's
+# `get` waits without end for chunks that an object's deletion (a sweep, a retention
+# pass) purged between its read of the meta and its subscription to them.
+STALL_S = 10.0
+MIN_RATE = 4 * 1024 * 1024
 
 
 def sha256_file(path: Path) -> str:
@@ -97,8 +103,7 @@ class Objects:
         part = dest.with_name(f".{dest.name}.part")
         with part.open("wb") as f:  # a local failure here is not the store's: not retried
             try:
-                store = await self._bucket(bucket)
-                await store.get(name, writeinto=f)
+                await self._get(await self._bucket(bucket), name, f)
             except nats.js.errors.ObjectNotFoundError:
                 found = False
             except _NATS_ERRORS as e:
@@ -114,6 +119,20 @@ class Objects:
             self._buckets.pop(bucket, None)  # bound again next time
             raise ObjectStoreError(f"downloading {bucket}/{name}: {error!r}") from error
         return False
+
+    @staticmethod
+    async def _get(store: ObjectStore, name: str, into: io.BufferedIOBase) -> None:
+        """nats-py's `get` of `name` into a file, bounded by its size (STALL_S): an
+        object deleted while it was read is not found; one still there, an error (tried
+        again). A timed-out read's ordered consumer is left to its server's inactivity."""
+        info = await store.get_info(name)
+        try:
+            await asyncio.wait_for(
+                store.get(name, writeinto=into), STALL_S + (info.size or 0) / MIN_RATE
+            )
+        except TimeoutError:
+            await store.get_info(name)  # ObjectNotFoundError: deleted under the read
+            raise
 
     async def upload(
         self, bucket: str, name: str, src: Path, *, attempts: int = 3, fresh: bool = False
