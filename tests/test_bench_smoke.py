@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ("append", "replay", "lifecycle", "latency", "admission", "reads")
 
@@ -16,6 +18,7 @@ def _number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and value >= 0
 
 
+@pytest.mark.slow  # ~30 s: run with the benchmarks
 def test_the_benchmarks_run_and_report_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     proc = subprocess.run(

@@ -34,7 +34,8 @@ pytestmark = [
 ]
 
 MODES = [
-    "user",
+    # the fallback's caps (~15 s) in the slow suite; the sandbox's, the default, here
+    pytest.param("user", marks=pytest.mark.slow),
     pytest.param(
         "sandbox", marks=pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
     ),

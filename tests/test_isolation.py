@@ -422,6 +422,7 @@ def _pids_of(uid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # ~20 s, the uid mode (the fallback): the sandbox's twin stays
 async def test_in_the_uid_mode_nothing_of_a_job_outlives_its_killed_executor(
     tmp_path: Path, repo: Path
 ) -> None:

@@ -219,6 +219,7 @@ async def test_sigterm_mid_plan_fails_the_step_cleanly_and_exits_0(
     assert (plan.step, plan.ok, plan.error) == ("plan", False, "interrupted (executor_stopped)")
 
 
+@pytest.mark.slow  # ~20 s: the chaos suite races executors too
 async def test_two_executors_racing_for_duplicated_dispatches_claim_each_phase_once(
     nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:

@@ -366,6 +366,13 @@ def _nats_url(ns: argparse.Namespace) -> str:
     return ",".join(u for u in given if u)
 
 
+def _publish_url(url: str) -> None:
+    """One public URL for every reader: the SSO callback, notification and VCS links read
+    RUNPLANE_PUBLIC_URL, and the processes `up` starts inherit it."""
+    if url:
+        os.environ["RUNPLANE_PUBLIC_URL"] = url
+
+
 def options(ns: argparse.Namespace) -> Options:
     """The process's options; ConfigError for a setting that cannot be used."""
     default = repositories.DEFAULTS.get(ns.command, repositories.API_DEFAULT)
@@ -418,10 +425,7 @@ def options(ns: argparse.Namespace) -> Options:
         public_url=getattr(ns, "public_url", ""),
         workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),
     )
-    if opts.public_url:
-        # one URL for every reader: the SSO callback, notification and VCS links read
-        # RUNPLANE_PUBLIC_URL, and processes `up` starts inherit it
-        os.environ["RUNPLANE_PUBLIC_URL"] = opts.public_url
+    _publish_url(opts.public_url)
     for name, value in (_job_caps(ns) if hasattr(ns, "job_memory") else {}).items():
         setattr(opts, name, value)  # the caps' flags: up and executor only
     if hasattr(ns, "job_cpus"):

@@ -111,6 +111,7 @@ def seed() -> int:
     return int(os.environ.get("RUNPLANE_CHAOS_SEED") or random.SystemRandom().randrange(10**6))
 
 
+@pytest.mark.slow  # ~50 s; cluster_full and the cluster tests of each surface stay
 async def test_cluster_short(tmp_path: Path) -> None:
     await cluster_chaos(tmp_path, SHORT, seed())
 
