@@ -28,7 +28,7 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
-from events.audit_facts import facts_of
+from events.audit_facts import AUDITED, facts_of
 from events.codec import decode, tag_of
 from infra.auditkeys import AuditKeys
 from infra.auditlog import AuditLog
@@ -120,6 +120,9 @@ class Auditor:
                 await self._save_cursor()
 
     async def _one(self, d: Delivered) -> None:
+        tag = (d.headers or {}).get("Rp-Type")
+        if tag is not None and tag not in AUDITED:
+            return  # most of the log (steps, heartbeats' marks, queues): never decoded
         try:
             event = decode(d.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
