@@ -24,7 +24,7 @@ from infra.natsserver import URL_FILE, server_credentials
 from infra.options import ConfigError, Options
 from services.root.runtime import connected, embedded_or_given
 
-STREAMS = (streams.EVENTS, streams.DISPATCH, streams.HEARTBEATS, streams.LOGS)
+STREAMS = (streams.EVENTS, streams.AUDIT, streams.DISPATCH, streams.HEARTBEATS, streams.LOGS)
 
 
 def declared() -> list[tuple[str, str]]:
