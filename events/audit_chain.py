@@ -75,6 +75,7 @@ class Chain:
                 seq, f"record {record.n} comes after record {self.last_n} (reordered, "
                 "inserted or republished)",
             )  # fmt: skip
+            return  # out of place: the chain goes on from the record before it
         elif record.prev != self.last_hash:
             self._broken(
                 seq, f"record {record.n}'s prev is not the hash of record {self.last_n} at "

@@ -141,3 +141,19 @@ async def test_the_command_line_exits_1_and_names_the_deleted_record(
     out, err = await proc.communicate()
     assert proc.returncode == 1, (out, err)
     assert b"record 2 missing" in out, out
+
+
+async def test_a_head_deleted_under_the_writer_is_still_named_for_one_org(
+    http: Http, system: Plane, nc: NATS
+) -> None:
+    """The chain's head deleted, then more commands: the writer links its next record to
+    the record before the deleted one (it cannot know), so the org's chain reads whole;
+    `verify --org a` still names the missing sequence."""
+    chain = await _chain(http, system, nc)
+    head_seq = chain[-1][0]
+    await delete(nc, head_seq)
+    await http.workspace("a", "late")
+    await recorded(nc, "a", "ws.created", 7)
+    code, out = await verify(nc, org="a")
+    assert code == 1, out
+    assert f"stream: seq {head_seq}: sequence {head_seq} missing" in out
