@@ -196,3 +196,22 @@ async def test_a_killed_auditor_loses_and_doubles_nothing(
     assert len([r for r in chain if r["action"] == "ws.created"]) == 12
     code, out = await verify(nc)
     assert code == 0, out
+
+
+async def test_a_chain_of_refusals_alone_is_checkpointed(nc: NATS, system: Plane) -> None:
+    """Records the api appends (refusals), with no event behind them, are signed too:
+    the auditor sees every append and checkpoints the chain within its interval."""
+    await system.start_auditor(checkpoint_s=0.1)
+    facts = Facts(
+        org="z", at=datetime.now(UTC), actor="v", actor_kind="token", via="api",
+        action="refused POST x", thing="organization z", outcome="refused", status=403,
+    )  # fmt: skip
+    await AuditLog(nc).append(facts)
+
+    async def signed() -> bool:
+        chain = [r for _, r in await records(nc, "z")]
+        return chain[-1].get("kind") == "checkpoint" and chain[-1]["n"] == 2
+
+    await eventually(signed, timeout=10, what="a checkpoint after the refusal")
+    code, out = await verify(nc, org="z")
+    assert code == 0 and "1 checkpoints verified, 0 after the last one" in out, out

@@ -11,11 +11,18 @@ of what it covers are appended, so a kill at any line loses nothing (the log is 
 again from the cursor) and doubles nothing (the high-water mark and each record's
 `Nats-Msg-Id` skip what landed). Replicas of `runplane subscribers` each run one: they
 race on the same records and each lands once.
+
+A chain is checkpointed `CHECKPOINT_S` after its first unsigned record, or after
+`CHECKPOINT_EVERY` of them, whoever appended them (the api's refusals too: every append
+is seen on the core subject `audit.>`); of replicas racing, one checkpoint lands and the
+others find the head signed. A chain left unsigned when its auditor stopped is signed at
+its next record.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from datetime import UTC, datetime
@@ -26,6 +33,8 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from events.audit_facts import AUDITED, facts_of
@@ -82,10 +91,22 @@ class Auditor:
         self._pending: Counter[str] = Counter()  # records since each org's last checkpoint
         self._since: dict[str, float] = {}  # when each org's oldest unsigned record came
         self._task: asyncio.Task[None] | None = None
+        self._sub: Subscription | None = None
 
     async def __aenter__(self) -> Auditor:
+        # Every record appended to any chain (the auditor's, the api's refusals, another
+        # replica's) makes its chain due for a checkpoint: seen on the core subject (a
+        # refused append too: the checkpoint reads the head again and skips a signed one).
+        self._sub = await self.nc.subscribe("audit.>", cb=self._appended)
         self._task = asyncio.create_task(self._run(), name="auditor")
         return self
+
+    async def _appended(self, msg: Msg) -> None:
+        if b'"kind":"checkpoint"' in msg.data:
+            return
+        org = msg.subject.removeprefix("audit.")
+        self._pending[org] += 1
+        self._since.setdefault(org, time.monotonic())
 
     async def __aexit__(
         self,
@@ -94,6 +115,10 @@ class Auditor:
         tb: TracebackType | None,
     ) -> None:
         await cancel_and_wait(self._task)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error):  # the connection closed first
+                await sub.unsubscribe()
 
     async def _run(self) -> None:
         while True:
@@ -135,16 +160,19 @@ class Auditor:
             return
         if await self.audit.append(facts):
             self.recorded += 1
-        self._pending[facts.org] += 1
-        self._since.setdefault(facts.org, time.monotonic())
 
     async def _checkpoints(self) -> None:
         now = time.monotonic()
         for org in list(self._pending):
             due = self._pending[org] >= self.checkpoint_every
             if due or now - self._since[org] >= self.checkpoint_s:
-                await self.audit.checkpoint(org, self.keys, datetime.now(UTC))
-                del self._pending[org], self._since[org]
+                count, since = self._pending.pop(org), self._since.pop(org)
+                try:  # what is appended meanwhile makes the chain due again
+                    await self.audit.checkpoint(org, self.keys, datetime.now(UTC))
+                except BaseException:
+                    self._pending[org] += count
+                    self._since[org] = min(since, self._since.get(org, since))
+                    raise
 
     async def _save_cursor(self) -> None:
         if self.position == self._saved or time.monotonic() - self._saved_at < CURSOR_EVERY_S:
