@@ -80,6 +80,9 @@ def facts_of(
 
 
 def _via(event: Any) -> str:
+    said = str(getattr(event, "via", ""))  # e.g. an approval's: api, ui, slack
+    if said:
+        return "chat" if said == "slack" else said
     cause = getattr(event, "cause", None)
     if cause is not None and str(getattr(cause, "kind", "")):
         return str(cause.kind)

@@ -19,6 +19,7 @@ from tests.access_support import person
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
 from tests.audit_support import recorded, records, verify
 from tests.helpers import eventually
+from tests.slack_support import Slack, slack_fixture, slack_id  # noqa: F401  # `slack`
 
 V1 = "/api/v1/orgs"
 
@@ -215,3 +216,21 @@ async def test_a_chain_of_refusals_alone_is_checkpointed(nc: NATS, system: Plane
     await eventually(signed, timeout=10, what="a checkpoint after the refusal")
     code, out = await verify(nc, org="z")
     assert code == 0 and "1 checkpoints verified, 0 after the last one" in out, out
+
+
+async def test_a_run_made_through_chat_is_recorded_via_chat_with_its_request(
+    slack: Slack, system: Plane, nc: NATS
+) -> None:
+    """`apply net` from Slack: the run's record says bob, via chat, from slack, with the
+    Slack request's id; on main its events carried no origin (via: the cause alone)."""
+    await system.start_auditor(checkpoint_s=0.1)
+    await slack.org("acme", "T0ACME", "8f742231b10e8888abcd99yyyzzz85a5")
+    a = await slack.command(
+        "apply net", team="T0ACME", user=slack_id("acme", "bob"),
+        secret="8f742231b10e8888abcd99yyyzzz85a5", hook="m",
+    )  # fmt: skip
+    assert a.status == 200, a.body
+    assert await slack.work("acme") == 1
+    (made,) = await recorded(nc, "acme", "run.created")
+    assert (made["actor"], made["via"], made["client"]) == ("bob", "chat", "slack")
+    assert made["actor_kind"] == "user" and made["request_id"]
