@@ -102,6 +102,8 @@ def _thing(parts: list[str], tag: str, event: Any) -> str:
         return f"run {parts[3]}/{parts[4]}"
     if kind == "ws" and len(parts) >= 4:
         return f"workspace {parts[3]}"
+    if tag == "org.created":
+        return f"organization {parts[2]}"
     for member, label in _NAMED:
         value = getattr(event, member, None)
         if isinstance(value, str) and value:

@@ -39,6 +39,8 @@ async def test_commands_are_recorded_with_who_via_what_and_the_request(
     assert made["via"] == "api" and made["thing"] == f"run net/{run['id']}"
     assert made["request_id"] == "req-42" and made["client"] == "127.0.0.1"
     assert made["outcome"] == "ok" and made["src"] > 0 and len(made["src_hash"]) == 64
+    (org,) = await recorded(nc, "a", "org.created")
+    assert org["thing"] == "organization a"
     (ws,) = await recorded(nc, "a", "ws.created")
     assert ws["actor_kind"] == "admin" and ws["thing"] == "workspace net"
     assert "message" not in made and "config" not in made

@@ -68,8 +68,8 @@ class Report:
         for org in sorted(self.chains):
             c = self.chains[org]
             print(
-                f"org {org}: {c.last_n} records, {c.checkpoints} checkpoints verified, "
-                f"{c.unsigned} after the last one",
+                f"org {org}: {c.count} records read (through record {c.last_n}), "
+                f"{c.checkpoints} checkpoints verified, {c.unsigned} after the last one",
                 file=out,
             )
         found = self.findings()
