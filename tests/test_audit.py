@@ -20,6 +20,7 @@ from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
 from tests.audit_support import recorded, records, verify
 from tests.helpers import eventually
 from tests.slack_support import Slack, slack_fixture, slack_id  # noqa: F401  # `slack`
+from tests.ui.support import Ui, ui_fixture  # noqa: F401  # `ui`
 
 V1 = "/api/v1/orgs"
 
@@ -236,3 +237,24 @@ async def test_a_run_made_through_chat_is_recorded_via_chat_with_its_request(
     (made,) = await recorded(nc, "acme", "run.created")
     assert (made["actor"], made["via"], made["client"]) == ("bob", "chat", "slack")
     assert made["actor_kind"] == "user" and made["request_id"]
+
+
+async def test_a_refusal_in_the_web_ui_is_recorded_via_ui(ui: Ui, nc: NATS) -> None:
+    """An approver approving a run that awaits nothing in the web UI: the run page again
+    with 409, and a `refused` record via ui (the UI answers that refusal itself)."""
+    tokens = await ui.http.org("a")
+    await ui.http.workspace("a", "net")
+    run = await ui.http.run("a", "net")
+    browser = ui.browser()
+    await browser.signin(tokens["approver"])
+    await browser.get(f"/orgs/a/runs/{run['id']}")
+    page = await browser.post(f"/orgs/a/runs/{run['id']}/approve", [])
+    assert page.status == 409, page.text[:300]
+
+    async def refused() -> dict[str, object] | None:
+        found = [r for _, r in await records(nc, "a") if r.get("outcome") == "refused"]
+        return found[0] if found else None
+
+    r = await eventually(refused, timeout=10, what="the UI's refusal on the record")
+    assert (r["via"], r["actor"], r["status"]) == ("ui", "approver-user", 409)
+    assert r["thing"] == f"run {run['id']}" and str(r["action"]).endswith("/approve")

@@ -92,7 +92,7 @@ async def audit_requests(request: web.Request, handler: Any) -> web.StreamRespon
     except (Problem, DomainError) as e:
         problem = e if isinstance(e, Problem) else from_domain(e)
         problem.headers[REQUEST_ID] = here.request_id
-        await _refused(request, here, problem)
+        await record_refusal(request, problem)
         if problem is e:
             raise
         raise problem from e
@@ -109,13 +109,15 @@ def _matters(request: web.Request, problem: Problem) -> bool:
     return problem.status == 409 and request.path.endswith(_CONFLICTS)
 
 
-async def _refused(request: web.Request, here: origin.Origin, problem: Problem) -> None:
+async def record_refusal(request: web.Request, problem: Problem) -> None:
     """Record a refusal that matters in the path's organization's chain, when the caller
     is of that organization (another's is answered 404 and recorded nowhere: nobody
-    writes into a chain not theirs)."""
+    writes into a chain not theirs). The middleware calls it for every refusal raised; a
+    surface that answers a refusal itself (the UI's run page) calls it too."""
     who = request.get(PRINCIPAL)
+    here = origin.current.get()
     raw_org = request.match_info.get("org", "")
-    if who is None or not raw_org or not _matters(request, problem):
+    if who is None or here is None or not raw_org or not _matters(request, problem):
         return
     try:
         org = check_name("org", raw_org)
