@@ -258,3 +258,28 @@ async def test_a_refusal_in_the_web_ui_is_recorded_via_ui(ui: Ui, nc: NATS) -> N
     r = await eventually(refused, timeout=10, what="the UI's refusal on the record")
     assert (r["via"], r["actor"], r["status"]) == ("ui", "approver-user", 409)
     assert r["thing"] == f"run {run['id']}" and str(r["action"]).endswith("/approve")
+
+
+async def test_the_audit_page_shows_the_records_to_admins_only(ui: Ui, nc: NATS) -> None:
+    """The web UI's audit page: an admin sees the records (a refusal among them), and the
+    nav links to it; a viewer is refused and has no link; B's admin finds no A."""
+    tokens = await ui.http.org("a")
+    b_tokens = await ui.http.org("b")
+    await ui.http.workspace("a", "net")
+    viewer_try = await ui.http.post(
+        f"{V1}/a/workspaces/net/runs", json={"type": "apply"}, token=tokens["viewer"]
+    )
+    assert viewer_try.status == 403
+    await recorded(nc, "a", "refused POST /api/v1/orgs/{org}/workspaces/{ws}/runs")
+    admin = ui.browser()
+    await admin.signin(tokens["admin"])
+    page = await admin.get("/orgs/a/audit?outcome=refused")
+    assert page.status == 200 and 'href="/orgs/a/audit"' in page.text
+    assert "viewer-user (token)" in page.text and "refused 403" in page.text
+    viewer = ui.browser()
+    await viewer.signin(tokens["viewer"])
+    assert (await viewer.get("/orgs/a/audit")).status == 403
+    assert 'href="/orgs/a/audit"' not in (await viewer.get("/orgs/a")).text
+    other = ui.browser()
+    await other.signin(b_tokens["admin"])
+    assert (await other.get("/orgs/a/audit")).status == 404
