@@ -157,3 +157,18 @@ async def test_a_head_deleted_under_the_writer_is_still_named_for_one_org(
     code, out = await verify(nc, org="a")
     assert code == 1, out
     assert f"stream: seq {head_seq}: sequence {head_seq} missing" in out
+
+
+async def test_from_a_sequence_verifies_what_follows_and_names_a_later_break(
+    http: Http, system: Plane, nc: NATS
+) -> None:
+    """`--from SEQ`: the record there is taken as it links (what precedes is not read), a
+    deletion before it is not this run's to see, one after it is named."""
+    chain = await _chain(http, system, nc)
+    await delete(nc, chain[1][0])
+    start = chain[3][0]
+    code, out = await verify(nc, from_seq=start)
+    assert code == 0, out
+    await delete(nc, chain[5][0])
+    code, out = await verify(nc, from_seq=start)
+    assert code == 1 and f"seq {chain[5][0]}: sequence {chain[5][0]} missing" in out, out
