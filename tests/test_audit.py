@@ -204,13 +204,14 @@ async def test_a_killed_auditor_loses_and_doubles_nothing(
 
 async def test_a_chain_of_refusals_alone_is_checkpointed(nc: NATS, system: Plane) -> None:
     """Records the api appends (refusals), with no event behind them, are signed too:
-    the auditor sees every append and checkpoints the chain within its interval."""
-    await system.start_auditor(checkpoint_s=0.1)
+    the auditor sees every append and checkpoints the chain within its interval, and a
+    chain left unsigned while no auditor ran is signed after the next one starts."""
     facts = Facts(
         org="z", at=datetime.now(UTC), actor="v", actor_kind="token", via="api",
         action="refused POST x", thing="organization z", outcome="refused", status=403,
     )  # fmt: skip
-    await AuditLog(nc).append(facts)
+    await AuditLog(nc).append(facts)  # before any auditor: seen at its start
+    await system.start_auditor(checkpoint_s=0.1)
 
     async def signed() -> bool:
         chain = [r for _, r in await records(nc, "z")]

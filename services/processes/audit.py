@@ -15,8 +15,8 @@ race on the same records and each lands once.
 A chain is checkpointed `CHECKPOINT_S` after its first unsigned record, or after
 `CHECKPOINT_EVERY` of them, whoever appended them (the api's refusals too: every append
 is seen on the core subject `audit.>`); of replicas racing, one checkpoint lands and the
-others find the head signed. A chain left unsigned when its auditor stopped is signed at
-its next record.
+others find the head signed. At a start every chain is due (one that ends with a
+checkpoint is left alone): what a stopped auditor left unsigned is signed too.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from infra.auditkeys import AuditKeys
 from infra.auditlog import AuditLog
 from infra.directget import InfraError, as_raw, leader_get
 from infra.kv import AUDIT_BUCKET
-from infra.streams import EVENTS
+from infra.streams import AUDIT, EVENTS
 from infra.tasks import cancel_and_wait
 from projections.ordered import Delivered, OrderedReader
 
@@ -131,6 +131,7 @@ class Auditor:
     async def _follow(self) -> None:
         self.position, _ = await read_cursor(self.nc)
         self._saved = self.position
+        await self._unsigned_since_before()
         log.info("auditor_started", cursor=self.position)
         async with OrderedReader(self.nc, EVENTS, start_seq=self.position + 1) as reader:
             while True:
@@ -160,6 +161,19 @@ class Auditor:
             return
         if await self.audit.append(facts):
             self.recorded += 1
+
+    async def _unsigned_since_before(self) -> None:
+        """Every chain is due for a checkpoint after a start (one that ends with one is
+        skipped by `AuditLog.checkpoint`): what a stopped auditor left unsigned."""
+        try:
+            info = await self.nc.jetstream().stream_info(AUDIT, subjects_filter="audit.>")
+        except nats.js.errors.NotFoundError:
+            return
+        now = time.monotonic()
+        for subject in info.state.subjects or {}:
+            org = subject.removeprefix("audit.")
+            self._pending[org] += 0
+            self._since.setdefault(org, now)
 
     async def _checkpoints(self) -> None:
         now = time.monotonic()
