@@ -255,6 +255,11 @@ async def latency(sizes: Sizes) -> dict[str, Any]:
                 runplane_process(
                     "scheduler", server.url, Path(tmp) / "sched", "scheduler running", env
                 ),
+                # as deployed: the subscribers, and the auditor beside them, recording
+                # every create in its organization's audit chain while runs are admitted
+                runplane_process(
+                    "subscribers", server.url, Path(tmp) / "subs", "subscribers running", env
+                ) as (subs, _),
                 Watch(nc, "run.queued") as watch,
                 Watch(nc, "run.pinned") as pins,
             ):
@@ -274,6 +279,8 @@ async def latency(sizes: Sizes) -> dict[str, Any]:
                 await asyncio.gather(*(one(i) for i in range(n)))
                 ok = await watch.until(n, set(starts), timeout=60)
                 await pins.until(n, set(starts), timeout=60)
+                audited = await audit_records(nc, n)
+                subs_cpu = cpu_seconds(subs.pid)  # the auditor's catching up included
             lat = [watch.seen[r] - t for r, t in starts.items() if r in watch.seen]
             pin = [pins.seen[r] - t for r, t in starts.items() if r in pins.seen]
     return {
@@ -288,7 +295,20 @@ async def latency(sizes: Sizes) -> dict[str, Any]:
         "pinned_p99_ms": percentile(pin, 99) * 1000,
         "create_call_p50_ms": percentile(create_lat, 50) * 1000,
         "create_call_p99_ms": percentile(create_lat, 99) * 1000,
+        "subscribers_cpu_s": subs_cpu,  # the subscribers process (with the auditor)
+        "audit_records": audited,
     }
+
+
+async def audit_records(nc: NATS, creates: int, timeout: float = 30) -> int:
+    """The audit stream's records once it holds one per create at least (or the time
+    is up): that the auditor kept up while the latency was measured."""
+    deadline = time.monotonic() + timeout
+    while True:
+        last = await last_seq(nc, streams.AUDIT)
+        if last >= creates or time.monotonic() > deadline:
+            return last
+        await asyncio.sleep(0.1)
 
 
 def counted_app(nc: NATS) -> App:

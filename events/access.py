@@ -13,7 +13,9 @@ settings, access, delete). A grant on a folder holds for everything inside it, f
 nested; a caller's level on a workspace is the highest of its organization's, its
 folders' and its own. Rights: `manage-workspaces` (create workspaces and folders, admin
 on all of them), `manage-policies`, `manage-vcs`, `manage-teams` (users, teams and their
-members, team tokens). Admin on the organization is everything (`owners`).
+members, team tokens), `read-audit` (the organization's audit log: HCP Terraform keeps
+its audit trail to organization tokens; a right lets a team of auditors read it without
+admin). Admin on the organization is everything (`owners`).
 
 Callers:
 - the deployment's admin token (`superuser`): everything everywhere;
@@ -64,6 +66,7 @@ ACTIONS: Final[dict[str, Need]] = {
     "org.settings": Need("org", ADMIN),  # settings, templates, notifications, chat, tokens
     "org.access": Need("org", ADMIN),  # organization-wide grants, rights, owners
     "org.create": Need("deployment", ADMIN),  # the admin token only
+    "audit.read": Need("org", ADMIN, "read-audit"),  # the organization's audit log
     "workspace.read": Need("workspace", READ),
     "run.plan": Need("workspace", PLAN),
     "run.cancel_plan": Need("workspace", PLAN),

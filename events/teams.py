@@ -26,7 +26,7 @@ from events.base import Command, Event
 from events.errors import AlreadyExists, Invalid, NotFound
 
 LEVELS = ("none", "read", "plan", "write", "admin")  # each adds to the last (HCP's meaning)
-RIGHTS = ("manage-workspaces", "manage-policies", "manage-vcs", "manage-teams")
+RIGHTS = ("manage-workspaces", "manage-policies", "manage-vcs", "manage-teams", "read-audit")
 OWNERS = "owners"
 MAX_TEAMS = 200
 MAX_MEMBERS = 5000

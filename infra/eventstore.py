@@ -30,7 +30,7 @@ from nats.aio.client import Client as NATS
 
 from events.codec import AnyEvent, decode, encode, tag_of
 from events.errors import Conflict
-from infra import tracing
+from infra import origin, tracing
 from infra.directget import DirectReader, InfraError, leader_get, leader_last_seq
 from infra.streams import EVENTS, WRONG_LAST_SEQUENCES
 
@@ -97,7 +97,7 @@ class Append(msgspec.Struct, frozen=True, kw_only=True):
 def _headers(
     item: Append, msg_id: str, extra: dict[str, str], *, check: bool = True
 ) -> dict[str, str]:
-    headers = {"Nats-Msg-Id": msg_id, "Rp-Type": tag_of(item.event), **extra}
+    headers = {"Nats-Msg-Id": msg_id, "Rp-Type": tag_of(item.event), **origin.headers(), **extra}
     tracing.inject(headers)  # the writer's trace: its request, phase or delivery
     if check:
         headers["Nats-Expected-Last-Subject-Sequence"] = str(item.expected)

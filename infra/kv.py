@@ -28,7 +28,10 @@
 - `rp-open-runs`: `<org>` -> the organization's ledger of open runs, its quota
   (services/app/openruns.py), moved with optimistic concurrency;
 - `rp-signing-keys`: `keys` -> the workload identity signing keys (infra/signing.py), each
-  private key sealed, rotated with optimistic concurrency and read from the leader.
+  private key sealed, rotated with optimistic concurrency and read from the leader;
+- `rp-audit`: `key` -> the audit checkpoints' Ed25519 keys (infra/auditkeys.py), each
+  private key sealed like the signing keys; `cursor` -> how far the auditor has read
+  the event log (services/processes/audit.py).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ TFE_CONFIGS_BUCKET = "rp-tfe-configs"
 OPEN_RUNS_BUCKET = "rp-open-runs"
 STATE_LEDGER_BUCKET = "rp-state-ledger"  # versions kept per org (executor/stateledger.py)
 SIGNING_KEYS_BUCKET = "rp-signing-keys"  # workload identity's keys (infra/signing.py)
+AUDIT_BUCKET = "rp-audit"  # the audit key (sealed) and the auditor's cursor (infra/auditlog.py)
 BUCKETS = (
     STATE_HEAD_BUCKET,
     STATE_LOCKS_BUCKET,
@@ -77,6 +81,7 @@ BUCKETS = (
     OPEN_RUNS_BUCKET,
     STATE_LEDGER_BUCKET,
     SIGNING_KEYS_BUCKET,
+    AUDIT_BUCKET,
 )
 # The others keep their keys forever.
 _TTL = {

@@ -35,6 +35,7 @@ EVENTS = "RP_EVENTS"
 DISPATCH = "RP_DISPATCH"
 HEARTBEATS = "RP_HEARTBEATS"
 LOGS = "RP_LOGS"
+AUDIT = "RP_AUDIT"  # the organizations' audit chains (infra/auditlog.py): `audit.<org>`
 
 PLANS_BUCKET = "rp-plans"
 LOGS_BUCKET = "rp-logs"
@@ -151,6 +152,20 @@ def _streams(replicas: int) -> list[dict[str, Any]]:
             "deny_purge": True,
             "allow_direct": True,
             "allow_atomic": True,
+            "duplicate_window": window,
+        },
+        {
+            # Append-only by use: runplane never deletes nor purges a record, so
+            # `runplane audit verify` names any gap as tampering. Not `deny_delete` /
+            # `deny_purge`: a stream update can never lift them (retention of whole
+            # records, later, will delete ranges it records first), and someone with NATS
+            # access can remove the whole stream anyway: the chain, not a flag, is the proof.
+            "name": AUDIT,
+            "subjects": ["audit.>"],
+            "storage": "file",
+            "retention": "limits",
+            "num_replicas": replicas,
+            "allow_direct": True,
             "duplicate_window": window,
         },
         {

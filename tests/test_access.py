@@ -52,6 +52,7 @@ ORG_ACTIONS: dict[str, str | None] = {
     "policies.manage": "manage-policies",
     "vcs.manage": "manage-vcs",
     "teams.manage": "manage-teams",
+    "audit.read": "read-audit",
     "org.settings": "",
     "org.access": "",
 }

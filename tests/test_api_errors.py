@@ -19,6 +19,7 @@ RUN_ID = "01jrunofanotherorg0000000a"
 # filled with a run of org acme; `{ws}` with acme's workspace.
 ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}"),
+    ("GET", "/api/v1/orgs/{org}/audit"),
     ("POST", "/api/v1/orgs/{org}/tokens"),
     ("GET", "/api/v1/orgs/{org}/tokens"),
     ("DELETE", "/api/v1/orgs/{org}/tokens/{token}"),

@@ -37,6 +37,7 @@ from executor.isolation import Isolation
 from executor.turns import parse_weights
 from executor.worker import Executor, TerraformSettings, default_executor_id
 from infra import options
+from infra.auditkeys import AuditKeys
 from infra.crypto import KeyRing
 from infra.eventstore import EventStore
 from infra.ids import new_id, utcnow
@@ -52,6 +53,7 @@ from services.app.repositories import Sources, deployment_sources
 from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
 from services.app.workload import Minter
+from services.processes.audit import Auditor
 from services.processes.runwatch import RunWatch
 from services.processes.scheduler.reaper import Reaper
 from services.processes.scheduler.scheduler import Scheduler
@@ -185,8 +187,15 @@ class Plane:
         return await self.stack.enter_async_context(ex)
 
     async def start_subscribers(self) -> Host:
-        """Every registered subscription (services/processes/subscribers/)."""
+        """Every registered subscription (services/processes/subscribers/), and the
+        auditor (services/processes/audit.py) beside them."""
+        await self.start_auditor()
         return await self.stack.enter_async_context(self.subscribers())
+
+    async def start_auditor(self, **overrides: Any) -> Auditor:
+        """The audit chains' writer from the event log (`Auditor`)."""
+        auditor = Auditor(self.nc, AuditKeys(self.nc, self.keyring), **overrides)
+        return await self.stack.enter_async_context(auditor)
 
     async def start_runwatch(self) -> RunWatch:
         """A log line per run transition (what `runplane up` shows a person)."""

@@ -26,7 +26,7 @@ from infra.options import (
 )
 from infra.sizes import parse_size
 from services.app import repositories
-from services.root import identity_flags, tenant_flags
+from services.root import audit_cmd, identity_flags, tenant_flags
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
 
@@ -357,6 +357,7 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--repair", action="store_true", help="raise what has fewer replicas than the setting"
     )
+    audit_cmd.add_parser(sub, _common)
     return root
 
 
@@ -469,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         opts.check()
         if ns.command == "nats":
             return asyncio.run(_nats_command(ns, opts))
+        if ns.command == "audit":
+            return asyncio.run(audit_cmd.run(ns, opts))
         asyncio.run(_dispatch(ns.command, opts))
     except ConfigError as e:
         print(f"runplane: {e}", file=sys.stderr)

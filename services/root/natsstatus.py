@@ -24,7 +24,7 @@ from infra.natsserver import URL_FILE, server_credentials
 from infra.options import ConfigError, Options
 from services.root.runtime import connected, embedded_or_given
 
-STREAMS = (streams.EVENTS, streams.DISPATCH, streams.HEARTBEATS, streams.LOGS)
+STREAMS = (streams.EVENTS, streams.AUDIT, streams.DISPATCH, streams.HEARTBEATS, streams.LOGS)
 
 
 def declared() -> list[tuple[str, str]]:
@@ -139,7 +139,7 @@ async def raise_all(nc: NATS, want: int) -> list[str]:
     return changed
 
 
-async def _connect(opts: Options, stack: AsyncExitStack) -> NATS:
+async def connect(opts: Options, stack: AsyncExitStack) -> NATS:
     """The given servers; else the embedded server of a running `runplane up` on this
     data directory; else the embedded server started here (as `replay` does)."""
     if not opts.nats_url:
@@ -162,7 +162,7 @@ def _running_url(nats_dir: Path) -> str | None:
 
 
 async def status(opts: Options, stack: AsyncExitStack, *, repair: bool, out: TextIO) -> int:
-    nc = await _connect(opts, stack)
+    nc = await connect(opts, stack)
     want = rep.wanted(nc, opts.replicas)
     if repair:
         try:

@@ -30,6 +30,7 @@ from events.access import PLAN_ONLY, run_action
 from events.codec import valid_id
 from events.errors import DomainError, Invalid, NotFound
 from events.run import ApproveRun, CancelRun, Cause, DiscardRun, RunState
+from infra import origin
 from infra.eventstore import Append
 from services.app.commands import App
 from services.processes.chat import text as tx
@@ -65,15 +66,21 @@ class Worker:
         if any(isinstance(e.event, chat_agg.SlackRequestDone) for e in envs):
             return  # redelivered: done before
         run_id, user = "", ""
+        # the audit log's origin of what the request appends (infra/origin.py)
+        here = origin.Origin(request_id=event.request_id, client="slack", via="chat")
+        token = origin.current.set(here)
         try:
             who = await self.config.who(org, event.slack_user)
             user = who.caller.user
+            here.actor_kind = "user"
             message, run_id = await self.work(org, event, who)
             slug = "ok"
         except Outcome as o:
             message, slug = o.message, o.slug
         except (DomainError, ChatError, tx.BadCommand) as e:
             message, slug = tx.reply(tx.escape(str(e))), _slug(e)
+        finally:
+            origin.current.reset(token)
         url = self.config.open_url(org, event.request_id, event.response_url)
         await self.poster.post(url, message)
         await self._done(org, event, envs[-1].seq if envs else 0, slug, user, run_id)

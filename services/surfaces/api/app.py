@@ -20,6 +20,7 @@ from services.app.secrets import SecretStore
 from services.processes.vcs.deliveries import Deliveries
 from services.processes.vcs.heads import GitHeads, Heads
 from services.surfaces.api import (
+    audit,
     changes,
     chat,
     docs,
@@ -69,6 +70,7 @@ ROUTES = [
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
     *docs.ROUTES,
     *whoami.ROUTES,
+    *audit.ROUTES,
     *orgs.ROUTES,
     *workspaces.ROUTES,
     *settings_api.ROUTES,
@@ -120,8 +122,8 @@ def build_app(
     `terraform login` is not offered login.v1 (services/surfaces/tfe/discovery.py).
     `webhook_limits`: what an unproven webhook body may cost (services/surfaces/webhooks/intake.py).
     `vcs_heads`: what a webhook's push is checked against (services/processes/vcs/heads.py);
-    without it, git with no mirror: only a push of its ref's head starts runs.
-    `quotas`: the deployment's bounds on what a tenant grows (infra/quotas.py).
+    without it, git with no mirror: only a push of its ref's head starts runs. `quotas`:
+    the deployment's bounds on what a tenant grows (infra/quotas.py).
     """
     web_app = web.Application(middlewares=MIDDLEWARES)
     web_app[API] = Api(app=app, projector=projector, admin_token=admin_token, ready=ready)

@@ -12,6 +12,7 @@ import structlog
 from aiohttp import web
 
 from events.org import USE_EVERY
+from infra.auditlog import AuditLog
 from projections.projector import Projector
 from projections.readmodel import ReadModel
 from services.app.commands import App
@@ -48,6 +49,7 @@ class Api:
         self.settle_wait = SETTLE_WAIT_S
         self.token_use_every = USE_EVERY  # how stale a token's "last used" may be
         self.token_uses: dict[str, datetime] = {}  # token id: when this replica last recorded
+        self.audit = AuditLog(app.store.nc)  # refusals recorded, the audit log read
 
     @property
     def read(self) -> ReadModel:

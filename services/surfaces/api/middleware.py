@@ -13,9 +13,9 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from opentelemetry.trace import SpanKind
 
-from infra import tracing
+from infra import origin, tracing
 from infra.directget import InfraError
-from services.surfaces.api import docs, idempotency
+from services.surfaces.api import audit, docs, idempotency
 from services.surfaces.api.auth import PRINCIPAL, authenticate
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem, refusals
@@ -34,6 +34,7 @@ PUBLIC = (
             "/api/v1/chat/slack/commands",
             "/api/v1/chat/slack/interactions",
             "/api/v1/vcs/{connection}/webhook",
+            audit.KEYS_PATH,  # public keys, no tenant data
         }
     )
     | docs.PUBLIC
@@ -127,6 +128,9 @@ async def authenticate_requests(request: web.Request, handler: Handler) -> web.S
         return await handler(request)
     who = await authenticate(request.app[API], request.headers.get("Authorization"))
     request[PRINCIPAL] = who
+    here = origin.current.get()
+    if here is not None:  # what its events' audit records say the caller is
+        here.actor_kind = audit.actor_kind(who)
     with structlog.contextvars.bound_contextvars(user=who.user):
         return await handler(request)
 
@@ -162,6 +166,7 @@ MIDDLEWARES = (
     trace_requests,
     log_requests,
     problems,
+    audit.audit_requests,  # inside problems: sees refusals before they are answers
     authenticate_requests,
     idempotency.idempotent,  # after authentication: a key is its token's
     min_seq,

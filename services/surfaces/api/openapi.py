@@ -12,6 +12,7 @@ import msgspec
 
 from events.run import Status
 from services.surfaces.api import (
+    audit,
     changes,
     chat,
     grants,
@@ -95,6 +96,7 @@ PARAMETERS: dict[str, Doc] = {
         {"enum": ["full", "summary"], "default": "full"},
     ),
     **logs.PARAMETERS,
+    **audit.PARAMETERS,
     **secrets.PARAMETERS,
     **settings_api.PARAMETERS,
     **groups.PARAMETERS,
@@ -219,6 +221,7 @@ PATHS: dict[str, Doc] = {
     },
     **_DOCS,
     **whoami.PATHS,
+    **audit.PATHS,
     "/api/v1/orgs": {
         "post": operation(
             "createOrg",
@@ -480,6 +483,7 @@ def document() -> Doc:
                 **chat.SCHEMAS,
                 **sso_api.SCHEMAS,
                 **whoami.SCHEMAS,
+                **audit.SCHEMAS,
                 **vcs_api.SCHEMAS,
                 **run_triggers_api.SCHEMAS,
                 **_body_schemas(),

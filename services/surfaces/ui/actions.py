@@ -14,7 +14,7 @@ from aiohttp import web
 from events.errors import DomainError
 from events.run import CancelRun, Cause, RunState
 from services.app.execute import Result
-from services.surfaces.api import approvals
+from services.surfaces.api import approvals, audit
 from services.surfaces.api.problems import Problem, from_domain
 from services.surfaces.api.runs import PLAN_ONLY, run_action
 from services.surfaces.ui import pages
@@ -42,7 +42,9 @@ async def _run_or_404(visit: Visit) -> dict[str, object]:
 
 
 async def _refused(visit: Visit, run_id: str, p: Problem) -> web.Response:
-    """The run page again, with the server's refusal and its status."""
+    """The run page again, with the server's refusal and its status (on the audit
+    record when it matters, as the API's are)."""
+    await audit.record_refusal(visit.request, p)
     run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
         raise p

@@ -18,7 +18,17 @@ from aiohttp import web
 
 from services.surfaces.api.context import API
 from services.surfaces.api.middleware import SELF_AUTHENTICATED, problems
-from services.surfaces.ui import actions, device, live, pages, people, signin, sso, tokens
+from services.surfaces.ui import (
+    actions,
+    audit_page,
+    device,
+    live,
+    pages,
+    people,
+    signin,
+    sso,
+    tokens,
+)
 from services.surfaces.ui.sessions import TLS_PROXY, Sessions
 from services.surfaces.ui.templating import GLOBALS
 from services.surfaces.ui.web import JINJA, SESSIONS, html_errors
@@ -46,6 +56,7 @@ ROUTES = [
     web.post(WS + "/unlock", actions.unlock),
     web.get(RUN, pages.run_page, allow_head=False),
     web.get(ORG + "/people", people.people_page, allow_head=False),
+    web.get(ORG + "/audit", audit_page.audit_page, allow_head=False),
     web.post(ORG + "/people/invite", people.invite),
     web.post(ORG + "/people/suspend", people.suspend),
     web.post(ORG + "/people/reactivate", people.reactivate),
