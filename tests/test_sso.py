@@ -114,7 +114,7 @@ def test_the_callback_follows_the_public_url_flag(monkeypatch: pytest.MonkeyPatc
     from services.root import cli
     from services.surfaces.ui.sso import callback_url
 
-    monkeypatch.delenv("RUNPLANE_PUBLIC_URL", raising=False)
+    monkeypatch.setenv("RUNPLANE_PUBLIC_URL", "")  # unset, and put back as it was after
     request = make_mocked_request("GET", "/app/sso/start", headers={"Host": "inside:8080"})
     assert callback_url(request) == "http://inside:8080/app/sso/callback"
     ns = cli.parser().parse_args(["api", "--public-url", "https://runplane.example.com/"])
