@@ -27,16 +27,22 @@ Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 _state = msgspec.json.Decoder(RunState)
 _plan = msgspec.json.Decoder(PlanFinished)
 _NO_STEPS: dict[str, Any] = {"template": None, "steps": [], "current_step": None}
-_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at, recovered, pushed_by, forced"
+_COLUMNS = (
+    "serial, lineage, digest, object, size, run_id, created_at, recovered, pushed_by, forced, "
+    "rollback_of, reason"
+)
 
 
 def project_state_version(w: Working, meta: Meta, event: object) -> None:
     """A `run.state_version` or `ws.state_pushed` event becomes a row of its workspace's
     versions."""
+    own: dict[str, Any]
     if isinstance(event, StateVersionCreated):
         own = {"run_id": meta.run_id, "recovered": int(event.recovered), "pushed_by": None}
+        own |= {"rollback_of": None, "reason": None}
     elif isinstance(event, StatePushed):
         own = {"run_id": None, "recovered": 0, "pushed_by": event.actor}
+        own |= {"rollback_of": event.rollback_of or None, "reason": event.reason or None}
     else:
         return
     w.insert(
