@@ -91,9 +91,47 @@ async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any
         "AND type = 'run.plan_finished' ORDER BY seq",
         run_ids,
     )
+    steps = await query(
+        f"SELECT run_id, phase, step, metrics_json FROM steps WHERE run_id IN ({marks}) "
+        "AND metrics_json IS NOT NULL ORDER BY started_seq",
+        run_ids,
+    )
     states = {r["id"]: _state.decode(r["state_json"]) for r in runs if r["state_json"]}
     last_plans = {r["run_id"]: _plan.decode(r["data_json"]) for r in plans}
-    return {rid: _pins(states.get(rid), last_plans.get(rid)) for rid in run_ids}
+    used: dict[str, list[dict[str, Any]]] = {}
+    for r in steps:
+        used.setdefault(r["run_id"], []).append(_step_usage(r))
+    return {
+        rid: _pins(states.get(rid), last_plans.get(rid)) | {"usage": _usage(used.get(rid, []))}
+        for rid in run_ids
+    }
+
+
+_USAGE = ("cpu_seconds", "peak_memory_bytes", "wall_seconds")
+
+
+def _step_usage(row: aiosqlite.Row) -> dict[str, Any]:
+    metrics = msgspec.json.decode(row["metrics_json"])
+    return {"phase": row["phase"], "step": row["step"], **{k: metrics.get(k) for k in _USAGE}}
+
+
+def _usage(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the run's steps used (executor/usage.py): CPU and wall seconds summed, the
+    highest peak of memory, and each step's; None while no step measured any."""
+    measured = [s for s in steps if s["wall_seconds"] is not None]
+    if not measured:
+        return None
+
+    def known(key: str) -> list[Any]:
+        return [s[key] for s in measured if s[key] is not None]
+
+    cpu, peaks = known("cpu_seconds"), known("peak_memory_bytes")
+    return {
+        "cpu_seconds": round(sum(cpu), 3) if cpu else None,
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "wall_seconds": round(sum(s["wall_seconds"] for s in measured), 3),
+        "steps": measured,
+    }
 
 
 def _pins(state: RunState | None, plan: PlanFinished | None) -> dict[str, Any]:
