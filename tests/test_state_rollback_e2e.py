@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from yarl import URL
@@ -54,7 +55,7 @@ async def _apply(plane: Plane, *, while_applying: bool = False) -> tuple[str, di
     return run_id, tried
 
 
-async def _pulled(plane: Plane) -> tuple[dict[str, object], dict[str, object]]:
+async def _pulled(plane: Plane) -> tuple[dict[str, Any], dict[str, Any]]:
     """What `terraform state pull` gets: the current version and its content."""
     got = await plane.http.get("/api/v2/workspaces/ws-acme.net/current-state-version")
     assert got.status == 200, got.body
@@ -64,7 +65,7 @@ async def _pulled(plane: Plane) -> tuple[dict[str, object], dict[str, object]]:
         return attrs, json.loads(await resp.read())
 
 
-def _instances(state: dict[str, object]) -> dict[str, int]:
+def _instances(state: dict[str, Any]) -> dict[str, int]:
     resources = state["resources"]
     assert isinstance(resources, list)
     return {r["name"]: len(r["instances"]) for r in resources}
