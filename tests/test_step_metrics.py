@@ -23,6 +23,7 @@ from tests.plane_support import (  # noqa: F401  # registers the fixtures
     commit,
     plane_fixture,
 )
+from tests.ui.support import Browser
 
 THREE = {"main.tf": 'resource "null_resource" "n" {\n  count = 3\n}\n'}
 MIB = 1024 * 1024
@@ -95,3 +96,13 @@ async def test_a_real_plan_records_what_each_step_used(plane: Plane, repo: Path)
     assert plan_cpu and float(plan_cpu[0].split()[-1]) >= plan.cpu_seconds
     assert 'runplane_step_peak_memory_bytes_max{phase="plan"}' in text
     assert "acme" not in text and ws not in text and run_id not in text
+
+    # the UI's steps table: CPU and peak memory per step
+    browser = Browser(plane.http.client.server)
+    try:
+        await browser.signin("test-admin-token", org="acme")
+        page = await browser.get(f"/orgs/acme/runs/{run_id}")
+        assert page.status == 200 and "Peak memory" in page.text
+        assert f"{plan.peak_memory_bytes / MIB:.1f} MiB" in page.text, page.text[-2000:]
+    finally:
+        await browser.close()
