@@ -14,6 +14,7 @@ pushes them (the end to end with real Terraform: tests/test_state_rollback_e2e.p
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -285,3 +286,16 @@ async def test_killed_at_any_write_it_leaves_no_version_or_a_whole_one(
     attrs, _ = await _current(tfe, tokens["admin"])
     assert attrs["serial"] == a.body["serial"] == (3 if at == "record" else 4)
     assert v2["serial"] == 2
+
+
+async def test_two_rollbacks_at_once_land_one_version(tfe: Tfe) -> None:
+    tokens, (v1, _) = await _two_versions(tfe)
+    answers = await asyncio.gather(
+        *(_rollback(tfe, v1["id"], tokens["admin"], reason=f"try {i}") for i in range(3))
+    )
+    assert sorted(a.status for a in answers) == [201, 409, 409], [a.body for a in answers]
+    rollbacks = [p for p in await _pushes(tfe) if p.cause == "rollback"]
+    assert len(rollbacks) == 1 and rollbacks[0].serial == 3
+    attrs, raw = await _current(tfe, tokens["admin"])
+    assert attrs["serial"] == 3 and b'"one"' in raw
+    assert await _states(tfe).pending("acme", "net") is None

@@ -48,7 +48,7 @@ from services.surfaces.api.schemas import REF, Doc, operation
 from services.surfaces.tfe import ids
 from services.surfaces.tfe.context import TFE
 from services.surfaces.tfe.jsonapi import TfeError
-from services.surfaces.tfe.state import current_head
+from services.surfaces.tfe.state import current_head, last_pushed
 
 log = structlog.get_logger("runplane.api")
 
@@ -115,9 +115,7 @@ async def roll_back(
     try:
         result = await api.app.record_state_push(org, ws, command)
     except DomainError:  # the lock lost, a run admitted, another push landed: nothing
-        with contextlib.suppress(StateStoreError):
-            if await states.pending(org, ws) == version:
-                await states.clear_pending(org, ws)
+        await _clear_unless_recorded(request, states, org, ws, version, head)
         raise
     await _move(states, org, ws, version, revision)
     log.info("state_rolled_back", org=org, ws=ws, serial=version.serial, of=source.object)
@@ -130,6 +128,20 @@ async def roll_back(
         "pushed_by": who.user,
         "seq": int(result.seq),
     }
+
+
+async def _clear_unless_recorded(
+    request: web.Request, states: StateStore, org: str, ws: str, version: Head, head: Head
+) -> None:
+    """Clear the pending mark if it is still this rollback's, unless the same version
+    over the same head was recorded meanwhile (the same rollback sent twice at once: the
+    pending mark is the other's too, which its head move, or the next read, needs)."""
+    last = await last_pushed(request, org, ws)
+    if last is not None and (last.object, last.previous) == (version.object, head.object):
+        return
+    with contextlib.suppress(StateStoreError):
+        if await states.pending(org, ws) == version:
+            await states.clear_pending(org, ws)
 
 
 async def _workspace(api: Api, org: str, ws: str) -> dict[str, Any]:
