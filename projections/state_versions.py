@@ -85,22 +85,18 @@ async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any
     if not run_ids:
         return {}
     marks = ", ".join("?" * len(run_ids))
-    runs = await query(f"SELECT id, state_json FROM runs WHERE id IN ({marks})", run_ids)
+    runs = await query(  # the measured steps with the row: no round trip more per read
+        f"SELECT id, state_json, {_MEASURED} AS usage_json FROM runs WHERE id IN ({marks})",
+        run_ids,
+    )
     plans = await query(  # in stream order: the last one of each run wins
         f"SELECT run_id, data_json FROM events WHERE run_id IN ({marks}) "
         "AND type = 'run.plan_finished' ORDER BY seq",
         run_ids,
     )
-    steps = await query(
-        f"SELECT run_id, phase, step, metrics_json FROM steps WHERE run_id IN ({marks}) "
-        "AND metrics_json IS NOT NULL ORDER BY started_seq",
-        run_ids,
-    )
     states = {r["id"]: _state.decode(r["state_json"]) for r in runs if r["state_json"]}
     last_plans = {r["run_id"]: _plan.decode(r["data_json"]) for r in plans}
-    used: dict[str, list[dict[str, Any]]] = {}
-    for r in steps:
-        used.setdefault(r["run_id"], []).append(_step_usage(r))
+    used = {r["id"]: [_step_usage(x) for x in _json_list(r["usage_json"])] for r in runs}
     return {
         rid: _pins(states.get(rid), last_plans.get(rid)) | {"usage": _usage(used.get(rid, []))}
         for rid in run_ids
@@ -110,9 +106,18 @@ async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any
 _USAGE = ("cpu_seconds", "peak_memory_bytes", "wall_seconds")
 
 
-def _step_usage(row: aiosqlite.Row) -> dict[str, Any]:
-    metrics = msgspec.json.decode(row["metrics_json"])
-    return {"phase": row["phase"], "step": row["step"], **{k: metrics.get(k) for k in _USAGE}}
+# A run's measured steps in start order, as one JSON array (read with its row).
+_MEASURED = (
+    "(SELECT json_group_array(json(j)) FROM (SELECT json_object('phase', phase, 'step', "
+    "step, 'metrics', json(metrics_json)) AS j FROM steps WHERE steps.run_id = runs.id "
+    "AND metrics_json IS NOT NULL ORDER BY started_seq))"
+)
+_json_list = msgspec.json.Decoder(list[dict[str, Any]]).decode
+
+
+def _step_usage(step: dict[str, Any]) -> dict[str, Any]:
+    metrics = step["metrics"]
+    return {"phase": step["phase"], "step": step["step"], **{k: metrics.get(k) for k in _USAGE}}
 
 
 def _usage(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
