@@ -68,7 +68,7 @@ PARAMETERS: dict[str, Doc] = {
     "org": _path("org", "organization name"),
     "ws": _path("ws", "workspace name"),
     "run": _path("run", "run id"),
-    "state_version": {**_path("id", "a listed state version's `id` (sv-...)"), "schema": STR},
+    "id": {**_path("id", "a listed state version's `id` (sv-...)"), "schema": STR},
     "source": _path("source", "a workspace this one follows (run triggers)"),
     "token": _path("token", "token id (the token_id of its creation, not the token)"),
     "min_seq": {
@@ -116,8 +116,9 @@ _ERRORS = {
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
     "408": "request-timeout: the body came slower than the route allows",
-    "409": "conflict (with current_status), already-exists, workspace-deleted or "
-    "idempotency-in-progress",
+    "409": "conflict (with current_status), already-exists, workspace-deleted, "
+    "idempotency-in-progress, workspace-not-locked, run-active or state-changed",
+    "410": "state-version-pruned: the version's content is no longer stored",
     "413": "body-too-large",
     "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
     "503": "unavailable or stale-read",

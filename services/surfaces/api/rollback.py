@@ -252,7 +252,7 @@ PATHS: dict[str, Doc] = {
             "A new state version copying version {id} with the next serial (workspace admin; "
             "the caller holds the workspace's lock; no run active)",
             (201, "StateVersion"),
-            params=("org", "ws", "state_version"),
+            params=("org", "ws", "id"),
             body="RollbackBody",
             body_required=True,
             errors=(400, 403, 404, 409, 410, 422, 503),
