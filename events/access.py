@@ -82,6 +82,7 @@ ACTIONS: Final[dict[str, Need]] = {
     "workspace.settings": Need("workspace", ADMIN),
     "workspace.access": Need("workspace", ADMIN),
     "workspace.delete": Need("workspace", ADMIN),
+    "state.rollback": Need("workspace", ADMIN),  # a new version copying an earlier one
 }
 
 

@@ -62,6 +62,10 @@ class FinishStep(Command, frozen=True, kw_only=True):
     log_object: str = ""
     error: str = ""
     metrics: dict[str, int] = {}
+    # What the step's processes used (None: not measured; see StepFinished).
+    cpu_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    wall_seconds: float | None = None
 
 
 class FinishPlan(Command, frozen=True, kw_only=True):

@@ -131,6 +131,13 @@ class StepFinished(Event, frozen=True, kw_only=True, tag="run.step_finished"):
     log_object: str = ""
     error: str = ""
     metrics: dict[str, int] = {}
+    # What the step's processes used, from the phase's control group (executor/
+    # cgroups.py): CPU time, the highest memory in use at once, and the step's own wall
+    # time. None: not measured (events recorded before these were, or a phase with no
+    # control group: not root, no cgroup hierarchy).
+    cpu_seconds: float | None = None
+    peak_memory_bytes: int | None = None
+    wall_seconds: float | None = None
 
 
 class PlanFinished(Event, frozen=True, kw_only=True, tag="run.plan_finished"):

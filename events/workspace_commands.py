@@ -69,6 +69,8 @@ class RecordStatePush(Command, frozen=True, kw_only=True):
     previous: str = ""
     forced: bool = False
     cause: str = "cli"
+    reason: str = ""  # a rollback's: why
+    rollback_of: str = ""  # a rollback's: the version (object) it copies
     # When the lock the pusher read the head under was taken (None: not known): a push
     # that stalled past an unlock, a run and a new lock of the same holder would
     # otherwise be taken with a `previous` from before that run.

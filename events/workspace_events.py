@@ -76,7 +76,11 @@ class StatePushed(Event, frozen=True, kw_only=True, tag="ws.state_pushed"):
     run: `terraform state push` (and `state rm` / `mv`, every state write of the CLI's
     backend) through the TFE API (services/surfaces/tfe/state_push.py). The version is sealed in
     `rp-state` as `object`; `previous` is the version it replaced ("" for none), `forced`
-    whether the CLI said `-force` (another lineage, or a serial not above the current)."""
+    whether the CLI said `-force` (another lineage, or a serial not above the current).
+
+    A rollback (`POST .../state-versions/{id}/rollback`, services/surfaces/api/rollback.py)
+    is a push of runplane's own: `cause` "rollback", `rollback_of` the earlier version's
+    object it copies (with the next serial), `reason` the admin's why."""
 
     serial: int
     lineage: str
@@ -86,6 +90,8 @@ class StatePushed(Event, frozen=True, kw_only=True, tag="ws.state_pushed"):
     previous: str = ""
     forced: bool = False
     cause: str = "cli"
+    reason: str = ""
+    rollback_of: str = ""
 
 
 WorkspaceEvent = (

@@ -173,6 +173,27 @@ class PhaseGroup:
             return 0.0
         return _field(d / "cpu.stat", "usage_usec") / 1e6
 
+    def peak_memory(self) -> int | None:
+        """The most memory the phase's processes had in use at once since the last
+        `reset_peak` (v1 `memory.max_usage_in_bytes`; v2 `memory.peak`, the phase's
+        whole, on kernels that have it); None where it is not counted."""
+        d = self.dirs.get("memory")
+        if d is None:
+            return None
+        name = "memory.max_usage_in_bytes" if self.version["memory"] == 1 else "memory.peak"
+        with contextlib.suppress(OSError, ValueError):
+            return int((d / name).read_text())
+        return None
+
+    def reset_peak(self) -> None:
+        """Start the peak afresh (a step's own, v1). v2's `memory.peak` is not reset (a
+        write resets it only for the writer's descriptor, on 6.12 and later): there a
+        step's peak is the phase's so far."""
+        d = self.dirs.get("memory")
+        if d is not None and self.version["memory"] == 1:
+            with contextlib.suppress(OSError):
+                (d / "memory.max_usage_in_bytes").write_text("0")
+
     def pids(self) -> list[int]:
         """The processes in the phase's groups now (each group holds all of them)."""
         for path in self.dirs.values():

@@ -35,6 +35,7 @@ from executor.output import Masker, masked_command
 from executor.ports import RepositoryRules, RunLedger
 from executor.process import StepLog
 from executor.terraform import Terraform
+from executor.usage import StepMeter
 from infra import tracing
 from infra.eventstore import LATEST
 from infra.policy.sandbox import PolicySandbox
@@ -74,6 +75,7 @@ class Job:
     cancel_reason: str = ""
     task: asyncio.Task[None] | None = None
     log_budget: LogBudget = field(default_factory=LogBudget)  # the phase's steps' logs
+    meter: StepMeter | None = None  # what the running step uses (executor/usage.py)
 
     def now(self) -> datetime:
         return self.tools.app.clock()
@@ -142,6 +144,7 @@ async def _step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) ->
     step_log = open_step_log(
         job.ctx, job.tools.app.store.nc, job.tools.masker, name, job.log_budget
     )
+    job.meter = StepMeter(job.tools.jail)
     log.info("step_started", step=name)
     try:
         result = await body(step_log)
@@ -186,6 +189,7 @@ async def _finish(
     job: Job, name: str, started: datetime, step_log: LiveStepLog, *, ok: bool, error: str = ""
 ) -> None:
     step_log.close()  # the file is whole: store it while the live stream's last lines go
+    used = job.meter.usage() if job.meter is not None else None
     _, obj = await asyncio.gather(step_log.finish(), _store_log(job, name, step_log))
     await job.report(
         FinishStep(
@@ -197,6 +201,9 @@ async def _finish(
             log_object=obj,
             error=error,
             metrics=step_log.metrics(),
+            cpu_seconds=used.cpu_seconds if used else None,
+            peak_memory_bytes=used.peak_memory_bytes if used else None,
+            wall_seconds=used.wall_seconds if used else None,
         )
     )
     log.info("step_finished", step=name, ok=ok)

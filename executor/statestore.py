@@ -70,6 +70,12 @@ class Head(msgspec.Struct, frozen=True, kw_only=True):
     run_id: str = ""
 
 
+class VersionGone(StateStoreError):
+    """The version's object is no longer in the store (the state quotas let it go)."""
+
+    retryable = False
+
+
 class LockRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A held state lock: Terraform's lock info as it sent it, and the run holding it."""
 
@@ -143,6 +149,22 @@ def parse_state(data: bytes) -> tuple[int, str]:
     return head.serial, head.lineage
 
 
+_members = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+
+
+def with_serial(data: bytes, serial: int) -> bytes:
+    """The same Terraform state with another serial: its other members kept byte for
+    byte, in their order (only the top level is decoded; the rest stays raw JSON, never
+    made into objects, as in `parse_state`). ValueError if it is not a state."""
+    parse_state(data)  # a state, and not nested past MAX_STATE_DEPTH
+    try:
+        members = _members(data)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"not a Terraform state: {e}") from e
+    members["serial"] = msgspec.Raw(str(int(serial)).encode())
+    return msgspec.json.encode(members)
+
+
 class StateStore:
     """Reads and writes managed state for any workspace; one per executor."""
 
@@ -191,6 +213,8 @@ class StateStore:
         try:
             store = await self.js.object_store(STATE_BUCKET)
             await store.get(head.object, writeinto=buf)
+        except nats.js.errors.NotFoundError as e:  # ObjectNotFound, ObjectDeleted
+            raise VersionGone(f"state version {head.object} is no longer stored") from e
         except _NATS_ERRORS as e:
             raise StateStoreError(f"reading {STATE_BUCKET}/{head.object}: {e!r}") from e
         try:

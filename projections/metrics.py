@@ -14,6 +14,11 @@
 - `runplane_notification_attempts_total{outcome}`: delivery attempts of notifications
   by outcome, from the read model's `notify_attempts` table when this deployment's read
   model has one (the notifications part); else the family is left out;
+- `runplane_step_cpu_seconds_total{phase}`, `runplane_step_wall_seconds_total{phase}`,
+  `runplane_steps_measured_total{phase}` and `runplane_step_peak_memory_bytes_max{phase}`:
+  what the executors' steps used (executor/usage.py), summed (the peak: the highest one
+  step had) over the steps this read model holds; `phase` is `plan`, `apply` or `custom`
+  (a custom step's number is the template's, so not a label);
 - `runplane_metrics_ok{part}`: 1 if the part was read at this scrape, 0 if it failed
   (the rest is still answered);
 - the process's own `process_*` and `python_*` figures.
@@ -65,6 +70,7 @@ class Figures:
     consumers: list[tuple[str, str, int, int]] | None = None  # stream, name, pending, acks
     waiting: int | None = None  # dispatched phases not yet claimed
     attempts: dict[str, int] | None = None  # None also: the read model has no such table
+    steps: dict[str, tuple[int, float, float, int]] | None = None  # phase: n, cpu, wall, peak
     ok: dict[str, bool] = field(default_factory=dict)
 
     def collect(self) -> Iterator[Metric]:
@@ -108,6 +114,8 @@ class Figures:
             for outcome in (*OUTCOMES, "other"):
                 attempts.add_metric([outcome], self.attempts.get(outcome, 0))
             yield attempts
+        if self.steps is not None:
+            yield from _step_families(self.steps)
         ok = GaugeMetricFamily("runplane_metrics_ok", "Part read at this scrape", labels=["part"])
         for part, fine in sorted(self.ok.items()):
             ok.add_metric([part], 1 if fine else 0)
@@ -149,6 +157,7 @@ class Metrics:
         f.consumers = await self._part(f, "consumers", self._consumers())
         f.waiting = await self._part(f, "dispatch", self._waiting())
         f.attempts = await self._part(f, "notifications", self._attempts())
+        f.steps = await self._part(f, "steps", self._steps())
         return f
 
     async def _part(self, f: Figures, name: str, read: Any) -> Any:
@@ -191,6 +200,17 @@ class Metrics:
             out[key] = out.get(key, 0) + int(n)
         return out
 
+    async def _steps(self) -> dict[str, tuple[int, float, float, int]]:
+        rows = await self._rows(
+            "SELECT CASE WHEN phase IN ('plan', 'apply') THEN phase ELSE 'custom' END AS p,"
+            " COUNT(*), COALESCE(SUM(json_extract(metrics_json, '$.cpu_seconds')), 0),"
+            " COALESCE(SUM(json_extract(metrics_json, '$.wall_seconds')), 0),"
+            " COALESCE(MAX(json_extract(metrics_json, '$.peak_memory_bytes')), 0)"
+            " FROM steps WHERE json_extract(metrics_json, '$.wall_seconds') IS NOT NULL"
+            " GROUP BY p"
+        )
+        return {str(r[0]): (int(r[1]), float(r[2]), float(r[3]), int(r[4])) for r in rows}
+
     async def _waiting(self) -> int:
         info = await self.nc.jetstream().stream_info(streams.DISPATCH)
         return int(info.state.messages)
@@ -209,6 +229,31 @@ class Metrics:
                 if len(infos) < CONSUMER_PAGE:
                     break
         return sorted(out)
+
+
+STEP_PHASES = ("plan", "apply", "custom")
+
+
+def _step_families(steps: dict[str, tuple[int, float, float, int]]) -> Iterator[Metric]:
+    """What the steps used, by kind of phase (every kind listed, 0 included)."""
+    labels = ["phase"]
+    count = CounterMetricFamily(
+        "runplane_steps_measured", "Steps whose use was measured", labels=labels
+    )
+    cpu = CounterMetricFamily(
+        "runplane_step_cpu_seconds", "CPU time the steps' processes used", labels=labels
+    )
+    wall = CounterMetricFamily("runplane_step_wall_seconds", "The steps' wall time", labels=labels)
+    peak = GaugeMetricFamily(
+        "runplane_step_peak_memory_bytes_max", "The highest memory one step had", labels=labels
+    )
+    for phase in STEP_PHASES:
+        n, c, w, p = steps.get(phase, (0, 0.0, 0.0, 0))
+        count.add_metric([phase], n)
+        cpu.add_metric([phase], c)
+        wall.add_metric([phase], w)
+        peak.add_metric([phase], p)
+    yield from (count, cpu, wall, peak)
 
 
 class _Both(Collector):

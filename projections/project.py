@@ -382,8 +382,20 @@ def _step_finished(meta: Meta, phase: str, event: StepFinished, prev: Row | None
         "error": opt(event.error),
         "log_object": opt(event.log_object),
         "started_seq": prev["started_seq"] if prev else meta.seq,
-        "metrics_json": _json.encode(event.metrics).decode() if event.metrics else None,
+        "metrics_json": _step_metrics(event),
     }
+
+
+def _step_metrics(event: StepFinished) -> str | None:
+    """The step's metrics, and what its processes used where it was measured (events
+    from before `cpu_seconds` and the rest have none: left out)."""
+    used = {
+        "cpu_seconds": event.cpu_seconds,
+        "peak_memory_bytes": event.peak_memory_bytes,
+        "wall_seconds": event.wall_seconds,
+    }
+    out = {**event.metrics, **{k: v for k, v in used.items() if v is not None}}
+    return _json.encode(out).decode() if out else None
 
 
 def _close_running_steps(

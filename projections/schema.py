@@ -20,7 +20,7 @@ import aiosqlite
 
 # (The board's tables, BOARD_TABLES, came without a bump: nothing of the events' fold
 # changed, and where they are missing they are created empty and folded from the start.)
-VERSION = 15
+VERSION = 16
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -198,6 +198,8 @@ STATE_VERSIONS = Table(  # run.state_version, ws.state_pushed (projections/state
     "recovered INTEGER DEFAULT 0",  # left on disk by a dead executor, recorded at restart
     "pushed_by TEXT",  # ws.state_pushed: the user whose CLI pushed it (NULL: a run wrote it)
     "forced INTEGER DEFAULT 0",  # pushed with -force
+    "rollback_of TEXT",  # a rollback's: the version (object) it copies (NULL: none)
+    "reason TEXT",  # a rollback's: why, as its admin said
 )
 EVENTS = Table(
     "events",

@@ -27,16 +27,22 @@ Query = Callable[[str, Sequence[Any]], Awaitable[list[aiosqlite.Row]]]
 _state = msgspec.json.Decoder(RunState)
 _plan = msgspec.json.Decoder(PlanFinished)
 _NO_STEPS: dict[str, Any] = {"template": None, "steps": [], "current_step": None}
-_COLUMNS = "serial, lineage, digest, object, size, run_id, created_at, recovered, pushed_by, forced"
+_COLUMNS = (
+    "serial, lineage, digest, object, size, run_id, created_at, recovered, pushed_by, forced, "
+    "rollback_of, reason"
+)
 
 
 def project_state_version(w: Working, meta: Meta, event: object) -> None:
     """A `run.state_version` or `ws.state_pushed` event becomes a row of its workspace's
     versions."""
+    own: dict[str, Any]
     if isinstance(event, StateVersionCreated):
         own = {"run_id": meta.run_id, "recovered": int(event.recovered), "pushed_by": None}
+        own |= {"rollback_of": None, "reason": None}
     elif isinstance(event, StatePushed):
         own = {"run_id": None, "recovered": 0, "pushed_by": event.actor}
+        own |= {"rollback_of": event.rollback_of or None, "reason": event.reason or None}
     else:
         return
     w.insert(
@@ -79,7 +85,10 @@ async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any
     if not run_ids:
         return {}
     marks = ", ".join("?" * len(run_ids))
-    runs = await query(f"SELECT id, state_json FROM runs WHERE id IN ({marks})", run_ids)
+    runs = await query(  # the measured steps with the row: no round trip more per read
+        f"SELECT id, state_json, {_MEASURED} AS usage_json FROM runs WHERE id IN ({marks})",
+        run_ids,
+    )
     plans = await query(  # in stream order: the last one of each run wins
         f"SELECT run_id, data_json FROM events WHERE run_id IN ({marks}) "
         "AND type = 'run.plan_finished' ORDER BY seq",
@@ -87,7 +96,47 @@ async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any
     )
     states = {r["id"]: _state.decode(r["state_json"]) for r in runs if r["state_json"]}
     last_plans = {r["run_id"]: _plan.decode(r["data_json"]) for r in plans}
-    return {rid: _pins(states.get(rid), last_plans.get(rid)) for rid in run_ids}
+    used = {r["id"]: [_step_usage(x) for x in _json_list(r["usage_json"])] for r in runs}
+    return {
+        rid: _pins(states.get(rid), last_plans.get(rid)) | {"usage": _usage(used.get(rid, []))}
+        for rid in run_ids
+    }
+
+
+_USAGE = ("cpu_seconds", "peak_memory_bytes", "wall_seconds")
+
+
+# A run's measured steps in start order, as one JSON array (read with its row).
+_MEASURED = (
+    "(SELECT json_group_array(json(j)) FROM (SELECT json_object('phase', phase, 'step', "
+    "step, 'metrics', json(metrics_json)) AS j FROM steps WHERE steps.run_id = runs.id "
+    "AND metrics_json IS NOT NULL ORDER BY started_seq))"
+)
+_json_list = msgspec.json.Decoder(list[dict[str, Any]]).decode
+
+
+def _step_usage(step: dict[str, Any]) -> dict[str, Any]:
+    metrics = step["metrics"]
+    return {"phase": step["phase"], "step": step["step"], **{k: metrics.get(k) for k in _USAGE}}
+
+
+def _usage(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the run's steps used (executor/usage.py): CPU and wall seconds summed, the
+    highest peak of memory, and each step's; None while no step measured any."""
+    measured = [s for s in steps if s["wall_seconds"] is not None]
+    if not measured:
+        return None
+
+    def known(key: str) -> list[Any]:
+        return [s[key] for s in measured if s[key] is not None]
+
+    cpu, peaks = known("cpu_seconds"), known("peak_memory_bytes")
+    return {
+        "cpu_seconds": round(sum(cpu), 3) if cpu else None,
+        "peak_memory_bytes": max(peaks) if peaks else None,
+        "wall_seconds": round(sum(s["wall_seconds"] for s in measured), 3),
+        "steps": measured,
+    }
 
 
 def _pins(state: RunState | None, plan: PlanFinished | None) -> dict[str, Any]:

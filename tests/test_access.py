@@ -38,6 +38,7 @@ WORKSPACE_ACTIONS = {
     "workspace.lock": "write",
     "variables.write": "write",
     "state.write": "write",
+    "state.rollback": "admin",
     "schedules.write": "write",
     "workspace.force_unlock": "admin",
     "workspace.settings": "admin",

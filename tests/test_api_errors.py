@@ -48,6 +48,7 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/runs/{run}/resources"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/logs"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/state-versions"),
+    ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/state-versions/{id}/rollback"),
     ("PUT", "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}"),
     ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}"),
     ("GET", "/api/v1/orgs/{org}/folders"),
@@ -130,6 +131,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/workspaces/{ws}": {"variables": {"n": "2"}},
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/lock": {"reason": "maintenance"},
+    "/api/v1/orgs/{org}/workspaces/{ws}/state-versions/{id}/rollback": {"reason": "r"},
     "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers": {"source": "other"},
     "/api/v1/orgs/{org}/workspaces/{ws}/schedules": {"cron": "* * * * *", "run_type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}": {"enabled": False},
@@ -218,6 +220,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 slack_id="U0BOB",
                 connection="01jconnofanotherorg000000a",
                 source="other",
+                id="sv-acme.net.1.0123456789abcdef",
             )
             kw = {"json": body} if body is not None else {}
             a = await http.call(method, path, token=beta_admin, **kw)
@@ -274,6 +277,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             slack_id="U0BOB",
             connection="01jconnofanotherorg000000a",
             source="other",
+            id="sv-acme.net.1.0123456789abcdef",
             asset="swagger-ui.css",
         )
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer rp_nope"}):

@@ -117,6 +117,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         "speculative": False,
         "commit_author": None,
         "commit_message": None,
+        "usage": None,  # its steps were reported without what they used
         "policies": [],
         "overridden": [],
         "template": "apply",

@@ -21,6 +21,7 @@ from services.surfaces.api import (
     locks,
     logs,
     people,
+    rollback,
     runs,
     secrets,
     state,
@@ -68,6 +69,7 @@ PARAMETERS: dict[str, Doc] = {
     "org": _path("org", "organization name"),
     "ws": _path("ws", "workspace name"),
     "run": _path("run", "run id"),
+    "id": {**_path("id", "a listed state version's `id` (sv-...)"), "schema": STR},
     "source": _path("source", "a workspace this one follows (run triggers)"),
     "token": _path("token", "token id (the token_id of its creation, not the token)"),
     "min_seq": {
@@ -116,8 +118,9 @@ _ERRORS = {
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
     "408": "request-timeout: the body came slower than the route allows",
-    "409": "conflict (with current_status), already-exists, workspace-deleted or "
-    "idempotency-in-progress",
+    "409": "conflict (with current_status), already-exists, workspace-deleted, "
+    "idempotency-in-progress, workspace-not-locked, run-active or state-changed",
+    "410": "state-version-pruned: the version's content is no longer stored",
     "413": "body-too-large",
     "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
     "503": "unavailable or stale-read",
@@ -415,6 +418,7 @@ PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/runs/{run}/logs": logs.OPENAPI,
     **changes.PATHS,
     **state.PATHS,
+    **rollback.PATHS,
     **secrets.PATHS,
     **settings_api.PATHS,
     **locks.PATHS,
@@ -470,6 +474,7 @@ def document() -> Doc:
                 **SCHEMAS,
                 **changes.SCHEMAS,
                 **state.SCHEMAS,
+                **rollback.SCHEMAS,
                 **secrets.SCHEMAS,
                 **settings_api.SCHEMAS,
                 **locks.SCHEMAS,

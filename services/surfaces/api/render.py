@@ -103,6 +103,8 @@ def run(state: RunState, seq: int) -> Row:
         # Known from the run's plan event only, which a command's result does not carry.
         "commit_author": None,
         "commit_message": None,
+        # What its steps used: known from the steps' rows (projections/state_versions.py).
+        "usage": None,
         # Known from the heartbeat board only (projections/liveness.py).
         "owner": None,
         "deadline": None,

@@ -244,6 +244,12 @@ SCHEMAS: dict[str, Doc] = {
         },
         commit_author=_nullable(STR),
         commit_message={**_nullable(STR), "description": "the first line"},
+        usage={
+            **_nullable({"type": "object"}),
+            "description": "what its executor steps used (from the phase's control group): "
+            "`cpu_seconds` and `wall_seconds` summed, the highest `peak_memory_bytes`, and "
+            "`steps`, each step's; null while no step was measured",
+        },
         template={**_nullable(STR), "description": "the name of the template the run executes"},
         steps={
             "type": "array",
@@ -326,9 +332,11 @@ SCHEMAS: dict[str, Doc] = {
         log_object=_nullable(STR),
         metrics={
             "type": "object",
-            "additionalProperties": INT,
+            "additionalProperties": {"type": "number"},
             "description": "from the executor: duration_ms, stdout_lines, stderr_lines; "
-            "add, change, destroy when Terraform printed a change summary",
+            "add, change, destroy when Terraform printed a change summary; what the step's "
+            "processes used where measured (the phase's control group): cpu_seconds, "
+            "peak_memory_bytes, wall_seconds",
         },
     ),
 }

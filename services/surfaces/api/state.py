@@ -12,6 +12,7 @@ from aiohttp import web
 from services.surfaces.api.common import items, path_id, scope
 from services.surfaces.api.paths import WS
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.rollback import with_ids
 from services.surfaces.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, ref
 
 
@@ -20,7 +21,7 @@ async def list_state_versions(request: web.Request) -> web.Response:
     ws = path_id(request, "ws")
     if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
-    return items(await api.read.workspaces.state_versions(org, ws))
+    return items(with_ids(org, ws, await api.read.workspaces.state_versions(org, ws)))
 
 
 # ---------------------------------------------------------------- OpenAPI
@@ -32,6 +33,7 @@ SCHEMAS: dict[str, Doc] = {
         "type": "object",
         "required": ["serial", "lineage", "digest", "object", "size", "run_id", "created_at"],
         "properties": {
+            "id": {**STR, "description": "what `.../state-versions/{id}/rollback` takes"},
             "serial": INT,
             "lineage": STR,
             "digest": {**STR, "description": "sha256 of the clear state"},
@@ -45,6 +47,11 @@ SCHEMAS: dict[str, Doc] = {
                 "description": "the user whose Terraform CLI pushed it (null: a run wrote it)",
             },
             "forced": {**BOOL, "description": "pushed with `terraform state push -force`"},
+            "rollback_of": {
+                "anyOf": [STR, NULL],
+                "description": "a rollback: the version (object) whose content it copies",
+            },
+            "reason": {"anyOf": [STR, NULL], "description": "a rollback: why, as its admin said"},
         },
     },
 }

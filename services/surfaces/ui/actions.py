@@ -1,9 +1,9 @@
 """The UI's forms: approve, discard, cancel a run; start a run, lock and unlock a
-workspace. Each goes through the very calls the API's handlers make (approve and discard
-through services/surfaces/api/approvals.py, with the caller resolved and the core's rule applied
-by `decide`), so the UI can do nothing the API would refuse. A refusal is shown on the
-page it came from, with the server's status (409 for confirm_destructive's missing
-addresses, 403 for the approvers rule)."""
+workspace, roll its state back. Each goes through the very calls the API's handlers
+make (approve and discard through services/surfaces/api/approvals.py, with the caller
+resolved and the core's rule applied by `decide`), so the UI can do nothing the API
+would refuse. A refusal is shown on the page it came from, with the server's status
+(409 for confirm_destructive's missing addresses, 403 for the approvers rule)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from events.run import CancelRun, Cause, RunState
 from services.app.execute import Result
 from services.surfaces.api import approvals, audit
 from services.surfaces.api.problems import Problem, from_domain
+from services.surfaces.api.rollback import roll_back
 from services.surfaces.api.runs import PLAN_ONLY, run_action
 from services.surfaces.ui import pages
 from services.surfaces.ui.pages import RUN_TYPES
@@ -142,4 +143,17 @@ async def unlock(visit: Visit) -> web.StreamResponse:
     admin = visit.can("workspace.force_unlock")
     result = await visit.api.app.unlock_workspace(visit.org, ws, visit.who.user, admin=admin)
     await visit.api.after_write(result.seq)
+    return see_other(f"/orgs/{visit.org}/workspaces/{ws}")
+
+
+@form("state.rollback")
+async def rollback(visit: Visit) -> web.StreamResponse:
+    """Roll the state back to a listed version (services/surfaces/api/rollback.py): the
+    form's `confirm` box ticked, with a reason; the caller holds the workspace's lock."""
+    ws = await _workspace_or_404(visit)
+    if visit.request[FORM].get("confirm") != "yes":
+        raise Problem("invalid-body", "tick the box to confirm the rollback")
+    version = _text(visit, "version", required=True, limit=200)
+    reason = _text(visit, "reason", required=True)
+    await roll_back(visit.request, visit.api, visit.org, ws, visit.who, version, reason)
     return see_other(f"/orgs/{visit.org}/workspaces/{ws}")

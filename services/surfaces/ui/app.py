@@ -54,6 +54,7 @@ ROUTES = [
     web.post(WS + "/runs", actions.start_run),
     web.post(WS + "/lock", actions.lock),
     web.post(WS + "/unlock", actions.unlock),
+    web.post(WS + "/state-rollback", actions.rollback),
     web.get(RUN, pages.run_page, allow_head=False),
     web.get(ORG + "/people", people.people_page, allow_head=False),
     web.get(ORG + "/audit", audit_page.audit_page, allow_head=False),

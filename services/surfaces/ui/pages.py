@@ -13,6 +13,7 @@ from events.run import CANCELABLE, STOPPABLE, TERMINAL, Cause, Status
 from events.teams import LEVELS
 from services.surfaces.api import approvals
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.rollback import with_ids
 from services.surfaces.api.runs import PLAN_ONLY
 from services.surfaces.ui.web import Visit, base, page, render
 
@@ -109,7 +110,9 @@ async def workspace_page(visit: Visit) -> web.StreamResponse:
         queue=[q for q in queue if q is not None],
         runs=runs,
         next_before=next_before,
-        states=(await visit.api.read.workspaces.state_versions(visit.org, ws))[:20],
+        states=with_ids(
+            visit.org, ws, await visit.api.read.workspaces.state_versions(visit.org, ws)
+        )[:20],
         settings=await _settings(visit, ws),
         secrets=await _secret_names(visit, ws),
         run_types=[t for t in RUN_TYPES if t in PLAN_ONLY or visit.can("run.apply")],
