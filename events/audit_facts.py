@@ -19,6 +19,7 @@ from events.audit import OK, Facts, digest
 AUDITED: Final = frozenset(
     {
         "run.created", "run.approved", "run.discarded", "run.canceled", "run.stop_requested",
+        "run.log_pruned",
         "ws.created", "ws.deleted", "ws.purged", "ws.locked", "ws.unlocked",
         "ws.settings_set", "ws.config_changed", "ws.variables_set", "ws.state_pushed",
         "org.created", "org.access_granted", "org.access_revoked", "org.folder_created",
@@ -34,6 +35,9 @@ AUDITED: Final = frozenset(
         "chat.slack_user_unmapped",
     }
 )  # fmt: skip
+
+# What runplane itself decides (its actor names the process, not a person).
+SYSTEM: Final = frozenset({"run.log_pruned"})
 
 # The headers an api request's events carry (infra/origin.py).
 H_REQUEST, H_CLIENT, H_VIA, H_ACTOR_KIND = (
@@ -67,7 +71,7 @@ def facts_of(
         org=org,
         at=at,
         actor=str(getattr(event, "actor", "")),
-        actor_kind=headers.get(H_ACTOR_KIND, "") or _actor_kind(event),
+        actor_kind=headers.get(H_ACTOR_KIND, "") or _actor_kind(tag, event),
         via=headers.get(H_VIA, "") or _via(event),
         action=tag,
         thing=_thing(parts, tag, event),
@@ -89,7 +93,9 @@ def _via(event: Any) -> str:
     return "system"
 
 
-def _actor_kind(event: Any) -> str:
+def _actor_kind(tag: str, event: Any) -> str:
+    if tag in SYSTEM:
+        return "system"
     cause = getattr(event, "cause", None)
     if cause is not None and cause.kind in ("schedule", "run_trigger", "vcs"):
         return "system"

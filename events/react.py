@@ -55,6 +55,7 @@ from events.run import (
     SUCCEEDED,
     ApplyFinished,
     CustomStepFinished,
+    LogPruned,
     PhaseStarted,
     PlanFinished,
     ResourceStateChanged,
@@ -227,6 +228,7 @@ def quiet(event: AnyEvent) -> bool:
             | StateVersionCreated()
             | RunStopRequested()  # its executor interrupts the phase, then cancels
             | RunLimitExceeded()  # recorded, not acted on: the apply ends as it does
+            | LogPruned()  # retention's record of an ended run
         ):
             return True
         case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
@@ -376,6 +378,7 @@ def _run(event: RunEventT, s: RunState) -> list[Action]:
             | StateVersionCreated()
             | RunStopRequested()
             | RunLimitExceeded()
+            | LogPruned()
         ):
             return []
         case _:

@@ -34,6 +34,7 @@ from events.run_commands import (
     FinishPlan,
     FinishStep,
     PinRun,
+    PruneLog,
     RecordStateVersion,
     RecoverStateVersion,
     ReportResource,
@@ -51,8 +52,10 @@ from events.run_events import (
     WAITING,
     ApplyFinished,
     CustomStepFinished,
+    LogPruned,
     PhaseStarted,
     PlanFinished,
+    PrunedObject,
     ResourceStateChanged,
     RunApproved,
     RunCanceled,
@@ -92,6 +95,12 @@ _replace = msgspec.structs.replace
 def evolve(state: RunState, event: RunEvent) -> RunState:
     """Fold one event into the run state: its facts, then the status it carries (for an
     event recorded before it carried one, the status its day derived: `upcast`)."""
+    if isinstance(event, LogPruned):  # a record about the run, not a move of it
+        return _replace(state, version=state.version + 1, log_removed_at=event.at)
+    return _ended(state, _moved(state, event), event)
+
+
+def _moved(state: RunState, event: RunEvent) -> RunState:
     s = _facts(_replace(state, version=state.version + 1, updated_at=event.at), event)
     moved = upcast(s, event)
     match moved:
@@ -107,6 +116,13 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
             return _replace(s, status=status, step_at=at)
         case _:
             return s
+
+
+def _ended(before: RunState, after: RunState, event: RunEvent) -> RunState:
+    """The moment a run reaches a terminal status is kept (retention counts from it)."""
+    if after.terminal and not before.terminal:
+        return _replace(after, ended_at=event.at)
+    return after
 
 
 def _facts(s: RunState, event: RunEvent) -> RunState:
@@ -144,6 +160,8 @@ def _facts(s: RunState, event: RunEvent) -> RunState:
             return _replace(s, stop_requested_by=event.actor, stop_reason=event.reason)
         case RunLimitExceeded():
             return _replace(s, limit_exceeded=event.limit)
+        case LogPruned():
+            return _replace(s, log_removed_at=event.at)  # (evolve folds it before)
         case RunFailed():
             return _replace(
                 s,
@@ -233,10 +251,13 @@ __all__ = [
     "FinishCustomStep",
     "FinishPlan",
     "FinishStep",
+    "LogPruned",
     "PhaseStarted",
     "PinRun",
     "PlanFinished",
     "PlanSummary",
+    "PruneLog",
+    "PrunedObject",
     "RecordStateVersion",
     "RecoverStateVersion",
     "ReportResource",

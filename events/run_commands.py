@@ -8,6 +8,7 @@ from events import policies as po
 from events import templates as te
 from events.approval import Caller
 from events.base import Command
+from events.run_events import PrunedObject
 from events.values import (
     Cause,
     ConfigSource,
@@ -164,6 +165,15 @@ class FailRun(Command, frozen=True, kw_only=True):
     lease_id: str = ""
 
 
+class PruneLog(Command, frozen=True, kw_only=True):
+    """Retention: record that the run's stored logs are removed. Only a run that ended at
+    or before `ended_before` (and whose logs are not removed already)."""
+
+    objects: list[PrunedObject]
+    ended_before: datetime
+    days: int
+
+
 RunCommand = (
     CreateRun
     | AdmitRun
@@ -182,4 +192,5 @@ RunCommand = (
     | FailRun
     | ExceedLimit
     | FinishCustomStep
+    | PruneLog
 )

@@ -32,6 +32,7 @@ from events.run_commands import (
     FinishPlan,
     FinishStep,
     PinRun,
+    PruneLog,
     RecordStateVersion,
     RecoverStateVersion,
     ReportResource,
@@ -46,6 +47,7 @@ from events.run_events import (
     WAITING,
     ApplyFinished,
     CustomStepFinished,
+    LogPruned,
     PhaseStarted,
     PlanFinished,
     ResourceStateChanged,
@@ -210,8 +212,23 @@ def decide(
         case FailRun():
             _check_fail(state, command)
             return [_record(RunFailed, command, now, reason=command.reason or "failed")]
+        case PruneLog():
+            return _prune_log(state, command, now)
         case _:
             assert_never(command)
+
+
+def _prune_log(state: RunState, command: PruneLog, now: datetime) -> list[RunEvent]:
+    """Retention: only a run that has ended, before the cutoff, and only once."""
+    if not state.terminal or state.ended_at is None:
+        raise IllegalTransition(
+            f"cannot remove the log of a run that is {state.status}", status=str(state.status)
+        )
+    if state.ended_at > command.ended_before:
+        raise IllegalTransition("the run ended after the retention cutoff", status="recent")
+    if state.log_removed_at is not None:
+        raise IllegalTransition("the run's log is removed already", status="removed")
+    return [_record(LogPruned, command, now)]
 
 
 def _next(state: RunState, start: int | None = None) -> dict[str, object]:

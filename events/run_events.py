@@ -11,6 +11,8 @@ from __future__ import annotations
 from datetime import datetime
 from enum import StrEnum
 
+import msgspec
+
 from events import policies as po
 from events import templates as te
 from events.base import Event
@@ -245,6 +247,22 @@ class RunFailed(Event, frozen=True, kw_only=True, tag="run.failed"):
     lease_id: str = ""
 
 
+class PrunedObject(msgspec.Struct, frozen=True, kw_only=True):
+    """A stored object retention removed: its name and SHA-256 (the object store's digest)."""
+
+    name: str
+    sha256: str = ""
+    size: int = 0
+
+
+class LogPruned(Event, frozen=True, kw_only=True, tag="run.log_pruned"):
+    """Retention removed the run's stored logs (`objects`, named with their digests); the
+    run's row, steps, changes and events remain. Recorded before anything is deleted."""
+
+    objects: list[PrunedObject] = []
+    days: int = 0  # the retention (days after the run ended) that applied
+
+
 RunEvent = (
     RunCreated
     | RunQueued
@@ -263,4 +281,5 @@ RunEvent = (
     | RunStopRequested
     | RunLimitExceeded
     | CustomStepFinished
+    | LogPruned
 )

@@ -55,6 +55,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     requested_commit: str = ""  # the commit asked at creation; the snapshot pins it
     source: ConfigSource | None = None  # an uploaded configuration instead of the repository
     options: RunOptions | None = None  # targets, replaces, refresh, run variables
+    ended_at: datetime | None = None  # when it reached a terminal status
+    log_removed_at: datetime | None = None  # retention removed its stored logs then
     version: int = 0
 
     @property

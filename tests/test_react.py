@@ -445,6 +445,10 @@ def _samples() -> list[tuple[Any, Any]]:
         for e in events:
             state = R.evolve(state, e)
             out.append((e, state))
+    # retention's record, after the last golden run ended (services/processes/retention.py)
+    objects = [R.PrunedObject(name="r/plan/init.log", sha256="0" * 64, size=1)]
+    pruned = R.LogPruned(at=AT, actor="retention", objects=objects, days=0)
+    out.append((pruned, R.evolve(state, pruned)))
     ws_history: list[Any] = [
         ws_created(),
         W.RunEnqueued(at=AT, actor="a", run_id="r1"),
