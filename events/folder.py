@@ -90,14 +90,14 @@ def set_folder(
 
 
 def set_org(cmd: SetOrgSettings, now: datetime) -> list[OrgSettingsSet]:
-    return [OrgSettingsSet(at=now, actor=cmd.actor, changes=checked(cmd.changes))]
+    return [OrgSettingsSet(at=now, actor=cmd.actor, changes=checked(cmd.changes, org=True))]
 
 
-def checked(changes: Mapping[str, Any]) -> dict[str, Any]:
+def checked(changes: Mapping[str, Any], *, org: bool = False) -> dict[str, Any]:
     """A valid, non-empty settings patch (every problem named), else Invalid."""
     if not changes:
         raise Invalid("give at least one setting to change")
-    return settings.validate(changes)
+    return settings.validate(changes, org=org)
 
 
 def added(folders: Mapping[str, Folder], event: FolderCreated) -> dict[str, Folder]:

@@ -74,6 +74,18 @@ def _principals(v: Any) -> str:
     return ""
 
 
+def _days(v: Any) -> str:
+    ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_DAYS
+    return "" if ok else f"must be a whole number of days from 0 to {MAX_DAYS}"
+
+
+MAX_DAYS = 36500
+# Retention (services/processes/retention.py): the organization's alone, never inherited
+# from or set by a folder or a workspace (their admins do not decide what the org keeps).
+LOG_RETENTION = "log_retention_days"
+ORG_ONLY = frozenset({LOG_RETENTION})
+
+
 class Spec(NamedTuple):
     default: Any
     check: Callable[[Any], str]
@@ -106,6 +118,12 @@ SPECS: dict[str, Spec] = {
     workload.AUDIENCE: Spec(
         workload.DEFAULT_AUDIENCE, workload.audience_problem, "the workload token's `aud`"
     ),
+    LOG_RETENTION: Spec(
+        None,
+        _days,
+        "days after a run ended that its stored logs are kept (null: the deployment's "
+        "default, 90 unless set); the organization's setting only",
+    ),
     workload.TTL: Spec(
         workload.DEFAULT_TTL,
         workload.ttl_problem,
@@ -116,13 +134,16 @@ SPECS: dict[str, Spec] = {
 DEFAULT_ORIGIN = "default"
 
 
-def validate(patch: Mapping[str, Any]) -> dict[str, Any]:
-    """Check a partial settings object; `None` unsets a value at that level."""
+def validate(patch: Mapping[str, Any], *, org: bool = False) -> dict[str, Any]:
+    """Check a partial settings object; `None` unsets a value at that level. `org`: the
+    organization's own level (the only one that may set ORG_ONLY settings)."""
     errors = []
     for key, value in patch.items():
         spec = SPECS.get(key)
         if spec is None:
             errors.append(f"unknown setting {key!r}")
+        elif key in ORG_ONLY and not org:
+            errors.append(f"{key} is an organization setting only")
         elif value is not None and (problem := spec.check(value)):
             errors.append(f"{key} {problem}")
     if errors:

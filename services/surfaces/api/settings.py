@@ -49,7 +49,7 @@ async def _workspace(api: Api, org: str, ws: str) -> WorkspaceState:
     return state
 
 
-async def _changes(request: web.Request, org: OrgState) -> dict[str, Any]:
+async def _changes(request: web.Request, org: OrgState, *, own: bool = False) -> dict[str, Any]:
     """The PATCH body: a JSON object of settings, each checked, every problem named; the
     templates the `templates` setting names exist in the organization (or are built in)
     and suit their run type."""
@@ -58,7 +58,7 @@ async def _changes(request: web.Request, org: OrgState) -> dict[str, Any]:
     reasons = []
     for name, value in changes.items():
         try:
-            st.validate({name: value})
+            st.validate({name: value}, org=own)
         except Invalid as e:
             reasons.append(str(e))
     if reasons:
@@ -144,7 +144,7 @@ async def get_org_settings(request: web.Request) -> web.Response:
 
 async def patch_org_settings(request: web.Request) -> web.Response:
     api, org, who = await scope(request, "org.settings")
-    changes = await _changes(request, await org_state(api, org))
+    changes = await _changes(request, await org_state(api, org), own=True)
     result = await api.app.org_command(org, fo.SetOrgSettings(actor=who.user, changes=changes))
     return command_answer(_org_settings(result.state), result.seq)
 
@@ -191,6 +191,7 @@ _TYPES: dict[type, Doc] = {
     str: STR,
     list: {"type": "array", "items": STR},
     dict: {"type": "object", "additionalProperties": STR},
+    type(None): {"type": ["integer", "null"], "minimum": 0, "maximum": st.MAX_DAYS},  # days
 }
 
 
