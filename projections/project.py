@@ -335,6 +335,7 @@ def run_row(view: RunView) -> Row:
         "last_seq": view.last_seq,
         "cause_json": _json.encode(s.cause).decode() if s.cause is not None else None,
         "state_json": _json.encode(s).decode(),
+        "log_removed_at": iso(s.log_removed_at) if s.log_removed_at else None,
     }
 
 

@@ -16,7 +16,7 @@ _RUN_COLS = (
     "id, org, workspace, type, status, created_by, created_at, updated_at, message, "
     "commit_sha, has_changes, plan_add, plan_change, plan_destroy, apply_add, apply_change, "
     "apply_destroy, plan_digest, approved_by, acknowledged_json, reason, error_message, "
-    "phase, executor_id, last_seq, cause_json"
+    "phase, executor_id, last_seq, cause_json, log_removed_at"
 )
 # The runs not ended: the one each workspace holds, and those waiting in its queue.
 _ACTIVE_IDS = (
@@ -236,6 +236,7 @@ def _run(row: aiosqlite.Row) -> dict[str, Any]:
         "executor_id": r["executor_id"],
         "seq": r["last_seq"],
         "cause": msgspec.json.decode(r["cause_json"]) if r["cause_json"] else None,
+        "log_removed_at": r["log_removed_at"],  # retention removed its stored logs then
     }
 
 

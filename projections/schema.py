@@ -20,7 +20,7 @@ import aiosqlite
 
 # (The board's tables, BOARD_TABLES, came without a bump: nothing of the events' fold
 # changed, and where they are missing they are created empty and folded from the start.)
-VERSION = 16
+VERSION = 17
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -143,6 +143,7 @@ RUNS = Table(
     "last_seq INTEGER",
     "cause_json TEXT",  # events.values.Cause; NULL for runs created before causes were
     "state_json TEXT",  # events.run.RunState, so the next event folds with the core's evolve
+    "log_removed_at TEXT",  # retention removed its stored logs then (run.log_pruned)
 )
 STEPS = Table(
     "steps",

@@ -87,6 +87,12 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
     run = await api.read.runs.get(org, run_id)
     if run is None:
         raise Problem("not-found", f"run {run_id} not found")
+    if run["log_removed_at"]:
+        raise Problem(
+            "log-removed",
+            f"log removed by retention on {run['log_removed_at'][:10]}",
+            log_removed_at=run["log_removed_at"],
+        )
     target = Target(org=org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
     nc = api.app.store.nc
     if follow:
@@ -229,7 +235,7 @@ OPENAPI: Doc = {
             },
             **{
                 str(code): {"$ref": f"#/components/responses/{code}"}
-                for code in (400, 401, 404, 422, 503)
+                for code in (400, 401, 404, 410, 422, 503)
             },
         },
     }

@@ -48,6 +48,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "state-changed": (409, "The workspace's state changed meanwhile"),
     "state-version-other-lineage": (404, "The state version is not of the current lineage"),
     "state-version-pruned": (410, "The state version's content is no longer stored"),
+    "log-removed": (410, "Retention removed the run's stored logs"),
     "body-too-large": (413, "The request body is too large"),
     "quota-exceeded": (429, "A quota of the deployment is reached"),
     "rate-limited": (429, "Too many requests from this address: wait a minute"),

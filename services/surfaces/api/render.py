@@ -95,6 +95,7 @@ def run(state: RunState, seq: int) -> Row:
         "executor_id": state.executor_id or None,
         "seq": seq,
         "cause": msgspec.to_builtins(state.cause) if state.cause is not None else None,
+        "log_removed_at": _time(state.log_removed_at),
         "snapshot": msgspec.to_builtins(state.snapshot) if state.snapshot else None,
         "speculative": state.speculative,
         "policies": msgspec.to_builtins(state.policies),

@@ -237,6 +237,11 @@ SCHEMAS: dict[str, Doc] = {
             **_nullable(ref("RunCause")),
             "description": "why the run exists; null for runs created before causes were",
         },
+        log_removed_at={
+            **_nullable(TIME),
+            "description": "when retention removed the run's stored logs (its row, steps, "
+            "changes and events remain); null while they are kept",
+        },
         snapshot={
             **_nullable({"type": "object"}),
             "description": "what admission pinned the run to: commit, variables (names and "
@@ -352,7 +357,7 @@ for _name in ("Workspace", "RunEvent", "Step", "TokenInfo"):
 _SUMMARY = (
     "id org workspace type status created_by created_at updated_at message commit has_changes "
     "plan_summary apply_summary plan_digest approved_by acknowledged reason error_message "
-    "phase executor_id seq cause"
+    "phase executor_id seq cause log_removed_at"
 ).split()
 SCHEMAS["RunSummary"] = {
     **_obj(

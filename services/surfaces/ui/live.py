@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp_jinja2
@@ -150,6 +151,10 @@ class _RunFeed:
         self.last_state = ""
 
     async def run(self) -> None:
+        if self.row.get("log_removed_at"):  # retention removed it: no line to send
+            await self._state()
+            await self._write(sse("end", "ended"))
+            return
         target = Target(org=self.visit.org, ws=self.row["workspace"], run_id=self.row["id"])
         nc = self.visit.api.app.store.nc
         follower = Follower(nc, target, self._lines, keepalive=KEEPALIVE_S)
@@ -214,6 +219,13 @@ class _RunFeed:
             await self._write(sse("state", html))
 
 
+async def _nothing() -> AsyncIterator[list[Any]]:
+    """No lines: retention removed the run's stored logs (the page says when)."""
+    empty: tuple[list[Any], ...] = ()
+    for batch in empty:
+        yield batch
+
+
 def _step_query(request: web.Request) -> tuple[str | None, str | None]:
     """`phase` and `step` of a step's own log (both or neither)."""
     phase, step = request.query.get("phase"), request.query.get("step")
@@ -235,7 +247,7 @@ async def log_page(visit: Visit) -> web.StreamResponse:
     target = Target(org=visit.org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
     lines = Lines(visit.api.app.store.nc, visit.api.read, target, ended=True)
     shown: list[Any] = []
-    async for batch in lines.batches():
+    async for batch in _nothing() if run["log_removed_at"] else lines.batches():
         shown.extend(batch)
         if len(shown) >= 20_000:
             break
