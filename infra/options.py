@@ -81,6 +81,9 @@ class Options:
     # open runs an organization, a workspace may have (services/app/openruns.py)
     org_max_open_runs: int = 500
     workspace_max_open_runs: int = 100
+    # retention (services/processes/retention.py): the deployment's default, pass interval
+    log_retention_days: int = 90
+    retention_interval: float = 3600.0
     org_weights: str = ""
     org_max_phases: int = 0
     job_memory: int = JOB_MEMORY  # bytes, the most any job's processes hold at once
@@ -136,6 +139,8 @@ class Options:
         low, high = WEBHOOK_CONCURRENCY_RANGE
         if not low <= self.webhook_concurrency <= high:
             raise ConfigError(f"--webhook-concurrency wants {low} to {high}")
+        if not 0 <= self.log_retention_days <= 36500 or not 1 <= self.retention_interval:
+            raise ConfigError("--log-retention-days wants 0 to 36500, --retention-interval 1+")
         if problems := self.quotas.problems():
             raise ConfigError("; ".join(problems))
         self._check_job_caps()

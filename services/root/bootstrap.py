@@ -54,6 +54,7 @@ from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
 from services.app.workload import Minter
 from services.processes.audit import Auditor
+from services.processes.retention import Retention
 from services.processes.runwatch import RunWatch
 from services.processes.scheduler.reaper import Reaper
 from services.processes.scheduler.scheduler import Scheduler
@@ -178,6 +179,7 @@ class Plane:
         scheduler = await self.stack.enter_async_context(self.scheduler())
         await self.stack.enter_async_context(self.secrets_responder())
         await self.stack.enter_async_context(self.reaper())
+        await self.stack.enter_async_context(self.retention())
         await self.stack.enter_async_context(self.schedule_loop())
         return scheduler
 
@@ -262,6 +264,14 @@ class Plane:
 
     def reaper(self, **overrides: Any) -> Reaper:
         return Reaper(self.nc, self.app, **overrides)
+
+    def retention(self, **overrides: Any) -> Retention:
+        """Retention passes (services/processes/retention.py) with the deployment's default."""
+        given: dict[str, Any] = {
+            "default_days": self.opts.log_retention_days,
+            "interval": self.opts.retention_interval,
+        }
+        return Retention(self.nc, self.app, **{**given, **overrides})
 
     def schedule_loop(self, **overrides: Any) -> ScheduleLoop:
         """The cron schedules' loop, on the `App`'s clock."""

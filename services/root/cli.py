@@ -68,6 +68,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         "uses its VCS connection's only (also RUNPLANE_HOST_GIT_CREDENTIALS)",
     )
     tenant_flags.open_runs_opts(p)
+    tenant_flags.retention_opts(p)
     identity_flags.identity_opts(p)
     if listen:
         p.add_argument("--listen", default=os.environ.get("RUNPLANE_LISTEN", "127.0.0.1:8080"))
@@ -423,6 +424,7 @@ def options(ns: argparse.Namespace) -> Options:
             b.strip() for b in getattr(ns, "terraform_binaries", "").split(",") if b.strip()
         ],
         quotas=_quotas(ns),
+        **tenant_flags.retention(ns),
         public_url=getattr(ns, "public_url", ""),
         workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),
     )

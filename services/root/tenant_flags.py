@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 
 def open_runs_opts(p: argparse.ArgumentParser) -> None:
@@ -47,3 +48,27 @@ def share_opts(p: argparse.ArgumentParser) -> None:
         "default): all but one while another organization has had a phase waiting in "
         "the last 10 minutes, all of them otherwise",
     )
+
+
+def retention_opts(p: argparse.ArgumentParser) -> None:
+    """Retention (services/processes/retention.py): the deployment's defaults."""
+    g = p.add_argument_group("retention (each also RUNPLANE_<FLAG>)")
+    g.add_argument(
+        "--log-retention-days",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_LOG_RETENTION_DAYS", "90") or 90),
+        help="days after a run ended that its stored logs are kept, for every organization "
+        "that does not set log_retention_days itself (default 90)",
+    )
+    g.add_argument(
+        "--retention-interval",
+        type=float,
+        default=float(os.environ.get("RUNPLANE_RETENTION_INTERVAL", "3600") or 3600),
+        help="seconds between two retention passes of a scheduler (default 3600)",
+    )
+
+
+def retention(ns: argparse.Namespace) -> dict[str, Any]:
+    """The retention flags given, as Options' fields."""
+    names = ("log_retention_days", "retention_interval")
+    return {name: getattr(ns, name) for name in names if hasattr(ns, name)}
