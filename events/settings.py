@@ -74,7 +74,7 @@ def _principals(v: Any) -> str:
     return ""
 
 
-def _days(v: Any) -> str:
+def days_problem(v: Any) -> str:
     ok = isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_DAYS
     return "" if ok else f"must be a whole number of days from 0 to {MAX_DAYS}"
 
@@ -120,7 +120,7 @@ SPECS: dict[str, Spec] = {
     ),
     LOG_RETENTION: Spec(
         None,
-        _days,
+        days_problem,
         "days after a run ended that its stored logs are kept (null: the deployment's "
         "default, 90 unless set); the organization's setting only",
     ),

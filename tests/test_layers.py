@@ -242,6 +242,7 @@ BUILT_BY_HAND: dict[str, set[str]] = {
     "tests/test_reaper_processes.py": {"Reaper"},  # in the test's process, with quick rounds
     "tests/test_projection.py": {"Projector"},
     "tests/test_projection_replay.py": {"Projector"},  # a live one to replay against
+    "tests/test_retention.py": {"Projector"},  # a live one to replay against after a pass
     "tests/test_known_runs.py": {"App"},  # Apps as two writers of one run, reads counted
     # an App whose reads go through the follower that is behind (the read under test)
     "tests/test_stale_reads.py": {"App"},

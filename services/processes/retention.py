@@ -39,7 +39,7 @@ from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from events.errors import DomainError
 from events.run import PrunedObject, PruneLog, RunState
-from events.settings import LOG_RETENTION
+from events.settings import LOG_RETENTION, days_problem
 from infra.directget import InfraError
 from infra.steplogs import log_subject
 from infra.streams import LOGS, LOGS_BUCKET
@@ -202,5 +202,7 @@ class Retention:
         """The organization's log retention in days (its setting, else the default)."""
         if org not in cache:
             value = (await self.app.load_org(org)).state.settings.get(LOG_RETENTION)
-            cache[org] = value if isinstance(value, int) else self.default_days
+            # (the core checked it; an event that bypassed it must not stop every org's pass)
+            ok = isinstance(value, int) and not days_problem(value)
+            cache[org] = int(value) if ok and value is not None else self.default_days
         return cache[org]
