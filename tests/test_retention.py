@@ -27,10 +27,11 @@ from projections.readmodel import ReadModel
 from services.app.commands import App
 from services.processes.retention import Retention, stored_logs
 from services.root.bootstrap import Plane
-from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 from tests.audit_support import recorded, verify
 from tests.helpers import eventually
 from tests.projection_support import ORG, settle, varied_history
+from tests.ui.support import Ui, ui_fixture  # noqa: F401  # `ui`
 
 V1 = "/api/v1/orgs"
 
@@ -306,3 +307,29 @@ async def test_retention_pass_rate(app: App, nc: NATS) -> None:
     rate = len(report.pruned) / (time.perf_counter() - started)
     print(f"\nretention pass: {len(report.pruned)} runs in {report.seconds:.2f} s, {rate:.0f}/s")
     assert len(report.pruned) == 300
+
+
+async def test_the_ui_says_when_retention_removed_a_runs_log(ui: Ui, app: App, nc: NATS) -> None:
+    """The run page and the log page of a pruned run say "Log removed by retention on
+    <date>" (no log to follow); a run not ended still offers its log."""
+    runs = await varied_history(app)
+    await store_logs(nc, list(runs.values()))
+    await set_days(app, ORG, 0)
+    await Retention(nc, app).pass_once()
+    run_id = runs["applied"]
+    browser = ui.browser()
+    await browser.signin(ADMIN_TOKEN, ORG)
+
+    async def said() -> str:
+        page = await browser.get(f"/orgs/{ORG}/runs/{run_id}")
+        assert page.status == 200 and "Log removed by retention on 20" in page.text, page.text
+        return page.text
+
+    text = await eventually(said, what="the run page saying its log is removed")
+    assert 'id="log"' not in text and "The whole log as a page" not in text
+    log_page = await browser.get(f"/orgs/{ORG}/runs/{run_id}/log")
+    assert log_page.status == 200 and "Log removed by retention on 20" in log_page.text
+    states_ = await states(app, list(runs.values()))
+    waiting = next(r for r, s in states_.items() if not s.terminal)
+    other = await browser.get(f"/orgs/{ORG}/runs/{waiting}")
+    assert "The whole log as a page" in other.text and "Log removed" not in other.text
