@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from nats.aio.client import Client as NATS
+from yarl import URL
 
 from events import folder as fo
 from events.errors import IllegalTransition
@@ -31,6 +32,7 @@ from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `
 from tests.audit_support import recorded, verify
 from tests.helpers import eventually
 from tests.projection_support import ORG, settle, varied_history
+from tests.tfe_support import Tfe, new_run, tfe_fixture, uploaded  # noqa: F401  # `tfe`
 from tests.ui.support import Ui, ui_fixture  # noqa: F401  # `ui`
 
 V1 = "/api/v1/orgs"
@@ -333,3 +335,25 @@ async def test_the_ui_says_when_retention_removed_a_runs_log(ui: Ui, app: App, n
     waiting = next(r for r, s in states_.items() if not s.terminal)
     other = await browser.get(f"/orgs/{ORG}/runs/{waiting}")
     assert "The whole log as a page" in other.text and "Log removed" not in other.text
+
+
+async def test_the_terraform_cli_reads_that_the_log_was_removed(tfe: Tfe) -> None:
+    """A pruned run's plan log through the TFE API's log-read-url says so (and ends)
+    instead of answering nothing for the CLI to wait on."""
+    await tfe.org("acme")
+    ws_id = await tfe.cli_workspace("acme", "net")
+    cv, _ = await uploaded(tfe, ws_id)
+    run = (await new_run(tfe, ws_id, cv)).body["data"]
+    _, ws, run_id = run["id"].removeprefix("run-").split(".")
+    canceled = await tfe.tfe("POST", f"/api/v2/runs/{run['id']}/actions/cancel", json={})
+    assert canceled.status in (200, 202), canceled
+    state = (await tfe.app.load_run("acme", ws, run_id)).state
+    assert state.ended_at is not None
+    intent = PruneLog(actor="retention", objects=[], ended_before=state.ended_at, days=0)
+    await tfe.app.run_command("acme", ws, run_id, intent)
+    plan_id = run["relationships"]["plan"]["data"]["id"]
+    plan = await tfe.tfe("GET", f"/api/v2/plans/{plan_id}")
+    url = URL(plan.body["data"]["attributes"]["log-read-url"])
+    status, raw = await tfe.raw(f"{url.path}?offset=0&limit=4096")
+    assert status == 200 and raw.endswith(b"\x03"), raw
+    assert f"log removed by retention on {state.ended_at.date()}".encode() in raw

@@ -171,6 +171,9 @@ async def _text(api: Api, s: RunState, phase: str, *, ended: bool) -> bytes:
     out: list[str] = []
     if phase == "apply":
         out += [f"runplane: apply of run {s.run_id}", f"workspace {s.org}/{s.workspace}", ""]
+    if s.log_removed_at is not None:  # services/processes/retention.py: nothing to read
+        removed = f"runplane: log removed by retention on {s.log_removed_at.date().isoformat()}"
+        return ("\n".join([*out, removed]) + "\n").encode()
     try:
         async for batch in lines.batches():
             out += [line.text.rstrip("\n").translate(_FRAMING) for line in batch]
