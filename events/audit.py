@@ -103,6 +103,13 @@ def msg_id(org: str, src: int) -> str:
     return f"audit-{org}-{src}"
 
 
+def checkpoint_msg_id(org: str, n: int) -> str:
+    """The dedupe id of `org`'s checkpoint at place `n`. Its dots keep it apart from every
+    `msg_id` (names hold no dot): with dashes, organization `ckpt-b`'s record of event 3
+    and b's checkpoint at place 3 were one id, and the stream dropped the later one."""
+    return f"audit-ckpt.{org}.{n}"
+
+
 def after(head: Record | None, head_bytes: bytes, facts: Facts) -> Record | None:
     """The record `facts` make after `head` (None: the chain is empty); None when the
     chain already holds it (its event is at or below the chain's high-water mark)."""

@@ -30,6 +30,7 @@ from events.audit import (
     after,
     checkpoint,
     checkpoint_message,
+    checkpoint_msg_id,
     decode,
     encode,
 )
@@ -103,7 +104,7 @@ class AuditLog:
                 record = msgspec.structs.replace(checkpoint(head[2], head[1], org, at), kid=kid)
                 sig = await keys.sign(checkpoint_message(record))
                 record = msgspec.structs.replace(record, sig=sig.hex())
-                seq = await self._publish(org, head, record, f"audit-ckpt-{org}-{record.n}")
+                seq = await self._publish(org, head, record, checkpoint_msg_id(org, record.n))
                 if seq:
                     return seq
             raise AuditError(f"{org}'s audit chain kept moving under {TRIES} tries")

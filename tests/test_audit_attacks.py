@@ -1,0 +1,58 @@
+"""Attacks on the audit log (issue 24's review): what a tenant, or someone with NATS
+access, could do to another organization's chain or to the auditor of every one.
+Each test failed on the code before its fix (said in its docstring)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from events.audit import CHECKPOINT, Facts
+from infra.auditkeys import AuditKeys
+from infra.auditlog import AuditLog
+from services.root.bootstrap import Plane
+from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
+from tests.audit_support import records, verify
+
+
+async def _readable(nc: NATS, org: str) -> list[dict[str, Any]]:
+    """The records of `org`'s chain that are JSON (a foreign message left out)."""
+    audit, start, out = AuditLog(nc), 1, []
+    while page := await audit.page(org, start):
+        for raw in page:
+            try:
+                out.append(json.loads(raw.data))
+            except ValueError:
+                continue
+        start = page[-1].seq + 1
+    return out
+
+
+def _refusal(org: str, *, src: int = 0) -> Facts:
+    return Facts(
+        org=org, at=datetime.now(UTC), actor="v", actor_kind="token", via="api",
+        action="refused POST x", thing=f"organization {org}", outcome="refused", status=403,
+        src=src,
+    )  # fmt: skip
+
+
+async def test_an_organization_named_ckpt_dash_b_cannot_swallow_b_s_checkpoint(
+    nc: NATS, system: Plane
+) -> None:
+    """Org names are letters, digits and dashes, so `ckpt-b` is one. Its record of event
+    3 had the dedupe id `audit-ckpt-b-3`, which is also the id of org b's checkpoint at
+    place 3: JetStream took b's checkpoint for a duplicate and dropped it, and the
+    auditor believed b signed (on main: b's chain ended unsigned)."""
+    audit = AuditLog(nc)
+    await audit.append(_refusal("b"))
+    await audit.append(_refusal("b"))
+    await audit.append(_refusal("ckpt-b", src=3))  # the attacker's record of its event 3
+    await audit.checkpoint("b", AuditKeys(nc, system.keyring), datetime.now(UTC))
+    chain = [r for _, r in await records(nc, "b")]
+    assert [r["n"] for r in chain] == [1, 2, 3]
+    assert chain[-1]["kind"] == CHECKPOINT
+    code, out = await verify(nc, org="b")
+    assert code == 0 and "1 checkpoints verified, 0 after the last one" in out, out
