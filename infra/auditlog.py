@@ -94,11 +94,12 @@ class AuditLog:
 
     async def checkpoint(self, org: str, keys: AuditKeys, at: datetime) -> int:
         """Sign the chain's head with a checkpoint record; 0 if the chain is empty or
-        already ends with a checkpoint."""
+        already ends with a checkpoint. The head is the leader's, never this process's
+        last: another writer (the api's refusals) appends after it without telling."""
         kid = await keys.kid()
         async with self._lock(org):
             for _ in range(TRIES):
-                head = await self._head(org)
+                head = await self.head(org)
                 if head[2] is None or head[2].kind == CHECKPOINT:
                     return 0
                 record = msgspec.structs.replace(checkpoint(head[2], head[1], org, at), kid=kid)

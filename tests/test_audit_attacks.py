@@ -56,3 +56,24 @@ async def test_an_organization_named_ckpt_dash_b_cannot_swallow_b_s_checkpoint(
     assert chain[-1]["kind"] == CHECKPOINT
     code, out = await verify(nc, org="b")
     assert code == 0 and "1 checkpoints verified, 0 after the last one" in out, out
+
+
+async def test_a_refusal_after_the_auditor_s_own_checkpoint_is_signed(
+    nc: NATS, system: Plane
+) -> None:
+    """The api (another process) appends a refusal after the auditor's checkpoint. On
+    main the auditor's checkpoint took its own cached head (its last checkpoint) for the
+    chain's, found it signed and signed nothing: refusals after it stayed unsigned until
+    the organization's next command, for ever in a chain of refusals alone."""
+    keys = AuditKeys(nc, system.keyring)
+    auditor, api = AuditLog(nc), AuditLog(nc)
+    await auditor.append(_refusal("b"))
+    await auditor.checkpoint("b", keys, datetime.now(UTC))
+    await api.append(_refusal("b"))
+    assert await auditor.checkpoint("b", keys, datetime.now(UTC))
+    chain = [r for _, r in await records(nc, "b")]
+    assert [(r["n"], r.get("kind", "record")) for r in chain] == [
+        (1, "record"), (2, CHECKPOINT), (3, "record"), (4, CHECKPOINT),
+    ]  # fmt: skip
+    code, out = await verify(nc, org="b")
+    assert code == 0 and "0 after the last one" in out, out
