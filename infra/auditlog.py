@@ -14,13 +14,15 @@ chain costs one round trip per record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 
 import msgspec
 import nats.errors
+import structlog
 from nats.aio.client import Client as NATS
 
 from events.audit import (
@@ -40,8 +42,11 @@ from infra.auditkeys import AuditKeys
 from infra.directget import DirectReader, InfraError, Raw, as_raw, leader_get
 from infra.streams import AUDIT, WRONG_LAST_SEQUENCES
 
+log = structlog.get_logger(__name__)
+
 TRIES = 50  # a chain hot with refusals of many replicas: each try links after a new head
 PAGE = 1000  # records a direct get returns at once
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 class AuditError(InfraError):
@@ -79,7 +84,28 @@ class AuditLog:
         try:
             return raw.seq, raw.data, decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise AuditError(f"the head of {org}'s audit chain is not a record: {e}") from e
+            log.error("audit_head_not_a_record", org=org, seq=raw.seq, error=str(e))
+            return raw.seq, raw.data, await self._standing_in(org, raw.seq)
+
+    async def _standing_in(self, org: str, seq: int) -> Record:
+        """What stands for a head that is no record (published by someone with NATS
+        access): the place after the chain's last record before it, that record's
+        high-water mark. The next record links to the foreign message's bytes and numbers
+        past it, so `audit verify` names that message alone and the chain goes on (a
+        head that raised stopped every append to the chain and the auditor's every pass)."""
+        good: Record | None = None
+        start = 1
+        while start < seq and (page := await self.page(org, start)):
+            for raw in page:
+                if raw.seq >= seq:
+                    break
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    good = decode(raw.data)
+            start = page[-1].seq + 1
+        return Record(
+            org=org, n=good.n + 1 if good else 1, prev="", at=good.at if good else _EPOCH,
+            hw=good.hw if good else 0,
+        )  # fmt: skip
 
     async def append(self, facts: Facts) -> int:
         """Append `facts` to its organization's chain; the record's stream sequence, or 0

@@ -15,7 +15,8 @@ from infra.auditkeys import AuditKeys
 from infra.auditlog import AuditLog
 from services.root.bootstrap import Plane
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
-from tests.audit_support import records, verify
+from tests.audit_support import recorded, records, verify
+from tests.helpers import eventually
 
 
 async def _readable(nc: NATS, org: str) -> list[dict[str, Any]]:
@@ -77,3 +78,41 @@ async def test_a_refusal_after_the_auditor_s_own_checkpoint_is_signed(
     ]  # fmt: skip
     code, out = await verify(nc, org="b")
     assert code == 0 and "0 after the last one" in out, out
+
+
+async def test_a_broken_head_of_one_chain_does_not_stop_the_auditor_for_everyone(
+    http: Http, system: Plane, nc: NATS
+) -> None:
+    """Someone with NATS access publishes a message that is no record on `audit.b`. On
+    main the auditor's start made every chain due, the checkpoint of b read a head that
+    did not decode and raised, every pass: the auditor's cursor was never saved again
+    (each pass read the whole log from the old one: a restart's work, every second), and
+    no record could be appended to b any more (the api's refusals, b's commands). Now
+    the auditor goes on (a is recorded and signed), b's chain
+    goes on after the foreign message (linked to it, numbered past it: verify names the
+    message alone), and b is checkpointed again."""
+    audit = AuditLog(nc)
+    await audit.append(_refusal("b"))
+    await nc.jetstream().publish("audit.b", b"not a record")
+    await system.start_auditor(checkpoint_s=0.05)
+    await http.org("a")
+    await http.workspace("a", "w1")
+    await recorded(nc, "a", "ws.created")
+
+    async def a_signed() -> bool:
+        return (await records(nc, "a"))[-1][1].get("kind") == CHECKPOINT
+
+    await eventually(a_signed, timeout=10, what="a's chain signed")
+    await audit.append(_refusal("b"))  # the api's next refusal in b links on too
+
+    async def signed() -> list[dict[str, Any]] | None:
+        chain = await _readable(nc, "b")
+        return chain if chain[-1].get("kind") == CHECKPOINT else None
+
+    chain = await eventually(signed, timeout=10, what="b's chain signed after the break")
+    places = [r["n"] for r in chain]  # the foreign message holds place 2
+    assert places == [1, *range(3, len(places) + 2)], places
+    assert [r["outcome"] for r in chain].count("refused") == 2
+    code, out = await verify(nc, org="b")
+    assert code == 1, out
+    assert "not an audit record" in out and out.count("org b: seq") == 1, out
