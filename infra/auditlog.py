@@ -188,11 +188,11 @@ class AuditLog:
         return page
 
 
-async def stream_state(nc: NATS, *, timeout: float = 5.0) -> tuple[int, int]:
-    """The audit stream's first and last sequence, as its leader has them."""
-    reply = await nc.request(f"$JS.API.STREAM.INFO.{AUDIT}", b"", timeout=timeout)
+async def stream_state(nc: NATS, *, stream: str = AUDIT, timeout: float = 5.0) -> tuple[int, int]:
+    """The audit stream's (or `stream`'s) first and last sequence, as its leader has them."""
+    reply = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=timeout)
     body = json.loads(reply.data)
     if "error" in body:
-        raise AuditError(f"audit stream info: {body['error'].get('description')}")
+        raise AuditError(f"{stream} stream info: {body['error'].get('description')}")
     state = body["state"]
     return int(state["first_seq"]), int(state["last_seq"])

@@ -8,9 +8,11 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 
-from events.audit import CHECKPOINT, Facts
+from events.audit import CHECKPOINT, Facts, after, decode, encode
+from events.audit_chain import Chain
 from infra.auditkeys import AuditKeys
 from infra.auditlog import AuditLog
 from services.root.bootstrap import Plane
@@ -116,3 +118,51 @@ async def test_a_broken_head_of_one_chain_does_not_stop_the_auditor_for_everyone
     code, out = await verify(nc, org="b")
     assert code == 1, out
     assert "not an audit record" in out and out.count("org b: seq") == 1, out
+
+
+async def test_a_forged_high_water_mark_that_hides_later_commands_is_named(
+    http: Http, system: Plane, nc: NATS
+) -> None:
+    """Someone with NATS access appends to a's chain one record linked as the auditor
+    would (the head is readable) whose event `src`, and so `hw`, is far past the event
+    log: the auditor then takes every later command of a for recorded already and
+    records none, and its next checkpoint signs the forgery. On main `audit verify` said
+    OK. Now it names the record (its event is past the event log's last sequence)."""
+    await system.start_auditor(checkpoint_s=0.05)
+    await http.org("a")
+    await http.workspace("a", "w1")
+    await recorded(nc, "a", "ws.created")
+    head = await AuditLog(nc).head("a")
+    far = 2**40
+    facts = msgspec.structs.replace(_refusal("a", src=far), action="ws.created", outcome="ok")
+    forged = after(head[2], head[1], facts)
+    assert forged is not None
+    await nc.jetstream().publish("audit.a", encode(forged))
+    await http.workspace("a", "w2")
+
+    async def signed_after_forgery() -> bool:
+        chain = await records(nc, "a")
+        return chain[-1][1].get("kind") == CHECKPOINT and chain[-1][1]["n"] > forged.n
+
+    await eventually(signed_after_forgery, timeout=10, what="a checkpoint over the forgery")
+    code, out = await verify(nc, org="a")
+    assert code == 1, out
+    assert f"describes event {far}, past the event log's last" in out, out
+
+
+def test_a_high_water_mark_above_the_chain_s_is_named_even_without_an_event() -> None:
+    """A forged refusal (no event: `src` 0) carrying a high `hw` hides later commands
+    just as well; its mark is not the chain's highest `src`, which verify checks."""
+    from tests.test_audit_chain import CHECK, chain_of
+
+    datas = chain_of(3)
+    head = decode(datas[-1])
+    forged = after(head, datas[-1], _refusal("a"))
+    assert forged is not None
+    forged = msgspec.structs.replace(forged, hw=2**40)
+    chain = Chain("a", CHECK, events_last=10)
+    for seq, data in enumerate([*datas, encode(forged)], start=1):
+        chain.add(seq, data)
+    assert [(f.seq, f.what) for f in chain.findings] == [
+        (4, f"record 4's high-water mark {2**40} is not the chain's 3 (forged)")
+    ]
