@@ -4,21 +4,27 @@ Each test failed on the code before its fix (said in its docstring)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
+import pytest
 from nats.aio.client import Client as NATS
 
-from events.audit import CHECKPOINT, Facts, after, decode, encode
+from events.audit import CHECKPOINT, Facts, Record, after, encode
 from events.audit_chain import Chain
 from infra.auditkeys import AuditKeys
 from infra.auditlog import AuditLog
 from services.root.bootstrap import Plane
+from services.surfaces.api import audit as audit_api
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
 from tests.audit_support import recorded, records, verify
 from tests.helpers import eventually
+
+V1 = "/api/v1/orgs"
 
 
 async def _readable(nc: NATS, org: str) -> list[dict[str, Any]]:
@@ -153,16 +159,44 @@ async def test_a_forged_high_water_mark_that_hides_later_commands_is_named(
 def test_a_high_water_mark_above_the_chain_s_is_named_even_without_an_event() -> None:
     """A forged refusal (no event: `src` 0) carrying a high `hw` hides later commands
     just as well; its mark is not the chain's highest `src`, which verify checks."""
-    from tests.test_audit_chain import CHECK, chain_of
-
-    datas = chain_of(3)
-    head = decode(datas[-1])
+    datas: list[bytes] = []
+    head: Record | None = None
+    for src in (1, 2, 3):
+        made = after(head, datas[-1] if datas else b"", _refusal("a", src=src))
+        assert made is not None
+        head = made
+        datas.append(encode(made))
     forged = after(head, datas[-1], _refusal("a"))
     assert forged is not None
     forged = msgspec.structs.replace(forged, hw=2**40)
-    chain = Chain("a", CHECK, events_last=10)
+    chain = Chain("a", lambda kid, message, sig: False, events_last=10)
     for seq, data in enumerate([*datas, encode(forged)], start=1):
         chain.add(seq, data)
     assert [(f.seq, f.what) for f in chain.findings] == [
         (4, f"record 4's high-water mark {2**40} is not the chain's 3 (forged)")
     ]
+
+
+async def test_a_flood_of_refusals_is_recorded_as_a_count_not_a_record_each(
+    http: Http, nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A viewer (or any token of the organization) asks for what it may not, fast. On
+    main each 403 was a record: the chain and the stream every organization shares grew
+    with the flood without bound (no deny, no limit), each one an append under the
+    chain's lock, racing the auditor's. Now at most the limit is recorded a window, and
+    the next one recorded says how many were not."""
+    monkeypatch.setattr(audit_api, "FLOOD_LIMIT", 5, raising=False)
+    monkeypatch.setattr(audit_api, "FLOOD_WINDOW_S", 2.0, raising=False)
+    tokens = await http.org("a")
+    await http.workspace("a", "net")
+    path, body = f"{V1}/a/workspaces/net/runs", {"type": "apply"}
+    started = time.monotonic()
+    for _ in range(15):
+        (await http.post(path, json=body, token=tokens["viewer"])).problem("forbidden", 403)
+    assert time.monotonic() - started < 2.0, "too slow to flood within the window"
+    action = "refused POST /api/v1/orgs/{org}/workspaces/{ws}/runs"
+    await asyncio.sleep(2.0)
+    (await http.post(path, json=body, token=tokens["viewer"])).problem("forbidden", 403)
+    refusals = await recorded(nc, "a", action, 6)
+    assert len(refusals) == 6
+    assert [r.get("more", 0) for r in refusals] == [0, 0, 0, 0, 0, 10]

@@ -16,15 +16,22 @@
   the client's address; the surface: `ui`, `tfe`, `cli` for runplane's own client, else
   `api`) goes into the headers of the events it appends (infra/origin.py), and a refusal
   that matters (403; 409 on approve, discard, cancel, lock, unlock) of a caller of the
-  path's organization is recorded in that organization's chain where it happens.
+  path's organization is recorded in that organization's chain where it happens: at
+  most `FLOOD_LIMIT` a minute of one caller in one organization per api process, the
+  others counted and the count put on the next one recorded (`more`), so a caller
+  flooding refusals grows no chain nor the shared stream without bound, nor holds the
+  chain's writers (the auditor's appends to it included) in a race.
 """
 
 from __future__ import annotations
 
 import re
+import time
 import uuid
+from collections import Counter, deque
 from datetime import datetime
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import msgspec
 import structlog
@@ -54,6 +61,43 @@ _CLIENT_HEADER = "X-Runplane-Client"
 _CONFLICTS = ("/approve", "/discard", "/cancel", "/lock", "/unlock")
 _FILTERS = ("actor", "action", "thing", "outcome", "since", "until", "cursor", "limit", "format")
 _encoder = msgspec.json.Encoder()
+FLOOD_LIMIT = 60  # refusals of one caller in one organization recorded a window, per process
+FLOOD_WINDOW_S = 60.0
+
+
+class Flood:
+    """Which refusals are recorded: at most `limit` of one key in `window` seconds; the
+    others are counted until the next one admitted, which carries the count."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit, self.window = limit, window
+        self.seen: dict[tuple[str, ...], deque[float]] = {}
+        self.skipped: Counter[tuple[str, ...]] = Counter()
+
+    def admit(self, key: tuple[str, ...], now: float) -> int | None:
+        """None: not recorded (counted); else how many were not, before this one."""
+        if len(self.seen) > 10_000:  # forget the quiet ones
+            self.seen = {k: v for k, v in self.seen.items() if v and now - v[-1] < self.window}
+        times = self.seen.setdefault(key, deque())
+        while times and now - times[0] >= self.window:
+            times.popleft()
+        if len(times) >= self.limit:
+            self.skipped[key] += 1
+            if self.skipped[key] % 1000 == 1:
+                log.warning("audit_refusals_flood", key=key, unrecorded=self.skipped[key])
+            return None
+        times.append(now)
+        return self.skipped.pop(key, 0)
+
+
+_floods: WeakKeyDictionary[object, Flood] = WeakKeyDictionary()
+
+
+def _flood(api: object) -> Flood:
+    found = _floods.get(api)
+    if found is None:
+        found = _floods[api] = Flood(FLOOD_LIMIT, FLOOD_WINDOW_S)
+    return found
 
 
 def _request_id(request: web.Request) -> str:
@@ -127,11 +171,14 @@ async def record_refusal(request: web.Request, problem: Problem) -> None:
         return
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else request.path
+    more = _flood(request.app[API]).admit((org, actor_kind(who), who.user), time.monotonic())
+    if more is None:
+        return
     facts = Facts(
         org=org, at=utcnow(), actor=who.user, actor_kind=actor_kind(who), via=here.via,
         action=f"refused {request.method} {route}", thing=_thing(request.match_info, org),
         outcome=REFUSED, status=problem.status, detail=problem.slug,
-        request_id=here.request_id, client=here.client,
+        request_id=here.request_id, client=here.client, more=more,
     )  # fmt: skip
     try:
         await request.app[API].audit.append(facts)
