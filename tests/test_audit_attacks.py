@@ -18,6 +18,8 @@ from events.audit import CHECKPOINT, Facts, Record, after, encode
 from events.audit_chain import Chain
 from infra.auditkeys import AuditKeys
 from infra.auditlog import AuditLog
+from infra.kv import AUDIT_BUCKET
+from services.processes.audit import read_cursor
 from services.root.bootstrap import Plane
 from services.surfaces.api import audit as audit_api
 from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
@@ -200,3 +202,29 @@ async def test_a_flood_of_refusals_is_recorded_as_a_count_not_a_record_each(
     refusals = await recorded(nc, "a", action, 6)
     assert len(refusals) == 6
     assert [r.get("more", 0) for r in refusals] == [0, 0, 0, 0, 0, 10]
+
+
+async def test_a_checkpoint_that_cannot_be_signed_does_not_hold_the_auditor_s_cursor(
+    http: Http, system: Plane, nc: NATS
+) -> None:
+    """Someone with NATS access replaces the audit key with one that does not open. On
+    main each pass of the auditor appended its records, then raised at the first
+    checkpoint before its cursor was saved, and began again from the old cursor: every
+    pass read the whole log since (a restart's work, every second, growing). Now the
+    checkpoints stay due (retried each pass, logged) and the cursor moves on."""
+    kv = await nc.jetstream().key_value(AUDIT_BUCKET)
+    await kv.put("key", b'{"keys":[{"kid":"x","created":0,"public":"00","sealed":"AA=="}]}')
+    await system.start_auditor(checkpoint_s=0.05)
+    await http.org("a")
+    await http.workspace("a", "w1")
+    await recorded(nc, "a", "ws.created")
+    await asyncio.sleep(0.5)  # a's chain is due: its checkpoint fails from now on
+    await http.workspace("a", "w2")
+    last = (await recorded(nc, "a", "ws.created", 2))[-1]["src"]
+
+    async def moved() -> bool:
+        return (await read_cursor(nc))[0] >= last
+
+    await eventually(moved, timeout=10, what="the auditor's cursor past w2's event")
+    chain = [r for _, r in await records(nc, "a")]
+    assert all(r.get("kind", "record") != CHECKPOINT for r in chain)  # none could be signed
