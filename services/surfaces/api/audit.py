@@ -13,14 +13,16 @@
   an auditor to pin (`runplane audit verify --pubkey FILE`).
 - `audit_requests`, a middleware: every request's origin (request id: the caller's
   `X-Request-Id` when it is a short token, else a new one, answered in `X-Request-Id`;
-  the client's address; the surface: `ui`, `tfe`, `cli` for runplane's own client, else
-  `api`) goes into the headers of the events it appends (infra/origin.py), and a refusal
-  that matters (403; 409 on approve, discard, cancel, lock, unlock) of a caller of the
-  path's organization is recorded in that organization's chain where it happens: at
-  most `FLOOD_LIMIT` a minute of one caller in one organization per api process, the
-  others counted and the count put on the next one recorded (`more`), so a caller
-  flooding refusals grows no chain nor the shared stream without bound, nor holds the
-  chain's writers (the auditor's appends to it included) in a race.
+  the client's address, behind the deployment's TLS proxy the nearest hop's
+  X-Forwarded-For (`client_address`, the device flow's too); the surface: `ui`, `tfe`, `cli` for
+  runplane's own client, else `api`) goes into the headers of the events it appends
+  (infra/origin.py), and a refusal that matters (403; 409 on approve, discard, cancel,
+  lock, unlock) of a caller of the path's organization is recorded in that
+  organization's chain where it happens: at most `FLOOD_LIMIT` a minute of one caller in
+  one organization per api process, the others counted and the count put on the next one
+  recorded (`more`), so a caller flooding refusals grows no chain nor the shared stream
+  without bound, nor holds the chain's writers (the auditor's appends to it included) in
+  a race.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from services.surfaces.api.common import scope
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem, from_domain
 from services.surfaces.api.schemas import Doc, operation
+from services.surfaces.ui.sessions import TLS_PROXY
 
 log = structlog.get_logger("runplane.api")
 
@@ -100,6 +103,17 @@ def _flood(api: object) -> Flood:
     return found
 
 
+def client_address(request: web.Request) -> str:
+    """The caller's address: the peer's, or behind the deployment's TLS proxy
+    (`--behind-tls-proxy`) the nearest hop's X-Forwarded-For (else it is a client's
+    word, ignored). Printable text only, at most 64 characters."""
+    found = request.remote or "unknown"
+    if request.app.get(TLS_PROXY, False):
+        forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
+        found = forwarded or found
+    return "".join(c for c in found if c.isprintable() and c != " ")[:64] or "unknown"
+
+
 def _request_id(request: web.Request) -> str:
     given = request.headers.get(REQUEST_ID, "")
     return given if _REQUEST_ID_RE.fullmatch(given) else uuid.uuid4().hex
@@ -128,7 +142,7 @@ def actor_kind(who: Principal) -> str:
 async def audit_requests(request: web.Request, handler: Any) -> web.StreamResponse:
     """The request's origin for its events, and its refusals on the record."""
     here = origin.Origin(
-        request_id=_request_id(request), client=request.remote or "", via=_via(request)
+        request_id=_request_id(request), client=client_address(request), via=_via(request)
     )
     token = origin.current.set(here)
     try:

@@ -38,11 +38,11 @@ from events import members as mb
 from events.errors import NotFound
 from infra.directget import InfraError
 from services.app.device import MAX_CLIENT_ID, DeviceError, DeviceGrants, shown
+from services.surfaces.api.audit import client_address
 from services.surfaces.api.context import API
 from services.surfaces.api.middleware import SELF_AUTHENTICATED
 from services.surfaces.api.problems import Problem
 from services.surfaces.tfe.login import CLIENTS, issue_token
-from services.surfaces.ui.sessions import TLS_PROXY
 from services.surfaces.ui.sso import public_base
 from services.surfaces.ui.web import read_form
 
@@ -79,17 +79,6 @@ class Window:
 
 
 LIMIT: web.AppKey[Window] = web.AppKey("runplane.device.limit", Window)
-
-
-def client_address(request: web.Request) -> str:
-    """The caller's address: the peer's, or behind the deployment's TLS proxy
-    (`--behind-tls-proxy`) the nearest hop's X-Forwarded-For (else it is a client's word)."""
-    found = request.remote or "unknown"
-    if request.app.get(TLS_PROXY, False):
-        forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
-        found = forwarded or found
-    # shown on the page and named in a token's name: printable text only
-    return "".join(c for c in found if c.isprintable() and c != " ")[:64] or "unknown"
 
 
 def limit_key(address: str) -> str:
