@@ -228,3 +228,26 @@ async def test_a_checkpoint_that_cannot_be_signed_does_not_hold_the_auditor_s_cu
     await eventually(moved, timeout=10, what="the auditor's cursor past w2's event")
     chain = [r for _, r in await records(nc, "a")]
     assert all(r.get("kind", "record") != CHECKPOINT for r in chain)  # none could be signed
+
+
+async def test_an_admin_s_many_tokens_share_the_organization_s_flood_limit(
+    http: Http, nc: NATS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An organization's admin mints callers at will (a token per made-up user): each
+    under the caller's limit, together they are held to the organization's."""
+    monkeypatch.setattr(audit_api, "FLOOD_LIMIT", 5, raising=False)
+    monkeypatch.setattr(audit_api, "ORG_FLOOD_LIMIT", 8, raising=False)
+    tokens = await http.org("a")
+    await http.workspace("a", "net")
+    path, body = f"{V1}/a/workspaces/net/runs", {"type": "apply"}
+    viewers = [tokens["viewer"]]
+    for i in range(2):
+        made = await http.post(f"{V1}/a/tokens", json={"user": f"v{i}", "role": "viewer"})
+        viewers.append(made.body["token"])
+    for token in viewers:
+        for _ in range(4):
+            (await http.post(path, json=body, token=token)).problem("forbidden", 403)
+    action = "refused POST /api/v1/orgs/{org}/workspaces/{ws}/runs"
+    await recorded(nc, "a", action, 8)
+    await asyncio.sleep(0.3)
+    assert len(await recorded(nc, "a", action, 8)) == 8

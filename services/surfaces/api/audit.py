@@ -14,15 +14,15 @@
 - `audit_requests`, a middleware: every request's origin (request id: the caller's
   `X-Request-Id` when it is a short token, else a new one, answered in `X-Request-Id`;
   the client's address, behind the deployment's TLS proxy the nearest hop's
-  X-Forwarded-For (`client_address`, the device flow's too); the surface: `ui`, `tfe`, `cli` for
-  runplane's own client, else `api`) goes into the headers of the events it appends
-  (infra/origin.py), and a refusal that matters (403; 409 on approve, discard, cancel,
-  lock, unlock) of a caller of the path's organization is recorded in that
+  X-Forwarded-For (`client_address`, the device flow's too); the surface: `ui`, `tfe`,
+  `cli` for runplane's own client, else `api`) goes into the headers of the events it
+  appends (infra/origin.py), and a refusal that matters (403; 409 on approve, discard,
+  cancel, lock, unlock) of a caller of the path's organization is recorded in that
   organization's chain where it happens: at most `FLOOD_LIMIT` a minute of one caller in
-  one organization per api process, the others counted and the count put on the next one
-  recorded (`more`), so a caller flooding refusals grows no chain nor the shared stream
-  without bound, nor holds the chain's writers (the auditor's appends to it included) in
-  a race.
+  one organization (`ORG_FLOOD_LIMIT` of all its callers) per api process, the others
+  counted and the count put on the next one recorded (`more`), so a caller flooding
+  refusals grows no chain nor the shared stream without bound, nor holds the chain's
+  writers (the auditor's appends to it included) in a race.
 """
 
 from __future__ import annotations
@@ -65,31 +65,38 @@ _CONFLICTS = ("/approve", "/discard", "/cancel", "/lock", "/unlock")
 _FILTERS = ("actor", "action", "thing", "outcome", "since", "until", "cursor", "limit", "format")
 _encoder = msgspec.json.Encoder()
 FLOOD_LIMIT = 60  # refusals of one caller in one organization recorded a window, per process
+ORG_FLOOD_LIMIT = 600  # of all callers in one organization (an admin mints callers at will)
 FLOOD_WINDOW_S = 60.0
 
 
 class Flood:
-    """Which refusals are recorded: at most `limit` of one key in `window` seconds; the
-    others are counted until the next one admitted, which carries the count."""
+    """Which refusals are recorded: at most `limit` of one key (organization, caller) and
+    `org_limit` of one organization in `window` seconds; the others are counted until
+    the key's next one admitted, which carries the count."""
 
-    def __init__(self, limit: int, window: float) -> None:
-        self.limit, self.window = limit, window
+    def __init__(self, limit: int, org_limit: int, window: float) -> None:
+        self.limit, self.org_limit, self.window = limit, org_limit, window
         self.seen: dict[tuple[str, ...], deque[float]] = {}
         self.skipped: Counter[tuple[str, ...]] = Counter()
+
+    def _recent(self, key: tuple[str, ...], now: float) -> deque[float]:
+        times = self.seen.setdefault(key, deque())
+        while times and now - times[0] >= self.window:
+            times.popleft()
+        return times
 
     def admit(self, key: tuple[str, ...], now: float) -> int | None:
         """None: not recorded (counted); else how many were not, before this one."""
         if len(self.seen) > 10_000:  # forget the quiet ones
             self.seen = {k: v for k, v in self.seen.items() if v and now - v[-1] < self.window}
-        times = self.seen.setdefault(key, deque())
-        while times and now - times[0] >= self.window:
-            times.popleft()
-        if len(times) >= self.limit:
+        mine, org = self._recent(key, now), self._recent(key[:1], now)
+        if len(mine) >= self.limit or len(org) >= self.org_limit:
             self.skipped[key] += 1
             if self.skipped[key] % 1000 == 1:
                 log.warning("audit_refusals_flood", key=key, unrecorded=self.skipped[key])
             return None
-        times.append(now)
+        mine.append(now)
+        org.append(now)
         return self.skipped.pop(key, 0)
 
 
@@ -99,7 +106,7 @@ _floods: WeakKeyDictionary[object, Flood] = WeakKeyDictionary()
 def _flood(api: object) -> Flood:
     found = _floods.get(api)
     if found is None:
-        found = _floods[api] = Flood(FLOOD_LIMIT, FLOOD_WINDOW_S)
+        found = _floods[api] = Flood(FLOOD_LIMIT, ORG_FLOOD_LIMIT, FLOOD_WINDOW_S)
     return found
 
 
