@@ -57,6 +57,7 @@ class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     hw: int = 0  # the highest `src` in the chain up to and with this record
     kid: str = ""  # a checkpoint's key id
     sig: str = ""  # a checkpoint's signature (hex) of `checkpoint_message`
+    more: int = 0  # a refusal's: the caller's refusals left unrecorded just before (a flood)
 
 
 class Facts(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +77,7 @@ class Facts(msgspec.Struct, frozen=True, kw_only=True):
     client: str = ""
     src: int = 0
     src_hash: str = ""
+    more: int = 0
 
 
 _encoder = msgspec.json.Encoder()
@@ -103,6 +105,13 @@ def msg_id(org: str, src: int) -> str:
     return f"audit-{org}-{src}"
 
 
+def checkpoint_msg_id(org: str, n: int) -> str:
+    """The dedupe id of `org`'s checkpoint at place `n`. Its dots keep it apart from every
+    `msg_id` (names hold no dot): with dashes, organization `ckpt-b`'s record of event 3
+    and b's checkpoint at place 3 were one id, and the stream dropped the later one."""
+    return f"audit-ckpt.{org}.{n}"
+
+
 def after(head: Record | None, head_bytes: bytes, facts: Facts) -> Record | None:
     """The record `facts` make after `head` (None: the chain is empty); None when the
     chain already holds it (its event is at or below the chain's high-water mark)."""
@@ -127,6 +136,7 @@ def after(head: Record | None, head_bytes: bytes, facts: Facts) -> Record | None
         src=facts.src,
         src_hash=facts.src_hash,
         hw=max(hw, facts.src),
+        more=facts.more,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from events.audit import CHECKPOINT, GENESIS, checkpoint_message, decode, digest
+from events.audit import CHECKPOINT, GENESIS, Record, checkpoint_message, decode, digest
 
 # (key id, message, signature) -> whether the signature verifies
 CheckSig = Callable[[str, bytes, bytes], bool]
@@ -49,6 +49,8 @@ class Chain:
     last_hash: str = GENESIS
     last_seq: int = 0
     trust_first: bool = False  # verifying from a later sequence: the first record's link
+    events_last: int = 0  # the event log's last sequence (0: not checked)
+    last_hw: int = 0
     findings: list[Finding] = field(default_factory=list)
 
     def add(self, seq: int, data: bytes) -> None:
@@ -61,6 +63,7 @@ class Chain:
             return
         if self.trust_first and self.count == 1:
             self.last_n, self.last_hash, self.signed_upto = record.n - 1, record.prev, record.n - 1
+            self.last_hw = record.hw
         if record.org != self.org:
             self._broken(seq, f"a record of organization {record.org!r} (inserted)")
         expected = self.last_n + 1
@@ -81,9 +84,28 @@ class Chain:
                 seq, f"record {record.n}'s prev is not the hash of record {self.last_n} at "
                 f"seq {self.last_seq} (modified or inserted)",
             )  # fmt: skip
+        self._high_water(seq, record, gap=record.n > expected)
         if record.kind == CHECKPOINT:
             self._checkpoint(seq, record)
         self._move(seq, record.n, data)
+
+    def _high_water(self, seq: int, record: Record, *, gap: bool) -> None:
+        """A record's `src` is an event the log has had, and its `hw` the chain's highest
+        `src`: a larger one, linked as a writer would, makes the auditor skip every later
+        command of the organization (taken for recorded) and still links. After records
+        missing (named already) the mark may have grown with them."""
+        if self.events_last and record.src > self.events_last:
+            self._broken(
+                seq, f"record {record.n} describes event {record.src}, past the event log's "
+                f"last sequence {self.events_last} (forged)",
+            )  # fmt: skip
+        wanted = max(self.last_hw, record.src)
+        if record.hw != wanted and not (gap and record.hw > wanted):
+            self._broken(
+                seq, f"record {record.n}'s high-water mark {record.hw} is not the chain's "
+                f"{wanted} (forged)",
+            )  # fmt: skip
+        self.last_hw = record.hw
 
     def _checkpoint(self, seq: int, record: msgspec.Struct) -> None:
         kid, sig = getattr(record, "kid", ""), getattr(record, "sig", "")

@@ -14,13 +14,15 @@ chain costs one round trip per record.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 
 import msgspec
 import nats.errors
+import structlog
 from nats.aio.client import Client as NATS
 
 from events.audit import (
@@ -30,6 +32,7 @@ from events.audit import (
     after,
     checkpoint,
     checkpoint_message,
+    checkpoint_msg_id,
     decode,
     encode,
 )
@@ -39,8 +42,11 @@ from infra.auditkeys import AuditKeys
 from infra.directget import DirectReader, InfraError, Raw, as_raw, leader_get
 from infra.streams import AUDIT, WRONG_LAST_SEQUENCES
 
+log = structlog.get_logger(__name__)
+
 TRIES = 50  # a chain hot with refusals of many replicas: each try links after a new head
 PAGE = 1000  # records a direct get returns at once
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 class AuditError(InfraError):
@@ -78,7 +84,28 @@ class AuditLog:
         try:
             return raw.seq, raw.data, decode(raw.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise AuditError(f"the head of {org}'s audit chain is not a record: {e}") from e
+            log.error("audit_head_not_a_record", org=org, seq=raw.seq, error=str(e))
+            return raw.seq, raw.data, await self._standing_in(org, raw.seq)
+
+    async def _standing_in(self, org: str, seq: int) -> Record:
+        """What stands for a head that is no record (published by someone with NATS
+        access): the place after the chain's last record before it, that record's
+        high-water mark. The next record links to the foreign message's bytes and numbers
+        past it, so `audit verify` names that message alone and the chain goes on (a
+        head that raised stopped every append to the chain and the auditor's every pass)."""
+        good: Record | None = None
+        start = 1
+        while start < seq and (page := await self.page(org, start)):
+            for raw in page:
+                if raw.seq >= seq:
+                    break
+                with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
+                    good = decode(raw.data)
+            start = page[-1].seq + 1
+        return Record(
+            org=org, n=good.n + 1 if good else 1, prev="", at=good.at if good else _EPOCH,
+            hw=good.hw if good else 0,
+        )  # fmt: skip
 
     async def append(self, facts: Facts) -> int:
         """Append `facts` to its organization's chain; the record's stream sequence, or 0
@@ -93,17 +120,18 @@ class AuditLog:
 
     async def checkpoint(self, org: str, keys: AuditKeys, at: datetime) -> int:
         """Sign the chain's head with a checkpoint record; 0 if the chain is empty or
-        already ends with a checkpoint."""
+        already ends with a checkpoint. The head is the leader's, never this process's
+        last: another writer (the api's refusals) appends after it without telling."""
         kid = await keys.kid()
         async with self._lock(org):
             for _ in range(TRIES):
-                head = await self._head(org)
+                head = await self.head(org)
                 if head[2] is None or head[2].kind == CHECKPOINT:
                     return 0
                 record = msgspec.structs.replace(checkpoint(head[2], head[1], org, at), kid=kid)
                 sig = await keys.sign(checkpoint_message(record))
                 record = msgspec.structs.replace(record, sig=sig.hex())
-                seq = await self._publish(org, head, record, f"audit-ckpt-{org}-{record.n}")
+                seq = await self._publish(org, head, record, checkpoint_msg_id(org, record.n))
                 if seq:
                     return seq
             raise AuditError(f"{org}'s audit chain kept moving under {TRIES} tries")
@@ -160,11 +188,11 @@ class AuditLog:
         return page
 
 
-async def stream_state(nc: NATS, *, timeout: float = 5.0) -> tuple[int, int]:
-    """The audit stream's first and last sequence, as its leader has them."""
-    reply = await nc.request(f"$JS.API.STREAM.INFO.{AUDIT}", b"", timeout=timeout)
+async def stream_state(nc: NATS, *, stream: str = AUDIT, timeout: float = 5.0) -> tuple[int, int]:
+    """The audit stream's (or `stream`'s) first and last sequence, as its leader has them."""
+    reply = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=timeout)
     body = json.loads(reply.data)
     if "error" in body:
-        raise AuditError(f"audit stream info: {body['error'].get('description')}")
+        raise AuditError(f"{stream} stream info: {body['error'].get('description')}")
     state = body["state"]
     return int(state["first_seq"]), int(state["last_seq"])

@@ -176,6 +176,9 @@ class Auditor:
             self._since.setdefault(org, now)
 
     async def _checkpoints(self) -> None:
+        """Sign the chains due. One that fails stays due and is logged; the others and
+        the cursor go on (a failure raised here held the cursor: each pass read the log
+        again from the old one, for as long as, say, the key did not open)."""
         now = time.monotonic()
         for org in list(self._pending):
             due = self._pending[org] >= self.checkpoint_every
@@ -183,10 +186,12 @@ class Auditor:
                 count, since = self._pending.pop(org), self._since.pop(org)
                 try:  # what is appended meanwhile makes the chain due again
                     await self.audit.checkpoint(org, self.keys, datetime.now(UTC))
-                except BaseException:
+                except BaseException as e:
                     self._pending[org] += count
                     self._since[org] = min(since, self._since.get(org, since))
-                    raise
+                    if not isinstance(e, InfraError):
+                        raise
+                    log.warning("audit_checkpoint_failed", org=org, error=repr(e))
 
     async def _save_cursor(self) -> None:
         if self.position == self._saved or time.monotonic() - self._saved_at < CURSOR_EVERY_S:

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 from events.audit_chain import Chain, Finding, Gaps
 from infra import auditkeys
 from infra.auditlog import stream_state
-from infra.streams import AUDIT
+from infra.streams import AUDIT, EVENTS
 from projections.ordered import OrderedReader
 
 IDLE_S = 2.0  # nothing more arriving this long: the stream's tail was read
@@ -100,9 +100,14 @@ async def verify(
     check = auditkeys.verifier(keys)
     report = Report()
     report.gaps.expect = from_seq
+    # what a record may describe: an event the log has had (a later one is forged, and
+    # its high-water mark would hide the organization's next commands from the auditor)
+    events_last = (await stream_state(nc, stream=EVENTS))[1]
     last = (await stream_state(nc))[1]
     if last >= from_seq:
-        await _read(nc, report, check, org=org, from_seq=from_seq, last=last)
+        await _read(
+            nc, report, check, org=org, from_seq=from_seq, last=last, events_last=events_last
+        )
     report.gaps.end(last)
     return report.tell(out, keys_from=keys_from)
 
@@ -115,6 +120,7 @@ async def _read(
     org: str,
     from_seq: int,
     last: int,
+    events_last: int,
 ) -> None:
     trust_first = from_seq > 1
     async with OrderedReader(nc, AUDIT, start_seq=from_seq) as reader:
@@ -131,5 +137,7 @@ async def _read(
                 report.read += 1
                 chain = report.chains.get(name)
                 if chain is None:
-                    chain = report.chains[name] = Chain(name, check, trust_first=trust_first)
+                    chain = report.chains[name] = Chain(
+                        name, check, trust_first=trust_first, events_last=events_last
+                    )
                 chain.add(d.seq, d.data)

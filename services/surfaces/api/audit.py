@@ -13,18 +13,27 @@
   an auditor to pin (`runplane audit verify --pubkey FILE`).
 - `audit_requests`, a middleware: every request's origin (request id: the caller's
   `X-Request-Id` when it is a short token, else a new one, answered in `X-Request-Id`;
-  the client's address; the surface: `ui`, `tfe`, `cli` for runplane's own client, else
-  `api`) goes into the headers of the events it appends (infra/origin.py), and a refusal
-  that matters (403; 409 on approve, discard, cancel, lock, unlock) of a caller of the
-  path's organization is recorded in that organization's chain where it happens.
+  the client's address, behind the deployment's TLS proxy the nearest hop's
+  X-Forwarded-For (`client_address`, the device flow's too); the surface: `ui`, `tfe`,
+  `cli` for runplane's own client, else `api`) goes into the headers of the events it
+  appends (infra/origin.py), and a refusal that matters (403; 409 on approve, discard,
+  cancel, lock, unlock) of a caller of the path's organization is recorded in that
+  organization's chain where it happens: at most `FLOOD_LIMIT` a minute of one caller in
+  one organization (`ORG_FLOOD_LIMIT` of all its callers) per api process, the others
+  counted and the count put on the next one recorded (`more`), so a caller flooding
+  refusals grows no chain nor the shared stream without bound, nor holds the chain's
+  writers (the auditor's appends to it included) in a race.
 """
 
 from __future__ import annotations
 
 import re
+import time
 import uuid
+from collections import Counter, deque
 from datetime import datetime
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import msgspec
 import structlog
@@ -42,6 +51,7 @@ from services.surfaces.api.common import scope
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem, from_domain
 from services.surfaces.api.schemas import Doc, operation
+from services.surfaces.ui.sessions import TLS_PROXY
 
 log = structlog.get_logger("runplane.api")
 
@@ -54,6 +64,61 @@ _CLIENT_HEADER = "X-Runplane-Client"
 _CONFLICTS = ("/approve", "/discard", "/cancel", "/lock", "/unlock")
 _FILTERS = ("actor", "action", "thing", "outcome", "since", "until", "cursor", "limit", "format")
 _encoder = msgspec.json.Encoder()
+FLOOD_LIMIT = 60  # refusals of one caller in one organization recorded a window, per process
+ORG_FLOOD_LIMIT = 600  # of all callers in one organization (an admin mints callers at will)
+FLOOD_WINDOW_S = 60.0
+
+
+class Flood:
+    """Which refusals are recorded: at most `limit` of one key (organization, caller) and
+    `org_limit` of one organization in `window` seconds; the others are counted until
+    the key's next one admitted, which carries the count."""
+
+    def __init__(self, limit: int, org_limit: int, window: float) -> None:
+        self.limit, self.org_limit, self.window = limit, org_limit, window
+        self.seen: dict[tuple[str, ...], deque[float]] = {}
+        self.skipped: Counter[tuple[str, ...]] = Counter()
+
+    def _recent(self, key: tuple[str, ...], now: float) -> deque[float]:
+        times = self.seen.setdefault(key, deque())
+        while times and now - times[0] >= self.window:
+            times.popleft()
+        return times
+
+    def admit(self, key: tuple[str, ...], now: float) -> int | None:
+        """None: not recorded (counted); else how many were not, before this one."""
+        if len(self.seen) > 10_000:  # forget the quiet ones
+            self.seen = {k: v for k, v in self.seen.items() if v and now - v[-1] < self.window}
+        mine, org = self._recent(key, now), self._recent(key[:1], now)
+        if len(mine) >= self.limit or len(org) >= self.org_limit:
+            self.skipped[key] += 1
+            if self.skipped[key] % 1000 == 1:
+                log.warning("audit_refusals_flood", key=key, unrecorded=self.skipped[key])
+            return None
+        mine.append(now)
+        org.append(now)
+        return self.skipped.pop(key, 0)
+
+
+_floods: WeakKeyDictionary[object, Flood] = WeakKeyDictionary()
+
+
+def _flood(api: object) -> Flood:
+    found = _floods.get(api)
+    if found is None:
+        found = _floods[api] = Flood(FLOOD_LIMIT, ORG_FLOOD_LIMIT, FLOOD_WINDOW_S)
+    return found
+
+
+def client_address(request: web.Request) -> str:
+    """The caller's address: the peer's, or behind the deployment's TLS proxy
+    (`--behind-tls-proxy`) the nearest hop's X-Forwarded-For (else it is a client's
+    word, ignored). Printable text only, at most 64 characters."""
+    found = request.remote or "unknown"
+    if request.app.get(TLS_PROXY, False):
+        forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
+        found = forwarded or found
+    return "".join(c for c in found if c.isprintable() and c != " ")[:64] or "unknown"
 
 
 def _request_id(request: web.Request) -> str:
@@ -84,7 +149,7 @@ def actor_kind(who: Principal) -> str:
 async def audit_requests(request: web.Request, handler: Any) -> web.StreamResponse:
     """The request's origin for its events, and its refusals on the record."""
     here = origin.Origin(
-        request_id=_request_id(request), client=request.remote or "", via=_via(request)
+        request_id=_request_id(request), client=client_address(request), via=_via(request)
     )
     token = origin.current.set(here)
     try:
@@ -127,11 +192,14 @@ async def record_refusal(request: web.Request, problem: Problem) -> None:
         return
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else request.path
+    more = _flood(request.app[API]).admit((org, actor_kind(who), who.user), time.monotonic())
+    if more is None:
+        return
     facts = Facts(
         org=org, at=utcnow(), actor=who.user, actor_kind=actor_kind(who), via=here.via,
         action=f"refused {request.method} {route}", thing=_thing(request.match_info, org),
         outcome=REFUSED, status=problem.status, detail=problem.slug,
-        request_id=here.request_id, client=here.client,
+        request_id=here.request_id, client=here.client, more=more,
     )  # fmt: skip
     try:
         await request.app[API].audit.append(facts)

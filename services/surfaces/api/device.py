@@ -9,9 +9,9 @@ services/app/device.py's.
 `interval`. An organization that does not exist gets the same answer (nothing tells which
 organizations exist), and its grant can never be approved: only a signed-in member of the
 grant's organization approves, and no session exists for an organization that does not.
-Grants are made at most `PER_ADDRESS` a minute per client address, per api process
-(429 `rate-limited`); a malformed request is 400 `invalid-body`. Both are problem
-details with the OAuth `error` too.
+Grants are made at most `PER_ADDRESS` a minute per client address (an IPv6 address's
+/64), per api process (429 `rate-limited`); a malformed request is 400 `invalid-body`.
+Both are problem details with the OAuth `error` too.
 
 `POST /oauth/device/token` (`grant_type=urn:ietf:params:oauth:grant-type:device_code`,
 `device_code`, `client_id`) answers RFC 8628 3.5's errors as `{"error", ...}` with 400
@@ -25,6 +25,7 @@ their sign-in's token does, refused once they are suspended), recorded as
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from collections import deque
 from urllib.parse import urlencode
@@ -37,11 +38,11 @@ from events import members as mb
 from events.errors import NotFound
 from infra.directget import InfraError
 from services.app.device import MAX_CLIENT_ID, DeviceError, DeviceGrants, shown
+from services.surfaces.api.audit import client_address
 from services.surfaces.api.context import API
 from services.surfaces.api.middleware import SELF_AUTHENTICATED
 from services.surfaces.api.problems import Problem
 from services.surfaces.tfe.login import CLIENTS, issue_token
-from services.surfaces.ui.sessions import TLS_PROXY
 from services.surfaces.ui.sso import public_base
 from services.surfaces.ui.web import read_form
 
@@ -80,15 +81,19 @@ class Window:
 LIMIT: web.AppKey[Window] = web.AppKey("runplane.device.limit", Window)
 
 
-def client_address(request: web.Request) -> str:
-    """The caller's address: the peer's, or behind the deployment's TLS proxy
-    (`--behind-tls-proxy`) the nearest hop's X-Forwarded-For (else it is a client's word)."""
-    found = request.remote or "unknown"
-    if request.app.get(TLS_PROXY, False):
-        forwarded = request.headers.get("X-Forwarded-For", "").rsplit(",", 1)[-1].strip()
-        found = forwarded or found
-    # shown on the page and named in a token's name: printable text only
-    return "".join(c for c in found if c.isprintable() and c != " ")[:64] or "unknown"
+def limit_key(address: str) -> str:
+    """What the grants' limit counts by: an IPv6 address's /64 (a host holds one whole
+    and draws a new address per request for nothing), an IPv4 address itself (mapped
+    into IPv6 or not), anything else as given."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 def client_label(client_id: str) -> str:
@@ -123,7 +128,7 @@ def _checked(value: str, what: str, limit: int) -> str:
 async def device_code(request: web.Request) -> web.Response:
     """POST /oauth/device/code: a new grant (RFC 8628 3.1, 3.2)."""
     address = client_address(request)
-    if not request.app[LIMIT].allow(address, time.monotonic()):
+    if not request.app[LIMIT].allow(limit_key(address), time.monotonic()):
         raise Problem(
             "rate-limited",
             f"at most {PER_ADDRESS} device logins a minute from one address",

@@ -28,7 +28,8 @@ from aiohttp import web
 
 from events.codec import valid_id
 from services.app.device import MAX_WRONG, Approver, DeviceError, Found, shown
-from services.surfaces.api.device import DEVICE, client_address, client_label
+from services.surfaces.api.audit import client_address
+from services.surfaces.api.device import DEVICE, client_label
 from services.surfaces.tfe.login import token_expiry, token_kind
 from services.surfaces.ui.sessions import SessionError, check_csrf, check_origin
 from services.surfaces.ui.sso import START, sso_label
