@@ -25,9 +25,11 @@ from events.policies import PolicyDeleted, PolicySaved, PolicySet
 from events.run import (
     ApplyFinished,
     CustomStepFinished,
+    LogPruned,
     PhaseStarted,
     PlanFinished,
     PlanSummary,
+    PrunedObject,
     ResourceStateChanged,
     RunApproved,
     RunCanceled,
@@ -184,6 +186,12 @@ SAMPLES: list[Any] = [
     tm.AccessGranted(at=AT, actor="alice", team="net", target="folder:prod", level="write"),
     tm.AccessRevoked(at=AT, actor="alice", team="net", target="folder:prod"),
     CustomStepFinished(at=AT, actor="exec-a", lease_id="lease-1", number=300),
+    LogPruned(
+        at=AT,
+        actor="retention",
+        objects=[PrunedObject(name="run-1/plan/init.log", sha256="ab" * 32, size=12)],
+        days=90,
+    ),
     TemplateSaved(
         at=AT,
         actor="alice",
