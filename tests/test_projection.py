@@ -118,6 +118,7 @@ async def test_a_run_is_projected_through_plan_approval_and_apply(
         "commit_author": None,
         "commit_message": None,
         "usage": None,  # its steps were reported without what they used
+        "log_removed_at": None,  # no retention pass removed its logs
         "policies": [],
         "overridden": [],
         "template": "apply",
