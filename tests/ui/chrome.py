@@ -48,6 +48,25 @@ class Chrome:
         wait = WebDriverWait(self.driver, WAIT_S, poll_frequency=0.1)
         return await self.call(lambda: wait.until(condition, message=what))
 
+    async def gone(self, element: Any, what: str) -> None:
+        """Wait until `element` left the page (a form posted, a page replaced). Chromium
+        may say so as "Node with given id does not belong to the document" rather than a
+        stale reference, when the page changes under the check (seen in CI)."""
+        from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+
+        def left(_: Any) -> bool:
+            try:
+                element.is_enabled()
+            except StaleElementReferenceException:
+                return True
+            except WebDriverException as e:
+                if "does not belong to the document" in str(e):
+                    return True
+                raise
+            return False
+
+        await self.until(left, what)
+
     async def css(self, selector: str) -> Any:
         from selenium.webdriver.common.by import By
 

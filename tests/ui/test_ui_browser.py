@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.support.expected_conditions import staleness_of
 
 from events.run import Status
 from tests.plane_support import Plane, commit, plane_fixture  # noqa: F401  # the fixture
@@ -105,7 +104,7 @@ async def test_review_approve_follow_then_cancel_and_discard_in_chromium(
     await chrome.call(approve.click)
 
     # Back on the run page: its states and log come live; the page is never reloaded.
-    await chrome.until(staleness_of(approve), "the approval posted")
+    await chrome.gone(approve, "the approval posted")
     await chrome.until(_status_is(*ALL), "the run page again")
     loaded = await chrome.text("#run-status")
     await chrome.js("window.__same_page = true;")
