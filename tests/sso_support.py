@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
 import os
 import re
 import signal
@@ -203,6 +204,29 @@ async def sso_fixture(system: Plane, tmp_path: Path) -> AsyncIterator[Sso]:
 
 def query_of(location: str) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(urlsplit(location).query).items()}
+
+
+async def consent_token(browser: Browser, page: str, query: dict[str, str], verifier: str) -> str:
+    """The consent page `page` (asked with `query`) allowed, and its code exchanged at
+    the token endpoint with the PKCE `verifier`: the access token."""
+    fields = {k: html.unescape(v) for k, v in re.findall(r"name='([^']+)' value='([^']*)'", page)}
+    async with browser.session.post(
+        browser.url("/app/oauth/authorize"),
+        data={**fields, "decision": "allow"},
+        allow_redirects=False,
+    ) as r:
+        assert r.status == 303, await r.text()
+        code = query_of(r.headers["Location"])["code"]
+    form = {
+        "grant_type": "authorization_code",
+        "code": code,
+        "code_verifier": verifier,
+        "client_id": query["client_id"],
+        "redirect_uri": query["redirect_uri"],
+    }
+    async with browser.session.post(browser.url("/app/oauth/token"), data=form) as r:
+        assert r.status == 200, await r.text()
+        return str((await r.json())["access_token"])
 
 
 async def id_token(idp: Idp, client_id: str, sub: str, *, nonce: str = "n0nce") -> str:

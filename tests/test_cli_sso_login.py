@@ -16,29 +16,16 @@ import asyncio
 import json
 import re
 import stat
-from html.parser import HTMLParser
 from pathlib import Path
 
 import aiohttp
 
 from tests.cli_client_support import Cli
+from tests.device_support import Hidden
 from tests.sso_support import Browser, Idp, Sso, idp_fixture, query_of, sso_fixture  # noqa: F401
 
 V1 = "/api/v1/orgs/acme"
 _URL = re.compile(r"^    (http://\S+)$", re.M)
-
-
-class _Form(HTMLParser):
-    """The consent page's hidden fields."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fields: dict[str, str] = {}
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = dict(attrs)
-        if tag == "input" and a.get("type") == "hidden" and a.get("name"):
-            self.fields[str(a["name"])] = a.get("value") or ""
 
 
 async def _plan_user(sso: Sso, idp: Idp) -> None:
@@ -76,7 +63,7 @@ async def _browse(browser: Browser, idp: Idp, url: str, sub: str, decision: str)
     assert status == 303 and consent.startswith("/app/oauth/authorize?"), (status, page)
     status, _, page = await browser.get(consent)
     assert status == 200 and "runplane's CLI on this machine asks" in page, page
-    form = _Form()
+    form = Hidden()
     form.feed(page)
     origin = browser.url("/").rstrip("/")
     async with browser.session.post(

@@ -19,6 +19,7 @@ from tests.sso_support import (
     LOOPBACK,
     Idp,
     Sso,
+    consent_token,
     idp_fixture,  # noqa: F401  # the fixture
     query_of,
     sso_fixture,  # noqa: F401  # the fixture
@@ -84,24 +85,7 @@ async def test_terraform_login_offers_single_sign_on(sso: Sso, idp: Idp, client_
     assert query_of(back) == query  # back to the consent it came from
     status, _, page = await browser.get(back)
     assert status == 200 and "alice@acme.test" in page, page
-    fields = {k: html.unescape(v) for k, v in re.findall(r"name='([^']+)' value='([^']*)'", page)}
-    async with browser.session.post(
-        browser.url("/app/oauth/authorize"),
-        data={**fields, "decision": "allow"},
-        allow_redirects=False,
-    ) as r:
-        assert r.status == 303, await r.text()
-        code = query_of(r.headers["Location"])["code"]
-    form = {
-        "grant_type": "authorization_code",
-        "code": code,
-        "code_verifier": verifier,
-        "client_id": client_id,
-        "redirect_uri": query["redirect_uri"],
-    }
-    async with browser.session.post(browser.url("/app/oauth/token"), data=form) as r:
-        assert r.status == 200, await r.text()
-        token = (await r.json())["access_token"]
+    token = await consent_token(browser, page, query, verifier)
     who = await sso.http.get("/api/v1/whoami", token=token)
     assert who.status == 200 and who.body["user"] == "alice@acme.test", who.body
 

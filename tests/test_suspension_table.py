@@ -22,7 +22,7 @@ import re
 import secrets
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import parse_qs, urlencode, urlsplit
+from urllib.parse import urlencode
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -41,6 +41,7 @@ from tests.sso_support import (
     Browser,
     Idp,
     Sso,
+    consent_token,
     idp_fixture,  # noqa: F401  # the fixture
 )
 
@@ -63,21 +64,7 @@ async def _login_token(browser: Browser, client_id: str) -> str:
     }
     status, _, page = await browser.get("/app/oauth/authorize?" + urlencode(query))
     assert status == 200, page
-    fields = {k: html.unescape(v) for k, v in re.findall(r"name='([^']+)' value='([^']*)'", page)}
-    url = browser.url("/app/oauth/authorize")
-    data = {**fields, "decision": "allow"}
-    async with browser.session.post(url, data=data, allow_redirects=False) as r:
-        code = parse_qs(urlsplit(r.headers["Location"]).query)["code"][0]
-    form = {
-        "grant_type": "authorization_code",
-        "code": code,
-        "code_verifier": verifier,
-        "client_id": client_id,
-        "redirect_uri": query["redirect_uri"],
-    }
-    async with browser.session.post(browser.url("/app/oauth/token"), data=form) as r:
-        assert r.status == 200, await r.text()
-        return str((await r.json())["access_token"])
+    return await consent_token(browser, page, query, verifier)
 
 
 async def _page_token(browser: Browser) -> str:
