@@ -84,6 +84,9 @@ class Options:
     # retention (services/processes/retention.py): the deployment's default, pass interval
     log_retention_days: int = 90
     retention_interval: float = 3600.0
+    # ?as_of= (projections/asof.py): scratch read models cached, events one request folds
+    as_of_models: int = 16
+    as_of_max_events: int = 50_000
     org_weights: str = ""
     org_max_phases: int = 0
     job_memory: int = JOB_MEMORY  # bytes, the most any job's processes hold at once

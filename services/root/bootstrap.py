@@ -43,6 +43,7 @@ from infra.eventstore import EventStore
 from infra.ids import new_id, utcnow
 from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from infra.signing import SigningKeys
+from projections.asof import Bounds
 from projections.projector import Projector
 from services.app.commands import App
 from services.app.flows import SnapshotHook
@@ -63,6 +64,7 @@ from services.processes.subscribers.context import SubscriberContext
 from services.processes.subscribers.host import Host
 from services.processes.vcs.heads import GitHeads
 from services.root.runtime import http_site
+from services.surfaces.api import asof as asof_api
 from services.surfaces.api import device as device_api
 from services.surfaces.api import sso as sso_api
 from services.surfaces.api.app import build_app
@@ -235,7 +237,9 @@ class Plane:
         sso_allow = given.pop("sso_allow", self.opts.sso_allow)
         device_grants = given.pop("device_grants", None)  # tests: their clock and interval
         public_url = given.pop("public_url", self.opts.public_url)
+        as_of = given.pop("as_of", Bounds(self.opts.as_of_models, self.opts.as_of_max_events))
         web_app = build_app(app=self.app, projector=projector, **given)
+        asof_api.mount(web_app, self.nc, as_of)  # `?as_of=`'s scratch read models
         sso_api.mount(web_app, allow=sso_allow)  # single sign-on, with the secret store's key
         # `runplane login --device` (after the UI: it adds to the self-authenticated routes)
         device_api.mount(web_app, device_grants, public_url=public_url)

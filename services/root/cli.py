@@ -89,6 +89,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "one made at /app/settings/tokens and pasted at its prompt)",
         )
         _webhook_opts(p)
+        tenant_flags.as_of_opts(p)
         identity_flags.sso_opts(p)
 
 
@@ -425,6 +426,7 @@ def options(ns: argparse.Namespace) -> Options:
         ],
         quotas=_quotas(ns),
         **tenant_flags.retention(ns),
+        **tenant_flags.as_of(ns),
         public_url=getattr(ns, "public_url", ""),
         workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),
     )

@@ -54,6 +54,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "rate-limited": (429, "Too many requests from this address: wait a minute"),
     "invalid-id": (422, "An identifier is invalid"),
     "invalid-command": (422, "The command is invalid"),
+    "invalid-as-of": (422, "as_of names no moment of the event log"),
     "invalid-policy": (422, "The policy does not compile"),
     "repository-not-allowed": (422, "The repository is not one this deployment allows"),
     "invalid-sso-issuer": (422, "The identity provider cannot be used"),
@@ -67,6 +68,10 @@ KINDS: dict[str, tuple[int, str]] = {
     "internal-error": (500, "Internal server error"),
     "unavailable": (503, "Temporarily unavailable"),
     "stale-read": (503, "The read model has not caught up"),
+    "as-of-too-costly": (
+        503,
+        "Too much history to fold in one request",
+    ),
     "not-ready": (503, "Not ready"),
 }
 

@@ -1,0 +1,329 @@
+"""Point-in-time read models: an organization's read model as it was at a stream sequence.
+
+`?as_of=` (services/surfaces/api/asof.py) and nothing else reads them. The answer "as of
+S" is what the API answered once its projector had folded sequence S: the same
+projection code (`apply_batch`) folds the organization's own events (`rp.org.<org>`,
+`rp.org.<org>.>`, `rp.ws.<org>.>`, `rp.run.<org>.>`) up to S into a scratch SQLite file,
+and the same read functions (`ReadModel`) answer from it. No row of an organization's
+answers comes from another organization's events (every table is keyed by the
+organization, and the folds of one event touch only its own organization's rows), so
+leaving the others out changes nothing but the cost.
+
+- A time is the last sequence whose stream timestamp is at or before it: one request to
+  the stream's leader (`STREAM.MSG.GET` with `start_time`: the first message stored after
+  the time, minus one), never a scan.
+- Scratch models are cached (least recently used first out, at most `max_models`, and at
+  most `max_held` events folded in all); a request at S2 advances the organization's
+  newest cached model at S1 <= S2 instead of starting over, and a model is never moved
+  back (S2 < S1 starts from the cached model nearest below, or from sequence 1).
+- Work is capped: a request folds at most `max_events` events. Past that it stops,
+  keeps what it folded (the next request goes on from there) and raises `TooCostly`; an
+  organization's answers never hold the api for more than that.
+- The events are read through a pull consumer (served by the stream's leader, whichever
+  server the client reaches), up to S: a replica that lags never answers half a state,
+  since nothing here is read from a replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import NamedTuple
+
+import aiosqlite
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from infra.streams import EVENTS
+from projections import schema
+from projections.batch import apply_batch
+from projections.ordered import Delivered
+from projections.readmodel import ReadModel
+
+log = structlog.get_logger(__name__)
+
+MAX_MODELS = 16  # scratch models kept
+MAX_EVENTS = 50_000  # events one request may fold
+MAX_HELD = 1_000_000  # events folded into the cached models, all together
+_BATCH = 500
+_FETCH_TIMEOUT = 5.0
+_V1_TOKENS = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+_API = "$JS.API"
+_NO_MESSAGE = 10037  # JetStream's "no message found"
+
+
+class Bounds(NamedTuple):
+    """What the scratch models may hold and one request may do (the api's
+    `--as-of-models`, `--as-of-max-events`)."""
+
+    models: int = MAX_MODELS
+    events: int = MAX_EVENTS
+    held: int = MAX_HELD
+
+
+class AsOfError(RuntimeError):
+    """An `as_of` that cannot be answered; `slug` is the problem type."""
+
+    slug = "invalid-as-of"
+
+
+class TooCostly(AsOfError):
+    """The request would fold more than its cap; what was folded is kept for the next."""
+
+    slug = "as-of-too-costly"
+
+
+def subjects(org: str) -> list[str]:
+    """Every subject of the organization's events (events/codec.py), and no other's."""
+    return [f"rp.org.{org}", f"rp.org.{org}.>", f"rp.ws.{org}.>", f"rp.run.{org}.>"]
+
+
+@dataclass
+class Scratch:
+    """One organization's read model folded up to `upto` (every event of its at or below
+    `upto` is in, none above)."""
+
+    org: str
+    path: Path
+    db: aiosqlite.Connection  # the writer
+    read: ReadModel
+    upto: int = 0  # the sequence the model is as of
+    folded: int = 0  # the last sequence of the organization's folded (its checkpoint)
+    events: int = 0  # events folded into it
+    used: float = field(default_factory=time.monotonic)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.read.close()
+        with contextlib.suppress(Exception):
+            await self.db.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+
+class PastModels:
+    """The cache of scratch read models, and the mapping of times to sequences."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        stream: str = EVENTS,
+        max_models: int = MAX_MODELS,
+        max_events: int = MAX_EVENTS,
+        max_held: int = MAX_HELD,
+        directory: Path | None = None,
+    ) -> None:
+        self.nc = nc
+        self.stream = stream
+        self.max_models = max(1, max_models)
+        self.max_events = max(1, max_events)
+        self.max_held = max_held
+        self._dir = Path(tempfile.mkdtemp(prefix="rp-asof-", dir=directory))
+        self._models: OrderedDict[int, Scratch] = OrderedDict()  # least recently used first
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ids = itertools.count(1)
+        self.built = 0  # models started from sequence 1 (for tests and figures)
+        self.advanced = 0  # models moved forward
+
+    async def close(self) -> None:
+        for s in list(self._models.values()):
+            await s.close()
+        self._models.clear()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ------------------------------------------------------------ as_of -> sequence
+
+    async def bounds(self) -> tuple[int, int]:
+        """The stream's first and last sequences, as its leader has them."""
+        state = (await self.nc.jetstream().stream_info(self.stream)).state
+        return state.first_seq, state.last_seq
+
+    async def resolve(self, raw: str, *, now: datetime | None = None) -> int:
+        """The stream sequence `raw` (a sequence, or an RFC 3339 time) names; AsOfError if
+        it is unparseable, in the future, past the stream's last or before its first."""
+        text = raw.strip()
+        if text.isascii() and text.isdigit():
+            if len(text) > 19:
+                raise AsOfError(f"as_of {text[:24]}... is past the stream's last sequence")
+            return await self._sequence(int(text))
+        when = parse_time(text)
+        if when > (now or datetime.now(UTC)):
+            raise AsOfError(f"as_of {raw} is in the future")
+        return await self._at_time(when)
+
+    async def _sequence(self, seq: int) -> int:
+        first, last = await self.bounds()
+        if seq > last:
+            raise AsOfError(f"as_of {seq} is past the stream's last sequence ({last})")
+        if seq < max(first, 1):
+            raise AsOfError(f"as_of {seq} is before the stream's first sequence ({first})")
+        return seq
+
+    async def _at_time(self, when: datetime) -> int:
+        """The last sequence stored at or before `when` (the first message stored after
+        it, a nanosecond on, minus one)."""
+        after = await self._first_at(when, nanos=1)
+        first, last = await self.bounds()
+        seq = last if after is None else after - 1
+        if seq < max(first, 1):
+            raise AsOfError(f"as_of {when.isoformat()} is before the stream's first event")
+        return seq
+
+    async def _first_at(self, when: datetime, *, nanos: int = 0) -> int | None:
+        """The sequence of the first message stored at or after `when` (plus `nanos`
+        nanoseconds), or None."""
+        utc = when.astimezone(UTC)
+        stamp = f"{utc:%Y-%m-%dT%H:%M:%S}.{utc.microsecond * 1000 + nanos:09d}Z"
+        req = json.dumps({"start_time": stamp}).encode()
+        reply = await self.nc.request(f"{_API}.STREAM.MSG.GET.{self.stream}", req, timeout=5)
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            if answer["error"].get("err_code") == _NO_MESSAGE:
+                return None
+            raise RuntimeError(f"reading {self.stream} at {stamp}: {answer['error']}")
+        return int(answer["message"]["seq"])
+
+    # ------------------------------------------------------------ the models
+
+    @contextlib.asynccontextmanager
+    async def at(self, org: str, seq: int) -> AsyncIterator[ReadModel]:
+        """The organization's read model as of `seq`, for the context's reads (the
+        organization's other as_of requests wait meanwhile)."""
+        lock = self._locks.setdefault(org, asyncio.Lock())
+        async with lock:
+            s = await self._model(org, seq)
+            try:
+                await self._advance(s, seq)
+            finally:
+                s.used = time.monotonic()
+                self._trim(keep=s)
+            yield s.read
+
+    async def _model(self, org: str, seq: int) -> Scratch:
+        """The organization's cached model nearest below `seq` (moved forward by the
+        caller: a model never goes back), or a new one."""
+        best: tuple[int, Scratch] | None = None
+        for key, s in self._models.items():
+            if s.org == org and s.upto <= seq and (best is None or s.upto > best[1].upto):
+                best = key, s
+        if best is not None:
+            self._models.move_to_end(best[0])
+            return best[1]
+        s = await self._new(org)
+        self._models[next(self._ids)] = s
+        return s
+
+    async def _new(self, org: str) -> Scratch:
+        path = self._dir / f"{org}-{next(self._ids)}.sqlite"
+        db = await schema.connect(path)
+        try:
+            await db.execute("PRAGMA synchronous = OFF")  # scratch: thrown away at the end
+            read = await ReadModel.open(path)
+        except BaseException:
+            await db.close()
+            raise
+        self.built += 1
+        return Scratch(org=org, path=path, db=db, read=read)
+
+    async def _advance(self, s: Scratch, seq: int) -> None:
+        """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
+        `max_events` of them (TooCostly past that, `s` kept where it got to)."""
+        if seq <= s.upto:
+            return
+        self.advanced += 1
+        js = self.nc.jetstream()
+        config = ConsumerConfig(
+            filter_subjects=subjects(s.org),
+            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+            opt_start_seq=s.upto + 1,
+            ack_policy=AckPolicy.NONE,
+            mem_storage=True,
+            num_replicas=1,
+            inactive_threshold=30.0,
+        )
+        info = await js.add_consumer(self.stream, config, timeout=5)
+        try:
+            await self._fold(s, seq, info.name, info.num_pending or 0)
+        finally:
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(self.stream, info.name)
+
+    async def _fold(self, s: Scratch, seq: int, consumer: str, pending: int) -> None:
+        budget = self.max_events
+        sub = await self.nc.jetstream().pull_subscribe_bind(consumer, self.stream)
+        try:
+            while pending > 0:
+                msgs = await sub.fetch(min(_BATCH, pending), timeout=_FETCH_TIMEOUT)
+                batch, pending, past = _taken(msgs, seq)
+                if len(batch) > budget:
+                    await self._apply(s, batch[:budget])
+                    s.upto = s.folded
+                    raise TooCostly(
+                        f"as_of {seq} needs more than {self.max_events} events of "
+                        f"organization {s.org} folded at once; sequence {s.upto} reached, "
+                        "ask again to go on"
+                    )
+                await self._apply(s, batch)
+                budget -= len(batch)
+                if past:
+                    break
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        s.upto = seq
+
+    async def _apply(self, s: Scratch, batch: list[Delivered]) -> None:
+        if batch:
+            await apply_batch(s.db, batch, after=s.folded)
+            s.folded = max(s.folded, batch[-1].seq)
+            s.events += len(batch)
+
+    def _trim(self, *, keep: Scratch) -> None:
+        """Close the least recently used models beyond the bounds (never `keep`)."""
+        while len(self._models) > self.max_models or (
+            sum(m.events for m in self._models.values()) > self.max_held and len(self._models) > 1
+        ):
+            key, victim = next((k, v) for k, v in self._models.items() if v is not keep)
+            del self._models[key]
+            asyncio.get_running_loop().create_task(victim.close())
+
+
+def _taken(msgs: list[Msg], seq: int) -> tuple[list[Delivered], int, bool]:
+    """The messages at or below `seq`, the consumer's pending count after the last one,
+    and whether one past `seq` was seen."""
+    out: list[Delivered] = []
+    pending = 0
+    for m in msgs:
+        tokens = m.reply.split(".")
+        off = 0 if len(tokens) == _V1_TOKENS else 2
+        sseq, pending = int(tokens[5 + off]), int(tokens[8 + off])
+        if sseq > seq:
+            return out, pending, True
+        out.append(Delivered(sseq, m.subject, m.data, int(tokens[7 + off]), m.headers))
+    return out, pending, False
+
+
+def parse_time(text: str) -> datetime:
+    """An RFC 3339 time with its offset (`Z` or `+hh:mm`); AsOfError otherwise."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise AsOfError(
+            f"as_of {text[:64]!r} is neither a stream sequence nor an RFC 3339 time"
+        ) from None
+    if when.tzinfo is None or "T" not in text.upper():
+        raise AsOfError(f"as_of {text[:64]!r} needs a date, a time and an offset (RFC 3339)")
+    return when
