@@ -87,6 +87,10 @@ class Options:
     # ?as_of= (projections/asof.py): scratch read models cached, events one request folds
     as_of_models: int = 16
     as_of_max_events: int = 50_000
+    # runplane replay: where to stop (a sequence or an RFC 3339 time; "": the end), where
+    # to write ("": the data directory's read model)
+    replay_until: str = ""
+    replay_output: str = ""
     org_weights: str = ""
     org_max_phases: int = 0
     job_memory: int = JOB_MEMORY  # bytes, the most any job's processes hold at once

@@ -144,57 +144,9 @@ class PastModels:
         self._models.clear()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    # ------------------------------------------------------------ as_of -> sequence
-
-    async def bounds(self) -> tuple[int, int]:
-        """The stream's first and last sequences, as its leader has them."""
-        state = (await self.nc.jetstream().stream_info(self.stream)).state
-        return state.first_seq, state.last_seq
-
     async def resolve(self, raw: str, *, now: datetime | None = None) -> int:
-        """The stream sequence `raw` (a sequence, or an RFC 3339 time) names; AsOfError if
-        it is unparseable, in the future, past the stream's last or before its first."""
-        text = raw.strip()
-        if text.isascii() and text.isdigit():
-            if len(text) > 19:
-                raise AsOfError(f"as_of {text[:24]}... is past the stream's last sequence")
-            return await self._sequence(int(text))
-        when = parse_time(text)
-        if when > (now or datetime.now(UTC)):
-            raise AsOfError(f"as_of {raw} is in the future")
-        return await self._at_time(when)
-
-    async def _sequence(self, seq: int) -> int:
-        first, last = await self.bounds()
-        if seq > last:
-            raise AsOfError(f"as_of {seq} is past the stream's last sequence ({last})")
-        if seq < max(first, 1):
-            raise AsOfError(f"as_of {seq} is before the stream's first sequence ({first})")
-        return seq
-
-    async def _at_time(self, when: datetime) -> int:
-        """The last sequence stored at or before `when` (the first message stored after
-        it, a nanosecond on, minus one)."""
-        after = await self._first_at(when, nanos=1)
-        first, last = await self.bounds()
-        seq = last if after is None else after - 1
-        if seq < max(first, 1):
-            raise AsOfError(f"as_of {when.isoformat()} is before the stream's first event")
-        return seq
-
-    async def _first_at(self, when: datetime, *, nanos: int = 0) -> int | None:
-        """The sequence of the first message stored at or after `when` (plus `nanos`
-        nanoseconds), or None."""
-        utc = when.astimezone(UTC)
-        stamp = f"{utc:%Y-%m-%dT%H:%M:%S}.{utc.microsecond * 1000 + nanos:09d}Z"
-        req = json.dumps({"start_time": stamp}).encode()
-        reply = await self.nc.request(f"{_API}.STREAM.MSG.GET.{self.stream}", req, timeout=5)
-        answer = json.loads(reply.data)
-        if "error" in answer:
-            if answer["error"].get("err_code") == _NO_MESSAGE:
-                return None
-            raise RuntimeError(f"reading {self.stream} at {stamp}: {answer['error']}")
-        return int(answer["message"]["seq"])
+        """The stream sequence `raw` names (module's `resolve`)."""
+        return await resolve(self.nc, raw, stream=self.stream, now=now)
 
     # ------------------------------------------------------------ the models
 
@@ -299,6 +251,50 @@ class PastModels:
             key, victim = next((k, v) for k, v in self._models.items() if v is not keep)
             del self._models[key]
             asyncio.get_running_loop().create_task(victim.close())
+
+
+# ---------------------------------------------------------------- as_of -> sequence
+
+
+async def bounds(nc: NATS, stream: str = EVENTS) -> tuple[int, int]:
+    """The stream's first and last sequences, as its leader has them."""
+    state = (await nc.jetstream().stream_info(stream)).state
+    return state.first_seq, state.last_seq
+
+
+async def resolve(nc: NATS, raw: str, *, stream: str = EVENTS, now: datetime | None = None) -> int:
+    """The stream sequence `raw` (a sequence, or an RFC 3339 time) names; AsOfError if
+    it is unparseable, in the future, past the stream's last or before its first."""
+    text = raw.strip()
+    first, last = await bounds(nc, stream)
+    if text.isascii() and text.isdigit():
+        seq = int(text) if len(text) <= 19 else last + 1
+        if seq > last:
+            raise AsOfError(f"as_of {text[:24]} is past the stream's last sequence ({last})")
+    else:
+        when = parse_time(text)
+        if when > (now or datetime.now(UTC)):
+            raise AsOfError(f"as_of {raw[:64]} is in the future")
+        after = await _first_at(nc, stream, when, nanos=1)
+        seq = last if after is None else after - 1
+    if seq < max(first, 1):
+        raise AsOfError(f"as_of {raw[:64]} is before the stream's first event ({first})")
+    return seq
+
+
+async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) -> int | None:
+    """The sequence of the first message stored at or after `when` (plus `nanos`
+    nanoseconds), or None: one request, answered by the stream's leader."""
+    utc = when.astimezone(UTC)
+    stamp = f"{utc:%Y-%m-%dT%H:%M:%S}.{utc.microsecond * 1000 + nanos:09d}Z"
+    req = json.dumps({"start_time": stamp}).encode()
+    reply = await nc.request(f"{_API}.STREAM.MSG.GET.{stream}", req, timeout=5)
+    answer = json.loads(reply.data)
+    if "error" in answer:
+        if answer["error"].get("err_code") == _NO_MESSAGE:
+            return None
+        raise RuntimeError(f"reading {stream} at {stamp}: {answer['error']}")
+    return int(answer["message"]["seq"])
 
 
 def _taken(msgs: list[Msg], seq: int) -> tuple[list[Delivered], int, bool]:

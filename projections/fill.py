@@ -389,13 +389,19 @@ async def fill(
     idle_timeout: float | None,
     in_flight: int = 2,
     rows: Rows | None = None,
+    cut: int | None = None,
 ) -> int:
     """Fold batches until the target sequence is in, in this process; return the number of
-    events folded (skipped ones not counted)."""
+    events folded (skipped ones not counted). `cut`: nothing past that sequence is folded
+    (a batch is cut there, and the fill ends at the first message past it)."""
     filler = Filler(writer, in_flight=in_flight, rows=rows)
     try:
         while filler.seq < target:
-            await filler.apply(await reader.next_batch(batch_size, timeout=idle_timeout))
+            batch = await reader.next_batch(batch_size, timeout=idle_timeout)
+            if cut is not None and batch[-1].seq > cut:
+                await filler.apply([m for m in batch if m.seq <= cut])
+                break
+            await filler.apply(batch)
         return await filler.drain()
     finally:
         filler.abandon()

@@ -231,3 +231,16 @@ async def test_a_request_folds_at_most_its_cap_and_the_next_goes_on(
         assert answers[0].headers["Retry-After"] == "1"
         assert answers[-1].status == 200 and answers[-1].body["id"] == runs[-1]
         assert web[PAST].built == 1  # gone on, not started over
+
+
+def test_the_bounds_are_flags_and_environment_variables(monkeypatch: Any) -> None:
+    from services.root.cli import options, parser
+
+    opts = options(parser().parse_args(["api", "--as-of-models", "3"]))
+    assert (opts.as_of_models, opts.as_of_max_events) == (3, 50_000)
+    monkeypatch.setenv("RUNPLANE_AS_OF_MAX_EVENTS", "7")
+    monkeypatch.setenv("RUNPLANE_AS_OF_MODELS", "2")
+    opts = options(parser().parse_args(["up"]))
+    assert (opts.as_of_models, opts.as_of_max_events) == (2, 7)
+    until = options(parser().parse_args(["replay", "--until", "12", "--output", "x.db"]))
+    assert (until.replay_until, until.replay_output) == ("12", "x.db")

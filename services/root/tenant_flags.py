@@ -72,30 +72,3 @@ def retention(ns: argparse.Namespace) -> dict[str, Any]:
     """The retention flags given, as Options' fields."""
     names = ("log_retention_days", "retention_interval")
     return {name: getattr(ns, name) for name in names if hasattr(ns, name)}
-
-
-def as_of_opts(p: argparse.ArgumentParser) -> None:
-    """`?as_of=`'s scratch read models (projections/asof.py): the api's bounds on them."""
-    g = p.add_argument_group("as_of answers (each also RUNPLANE_<FLAG>)")
-    for flag, default, what in (
-        ("--as-of-models", 16, "scratch read models kept cached, least recently used out"),
-        (
-            "--as-of-max-events",
-            50_000,
-            "events one ?as_of= request may fold; past it 503 as-of-too-costly, the next "
-            "request going on from there",
-        ),
-    ):
-        env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
-        g.add_argument(
-            flag,
-            type=int,
-            default=int(os.environ.get(env, str(default)) or default),
-            help=f"{what} (default {default})",
-        )
-
-
-def as_of(ns: argparse.Namespace) -> dict[str, Any]:
-    """The as_of flags given, as Options' fields."""
-    names = ("as_of_models", "as_of_max_events")
-    return {name: getattr(ns, name) for name in names if hasattr(ns, name)}
