@@ -86,7 +86,7 @@ class Options:
     retention_interval: float = 3600.0
     # ?as_of= (projections/asof.py): scratch read models cached, events one request folds
     as_of_models: int = 16
-    as_of_max_events: int = 50_000
+    as_of_max_events: int = 20_000  # projections/asof.py MAX_EVENTS
     # runplane replay: where to stop (a sequence or an RFC 3339 time; "": the end), where
     # to write ("": the data directory's read model)
     replay_until: str = ""

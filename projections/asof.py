@@ -5,9 +5,9 @@ S" is what the API answered once its projector had folded sequence S: the same
 projection code (`apply_batch`) folds the organization's own events (`rp.org.<org>`,
 `rp.org.<org>.>`, `rp.ws.<org>.>`, `rp.run.<org>.>`) up to S into a scratch SQLite file,
 and the same read functions (`ReadModel`) answer from it. No row of an organization's
-answers comes from another organization's events (every table is keyed by the
-organization, and the folds of one event touch only its own organization's rows), so
-leaving the others out changes nothing but the cost.
+answers comes from another organization's events (the reads ask for the organization's
+rows, `WHERE org = ?`, and the fold of an event writes rows of the event's own
+organization), so leaving the others out changes nothing but the cost.
 
 - A time is the last sequence whose stream timestamp is at or before it: one request to
   the stream's leader (`STREAM.MSG.GET` with `start_time`: the first message stored after
@@ -19,9 +19,11 @@ leaving the others out changes nothing but the cost.
 - Work is capped: a request folds at most `max_events` events. Past that it stops,
   keeps what it folded (the next request goes on from there) and raises `TooCostly`; an
   organization's answers never hold the api for more than that.
-- The events are read through a pull consumer (served by the stream's leader, whichever
-  server the client reaches), up to S: a replica that lags never answers half a state,
-  since nothing here is read from a replica.
+- The events are read through an ordered consumer (projections/ordered.py) of the
+  organization's subjects, which the stream's leader serves whichever server the client
+  reaches, up to S; S itself is checked against the leader's last sequence. A replica
+  that lags never answers half a state: nothing here is read from a replica
+  (tests/test_as_of_cluster.py).
 """
 
 from __future__ import annotations
@@ -43,23 +45,20 @@ from typing import NamedTuple
 import aiosqlite
 import structlog
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from infra.streams import EVENTS
 from projections import schema
 from projections.batch import apply_batch
-from projections.ordered import Delivered
+from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
 
 log = structlog.get_logger(__name__)
 
 MAX_MODELS = 16  # scratch models kept
-MAX_EVENTS = 50_000  # events one request may fold
+MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
 MAX_HELD = 1_000_000  # events folded into the cached models, all together
-_BATCH = 500
+_BATCH = 200  # events folded at a time: the event loop serves others between
 _FETCH_TIMEOUT = 5.0
-_V1_TOKENS = 9  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
 _API = "$JS.API"
 _NO_MESSAGE = 10037  # JetStream's "no message found"
 
@@ -135,10 +134,13 @@ class PastModels:
         self._models: OrderedDict[int, Scratch] = OrderedDict()  # least recently used first
         self._locks: dict[str, asyncio.Lock] = {}
         self._ids = itertools.count(1)
+        self._closing: set[asyncio.Task[None]] = set()
         self.built = 0  # models started from sequence 1 (for tests and figures)
         self.advanced = 0  # models moved forward
 
     async def close(self) -> None:
+        for task in list(self._closing):
+            await task
         for s in list(self._models.values()):
             await s.close()
         self._models.clear()
@@ -192,37 +194,24 @@ class PastModels:
 
     async def _advance(self, s: Scratch, seq: int) -> None:
         """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
-        `max_events` of them (TooCostly past that, `s` kept where it got to)."""
+        `max_events` of them (TooCostly past that, `s` kept where it got to). Read by an
+        ordered consumer of the organization's subjects, to the first message past `seq`
+        or the stream's end as it was when the consumer was made."""
         if seq <= s.upto:
             return
         self.advanced += 1
-        js = self.nc.jetstream()
-        config = ConsumerConfig(
-            filter_subjects=subjects(s.org),
-            deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-            opt_start_seq=s.upto + 1,
-            ack_policy=AckPolicy.NONE,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=30.0,
-        )
-        info = await js.add_consumer(self.stream, config, timeout=5)
-        try:
-            await self._fold(s, seq, info.name, info.num_pending or 0)
-        finally:
-            with contextlib.suppress(Exception):
-                await js.delete_consumer(self.stream, info.name)
-
-    async def _fold(self, s: Scratch, seq: int, consumer: str, pending: int) -> None:
         budget = self.max_events
-        sub = await self.nc.jetstream().pull_subscribe_bind(consumer, self.stream)
-        try:
-            while pending > 0:
-                msgs = await sub.fetch(min(_BATCH, pending), timeout=_FETCH_TIMEOUT)
-                batch, pending, past = _taken(msgs, seq)
+        reader = OrderedReader(
+            self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org)
+        )
+        async with reader:
+            left = reader.pending
+            while left > 0:
+                msgs = await reader.next_batch(min(_BATCH, left), timeout=_FETCH_TIMEOUT)
+                left -= len(msgs)
+                batch = [m for m in msgs if m.seq <= seq]
                 if len(batch) > budget:
                     await self._apply(s, batch[:budget])
-                    s.upto = s.folded
                     raise TooCostly(
                         f"as_of {seq} needs more than {self.max_events} events of "
                         f"organization {s.org} folded at once; sequence {s.upto} reached, "
@@ -230,27 +219,38 @@ class PastModels:
                     )
                 await self._apply(s, batch)
                 budget -= len(batch)
-                if past:
+                if len(batch) < len(msgs):  # one past `seq`
                     break
-        finally:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
         s.upto = seq
 
     async def _apply(self, s: Scratch, batch: list[Delivered]) -> None:
+        """Fold a batch (one transaction): the model is then whole as of its last event,
+        whatever fails after (`upto` never below what is folded)."""
         if batch:
             await apply_batch(s.db, batch, after=s.folded)
             s.folded = max(s.folded, batch[-1].seq)
+            s.upto = max(s.upto, s.folded)
             s.events += len(batch)
 
     def _trim(self, *, keep: Scratch) -> None:
-        """Close the least recently used models beyond the bounds (never `keep`)."""
+        """Close the least recently used models beyond the bounds: never `keep`, nor one
+        of another organization whose request is under way (it may be reading it)."""
         while len(self._models) > self.max_models or (
-            sum(m.events for m in self._models.values()) > self.max_held and len(self._models) > 1
+            sum(m.events for m in self._models.values()) > self.max_held
         ):
-            key, victim = next((k, v) for k, v in self._models.items() if v is not keep)
-            del self._models[key]
-            asyncio.get_running_loop().create_task(victim.close())
+            victim = next(
+                (
+                    (k, v)
+                    for k, v in self._models.items()
+                    if v is not keep and (v.org == keep.org or not self._locks[v.org].locked())
+                ),
+                None,
+            )
+            if victim is None:
+                return
+            del self._models[victim[0]]
+            self._closing.add(task := asyncio.get_running_loop().create_task(victim[1].close()))
+            task.add_done_callback(self._closing.discard)
 
 
 # ---------------------------------------------------------------- as_of -> sequence
@@ -295,21 +295,6 @@ async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) ->
             return None
         raise RuntimeError(f"reading {stream} at {stamp}: {answer['error']}")
     return int(answer["message"]["seq"])
-
-
-def _taken(msgs: list[Msg], seq: int) -> tuple[list[Delivered], int, bool]:
-    """The messages at or below `seq`, the consumer's pending count after the last one,
-    and whether one past `seq` was seen."""
-    out: list[Delivered] = []
-    pending = 0
-    for m in msgs:
-        tokens = m.reply.split(".")
-        off = 0 if len(tokens) == _V1_TOKENS else 2
-        sseq, pending = int(tokens[5 + off]), int(tokens[8 + off])
-        if sseq > seq:
-            return out, pending, True
-        out.append(Delivered(sseq, m.subject, m.data, int(tokens[7 + off]), m.headers))
-    return out, pending, False
 
 
 def parse_time(text: str) -> datetime:

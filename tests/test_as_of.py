@@ -237,10 +237,29 @@ def test_the_bounds_are_flags_and_environment_variables(monkeypatch: Any) -> Non
     from services.root.cli import options, parser
 
     opts = options(parser().parse_args(["api", "--as-of-models", "3"]))
-    assert (opts.as_of_models, opts.as_of_max_events) == (3, 50_000)
+    assert (opts.as_of_models, opts.as_of_max_events) == (3, 20_000)
     monkeypatch.setenv("RUNPLANE_AS_OF_MAX_EVENTS", "7")
     monkeypatch.setenv("RUNPLANE_AS_OF_MODELS", "2")
     opts = options(parser().parse_args(["up"]))
     assert (opts.as_of_models, opts.as_of_max_events) == (2, 7)
     until = options(parser().parse_args(["replay", "--until", "12", "--output", "x.db"]))
     assert (until.replay_until, until.replay_output) == ("12", "x.db")
+
+
+async def test_the_cache_keeps_its_bound_and_an_evicted_model_is_built_again(
+    system: Plane, tmp_path: Path
+) -> None:
+    async with served(system, tmp_path / "rm.sqlite", "acme", as_of=Bounds(models=2)) as (
+        web,
+        client,
+    ):
+        http = Http(client, web[API], system.app)
+        for org in ("bravo", "charlie"):
+            assert (await http.post("/api/v1/orgs", json={"name": org})).status == 201
+        seq = await _last_seq(http)
+        past = web[PAST]
+        for org in ("acme", "bravo", "charlie", "acme"):
+            answered = await http.get(f"/api/v1/orgs/{org}/runs?as_of={seq}")
+            assert answered.status == 200, answered.body
+            assert len(past._models) <= 2
+        assert past.built == 4  # acme's first model was closed for charlie's

@@ -35,7 +35,7 @@ def as_of_opts(p: argparse.ArgumentParser) -> None:
         ("--as-of-models", 16, "scratch read models kept cached, least recently used out"),
         (
             "--as-of-max-events",
-            50_000,
+            20_000,
             "events one ?as_of= request may fold; past it 503 as-of-too-costly, the next "
             "request going on from there",
         ),
