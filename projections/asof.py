@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,9 +46,11 @@ import aiosqlite
 import structlog
 from nats.aio.client import Client as NATS
 
+from infra.directget import as_raw, leader_get
 from infra.streams import EVENTS
 from projections import schema
 from projections.batch import apply_batch
+from projections.fill import Filler, Writer
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
 
@@ -59,6 +61,8 @@ MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
 MAX_HELD = 1_000_000  # events folded into the cached models, all together
 _BATCH = 200  # events folded at a time: the event loop serves others between
 _FETCH_TIMEOUT = 5.0
+_TRIES = 20  # reads of a replica behind the leader before 503 stale-read
+_PAUSE = 0.1  # seconds between them
 _API = "$JS.API"
 _NO_MESSAGE = 10037  # JetStream's "no message found"
 
@@ -76,6 +80,12 @@ class AsOfError(RuntimeError):
     """An `as_of` that cannot be answered; `slug` is the problem type."""
 
     slug = "invalid-as-of"
+
+
+class Behind(AsOfError):
+    """The replica that served the organization's events stayed behind the leader."""
+
+    slug = "stale-read"
 
 
 class TooCostly(AsOfError):
@@ -102,6 +112,7 @@ class Scratch:
     folded: int = 0  # the last sequence of the organization's folded (its checkpoint)
     events: int = 0  # events folded into it
     used: float = field(default_factory=time.monotonic)
+    broken: bool = False  # a fill failed half-written: closed, never answered from
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -137,6 +148,7 @@ class PastModels:
         self._closing: set[asyncio.Task[None]] = set()
         self.built = 0  # models started from sequence 1 (for tests and figures)
         self.advanced = 0  # models moved forward
+        self.behind = 0  # reads that came from a replica behind the leader, read again
 
     async def close(self) -> None:
         for task in list(self._closing):
@@ -161,6 +173,10 @@ class PastModels:
             s = await self._model(org, seq)
             try:
                 await self._advance(s, seq)
+            except BaseException:
+                if s.broken:
+                    self._drop(s)
+                raise
             finally:
                 s.used = time.monotonic()
                 self._trim(keep=s)
@@ -182,24 +198,55 @@ class PastModels:
 
     async def _new(self, org: str) -> Scratch:
         path = self._dir / f"{org}-{next(self._ids)}.sqlite"
-        db = await schema.connect(path)
-        try:
-            await db.execute("PRAGMA synchronous = OFF")  # scratch: thrown away at the end
-            read = await ReadModel.open(path)
-        except BaseException:
-            await db.close()
-            raise
+        db, read = await _open(path)
         self.built += 1
         return Scratch(org=org, path=path, db=db, read=read)
 
     async def _advance(self, s: Scratch, seq: int) -> None:
         """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
-        `max_events` of them (TooCostly past that, `s` kept where it got to). Read by an
-        ordered consumer of the organization's subjects, to the first message past `seq`
-        or the stream's end as it was when the consumer was made."""
+        `max_events` of them (TooCostly past that, `s` kept where it got to). A new model
+        is filled as replay fills (projections/fill.py: folded on the event loop while a
+        thread writes), a cached one moved on by the projector's `apply_batch`."""
         if seq <= s.upto:
             return
         self.advanced += 1
+        if s.events == 0:
+            await self._fill_new(s, seq)
+        else:
+            await self._read(s, seq, lambda batch: self._apply(s, batch))
+        for _ in range(_TRIES):
+            if not await self._missed(s, seq):
+                s.upto = seq
+                return
+            # The consumer was served by a replica behind the leader (a consumer of one
+            # replica is placed on any server of the stream): what it gave is a whole
+            # prefix, the rest comes once that replica has it.
+            self.behind += 1
+            await asyncio.sleep(_PAUSE)
+            await self._read(s, seq, lambda batch: self._apply(s, batch))
+        raise Behind(
+            f"the event stream's replica serving as_of {seq} is behind its leader; "
+            f"sequence {s.upto} reached, try again"
+        )
+
+    async def _missed(self, s: Scratch, seq: int) -> bool:
+        """Whether the stream's leader has an event of the organization after what `s`
+        holds and at or before `seq` (one question per subject filter)."""
+        for subject in subjects(s.org):
+            got = await leader_get(
+                self.nc, self.stream, as_raw, subject=subject, seq=s.upto + 1, what=subject
+            )
+            if got is not None and got.seq <= seq:
+                return True
+        return False
+
+    async def _read(
+        self, s: Scratch, seq: int, apply: Callable[[list[Delivered]], Awaitable[None]]
+    ) -> None:
+        """Hand `apply` the organization's events after `s.upto` up to `seq`, in batches,
+        at most `max_events` of them. Read by an ordered consumer of the organization's
+        subjects, to the first message past `seq` or the stream's end as it was when the
+        consumer was made."""
         budget = self.max_events
         reader = OrderedReader(
             self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org)
@@ -211,17 +258,47 @@ class PastModels:
                 left -= len(msgs)
                 batch = [m for m in msgs if m.seq <= seq]
                 if len(batch) > budget:
-                    await self._apply(s, batch[:budget])
+                    await apply(batch[:budget])
                     raise TooCostly(
                         f"as_of {seq} needs more than {self.max_events} events of "
-                        f"organization {s.org} folded at once; sequence {s.upto} reached, "
+                        f"organization {s.org} folded at once; what was folded is kept: "
                         "ask again to go on"
                     )
-                await self._apply(s, batch)
+                await apply(batch)
                 budget -= len(batch)
                 if len(batch) < len(msgs):  # one past `seq`
                     break
-        s.upto = seq
+
+    async def _fill_new(self, s: Scratch, seq: int) -> None:
+        """Fill a new model with the replay's writer; reopen it for reads and for moving
+        on. A failure but TooCostly leaves it `broken` (the writer keeps no journal)."""
+        await s.read.close()
+        await s.db.close()
+        writer = Writer(s.path)
+        filler = Filler(writer)
+
+        async def apply(batch: list[Delivered]) -> None:
+            await filler.apply(batch)
+            s.events += len(batch)
+
+        try:
+            await writer.open()
+            try:
+                await self._read(s, seq, apply)
+            finally:
+                await filler.drain()
+                s.folded = filler.seq
+                s.upto = max(s.upto, s.folded)
+        except TooCostly:
+            raise
+        except BaseException:
+            s.broken = True
+            raise
+        finally:
+            filler.abandon()
+            await writer.close()
+            if not s.broken:
+                s.db, s.read = await _open(s.path)
 
     async def _apply(self, s: Scratch, batch: list[Delivered]) -> None:
         """Fold a batch (one transaction): the model is then whole as of its last event,
@@ -231,6 +308,16 @@ class PastModels:
             s.folded = max(s.folded, batch[-1].seq)
             s.upto = max(s.upto, s.folded)
             s.events += len(batch)
+
+    def _drop(self, s: Scratch) -> None:
+        for key, model in list(self._models.items()):
+            if model is s:
+                del self._models[key]
+        self._close_later(s)
+
+    def _close_later(self, s: Scratch) -> None:
+        self._closing.add(task := asyncio.get_running_loop().create_task(s.close()))
+        task.add_done_callback(self._closing.discard)
 
     def _trim(self, *, keep: Scratch) -> None:
         """Close the least recently used models beyond the bounds: never `keep`, nor one
@@ -249,8 +336,18 @@ class PastModels:
             if victim is None:
                 return
             del self._models[victim[0]]
-            self._closing.add(task := asyncio.get_running_loop().create_task(victim[1].close()))
-            task.add_done_callback(self._closing.discard)
+            self._close_later(victim[1])
+
+
+async def _open(path: Path) -> tuple[aiosqlite.Connection, ReadModel]:
+    """A model's writer (the schema made if new) and its reader."""
+    db = await schema.connect(path)
+    try:
+        await db.execute("PRAGMA synchronous = OFF")  # scratch: thrown away at the end
+        return db, await ReadModel.open(path)
+    except BaseException:
+        await db.close()
+        raise
 
 
 # ---------------------------------------------------------------- as_of -> sequence
