@@ -47,6 +47,7 @@ async def _last_seq(http: Http) -> int:
 def _paths(runs: list[str]) -> list[str]:
     return [
         WS,
+        WS + "/settings",
         WS + "/state-versions",
         ORG + "/runs",
         ORG + "/runs?limit=2",
@@ -121,6 +122,7 @@ async def test_answers_as_of_each_recorded_sequence_and_time_equal_the_answers_t
     rec = await _history(tfe)
     # the history changed the answers: equal answers at every point would prove nothing
     assert len({repr(p[2][WS]) for p in rec.points}) >= 6
+    assert len({repr(p[2][WS + "/settings"]) for p in rec.points}) == 2
     now = rec.points[-1][2]
     for seq, when, then in rec.points:
         for as_of in (str(seq), when.isoformat(), when.isoformat().replace("+00:00", "Z")):
@@ -182,11 +184,17 @@ async def test_org_b_never_reads_org_a_past(tfe: Tfe) -> None:
     when = datetime.now(UTC).isoformat()
     for token in (b_tokens["admin"], b_tokens["viewer"]):
         for as_of in (str(seq), when):
-            for path in (f"{ORG}/runs/{run_a}", WS, WS + "/state-versions", ORG + "/runs"):
+            for path in (f"{ORG}/runs/{run_a}", WS, WS + "/settings", ORG + "/runs"):
                 got = await tfe.get(f"{path}?as_of={as_of.replace('+', '%2B')}", token=token)
                 got.problem("not-found", 404)
             bravo = "/api/v1/orgs/bravo"
-            for path in (f"{bravo}/runs/{run_a}", f"{bravo}/workspaces/net"):
+            ws_b = f"{bravo}/workspaces/net"
+            for path in (
+                f"{bravo}/runs/{run_a}",
+                ws_b,
+                ws_b + "/settings",
+                ws_b + "/state-versions",
+            ):
                 got = await tfe.get(f"{path}?as_of={seq}", token=token)
                 got.problem("not-found", 404)
             listed = await tfe.get(f"{bravo}/runs?as_of={seq}", token=token)

@@ -23,9 +23,16 @@ import nats.errors
 from aiohttp import web
 from nats.aio.client import Client as NATS
 
+from events.codec import org_subject, ws_subject
+from events.org import OrgState
+from events.org import fold as fold_org
+from events.workspace import WorkspaceState
+from events.workspace import fold as fold_ws
+from infra.directget import InfraError
 from projections.asof import AsOfError, Bounds, PastModels, TooCostly
 from projections.readmodel import ReadModel
 from services.surfaces.api.common import Row, json_response
+from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.rollback import with_ids
 
@@ -63,6 +70,32 @@ async def past(request: web.Request, org: str) -> AsyncIterator[tuple[ReadModel,
         raise Problem(e.slug, str(e)) from None
     except (nats.errors.Error, TimeoutError) as e:
         raise Problem("unavailable", f"the event stream is out of reach: {e!r}") from None
+
+
+async def aggregates(
+    request: web.Request, org: str, ws: str
+) -> tuple[OrgState, WorkspaceState, int]:
+    """The organization's and the workspace's aggregates folded from their own subjects up
+    to the request's `as_of` (what `GET .../settings` answers from, live), and the
+    sequence. Read as of a stream at least at that sequence (the leader finishes a read
+    a replica behind could not)."""
+    models = request.app[PAST]
+    try:
+        seq = await models.resolve(request.query[AS_OF])
+        store = request.app[API].app.store
+        org_events = await store.read(org_subject(org), min_seq=seq)
+        ws_events = await store.read(ws_subject(org, ws), min_seq=seq)
+    except AsOfError as e:
+        raise Problem(e.slug, str(e)) from None
+    except (nats.errors.Error, InfraError, TimeoutError) as e:
+        raise Problem("unavailable", f"the event stream is out of reach: {e!r}") from None
+    org_state = fold_org([e.event for e in org_events if e.seq <= seq])  # type: ignore[misc]
+    ws_state = fold_ws([e.event for e in ws_events if e.seq <= seq])  # type: ignore[misc]
+    if not org_state.exists:
+        raise Problem("not-found", f"organization {org} not found as of {seq}")
+    if not ws_state.exists:
+        raise Problem("not-found", f"workspace {ws} not found as of {seq}")
+    return org_state, ws_state, seq
 
 
 def answer(body: dict[str, Any], seq: int, omitted: tuple[str, ...] = ()) -> web.Response:
