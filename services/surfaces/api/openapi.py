@@ -84,6 +84,13 @@ PARAMETERS: dict[str, Doc] = {
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
+    "as_of": _query(
+        "as_of",
+        "the answer as it was once the event stream held this sequence, or at this RFC 3339 "
+        "time (its offset required); carries as_of_seq and as_of_omitted (fields not in the "
+        "event log, left out); 422 invalid-as-of, 503 as-of-too-costly (ask again)",
+        STR,
+    ),
     "asset": {
         "name": "asset",
         "in": "path",
@@ -123,8 +130,8 @@ _ERRORS = {
     "410": "state-version-pruned: the version's content is no longer stored; log-removed: "
     "retention removed the run's stored logs",
     "413": "body-too-large",
-    "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
-    "503": "unavailable or stale-read",
+    "422": "invalid-id, invalid-command, invalid-policy, idempotency-key-reused or invalid-as-of",
+    "503": "unavailable, stale-read or as-of-too-costly",
 }
 
 
@@ -134,7 +141,7 @@ def _problem(what: str) -> Doc:
 
 RESPONSES: dict[str, Doc] = {code: _problem(what) for code, what in _ERRORS.items()}
 _READ = ("min_seq",)
-_LIST = ("status", "limit", "before", "fields", "min_seq")
+_LIST = ("status", "limit", "before", "fields", "min_seq", "as_of")
 _RUN = ("org", "run")
 
 
@@ -297,7 +304,7 @@ PATHS: dict[str, Doc] = {
             "getWorkspace",
             "A workspace",
             (200, "Workspace"),
-            params=("org", "ws", *_READ),
+            params=("org", "ws", *_READ, "as_of"),
             errors=(400, 404, 422, 503),
         ),
         "patch": operation(
@@ -357,7 +364,7 @@ PATHS: dict[str, Doc] = {
             "getRun",
             "A run",
             (200, "Run"),
-            params=(*_RUN, *_READ),
+            params=(*_RUN, *_READ, "as_of"),
             errors=(400, 404, 422, 503),
         )
     },

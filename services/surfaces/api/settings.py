@@ -329,7 +329,7 @@ PATHS: dict[str, Doc] = {
             "getWorkspaceSettings",
             "The workspace's own settings and every effective one, with its origin",
             (200, "WorkspaceSettings"),
-            ("org", "ws"),
+            ("org", "ws", "as_of"),
             errors=_R,
         ),
         "patch": _op(

@@ -65,7 +65,7 @@ PATHS: dict[str, Doc] = {
             "operationId": "listStateVersions",
             "summary": "The workspace's state versions, newest first",
             "parameters": [
-                {"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "min_seq")
+                {"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "min_seq", "as_of")
             ],
             "responses": {
                 "200": {
