@@ -180,15 +180,28 @@ async def record_refusal(request: web.Request, problem: Problem) -> None:
     writes into a chain not theirs). The middleware calls it for every refusal raised; a
     surface that answers a refusal itself (the UI's run page) calls it too."""
     who = request.get(PRINCIPAL)
-    here = origin.current.get()
     raw_org = request.match_info.get("org", "")
-    if who is None or here is None or not raw_org or not _matters(request, problem):
+    if who is None or not raw_org or not _matters(request, problem):
         return
     try:
         org = check_name("org", raw_org)
     except Problem:
         return
     if not who.superuser and who.org != org:
+        return
+    thing = _thing(request.match_info, org)
+    await append_refusal(request, org, status=problem.status, detail=problem.slug, thing=thing)
+
+
+async def append_refusal(
+    request: web.Request, org: str, *, status: int, detail: str, thing: str
+) -> None:
+    """Append the request's refusal (`status`, `detail` a stable slug, on `thing`) to
+    `org`'s chain under the flood limits (module docstring), shared by every surface of
+    this api process: the caller decided whose chain it is."""
+    who = request.get(PRINCIPAL)
+    here = origin.current.get()
+    if who is None or here is None:
         return
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else request.path
@@ -197,8 +210,8 @@ async def record_refusal(request: web.Request, problem: Problem) -> None:
         return
     facts = Facts(
         org=org, at=utcnow(), actor=who.user, actor_kind=actor_kind(who), via=here.via,
-        action=f"refused {request.method} {route}", thing=_thing(request.match_info, org),
-        outcome=REFUSED, status=problem.status, detail=problem.slug,
+        action=f"refused {request.method} {route}", thing=thing,
+        outcome=REFUSED, status=status, detail=detail,
         request_id=here.request_id, client=here.client, more=more,
     )  # fmt: skip
     try:
