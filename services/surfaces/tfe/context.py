@@ -76,6 +76,7 @@ async def require(request: web.Request, org: str, action: str, ws: str = "") -> 
     """The caller, once it may do `action` (events/access.py) in `org`, on workspace `ws`
     if given: 404 for another organization and a workspace it may not read."""
     who = principal(request)
+    request[refusals.CHECKED] = (org, ws)
     if ws:
         await require_on(api_of(request), who, org, action, ws)
     else:

@@ -9,8 +9,9 @@ The TFE routes answer their errors themselves (context.py `route`), so the api's
 middleware never sees them raised: the wrapper calls `record` with each refusal.
 
 Whose chain: a TFE id carries its organization (`ws-<org>.<ws>`, `run-<org>.<ws>.<run>`,
-services/surfaces/tfe/ids.py), so the thing's organization is known from the path alone.
-A caller of that organization (or the deployment's admin) is recorded there. A caller of
+services/surfaces/tfe/ids.py), so the thing's organization is known from the path alone
+(POST /runs names its workspace in the body: what `require` was asked about stands for
+it). A caller of that organization (or the deployment's admin) is recorded there. A caller of
 another organization was answered 404, as for an id that names nothing, and is recorded
 in its own organization's chain, never in the other's: that chain stays closed to it
 (not even the flood limit's worth gets in), and its own admin learns that one of its
@@ -51,7 +52,23 @@ def slug_of(error: TfeError) -> str:
     return error.title.strip().lower().replace(" ", "-")
 
 
-def target(match: Mapping[str, str]) -> tuple[str, str] | None:
+# (org, workspace or "") an access check was asked about (context.py `require`): the
+# target of a request whose path names none (POST /runs names its workspace in the body)
+CHECKED: web.RequestKey[tuple[str, str]] = web.RequestKey("runplane.tfe.checked", tuple)
+
+
+def target(request: web.Request) -> tuple[str, str] | None:
+    """(organization, thing) of the request: its path's ids, else what its access was
+    checked on; None when neither names one."""
+    found = _named(request.match_info)
+    checked = request.get(CHECKED)
+    if found is None and checked is not None:
+        org, ws = checked
+        found = (org, f"workspace {ws}" if ws else f"organization {org}")
+    return found
+
+
+def _named(match: Mapping[str, str]) -> tuple[str, str] | None:
     """(organization, thing) of the path's ids, None when it names none that parses."""
     try:
         if "workspace_id" in match:
@@ -86,7 +103,7 @@ async def record(request: web.Request, error: TfeError, slug: str) -> None:
     """Record the refusal `error` (`slug` its stable name) of an authenticated TFE
     request where it belongs (module docstring); anything else is left alone."""
     who = request.get(PRINCIPAL)
-    found = target(request.match_info)
+    found = target(request)
     if who is None or found is None or not 400 <= error.status < 500:
         return
     org, thing = found
