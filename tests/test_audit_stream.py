@@ -1,0 +1,186 @@
+"""Streaming the audit log to a SIEM (issue 25, item 1): an organization admin's
+destinations get the organization's records in chain order, each with its stable
+delivery id, signed as notifications are (or in Splunk HEC's shape), at least once,
+across a restart, retried with backoff, and a failing destination delays no other
+organization's. Real NATS, real HTTP receivers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from nats.aio.client import Client as NATS
+
+from services.processes.notifications import signing
+from services.root.bootstrap import Plane
+from tests.api_support import Http
+from tests.audit_stream_support import (
+    SECRET,
+    V1,
+    Sink,
+    destination,
+    lines,
+    places,
+    shttp_fixture,  # noqa: F401  # `shttp`
+    streaming,
+)
+from tests.audit_support import records
+from tests.helpers import eventually
+
+
+async def _activity(http: Http, org: str, workspaces: int, prefix: str = "ws") -> None:
+    for i in range(workspaces):
+        await http.workspace(org, f"{prefix}{i}")
+
+
+async def _chain(nc: NATS, org: str, at_least: int) -> list[int]:
+    async def probe() -> list[int] | None:
+        found = [r["n"] for _, r in await records(nc, org)]
+        return found if len(found) >= at_least else None
+
+    return await eventually(probe, timeout=20, what=f"{at_least} records of {org}")
+
+
+async def _got_all(receiver: Sink, org: str, nc: NATS, timeout: float = 20) -> list[int]:
+    async def probe() -> list[int] | None:
+        chain = [r["n"] for _, r in await records(nc, org)]
+        got = places(receiver, org)
+        return got if chain and sorted(set(got)) == chain else None
+
+    return await eventually(probe, timeout=timeout, what=f"every record of {org} delivered")
+
+
+async def test_records_arrive_in_chain_order_signed_as_notifications_are(
+    shttp: Http, system: Plane, nc: NATS
+) -> None:
+    """Each record as the audit API answers it, with `delivery_id` org.n, as JSON lines in
+    chain order; every request carries RP-Delivery (its first and last place) and both
+    notification signatures, which verify with the destination's secret."""
+    await system.start_auditor(checkpoint_s=0.2)
+    await shttp.org("a")
+    async with Sink(token=SECRET) as rx:
+        await destination(shttp, "a", rx.url)
+        await _activity(shttp, "a", 5)
+        await _chain(nc, "a", 7)
+        async with streaming(system, batch=3):
+            got = await _got_all(rx, "a", nc)
+    assert got == list(range(1, len(got) + 1)), "in chain order, none missing or doubled"
+    assert len(rx.got) >= 3, "batches of at most 3"
+    for g in rx.got:
+        assert g.rp_ok and g.tfe_ok, "signed with the destination's secret"
+        assert g.headers["Content-Type"] == "application/x-ndjson"
+        first, last = g.body.splitlines()[0], g.body.splitlines()[-1]
+        ns = (json.loads(first)["n"], json.loads(last)["n"])
+        assert g.delivery == f"a.{ns[0]}-{ns[1]}"
+    page = await shttp.get(f"{V1}/a/audit?limit=1000")
+    answered = {i["n"]: i for i in page.body["items"]}
+    for line in lines(rx):
+        assert line.pop("delivery_id") == f"a.{line['n']}"
+        assert line == answered[line["n"]], "the record as GET .../audit answers it"
+    assert any(line["action"] == "org.audit_destination_saved" for line in lines(rx))
+
+
+async def test_splunk_hec_shape_with_its_token(shttp: Http, system: Plane, nc: NATS) -> None:
+    """`splunk-hec`: `Authorization: Splunk <token>`, and a body of HEC event objects
+    (time, host, source runplane:<org>, sourcetype, index, event: the record)."""
+    await system.start_auditor(checkpoint_s=0.2)
+    await shttp.org("a")
+    async with Sink() as rx:
+        hec = rx.url + "/services/collector/event"
+        await destination(shttp, "a", hec, format="splunk-hec", index="audit")
+        await _activity(shttp, "a", 2)
+        await _chain(nc, "a", 4)
+        async with streaming(system):
+            await _got_all(rx, "a", nc)
+    assert {g.headers["Authorization"] for g in rx.got} == {f"Splunk {SECRET}"}
+    assert all(signing.TFE_HEADER not in g.headers for g in rx.got), "HEC: the token, no HMAC"
+    for line in lines(rx):
+        assert set(line) == {"time", "host", "source", "sourcetype", "index", "event"}
+        assert line["host"] == "runplane.test" and line["source"] == "runplane:a"
+        assert line["sourcetype"] == "runplane:audit" and line["index"] == "audit"
+        event = line["event"]
+        assert event["delivery_id"] == f"a.{event['n']}" and len(event["hash"]) == 64
+        assert abs(line["time"] - time.time()) < 300
+
+
+async def test_a_restarted_streamer_resumes_from_its_cursor_without_loss_or_resend(
+    shttp: Http, system: Plane, nc: NATS
+) -> None:
+    """A streamer stopped once everything so far was delivered, records appended while
+    none runs, another streamer started: it sends exactly what followed (the cursor is
+    in NATS), nothing twice, nothing skipped; the destination's GET shows the progress."""
+    await system.start_auditor(checkpoint_s=0.2)
+    await shttp.org("a")
+    async with Sink(token=SECRET) as rx:
+        made = await destination(shttp, "a", rx.url)
+        await _activity(shttp, "a", 3)
+        await _chain(nc, "a", 5)
+        async with streaming(system):
+            before = await _got_all(rx, "a", nc)
+
+            async def saved() -> bool:
+                a = await shttp.get(f"{V1}/a/audit/destinations/{made['id']}")
+                return bool(a.body["delivered"]["n"] == before[-1])
+
+            await eventually(saved, what="the cursor saved")
+        await _activity(shttp, "a", 4, prefix="later")
+        await _chain(nc, "a", len(before) + 4)
+        async with streaming(system):
+            after = await _got_all(rx, "a", nc)
+    assert after == list(range(1, len(after) + 1)), "nothing skipped, nothing sent twice"
+    assert len(after) > len(before)
+    a = await shttp.get(f"{V1}/a/audit/destinations/{made['id']}")
+    assert a.body["delivered"]["error"] is None and a.body["delivered"]["at"]
+
+
+async def test_a_failing_destination_is_retried_and_delays_no_other_org(
+    shttp: Http, system: Plane, nc: NATS
+) -> None:
+    """Org a's receiver answers 500 three times, then hangs past the timeout once, then
+    takes: its records come in order after the retries, each retry the same RP-Delivery,
+    and the failure is on its GET meanwhile. Org b's destination gets each of its records
+    meanwhile, within a second of the streamer seeing it."""
+    await system.start_auditor(checkpoint_s=60)
+    await shttp.org("a")
+    await shttp.org("b")
+    async with Sink(token=SECRET, answers=[500, 500, 500, 0]) as ra, Sink(token=SECRET) as rb:
+        da = await destination(shttp, "a", ra.url)
+        await destination(shttp, "b", rb.url)
+        await _activity(shttp, "a", 2)
+        await _chain(nc, "a", 3)
+        async with streaming(system, timeout=1.0, retry=(0.3,)):
+            await eventually(lambda: _true(len(ra.got) >= 2), what="a's first failures")
+            failing = await shttp.get(f"{V1}/a/audit/destinations/{da['id']}")
+            assert "HTTP 500" in failing.body["delivered"]["error"]
+            assert failing.body["delivered"]["failures"] >= 1
+            started = time.monotonic()
+            await _activity(shttp, "b", 1)
+            await _got_all(rb, "b", nc)
+            assert time.monotonic() - started < 3.0, "b's records waited for a's receiver"
+            assert places(ra, "a") == [], "a still failing meanwhile"
+            got = await _got_all(ra, "a", nc, timeout=30)
+    tries = [g.delivery for g in ra.got]
+    assert tries[0] == tries[1] == tries[2] == tries[3] == tries[4], "the same batch again"
+    assert places(ra, "a")[-len(got) :] == list(range(1, len(got) + 1))
+    assert sorted(set(places(rb, "b"))) == places(rb, "b"), "b's in order, once each"
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_two_streamers_send_each_record_once(shttp: Http, system: Plane, nc: NATS) -> None:
+    """Two replicas of the subscribers: the cursor's lease lets one send at a time, so
+    the receiver gets each record once, in order."""
+    await system.start_auditor(checkpoint_s=0.2)
+    await shttp.org("a")
+    async with Sink(token=SECRET) as rx:
+        await destination(shttp, "a", rx.url)
+        async with streaming(system, batch=2), streaming(system, batch=2):
+            for i in range(4):
+                await shttp.workspace("a", f"x{i}")
+                await asyncio.sleep(0.1)
+            await _chain(nc, "a", 6)
+            got = await _got_all(rx, "a", nc)
+    assert got == list(range(1, len(got) + 1))
