@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 
 from infra.kv import AUDIT_BUCKET, SECRETS_BUCKET
 from infra.streams import AUDIT, EVENTS
+from services.processes.audit_stream import DestinationSecrets
 from services.root.bootstrap import Plane
 from services.surfaces.api.context import API
 from tests.api_support import Http, served
@@ -253,3 +254,18 @@ async def test_an_endless_answer_holds_the_lane_no_longer_than_its_first_bytes(
                 return len(seen) >= len(await records(nc, "a"))
 
             await eventually(all_sent, timeout=10, what="every batch sent, one by one")
+
+
+async def test_removing_the_secret_of_an_enabled_destination_is_refused_and_keeps_it(
+    shttp: Http, system: Plane
+) -> None:
+    """`"secret": ""` on an enabled destination is 422 and the sealed secret stays (it
+    was removed before the refusal, once); disabled with it, both go."""
+    await shttp.org("a")
+    made = await destination(shttp, "a", "http://127.0.0.1:9/hook")
+    one = f"{V1}/a/audit/destinations/{made['id']}"
+    (await shttp.call("PATCH", one, json={"secret": ""})).problem("invalid-command", 422)
+    assert await DestinationSecrets(system.nc, system.keyring).get("a", made["id"]) == SECRET
+    off = await shttp.call("PATCH", one, json={"secret": "", "enabled": False})
+    assert off.status == 200 and off.body["has_secret"] is False
+    assert await DestinationSecrets(system.nc, system.keyring).get("a", made["id"]) == ""

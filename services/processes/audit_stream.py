@@ -207,11 +207,13 @@ class AuditStreamer:
         lane = self.lanes.get(subject)
         if lane is not None and lane.d == d:
             return
+        before = None
         if lane is not None:
             lane.task.cancel()
+            before = lane.task
             del self.lanes[subject]
-        if d is not None:
-            self.lanes[subject] = Lane(self, d)
+        if d is not None:  # once the lane it replaces has stopped: one request at a time
+            self.lanes[subject] = Lane(self, d, after=before)
 
     async def progress(self, d: ads.AuditDestination) -> tuple[Progress, int]:
         assert self.kv is not None
@@ -235,14 +237,22 @@ class AuditStreamer:
 class Lane:
     """One destination's records, in order, one request at a time."""
 
-    def __init__(self, streamer: AuditStreamer, d: ads.AuditDestination) -> None:
+    def __init__(
+        self,
+        streamer: AuditStreamer,
+        d: ads.AuditDestination,
+        *,
+        after: asyncio.Task[None] | None = None,
+    ) -> None:
         self.s = streamer
         self.d = d
         self.wake = asyncio.Event()
         self.sent = 0  # records delivered by this lane
-        self.task = asyncio.create_task(self._run(), name=f"audit-stream-{d.org}-{d.id}")
+        self.task = asyncio.create_task(self._run(after), name=f"audit-stream-{d.org}-{d.id}")
 
-    async def _run(self) -> None:
+    async def _run(self, after: asyncio.Task[None] | None) -> None:
+        if after is not None:
+            await asyncio.wait([after])
         failures = 0
         while True:
             self.wake.clear()

@@ -211,9 +211,9 @@ async def patch_destination(request: web.Request) -> web.Response:
     )  # fmt: skip
     if body.secret:
         await _secrets(request).put(org, did, body.secret)
-    elif body.secret == "":
-        await _secrets(request).delete(org, did)
     done = await api.app.execute(DESTINATION, ads.subject(org, did), cmd)
+    if body.secret == "":  # once the change is taken (an enabled destination needs one)
+        await _secrets(request).delete(org, did)
     assert done.state.destination is not None
     await api.after_write(done.seq)
     answer = await _row(api, done.state.destination)
