@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -16,7 +17,9 @@ from nats.aio.client import Client as NATS
 
 from events.audit import Facts
 from infra.auditlog import AuditLog
+from infra.options import ConfigError
 from services.processes.notifications import signing
+from services.root import cli
 from services.root.bootstrap import Plane
 from tests.api_support import Http
 from tests.audit_stream_support import (
@@ -250,3 +253,27 @@ async def test_throughput_of_one_destination(shttp: Http, system: Plane, nc: NAT
         got = places(rx, "a")
     assert got == list(range(1, len(got) + 1))
     print(f"\naudit stream: {len(got)} records in {took:.2f} s, {len(got) / took:.0f}/s")
+
+
+def test_the_settings_come_from_flags_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--audit-stream-*` flags, or RUNPLANE_AUDIT_STREAM_* when a flag is not given, become
+    the options; out of range is one ConfigError naming the flag."""
+    monkeypatch.setenv("RUNPLANE_AUDIT_STREAM_BATCH", "7")
+    monkeypatch.setenv("RUNPLANE_AUDIT_STREAM_ALLOW_HTTP", "1")
+    args = ["subscribers", "--nats-url", "nats://127.0.0.1:4222", "--audit-stream-retry", "1,5"]
+    opts = cli.options(cli.parser().parse_args([*args, "--audit-stream-timeout", "3"]))
+    assert opts.audit_stream_retry == (1.0, 5.0) and opts.audit_stream_timeout == 3.0
+    assert opts.audit_stream_batch == 7 and opts.audit_stream_allow_http is True
+    opts.check()
+    for name, value, flag in (
+        ("audit_stream_batch", 0, "--audit-stream-batch"),
+        ("audit_stream_timeout", 0.0, "--audit-stream-timeout"),
+        ("audit_stream_retry", (), "--audit-stream-retry"),
+    ):
+        bad = replace(opts)
+        setattr(bad, name, value)
+        with pytest.raises(ConfigError, match=flag):
+            bad.check()
+    monkeypatch.delenv("RUNPLANE_AUDIT_STREAM_ALLOW_HTTP")
+    plain = cli.options(cli.parser().parse_args(args))
+    assert plain.audit_stream_allow_http is False and plain.audit_stream_batch == 7

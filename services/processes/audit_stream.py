@@ -258,12 +258,16 @@ class Lane:
             self.wake.clear()
             try:
                 done = await self._pass()
-            except _Lost:
-                continue  # another replica took it: its lease is read again
+            except _Lost:  # another replica took it (or a follower answered behind)
+                await asyncio.sleep(0.05)
+                continue
             except (InfraError, NotifyError, nats.errors.Error, nats.js.errors.Error) as e:
                 done = Answer(error=f"{type(e).__name__}: {e}")
             except TimeoutError:
                 done = Answer(error="the audit stream or its bucket did not answer")
+            except Exception as e:  # a cursor no longer JSON, ...: the lane must go on
+                log.exception("audit_stream_pass_failed", org=self.d.org, destination=self.d.id)
+                done = Answer(error=f"{type(e).__name__}: {e}")
             if done is None:
                 failures = 0
                 with contextlib.suppress(TimeoutError):
