@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
+from nats.aio.client import Client as NATS
 
 from services.processes.audit_stream import AuditStreamer, StreamSettings
 from services.root.bootstrap import Plane
@@ -86,9 +88,11 @@ def places(receiver: Sink, org: str, *, taken: bool = True) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def streaming(system: Plane, **knobs: Any) -> AsyncIterator[AuditStreamer]:
-    """A streamer of this deployment (FAST's settings but `knobs`), stopped on leaving."""
-    from dataclasses import replace
-
-    async with AuditStreamer(system.nc, system.keyring, replace(FAST, **knobs)) as s:
+async def streaming(
+    system: Plane, nc: NATS | None = None, **knobs: Any
+) -> AsyncIterator[AuditStreamer]:
+    """A streamer of this deployment on `nc` (default: the system's connection), FAST's
+    settings but `knobs`, stopped on leaving."""
+    settings = replace(FAST, **knobs)
+    async with AuditStreamer(nc or system.nc, system.keyring, settings) as s:
         yield s

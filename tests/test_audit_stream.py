@@ -17,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from events.audit import Facts
 from infra.auditlog import AuditLog
+from infra.natsserver import EmbeddedNats
 from infra.options import ConfigError
 from services.processes.notifications import signing
 from services.root import cli
@@ -277,3 +278,31 @@ def test_the_settings_come_from_flags_and_the_environment(monkeypatch: pytest.Mo
     monkeypatch.delenv("RUNPLANE_AUDIT_STREAM_ALLOW_HTTP")
     plain = cli.options(cli.parser().parse_args(args))
     assert plain.audit_stream_allow_http is False and plain.audit_stream_batch == 7
+
+
+async def test_a_streamer_killed_mid_send_is_taken_over_and_its_batch_sent_again(
+    shttp: Http, system: Plane, nc: NATS, nats_server: EmbeddedNats
+) -> None:
+    """A streamer whose connection dies while its receiver holds a batch unanswered (a
+    kill: no lease given back): another streamer waits for the lease to run out, then
+    sends its records again (their same delivery ids: at least once) and all after,
+    in order, nothing skipped."""
+    await system.start_auditor(checkpoint_s=60)
+    await shttp.org("a")
+    await _activity(shttp, "a", 2)
+    chain = await _chain(nc, "a", 3)
+    async with Sink(token=SECRET, answers=[0]) as rx:
+        await destination(shttp, "a", rx.url)
+        doomed = await nats_server.connect()
+        async with streaming(system, doomed, lease_s=2.0, timeout=30.0):
+            await eventually(lambda: _true(len(rx.got) == 1), what="the batch in flight")
+            await doomed.close()  # the process dies: its lease stays, its batch unanswered
+        await _activity(shttp, "a", 2, prefix="meanwhile")
+        started = time.monotonic()
+        async with streaming(system, lease_s=2.0):
+            got = await _got_all(rx, "a", nc)
+        waited = time.monotonic() - started
+    again, first = rx.got[1].delivery, rx.got[0].delivery  # a.1-8, then a.1-10 (2 since)
+    assert again.split("-")[0] == first.split("-")[0] == "a.1", "the unanswered ones again"
+    assert got == list(range(1, len(got) + 1)) and len(got) >= len(chain) + 2
+    assert 0.5 < waited < 10, "taken over once the dead one's lease ran out"

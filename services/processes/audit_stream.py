@@ -74,10 +74,11 @@ class StreamSettings:
     host: str = "runplane"  # HEC's `host`
     poll: float = 5.0  # seconds a lane waits for a wake-up before it looks anyway
     concurrency: int = 64  # requests in flight, all lanes together
+    lease_s: float = 0.0  # how long a lane's lease holds; 0: three timeouts, at least 30 s
 
     @property
     def lease(self) -> float:
-        return max(30.0, 3 * self.timeout)
+        return self.lease_s or max(30.0, 3 * self.timeout)
 
     def delay(self, failures: int, retry_after: float | None) -> float:
         wait = self.retry[min(failures, len(self.retry)) - 1] if self.retry else 1.0
