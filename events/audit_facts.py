@@ -32,7 +32,8 @@ AUDITED: Final = frozenset(
         "org.user_linked", "org.user_reactivated", "org.user_suspended",
         "org.user_teams_synced", "org.vcs_connection_deleted", "org.vcs_connection_saved",
         "chat.slack_configured", "chat.slack_removed", "chat.slack_user_mapped",
-        "chat.slack_user_unmapped",
+        "chat.slack_user_unmapped", "org.audit_destination_saved",
+        "org.audit_destination_deleted",
     }
 )  # fmt: skip
 
@@ -47,6 +48,7 @@ H_REQUEST, H_CLIENT, H_VIA, H_ACTOR_KIND = (
 _NAMED: Final = (
     ("team", "team"), ("name", ""), ("user_id", "user"), ("token_id", "token"),
     ("connection_id", "vcs connection"), ("schedule_id", "schedule"), ("folder", "folder"),
+    ("destination_id", "audit destination"),
 )  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from typing import Final, TypedDict, assert_never
 
 import msgspec
 
+from events import audit_stream as ads
 from events import chat as ch
 from events import members as mb
 from events import run_triggers as rt
@@ -251,6 +252,7 @@ OthersEvent = (
     | rt.RunTriggerEvent
     | sc.ScheduleEvent
     | sso.SsoEvent
+    | ads.AuditDestinationEvent
 )
 
 
@@ -321,6 +323,8 @@ def _others_own(event: OthersEvent) -> bool:
         ):
             return True
         case sso.SsoConfigured() | sso.SsoRemoved():  # read by sign-ins from its subject
+            return True
+        case ads.DestinationSaved() | ads.DestinationDeleted():  # the audit streamer's own
             return True
         case _:
             assert_never(event)

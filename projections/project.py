@@ -26,6 +26,7 @@ from events import members as mb
 from events import run as run_agg
 from events import teams as tm
 from events import workspace as ws_agg
+from events.audit_stream import AuditDestinationEvent
 from events.chat import ChatEvent
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -442,4 +443,6 @@ FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: _audit_only for t in get_args(SsoEvent)},
     # a pull request's report: the audit history only (the reporter reads its own subject)
     **{t: _audit_only for t in get_args(VcsReportEvent)},
+    # audit destinations: the audit history only (the streamer reads their own subjects)
+    **{t: _audit_only for t in get_args(AuditDestinationEvent)},
 }

@@ -9,6 +9,7 @@ from typing import Any, get_args
 import msgspec
 import pytest
 
+from events import audit_stream as ads
 from events import chat as ch
 from events import codec, sso, vcs
 from events import members as mb
@@ -387,6 +388,23 @@ SAMPLES += [
         secret_changed=True,
     ),
     sso.SsoRemoved(at=AT, actor="alice"),
+    ads.DestinationSaved(
+        at=AT,
+        actor="alice",
+        destination_id="01jsiem",
+        destination=ads.AuditDestination(
+            id="01jsiem",
+            org="acme",
+            name="splunk",
+            format="splunk-hec",
+            url="https://splunk.example.com:8088/services/collector/event",
+            has_secret=True,
+            index="audit",
+            created_at=AT,
+            created_by="alice",
+        ),
+    ),
+    ads.DestinationDeleted(at=AT, actor="alice", destination_id="01jsiem"),
 ]
 
 EVENT_TYPES = [
@@ -400,6 +418,7 @@ EVENT_TYPES = [
     *get_args(rt.RunTriggerEvent),
     *get_args(sc.ScheduleEvent),
     *get_args(sso.SsoEvent),
+    *get_args(ads.AuditDestinationEvent),
 ]
 
 

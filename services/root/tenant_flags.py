@@ -8,6 +8,8 @@ import argparse
 import os
 from typing import Any
 
+from services.root import audit_flags
+
 
 def open_runs_opts(p: argparse.ArgumentParser) -> None:
     """The open-runs quota (services/app/openruns.py): every process that starts runs."""
@@ -51,7 +53,8 @@ def share_opts(p: argparse.ArgumentParser) -> None:
 
 
 def retention_opts(p: argparse.ArgumentParser) -> None:
-    """Retention (services/processes/retention.py): the deployment's defaults."""
+    """Retention (services/processes/retention.py): the deployment's defaults; and the
+    audit stream's flags (services/root/audit_flags.py)."""
     g = p.add_argument_group("retention (each also RUNPLANE_<FLAG>)")
     g.add_argument(
         "--log-retention-days",
@@ -66,9 +69,11 @@ def retention_opts(p: argparse.ArgumentParser) -> None:
         default=float(os.environ.get("RUNPLANE_RETENTION_INTERVAL", "3600") or 3600),
         help="seconds between two retention passes of a scheduler (default 3600)",
     )
+    audit_flags.opts(p)  # the audit log's other way out: its stream to destinations
 
 
 def retention(ns: argparse.Namespace) -> dict[str, Any]:
-    """The retention flags given, as Options' fields."""
+    """The retention and audit stream flags given, as Options' fields."""
     names = ("log_retention_days", "retention_interval")
-    return {name: getattr(ns, name) for name in names if hasattr(ns, name)}
+    given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
+    return {**given, **audit_flags.values(ns)}

@@ -39,12 +39,14 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from events.audit import OK, REFUSED, Facts, Record, decode, digest
+from events.audit import OK, REFUSED, Facts, Record, decode
+from events.audit_stream import answered
 from events.errors import DomainError
 from infra import auditkeys, origin
 from infra.auditlog import AuditLog
 from infra.directget import InfraError
 from infra.ids import utcnow
+from services.surfaces.api import audit_stream
 from services.surfaces.api.auth import PRINCIPAL, Principal
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import scope
@@ -317,8 +319,7 @@ async def read_page(audit: AuditLog, org: str, q: Query) -> tuple[list[dict[str,
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # not a record: `runplane audit verify` names it
             if q.keeps(record):
-                item = msgspec.to_builtins(record)
-                out.append({"seq": raw.seq, "hash": digest(raw.data), **item})
+                out.append(answered(raw.seq, raw.data, record))
                 if len(out) == q.limit:
                     return out, raw.seq
         if len(page) < 1000:
@@ -354,6 +355,7 @@ async def keys(request: web.Request) -> web.Response:
 ROUTES = [
     web.get("/api/v1/orgs/{org}/audit", org_audit, allow_head=False),
     web.get(KEYS_PATH, keys, allow_head=False),
+    *audit_stream.ROUTES,  # where the log is streamed (a SIEM)
 ]
 
 
@@ -374,7 +376,7 @@ PARAMETERS: dict[str, Doc] = {
     f"audit_{n}": {"name": n, "in": "query", "required": False, "schema": {"type": "string"},
                    "description": d}
     for n, d in _QUERY
-}  # fmt: skip
+} | audit_stream.PARAMETERS  # fmt: skip
 SCHEMAS: dict[str, Doc] = {
     "AuditPage": {
         "type": "object",
@@ -392,6 +394,7 @@ SCHEMAS: dict[str, Doc] = {
         "required": ["keys"],
         "properties": {"keys": {"type": "array", "items": {"type": "object"}}},
     },
+    **audit_stream.SCHEMAS,
 }
 _page = operation(
     "getAudit", "The organization's audit records", (200, "AuditPage"),
@@ -401,4 +404,5 @@ _keys = operation("getAuditKeys", "The audit checkpoints' public keys", (200, "A
 PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/audit": {"get": _page},
     KEYS_PATH: {"get": {**_keys, "security": []}},
+    **audit_stream.PATHS,
 }
