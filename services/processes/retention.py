@@ -14,6 +14,12 @@ step logs (`rp-logs`, named `<run>/<phase>/<step>.log`) and judges each run that
   replica that lost the race to record it) has them deleted again: deletion is
   idempotent, so a kill at any line leaves either nothing done or the deletion to finish.
 
+The objects go only `grace` (GRACE_S) after the event: a log reader checks the event on
+the stream's leader before its first byte and may read for READ_DEADLINE_S
+(services/surfaces/api/runlog.py), so a read that began before the record answers the
+whole log and one after it 410; none finds an object gone halfway (that answered 500
+and hung its client). With the default interval, the objects go one pass later.
+
 Two replicas racing record the event once: the append expects the run's last sequence,
 and the core refuses a second `LogPruned` (events/run_decide.py `_prune_log`). Each
 organization's setting applies to its own runs only: a run's organization is the one its
@@ -41,7 +47,7 @@ from events.errors import DomainError
 from events.run import PrunedObject, PruneLog, RunState
 from events.settings import LOG_RETENTION, days_problem
 from infra.directget import InfraError
-from infra.steplogs import log_subject
+from infra.steplogs import READ_DEADLINE_S, log_subject
 from infra.streams import LOGS, LOGS_BUCKET
 from infra.tasks import cancel_and_wait
 from services.app.commands import App
@@ -52,6 +58,7 @@ ACTOR = "retention"
 DEFAULT_DAYS = 90
 INTERVAL_S = 3600.0
 CONCURRENCY = 16
+GRACE_S = READ_DEADLINE_S + 300.0  # a margin for the api's and the scheduler's clocks
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -61,6 +68,7 @@ class Report(msgspec.Struct, kw_only=True):
     pruned: list[str] = []
     deleted: int = 0
     kept: int = 0  # runs with stored logs it left (not ended, or not old enough)
+    waiting: int = 0  # runs recorded whose objects wait out the readers' grace
     seconds: float = 0.0
 
 
@@ -116,11 +124,13 @@ class Retention:
         default_days: int = DEFAULT_DAYS,
         interval: float = INTERVAL_S,
         concurrency: int = CONCURRENCY,
+        grace: float = GRACE_S,
     ) -> None:
         self.nc = nc
         self.app = app
         self.default_days = default_days
         self.interval = interval
+        self.grace = timedelta(seconds=grace)
         self._slots = asyncio.Semaphore(concurrency)
         self._task: asyncio.Task[None] | None = None
 
@@ -142,7 +152,7 @@ class Retention:
                 report = await self.pass_once()
                 log.info(
                     "retention_pass", pruned=len(report.pruned), deleted=report.deleted,
-                    kept=report.kept, seconds=round(report.seconds, 3),
+                    kept=report.kept, waiting=report.waiting, seconds=round(report.seconds, 3),
                 )  # fmt: skip
             except (InfraError, nats.errors.Error, TimeoutError) as e:
                 log.warning("retention_retry", error=repr(e))
@@ -171,7 +181,8 @@ class Retention:
         run = (await self.app.load_run("*", None, run_id)).state
         if not run.exists:
             return  # objects of no run (a foreign name): not ours to judge
-        if run.log_removed_at is None:
+        recorded = run.log_removed_at
+        if recorded is None:
             keep = await self._days(run.org, days)
             cutoff = now - timedelta(days=keep)
             if not run.terminal or run.ended_at is None or run.ended_at > cutoff:
@@ -179,6 +190,10 @@ class Retention:
                 return
             if await self._record(run, infos, cutoff, keep):
                 report.pruned.append(run_id)
+            recorded = now
+        if now - recorded < self.grace:
+            report.waiting += 1
+            return
         deleted = await delete_objects(self.nc, infos)  # (not `+= await`: passes interleave)
         report.deleted += deleted
         await self.nc.jetstream().purge_stream(LOGS, subject=log_subject(run_id, "*", "*"))
