@@ -67,6 +67,7 @@ from events.run import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunState,
     RunStopRequested,
     StateVersionCreated,
@@ -229,6 +230,7 @@ def quiet(event: AnyEvent) -> bool:
             | RunStopRequested()  # its executor interrupts the phase, then cancels
             | RunLimitExceeded()  # recorded, not acted on: the apply ends as it does
             | LogPruned()  # retention's record of an ended run
+            | RunRemoved()
         ):
             return True
         case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
@@ -379,6 +381,7 @@ def _run(event: RunEventT, s: RunState) -> list[Action]:
             | RunStopRequested()
             | RunLimitExceeded()
             | LogPruned()
+            | RunRemoved()
         ):
             return []
         case _:

@@ -35,6 +35,7 @@ from services.surfaces.api.context import Api
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.removed import missing_run
 from services.surfaces.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.surfaces.api.schemas import INT, STR, Doc
 from services.surfaces.api.standing import Lapsed, Standing
@@ -89,7 +90,7 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
     page = _page(request, follow)
     run = await api.read.runs.get(org, run_id)
     if run is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     if run["log_removed_at"]:
         raise removed(run["log_removed_at"])
     target = Target(org=org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
