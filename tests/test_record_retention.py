@@ -36,10 +36,13 @@ from services.app.commands import App
 from services.processes.removal import listed
 from services.processes.retention import Retention, stored_logs
 from services.root.bootstrap import Plane
-from tests.api_support import Http, http_fixture  # noqa: F401  # `http`
+from services.surfaces.tfe import ids
+from tests.api_support import ADMIN_TOKEN, Http, http_fixture  # noqa: F401  # `http`
 from tests.audit_support import recorded, verify
 from tests.helpers import eventually
 from tests.projection_support import ORG, settle, varied_history
+from tests.tfe_support import Tfe, tfe_fixture  # noqa: F401  # `tfe`
+from tests.ui.support import Ui, ui_fixture  # noqa: F401  # `ui`
 
 V1 = "/api/v1/orgs"
 RUN_TABLES = ("runs", "steps", "changes", "resource_states")
@@ -343,3 +346,43 @@ async def test_record_removal_pass_rate(app: App, nc: NATS) -> None:
         f" in {report.seconds:.2f} s, {rate:.0f}/s"
     )
     assert len(report.removed) == 300 and report.removed_objects == 900
+
+
+async def removed_run(app: App, nc: NATS) -> str:
+    """A canceled run of acme/net, removed whole by a pass (the clock two days on)."""
+    (run_id,) = await canceled(app, ORG, "net", 1)
+    await set_org(app, ORG, record_retention_days=1)
+    ahead(app)
+    assert (await Retention(nc, app, grace=0).pass_once()).removed == [run_id]
+    return run_id
+
+
+async def test_the_ui_says_a_removed_run_is_gone(ui: Ui, app: App, nc: NATS) -> None:
+    """The run page, its log page and its live feed of a removed run: 410 with the
+    removal's date, not a page of nothing (nor a 404 as for a run that never was)."""
+    run_id = await removed_run(app, nc)
+    browser = ui.browser()
+    await browser.signin(ADMIN_TOKEN, ORG)
+
+    async def said() -> str:
+        page = await browser.get(f"/orgs/{ORG}/runs/{run_id}")
+        assert page.status == 410 and "removed by retention on 20" in page.text, page.text
+        return page.text
+
+    await eventually(said, what="the run page saying it is removed")
+    for part in ("/log", "/live"):
+        page = await browser.get(f"/orgs/{ORG}/runs/{run_id}{part}")
+        assert page.status == 410, (part, page.status, page.text[:300])
+
+
+async def test_the_tfe_api_answers_410_for_a_removed_run(tfe: Tfe) -> None:
+    """The Terraform CLI's view of a removed run (folded from its events, which stay):
+    410, not the run as if nothing were removed; its plan's log too."""
+    await tfe.org(ORG)
+    run_id = await removed_run(tfe.app, tfe.app.store.nc)
+    tfe_id = ids.run_object_id("run", ORG, "net", run_id)
+    got = await tfe.tfe("GET", f"/api/v2/runs/{tfe_id}")
+    assert got.status == 410, got.body
+    assert "removed by retention" in str(got.body)
+    plan = await tfe.tfe("GET", f"/api/v2/plans/{ids.run_object_id('plan', ORG, 'net', run_id)}")
+    assert plan.status == 410, plan.body

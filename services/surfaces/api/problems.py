@@ -112,11 +112,14 @@ class Problem(Exception):
 
 def run_removed(run_id: str, at: str) -> Problem:
     """410 `run-removed`: retention removed the run's record at `at` (ISO 8601)."""
-    return Problem(
-        "run-removed",
+    return Problem("run-removed", removed_text(run_id, at), removed_at=at)
+
+
+def removed_text(run_id: str, at: str) -> str:
+    """What a read of a run retention removed says, on every surface."""
+    return (
         f"run {run_id} was removed by retention on {at[:10]}: its rows, logs and plan are "
-        "deleted; its events stay in the event log",
-        removed_at=at,
+        "deleted; its events stay in the event log"
     )
 
 
