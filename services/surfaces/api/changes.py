@@ -122,7 +122,7 @@ def _get(op_id: str, summary: str, answer: str) -> Doc:
                 },
                 **{
                     str(code): {"$ref": f"#/components/responses/{code}"}
-                    for code in (400, 401, 404, 422, 503)
+                    for code in (400, 401, 404, 410, 422, 503)
                 },
             },
         }

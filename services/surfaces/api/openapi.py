@@ -121,7 +121,8 @@ _ERRORS = {
     "409": "conflict (with current_status), already-exists, workspace-deleted, "
     "idempotency-in-progress, workspace-not-locked, run-active or state-changed",
     "410": "state-version-pruned: the version's content is no longer stored; log-removed: "
-    "retention removed the run's stored logs",
+    "retention removed the run's stored logs; run-removed: retention removed the run's whole "
+    "record (its events stay)",
     "413": "body-too-large",
     "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
     "503": "unavailable or stale-read",
@@ -358,7 +359,7 @@ PATHS: dict[str, Doc] = {
             "A run",
             (200, "Run"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/approve": {
@@ -395,7 +396,7 @@ PATHS: dict[str, Doc] = {
             params=_RUN,
             body="RerunBody",
             body_required=False,
-            errors=(400, 403, 404, 409, 422),
+            errors=(400, 403, 404, 409, 410, 422),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/events": {
@@ -404,7 +405,7 @@ PATHS: dict[str, Doc] = {
             "The run's audit history, oldest first",
             (200, "RunEventList"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/steps": {
@@ -413,7 +414,7 @@ PATHS: dict[str, Doc] = {
             "The run's steps",
             (200, "StepList"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/logs": logs.OPENAPI,
