@@ -90,9 +90,13 @@ async def delete_objects(nc: NATS, bucket: str, infos: Iterable[ObjectInfo]) -> 
     return deleted
 
 
+class _State(msgspec.Struct, frozen=True):
+    subjects: dict[str, int] | None = None
+
+
 class _Info(msgspec.Struct, frozen=True):
     total: int = 0
-    state: dict[str, dict[str, int] | int | str | None] = {}
+    state: _State = _State()
 
 
 async def subjects(nc: NATS, pattern: str) -> list[str]:
@@ -106,8 +110,8 @@ async def subjects(nc: NATS, pattern: str) -> list[str]:
             info = msgspec.json.decode(resp.data, type=_Info)
         except (TimeoutError, nats.errors.Error, msgspec.DecodeError) as e:
             raise RemovalError(f"listing {pattern}: {e!r}") from e
-        page = info.state.get("subjects")
-        if not isinstance(page, dict) or not page:
+        page = info.state.subjects
+        if not page:
             return sorted(out)
         out.update(page)
         if len(out) >= info.total:
