@@ -120,9 +120,8 @@ _ERRORS = {
     "408": "request-timeout: the body came slower than the route allows",
     "409": "conflict (with current_status), already-exists, workspace-deleted, "
     "idempotency-in-progress, workspace-not-locked, run-active or state-changed",
-    "410": "state-version-pruned: the version's content is no longer stored; log-removed: "
-    "retention removed the run's stored logs; run-removed: retention removed the run's whole "
-    "record (its events stay)",
+    "410": "state-version-pruned: its content is no longer stored; retention removed the "
+    "run's stored logs (log-removed) or whole record, its events kept (run-removed)",
     "413": "body-too-large",
     "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
     "503": "unavailable or stale-read",
