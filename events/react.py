@@ -68,6 +68,7 @@ from events.run import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunState,
     RunStopRequested,
     StateVersionCreated,
@@ -230,6 +231,7 @@ def quiet(event: AnyEvent) -> bool:
             | RunStopRequested()  # its executor interrupts the phase, then cancels
             | RunLimitExceeded()  # recorded, not acted on: the apply ends as it does
             | LogPruned()  # retention's record of an ended run
+            | RunRemoved()
         ):
             return True
         case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
@@ -383,6 +385,7 @@ def _run(event: RunEventT, s: RunState) -> list[Action]:
             | RunStopRequested()
             | RunLimitExceeded()
             | LogPruned()
+            | RunRemoved()
         ):
             return []
         case _:

@@ -83,6 +83,7 @@ class Options:
     workspace_max_open_runs: int = 100
     # retention (services/processes/retention.py): the deployment's default, pass interval
     log_retention_days: int = 90
+    record_retention_days: int = 0  # 0: runs' whole records are kept for ever
     retention_interval: float = 3600.0
     org_weights: str = ""
     org_max_phases: int = 0
@@ -149,6 +150,8 @@ class Options:
         if not 0 <= self.log_retention_days <= 36500 or not 1 <= self.retention_interval:
             raise ConfigError("--log-retention-days wants 0 to 36500, --retention-interval 1+")
         self._check_audit_stream()
+        if not 0 <= self.record_retention_days <= 36500:
+            raise ConfigError("--record-retention-days wants 0 (never) to 36500")
         if problems := self.quotas.problems():
             raise ConfigError("; ".join(problems))
         self._check_job_caps()

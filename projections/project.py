@@ -287,6 +287,12 @@ def project_run(w: Working, meta: Meta, event: RunEvent) -> None:
         view = w.runs[run_id] = RunView(run_agg.INITIAL, event.message, None, meta.seq)
     elif view is None:
         raise Unprojectable(f"run {run_id} was never created")
+    if isinstance(event, run_agg.RunRemoved):  # retention: the whole record goes
+        w.remove_run(run_id)
+        s = view.state
+        tomb = {"id": run_id, "org": s.org, "workspace": s.workspace, "seq": meta.seq}
+        w.put("removed_runs", tomb | {"removed_at": iso(event.at)})
+        return
     before = view.state
     view.state = run_agg.evolve(before, event)
     view.last_seq, view.dirty = meta.seq, True

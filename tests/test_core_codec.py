@@ -41,6 +41,7 @@ from events.run import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunStopRequested,
     Snapshot,
     StateVersionCreated,
@@ -192,6 +193,13 @@ SAMPLES: list[Any] = [
         actor="retention",
         objects=[PrunedObject(name="run-1/plan/init.log", sha256="ab" * 32, size=12)],
         days=90,
+    ),
+    RunRemoved(
+        at=AT,
+        actor="retention",
+        objects=[PrunedObject(name="run-1.tfplan", sha256="cd" * 32, size=9, bucket="rp-plans")],
+        rows=["runs", "steps", "changes", "resource_states"],
+        days=400,
     ),
     TemplateSaved(
         at=AT,

@@ -449,6 +449,8 @@ def _samples() -> list[tuple[Any, Any]]:
     objects = [R.PrunedObject(name="r/plan/init.log", sha256="0" * 64, size=1)]
     pruned = R.LogPruned(at=AT, actor="retention", objects=objects, days=0)
     out.append((pruned, R.evolve(state, pruned)))
+    removed = R.RunRemoved(at=AT, actor="retention", objects=objects, rows=["runs"], days=1)
+    out.append((removed, R.evolve(out[-1][1], removed)))
     ws_history: list[Any] = [
         ws_created(),
         W.RunEnqueued(at=AT, actor="a", run_id="r1"),

@@ -287,6 +287,7 @@ class Plane:
         """Retention passes (services/processes/retention.py) with the deployment's default."""
         given: dict[str, Any] = {
             "default_days": self.opts.log_retention_days,
+            "record_days": self.opts.record_retention_days,
             "interval": self.opts.retention_interval,
         }
         return Retention(self.nc, self.app, **{**given, **overrides})

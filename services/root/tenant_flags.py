@@ -64,6 +64,14 @@ def retention_opts(p: argparse.ArgumentParser) -> None:
         "that does not set log_retention_days itself (default 90)",
     )
     g.add_argument(
+        "--record-retention-days",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_RECORD_RETENTION_DAYS", "0") or 0),
+        help="days after a run ended that its whole record (rows, logs, plan; its events "
+        "stay) is kept, for every organization that does not set record_retention_days "
+        "itself; 0 (the default): for ever",
+    )
+    g.add_argument(
         "--retention-interval",
         type=float,
         default=float(os.environ.get("RUNPLANE_RETENTION_INTERVAL", "3600") or 3600),
@@ -74,6 +82,6 @@ def retention_opts(p: argparse.ArgumentParser) -> None:
 
 def retention(ns: argparse.Namespace) -> dict[str, Any]:
     """The retention and audit stream flags given, as Options' fields."""
-    names = ("log_retention_days", "retention_interval")
+    names = ("log_retention_days", "record_retention_days", "retention_interval")
     given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
     return {**given, **audit_flags.values(ns)}
