@@ -33,7 +33,7 @@ from projections.asof import AsOfError, Bounds, PastModels, TooCostly
 from projections.readmodel import ReadModel
 from services.surfaces.api.common import Row, json_response
 from services.surfaces.api.context import API
-from services.surfaces.api.problems import Problem
+from services.surfaces.api.problems import Problem, run_removed
 from services.surfaces.api.rollback import with_ids
 
 PAST: web.AppKey[PastModels] = web.AppKey("runplane.as_of", PastModels)
@@ -41,6 +41,18 @@ AS_OF = "as_of"
 SEQ_HEADER = "RP-As-Of-Seq"
 RUN_OMITTED = ("owner", "deadline")  # projections/liveness.py: the heartbeat board
 WS_OMITTED = ("secret_variables",)  # the secret store
+
+
+# The query parameter, in the API reference (listed with settings.PARAMETERS).
+PARAMETER: dict[str, Any] = {
+    "name": AS_OF,
+    "in": "query",
+    "required": False,
+    "description": "the answer as it was once the event stream held this sequence, or at "
+    "this RFC 3339 time (its offset required); it carries as_of_seq and as_of_omitted (the "
+    "fields not in the event log, left out); 422 invalid-as-of, 503 as-of-too-costly",
+    "schema": {"type": "string"},
+}
 
 
 def mount(web_app: web.Application, nc: NATS, bounds: Bounds) -> None:
@@ -112,6 +124,9 @@ def _run(row: Row) -> Row:
 async def run(request: web.Request, org: str, run_id: str) -> web.Response:
     async with past(request, org) as (read, seq):
         row = await read.runs.get(org, run_id)
+        removed = None if row is not None else await read.runs.removed_at(org, run_id)
+    if removed is not None:  # as GET answered then (services/surfaces/api/removed.py)
+        raise run_removed(run_id, removed)
     if row is None:
         raise Problem("not-found", f"run {run_id} not found as of {seq}")
     return answer(_run(row), seq, RUN_OMITTED)

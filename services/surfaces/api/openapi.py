@@ -84,13 +84,6 @@ PARAMETERS: dict[str, Doc] = {
     "workspace": _query("workspace", "only runs of this workspace", ID),
     "limit": _query("limit", "at most this many runs", {**INT, "minimum": 1, "maximum": 1000}),
     "before": _query("before", "only runs older than this run (the `next` of a page)", ID),
-    "as_of": _query(
-        "as_of",
-        "the answer as it was once the event stream held this sequence, or at this RFC 3339 "
-        "time (its offset required); carries as_of_seq and as_of_omitted (fields not in the "
-        "event log, left out); 422 invalid-as-of, 503 as-of-too-costly (ask again)",
-        STR,
-    ),
     "asset": {
         "name": "asset",
         "in": "path",
@@ -127,8 +120,8 @@ _ERRORS = {
     "408": "request-timeout: the body came slower than the route allows",
     "409": "conflict (with current_status), already-exists, workspace-deleted, "
     "idempotency-in-progress, workspace-not-locked, run-active or state-changed",
-    "410": "state-version-pruned: the version's content is no longer stored; log-removed: "
-    "retention removed the run's stored logs",
+    "410": "state-version-pruned: its content is no longer stored; retention removed the "
+    "run's stored logs (log-removed) or whole record, its events kept (run-removed)",
     "413": "body-too-large",
     "422": "invalid-id, invalid-command, invalid-policy, idempotency-key-reused or invalid-as-of",
     "503": "unavailable, stale-read or as-of-too-costly",
@@ -365,7 +358,7 @@ PATHS: dict[str, Doc] = {
             "A run",
             (200, "Run"),
             params=(*_RUN, *_READ, "as_of"),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/approve": {
@@ -402,7 +395,7 @@ PATHS: dict[str, Doc] = {
             params=_RUN,
             body="RerunBody",
             body_required=False,
-            errors=(400, 403, 404, 409, 422),
+            errors=(400, 403, 404, 409, 410, 422),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/events": {
@@ -411,7 +404,7 @@ PATHS: dict[str, Doc] = {
             "The run's audit history, oldest first",
             (200, "RunEventList"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/steps": {
@@ -420,7 +413,7 @@ PATHS: dict[str, Doc] = {
             "The run's steps",
             (200, "StepList"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/logs": logs.OPENAPI,

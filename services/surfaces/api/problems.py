@@ -49,6 +49,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "state-version-other-lineage": (404, "The state version is not of the current lineage"),
     "state-version-pruned": (410, "The state version's content is no longer stored"),
     "log-removed": (410, "Retention removed the run's stored logs"),
+    "run-removed": (410, "Retention removed the run's whole record"),
     "body-too-large": (413, "The request body is too large"),
     "quota-exceeded": (429, "A quota of the deployment is reached"),
     "rate-limited": (429, "Too many requests from this address: wait a minute"),
@@ -112,6 +113,19 @@ class Problem(Exception):
             content_type=CONTENT_TYPE,
             headers=self.headers,
         )
+
+
+def run_removed(run_id: str, at: str) -> Problem:
+    """410 `run-removed`: retention removed the run's record at `at` (ISO 8601)."""
+    return Problem("run-removed", removed_text(run_id, at), removed_at=at)
+
+
+def removed_text(run_id: str, at: str) -> str:
+    """What a read of a run retention removed says, on every surface."""
+    return (
+        f"run {run_id} was removed by retention on {at[:10]}: its rows, logs and plan are "
+        "deleted; its events stay in the event log"
+    )
 
 
 def unauthorized(

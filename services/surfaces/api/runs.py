@@ -9,6 +9,7 @@ from aiohttp import web
 
 from events import access
 from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
+from projections.working import iso
 from services.app.execute import Result
 from services.surfaces.api import approvals, asof, render
 from services.surfaces.api.auth import Principal
@@ -33,7 +34,8 @@ from services.surfaces.api.common import (
 )
 from services.surfaces.api.context import Api
 from services.surfaces.api.paths import ORG, RUN, WS
-from services.surfaces.api.problems import Problem
+from services.surfaces.api.problems import Problem, run_removed
+from services.surfaces.api.removed import missing_run
 
 PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
@@ -48,7 +50,7 @@ CLIENT_HEADER = "X-Runplane-Client"  # `cli` from runplane's own command line
 async def _existing_run(api: Api, org: str, run_id: str) -> Row:
     row = await api.read.runs.get(org, run_id)
     if row is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     return row
 
 
@@ -95,7 +97,7 @@ async def get_run(request: web.Request) -> web.Response:
         return await asof.run(request, org, run_id)
     row = await _live_run(api, org, run_id)
     if row is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     return json_response(row)
 
 
@@ -279,7 +281,9 @@ async def rerun(request: web.Request) -> web.Response:
     await read_body(request, RerunBody, optional=True)
     old: RunState = (await api.app.load_run(org, None, run_id)).state
     if not old.exists:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
+    if old.removed_at is not None:
+        raise run_removed(run_id, iso(old.removed_at))
     await require_on(api, who, org, run_action(old.run_type), old.workspace)
     if not old.terminal:
         raise Problem(

@@ -342,7 +342,11 @@ PATHS: dict[str, Doc] = {
         ),
     },
 }
-PARAMETERS: dict[str, Doc] = {"folder": path_param("folder", "folder name")}
+# as_of: every read that takes it (services/surfaces/api/asof.py), this one's among them
+PARAMETERS: dict[str, Doc] = {
+    "folder": path_param("folder", "folder name"),
+    "as_of": asof.PARAMETER,
+}
 
 
 ROUTES = [
