@@ -25,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from events.run import RemoveRun
 from infra.streams import EVENTS
 from projections.asof import Bounds
 from services.root.bootstrap import Plane
@@ -271,3 +272,27 @@ async def test_the_cache_keeps_its_bound_and_an_evicted_model_is_built_again(
             assert answered.status == 200, answered.body
             assert len(past._models) <= 2
         assert past.built == 4  # acme's first model was closed for charlie's
+
+
+async def test_a_run_removed_by_retention_is_as_it_was_before_and_410_after(tfe: Tfe) -> None:
+    http = tfe
+    await http.org("acme")
+    await http.workspace("acme", "net")
+    run_id = (await http.run("acme", "net"))["id"]
+    canceled = await http.post(f"{ORG}/runs/{run_id}/cancel", json={"reason": "no"})
+    assert canceled.status == 200, canceled.body
+    before_seq = await _last_seq(http)
+    assert await http.api.projector.wait_for(before_seq, timeout=5)
+    before = await http.get(f"{ORG}/runs/{run_id}")
+    assert before.status == 200
+    removal = RemoveRun(
+        actor="retention", objects=[], ended_before=datetime.now(UTC) + timedelta(seconds=1), days=0
+    )
+    removed = await http.app.run_command("acme", "net", run_id, removal)
+    assert await http.api.projector.wait_for(removed.seq, timeout=5)
+    (await http.get(f"{ORG}/runs/{run_id}")).problem("run-removed", 410)
+    then = await http.get(f"{ORG}/runs/{run_id}?as_of={before_seq}")
+    assert _without(then.body, [*OWN]) == _without(before.body, then.body["as_of_omitted"])
+    (await http.get(f"{ORG}/runs/{run_id}?as_of={removed.seq}")).problem("run-removed", 410)
+    listed = await http.get(f"{ORG}/runs?as_of={removed.seq}")
+    assert listed.body["items"] == []
