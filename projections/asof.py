@@ -60,6 +60,7 @@ MAX_MODELS = 16  # scratch models kept
 MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
 MAX_HELD = 1_000_000  # events folded into the cached models, all together
 _BATCH = 200  # events folded at a time: the event loop serves others between
+_NEAR = _BATCH  # sequences an organization's model may be moved for a workspace's answer
 _FETCH_TIMEOUT = 5.0
 _TRIES = 20  # reads of a replica behind the leader before 503 stale-read
 _PAUSE = 0.1  # seconds between them
@@ -94,17 +95,23 @@ class TooCostly(AsOfError):
     slug = "as-of-too-costly"
 
 
-def subjects(org: str) -> list[str]:
-    """Every subject of the organization's events (events/codec.py), and no other's."""
+def subjects(org: str, ws: str | None = None) -> list[str]:
+    """Every subject of the organization's events (events/codec.py), and no other's; with
+    `ws`, what a workspace's answers are folded from: its own subject, its runs' and the
+    organization aggregate's (the organization's row; none of the organization's other
+    subjects, nor another workspace's, writes a row those answers read)."""
+    if ws is not None:
+        return [f"rp.org.{org}", f"rp.ws.{org}.{ws}", f"rp.run.{org}.{ws}.>"]
     return [f"rp.org.{org}", f"rp.org.{org}.>", f"rp.ws.{org}.>", f"rp.run.{org}.>"]
 
 
 @dataclass
 class Scratch:
     """One organization's read model folded up to `upto` (every event of its at or below
-    `upto` is in, none above)."""
+    `upto` is in, none above); with `ws`, that workspace's (`subjects(org, ws)`) only."""
 
     org: str
+    ws: str | None
     path: Path
     db: aiosqlite.Connection  # the writer
     read: ReadModel
@@ -165,12 +172,13 @@ class PastModels:
     # ------------------------------------------------------------ the models
 
     @contextlib.asynccontextmanager
-    async def at(self, org: str, seq: int) -> AsyncIterator[ReadModel]:
-        """The organization's read model as of `seq`, for the context's reads (the
-        organization's other as_of requests wait meanwhile)."""
+    async def at(self, org: str, seq: int, ws: str | None = None) -> AsyncIterator[ReadModel]:
+        """The organization's read model as of `seq` (with `ws`: one that holds at least
+        that workspace's answers), for the context's reads (the organization's other
+        as_of requests wait meanwhile)."""
         lock = self._locks.setdefault(org, asyncio.Lock())
         async with lock:
-            s = await self._model(org, seq)
+            s = await self._model(org, ws, seq)
             try:
                 await self._advance(s, seq)
             except BaseException:
@@ -182,25 +190,45 @@ class PastModels:
                 self._trim(keep=s)
             yield s.read
 
-    async def _model(self, org: str, seq: int) -> Scratch:
-        """The organization's cached model nearest below `seq` (moved forward by the
-        caller: a model never goes back), or a new one."""
-        best: tuple[int, Scratch] | None = None
-        for key, s in self._models.items():
-            if s.org == org and s.upto <= seq and (best is None or s.upto > best[1].upto):
-                best = key, s
+    async def _model(self, org: str, ws: str | None, seq: int) -> Scratch:
+        """The cached model to move forward to `seq` (a model never goes back), or a new
+        one. In order: one already at `seq` that holds the answers (the organization's
+        serves a workspace's too); the nearest below of the same scope; for a workspace,
+        the organization's if at most `_NEAR` sequences below (cheaper to move than a
+        workspace's is to build)."""
+
+        def pick(fits: Callable[[Scratch], bool]) -> tuple[int, Scratch] | None:
+            found = [(k, s) for k, s in self._models.items() if s.org == org and fits(s)]
+            return max(found, key=lambda ks: ks[1].upto, default=None)
+
+        best = (
+            pick(lambda s: s.upto == seq and s.ws in (None, ws))
+            or pick(lambda s: s.ws == ws and s.upto <= seq)
+            or (pick(lambda s: s.ws is None and seq - _NEAR <= s.upto <= seq) if ws else None)
+        )
         if best is not None:
             self._models.move_to_end(best[0])
             return best[1]
-        s = await self._new(org)
+        s = await self._new(org, ws)
         self._models[next(self._ids)] = s
         return s
 
-    async def _new(self, org: str) -> Scratch:
-        path = self._dir / f"{org}-{next(self._ids)}.sqlite"
+    async def _new(self, org: str, ws: str | None) -> Scratch:
+        path = self._dir / f"{org}-{ws or ''}-{next(self._ids)}.sqlite"
         db, read = await _open(path)
         self.built += 1
-        return Scratch(org=org, path=path, db=db, read=read)
+        return Scratch(org=org, ws=ws, path=path, db=db, read=read)
+
+    async def run_workspace(self, org: str, run_id: str, seq: int) -> str | None:
+        """The workspace of the organization's run `run_id` if it existed at `seq` (its
+        first event's subject, `rp.run.<org>.<ws>.<run>`, as the stream's leader has it),
+        else None. `run_id` is a checked id: one subject token, no wildcard."""
+        first = await leader_get(
+            self.nc, self.stream, as_raw, subject=f"rp.run.{org}.*.{run_id}", seq=1, what=run_id
+        )
+        if first is None or first.seq > seq:
+            return None
+        return first.subject.split(".")[3]
 
     async def _advance(self, s: Scratch, seq: int) -> None:
         """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
@@ -232,7 +260,7 @@ class PastModels:
     async def _missed(self, s: Scratch, seq: int) -> bool:
         """Whether the stream's leader has an event of the organization after what `s`
         holds and at or before `seq` (one question per subject filter)."""
-        for subject in subjects(s.org):
+        for subject in subjects(s.org, s.ws):
             got = await leader_get(
                 self.nc, self.stream, as_raw, subject=subject, seq=s.upto + 1, what=subject
             )
@@ -249,7 +277,7 @@ class PastModels:
         consumer was made."""
         budget = self.max_events
         reader = OrderedReader(
-            self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org)
+            self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org, s.ws)
         )
         async with reader:
             left = reader.pending

@@ -139,8 +139,10 @@ async def test_answers_as_of_each_recorded_sequence_and_time_equal_the_answers_t
         if seq != rec.points[-1][0]:  # an earlier answer is not today's
             assert then[WS] != now[WS]
     past = tfe.client.app[PAST]
-    # asked in order, one model per organization moved forward (each time 3 asks: cached)
-    assert past.built == 1, past.built
+    # asked in order, one model per scope moved forward (each time 3 asks: cached): the
+    # organization's (its runs list) and the workspace's (its answers and its runs')
+    assert past.built == 2, past.built
+    assert sorted(m.ws or "" for m in past._models.values()) == ["", "net"]
 
 
 async def test_a_run_as_of_before_it_existed_is_404_and_the_queue_is_as_it_was(

@@ -33,6 +33,7 @@ from projections.asof import AsOfError, Bounds, PastModels, TooCostly
 from projections.readmodel import ReadModel
 from services.surfaces.api.common import Row, json_response
 from services.surfaces.api.context import API
+from services.surfaces.api.paths import ORG, RUN, V1, WS
 from services.surfaces.api.problems import Problem, run_removed
 from services.surfaces.api.rollback import with_ids
 
@@ -41,6 +42,8 @@ AS_OF = "as_of"
 SEQ_HEADER = "RP-As-Of-Seq"
 RUN_OMITTED = ("owner", "deadline")  # projections/liveness.py: the heartbeat board
 WS_OMITTED = ("secret_variables",)  # the secret store
+# The routes (GET) that answer as of a moment; every other API route refuses `as_of`.
+SUPPORTED = (RUN, WS, WS + "/settings", WS + "/state-versions", ORG + "/runs", WS + "/runs")
 
 
 # The query parameter, in the API reference (listed with settings.PARAMETERS).
@@ -67,14 +70,38 @@ def asked(request: web.Request) -> bool:
     return AS_OF in request.query
 
 
+def refuse_unsupported(request: web.Request) -> None:
+    """400 `as-of-unsupported` for `as_of` on a runplane API route (`/api/v1/...`) that
+    does not take it: it would be silently ignored and today's answer taken for the past,
+    and a command must never run under it. The web UI's and the TFE API's routes (whose
+    clients never send it) are not this API's, and unmatched paths stay 404."""
+    if not asked(request):
+        return
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else ""
+    if not route.startswith(V1 + "/"):
+        return
+    if request.method == "GET" and route in SUPPORTED:
+        return
+    raise Problem(
+        "as-of-unsupported",
+        f"{request.method} {route} answers only the present: as_of is taken by GET on "
+        + ", ".join(SUPPORTED),
+        supported=[f"GET {r}" for r in SUPPORTED],
+    )
+
+
 @contextlib.asynccontextmanager
-async def past(request: web.Request, org: str) -> AsyncIterator[tuple[ReadModel, int]]:
-    """The organization's read model as of the request's `as_of`, and its sequence."""
+async def past(
+    request: web.Request, org: str, ws: str | None = None, *, seq: int = 0
+) -> AsyncIterator[tuple[ReadModel, int]]:
+    """The organization's read model as of the request's `as_of` (or `seq`, resolved
+    already), and its sequence; with `ws`, one folded from that workspace's history
+    (projections/asof.py `subjects`), which answers that workspace's questions alone."""
     models = request.app[PAST]
-    raw = request.query[AS_OF]
     try:
-        seq = await models.resolve(raw)
-        async with models.at(org, seq) as read:
+        seq = seq or await models.resolve(request.query[AS_OF])
+        async with models.at(org, seq, ws) as read:
             yield read, seq
     except TooCostly as e:
         raise Problem(e.slug, str(e), headers={"Retry-After": "1"}) from None
@@ -121,8 +148,26 @@ def _run(row: Row) -> Row:
     return {k: v for k, v in row.items() if k not in RUN_OMITTED}
 
 
+async def _sequence(request: web.Request) -> int:
+    try:
+        return await request.app[PAST].resolve(request.query[AS_OF])
+    except AsOfError as e:
+        raise Problem(e.slug, str(e)) from None
+    except (nats.errors.Error, InfraError, TimeoutError) as e:
+        raise Problem("unavailable", f"the event stream is out of reach: {e!r}") from None
+
+
 async def run(request: web.Request, org: str, run_id: str) -> web.Response:
-    async with past(request, org) as (read, seq):
+    """The run from its workspace's model (its workspace: its first event's subject, at
+    the stream's leader); a run that did not exist then is 404 without folding a thing."""
+    seq = await _sequence(request)
+    try:
+        ws = await request.app[PAST].run_workspace(org, run_id, seq)
+    except (nats.errors.Error, InfraError, TimeoutError) as e:
+        raise Problem("unavailable", f"the event stream is out of reach: {e!r}") from None
+    if ws is None:
+        raise Problem("not-found", f"run {run_id} not found as of {seq}")
+    async with past(request, org, ws, seq=seq) as (read, seq):
         row = await read.runs.get(org, run_id)
         removed = None if row is not None else await read.runs.removed_at(org, run_id)
     if removed is not None:  # as GET answered then (services/surfaces/api/removed.py)
@@ -133,7 +178,7 @@ async def run(request: web.Request, org: str, run_id: str) -> web.Response:
 
 
 async def workspace(request: web.Request, org: str, ws: str) -> web.Response:
-    async with past(request, org) as (read, seq):
+    async with past(request, org, ws) as (read, seq):
         row = await read.workspaces.get(org, ws)
     if row is None:
         raise Problem("not-found", f"workspace {ws} not found as of {seq}")
@@ -141,7 +186,7 @@ async def workspace(request: web.Request, org: str, ws: str) -> web.Response:
 
 
 async def state_versions(request: web.Request, org: str, ws: str) -> web.Response:
-    async with past(request, org) as (read, seq):
+    async with past(request, org, ws) as (read, seq):
         if await read.workspaces.get(org, ws) is None:
             raise Problem("not-found", f"workspace {ws} not found as of {seq}")
         rows = await read.workspaces.state_versions(org, ws)
@@ -153,14 +198,27 @@ async def runs(
 ) -> web.Response:
     """A page of the organization's runs (of `filters["workspace"]` if given), newest
     first, as `GET .../runs` answered it; `readable`: the workspaces the caller may read
-    today (None: all)."""
-    async with past(request, org) as (read, seq):
-        if await read.orgs.get(org) is None:
-            raise Problem("not-found", f"organization {org} not found as of {seq}")
-        ws = filters.get("workspace")
-        if ws is not None and await read.workspaces.get(org, ws) is None:
-            raise Problem("not-found", f"workspace {ws} not found as of {seq}")
-        rows = await read.runs.find(org, **filters)
+    today (None: all). A workspace's page is read from its own model, unless its cursor
+    (`before`) is not one of its runs then: the organization's model places that."""
+    ws = filters.get("workspace")
+    seq = await _sequence(request)
+    async with past(request, org, ws, seq=seq) as (read, seq):
+        cursor = filters.get("before")
+        if ws is None or cursor is None or await read.runs.workspace_of(org, cursor) == ws:
+            return await _page(read, seq, org, filters, readable)
+    async with past(request, org, seq=seq) as (read, seq):
+        return await _page(read, seq, org, filters, readable)
+
+
+async def _page(
+    read: ReadModel, seq: int, org: str, filters: dict[str, Any], readable: set[str] | None
+) -> web.Response:
+    if await read.orgs.get(org) is None:
+        raise Problem("not-found", f"organization {org} not found as of {seq}")
+    ws = filters.get("workspace")
+    if ws is not None and await read.workspaces.get(org, ws) is None:
+        raise Problem("not-found", f"workspace {ws} not found as of {seq}")
+    rows = await read.runs.find(org, **filters)
     page_full = len(rows) == filters["limit"]
     after = rows[-1]["id"] if page_full and rows else None
     if readable is not None:

@@ -1,6 +1,6 @@
 """Middlewares, outermost first: a span per request (a caller's `traceparent` is its
 parent), one log line per request, problem details for every error, bearer
-authentication, and the RP-Min-Seq wait of reads."""
+authentication, `as_of` refused where it is not taken, and the RP-Min-Seq wait of reads."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanKind
 
 from infra import origin, tracing
 from infra.directget import InfraError
-from services.surfaces.api import audit, docs, idempotency
+from services.surfaces.api import asof, audit, docs, idempotency
 from services.surfaces.api.auth import PRINCIPAL, authenticate
 from services.surfaces.api.context import API
 from services.surfaces.api.problems import Problem, refusals
@@ -162,12 +162,21 @@ async def min_seq(request: web.Request, handler: Handler) -> web.StreamResponse:
     return await handler(request)
 
 
+@web.middleware
+async def as_of_supported(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """`?as_of=` on an API route that does not answer the past is refused before the
+    handler (or a stored idempotent answer) runs (services/surfaces/api/asof.py)."""
+    asof.refuse_unsupported(request)
+    return await handler(request)
+
+
 MIDDLEWARES = (
     trace_requests,
     log_requests,
     problems,
     audit.audit_requests,  # inside problems: sees refusals before they are answers
     authenticate_requests,
+    as_of_supported,  # before idempotency: a stored answer is not an answer as of then
     idempotency.idempotent,  # after authentication: a key is its token's
     min_seq,
 )

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[int, str]] = {
     "invalid-body": (400, "The request body is invalid"),
     "invalid-query": (400, "A query parameter is invalid"),
     "invalid-header": (400, "A request header is invalid"),
+    "as-of-unsupported": (400, "This endpoint answers only the present: as_of is not taken"),
     "unauthorized": (401, "Authentication is required"),
     "token-expired": (401, "The token has expired"),
     "user-suspended": (401, "The token's user is suspended (or its team is gone)"),
