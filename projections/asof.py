@@ -9,13 +9,25 @@ answers comes from another organization's events (the reads ask for the organiza
 rows, `WHERE org = ?`, and the fold of an event writes rows of the event's own
 organization), so leaving the others out changes nothing but the cost.
 
+A workspace's answers (the workspace, its queue and lock, its state versions, its runs
+and their list) read rows only its own events write: `workspaces` and `ws_queue` from
+`rp.ws.<org>.<ws>`, `runs`, `steps`, the run's `events` rows, `state_versions` and
+`removed_runs` from its runs' subjects (`rp.run.<org>.<ws>.>`) and its own, and the
+organization's row from `rp.org.<org>`. Nothing on the organization's other subjects
+(folders, teams, grants, run triggers, schedules, notifications, VCS, token uses: their
+folds write other tables, or none) nor another workspace's writes one of those rows, so
+a model of that workspace (`subjects(org, ws)`) answers them as the whole
+organization's does, at a fraction of the cost (tests/test_as_of_narrow.py).
+
 - A time is the last sequence whose stream timestamp is at or before it: one request to
   the stream's leader (`STREAM.MSG.GET` with `start_time`: the first message stored after
   the time, minus one), never a scan.
-- Scratch models are cached (least recently used first out, at most `max_models`, and at
-  most `max_held` events folded in all); a request at S2 advances the organization's
-  newest cached model at S1 <= S2 instead of starting over, and a model is never moved
-  back (S2 < S1 starts from the cached model nearest below, or from sequence 1).
+- Scratch models, the organization's and its workspaces', are cached (least recently
+  used first out, at most `max_models`, and at most `max_held` events folded in all); a
+  request at S2 advances the newest cached model of its scope at S1 <= S2 instead of
+  starting over, and a model is never moved back (S2 < S1 starts from the cached model
+  nearest below, or from sequence 1). The organization's model serves a workspace's
+  request when it is at S2, or at most `_NEAR` sequences below.
 - Work is capped: a request folds at most `max_events` events. Past that it stops,
   keeps what it folded (the next request goes on from there) and raises `TooCostly`; an
   organization's answers never hold the api for more than that.

@@ -4,8 +4,14 @@ organization's runs as the API answered them once the stream held that sequence.
 The caller's access is checked first, exactly as for the live answer and by today's rule
 (`scope`, events/access.py): a grant given after the moment does not hide the past, a
 grant revoked before now hides it (what a caller may read is who they are now, not who
-they were). The answer comes from the organization's scratch read model
-(projections/asof.py), never from another organization's events.
+they were). The answer comes from a scratch read model (projections/asof.py): a run's,
+a workspace's, its state versions' and its runs' from that workspace's own history, the
+organization's runs from the organization's; never from another organization's events.
+
+Every other runplane API route refuses `as_of` (400 `as-of-unsupported`, naming those
+that take it: `SUPPORTED`), in one middleware before any handler runs
+(services/surfaces/api/middleware.py): a read ignoring it would be taken for the past,
+a command must never run under it.
 
 What an answer holds that is not in the event log is left out, and named in
 `as_of_omitted`: a run's `owner` and `deadline` (the heartbeat board), a workspace's

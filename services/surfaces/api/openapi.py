@@ -113,7 +113,7 @@ PARAMETERS: dict[str, Doc] = {
 }
 
 _ERRORS = {
-    "400": "invalid-body, invalid-query or invalid-header",
+    "400": "invalid-body, invalid-query, invalid-header or as-of-unsupported",
     "401": "unauthorized (no token, an unknown or a revoked one) or token-expired",
     "403": "forbidden: the token's role lacks the permission in its organization",
     "404": "not-found: absent, or not visible to the token's organization",
