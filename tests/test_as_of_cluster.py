@@ -1,6 +1,7 @@
 """`?as_of=` through a server whose replica of RP_EVENTS is behind (three nats-servers,
 streams at R3): the answer as of a sequence holds every event of the organization up to
-it, never half a state, however far the server the api reaches lags. A direct get
+it, never half a state, however far the server the api reaches lags: the organization's
+model and a workspace's (whose run is found at the leader) alike. A direct get
 through that server (the old path of every reader, tests/stale_reads_support.py) misses
 the newest run at least once: the lag is real.
 """
@@ -76,6 +77,11 @@ async def test_as_of_through_a_lagging_replica_answers_the_whole_state(
                 except Exception:  # noqa: BLE001 - a follower far behind may not answer
                     stale_direct += 1
                 assert await past.resolve(str(seq)) == seq
+                # the workspace's own model first (the organization's at seq would serve it)
+                assert await past.run_workspace("acme", created[-1], seq) == "net"
+                async with past.at("acme", seq, "net") as read:
+                    mine = await read.runs.find("acme", workspace="net", limit=1000)
+                assert [r["id"] for r in mine] == list(reversed(created)), i
                 async with past.at("acme", seq) as read:
                     runs = await read.runs.find("acme", limit=1000)
                     ws = await read.workspaces.get("acme", "net")
