@@ -3,19 +3,22 @@
 `?as_of=` (services/surfaces/api/asof.py) and nothing else reads them. The answer "as of
 S" is what the API answered once its projector had folded sequence S: the same
 projection code (`apply_batch`) folds the organization's own events (`rp.org.<org>`,
-`rp.org.<org>.>`, `rp.ws.<org>.>`, `rp.run.<org>.>`) up to S into a scratch SQLite file,
-and the same read functions (`ReadModel`) answer from it. No row of an organization's
+`rp.ws.<org>.>`, `rp.run.<org>.>`: `subjects`) up to S into a scratch SQLite file, and
+the same read functions (`ReadModel`) answer from it. No row of an organization's
 answers comes from another organization's events (the reads ask for the organization's
 rows, `WHERE org = ?`, and the fold of an event writes rows of the event's own
-organization), so leaving the others out changes nothing but the cost.
+organization), so leaving the others out changes nothing but the cost; nor does one
+of the organization's answers read a row folded from its other subjects
+(`rp.org.<org>.>`), left out too.
 
 A workspace's answers (the workspace, its queue and lock, its state versions, its runs
 and their list) read rows only its own events write: `workspaces` and `ws_queue` from
 `rp.ws.<org>.<ws>`, `runs`, `steps`, the run's `events` rows, `state_versions` and
 `removed_runs` from its runs' subjects (`rp.run.<org>.<ws>.>`) and its own, and the
-organization's row from `rp.org.<org>`. Nothing on the organization's other subjects
-(folders, teams, grants, run triggers, schedules, notifications, VCS, token uses: their
-folds write other tables, or none) nor another workspace's writes one of those rows, so
+organization's row from `rp.org.<org>` (whose folders, teams, grants and settings write
+none). Nothing on the organization's other subjects (run triggers, schedules,
+notifications, VCS, chat, token uses: their folds write other tables, or none) nor
+another workspace's writes one of those rows, so
 a model of that workspace (`subjects(org, ws)`) answers them as the whole
 organization's does, at a fraction of the cost (tests/test_as_of_narrow.py).
 
@@ -108,13 +111,15 @@ class TooCostly(AsOfError):
 
 
 def subjects(org: str, ws: str | None = None) -> list[str]:
-    """Every subject of the organization's events (events/codec.py), and no other's; with
-    `ws`, what a workspace's answers are folded from: its own subject, its runs' and the
-    organization aggregate's (the organization's row; none of the organization's other
-    subjects, nor another workspace's, writes a row those answers read)."""
+    """What an organization's answers are folded from (events/codec.py), no other's: the
+    organization aggregate's subject (its row), its workspaces' and their runs'; with
+    `ws`, that workspace's and its runs' alone. None of the organization's other subjects
+    (`rp.org.<org>.>`: notifications and their deliveries, VCS connections and
+    deliveries, chat, schedules, run triggers, token uses) writes a row these answers
+    read, nor does a workspace's write one of another workspace's answers."""
     if ws is not None:
         return [f"rp.org.{org}", f"rp.ws.{org}.{ws}", f"rp.run.{org}.{ws}.>"]
-    return [f"rp.org.{org}", f"rp.org.{org}.>", f"rp.ws.{org}.>", f"rp.run.{org}.>"]
+    return [f"rp.org.{org}", f"rp.ws.{org}.>", f"rp.run.{org}.>"]
 
 
 @dataclass
