@@ -7,7 +7,8 @@ workspace's history alone, and `as_of` where it is not taken is refused.
   and the organization's settings changed in between: they come from models folded from
   `rp.org.<org>`, `rp.ws.<org>.<ws>` and `rp.run.<org>.<ws>.>` alone;
 - a cursor (`before`) naming another workspace's run is placed by the organization's
-  model, as the live list places it;
+  model, as the live list places it; the organization's runs, from a model without
+  `rp.org.<org>.>` (a run trigger, a token's use), are as they were too;
 - a workspace's answer folds its own events, not the organization's: under a cap between
   the two it answers at once where the whole organization's fold is 503;
 - `as_of` on any other API route is 400 `as-of-unsupported` naming those that take it,
