@@ -20,6 +20,11 @@ RUN_ID = "01jrunofanotherorg0000000a"
 ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}"),
     ("GET", "/api/v1/orgs/{org}/audit"),
+    ("GET", "/api/v1/orgs/{org}/audit/destinations"),
+    ("POST", "/api/v1/orgs/{org}/audit/destinations"),
+    ("GET", "/api/v1/orgs/{org}/audit/destinations/{destination}"),
+    ("PATCH", "/api/v1/orgs/{org}/audit/destinations/{destination}"),
+    ("DELETE", "/api/v1/orgs/{org}/audit/destinations/{destination}"),
     ("POST", "/api/v1/orgs/{org}/tokens"),
     ("GET", "/api/v1/orgs/{org}/tokens"),
     ("DELETE", "/api/v1/orgs/{org}/tokens/{token}"),
@@ -127,6 +132,13 @@ ORG_ENDPOINTS = [
 VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs": {"name": "zeta"},
     "/api/v1/orgs/{org}/tokens": {"role": "viewer"},
+    "/api/v1/orgs/{org}/audit/destinations": {
+        "name": "siem",
+        "format": "runplane",
+        "url": "https://siem.example/runplane",
+        "secret": "s",
+    },
+    "/api/v1/orgs/{org}/audit/destinations/{destination}": {"enabled": False},
     "/api/v1/orgs/{org}/workspaces": {"name": "other", "repository": "r"},
     "/api/v1/orgs/{org}/workspaces/{ws}": {"variables": {"n": "2"}},
     "/api/v1/orgs/{org}/workspaces/{ws}/runs": {"type": "plan"},
@@ -219,6 +231,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 schedule="01jschedofanotherorg00000a",
                 slack_id="U0BOB",
                 connection="01jconnofanotherorg000000a",
+            destination="01jdestofanotherorg000000a",
                 source="other",
                 id="sv-acme.net.1.0123456789abcdef",
             )
@@ -276,6 +289,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             schedule="01jschedofanotherorg00000a",
             slack_id="U0BOB",
             connection="01jconnofanotherorg000000a",
+            destination="01jdestofanotherorg000000a",
             source="other",
             id="sv-acme.net.1.0123456789abcdef",
             asset="swagger-ui.css",
