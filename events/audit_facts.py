@@ -19,7 +19,7 @@ from events.audit import OK, Facts, digest
 AUDITED: Final = frozenset(
     {
         "run.created", "run.approved", "run.discarded", "run.canceled", "run.stop_requested",
-        "run.log_pruned",
+        "run.log_pruned", "run.removed",
         "ws.created", "ws.deleted", "ws.purged", "ws.locked", "ws.unlocked",
         "ws.settings_set", "ws.config_changed", "ws.variables_set", "ws.state_pushed",
         "org.created", "org.access_granted", "org.access_revoked", "org.folder_created",
@@ -32,12 +32,13 @@ AUDITED: Final = frozenset(
         "org.user_linked", "org.user_reactivated", "org.user_suspended",
         "org.user_teams_synced", "org.vcs_connection_deleted", "org.vcs_connection_saved",
         "chat.slack_configured", "chat.slack_removed", "chat.slack_user_mapped",
-        "chat.slack_user_unmapped",
+        "chat.slack_user_unmapped", "org.audit_destination_saved",
+        "org.audit_destination_deleted",
     }
 )  # fmt: skip
 
 # What runplane itself decides (its actor names the process, not a person).
-SYSTEM: Final = frozenset({"run.log_pruned"})
+SYSTEM: Final = frozenset({"run.log_pruned", "run.removed"})
 
 # The headers an api request's events carry (infra/origin.py).
 H_REQUEST, H_CLIENT, H_VIA, H_ACTOR_KIND = (
@@ -47,6 +48,7 @@ H_REQUEST, H_CLIENT, H_VIA, H_ACTOR_KIND = (
 _NAMED: Final = (
     ("team", "team"), ("name", ""), ("user_id", "user"), ("token_id", "token"),
     ("connection_id", "vcs connection"), ("schedule_id", "schedule"), ("folder", "folder"),
+    ("destination_id", "audit destination"),
 )  # fmt: skip
 
 
@@ -76,11 +78,28 @@ def facts_of(
         action=tag,
         thing=_thing(parts, tag, event),
         outcome=OK,
+        detail=_removed(tag, event),
         request_id=headers.get(H_REQUEST, ""),
         client=headers.get(H_CLIENT, ""),
         src=seq,
         src_hash=digest(data),
     )
+
+
+def _removed(tag: str, event: Any) -> str:
+    """What a retention record removed (services/processes/retention.py): the read-model
+    rows and each object with its bucket and SHA-256, so the chain itself lists them."""
+    if tag not in SYSTEM:
+        return ""
+    rows = list(getattr(event, "rows", []))
+    objects = [
+        f"{o.bucket or 'rp-logs'}/{o.name} sha256:{o.sha256 or '-'}"
+        for o in getattr(event, "objects", [])
+    ]
+    said = ([f"rows: {', '.join(rows)}"] if rows else []) + [
+        f"objects: {', '.join(objects) or '-'}"
+    ]
+    return "removed " + "; ".join(said)
 
 
 def _via(event: Any) -> str:

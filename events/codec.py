@@ -6,6 +6,7 @@ import re
 
 import msgspec
 
+from events.audit_stream import AuditDestinationEvent
 from events.chat import ChatEvent
 from events.notification import NotificationEvent
 from events.org import OrgEvent
@@ -28,6 +29,7 @@ AnyEvent = (
     | RunTriggerEvent
     | ScheduleEvent
     | SsoEvent
+    | AuditDestinationEvent
 )
 
 _encoder = msgspec.json.Encoder()

@@ -33,6 +33,7 @@ from typing import Final, TypedDict, assert_never
 
 import msgspec
 
+from events import audit_stream as ads
 from events import chat as ch
 from events import members as mb
 from events import run_triggers as rt
@@ -67,6 +68,7 @@ from events.run import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunState,
     RunStopRequested,
     StateVersionCreated,
@@ -229,6 +231,7 @@ def quiet(event: AnyEvent) -> bool:
             | RunStopRequested()  # its executor interrupts the phase, then cancels
             | RunLimitExceeded()  # recorded, not acted on: the apply ends as it does
             | LogPruned()  # retention's record of an ended run
+            | RunRemoved()
         ):
             return True
         case RunAdmitted() | VariablesSet() | SettingsSet() | WorkspaceLocked():
@@ -251,6 +254,7 @@ OthersEvent = (
     | rt.RunTriggerEvent
     | sc.ScheduleEvent
     | sso.SsoEvent
+    | ads.AuditDestinationEvent
 )
 
 
@@ -322,6 +326,8 @@ def _others_own(event: OthersEvent) -> bool:
             return True
         case sso.SsoConfigured() | sso.SsoRemoved():  # read by sign-ins from its subject
             return True
+        case ads.DestinationSaved() | ads.DestinationDeleted():  # the audit streamer's own
+            return True
         case _:
             assert_never(event)
 
@@ -379,6 +385,7 @@ def _run(event: RunEventT, s: RunState) -> list[Action]:
             | RunStopRequested()
             | RunLimitExceeded()
             | LogPruned()
+            | RunRemoved()
         ):
             return []
         case _:

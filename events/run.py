@@ -37,6 +37,7 @@ from events.run_commands import (
     PruneLog,
     RecordStateVersion,
     RecoverStateVersion,
+    RemoveRun,
     ReportResource,
     RunCommand,
     StartStep,
@@ -66,6 +67,7 @@ from events.run_events import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunStopRequested,
     StateVersionCreated,
     Status,
@@ -97,6 +99,8 @@ def evolve(state: RunState, event: RunEvent) -> RunState:
     event recorded before it carried one, the status its day derived: `upcast`)."""
     if isinstance(event, LogPruned):  # a record about the run, not a move of it
         return _replace(state, version=state.version + 1, log_removed_at=event.at)
+    if isinstance(event, RunRemoved):  # as is this one
+        return _replace(state, version=state.version + 1, removed_at=event.at)
     return _ended(state, _moved(state, event), event)
 
 
@@ -162,6 +166,8 @@ def _facts(s: RunState, event: RunEvent) -> RunState:
             return _replace(s, limit_exceeded=event.limit)
         case LogPruned():
             return _replace(s, log_removed_at=event.at)  # (evolve folds it before)
+        case RunRemoved():
+            return _replace(s, removed_at=event.at)  # (evolve folds it before)
         case RunFailed():
             return _replace(
                 s,
@@ -260,6 +266,7 @@ __all__ = [
     "PrunedObject",
     "RecordStateVersion",
     "RecoverStateVersion",
+    "RemoveRun",
     "ReportResource",
     "ResourceChange",
     "ResourceStateChanged",
@@ -274,6 +281,7 @@ __all__ = [
     "RunOptions",
     "RunPinned",
     "RunQueued",
+    "RunRemoved",
     "RunState",
     "RunStopRequested",
     "Snapshot",

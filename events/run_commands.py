@@ -174,6 +174,15 @@ class PruneLog(Command, frozen=True, kw_only=True):
     days: int
 
 
+class RemoveRun(Command, frozen=True, kw_only=True):
+    """Retention: record that the run's whole record is removed. Only a run that ended
+    at or before `ended_before`, and only once."""
+
+    objects: list[PrunedObject]
+    ended_before: datetime
+    days: int
+
+
 RunCommand = (
     CreateRun
     | AdmitRun
@@ -193,4 +202,5 @@ RunCommand = (
     | ExceedLimit
     | FinishCustomStep
     | PruneLog
+    | RemoveRun
 )

@@ -35,12 +35,14 @@ from events.run_commands import (
     PruneLog,
     RecordStateVersion,
     RecoverStateVersion,
+    RemoveRun,
     ReportResource,
     RunCommand,
     StartStep,
 )
 from events.run_events import (
     CANCELABLE,
+    REMOVED_ROWS,
     RUN_TYPES,
     STOPPABLE,
     TERMINAL,
@@ -60,6 +62,7 @@ from events.run_events import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunStopRequested,
     StateVersionCreated,
     Status,
@@ -161,6 +164,14 @@ def decide(
     state: RunState, command: RunCommand, *, now: datetime, new_id: Callable[[], str]
 ) -> list[RunEvent]:
     """Decide which events a command produces against the current run state."""
+    if state.removed_at is not None:  # retention removed its record: nothing more
+        raise IllegalTransition("the run's record is removed by retention", status="removed")
+    return _decide(state, command, now=now, new_id=new_id)
+
+
+def _decide(
+    state: RunState, command: RunCommand, *, now: datetime, new_id: Callable[[], str]
+) -> list[RunEvent]:
     match command:
         case CreateRun():
             _check_create(state, command)
@@ -212,23 +223,37 @@ def decide(
         case FailRun():
             _check_fail(state, command)
             return [_record(RunFailed, command, now, reason=command.reason or "failed")]
-        case PruneLog():
-            return _prune_log(state, command, now)
+        case PruneLog() | RemoveRun():
+            return _retention(state, command, now)
         case _:
             assert_never(command)
 
 
+def _retention(state: RunState, command: PruneLog | RemoveRun, now: datetime) -> list[RunEvent]:
+    """Retention's records: a log prune, or the whole record's removal
+    (services/processes/retention.py, removal.py)."""
+    if isinstance(command, PruneLog):
+        return _prune_log(state, command, now)
+    _check_retention(state, command.ended_before)
+    return [_record(RunRemoved, command, now, rows=list(REMOVED_ROWS))]
+
+
 def _prune_log(state: RunState, command: PruneLog, now: datetime) -> list[RunEvent]:
     """Retention: only a run that has ended, before the cutoff, and only once."""
-    if not state.terminal or state.ended_at is None:
-        raise IllegalTransition(
-            f"cannot remove the log of a run that is {state.status}", status=str(state.status)
-        )
-    if state.ended_at > command.ended_before:
-        raise IllegalTransition("the run ended after the retention cutoff", status="recent")
+    _check_retention(state, command.ended_before)
     if state.log_removed_at is not None:
         raise IllegalTransition("the run's log is removed already", status="removed")
     return [_record(LogPruned, command, now)]
+
+
+def _check_retention(state: RunState, ended_before: datetime) -> None:
+    """Retention touches only a run that has ended, at or before the cutoff."""
+    if not state.terminal or state.ended_at is None:
+        raise IllegalTransition(
+            f"retention cannot touch a run that is {state.status}", status=str(state.status)
+        )
+    if state.ended_at > ended_before:
+        raise IllegalTransition("the run ended after the retention cutoff", status="recent")
 
 
 def _next(state: RunState, start: int | None = None) -> dict[str, object]:

@@ -253,6 +253,7 @@ class PrunedObject(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     sha256: str = ""
     size: int = 0
+    bucket: str = ""  # "" in run.log_pruned: rp-logs; run.removed names each one's
 
 
 class LogPruned(Event, frozen=True, kw_only=True, tag="run.log_pruned"):
@@ -261,6 +262,23 @@ class LogPruned(Event, frozen=True, kw_only=True, tag="run.log_pruned"):
 
     objects: list[PrunedObject] = []
     days: int = 0  # the retention (days after the run ended) that applied
+
+
+# The read model's rows a removal drops (projections/working.py REMOVED_BY_RUN): named in
+# the event, so what a replay drops is what the record says.
+REMOVED_ROWS = ("runs", "steps", "changes", "resource_states")
+
+
+class RunRemoved(Event, frozen=True, kw_only=True, tag="run.removed"):
+    """Retention removed the run's whole record: its read-model rows (`rows`: the run's
+    row with its approvals and cause, its steps with their metrics, its plan's changes,
+    its resource states) and stored objects (`objects`, each with its bucket and digest:
+    logs, the saved plan). Its events (this one too) stay: the event log is append-only.
+    Recorded before anything is deleted."""
+
+    objects: list[PrunedObject] = []
+    rows: list[str] = []
+    days: int = 0  # the record retention (days after the run ended) that applied
 
 
 RunEvent = (
@@ -282,4 +300,5 @@ RunEvent = (
     | RunLimitExceeded
     | CustomStepFinished
     | LogPruned
+    | RunRemoved
 )

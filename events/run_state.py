@@ -57,6 +57,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     options: RunOptions | None = None  # targets, replaces, refresh, run variables
     ended_at: datetime | None = None  # when it reached a terminal status
     log_removed_at: datetime | None = None  # retention removed its stored logs then
+    removed_at: datetime | None = None  # retention removed its whole record then
     version: int = 0
 
     @property

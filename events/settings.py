@@ -83,7 +83,8 @@ MAX_DAYS = 36500
 # Retention (services/processes/retention.py): the organization's alone, never inherited
 # from or set by a folder or a workspace (their admins do not decide what the org keeps).
 LOG_RETENTION = "log_retention_days"
-ORG_ONLY = frozenset({LOG_RETENTION})
+RECORD_RETENTION = "record_retention_days"  # 0: never (the deployment's default)
+ORG_ONLY = frozenset({LOG_RETENTION, RECORD_RETENTION})
 
 
 class Spec(NamedTuple):
@@ -117,6 +118,12 @@ SPECS: dict[str, Spec] = {
     workload.ENABLED: Spec(False, _bool, "each plan and apply phase gets a workload identity JWT"),
     workload.AUDIENCE: Spec(
         workload.DEFAULT_AUDIENCE, workload.audience_problem, "the workload token's `aud`"
+    ),
+    RECORD_RETENTION: Spec(
+        None,
+        days_problem,
+        "days after a run ended that its whole record (rows, logs, plan) is kept; 0: for "
+        "ever (null: the deployment's default, 0 unless set); the organization's setting only",
     ),
     LOG_RETENTION: Spec(
         None,

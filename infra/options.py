@@ -83,9 +83,24 @@ class Options:
     workspace_max_open_runs: int = 100
     # retention (services/processes/retention.py): the deployment's default, pass interval
     log_retention_days: int = 90
+    record_retention_days: int = 0  # 0: runs' whole records are kept for ever
     retention_interval: float = 3600.0
+    # ?as_of= (projections/asof.py): scratch read models cached, events one request folds
+    as_of_models: int = 16
+    as_of_max_events: int = 20_000  # projections/asof.py MAX_EVENTS
+    # runplane replay: where to stop (a sequence or an RFC 3339 time; "": the end), where
+    # to write ("": the data directory's read model)
+    replay_until: str = ""
+    replay_output: str = ""
     org_weights: str = ""
     org_max_phases: int = 0
+    # streaming the audit log to its destinations (services/processes/audit_stream.py):
+    # seconds between tries (the last repeats), one request's timeout, records a request
+    # carries, and whether http:// destinations are taken (else https:// only)
+    audit_stream_retry: tuple[float, ...] = (2.0, 10.0, 60.0, 300.0)
+    audit_stream_timeout: float = 10.0
+    audit_stream_batch: int = 100
+    audit_stream_allow_http: bool = False
     job_memory: int = JOB_MEMORY  # bytes, the most any job's processes hold at once
     job_processes: int = JOB_PROCESSES  # tasks (threads count)
     job_cpu_seconds: int = JOB_CPU_SECONDS
@@ -141,10 +156,22 @@ class Options:
             raise ConfigError(f"--webhook-concurrency wants {low} to {high}")
         if not 0 <= self.log_retention_days <= 36500 or not 1 <= self.retention_interval:
             raise ConfigError("--log-retention-days wants 0 to 36500, --retention-interval 1+")
+        self._check_audit_stream()
+        if not 0 <= self.record_retention_days <= 36500:
+            raise ConfigError("--record-retention-days wants 0 (never) to 36500")
         if problems := self.quotas.problems():
             raise ConfigError("; ".join(problems))
         self._check_job_caps()
         self._check_identity()
+
+    def _check_audit_stream(self) -> None:
+        retry = self.audit_stream_retry
+        if not retry or not all(0 < s <= 86400 for s in retry):
+            raise ConfigError("--audit-stream-retry wants seconds (0 to 86400), comma separated")
+        if not 0.1 <= self.audit_stream_timeout <= 300 or not 1 <= self.audit_stream_batch <= 1000:
+            raise ConfigError(
+                "--audit-stream-timeout wants 0.1 to 300 s, --audit-stream-batch 1 to 1000"
+            )
 
     def _check_identity(self) -> None:
         low, high = WORKLOAD_KEY_ROTATION_RANGE

@@ -37,6 +37,10 @@ PHASES = ("plan", "apply")  # and custom-<number>: events/templates.py valid_pha
 
 _BATCH = 1000
 _TIMEOUT = 5.0
+# The longest a reader of a finished run's log may take (services/surfaces/api/runlog.py
+# `Lines`): retention deletes a run's objects only more than this after it recorded their
+# removal (services/processes/retention.py GRACE_S), so a read that began before is whole.
+READ_DEADLINE_S = 600.0
 _OBJ_API = "$JS.API.DIRECT.GET." + OBJ_STREAM_TEMPLATE.format(bucket=LOGS_BUCKET)
 
 

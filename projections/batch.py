@@ -153,6 +153,8 @@ def _skip(w: Working, it: Item, reason: str) -> None:
 async def _flush(db: aiosqlite.Connection, w: Working, seq: int) -> None:
     for org, ws in w.purged:
         await _purge(db, org, ws)
+    for sql, params in removal_statements(w.removed):
+        await db.execute(sql, params)
     for table, deletes, upserts in changed(w):
         if deletes:
             await db.executemany(table.delete, deletes)
@@ -177,6 +179,16 @@ def purge_statements(org: str, ws: str) -> list[tuple[str, tuple[str, str]]]:
     out.append(("DELETE FROM runs WHERE org = ? AND workspace = ?", (org, ws)))
     out.append(("DELETE FROM state_versions WHERE org = ? AND workspace = ?", (org, ws)))
     return out
+
+
+def removal_statements(run_ids: list[str]) -> list[tuple[str, tuple[str]]]:
+    """The deletes of removed runs' stored rows (run.removed), run before the batch's other
+    writes as a purge's are (`Working.remove_run` dropped what the batch held)."""
+    return [
+        (f"DELETE FROM {table} WHERE {'id' if table == 'runs' else 'run_id'} = ?", (run_id,))
+        for run_id in run_ids
+        for table in PURGED_BY_RUN
+    ]
 
 
 def changed(w: Working) -> list[tuple[Table, list[Key], list[tuple[Any, ...]]]]:

@@ -37,7 +37,15 @@ from typing import Any, TypeVar
 from events.run import RunCreated
 from events.workspace import WorkspaceCreated
 from projections import changes, schema
-from projections.batch import Item, changed, decode_item, fold, needed, purge_statements
+from projections.batch import (
+    Item,
+    changed,
+    decode_item,
+    fold,
+    needed,
+    purge_statements,
+    removal_statements,
+)
 from projections.ordered import Delivered, OrderedReader
 from projections.project import finish
 from projections.schema import CHANGES, RESOURCE_STATES, RUNS, STEPS, WORKSPACES, Key, Row, Table
@@ -106,6 +114,7 @@ def statements(w: Working, seq: int) -> list[Statement]:
     out: list[Statement] = [
         (sql, list(params)) for org, ws in w.purged for sql, params in purge_statements(org, ws)
     ]
+    out += [(sql, list(params)) for sql, params in removal_statements(w.removed)]
     for table, deletes, upserts in changed(w):
         for chunk in _chunks(deletes):
             out.append((_delete_sql(table, len(chunk)), list(chain.from_iterable(chunk))))
@@ -294,6 +303,8 @@ class Rows:
         for org, ws in w.purged:  # before the batch's rows: a run made after is kept
             for run_id in [r for r, agg in held.items() if _of(agg, org, ws)]:
                 del held[run_id]
+        for run_id in w.removed:  # its rows are gone from the file: none is held either
+            held.pop(run_id, None)
         for name in _RUN_NAMES:
             for key, row in w.dirty.get(name, {}).items():
                 run_id = key[0]
@@ -389,13 +400,19 @@ async def fill(
     idle_timeout: float | None,
     in_flight: int = 2,
     rows: Rows | None = None,
+    cut: int | None = None,
 ) -> int:
     """Fold batches until the target sequence is in, in this process; return the number of
-    events folded (skipped ones not counted)."""
+    events folded (skipped ones not counted). `cut`: nothing past that sequence is folded
+    (a batch is cut there, and the fill ends at the first message past it)."""
     filler = Filler(writer, in_flight=in_flight, rows=rows)
     try:
         while filler.seq < target:
-            await filler.apply(await reader.next_batch(batch_size, timeout=idle_timeout))
+            batch = await reader.next_batch(batch_size, timeout=idle_timeout)
+            if cut is not None and batch[-1].seq > cut:
+                await filler.apply([m for m in batch if m.seq <= cut])
+                break
+            await filler.apply(batch)
         return await filler.drain()
     finally:
         filler.abandon()

@@ -62,12 +62,17 @@ class OrderedReader:
         start_seq: int = 1,
         idle_heartbeat: float = 1.0,
         filter_subject: str | None = None,
+        filter_subjects: list[str] | None = None,
     ) -> None:
         self.nc = nc
         self.stream = stream
         self.last = start_seq - 1  # the last sequence handed out
         self.idle_heartbeat = idle_heartbeat
         self.filter_subject = filter_subject
+        self.filter_subjects = filter_subjects  # several (instead of `filter_subject`)
+        # the messages the first consumer had to deliver when made (-1: not made yet):
+        # whoever reads to the stream's end as it was at the start knows when it got there
+        self.pending = -1
         # A deque and an event rather than an asyncio.Queue: a replay puts a million
         # messages through here, and Queue.put_nowait/get_nowait cost several times more.
         self._queue: deque[tuple[int, Msg]] = deque()
@@ -184,6 +189,7 @@ class OrderedReader:
             num_replicas=1,
             inactive_threshold=max(5.0, 5 * self.idle_heartbeat),
             filter_subject=self.filter_subject,
+            filter_subjects=self.filter_subjects,
         )
         try:
             info = await self.nc.jetstream().add_consumer(self.stream, config, timeout=5)
@@ -191,6 +197,8 @@ class OrderedReader:
             await sub.unsubscribe()
             raise
         self._sub, self._consumer = sub, info.name
+        if self.pending < 0:
+            self.pending = info.num_pending or 0
         self._seen = asyncio.get_running_loop().time()
 
     async def _reset(self) -> None:

@@ -26,6 +26,7 @@ from events import members as mb
 from events import run as run_agg
 from events import teams as tm
 from events import workspace as ws_agg
+from events.audit_stream import AuditDestinationEvent
 from events.chat import ChatEvent
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -286,6 +287,12 @@ def project_run(w: Working, meta: Meta, event: RunEvent) -> None:
         view = w.runs[run_id] = RunView(run_agg.INITIAL, event.message, None, meta.seq)
     elif view is None:
         raise Unprojectable(f"run {run_id} was never created")
+    if isinstance(event, run_agg.RunRemoved):  # retention: the whole record goes
+        w.remove_run(run_id)
+        s = view.state
+        tomb = {"id": run_id, "org": s.org, "workspace": s.workspace, "seq": meta.seq}
+        w.put("removed_runs", tomb | {"removed_at": iso(event.at)})
+        return
     before = view.state
     view.state = run_agg.evolve(before, event)
     view.last_seq, view.dirty = meta.seq, True
@@ -442,4 +449,6 @@ FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: _audit_only for t in get_args(SsoEvent)},
     # a pull request's report: the audit history only (the reporter reads its own subject)
     **{t: _audit_only for t in get_args(VcsReportEvent)},
+    # audit destinations: the audit history only (the streamer reads their own subjects)
+    **{t: _audit_only for t in get_args(AuditDestinationEvent)},
 }

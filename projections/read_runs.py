@@ -55,6 +55,13 @@ class Runs:
             pins = await state_versions.run_pins(self._read.rows, run_id)
         return _run(row) | pins | (liveness.of_row(row) if live else {})
 
+    async def removed_at(self, org: str, run_id: str) -> str | None:
+        """When retention removed the run's whole record (run.removed), or None."""
+        row = await self._read.row(
+            "SELECT removed_at FROM removed_runs WHERE id = ? AND org = ?", (run_id, org)
+        )
+        return None if row is None else str(row["removed_at"])
+
     async def workspace_of(self, org: str, run_id: str) -> str | None:
         """The run's workspace (what the access check needs of it), or None."""
         row = await self._read.row(

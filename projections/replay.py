@@ -43,14 +43,19 @@ async def replay(
     stream: str = EVENTS,
     batch_size: int = 1000,
     idle_timeout: float = 30.0,
+    until: int | None = None,
 ) -> int:
     """Rebuild `db_path` from the whole stream; return the number of events applied.
 
     Everything up to the stream's last sequence at the start is included (and whatever
     arrives with the last batch); the projector that opens the result resumes from there.
+    With `until` (at most the last sequence: projections/asof.py `resolve`), every event
+    up to it and none after: the read model as it was once the stream held `until`.
     """
     db_path = Path(db_path)
     target = (await nc.jetstream().stream_info(stream)).state.last_seq
+    if until is not None:
+        target = min(target, until)
     fd, name = tempfile.mkstemp(dir=db_path.parent, prefix=f".{db_path.name}.", suffix=".replay")
     os.close(fd)
     scratch = Path(name)
@@ -58,7 +63,8 @@ async def replay(
     try:
         db = await schema.connect(scratch, fast_unsafe=True)
         await db.close()
-        applied = await _fill(nc, scratch, stream, target, batch_size, idle_timeout)
+        cut = target if until is not None else None
+        applied = await _fill(nc, scratch, stream, target, batch_size, idle_timeout, cut)
         await asyncio.to_thread(_swap, scratch, db_path)
     except BaseException:
         scratch.unlink(missing_ok=True)
@@ -69,7 +75,13 @@ async def replay(
 
 
 async def _fill(
-    nc: NATS, scratch: Path, stream: str, target: int, batch_size: int, idle_timeout: float
+    nc: NATS,
+    scratch: Path,
+    stream: str,
+    target: int,
+    batch_size: int,
+    idle_timeout: float,
+    cut: int | None,
 ) -> int:
     """Apply batches until the target sequence is in (each batch one transaction), then
     build the indexes; return the number of events applied."""
@@ -81,7 +93,12 @@ async def _fill(
             with replay_runtime():
                 async with OrderedReader(nc, stream, start_seq=1) as reader:
                     applied = await fill(
-                        reader, writer, target, batch_size=batch_size, idle_timeout=idle_timeout
+                        reader,
+                        writer,
+                        target,
+                        batch_size=batch_size,
+                        idle_timeout=idle_timeout,
+                        cut=cut,
                     )
         await writer.call(create_indexes)
     finally:

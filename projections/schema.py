@@ -20,7 +20,7 @@ import aiosqlite
 
 # (The board's tables, BOARD_TABLES, came without a bump: nothing of the events' fold
 # changed, and where they are missing they are created empty and folded from the start.)
-VERSION = 17
+VERSION = 18
 
 Row = dict[str, Any]
 Key = tuple[Any, ...]
@@ -326,6 +326,15 @@ VCS_DELIVERIES = Table(  # each delivery a connection recorded, in stream order
     "ignored TEXT",  # "" acted on; stale | duplicate
     "record_json TEXT",  # repository, ref, commit, runs, stale, duplicate_of
 )
+REMOVED_RUNS = Table(  # runs whose whole record retention removed (run.removed): a tombstone
+    "removed_runs",
+    ("id",),
+    "id TEXT NOT NULL",
+    "org TEXT NOT NULL",
+    "workspace TEXT NOT NULL",
+    "removed_at TEXT NOT NULL",
+    "seq INTEGER NOT NULL",  # the sequence of its run.removed
+)
 SKIPPED = Table(
     "skipped",
     ("seq",),
@@ -379,6 +388,7 @@ TABLES: tuple[Table, ...] = (
     VCS_CONNECTIONS,
     VCS_BINDINGS,
     VCS_DELIVERIES,
+    REMOVED_RUNS,
     SKIPPED,
 )
 BY_NAME = {t.name: t for t in TABLES}

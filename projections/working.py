@@ -111,6 +111,8 @@ class Working:
         self.audit: list[tuple[Any, ...]] = []
         # Workspaces purged in this batch: their stored run rows go first at the flush.
         self.purged: list[tuple[str, str]] = []
+        # Runs whose record retention removed in this batch: their stored rows go first too.
+        self.removed: list[str] = []
 
     def load(self, table: str, row: Row) -> None:
         key = BY_NAME[table].key(row)
@@ -156,6 +158,18 @@ class Working:
                 del held[key]
                 self._groups["state_versions"][org].discard(key)
         self.purged.append((org, ws))
+
+    def remove_run(self, run_id: str) -> None:
+        """Forget what the batch holds of a removed run (its rows, steps, changes, resource
+        states: events.run REMOVED_ROWS) and have the flush delete the stored ones
+        (`removed`) before it writes anything; a later event of it finds no row."""
+        self.runs.pop(run_id, None)
+        for table in PURGED_BY_RUN:
+            for held in (self.rows[table], self.dirty[table]):
+                for key in [k for k in held if k[0] == run_id]:
+                    del held[key]
+            self._groups[table].pop(run_id, None)
+        self.removed.append(run_id)
 
     def rows_of(self, table: str, first: Any) -> list[Row]:
         """Known rows whose first key column is `first` (e.g. the steps of one run)."""

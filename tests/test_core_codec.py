@@ -9,6 +9,7 @@ from typing import Any, get_args
 import msgspec
 import pytest
 
+from events import audit_stream as ads
 from events import chat as ch
 from events import codec, sso, vcs
 from events import members as mb
@@ -40,6 +41,7 @@ from events.run import (
     RunLimitExceeded,
     RunPinned,
     RunQueued,
+    RunRemoved,
     RunStopRequested,
     Snapshot,
     StateVersionCreated,
@@ -191,6 +193,13 @@ SAMPLES: list[Any] = [
         actor="retention",
         objects=[PrunedObject(name="run-1/plan/init.log", sha256="ab" * 32, size=12)],
         days=90,
+    ),
+    RunRemoved(
+        at=AT,
+        actor="retention",
+        objects=[PrunedObject(name="run-1.tfplan", sha256="cd" * 32, size=9, bucket="rp-plans")],
+        rows=["runs", "steps", "changes", "resource_states"],
+        days=400,
     ),
     TemplateSaved(
         at=AT,
@@ -387,6 +396,23 @@ SAMPLES += [
         secret_changed=True,
     ),
     sso.SsoRemoved(at=AT, actor="alice"),
+    ads.DestinationSaved(
+        at=AT,
+        actor="alice",
+        destination_id="01jsiem",
+        destination=ads.AuditDestination(
+            id="01jsiem",
+            org="acme",
+            name="splunk",
+            format="splunk-hec",
+            url="https://splunk.example.com:8088/services/collector/event",
+            has_secret=True,
+            index="audit",
+            created_at=AT,
+            created_by="alice",
+        ),
+    ),
+    ads.DestinationDeleted(at=AT, actor="alice", destination_id="01jsiem"),
 ]
 
 EVENT_TYPES = [
@@ -400,6 +426,7 @@ EVENT_TYPES = [
     *get_args(rt.RunTriggerEvent),
     *get_args(sc.ScheduleEvent),
     *get_args(sso.SsoEvent),
+    *get_args(ads.AuditDestinationEvent),
 ]
 
 

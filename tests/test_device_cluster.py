@@ -8,26 +8,20 @@ and still gives one token, at whichever replica asks first."""
 from __future__ import annotations
 
 import asyncio
-import json
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import nats
-import nats.errors
 import pytest
 from aiohttp.test_utils import TestClient
 from nats.aio.client import Client as NATS
 
 from infra import streams
-from infra.crypto import KeyRing
 from infra.kv import DEVICE_GRANTS_BUCKET
 from services.app.device import Approver, DeviceGrants
 from services.root.bootstrap import Plane
-from tests.cluster_support import NatsCluster
 from tests.device_support import GRANT_TYPE, V1, Device, device_fixture, nora  # noqa: F401
 from tests.helpers import eventually
+from tests.replicas_support import answered, leaders_again, two_replicas
 from tests.sso_support import LOOPBACK, Browser, Idp, idp_fixture  # noqa: F401
 from tests.tfe_support import Tfe, replica
 
@@ -36,6 +30,11 @@ async def _poll(where: TestClient[Any, Any], device_code: str) -> tuple[int, Any
     form = {"grant_type": GRANT_TYPE, "device_code": device_code, "client_id": "runplane-cli"}
     r = await where.post("/oauth/device/token", data=form)
     return r.status, await r.json(content_type=None)
+
+
+async def _answer(where: Tfe, device_code: str) -> tuple[int, Any]:
+    """A poll's answer once the replica can give one (not 503 while a leader is elected)."""
+    return await answered(lambda: _poll(where.client, device_code), "an answer to the poll")
 
 
 async def test_approved_on_one_replica_and_redeemed_once_across_both(
@@ -79,18 +78,6 @@ async def test_approved_on_one_replica_and_redeemed_once_across_both(
     assert [t["name"] for t in tokens].count("runplane's CLI device login from 127.0.0.1") == 1
 
 
-async def _connect(cluster: NatsCluster, first: int) -> NATS:
-    """A client that prefers node `first` (and reconnects across all)."""
-    urls = cluster.urls[first:] + cluster.urls[:first]
-    return await nats.connect(
-        servers=urls,
-        dont_randomize=True,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.2,
-        **cluster.auth.connect_options(),
-    )
-
-
 def _approver(address: str) -> Approver:
     """An approval as the browser's page makes it (the page itself is tested above)."""
     return Approver(
@@ -99,59 +86,25 @@ def _approver(address: str) -> Approver:
     )  # fmt: skip
 
 
-async def _answer(where: Tfe, device_code: str) -> tuple[int, Any]:
-    """A poll's answer once the replica can give one (not 503 while a leader is elected)."""
-    found: list[tuple[int, Any]] = []
-
-    async def probe() -> bool:
-        try:
-            status, answer = await _poll(where.client, device_code)
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-        found.append((status, answer))
-        return status != 503
-
-    await eventually(probe, timeout=60, interval=0.3, what="an answer to the poll")
-    return found[-1]
-
-
-async def _led(nc: NATS) -> bool:
-    """Whether the grants' bucket and the events stream have leaders again."""
-    try:
-        for name in (streams.EVENTS, f"KV_{DEVICE_GRANTS_BUCKET}"):
-            info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{name}", b"", 2)).data)
-            if not info.get("cluster", {}).get("leader"):
-                return False
-    except (TimeoutError, nats.errors.Error):
-        return False
-    return True
-
-
 @pytest.mark.slow
 async def test_on_a_cluster_a_grant_outlives_its_leader_and_gives_one_token(
     tmp_path: Path,
 ) -> None:
-    keyring = KeyRing.generate()
-    async with NatsCluster(tmp_path / "cluster") as cluster, AsyncExitStack() as stack:
-        one, two = await _connect(cluster, 0), await _connect(cluster, 1)
-        stack.push_async_callback(one.close)
-        stack.push_async_callback(two.close)
-        await streams.declare(one, one.jetstream(), replicas=3)
-        a = await stack.enter_async_context(replica(one, keyring, tmp_path / "a" / "rm.sqlite"))
-        b = await stack.enter_async_context(replica(two, keyring, tmp_path / "b" / "rm.sqlite"))
+    async with two_replicas(tmp_path) as replicas:
+        one, two, a, b = replicas.one, replicas.two, replicas.a, replicas.b
         await a.org("acme")
         asked = await a.client.post("/oauth/device/code", data={"organization": "acme"})
         grant = await asked.json()
         await DeviceGrants(one).decide(grant["user_code"], _approver("10.0.0.7"), approve=True)
-        leader = await cluster.stream_leader(f"KV_{DEVICE_GRANTS_BUCKET}")
+        leader = await replicas.cluster.stream_leader(f"KV_{DEVICE_GRANTS_BUCKET}")
         await leader.kill()  # the approval was acknowledged by a quorum: it stays
-        await eventually(lambda: _led(two), timeout=60, interval=0.3, what="leaders again")
+        await leaders_again(two, streams.EVENTS, f"KV_{DEVICE_GRANTS_BUCKET}")
         answers = await asyncio.gather(
             *(_answer(where, grant["device_code"]) for where in (a, b, a, b))
         )
         assert sorted(s for s, _ in answers) == [200, 400, 400, 400], answers
         await leader.start()
-        await cluster.wait_ready()
+        await replicas.cluster.wait_ready()
         for where in (a, b):  # and still, with every node back
             status, again = await _answer(where, grant["device_code"])
             assert (status, again["error"]) == (400, "invalid_grant"), again

@@ -243,9 +243,12 @@ BUILT_BY_HAND: dict[str, set[str]] = {
     "tests/test_projection.py": {"Projector"},
     "tests/test_projection_replay.py": {"Projector"},  # a live one to replay against
     "tests/test_retention.py": {"Projector"},  # a live one to replay against after a pass
+    "tests/test_record_retention.py": {"Projector"},  # as test_retention's
     "tests/test_known_runs.py": {"App"},  # Apps as two writers of one run, reads counted
     # an App whose reads go through the follower that is behind (the read under test)
     "tests/test_stale_reads.py": {"App"},
+    # an App on the leader of a three-server cluster, one server of which is stopped
+    "tests/test_as_of_cluster.py": {"App"},
 }
 
 

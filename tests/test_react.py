@@ -449,6 +449,8 @@ def _samples() -> list[tuple[Any, Any]]:
     objects = [R.PrunedObject(name="r/plan/init.log", sha256="0" * 64, size=1)]
     pruned = R.LogPruned(at=AT, actor="retention", objects=objects, days=0)
     out.append((pruned, R.evolve(state, pruned)))
+    removed = R.RunRemoved(at=AT, actor="retention", objects=objects, rows=["runs"], days=1)
+    out.append((removed, R.evolve(out[-1][1], removed)))
     ws_history: list[Any] = [
         ws_created(),
         W.RunEnqueued(at=AT, actor="a", run_id="r1"),
@@ -615,6 +617,21 @@ def _samples() -> list[tuple[Any, Any]]:
         # single sign-on (events/sso.py): read by sign-ins from its own subject
         {"type": "org.sso_configured", "issuer": "https://idp.example", "client_id": "c"},
         {"type": "org.sso_removed"},
+        # audit destinations (events/audit_stream.py): the audit streamer's own
+        {
+            "type": "org.audit_destination_saved",
+            "destination_id": "d1",
+            "destination": {
+                "id": "d1",
+                "org": "acme",
+                "name": "siem",
+                "url": "https://siem.example",
+                "has_secret": True,
+                "created_at": AT,
+                "created_by": "a",
+            },
+        },
+        {"type": "org.audit_destination_deleted", "destination_id": "d1"},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -4,7 +4,8 @@ steps and events stay; a run not ended is never touched; replicas racing record 
 a pass killed after the record finishes the deletion next time; one organization's
 setting never reaches another's runs; the chain still verifies; replay rebuilds the same
 read model. Real nats-server, the App the composition root builds; logs stored in
-`rp-logs` as the executor names them (`<run>/<phase>/<step>.log`)."""
+`rp-logs` as the executor names them (`<run>/<phase>/<step>.log`). Passes here delete at
+once (`grace=0`); the readers' grace is tests/test_retention_race.py's."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ async def test_a_pass_removes_ended_runs_logs_keeps_the_rest_and_replay_agrees(
         events_before = {r: await events_of(store, app, r) for r in runs}
         await set_days(app, ORG, 0)
 
-        report = await Retention(nc, app).pass_once()
+        report = await Retention(nc, app, grace=0).pass_once()
         assert sorted(report.pruned) == ended and report.deleted == 2 * len(ended)
         assert sorted(await stored_logs(nc)) == open_
         for run_id in ended:
@@ -137,8 +138,8 @@ async def test_two_replicas_racing_record_each_run_once_and_remove_everything(
     await set_days(system.app, ORG, 0)
     other: Plane = process()
     a, b = await asyncio.gather(
-        Retention(nc, system.app, concurrency=4).pass_once(),
-        Retention(nc, other.app, concurrency=4).pass_once(),
+        Retention(nc, system.app, grace=0, concurrency=4).pass_once(),
+        Retention(nc, other.app, grace=0, concurrency=4).pass_once(),
     )
     assert sorted(a.pruned + b.pruned) == sorted(runs)
     for run_id in runs:
@@ -161,7 +162,7 @@ async def test_a_pass_killed_after_its_record_finishes_the_deletion_next_time(
     await app.run_command(ORG, "net", run_id, intent)
     assert run_id in await stored_logs(nc)
 
-    report = await Retention(nc, app).pass_once()
+    report = await Retention(nc, app, grace=0).pass_once()
     assert report.pruned == [] and report.deleted == 2
     assert await stored_logs(nc) == {}
     evs = await events_of(store, app, run_id)
@@ -175,12 +176,12 @@ async def test_one_organizations_setting_never_prunes_anothers_runs(app: App, nc
     theirs = await canceled_runs(app, "b", "net", 2)
     await store_logs(nc, ours + theirs)
     await set_days(app, "a", 0)
-    report = await Retention(nc, app).pass_once()
+    report = await Retention(nc, app, grace=0).pass_once()
     assert sorted(report.pruned) == sorted(ours) and report.kept == 2
     assert sorted(await stored_logs(nc)) == sorted(theirs)
     assert all(s.log_removed_at is None for s in (await states(app, theirs)).values())
     await set_days(app, "b", 0)
-    assert sorted((await Retention(nc, app).pass_once()).pruned) == sorted(theirs)
+    assert sorted((await Retention(nc, app, grace=0).pass_once()).pruned) == sorted(theirs)
 
 
 async def test_the_deployment_default_applies_where_an_org_sets_nothing(app: App, nc: NATS) -> None:
@@ -190,7 +191,7 @@ async def test_the_deployment_default_applies_where_an_org_sets_nothing(app: App
     theirs = await canceled_runs(app, "b", "net", 1)
     await store_logs(nc, ours + theirs)
     await set_days(app, "b", 30)
-    report = await Retention(nc, app, default_days=0).pass_once()
+    report = await Retention(nc, app, grace=0, default_days=0).pass_once()
     assert report.pruned == ours and sorted(await stored_logs(nc)) == theirs
 
 
@@ -229,7 +230,7 @@ async def test_a_pass_is_on_the_audit_record_and_the_chain_still_verifies(
     runs = await canceled_runs(app, ORG, "net", 3)
     await store_logs(nc, runs)
     await set_days(app, ORG, 0)
-    await Retention(nc, app).pass_once()
+    await Retention(nc, app, grace=0).pass_once()
     records = await recorded(nc, ORG, "run.log_pruned", 3)
     assert {r["thing"] for r in records} == {f"run net/{r}" for r in runs}
     assert all(r["actor"] == "retention" and r["actor_kind"] == "system" for r in records)
@@ -246,7 +247,7 @@ async def test_a_removed_log_answers_410_and_the_run_says_when(
     runs = await varied_history(app)
     await store_logs(nc, list(runs.values()))
     await set_days(app, ORG, 0)
-    await Retention(nc, app).pass_once()
+    await Retention(nc, app, grace=0).pass_once()
     run_id = runs["applied"]
 
     async def projected() -> dict[str, Any]:
@@ -305,7 +306,7 @@ async def test_retention_pass_rate(app: App, nc: NATS) -> None:
     await store_logs(nc, runs)
     await set_days(app, ORG, 0)
     started = time.perf_counter()
-    report = await Retention(nc, app).pass_once()
+    report = await Retention(nc, app, grace=0).pass_once()
     rate = len(report.pruned) / (time.perf_counter() - started)
     print(f"\nretention pass: {len(report.pruned)} runs in {report.seconds:.2f} s, {rate:.0f}/s")
     assert len(report.pruned) == 300
@@ -317,7 +318,7 @@ async def test_the_ui_says_when_retention_removed_a_runs_log(ui: Ui, app: App, n
     runs = await varied_history(app)
     await store_logs(nc, list(runs.values()))
     await set_days(app, ORG, 0)
-    await Retention(nc, app).pass_once()
+    await Retention(nc, app, grace=0).pass_once()
     run_id = runs["applied"]
     browser = ui.browser()
     await browser.signin(ADMIN_TOKEN, ORG)

@@ -6,22 +6,17 @@ api` processes are; and on a three-node cluster with the bucket's leader killed.
 from __future__ import annotations
 
 import asyncio
-import json
-from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import nats
-import nats.errors
 import pytest
 from nats.aio.client import Client as NATS
 
 from infra import streams
-from infra.crypto import KeyRing
 from infra.kv import LOGIN_CODES_BUCKET, UI_SESSIONS_BUCKET
-from tests.cluster_support import NatsCluster
 from tests.helpers import eventually
+from tests.replicas_support import answered, leaders_again, two_replicas
 from tests.tfe_login_support import _code, _exchange, _pkce, _signin
 from tests.tfe_support import Tfe, replica, tfe_fixture
 
@@ -56,61 +51,17 @@ async def test_a_code_exchanged_at_one_replica_is_refused_at_the_other(
     assert [t["user"] for t in issued].count("operator-user") == 3  # its own and two
 
 
-async def _connect(cluster: NatsCluster, first: int) -> NATS:
-    """A client that prefers node `first` (and reconnects across all)."""
-    urls = cluster.urls[first:] + cluster.urls[:first]
-    return await nats.connect(
-        servers=urls,
-        dont_randomize=True,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.2,
-        **cluster.auth.connect_options(),
-    )
-
-
 async def _answered(where: Tfe, code: str, verifier: str) -> tuple[int, Any]:
     """The exchange once the replica can answer (not 503 while a leader is elected)."""
-    found: list[tuple[int, Any]] = []
-
-    async def probe() -> bool:
-        try:
-            status, answer = await _exchange(where, code, verifier)
-        except (aiohttp.ClientError, TimeoutError):  # a 503 as problem details, a timeout
-            return False
-        if status == 503:
-            return False
-        found.append((status, answer))
-        return True
-
-    await eventually(probe, timeout=60, interval=0.3, what="an answer to the exchange")
-    return found[-1]
-
-
-async def _led(nc: NATS) -> bool:
-    """Whether the events stream and the buckets a login writes have leaders again."""
-    names = (streams.EVENTS, f"KV_{LOGIN_CODES_BUCKET}", f"KV_{UI_SESSIONS_BUCKET}")
-    try:
-        for name in names:
-            info = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{name}", b"", 2)).data)
-            if not info.get("cluster", {}).get("leader"):
-                return False
-    except (TimeoutError, nats.errors.Error):
-        return False
-    return True
+    return await answered(lambda: _exchange(where, code, verifier), "an answer to the exchange")
 
 
 @pytest.mark.slow
 async def test_on_a_cluster_a_code_is_taken_once_while_its_leader_is_killed(
     tmp_path: Path,
 ) -> None:
-    keyring = KeyRing.generate()
-    async with NatsCluster(tmp_path / "cluster") as cluster, AsyncExitStack() as stack:
-        one, two = await _connect(cluster, 0), await _connect(cluster, 1)
-        stack.push_async_callback(one.close)
-        stack.push_async_callback(two.close)
-        await streams.declare(one, one.jetstream(), replicas=3)
-        a = await stack.enter_async_context(replica(one, keyring, tmp_path / "rm-a.sqlite"))
-        b = await stack.enter_async_context(replica(two, keyring, tmp_path / "rm-b.sqlite"))
+    async with two_replicas(tmp_path) as replicas:
+        two, a, b = replicas.two, replicas.a, replicas.b
         tokens = await a.org("acme")
         await _signin(a, tokens["operator"])
 
@@ -118,13 +69,15 @@ async def test_on_a_cluster_a_code_is_taken_once_while_its_leader_is_killed(
         code = await _code(a, challenge)
         status, answer = await _exchange(a, code, verifier)
         assert status == 200, answer
-        leader = await cluster.stream_leader(f"KV_{LOGIN_CODES_BUCKET}")
+        leader = await replicas.cluster.stream_leader(f"KV_{LOGIN_CODES_BUCKET}")
         await leader.kill()
         status, again = await _answered(b, code, verifier)  # after the new leader's election
         assert status == 400 and "used" in again["error_description"], again
 
         # while the node is down: a new code, taken at b, refused at a
-        await eventually(lambda: _led(two), timeout=60, interval=0.3, what="leaders again")
+        await leaders_again(
+            two, streams.EVENTS, f"KV_{LOGIN_CODES_BUCKET}", f"KV_{UI_SESSIONS_BUCKET}"
+        )
         verifier2, challenge2 = _pkce()
         code2 = await _answered_code(a, challenge2)
         status, answer = await _answered(b, code2, verifier2)
@@ -133,7 +86,7 @@ async def test_on_a_cluster_a_code_is_taken_once_while_its_leader_is_killed(
         assert status == 400 and "used" in again["error_description"], again
 
         await leader.start()
-        await cluster.wait_ready()
+        await replicas.cluster.wait_ready()
         for where in (a, b):  # and still, with every node back
             status, again = await _answered(where, code, verifier)
             assert status == 400, again

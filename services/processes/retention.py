@@ -14,6 +14,12 @@ step logs (`rp-logs`, named `<run>/<phase>/<step>.log`) and judges each run that
   replica that lost the race to record it) has them deleted again: deletion is
   idempotent, so a kill at any line leaves either nothing done or the deletion to finish.
 
+The objects go only `grace` (GRACE_S) after the event: a log reader checks the event on
+the stream's leader before its first byte and may read for READ_DEADLINE_S
+(services/surfaces/api/runlog.py), so a read that began before the record answers the
+whole log and one after it 410; none finds an object gone halfway (that answered 500
+and hung its client). With the default interval, the objects go one pass later.
+
 Two replicas racing record the event once: the append expects the run's last sequence,
 and the core refuses a second `LogPruned` (events/run_decide.py `_prune_log`). Each
 organization's setting applies to its own runs only: a run's organization is the one its
@@ -24,7 +30,6 @@ that is still listed always has its deletion to finish, never a chunk left behin
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -35,16 +40,16 @@ import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.js.api import ObjectInfo
-from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from events.errors import DomainError
 from events.run import PrunedObject, PruneLog, RunState
 from events.settings import LOG_RETENTION, days_problem
 from infra.directget import InfraError
-from infra.steplogs import log_subject
+from infra.steplogs import READ_DEADLINE_S, log_subject
 from infra.streams import LOGS, LOGS_BUCKET
 from infra.tasks import cancel_and_wait
 from services.app.commands import App
+from services.processes.removal import Removals, delete_objects, hex_digest
 
 log = structlog.get_logger(__name__)
 
@@ -52,6 +57,7 @@ ACTOR = "retention"
 DEFAULT_DAYS = 90
 INTERVAL_S = 3600.0
 CONCURRENCY = 16
+GRACE_S = READ_DEADLINE_S + 300.0  # a margin for the api's and the scheduler's clocks
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -61,15 +67,11 @@ class Report(msgspec.Struct, kw_only=True):
     pruned: list[str] = []
     deleted: int = 0
     kept: int = 0  # runs with stored logs it left (not ended, or not old enough)
+    waiting: int = 0  # runs recorded whose objects wait out the readers' grace
+    removed: list[str] = []  # runs whose whole record it recorded removed
+    removed_objects: int = 0  # objects of removed runs it deleted
+    referenced: int = 0  # runs due for removal but still referenced: kept
     seconds: float = 0.0
-
-
-def hex_digest(info: ObjectInfo) -> str:
-    """The object store's `SHA-256=<base64url>` digest as hex ("" if it has none)."""
-    algo, _, value = (info.digest or "").partition("=")
-    if algo.upper() != "SHA-256" or not value:
-        return ""
-    return base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
 
 
 async def stored_logs(nc: NATS) -> dict[str, list[ObjectInfo]]:
@@ -87,24 +89,6 @@ async def stored_logs(nc: NATS) -> dict[str, list[ObjectInfo]]:
     return out
 
 
-async def delete_objects(nc: NATS, infos: list[ObjectInfo]) -> int:
-    """Delete each object (chunks first, then its meta): idempotent, a gone one counts 0."""
-    js = nc.jetstream()
-    store = await js.object_store(LOGS_BUCKET)
-    stream = OBJ_STREAM_TEMPLATE.format(bucket=LOGS_BUCKET)
-    deleted = 0
-    for info in infos:
-        if info.nuid:
-            chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=LOGS_BUCKET, obj=info.nuid)
-            await js.purge_stream(stream, subject=chunks)
-        try:
-            await store.delete(info.name)
-        except (nats.js.errors.NotFoundError, nats.js.errors.ObjectDeletedError):
-            continue
-        deleted += 1
-    return deleted
-
-
 class Retention:
     """`async with Retention(nc, app):` a pass every `interval` seconds until left."""
 
@@ -116,12 +100,18 @@ class Retention:
         default_days: int = DEFAULT_DAYS,
         interval: float = INTERVAL_S,
         concurrency: int = CONCURRENCY,
+        grace: float = GRACE_S,
+        record_days: int = 0,
     ) -> None:
         self.nc = nc
         self.app = app
         self.default_days = default_days
         self.interval = interval
+        self.grace = timedelta(seconds=grace)
         self._slots = asyncio.Semaphore(concurrency)
+        self.removals = Removals(
+            nc, app, default_days=record_days, grace=self.grace, slots=self._slots
+        )
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Retention:
@@ -142,7 +132,9 @@ class Retention:
                 report = await self.pass_once()
                 log.info(
                     "retention_pass", pruned=len(report.pruned), deleted=report.deleted,
-                    kept=report.kept, seconds=round(report.seconds, 3),
+                    kept=report.kept, waiting=report.waiting, removed=len(report.removed),
+                    removed_objects=report.removed_objects, referenced=report.referenced,
+                    seconds=round(report.seconds, 3),
                 )  # fmt: skip
             except (InfraError, nats.errors.Error, TimeoutError) as e:
                 log.warning("retention_retry", error=repr(e))
@@ -154,6 +146,14 @@ class Retention:
         report = Report()
         now = self.app.clock()
         days: dict[str, int] = {}
+        r = self.removals
+        await r.pass_once(now)  # first: a run removed whole needs no log pass
+        report.removed, report.removed_objects, report.referenced = (
+            r.removed,
+            r.deleted,
+            r.referenced,
+        )
+        report.waiting += r.waiting
         by_run = await stored_logs(self.nc)
 
         async def one(run_id: str) -> None:
@@ -169,9 +169,10 @@ class Retention:
         report: Report,
     ) -> None:  # fmt: skip
         run = (await self.app.load_run("*", None, run_id)).state
-        if not run.exists:
-            return  # objects of no run (a foreign name): not ours to judge
-        if run.log_removed_at is None:
+        if not run.exists or run.removed_at is not None:
+            return  # objects of no run (a foreign name), or of one removed whole (above)
+        recorded = run.log_removed_at
+        if recorded is None:
             keep = await self._days(run.org, days)
             cutoff = now - timedelta(days=keep)
             if not run.terminal or run.ended_at is None or run.ended_at > cutoff:
@@ -179,7 +180,13 @@ class Retention:
                 return
             if await self._record(run, infos, cutoff, keep):
                 report.pruned.append(run_id)
-        deleted = await delete_objects(self.nc, infos)  # (not `+= await`: passes interleave)
+            recorded = now
+        if now - recorded < self.grace:
+            report.waiting += 1
+            return
+        deleted = await delete_objects(
+            self.nc, LOGS_BUCKET, infos
+        )  # (not `+= await`: passes interleave)
         report.deleted += deleted
         await self.nc.jetstream().purge_stream(LOGS, subject=log_subject(run_id, "*", "*"))
 

@@ -22,10 +22,11 @@ import os
 import ssl
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 from aiohttp import web
@@ -43,6 +44,7 @@ from infra.eventstore import EventStore
 from infra.ids import new_id, utcnow
 from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from infra.signing import SigningKeys
+from projections.asof import Bounds
 from projections.projector import Projector
 from services.app.commands import App
 from services.app.flows import SnapshotHook
@@ -54,6 +56,8 @@ from services.app.secrets import SecretsResponder, SecretStore
 from services.app.snapshot import Snapshotter
 from services.app.workload import Minter
 from services.processes.audit import Auditor
+from services.processes.audit_stream import AuditStreamer, StreamSettings
+from services.processes.notifications.guard import allowed_from_env
 from services.processes.retention import Retention
 from services.processes.runwatch import RunWatch
 from services.processes.scheduler.reaper import Reaper
@@ -63,6 +67,8 @@ from services.processes.subscribers.context import SubscriberContext
 from services.processes.subscribers.host import Host
 from services.processes.vcs.heads import GitHeads
 from services.root.runtime import http_site
+from services.surfaces.api import asof as asof_api
+from services.surfaces.api import audit_stream as audit_stream_api
 from services.surfaces.api import device as device_api
 from services.surfaces.api import sso as sso_api
 from services.surfaces.api.app import build_app
@@ -192,12 +198,24 @@ class Plane:
         """Every registered subscription (services/processes/subscribers/), and the
         auditor (services/processes/audit.py) beside them."""
         await self.start_auditor()
+        await self.start_audit_stream()
         return await self.stack.enter_async_context(self.subscribers())
 
     async def start_auditor(self, **overrides: Any) -> Auditor:
         """The audit chains' writer from the event log (`Auditor`)."""
         auditor = Auditor(self.nc, AuditKeys(self.nc, self.keyring), **overrides)
         return await self.stack.enter_async_context(auditor)
+
+    async def start_audit_stream(self, **overrides: Any) -> AuditStreamer:
+        """The audit log sent on to its destinations (services/processes/audit_stream.py)."""
+        opts = self.opts
+        settings = StreamSettings(
+            retry=opts.audit_stream_retry, timeout=opts.audit_stream_timeout,
+            batch=opts.audit_stream_batch, allow_http=opts.audit_stream_allow_http,
+            allow=allowed_from_env(), host=urlsplit(opts.issuer()).hostname or "runplane",
+        )  # fmt: skip
+        streamer = AuditStreamer(self.nc, self.keyring, replace(settings, **overrides))
+        return await self.stack.enter_async_context(streamer)
 
     async def start_runwatch(self) -> RunWatch:
         """A log line per run transition (what `runplane up` shows a person)."""
@@ -235,7 +253,11 @@ class Plane:
         sso_allow = given.pop("sso_allow", self.opts.sso_allow)
         device_grants = given.pop("device_grants", None)  # tests: their clock and interval
         public_url = given.pop("public_url", self.opts.public_url)
+        as_of = given.pop("as_of", Bounds(self.opts.as_of_models, self.opts.as_of_max_events))
+        allow_http = given.pop("audit_stream_allow_http", self.opts.audit_stream_allow_http)
         web_app = build_app(app=self.app, projector=projector, **given)
+        web_app[audit_stream_api.ALLOW_HTTP] = allow_http
+        asof_api.mount(web_app, self.nc, as_of)  # `?as_of=`'s scratch read models
         sso_api.mount(web_app, allow=sso_allow)  # single sign-on, with the secret store's key
         # `runplane login --device` (after the UI: it adds to the self-authenticated routes)
         device_api.mount(web_app, device_grants, public_url=public_url)
@@ -269,6 +291,7 @@ class Plane:
         """Retention passes (services/processes/retention.py) with the deployment's default."""
         given: dict[str, Any] = {
             "default_days": self.opts.log_retention_days,
+            "record_days": self.opts.record_retention_days,
             "interval": self.opts.retention_interval,
         }
         return Retention(self.nc, self.app, **{**given, **overrides})

@@ -26,7 +26,7 @@ from infra.options import (
 )
 from infra.sizes import parse_size
 from services.app import repositories
-from services.root import audit_cmd, identity_flags, tenant_flags
+from services.root import audit_cmd, identity_flags, past_flags, tenant_flags
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
 
@@ -89,6 +89,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
             "one made at /app/settings/tokens and pasted at its prompt)",
         )
         _webhook_opts(p)
+        past_flags.as_of_opts(p)
         identity_flags.sso_opts(p)
 
 
@@ -345,8 +346,7 @@ def parser() -> argparse.ArgumentParser:
     _common(ex)
     _executor_opts(ex)
     _quota_opts(ex)
-    rp = sub.add_parser("replay", help="rebuild the read model from sequence 1")
-    _common(rp)
+    past_flags.add_parser(sub, _common)
     logs_cli.add_parser(sub)
     client.add_parsers(sub)
     nats_cmd = sub.add_parser("nats", help="inspect runplane's streams, buckets and consumers")
@@ -425,6 +425,7 @@ def options(ns: argparse.Namespace) -> Options:
         ],
         quotas=_quotas(ns),
         **tenant_flags.retention(ns),
+        **past_flags.options(ns),
         public_url=getattr(ns, "public_url", ""),
         workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),
     )

@@ -13,6 +13,7 @@ import structlog
 
 from infra import options, tracing
 from infra.options import ConfigError, Options, admin_token
+from projections import asof
 from projections.replay import replay as do_replay
 from services.root import bootstrap
 from services.root.bootstrap import Plane
@@ -203,6 +204,13 @@ async def executor(opts: Options, stack: AsyncExitStack) -> None:
 async def replay(opts: Options, stack: AsyncExitStack) -> None:
     """Rebuild the read model from sequence 1 (the embedded server is started if needed)."""
     nc = await stack.enter_async_context(nats_for(opts, stack))
-    path = bootstrap.readmodel_path(opts)
-    count = await do_replay(nc, path)
-    print(f"replayed {count} events into {path}", flush=True)
+    path = Path(opts.replay_output) if opts.replay_output else bootstrap.readmodel_path(opts)
+    until = None
+    if opts.replay_until:
+        try:
+            until = await asof.resolve(nc, opts.replay_until)
+        except asof.AsOfError as e:
+            raise ConfigError(f"--until: {e}") from None
+    count = await do_replay(nc, path, until=until)
+    upto = f" up to sequence {until}" if until is not None else ""
+    print(f"replayed {count} events{upto} into {path}", flush=True)

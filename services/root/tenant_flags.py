@@ -8,6 +8,8 @@ import argparse
 import os
 from typing import Any
 
+from services.root import audit_flags
+
 
 def open_runs_opts(p: argparse.ArgumentParser) -> None:
     """The open-runs quota (services/app/openruns.py): every process that starts runs."""
@@ -51,7 +53,8 @@ def share_opts(p: argparse.ArgumentParser) -> None:
 
 
 def retention_opts(p: argparse.ArgumentParser) -> None:
-    """Retention (services/processes/retention.py): the deployment's defaults."""
+    """Retention (services/processes/retention.py): the deployment's defaults; and the
+    audit stream's flags (services/root/audit_flags.py)."""
     g = p.add_argument_group("retention (each also RUNPLANE_<FLAG>)")
     g.add_argument(
         "--log-retention-days",
@@ -61,14 +64,24 @@ def retention_opts(p: argparse.ArgumentParser) -> None:
         "that does not set log_retention_days itself (default 90)",
     )
     g.add_argument(
+        "--record-retention-days",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_RECORD_RETENTION_DAYS", "0") or 0),
+        help="days after a run ended that its whole record (rows, logs, plan; its events "
+        "stay) is kept, for every organization that does not set record_retention_days "
+        "itself; 0 (the default): for ever",
+    )
+    g.add_argument(
         "--retention-interval",
         type=float,
         default=float(os.environ.get("RUNPLANE_RETENTION_INTERVAL", "3600") or 3600),
         help="seconds between two retention passes of a scheduler (default 3600)",
     )
+    audit_flags.opts(p)  # the audit log's other way out: its stream to destinations
 
 
 def retention(ns: argparse.Namespace) -> dict[str, Any]:
-    """The retention flags given, as Options' fields."""
-    names = ("log_retention_days", "retention_interval")
-    return {name: getattr(ns, name) for name in names if hasattr(ns, name)}
+    """The retention and audit stream flags given, as Options' fields."""
+    names = ("log_retention_days", "record_retention_days", "retention_interval")
+    given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
+    return {**given, **audit_flags.values(ns)}

@@ -39,12 +39,14 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from events.audit import OK, REFUSED, Facts, Record, decode, digest
+from events.audit import OK, REFUSED, Facts, Record, decode
+from events.audit_stream import answered
 from events.errors import DomainError
 from infra import auditkeys, origin
 from infra.auditlog import AuditLog
 from infra.directget import InfraError
 from infra.ids import utcnow
+from services.surfaces.api import audit_stream
 from services.surfaces.api.auth import PRINCIPAL, Principal
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import scope
@@ -180,15 +182,28 @@ async def record_refusal(request: web.Request, problem: Problem) -> None:
     writes into a chain not theirs). The middleware calls it for every refusal raised; a
     surface that answers a refusal itself (the UI's run page) calls it too."""
     who = request.get(PRINCIPAL)
-    here = origin.current.get()
     raw_org = request.match_info.get("org", "")
-    if who is None or here is None or not raw_org or not _matters(request, problem):
+    if who is None or not raw_org or not _matters(request, problem):
         return
     try:
         org = check_name("org", raw_org)
     except Problem:
         return
     if not who.superuser and who.org != org:
+        return
+    thing = _thing(request.match_info, org)
+    await append_refusal(request, org, status=problem.status, detail=problem.slug, thing=thing)
+
+
+async def append_refusal(
+    request: web.Request, org: str, *, status: int, detail: str, thing: str
+) -> None:
+    """Append the request's refusal (`status`, `detail` a stable slug, on `thing`) to
+    `org`'s chain under the flood limits (module docstring), shared by every surface of
+    this api process: the caller decided whose chain it is."""
+    who = request.get(PRINCIPAL)
+    here = origin.current.get()
+    if who is None or here is None:
         return
     resource = request.match_info.route.resource
     route = resource.canonical if resource is not None else request.path
@@ -197,8 +212,8 @@ async def record_refusal(request: web.Request, problem: Problem) -> None:
         return
     facts = Facts(
         org=org, at=utcnow(), actor=who.user, actor_kind=actor_kind(who), via=here.via,
-        action=f"refused {request.method} {route}", thing=_thing(request.match_info, org),
-        outcome=REFUSED, status=problem.status, detail=problem.slug,
+        action=f"refused {request.method} {route}", thing=thing,
+        outcome=REFUSED, status=status, detail=detail,
         request_id=here.request_id, client=here.client, more=more,
     )  # fmt: skip
     try:
@@ -304,8 +319,7 @@ async def read_page(audit: AuditLog, org: str, q: Query) -> tuple[list[dict[str,
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # not a record: `runplane audit verify` names it
             if q.keeps(record):
-                item = msgspec.to_builtins(record)
-                out.append({"seq": raw.seq, "hash": digest(raw.data), **item})
+                out.append(answered(raw.seq, raw.data, record))
                 if len(out) == q.limit:
                     return out, raw.seq
         if len(page) < 1000:
@@ -341,6 +355,7 @@ async def keys(request: web.Request) -> web.Response:
 ROUTES = [
     web.get("/api/v1/orgs/{org}/audit", org_audit, allow_head=False),
     web.get(KEYS_PATH, keys, allow_head=False),
+    *audit_stream.ROUTES,  # where the log is streamed (a SIEM)
 ]
 
 
@@ -361,7 +376,7 @@ PARAMETERS: dict[str, Doc] = {
     f"audit_{n}": {"name": n, "in": "query", "required": False, "schema": {"type": "string"},
                    "description": d}
     for n, d in _QUERY
-}  # fmt: skip
+} | audit_stream.PARAMETERS  # fmt: skip
 SCHEMAS: dict[str, Doc] = {
     "AuditPage": {
         "type": "object",
@@ -379,6 +394,7 @@ SCHEMAS: dict[str, Doc] = {
         "required": ["keys"],
         "properties": {"keys": {"type": "array", "items": {"type": "object"}}},
     },
+    **audit_stream.SCHEMAS,
 }
 _page = operation(
     "getAudit", "The organization's audit records", (200, "AuditPage"),
@@ -388,4 +404,5 @@ _keys = operation("getAuditKeys", "The audit checkpoints' public keys", (200, "A
 PATHS: dict[str, Doc] = {
     "/api/v1/orgs/{org}/audit": {"get": _page},
     KEYS_PATH: {"get": {**_keys, "security": []}},
+    **audit_stream.PATHS,
 }

@@ -17,7 +17,7 @@ from aiohttp import web
 from events.values import CHANGE_GROUPS, RESOURCE_STATES
 from services.surfaces.api.common import items, json_response, path_id, scope
 from services.surfaces.api.paths import RUN
-from services.surfaces.api.problems import Problem
+from services.surfaces.api.removed import missing_run
 from services.surfaces.api.schemas import BOOL, STR, Doc, ref
 
 _ACTIONS = [action for action, _ in CHANGE_GROUPS]
@@ -28,7 +28,7 @@ async def run_changes(request: web.Request) -> web.Response:
     run_id = path_id(request, "run")
     review = await api.read.runs.changes(org, run_id)
     if review is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     return json_response(review)
 
 
@@ -36,7 +36,7 @@ async def run_resources(request: web.Request) -> web.Response:
     api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
     if await api.read.runs.get(org, run_id) is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     return items(await api.read.runs.resources(org, run_id))
 
 
@@ -122,7 +122,7 @@ def _get(op_id: str, summary: str, answer: str) -> Doc:
                 },
                 **{
                     str(code): {"$ref": f"#/components/responses/{code}"}
-                    for code in (400, 401, 404, 422, 503)
+                    for code in (400, 401, 404, 410, 422, 503)
                 },
             },
         }

@@ -26,12 +26,16 @@ from nats.aio.client import Client as NATS
 
 from events.run import TERMINAL
 from events.templates import valid_phase
+from infra.eventstore import LATEST
 from infra.steplogs import STREAMS, LogError, LogLine
+from projections.working import iso
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.common import path_id, scope
+from services.surfaces.api.context import Api
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.paths import RUN
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.removed import missing_run
 from services.surfaces.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.surfaces.api.schemas import INT, STR, Doc
 from services.surfaces.api.standing import Lapsed, Standing
@@ -86,30 +90,50 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
     page = _page(request, follow)
     run = await api.read.runs.get(org, run_id)
     if run is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     if run["log_removed_at"]:
-        raise Problem(
-            "log-removed",
-            f"log removed by retention on {run['log_removed_at'][:10]}",
-            log_removed_at=run["log_removed_at"],
-        )
+        raise removed(run["log_removed_at"])
     target = Target(org=org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
+    ended = run["status"] in TERMINAL
+    if ended:  # only an ended run's log is ever removed
+        await check_kept(api, target)
     nc = api.app.store.nc
     if follow:
         return await _follow_stream(request, nc, target)
-    lines = Lines(nc, api.read, target, ended=run["status"] in TERMINAL)
-    return await _lines_stream(request, lines, page)
+    lines = Lines(nc, api.read, target, ended=ended, removed=lambda: is_removed(api, target))
+    return await _lines_stream(request, api, lines, page)
+
+
+def removed(at: str) -> Problem:
+    """410 `log-removed`: retention removed the run's stored logs at `at` (ISO 8601)."""
+    return Problem("log-removed", f"log removed by retention on {at[:10]}", log_removed_at=at)
+
+
+async def check_kept(api: Api, target: Target) -> None:
+    """410 if retention recorded the removal of the run's logs, as the event log's leader
+    has it now (the read model may not have folded that record yet)."""
+    state = (await api.app.load_run(target.org, target.ws, target.run_id, min_seq=LATEST)).state
+    if state.log_removed_at is not None:
+        raise removed(iso(state.log_removed_at))
+
+
+async def is_removed(api: Api, target: Target) -> bool:
+    """Whether retention recorded the removal of the run's logs (the leader's answer)."""
+    state = (await api.app.load_run(target.org, target.ws, target.run_id, min_seq=LATEST)).state
+    return state.log_removed_at is not None
 
 
 async def _lines_stream(
-    request: web.Request, lines: Lines, page: Page | None
+    request: web.Request, api: Api, lines: Lines, page: Page | None
 ) -> web.StreamResponse:
-    """The JSON answer, written batch by batch. A failure before the first batch is a 503
-    problem; after it, the answer is cut short (the client sees an incomplete body)."""
+    """The JSON answer, written batch by batch. A failure before the first batch is 410
+    if retention removed the log meanwhile, else a 503 problem; after it, the connection
+    is cut (the client sees an incomplete body, never a 200 that passes for whole)."""
     batches = aiter(lines.batches(page or Page()))
     try:
         first = await anext(batches, None)
     except LogError as e:
+        await check_kept(api, lines.target)
         raise Problem("unavailable", f"the log store is unavailable: {e}") from e
     resp = web.StreamResponse(headers={"Cache-Control": "no-cache"})
     resp.content_type = "application/json"
@@ -122,8 +146,12 @@ async def _lines_stream(
                 await resp.write(b"," + _items(batch) if wrote else _items(batch))
                 wrote = True
     except LogError as e:
-        log.warning("log_read_failed", error=str(e))
-        raise ConnectionResetError("the log store failed while answering") from e
+        # Raising here would reach the problems middleware, whose 500 answer aiohttp then
+        # wrote into this 200's body: a client read it as more chunks and hung.
+        log.warning("log_read_cut", error=str(e))
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
     tail = b"]"
     if page is not None:
         done = lines.ended and not lines.more

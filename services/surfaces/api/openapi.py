@@ -120,11 +120,11 @@ _ERRORS = {
     "408": "request-timeout: the body came slower than the route allows",
     "409": "conflict (with current_status), already-exists, workspace-deleted, "
     "idempotency-in-progress, workspace-not-locked, run-active or state-changed",
-    "410": "state-version-pruned: the version's content is no longer stored; log-removed: "
-    "retention removed the run's stored logs",
+    "410": "state-version-pruned: its content is no longer stored; retention removed the "
+    "run's stored logs (log-removed) or whole record, its events kept (run-removed)",
     "413": "body-too-large",
-    "422": "invalid-id, invalid-command, invalid-policy or idempotency-key-reused",
-    "503": "unavailable or stale-read",
+    "422": "invalid-id, invalid-command, invalid-policy, idempotency-key-reused or invalid-as-of",
+    "503": "unavailable, stale-read or as-of-too-costly",
 }
 
 
@@ -134,7 +134,7 @@ def _problem(what: str) -> Doc:
 
 RESPONSES: dict[str, Doc] = {code: _problem(what) for code, what in _ERRORS.items()}
 _READ = ("min_seq",)
-_LIST = ("status", "limit", "before", "fields", "min_seq")
+_LIST = ("status", "limit", "before", "fields", "min_seq", "as_of")
 _RUN = ("org", "run")
 
 
@@ -297,7 +297,7 @@ PATHS: dict[str, Doc] = {
             "getWorkspace",
             "A workspace",
             (200, "Workspace"),
-            params=("org", "ws", *_READ),
+            params=("org", "ws", *_READ, "as_of"),
             errors=(400, 404, 422, 503),
         ),
         "patch": operation(
@@ -357,8 +357,8 @@ PATHS: dict[str, Doc] = {
             "getRun",
             "A run",
             (200, "Run"),
-            params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            params=(*_RUN, *_READ, "as_of"),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/approve": {
@@ -395,7 +395,7 @@ PATHS: dict[str, Doc] = {
             params=_RUN,
             body="RerunBody",
             body_required=False,
-            errors=(400, 403, 404, 409, 422),
+            errors=(400, 403, 404, 409, 410, 422),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/events": {
@@ -404,7 +404,7 @@ PATHS: dict[str, Doc] = {
             "The run's audit history, oldest first",
             (200, "RunEventList"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/steps": {
@@ -413,7 +413,7 @@ PATHS: dict[str, Doc] = {
             "The run's steps",
             (200, "StepList"),
             params=(*_RUN, *_READ),
-            errors=(400, 404, 422, 503),
+            errors=(400, 404, 410, 422, 503),
         )
     },
     "/api/v1/orgs/{org}/runs/{run}/logs": logs.OPENAPI,

@@ -13,7 +13,7 @@ from events.run import Workspace
 from events.teams import LEVELS, OWNERS
 from projections.working import iso
 from services.app import repositories
-from services.surfaces.api import people, render, secrets, workspaces
+from services.surfaces.api import asof, people, render, secrets, workspaces
 from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.auth import PRINCIPAL, Principal
 from services.surfaces.api.bodies import (
@@ -328,6 +328,8 @@ async def list_workspaces(request: web.Request) -> web.Response:
 async def get_workspace(request: web.Request) -> web.Response:
     api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
+    if asof.asked(request):  # the workspace as answered then (services/surfaces/api/asof.py)
+        return await asof.workspace(request, org, ws)
     row = await secrets.workspace_shown(request, api, org, ws)
     if row is None:
         raise Problem("not-found", f"workspace {ws} not found")

@@ -49,11 +49,13 @@ KINDS: dict[str, tuple[int, str]] = {
     "state-version-other-lineage": (404, "The state version is not of the current lineage"),
     "state-version-pruned": (410, "The state version's content is no longer stored"),
     "log-removed": (410, "Retention removed the run's stored logs"),
+    "run-removed": (410, "Retention removed the run's whole record"),
     "body-too-large": (413, "The request body is too large"),
     "quota-exceeded": (429, "A quota of the deployment is reached"),
     "rate-limited": (429, "Too many requests from this address: wait a minute"),
     "invalid-id": (422, "An identifier is invalid"),
     "invalid-command": (422, "The command is invalid"),
+    "invalid-as-of": (422, "as_of names no moment of the event log"),
     "invalid-policy": (422, "The policy does not compile"),
     "repository-not-allowed": (422, "The repository is not one this deployment allows"),
     "invalid-sso-issuer": (422, "The identity provider cannot be used"),
@@ -67,6 +69,10 @@ KINDS: dict[str, tuple[int, str]] = {
     "internal-error": (500, "Internal server error"),
     "unavailable": (503, "Temporarily unavailable"),
     "stale-read": (503, "The read model has not caught up"),
+    "as-of-too-costly": (
+        503,
+        "Too much history to fold in one request",
+    ),
     "not-ready": (503, "Not ready"),
 }
 
@@ -107,6 +113,19 @@ class Problem(Exception):
             content_type=CONTENT_TYPE,
             headers=self.headers,
         )
+
+
+def run_removed(run_id: str, at: str) -> Problem:
+    """410 `run-removed`: retention removed the run's record at `at` (ISO 8601)."""
+    return Problem("run-removed", removed_text(run_id, at), removed_at=at)
+
+
+def removed_text(run_id: str, at: str) -> str:
+    """What a read of a run retention removed says, on every surface."""
+    return (
+        f"run {run_id} was removed by retention on {at[:10]}: its rows, logs and plan are "
+        "deleted; its events stay in the event log"
+    )
 
 
 def unauthorized(

@@ -11,7 +11,8 @@ skipped, which for a finished run gives every reader the same numbering.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from infra.steplogs import (
+    READ_DEADLINE_S,
     LogError,
     LogLine,
     StoredLog,
@@ -33,6 +35,7 @@ from projections.readmodel import ReadModel
 from services.surfaces.api.runfeed import hub
 
 Key = tuple[str, str]  # (phase, step)
+Removed = Callable[[], Awaitable[bool]]  # whether retention removed the run's logs
 Out = tuple[str, Any]  # (server-sent event name, its data)
 
 # Lines held per step while following (past a gap, or ahead of the step's start event);
@@ -147,13 +150,27 @@ class Lines:
     many went out, and `more` whether a line was left after the page's last.
     """
 
-    def __init__(self, nc: NATS, read: ReadModel, target: Target, *, ended: bool) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        read: ReadModel,
+        target: Target,
+        *,
+        ended: bool,
+        deadline: float = READ_DEADLINE_S,
+        removed: Removed | None = None,
+    ) -> None:
         self.nc = nc
         self.read = read
         self.target = target
         self.ended = ended
         self.count = 0
         self.more = False
+        # Retention deletes a run's objects only READ_DEADLINE_S and more after recording
+        # it (services/processes/retention.py GRACE_S): a read that began before that
+        # record ends (whole) before the deletion, or here, never halfway through a chunk.
+        self.deadline = time.monotonic() + deadline
+        self.removed = removed
 
     async def batches(self, page: Page = Page()) -> AsyncIterator[list[LogLine]]:
         skip, room = page.offset, page.limit
@@ -184,7 +201,9 @@ class Lines:
             seen.add(key)
             if t.wants(key):
                 stored = (step["status"] != "running" and step["log_object"]) or ""
-                async for batch in step_lines(self.nc, t.run_id, key, stored):
+                async for batch in step_lines(self.nc, t.run_id, key, stored, removed=self.removed):
+                    if time.monotonic() > self.deadline:
+                        raise LogError("the read of the log took longer than it may")
                     yield batch
         if self.ended:
             return
@@ -195,12 +214,22 @@ class Lines:
 
 
 async def step_lines(
-    nc: NATS, run_id: str, key: Key, stored: str, *, cursor: StepCursor | None = None
+    nc: NATS,
+    run_id: str,
+    key: Key,
+    stored: str,
+    *,
+    cursor: StepCursor | None = None,
+    removed: Removed | None = None,
 ) -> AsyncIterator[list[LogLine]]:
     """A step's lines: its object's if `stored` names one that exists, else what RP_LOGS
-    has; each line once and in order (from `cursor.next` on, if given)."""
+    has; each line once and in order (from `cursor.next` on, if given). A named object
+    that is gone because retention removed it (`removed`) is a LogError, never RP_LOGS's
+    remains: an empty or partial answer would pass for the whole log."""
     cursor = cursor or StepCursor()
     obj = await StoredLog.open(nc, stored, hub(nc).gate) if stored else None
+    if stored and obj is None and removed is not None and await removed():
+        raise LogError(f"{stored}: removed by retention")
     if obj is not None:
         async for records in obj.records():
             yield cursor.take([LogLine(*key, r.stream, r.line, r.text) for r in records])

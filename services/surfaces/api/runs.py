@@ -9,8 +9,9 @@ from aiohttp import web
 
 from events import access
 from events.run import TERMINAL, CancelRun, Cause, RunCommand, RunState, Status
+from projections.working import iso
 from services.app.execute import Result
-from services.surfaces.api import approvals, render
+from services.surfaces.api import approvals, asof, render
 from services.surfaces.api.auth import Principal
 from services.surfaces.api.bodies import (
     ApproveBody,
@@ -33,14 +34,15 @@ from services.surfaces.api.common import (
 )
 from services.surfaces.api.context import Api
 from services.surfaces.api.paths import ORG, RUN, WS
-from services.surfaces.api.problems import Problem
+from services.surfaces.api.problems import Problem, run_removed
+from services.surfaces.api.removed import missing_run
 
 PREFIX = "/api/v1"
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 _STATUSES = frozenset(s.value for s in Status)
 _OWNED = frozenset({"planning", "applying", "running"})  # a phase runs: it has an owner
-_LIST_PARAMS = frozenset({"status", "workspace", "limit", "before", "fields"})
+_LIST_PARAMS = frozenset({"status", "workspace", "limit", "before", "fields", asof.AS_OF})
 FIELDS = ("full", "summary")  # a list's `fields=`: as GET shows each run, or the summary
 CLIENT_HEADER = "X-Runplane-Client"  # `cli` from runplane's own command line
 
@@ -48,7 +50,7 @@ CLIENT_HEADER = "X-Runplane-Client"  # `cli` from runplane's own command line
 async def _existing_run(api: Api, org: str, run_id: str) -> Row:
     row = await api.read.runs.get(org, run_id)
     if row is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     return row
 
 
@@ -91,9 +93,11 @@ async def get_run(request: web.Request) -> web.Response:
     """The run, with its live `owner` or its `deadline` (projections/liveness.py)."""
     api, org, _ = await scope(request, "workspace.read")
     run_id = path_id(request, "run")
+    if asof.asked(request):  # the run as answered then (services/surfaces/api/asof.py)
+        return await asof.run(request, org, run_id)
     row = await _live_run(api, org, run_id)
     if row is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
     return json_response(row)
 
 
@@ -195,6 +199,9 @@ async def list_runs(request: web.Request) -> web.Response:
         raise Problem("not-found", f"organization {org} not found")
     if "workspace" in filters:
         await require_on(api, who, org, "workspace.read", filters["workspace"])
+    if asof.asked(request):  # whom the caller may read: today's rule, as below
+        mine = None if who.access.uniform(access.READ) else await readable(api, who, org)
+        return await asof.runs(request, org, filters, mine)
     if who.access.uniform(access.READ):
         return await _list(api, org, filters)
     return await _list(api, org, filters, readable=await readable(api, who, org))
@@ -206,6 +213,8 @@ async def list_workspace_runs(request: web.Request) -> web.Response:
     filters = _filters(request)
     if "workspace" in filters:
         raise Problem("invalid-query", "the workspace is given by the path")
+    if asof.asked(request):
+        return await asof.runs(request, org, {**filters, "workspace": ws}, None)
     if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     return await _list(api, org, {**filters, "workspace": ws})
@@ -272,7 +281,9 @@ async def rerun(request: web.Request) -> web.Response:
     await read_body(request, RerunBody, optional=True)
     old: RunState = (await api.app.load_run(org, None, run_id)).state
     if not old.exists:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(api, org, run_id)
+    if old.removed_at is not None:
+        raise run_removed(run_id, iso(old.removed_at))
     await require_on(api, who, org, run_action(old.run_type), old.workspace)
     if not old.terminal:
         raise Problem(

@@ -17,6 +17,7 @@ from events import templates as te
 from events.errors import Invalid
 from events.org import OrgState
 from events.workspace import WorkspaceState
+from services.surfaces.api import asof
 from services.surfaces.api.bodies import CreateFolderBody, check_name, decode_as, read_body
 from services.surfaces.api.common import (
     Row,
@@ -169,6 +170,9 @@ async def get_workspace_settings(request: web.Request) -> web.Response:
     """The workspace's own settings and every effective value, with its origin."""
     api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
+    if asof.asked(request):  # as answered then (services/surfaces/api/asof.py)
+        org_then, ws_then, seq = await asof.aggregates(request, org, ws)
+        return asof.answer(_workspace_settings(org_then, ws_then), seq)
     state = await org_state(api, org)
     return json_response(_workspace_settings(state, await _workspace(api, org, ws)))
 
@@ -325,7 +329,7 @@ PATHS: dict[str, Doc] = {
             "getWorkspaceSettings",
             "The workspace's own settings and every effective one, with its origin",
             (200, "WorkspaceSettings"),
-            ("org", "ws"),
+            ("org", "ws", "as_of"),
             errors=_R,
         ),
         "patch": _op(
@@ -338,7 +342,11 @@ PATHS: dict[str, Doc] = {
         ),
     },
 }
-PARAMETERS: dict[str, Doc] = {"folder": path_param("folder", "folder name")}
+# as_of: every read that takes it (services/surfaces/api/asof.py), this one's among them
+PARAMETERS: dict[str, Doc] = {
+    "folder": path_param("folder", "folder name"),
+    "as_of": asof.PARAMETER,
+}
 
 
 ROUTES = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from services.surfaces.api import asof
 from services.surfaces.api.common import items, path_id, scope
 from services.surfaces.api.paths import WS
 from services.surfaces.api.problems import Problem
@@ -19,6 +20,8 @@ from services.surfaces.api.schemas import BOOL, INT, STR, TIME, Doc, list_of, re
 async def list_state_versions(request: web.Request) -> web.Response:
     api, org, _ = await scope(request, "workspace.read")
     ws = path_id(request, "ws")
+    if asof.asked(request):  # the versions as listed then (services/surfaces/api/asof.py)
+        return await asof.state_versions(request, org, ws)
     if await api.read.workspaces.get(org, ws) is None:
         raise Problem("not-found", f"workspace {ws} not found")
     return items(with_ids(org, ws, await api.read.workspaces.state_versions(org, ws)))
@@ -62,7 +65,7 @@ PATHS: dict[str, Doc] = {
             "operationId": "listStateVersions",
             "summary": "The workspace's state versions, newest first",
             "parameters": [
-                {"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "min_seq")
+                {"$ref": f"#/components/parameters/{p}"} for p in ("org", "ws", "min_seq", "as_of")
             ],
             "responses": {
                 "200": {

@@ -38,7 +38,6 @@ import structlog
 from aiohttp import web
 from nats.js import JetStreamContext
 
-from events.codec import valid_id
 from events.run import ConfigSource
 from executor.errors import ObjectStoreError
 from executor.objects import PLANS_BUCKET, Objects
@@ -50,6 +49,7 @@ from services.surfaces.tfe import ids
 from services.surfaces.tfe import sweep as tfe_sweep
 from services.surfaces.tfe.capability import CapabilityError
 from services.surfaces.tfe.context import api_of, read_json, require, tfe_of
+from services.surfaces.tfe.ids import config_id, parse_config_id
 from services.surfaces.tfe.jsonapi import (
     Doc,
     TfeError,
@@ -183,20 +183,6 @@ def configs_of(request: web.Request) -> ConfigStore:
     if store is None:
         raise TfeError(503, "unavailable", "this deployment has no encryption key")
     return store
-
-
-# ---------------------------------------------------------------- ids
-
-
-def config_id(org: str, ws: str, short: str) -> str:
-    return f"cv-{org}.{ws}.{short}"
-
-
-def parse_config_id(value: str) -> tuple[str, str, str]:
-    parts = value.removeprefix("cv-").split(".")
-    if value[:3] != "cv-" or len(parts) != 3 or not all(valid_id(p) for p in parts):
-        raise not_found(f"configuration version {value!r} not found")
-    return parts[0], parts[1], parts[2]
 
 
 # ---------------------------------------------------------------- rendering

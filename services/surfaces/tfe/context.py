@@ -1,4 +1,5 @@
-"""What every TFE handler needs, and the wrapper that authenticates and answers errors.
+"""What every TFE handler needs, and the wrapper that authenticates and answers errors
+(the refusals that matter on the audit record first: refusals.py).
 
 The TFE routes authenticate themselves (runplane's middleware lets them through:
 `SELF_AUTHENTICATED`), with the same bearer tokens as runplane's API
@@ -25,6 +26,7 @@ from services.surfaces.api.auth import PRINCIPAL, Principal, authenticate
 from services.surfaces.api.common import may_on, require_on
 from services.surfaces.api.context import API, Api
 from services.surfaces.api.problems import Problem, from_domain
+from services.surfaces.tfe import refusals
 from services.surfaces.tfe.capability import Signer
 from services.surfaces.tfe.jsonapi import TfeError, error_response
 
@@ -74,6 +76,7 @@ async def require(request: web.Request, org: str, action: str, ws: str = "") -> 
     """The caller, once it may do `action` (events/access.py) in `org`, on workspace `ws`
     if given: 404 for another organization and a workspace it may not read."""
     who = principal(request)
+    request[refusals.CHECKED] = (org, ws)
     if ws:
         await require_on(api_of(request), who, org, action, ws)
     else:
@@ -90,6 +93,12 @@ def _from_problem(p: Problem) -> TfeError:
     return TfeError(p.status, p.title.lower(), p.detail, **p.headers)
 
 
+async def _refused(request: web.Request, error: TfeError, slug: str) -> web.Response:
+    """The refusal's answer, once it is on the record where it matters (refusals.py)."""
+    await refusals.record(request, error, slug)
+    return error_response(error)
+
+
 def route(handler: Handler, *, public: bool = False) -> Handler:
     """A TFE handler: authenticated unless `public`, every error a JSON:API error."""
 
@@ -100,11 +109,12 @@ def route(handler: Handler, *, public: bool = False) -> Handler:
                 request[PRINCIPAL] = await authenticate(request.app[API], header)
             return await handler(request)
         except TfeError as e:
-            return error_response(e)
+            return await _refused(request, e, refusals.slug_of(e))
         except Problem as p:
-            return error_response(_from_problem(p))
+            return await _refused(request, _from_problem(p), p.slug)
         except DomainError as e:
-            return error_response(_from_problem(from_domain(e)))
+            problem = from_domain(e)
+            return await _refused(request, _from_problem(problem), problem.slug)
         except (StoreError, nats.errors.Error) as e:
             log.warning("event_store_unavailable", error=str(e))
             return error_response(TfeError(503, "unavailable", "try again"))

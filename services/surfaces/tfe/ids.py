@@ -47,6 +47,18 @@ def _serial(text: str) -> bool:
     return text.isascii() and text.isdigit() and len(text) <= 19
 
 
+def config_id(org: str, ws: str, short: str) -> str:
+    return f"cv-{org}.{ws}.{short}"
+
+
+def parse_config_id(value: str) -> tuple[str, str, str]:
+    """(org, ws, short id) of a configuration version id; 404 if not one."""
+    parts = value.removeprefix("cv-").split(".")
+    if value[:3] != "cv-" or len(parts) != 3 or not all(valid_id(p) for p in parts):
+        raise not_found(f"configuration version {value!r} not found")
+    return parts[0], parts[1], parts[2]
+
+
 def check_org(value: str) -> str:
     if not valid_id(value):
         raise not_found(f"organization {value!r} not found")

@@ -36,6 +36,7 @@ from events.run import RunState, Status
 from infra.eventstore import LATEST
 from infra.steplogs import LogError, log_subject
 from services.surfaces.api.context import Api
+from services.surfaces.api.removed import removed_detail
 from services.surfaces.api.runlog import Lines, Target
 from services.surfaces.tfe.capability import MAX_TTL_S, CapabilityError
 from services.surfaces.tfe.context import api_of, tfe_of
@@ -132,6 +133,8 @@ async def _body(
     s = loaded.state
     if not s.exists:
         raise not_found("no such log")
+    if s.removed_at is not None:
+        raise TfeError(410, "run removed", removed_detail(s))
     # Every step of a final phase in the read model before its log is called whole.
     whole = is_final(s) and await api.projector.wait_for(loaded.seq)
     text = await _text(api, s, phase, ended=whole)

@@ -17,9 +17,10 @@ from infra.eventstore import LATEST
 from services.app.commands import App
 from services.surfaces.api.auth import Principal
 from services.surfaces.api.common import workspace_target
+from services.surfaces.api.removed import removed_detail
 from services.surfaces.tfe import ids
 from services.surfaces.tfe.context import api_of, principal, require
-from services.surfaces.tfe.jsonapi import Doc, not_found, resource
+from services.surfaces.tfe.jsonapi import Doc, TfeError, not_found, resource
 from services.surfaces.tfe.statuses import cancelable, force_cancelable, run_status
 
 
@@ -123,6 +124,8 @@ async def load(
     loaded = await api_of(request).app.load_run(org, ws, run, min_seq=LATEST)
     if not loaded.state.exists or loaded.state.workspace != ws:
         raise not_found(f"{kind} {raw!r} not found")
+    if loaded.state.removed_at is not None:  # retention removed its record; events stay
+        raise TfeError(410, "run removed", f"{kind} {raw!r}: {removed_detail(loaded.state)}")
     return loaded.state, who
 
 

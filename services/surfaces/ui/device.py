@@ -31,15 +31,14 @@ from services.app.device import MAX_WRONG, Approver, DeviceError, Found, shown
 from services.surfaces.api.audit import client_address
 from services.surfaces.api.device import DEVICE, client_label
 from services.surfaces.tfe.login import token_expiry, token_kind
-from services.surfaces.ui.sessions import SessionError, check_csrf, check_origin
+from services.surfaces.ui.sessions import SessionError
 from services.surfaces.ui.sso import START, sso_label
 from services.surfaces.ui.web import (
     Visit,
     base,
-    error_page,
     guarded,
-    read_form,
     render,
+    signed_form,
     visit_of,
 )
 
@@ -131,13 +130,10 @@ async def decide(request: web.Request) -> web.StreamResponse:
     """POST /device/decide: Approve or Deny, once."""
 
     async def call() -> web.StreamResponse:
-        try:
-            check_origin(request)
-            visit = await visit_of(request)
-            fields = await read_form(request)
-            check_csrf(fields.get("csrf", ""), visit.session.csrf)
-        except SessionError as e:
-            return error_page(request, 403, "Refused", str(e))
+        signed = await signed_form(request)
+        if isinstance(signed, web.Response):
+            return signed
+        visit, fields = signed
         typed = fields.get("user_code", "")[:32]
         found = await _look_up(visit, typed)
         if isinstance(found, web.Response):

@@ -27,6 +27,7 @@ from events.templates import valid_phase
 from services.surfaces.api.bodies import check_name
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.removed import missing_run
 from services.surfaces.api.runlog import Lines, Out, Target
 from services.surfaces.ui import pages
 from services.surfaces.ui.web import JINJA, Visit, base, page, render, still_signed_in
@@ -116,7 +117,7 @@ async def run_feed(visit: Visit) -> web.StreamResponse:
     run_id = visit.path_id("run")
     run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(visit.api, visit.org, run_id)
     skip = _last_event_id(visit.request)
     resp = await _open(visit)
     feed = _RunFeed(visit, run, resp, skip)
@@ -242,7 +243,7 @@ async def log_page(visit: Visit) -> web.StreamResponse:
     run_id = visit.path_id("run")
     run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(visit.api, visit.org, run_id)
     phase, step = _step_query(visit.request)
     target = Target(org=visit.org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
     lines = Lines(visit.api.app.store.nc, visit.api.read, target, ended=True)

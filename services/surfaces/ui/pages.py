@@ -13,6 +13,7 @@ from events.run import CANCELABLE, STOPPABLE, TERMINAL, Cause, Status
 from events.teams import LEVELS
 from services.surfaces.api import approvals
 from services.surfaces.api.problems import Problem
+from services.surfaces.api.removed import missing_run
 from services.surfaces.api.rollback import with_ids
 from services.surfaces.api.runs import PLAN_ONLY
 from services.surfaces.ui.web import Visit, base, page, render
@@ -147,7 +148,7 @@ async def run_page(visit: Visit) -> web.StreamResponse:
     run_id = visit.path_id("run")
     run = await visit.api.read.runs.get(visit.org, run_id)
     if run is None:
-        raise Problem("not-found", f"run {run_id} not found")
+        raise await missing_run(visit.api, visit.org, run_id)
     context = await base(visit, **await run_context(visit, run))
     return render(visit.request, "run.html", context)
 

@@ -280,14 +280,10 @@ def form(
         @functools.wraps(handler)
         async def run(request: web.Request) -> web.StreamResponse:
             async def call() -> web.StreamResponse:
-                try:
-                    check_origin(request)
-                    visit = await visit_of(request)
-                    fields = await read_form(request)
-                    check_csrf(fields.get("csrf", ""), visit.session.csrf)
-                except SessionError as e:
-                    return error_page(request, 403, "Refused", str(e))
-                request[FORM] = fields
+                signed = await signed_form(request)
+                if isinstance(signed, web.Response):
+                    return signed
+                visit, request[FORM] = signed
                 hidden = await visit.aim()
                 visit.require(action, hidden=hidden)
                 return await handler(visit)
@@ -297,6 +293,20 @@ def form(
         return run
 
     return wrap
+
+
+async def signed_form(request: web.Request) -> tuple[Visit, MultiDictProxy[str]] | web.Response:
+    """A form post's signed-in visit and fields, once its Origin is this site's and it
+    carries the session's CSRF token; else the 403 page to answer (every form of the
+    signed-in UI, `@form` and the device page's, begins so)."""
+    try:
+        check_origin(request)
+        visit = await visit_of(request)
+        fields = await read_form(request)
+        check_csrf(fields.get("csrf", ""), visit.session.csrf)
+    except SessionError as e:
+        return error_page(request, 403, "Refused", str(e))
+    return visit, fields
 
 
 async def read_form(request: web.Request) -> MultiDictProxy[str]:

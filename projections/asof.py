@@ -1,0 +1,407 @@
+"""Point-in-time read models: an organization's read model as it was at a stream sequence.
+
+`?as_of=` (services/surfaces/api/asof.py) and nothing else reads them. The answer "as of
+S" is what the API answered once its projector had folded sequence S: the same
+projection code (`apply_batch`) folds the organization's own events (`rp.org.<org>`,
+`rp.org.<org>.>`, `rp.ws.<org>.>`, `rp.run.<org>.>`) up to S into a scratch SQLite file,
+and the same read functions (`ReadModel`) answer from it. No row of an organization's
+answers comes from another organization's events (the reads ask for the organization's
+rows, `WHERE org = ?`, and the fold of an event writes rows of the event's own
+organization), so leaving the others out changes nothing but the cost.
+
+- A time is the last sequence whose stream timestamp is at or before it: one request to
+  the stream's leader (`STREAM.MSG.GET` with `start_time`: the first message stored after
+  the time, minus one), never a scan.
+- Scratch models are cached (least recently used first out, at most `max_models`, and at
+  most `max_held` events folded in all); a request at S2 advances the organization's
+  newest cached model at S1 <= S2 instead of starting over, and a model is never moved
+  back (S2 < S1 starts from the cached model nearest below, or from sequence 1).
+- Work is capped: a request folds at most `max_events` events. Past that it stops,
+  keeps what it folded (the next request goes on from there) and raises `TooCostly`; an
+  organization's answers never hold the api for more than that.
+- The events are read through an ordered consumer (projections/ordered.py) of the
+  organization's subjects, which the stream's leader serves whichever server the client
+  reaches, up to S; S itself is checked against the leader's last sequence. A replica
+  that lags never answers half a state: nothing here is read from a replica
+  (tests/test_as_of_cluster.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import NamedTuple
+
+import aiosqlite
+import structlog
+from nats.aio.client import Client as NATS
+
+from infra.directget import as_raw, leader_get
+from infra.streams import EVENTS
+from projections import schema
+from projections.batch import apply_batch
+from projections.fill import Filler, Writer
+from projections.ordered import Delivered, OrderedReader
+from projections.readmodel import ReadModel
+
+log = structlog.get_logger(__name__)
+
+MAX_MODELS = 16  # scratch models kept
+MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
+MAX_HELD = 1_000_000  # events folded into the cached models, all together
+_BATCH = 200  # events folded at a time: the event loop serves others between
+_FETCH_TIMEOUT = 5.0
+_TRIES = 20  # reads of a replica behind the leader before 503 stale-read
+_PAUSE = 0.1  # seconds between them
+_API = "$JS.API"
+_NO_MESSAGE = 10037  # JetStream's "no message found"
+
+
+class Bounds(NamedTuple):
+    """What the scratch models may hold and one request may do (the api's
+    `--as-of-models`, `--as-of-max-events`)."""
+
+    models: int = MAX_MODELS
+    events: int = MAX_EVENTS
+    held: int = MAX_HELD
+
+
+class AsOfError(RuntimeError):
+    """An `as_of` that cannot be answered; `slug` is the problem type."""
+
+    slug = "invalid-as-of"
+
+
+class Behind(AsOfError):
+    """The replica that served the organization's events stayed behind the leader."""
+
+    slug = "stale-read"
+
+
+class TooCostly(AsOfError):
+    """The request would fold more than its cap; what was folded is kept for the next."""
+
+    slug = "as-of-too-costly"
+
+
+def subjects(org: str) -> list[str]:
+    """Every subject of the organization's events (events/codec.py), and no other's."""
+    return [f"rp.org.{org}", f"rp.org.{org}.>", f"rp.ws.{org}.>", f"rp.run.{org}.>"]
+
+
+@dataclass
+class Scratch:
+    """One organization's read model folded up to `upto` (every event of its at or below
+    `upto` is in, none above)."""
+
+    org: str
+    path: Path
+    db: aiosqlite.Connection  # the writer
+    read: ReadModel
+    upto: int = 0  # the sequence the model is as of
+    folded: int = 0  # the last sequence of the organization's folded (its checkpoint)
+    events: int = 0  # events folded into it
+    used: float = field(default_factory=time.monotonic)
+    broken: bool = False  # a fill failed half-written: closed, never answered from
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.read.close()
+        with contextlib.suppress(Exception):
+            await self.db.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{self.path}{suffix}").unlink(missing_ok=True)
+
+
+class PastModels:
+    """The cache of scratch read models, and the mapping of times to sequences."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        *,
+        stream: str = EVENTS,
+        max_models: int = MAX_MODELS,
+        max_events: int = MAX_EVENTS,
+        max_held: int = MAX_HELD,
+        directory: Path | None = None,
+    ) -> None:
+        self.nc = nc
+        self.stream = stream
+        self.max_models = max(1, max_models)
+        self.max_events = max(1, max_events)
+        self.max_held = max_held
+        self._dir = Path(tempfile.mkdtemp(prefix="rp-asof-", dir=directory))
+        self._models: OrderedDict[int, Scratch] = OrderedDict()  # least recently used first
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._ids = itertools.count(1)
+        self._closing: set[asyncio.Task[None]] = set()
+        self.built = 0  # models started from sequence 1 (for tests and figures)
+        self.advanced = 0  # models moved forward
+        self.behind = 0  # reads that came from a replica behind the leader, read again
+
+    async def close(self) -> None:
+        for task in list(self._closing):
+            await task
+        for s in list(self._models.values()):
+            await s.close()
+        self._models.clear()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def resolve(self, raw: str, *, now: datetime | None = None) -> int:
+        """The stream sequence `raw` names (module's `resolve`)."""
+        return await resolve(self.nc, raw, stream=self.stream, now=now)
+
+    # ------------------------------------------------------------ the models
+
+    @contextlib.asynccontextmanager
+    async def at(self, org: str, seq: int) -> AsyncIterator[ReadModel]:
+        """The organization's read model as of `seq`, for the context's reads (the
+        organization's other as_of requests wait meanwhile)."""
+        lock = self._locks.setdefault(org, asyncio.Lock())
+        async with lock:
+            s = await self._model(org, seq)
+            try:
+                await self._advance(s, seq)
+            except BaseException:
+                if s.broken:
+                    self._drop(s)
+                raise
+            finally:
+                s.used = time.monotonic()
+                self._trim(keep=s)
+            yield s.read
+
+    async def _model(self, org: str, seq: int) -> Scratch:
+        """The organization's cached model nearest below `seq` (moved forward by the
+        caller: a model never goes back), or a new one."""
+        best: tuple[int, Scratch] | None = None
+        for key, s in self._models.items():
+            if s.org == org and s.upto <= seq and (best is None or s.upto > best[1].upto):
+                best = key, s
+        if best is not None:
+            self._models.move_to_end(best[0])
+            return best[1]
+        s = await self._new(org)
+        self._models[next(self._ids)] = s
+        return s
+
+    async def _new(self, org: str) -> Scratch:
+        path = self._dir / f"{org}-{next(self._ids)}.sqlite"
+        db, read = await _open(path)
+        self.built += 1
+        return Scratch(org=org, path=path, db=db, read=read)
+
+    async def _advance(self, s: Scratch, seq: int) -> None:
+        """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
+        `max_events` of them (TooCostly past that, `s` kept where it got to). A new model
+        is filled as replay fills (projections/fill.py: folded on the event loop while a
+        thread writes), a cached one moved on by the projector's `apply_batch`."""
+        if seq <= s.upto:
+            return
+        self.advanced += 1
+        if s.events == 0:
+            await self._fill_new(s, seq)
+        else:
+            await self._read(s, seq, lambda batch: self._apply(s, batch))
+        for _ in range(_TRIES):
+            if not await self._missed(s, seq):
+                s.upto = seq
+                return
+            # The consumer was served by a replica behind the leader (a consumer of one
+            # replica is placed on any server of the stream): what it gave is a whole
+            # prefix, the rest comes once that replica has it.
+            self.behind += 1
+            await asyncio.sleep(_PAUSE)
+            await self._read(s, seq, lambda batch: self._apply(s, batch))
+        raise Behind(
+            f"the event stream's replica serving as_of {seq} is behind its leader; "
+            f"sequence {s.upto} reached, try again"
+        )
+
+    async def _missed(self, s: Scratch, seq: int) -> bool:
+        """Whether the stream's leader has an event of the organization after what `s`
+        holds and at or before `seq` (one question per subject filter)."""
+        for subject in subjects(s.org):
+            got = await leader_get(
+                self.nc, self.stream, as_raw, subject=subject, seq=s.upto + 1, what=subject
+            )
+            if got is not None and got.seq <= seq:
+                return True
+        return False
+
+    async def _read(
+        self, s: Scratch, seq: int, apply: Callable[[list[Delivered]], Awaitable[None]]
+    ) -> None:
+        """Hand `apply` the organization's events after `s.upto` up to `seq`, in batches,
+        at most `max_events` of them. Read by an ordered consumer of the organization's
+        subjects, to the first message past `seq` or the stream's end as it was when the
+        consumer was made."""
+        budget = self.max_events
+        reader = OrderedReader(
+            self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org)
+        )
+        async with reader:
+            left = reader.pending
+            while left > 0:
+                msgs = await reader.next_batch(min(_BATCH, left), timeout=_FETCH_TIMEOUT)
+                left -= len(msgs)
+                batch = [m for m in msgs if m.seq <= seq]
+                if len(batch) > budget:
+                    await apply(batch[:budget])
+                    raise TooCostly(
+                        f"as_of {seq} needs more than {self.max_events} events of "
+                        f"organization {s.org} folded at once; what was folded is kept: "
+                        "ask again to go on"
+                    )
+                await apply(batch)
+                budget -= len(batch)
+                if len(batch) < len(msgs):  # one past `seq`
+                    break
+
+    async def _fill_new(self, s: Scratch, seq: int) -> None:
+        """Fill a new model with the replay's writer; reopen it for reads and for moving
+        on. A failure but TooCostly leaves it `broken` (the writer keeps no journal)."""
+        await s.read.close()
+        await s.db.close()
+        writer = Writer(s.path)
+        filler = Filler(writer)
+
+        async def apply(batch: list[Delivered]) -> None:
+            await filler.apply(batch)
+            s.events += len(batch)
+
+        try:
+            await writer.open()
+            try:
+                await self._read(s, seq, apply)
+            finally:
+                await filler.drain()
+                s.folded = filler.seq
+                s.upto = max(s.upto, s.folded)
+        except TooCostly:
+            raise
+        except BaseException:
+            s.broken = True
+            raise
+        finally:
+            filler.abandon()
+            await writer.close()
+            if not s.broken:
+                s.db, s.read = await _open(s.path)
+
+    async def _apply(self, s: Scratch, batch: list[Delivered]) -> None:
+        """Fold a batch (one transaction): the model is then whole as of its last event,
+        whatever fails after (`upto` never below what is folded)."""
+        if batch:
+            await apply_batch(s.db, batch, after=s.folded)
+            s.folded = max(s.folded, batch[-1].seq)
+            s.upto = max(s.upto, s.folded)
+            s.events += len(batch)
+
+    def _drop(self, s: Scratch) -> None:
+        for key, model in list(self._models.items()):
+            if model is s:
+                del self._models[key]
+        self._close_later(s)
+
+    def _close_later(self, s: Scratch) -> None:
+        self._closing.add(task := asyncio.get_running_loop().create_task(s.close()))
+        task.add_done_callback(self._closing.discard)
+
+    def _trim(self, *, keep: Scratch) -> None:
+        """Close the least recently used models beyond the bounds: never `keep`, nor one
+        of another organization whose request is under way (it may be reading it)."""
+        while len(self._models) > self.max_models or (
+            sum(m.events for m in self._models.values()) > self.max_held
+        ):
+            victim = next(
+                (
+                    (k, v)
+                    for k, v in self._models.items()
+                    if v is not keep and (v.org == keep.org or not self._locks[v.org].locked())
+                ),
+                None,
+            )
+            if victim is None:
+                return
+            del self._models[victim[0]]
+            self._close_later(victim[1])
+
+
+async def _open(path: Path) -> tuple[aiosqlite.Connection, ReadModel]:
+    """A model's writer (the schema made if new) and its reader."""
+    db = await schema.connect(path)
+    try:
+        await db.execute("PRAGMA synchronous = OFF")  # scratch: thrown away at the end
+        return db, await ReadModel.open(path)
+    except BaseException:
+        await db.close()
+        raise
+
+
+# ---------------------------------------------------------------- as_of -> sequence
+
+
+async def bounds(nc: NATS, stream: str = EVENTS) -> tuple[int, int]:
+    """The stream's first and last sequences, as its leader has them."""
+    state = (await nc.jetstream().stream_info(stream)).state
+    return state.first_seq, state.last_seq
+
+
+async def resolve(nc: NATS, raw: str, *, stream: str = EVENTS, now: datetime | None = None) -> int:
+    """The stream sequence `raw` (a sequence, or an RFC 3339 time) names; AsOfError if
+    it is unparseable, in the future, past the stream's last or before its first."""
+    text = raw.strip()
+    first, last = await bounds(nc, stream)
+    if text.isascii() and text.isdigit():
+        seq = int(text) if len(text) <= 19 else last + 1
+        if seq > last:
+            raise AsOfError(f"as_of {text[:24]} is past the stream's last sequence ({last})")
+    else:
+        when = parse_time(text)
+        if when > (now or datetime.now(UTC)):
+            raise AsOfError(f"as_of {raw[:64]} is in the future")
+        after = await _first_at(nc, stream, when, nanos=1)
+        seq = last if after is None else after - 1
+    if seq < max(first, 1):
+        raise AsOfError(f"as_of {raw[:64]} is before the stream's first event ({first})")
+    return seq
+
+
+async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) -> int | None:
+    """The sequence of the first message stored at or after `when` (plus `nanos`
+    nanoseconds), or None: one request, answered by the stream's leader."""
+    utc = when.astimezone(UTC)
+    stamp = f"{utc:%Y-%m-%dT%H:%M:%S}.{utc.microsecond * 1000 + nanos:09d}Z"
+    req = json.dumps({"start_time": stamp}).encode()
+    reply = await nc.request(f"{_API}.STREAM.MSG.GET.{stream}", req, timeout=5)
+    answer = json.loads(reply.data)
+    if "error" in answer:
+        if answer["error"].get("err_code") == _NO_MESSAGE:
+            return None
+        raise RuntimeError(f"reading {stream} at {stamp}: {answer['error']}")
+    return int(answer["message"]["seq"])
+
+
+def parse_time(text: str) -> datetime:
+    """An RFC 3339 time with its offset (`Z` or `+hh:mm`); AsOfError otherwise."""
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise AsOfError(
+            f"as_of {text[:64]!r} is neither a stream sequence nor an RFC 3339 time"
+        ) from None
+    if when.tzinfo is None or "T" not in text.upper():
+        raise AsOfError(f"as_of {text[:64]!r} needs a date, a time and an offset (RFC 3339)")
+    return when
