@@ -1,5 +1,6 @@
 """runplane's side of the benchmarks: each starts its own nats-server and measures one
-thing the issue names (append, replay, create-to-queued latency, admission, reads)."""
+thing the issue names (append, replay, admission, reads; create-to-queued latency is
+bench/latency.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ from .common import (
     cpu_seconds,
     last_seq,
     nats_env,
-    percentile,
     private_server,
     rss_kb,
     stop_process,
@@ -230,85 +230,6 @@ async def rebuild(sizes: Sizes) -> dict[str, Any]:
         "events_per_s": applied / elapsed,
         "sqlite_bytes": size,
     }
-
-
-# ---------------------------------------------------------------- 4. latency
-
-
-async def latency(sizes: Sizes) -> dict[str, Any]:
-    """Open loop: creates sent on a fixed clock at `latency_rate` per second, each on its
-    own workspace; the time from the create request to its run's `run.queued`, which the
-    scheduler (its own process, as deployed, with the git snapshot) appends, and to its
-    `run.pinned` (the snapshot taken: the scheduler dispatches the plan right after)."""
-    n = max(2, int(sizes.latency_rate * sizes.latency_seconds))
-    with tempfile.TemporaryDirectory(prefix="rpbench-lat-") as tmp:
-        repo = make_repo(Path(tmp))
-        async with private_server("latency") as server, connected(server.url) as nc:
-            app = counted_app(nc)
-            await app.create_org(ORG, "admin")
-            config = Workspace(repository=str(repo))
-            await gather_limited(
-                n, 50, lambda i: app.create_workspace(ORG, ws_name(i), config, "alice")
-            )
-            env = {"RUNPLANE_ENCRYPTION_KEY": new_key()}
-            async with (
-                runplane_process(
-                    "scheduler", server.url, Path(tmp) / "sched", "scheduler running", env
-                ),
-                # as deployed: the subscribers, and the auditor beside them, recording
-                # every create in its organization's audit chain while runs are admitted
-                runplane_process(
-                    "subscribers", server.url, Path(tmp) / "subs", "subscribers running", env
-                ) as (subs, _),
-                Watch(nc, "run.queued") as watch,
-                Watch(nc, "run.pinned") as pins,
-            ):
-                await asyncio.sleep(1.0)  # let it read the workspaces' history first
-                starts: dict[str, float] = {}
-                create_lat: list[float] = []
-                loop = asyncio.get_running_loop()
-                t0 = loop.time() + 0.1
-
-                async def one(i: int) -> None:
-                    await asyncio.sleep(max(0.0, t0 + i / sizes.latency_rate - loop.time()))
-                    t = time.perf_counter()
-                    r = await app.create_run(ORG, ws_name(i), "apply", "alice")
-                    create_lat.append(time.perf_counter() - t)
-                    starts[str(r.state.run_id)] = t
-
-                await asyncio.gather(*(one(i) for i in range(n)))
-                ok = await watch.until(n, set(starts), timeout=60)
-                await pins.until(n, set(starts), timeout=60)
-                audited = await audit_records(nc, n)
-                subs_cpu = cpu_seconds(subs.pid)  # the auditor's catching up included
-            lat = [watch.seen[r] - t for r, t in starts.items() if r in watch.seen]
-            pin = [pins.seen[r] - t for r, t in starts.items() if r in pins.seen]
-    return {
-        "runs": n,
-        "rate_per_s": sizes.latency_rate,
-        "queued": len(lat),
-        "all_queued": ok,
-        "p50_ms": percentile(lat, 50) * 1000,
-        "p99_ms": percentile(lat, 99) * 1000,
-        "max_ms": max(lat, default=0.0) * 1000,
-        "pinned_p50_ms": percentile(pin, 50) * 1000,
-        "pinned_p99_ms": percentile(pin, 99) * 1000,
-        "create_call_p50_ms": percentile(create_lat, 50) * 1000,
-        "create_call_p99_ms": percentile(create_lat, 99) * 1000,
-        "subscribers_cpu_s": subs_cpu,  # the subscribers process (with the auditor)
-        "audit_records": audited,
-    }
-
-
-async def audit_records(nc: NATS, creates: int, timeout: float = 30) -> int:
-    """The audit stream's records once it holds one per create at least (or the time
-    is up): that the auditor kept up while the latency was measured."""
-    deadline = time.monotonic() + timeout
-    while True:
-        last = await last_seq(nc, streams.AUDIT)
-        if last >= creates or time.monotonic() > deadline:
-            return last
-        await asyncio.sleep(0.1)
 
 
 def counted_app(nc: NATS) -> App:

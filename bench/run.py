@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: `python bench/run.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "bench"
 
-from bench import rp
+from bench import latency, rp
 from bench.common import Result, Sizes, machine
 
 NAMES = ("append", "replay", "lifecycle", "latency", "admission", "reads", "overhead", "sandbox")
@@ -164,6 +164,7 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
                 note=(
                     f"p50 {f['p50_ms']:.2f} ms; to run.pinned (snapshot taken) "
                     f"p50 {f.get('pinned_p50_ms', 0):.2f}, p99 {f.get('pinned_p99_ms', 0):.2f} ms"
+                    + _without_subscribers(f)
                 ),
             )
         )
@@ -219,6 +220,19 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
     if (f := figs.get("sandbox")) and "error" not in f:
         out.append(_sandbox_row(f))
     return out
+
+
+def _without_subscribers(f: dict[str, Any]) -> str:
+    """The latency row's reference: the same creates with no subscribers process (and so
+    no auditor); the difference is the audit log's cost on the create path."""
+    alone = f.get("without_subscribers")
+    if not alone:
+        return ""
+    cpu = f.get("cpu_ms_per_create", {}).get("subscribers", 0.0)
+    return (
+        f"; without subscribers p50 {alone['p50_ms']:.2f}, p99 {alone['p99_ms']:.2f} ms "
+        f"(subscribers' CPU {cpu:.2f} ms per create)"
+    )
 
 
 def fmt(v: float | None, unit: str = "") -> str:
@@ -299,7 +313,7 @@ async def measure(sizes: Sizes, only: set[str]) -> tuple[dict[str, Any], dict[st
         "append": rp.append,
         "replay": rp.rebuild,
         "lifecycle": rp.lifecycle,
-        "latency": rp.latency,
+        "latency": latency.latency,
         "admission": rp.admission,
         "reads": rp.reads,
         "overhead": _overhead,

@@ -11,10 +11,16 @@ proves it current), and a consumer folds an aggregate through the event it deliv
 the short trail of pairs lets it fold on from the nearest one instead of from scratch.
 A conflict on an append forgets the subject: whatever this process knew of it is read
 again whole.
+
+The subscribers process runs several consumers over the same run events, each folding
+the run through each event: the first reads, the others take the state it kept at that
+very event (or wait for its read when it is under way) and read nothing. A run event
+cost the process a direct get per subscription; it costs one.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -38,6 +44,8 @@ class States:
         self.trail = trail
         # (kind, subject) -> (the real subject: a wildcard's match, [(seq, state)] ascending)
         self._kept: OrderedDict[tuple[str, str], tuple[str, list[tuple[int, Any]]]] = OrderedDict()
+        # (kind, subject, seq) -> the state through seq, while one `through` reads it
+        self._folding: dict[tuple[str, str, int], asyncio.Future[Any]] = {}
 
     def peek(self, kind: str, subject: str) -> tuple[str, int, Any] | None:
         """The newest `(real subject, seq, state)` kept of an aggregate, with no read."""
@@ -89,10 +97,42 @@ class States:
         return real, since, state
 
     async def through(
-        self, kind: str, subject: str, seq: int, fold: Fold[S], initial: S
+        self, kind: str, subject: str, seq: int, fold: Fold[S], initial: S, *, reuse: bool = False
     ) -> tuple[S, int]:
         """The aggregate folded through `seq` (not later) and the last sequence on its
-        subject now known; folded on from the newest pair kept at or before `seq`."""
+        subject now known; folded on from the newest pair kept at or before `seq`.
+
+        `reuse`: a state kept at `seq` itself (folded through this very event already, e.g.
+        by another consumer of the process) is answered with no read, and so is one another
+        `through` of the same event is reading; the last sequence is then 0, not known (no
+        read now said what is latest: a caller that needs it, the scheduler, reads)."""
+        if not reuse:
+            return await self._through(kind, subject, seq, fold, initial)
+        found = self._kept.get((kind, subject))
+        for s, st in found[1] if found is not None else ():
+            if s == seq:
+                return cast(S, st), 0
+        key = (kind, subject, seq)
+        if (reading := self._folding.get(key)) is not None:
+            shared = await asyncio.shield(reading)
+            if shared is not None:
+                return cast(S, shared), 0
+            return await self._through(kind, subject, seq, fold, initial)
+        mine: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._folding[key] = mine
+        try:
+            at, last = await self._through(kind, subject, seq, fold, initial)
+        except BaseException:
+            mine.set_result(None)  # those waiting read for themselves
+            raise
+        finally:
+            del self._folding[key]
+        mine.set_result(at)
+        return at, last
+
+    async def _through(
+        self, kind: str, subject: str, seq: int, fold: Fold[S], initial: S
+    ) -> tuple[S, int]:
         found = self._kept.get((kind, subject))
         since, state = 0, initial
         for s, st in found[1] if found is not None else ():

@@ -27,6 +27,11 @@ from services.processes.subscribers.context import SubscriberContext
 log = structlog.get_logger(__name__)
 
 MODULES_ENV = "RUNPLANE_SUBSCRIBER_MODULES"
+# Seconds a subscription waits after a short batch before it fetches again: events come
+# a few at a time instead of one fetch (two requests, a status reply) each. Subscribers
+# are off the run path (a notification may well leave 50 ms later), the scheduler is not:
+# it fetches at once (services/processes/scheduler).
+LINGER_S = 0.05
 
 
 def extra_subscriptions(ctx: SubscriberContext, names: str | None = None) -> list[Subscription]:
@@ -70,7 +75,10 @@ class Host:
     async def __aenter__(self) -> Host:
         try:
             for sub in self.subs:
-                consumer = Consumer(self.ctx.nc, sub, states=self.ctx.app.states)
+                consumer = Consumer(  # the subscriptions fold each run event once
+                    self.ctx.nc, sub, states=self.ctx.app.states, linger=LINGER_S,
+                    reuse_folds=True,
+                )  # fmt: skip
                 await consumer.start()
                 self.consumers.append(consumer)
         except BaseException:
