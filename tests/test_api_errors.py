@@ -231,7 +231,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 schedule="01jschedofanotherorg00000a",
                 slack_id="U0BOB",
                 connection="01jconnofanotherorg000000a",
-            destination="01jdestofanotherorg000000a",
+                destination="01jdestofanotherorg000000a",
                 source="other",
                 id="sv-acme.net.1.0123456789abcdef",
             )
