@@ -12,10 +12,11 @@ organization), so leaving the others out changes nothing but the cost.
 - A time is the last sequence whose stream timestamp is at or before it: one request to
   the stream's leader (`STREAM.MSG.GET` with `start_time`: the first message stored after
   the time, minus one), never a scan.
-- Scratch models are cached (least recently used first out, at most `max_models`, and at
-  most `max_held` events folded in all); a request at S2 advances the organization's
-  newest cached model at S1 <= S2 instead of starting over, and a model is never moved
-  back (S2 < S1 starts from the cached model nearest below, or from sequence 1).
+- Scratch models are cached (at most `max_models`, and at most `max_held` events folded
+  in all; the least recently used of the organization holding the most goes first
+  out); a request at S2 advances the organization's newest cached model at S1 <= S2
+  instead of starting over, and a model is never moved back (S2 < S1 starts from the
+  cached model nearest below, or from sequence 1).
 - Work is capped: a request folds at most `max_events` events. Past that it stops,
   keeps what it folded (the next request goes on from there) and raises `TooCostly`; an
   organization's answers never hold the api for more than that.
@@ -320,23 +321,28 @@ class PastModels:
         task.add_done_callback(self._closing.discard)
 
     def _trim(self, *, keep: Scratch) -> None:
-        """Close the least recently used models beyond the bounds: never `keep`, nor one
-        of another organization whose request is under way (it may be reading it)."""
-        while len(self._models) > self.max_models or (
-            sum(m.events for m in self._models.values()) > self.max_held
-        ):
-            victim = next(
-                (
-                    (k, v)
-                    for k, v in self._models.items()
-                    if v is not keep and (v.org == keep.org or not self._locks[v.org].locked())
-                ),
-                None,
-            )
-            if victim is None:
+        """Close models beyond the bounds: never `keep`, nor one of another organization
+        whose request is under way (it may be reading it). The victim is the least
+        recently used model of the organization holding the most (models over the count,
+        events over `max_held`): an organization asking as of ever earlier sequences
+        (each a new model) closes its own, never the one another's answer goes on from."""
+        while True:
+            by_count = len(self._models) > self.max_models
+            if not by_count and sum(m.events for m in self._models.values()) <= self.max_held:
                 return
-            del self._models[victim[0]]
-            self._close_later(victim[1])
+            share: dict[str, int] = {}
+            for m in self._models.values():
+                share[m.org] = share.get(m.org, 0) + (1 if by_count else m.events)
+            eligible = [
+                (k, v)
+                for k, v in self._models.items()  # least recently used first
+                if v is not keep and (v.org == keep.org or not self._locks[v.org].locked())
+            ]
+            if not eligible:
+                return
+            key, victim = max(eligible, key=lambda kv: share[kv[1].org])  # first of the most
+            del self._models[key]
+            self._close_later(victim)
 
 
 async def _open(path: Path) -> tuple[aiosqlite.Connection, ReadModel]:

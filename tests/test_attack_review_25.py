@@ -1,0 +1,65 @@
+"""An attacker's review of issue 25's new surfaces (audit streaming, TFE refusals on the
+record, whole-record retention, point-in-time answers) as they landed on main at f7b23a1:
+each finding is a test that failed there.
+
+The attacker is the admin of organization `evil` (its own token, its own organization's
+endpoints only); the victim is organization `acme`. The review's table (every attempt,
+those refused already included) is in the branch's report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infra.streams import EVENTS
+from projections.asof import Bounds
+from services.root.bootstrap import Plane
+from services.surfaces.api.asof import PAST
+from services.surfaces.api.context import API
+from tests.api_support import Http, served
+
+V1 = "/api/v1/orgs"
+
+
+async def _last_seq(http: Http) -> int:
+    return (await http.app.store.nc.jetstream().stream_info(EVENTS)).state.last_seq
+
+
+async def test_as_of_cache_org_a_cannot_evict_org_b_s_model_to_starve_it(
+    system: Plane, tmp_path: Path
+) -> None:
+    """Attack: acme's history is longer than one request's fold cap, so its answer takes
+    a few requests, each going on from the model the last one kept. Between acme's
+    requests evil asks its own runs as of ever earlier sequences: each is a new scratch
+    model (a model never goes back), cheap for evil (its organization has few events),
+    and the cache's least recently used model, acme's, was the one closed for it. acme
+    started over from sequence 1 every time and never got an answer: 503 for ever, at
+    the price of one cheap request of evil's per request of acme's. Now the cache takes
+    back from the organization holding the most of it."""
+    async with served(system, tmp_path / "rm.sqlite", "acme", as_of=Bounds(models=2, events=4)) as (
+        web,
+        client,
+    ):
+        http = Http(client, web[API], system.app)
+        assert (await http.post(V1, json={"name": "pad"})).status == 201
+        for i in range(30):  # sequences for evil to ask as of
+            await http.workspace("pad", f"w{i}")
+        await http.workspace("acme", "net")
+        runs = [(await http.run("acme", "net"))["id"] for _ in range(4)]
+        evil = (await http.org("evil"))["admin"]
+        seq = await _last_seq(http)
+        low = seq  # evil's models: as of ever earlier sequences
+        answered = None
+        for _ in range(12):
+            got = await http.get(f"{V1}/acme/runs/{runs[-1]}?as_of={seq}")
+            if got.status == 200:
+                answered = got
+                break
+            got.problem("as-of-too-costly", 503)
+            for _ in range(2):  # as many models as the cache holds
+                low -= 1
+                mine = await http.get(f"{V1}/evil/runs?as_of={low}", token=evil)
+                assert mine.status in (200, 404), mine.body
+        assert answered is not None, "acme's as_of never answered: evil evicted its model"
+        assert answered.body["id"] == runs[-1]
+        assert len(web[PAST]._models) <= 2
