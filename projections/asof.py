@@ -400,6 +400,9 @@ async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) ->
     return int(answer["message"]["seq"])
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # no stream holds a message before it
+
+
 def parse_time(text: str) -> datetime:
     """An RFC 3339 time with its offset (`Z` or `+hh:mm`); AsOfError otherwise."""
     try:
@@ -410,4 +413,10 @@ def parse_time(text: str) -> datetime:
         ) from None
     if when.tzinfo is None or "T" not in text.upper():
         raise AsOfError(f"as_of {text[:64]!r} needs a date, a time and an offset (RFC 3339)")
-    return when
+    try:  # in UTC, within the calendar (year 1 at +01:00 is not), after the epoch
+        utc = when.astimezone(UTC)
+    except OverflowError:
+        raise AsOfError(f"as_of {text[:64]!r} is out of range") from None
+    if utc < _EPOCH:
+        raise AsOfError(f"as_of {text[:64]!r} is before the stream's first event")
+    return utc

@@ -63,3 +63,24 @@ async def test_as_of_cache_org_a_cannot_evict_org_b_s_model_to_starve_it(
         assert answered is not None, "acme's as_of never answered: evil evicted its model"
         assert answered.body["id"] == runs[-1]
         assert len(web[PAST]._models) <= 2
+
+
+async def test_as_of_times_at_the_calendar_s_edges_are_a_422_never_a_500(
+    system: Plane, tmp_path: Path
+) -> None:
+    """Attack: an `as_of` time whose offset takes it past datetime's range (year 1 at
+    +01:00, year 9999 at -01:00) raised OverflowError, and year 1 in UTC reached the
+    stream's leader as `1-01-01T...` (strftime does not pad the year): a 500
+    internal-error, where every refusal is a problem with its own type."""
+    async with served(system, tmp_path / "rm.sqlite", "acme") as (web, client):
+        http = Http(client, web[API], system.app)
+        for when in (
+            "0001-01-01T00:00:00%2B01:00",
+            "9999-12-31T23:59:59-01:00",
+            "0001-01-01T00:00:00Z",
+            "0099-06-01T00:00:00Z",
+        ):
+            got = await http.get(f"{V1}/acme/runs?as_of={when}")
+            got.problem("invalid-as-of", 422)
+        ok = await http.get(f"{V1}/acme/runs?as_of=2999-01-01T00:00:00Z")
+        ok.problem("invalid-as-of", 422)  # in the future: refused as before
