@@ -9,14 +9,28 @@ those refused already included) is in the branch's report.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+from collections import Counter
+from datetime import timedelta
 from pathlib import Path
 
+import aiohttp
+import msgspec
+from nats.aio.client import Client as NATS
+
+from events import folder as fo
+from infra.ids import utcnow
 from infra.streams import EVENTS
 from projections.asof import Bounds
+from services.processes.retention import Retention
 from services.root.bootstrap import Plane
 from services.surfaces.api.asof import PAST
 from services.surfaces.api.context import API
-from tests.api_support import Http, served
+from tests.api_support import Http, http_fixture, served
+from tests.test_retention_race import READERS, finished_run, items, read_once
+
+__all__ = ["http_fixture"]
 
 V1 = "/api/v1/orgs"
 
@@ -84,3 +98,44 @@ async def test_as_of_times_at_the_calendar_s_edges_are_a_422_never_a_500(
             got.problem("invalid-as-of", 422)
         ok = await http.get(f"{V1}/acme/runs?as_of=2999-01-01T00:00:00Z")
         ok.problem("invalid-as-of", 422)  # in the future: refused as before
+
+
+async def test_log_reads_racing_a_whole_record_removal_never_answer_a_partial_200(
+    http: Http, nc: NATS, tmp_path: Path
+) -> None:
+    """Attack: the log-prune race fix asks the event log whether retention removed a
+    run's logs when a stored object is found gone (`log_removed_at`), but a whole-record
+    removal (`run.removed`) sets `removed_at` only: a read that found the object gone
+    (its row still in the read model: a replica's projector behind, or a pass without
+    grace as here) went on to RP_LOGS's remains and answered 200 with an empty log,
+    passing for whole. Now either removal is a 410, as a read after it answers."""
+    run_id = await finished_run(http, nc, tmp_path)
+    want = hashlib.sha256(msgspec.json.encode({"items": items()})).hexdigest()
+    await http.app.org_command(
+        "acme", fo.SetOrgSettings(actor="admin", changes={"record_retention_days": 1})
+    )
+    http.app.clock = lambda: utcnow() + timedelta(days=2)  # type: ignore[method-assign]
+    deleted = asyncio.Event()
+
+    async def remove() -> None:
+        await asyncio.sleep(0.3)
+        await Retention(nc, http.app, grace=0).pass_once()
+        deleted.set()
+
+    url = str(http.client.make_url(f"{V1}/acme/runs/{run_id}/logs"))
+    seen: Counter[tuple[str, str]] = Counter()
+
+    async def reader(session: aiohttp.ClientSession) -> None:
+        while True:
+            answer = await asyncio.wait_for(read_once(session, url), 20)
+            seen[answer] += 1
+            if deleted.is_set() and answer[0] == "410":
+                return
+
+    async def readers() -> None:
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(*(reader(session) for _ in range(READERS)))
+
+    await asyncio.gather(readers(), remove())
+    allowed = {("whole", want), ("410", "log-removed"), ("410", "run-removed")}
+    assert {k for k in seen if k[0] != "cut"} <= allowed, seen
