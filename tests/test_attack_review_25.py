@@ -28,7 +28,7 @@ from services.root.bootstrap import Plane
 from services.surfaces.api.asof import PAST
 from services.surfaces.api.context import API
 from tests.api_support import Http, http_fixture, served
-from tests.test_retention_race import READERS, finished_run, items, read_once
+from tests.lograce_support import READERS, finished_run, items, read_once
 
 __all__ = ["http_fixture"]
 
