@@ -17,9 +17,11 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+import pytest
 from nats.aio.client import Client as NATS
 
 from events import folder as fo
+from events.run import RemoveRun
 from infra.ids import utcnow
 from infra.streams import EVENTS
 from projections.asof import Bounds
@@ -27,6 +29,8 @@ from services.processes.retention import Retention
 from services.root.bootstrap import Plane
 from services.surfaces.api.asof import PAST
 from services.surfaces.api.context import API
+from services.surfaces.tfe import logs as tfe_logs
+from services.surfaces.tfe.jsonapi import TfeError
 from tests.api_support import Http, http_fixture, served
 from tests.lograce_support import READERS, finished_run, items, read_once
 
@@ -139,3 +143,23 @@ async def test_log_reads_racing_a_whole_record_removal_never_answer_a_partial_20
     await asyncio.gather(readers(), remove())
     allowed = {("whole", want), ("410", "log-removed"), ("410", "run-removed")}
     assert {k for k in seen if k[0] != "cut"} <= allowed, seen
+
+
+async def test_a_tfe_log_read_racing_a_whole_record_removal_is_never_an_empty_whole_log(
+    http: Http, nc: NATS, tmp_path: Path
+) -> None:
+    """The same race on the TFE API's log (what `terraform` prints): its read checked
+    `removed_at` when it began, then read the steps from the read model; once the
+    projection dropped them it answered an empty log, which the CLI takes for the whole
+    one. Deterministic here: the run as the read loaded it, the removal projected, then
+    the read of its text. Now a 503 (the client's next try is the 410)."""
+    run_id = await finished_run(http, nc, tmp_path)
+    before = (await http.app.load_run("acme", "net", run_id)).state
+    removal = RemoveRun(
+        actor="retention", objects=[], ended_before=utcnow() + timedelta(seconds=1), days=0
+    )
+    removed = await http.app.run_command("acme", "net", run_id, removal)
+    assert await http.api.projector.wait_for(removed.seq, timeout=5)
+    with pytest.raises(TfeError) as refused:
+        await tfe_logs._text(http.api, before, "plan", ended=True)
+    assert refused.value.status == 503
