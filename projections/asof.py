@@ -60,6 +60,8 @@ log = structlog.get_logger(__name__)
 MAX_MODELS = 16  # scratch models kept
 MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
 MAX_HELD = 1_000_000  # events folded into the cached models, all together
+PER_MINUTE = 100_000  # events one organization's requests may fold a minute (~10 s)
+_WINDOW = 60.0
 _BATCH = 200  # events folded at a time: the event loop serves others between
 _FETCH_TIMEOUT = 5.0
 _TRIES = 20  # reads of a replica behind the leader before 503 stale-read
@@ -75,6 +77,7 @@ class Bounds(NamedTuple):
     models: int = MAX_MODELS
     events: int = MAX_EVENTS
     held: int = MAX_HELD
+    per_minute: int = PER_MINUTE  # 0: no bound
 
 
 class AsOfError(RuntimeError):
@@ -135,6 +138,7 @@ class PastModels:
         max_models: int = MAX_MODELS,
         max_events: int = MAX_EVENTS,
         max_held: int = MAX_HELD,
+        per_minute: int = 0,
         directory: Path | None = None,
     ) -> None:
         self.nc = nc
@@ -142,6 +146,8 @@ class PastModels:
         self.max_models = max(1, max_models)
         self.max_events = max(1, max_events)
         self.max_held = max_held
+        self.per_minute = per_minute  # events an organization may fold a minute; 0: any
+        self._spent: dict[str, tuple[float, int]] = {}  # org -> (its minute's start, folded)
         self._dir = Path(tempfile.mkdtemp(prefix="rp-asof-", dir=directory))
         self._models: OrderedDict[int, Scratch] = OrderedDict()  # least recently used first
         self._locks: dict[str, asyncio.Lock] = {}
@@ -171,7 +177,10 @@ class PastModels:
         organization's other as_of requests wait meanwhile)."""
         lock = self._locks.setdefault(org, asyncio.Lock())
         async with lock:
+            if not any(m.org == org and m.upto == seq for m in self._models.values()):
+                self._afford(org)  # (a cached answer costs nothing: always given)
             s = await self._model(org, seq)
+            before = s.events
             try:
                 await self._advance(s, seq)
             except BaseException:
@@ -179,9 +188,28 @@ class PastModels:
                     self._drop(s)
                 raise
             finally:
+                self._spend(org, s.events - before)
                 s.used = time.monotonic()
                 self._trim(keep=s)
             yield s.read
+
+    def _afford(self, org: str) -> None:
+        """TooCostly if the organization's requests folded `per_minute` events within
+        the minute: the cap of one request does not bound a tenant asking back to back
+        (each as of an earlier sequence starts a model over from sequence 1)."""
+        start, spent = self._spent.get(org, (0.0, 0))
+        if self.per_minute and time.monotonic() - start < _WINDOW and spent >= self.per_minute:
+            raise TooCostly(
+                f"organization {org}'s as_of requests folded {spent} events within the "
+                f"minute (at most {self.per_minute}): ask again later"
+            )
+
+    def _spend(self, org: str, events: int) -> None:
+        now = time.monotonic()
+        start, spent = self._spent.get(org, (0.0, 0))
+        if now - start >= _WINDOW:
+            start, spent = now, 0
+        self._spent[org] = (start, spent + max(0, events))
 
     async def _model(self, org: str, seq: int) -> Scratch:
         """The organization's cached model nearest below `seq` (moved forward by the
