@@ -88,6 +88,7 @@ class Options:
     # ?as_of= (projections/asof.py): scratch read models cached, events one request folds
     as_of_models: int = 16
     as_of_max_events: int = 20_000  # projections/asof.py MAX_EVENTS
+    as_of_events_per_minute: int = 100_000  # projections/asof.py PER_MINUTE
     # runplane replay: where to stop (a sequence or an RFC 3339 time; "": the end), where
     # to write ("": the data directory's read model)
     replay_until: str = ""

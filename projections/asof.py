@@ -25,12 +25,14 @@ organization's does, at a fraction of the cost (tests/test_as_of_narrow.py).
 - A time is the last sequence whose stream timestamp is at or before it: one request to
   the stream's leader (`STREAM.MSG.GET` with `start_time`: the first message stored after
   the time, minus one), never a scan.
-- Scratch models, the organization's and its workspaces', are cached (least recently
-  used first out, at most `max_models`, and at most `max_held` events folded in all); a
-  request at S2 advances the newest cached model of its scope at S1 <= S2 instead of
-  starting over, and a model is never moved back (S2 < S1 starts from the cached model
-  nearest below, or from sequence 1). The organization's model serves a workspace's
-  request when it is at S2, or at most `_NEAR` sequences below.
+- Scratch models, the organization's and its workspaces', are cached (at most
+  `max_models`, and at most `max_held` events folded in all; the least recently used of
+  the organization holding the most goes first out, so one organization's requests never
+  close the model another's answer goes on from); a request at S2 advances the newest
+  cached model of its scope at S1 <= S2 instead of starting over, and a model is never
+  moved back (S2 < S1 starts from the cached model nearest below, or from sequence 1).
+  The organization's model serves a workspace's request when it is at S2, or at most
+  `_NEAR` sequences below.
 - Work is capped: a request folds at most `max_events` events. Past that it stops,
   keeps what it folded (the next request goes on from there) and raises `TooCostly`; an
   organization's answers never hold the api for more than that.
@@ -74,6 +76,8 @@ log = structlog.get_logger(__name__)
 MAX_MODELS = 16  # scratch models kept
 MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
 MAX_HELD = 1_000_000  # events folded into the cached models, all together
+PER_MINUTE = 100_000  # events one organization's requests may fold a minute (~10 s)
+_WINDOW = 60.0
 _BATCH = 200  # events folded at a time: the event loop serves others between
 _NEAR = _BATCH  # sequences an organization's model may be moved for a workspace's answer
 _FETCH_TIMEOUT = 5.0
@@ -90,6 +94,7 @@ class Bounds(NamedTuple):
     models: int = MAX_MODELS
     events: int = MAX_EVENTS
     held: int = MAX_HELD
+    per_minute: int = PER_MINUTE  # 0: no bound
 
 
 class AsOfError(RuntimeError):
@@ -158,6 +163,7 @@ class PastModels:
         max_models: int = MAX_MODELS,
         max_events: int = MAX_EVENTS,
         max_held: int = MAX_HELD,
+        per_minute: int = 0,
         directory: Path | None = None,
     ) -> None:
         self.nc = nc
@@ -165,6 +171,8 @@ class PastModels:
         self.max_models = max(1, max_models)
         self.max_events = max(1, max_events)
         self.max_held = max_held
+        self.per_minute = per_minute  # events an organization may fold a minute; 0: any
+        self._spent: dict[str, tuple[float, int]] = {}  # org -> (its minute's start, folded)
         self._dir = Path(tempfile.mkdtemp(prefix="rp-asof-", dir=directory))
         self._models: OrderedDict[int, Scratch] = OrderedDict()  # least recently used first
         self._locks: dict[str, asyncio.Lock] = {}
@@ -195,7 +203,12 @@ class PastModels:
         as_of requests wait meanwhile)."""
         lock = self._locks.setdefault(org, asyncio.Lock())
         async with lock:
+            if not any(
+                m.org == org and m.upto == seq and m.ws in (None, ws) for m in self._models.values()
+            ):
+                self._afford(org)  # (a cached answer costs nothing: always given)
             s = await self._model(org, ws, seq)
+            before = s.events
             try:
                 await self._advance(s, seq)
             except BaseException:
@@ -203,9 +216,28 @@ class PastModels:
                     self._drop(s)
                 raise
             finally:
+                self._spend(org, s.events - before)
                 s.used = time.monotonic()
                 self._trim(keep=s)
             yield s.read
+
+    def _afford(self, org: str) -> None:
+        """TooCostly if the organization's requests folded `per_minute` events within
+        the minute: the cap of one request does not bound a tenant asking back to back
+        (each as of an earlier sequence starts a model over from sequence 1)."""
+        start, spent = self._spent.get(org, (0.0, 0))
+        if self.per_minute and time.monotonic() - start < _WINDOW and spent >= self.per_minute:
+            raise TooCostly(
+                f"organization {org}'s as_of requests folded {spent} events within the "
+                f"minute (at most {self.per_minute}): ask again later"
+            )
+
+    def _spend(self, org: str, events: int) -> None:
+        now = time.monotonic()
+        start, spent = self._spent.get(org, (0.0, 0))
+        if now - start >= _WINDOW:
+            start, spent = now, 0
+        self._spent[org] = (start, spent + max(0, events))
 
     async def _model(self, org: str, ws: str | None, seq: int) -> Scratch:
         """The cached model to move forward to `seq` (a model never goes back), or a new
@@ -365,23 +397,28 @@ class PastModels:
         task.add_done_callback(self._closing.discard)
 
     def _trim(self, *, keep: Scratch) -> None:
-        """Close the least recently used models beyond the bounds: never `keep`, nor one
-        of another organization whose request is under way (it may be reading it)."""
-        while len(self._models) > self.max_models or (
-            sum(m.events for m in self._models.values()) > self.max_held
-        ):
-            victim = next(
-                (
-                    (k, v)
-                    for k, v in self._models.items()
-                    if v is not keep and (v.org == keep.org or not self._locks[v.org].locked())
-                ),
-                None,
-            )
-            if victim is None:
+        """Close models beyond the bounds: never `keep`, nor one of another organization
+        whose request is under way (it may be reading it). The victim is the least
+        recently used model of the organization holding the most (models over the count,
+        events over `max_held`): an organization asking as of ever earlier sequences
+        (each a new model) closes its own, never the one another's answer goes on from."""
+        while True:
+            by_count = len(self._models) > self.max_models
+            if not by_count and sum(m.events for m in self._models.values()) <= self.max_held:
                 return
-            del self._models[victim[0]]
-            self._close_later(victim[1])
+            share: dict[str, int] = {}
+            for m in self._models.values():
+                share[m.org] = share.get(m.org, 0) + (1 if by_count else m.events)
+            eligible = [
+                (k, v)
+                for k, v in self._models.items()  # least recently used first
+                if v is not keep and (v.org == keep.org or not self._locks[v.org].locked())
+            ]
+            if not eligible:
+                return
+            key, victim = max(eligible, key=lambda kv: share[kv[1].org])  # first of the most
+            del self._models[key]
+            self._close_later(victim)
 
 
 async def _open(path: Path) -> tuple[aiosqlite.Connection, ReadModel]:
@@ -439,6 +476,9 @@ async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) ->
     return int(answer["message"]["seq"])
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # no stream holds a message before it
+
+
 def parse_time(text: str) -> datetime:
     """An RFC 3339 time with its offset (`Z` or `+hh:mm`); AsOfError otherwise."""
     try:
@@ -449,4 +489,10 @@ def parse_time(text: str) -> datetime:
         ) from None
     if when.tzinfo is None or "T" not in text.upper():
         raise AsOfError(f"as_of {text[:64]!r} needs a date, a time and an offset (RFC 3339)")
-    return when
+    try:  # in UTC, within the calendar (year 1 at +01:00 is not), after the epoch
+        utc = when.astimezone(UTC)
+    except OverflowError:
+        raise AsOfError(f"as_of {text[:64]!r} is out of range") from None
+    if utc < _EPOCH:
+        raise AsOfError(f"as_of {text[:64]!r} is before the stream's first event")
+    return utc

@@ -253,7 +253,11 @@ class Plane:
         sso_allow = given.pop("sso_allow", self.opts.sso_allow)
         device_grants = given.pop("device_grants", None)  # tests: their clock and interval
         public_url = given.pop("public_url", self.opts.public_url)
-        as_of = given.pop("as_of", Bounds(self.opts.as_of_models, self.opts.as_of_max_events))
+        o = self.opts
+        as_of = given.pop(
+            "as_of",
+            Bounds(o.as_of_models, o.as_of_max_events, per_minute=o.as_of_events_per_minute),
+        )
         allow_http = given.pop("audit_stream_allow_http", self.opts.audit_stream_allow_http)
         web_app = build_app(app=self.app, projector=projector, **given)
         web_app[audit_stream_api.ALLOW_HTTP] = allow_http

@@ -39,6 +39,12 @@ def as_of_opts(p: argparse.ArgumentParser) -> None:
             "events one ?as_of= request may fold; past it 503 as-of-too-costly, the next "
             "request going on from there",
         ),
+        (
+            "--as-of-events-per-minute",
+            100_000,
+            "events one organization's ?as_of= requests may fold a minute, all together; "
+            "past it 503 as-of-too-costly until the minute is over (0: no bound)",
+        ),
     ):
         env = "RUNPLANE_" + flag.removeprefix("--").upper().replace("-", "_")
         g.add_argument(
@@ -51,7 +57,7 @@ def as_of_opts(p: argparse.ArgumentParser) -> None:
 
 def options(ns: argparse.Namespace) -> dict[str, Any]:
     """The as_of and replay flags given, as Options' fields."""
-    names = ("as_of_models", "as_of_max_events")
+    names = ("as_of_models", "as_of_max_events", "as_of_events_per_minute")
     given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
     if ns.command == "replay":
         given |= {"replay_until": ns.until, "replay_output": ns.output}

@@ -67,8 +67,9 @@ PARAMETER: dict[str, Any] = {
 def mount(web_app: web.Application, nc: NATS, bounds: Bounds) -> None:
     """The app's scratch models, closed (and their files removed) with it."""
     web_app[PAST] = models = PastModels(
-        nc, max_models=bounds.models, max_events=bounds.events, max_held=bounds.held
-    )
+        nc, max_models=bounds.models, max_events=bounds.events, max_held=bounds.held,
+        per_minute=bounds.per_minute,
+    )  # fmt: skip
     web_app.on_cleanup.append(lambda _: models.close())
 
 

@@ -34,7 +34,7 @@ from services.surfaces.api.common import path_id, scope
 from services.surfaces.api.context import Api
 from services.surfaces.api.follow import Follower
 from services.surfaces.api.paths import RUN
-from services.surfaces.api.problems import Problem
+from services.surfaces.api.problems import Problem, run_removed
 from services.surfaces.api.removed import missing_run
 from services.surfaces.api.runlog import Lines, Out, Page, Target, encode_sse
 from services.surfaces.api.schemas import INT, STR, Doc
@@ -110,17 +110,21 @@ def removed(at: str) -> Problem:
 
 
 async def check_kept(api: Api, target: Target) -> None:
-    """410 if retention recorded the removal of the run's logs, as the event log's leader
-    has it now (the read model may not have folded that record yet)."""
+    """410 if retention recorded the removal of the run's logs, or of its whole record
+    (`run-removed`), as the event log's leader has it now (the read model may not have
+    folded that record yet)."""
     state = (await api.app.load_run(target.org, target.ws, target.run_id, min_seq=LATEST)).state
+    if state.removed_at is not None:
+        raise run_removed(target.run_id, iso(state.removed_at))
     if state.log_removed_at is not None:
         raise removed(iso(state.log_removed_at))
 
 
 async def is_removed(api: Api, target: Target) -> bool:
-    """Whether retention recorded the removal of the run's logs (the leader's answer)."""
+    """Whether retention recorded the removal of the run's logs, alone or with its whole
+    record (the leader's answer)."""
     state = (await api.app.load_run(target.org, target.ws, target.run_id, min_seq=LATEST)).state
-    return state.log_removed_at is not None
+    return state.log_removed_at is not None or state.removed_at is not None
 
 
 async def _lines_stream(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable
 
 from aiohttp import web
@@ -36,6 +37,7 @@ from events.run import RunState, Status
 from infra.eventstore import LATEST
 from infra.steplogs import LogError, log_subject
 from services.surfaces.api.context import Api
+from services.surfaces.api.logs import is_removed
 from services.surfaces.api.removed import removed_detail
 from services.surfaces.api.runlog import Lines, Target
 from services.surfaces.tfe.capability import MAX_TTL_S, CapabilityError
@@ -170,7 +172,10 @@ def _waiting_note(s: RunState) -> bytes:
 
 async def _text(api: Api, s: RunState, phase: str, *, ended: bool) -> bytes:
     target = Target(org=s.org, ws=s.workspace, run_id=s.run_id, phase=phase)
-    lines = Lines(api.app.store.nc, api.read, target, ended=ended)
+    # A read racing retention's removal is a 503 (the client's next try: 410), never a
+    # log cut short that passes for whole (services/surfaces/api/logs.py, the same check).
+    gone = functools.partial(is_removed, api, target)
+    lines = Lines(api.app.store.nc, api.read, target, ended=ended, removed=gone)
     out: list[str] = []
     if phase == "apply":
         out += [f"runplane: apply of run {s.run_id}", f"workspace {s.org}/{s.workspace}", ""]
