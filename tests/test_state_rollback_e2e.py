@@ -15,6 +15,7 @@ import pytest
 from yarl import URL
 
 from events.run import Workspace
+from tests.helpers import eventually
 from tests.plane_support import (  # noqa: F401  # registers the fixtures
     Plane,
     commit,
@@ -52,7 +53,17 @@ async def _apply(plane: Plane, *, while_applying: bool = False) -> tuple[str, di
             "run": (await plane.run("net", run_id)).status,
         }
     await plane.reaches("net", run_id, "applied")
+    await eventually(lambda: _released(plane), timeout=30, what="the workspace released")
     return run_id, tried
+
+
+async def _released(plane: Plane) -> bool:
+    """The workspace's read row has no active run: a run's end releases the workspace a
+    moment after (the scheduler's reaction), and a rollback before that is 409 run-active
+    (the slow suite saw it once)."""
+    row = (await plane.http.get(WS)).body
+    assert row["active_run"] is None, row["active_run"]
+    return True
 
 
 async def _pulled(plane: Plane) -> tuple[dict[str, Any], dict[str, Any]]:
