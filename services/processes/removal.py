@@ -38,7 +38,7 @@ from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from events.errors import DomainError
-from events.run import PrunedObject, RemoveRun, RunState
+from events.run import PrunedObject, RemoveRun, RunCommand, RunState
 from events.settings import RECORD_RETENTION, days_problem
 from executor.statestore import Head, pending_key, ws_key
 from infra.directget import InfraError
@@ -232,14 +232,27 @@ class Removals:
             for b, i in objects
         ]
         command = RemoveRun(actor=ACTOR, objects=named, ended_before=cutoff, days=days)
-        try:
-            await self.app.run_command(run.org, run.workspace, run.run_id, command)
-        except DomainError as e:
-            fresh = (await self.app.load_run(run.org, run.workspace, run.run_id)).state
-            if fresh.removed_at is None:
-                raise RemovalError(f"removal of run {run.run_id} refused: {e}") from e
-            return False
-        return True
+        return await record_once(self.app, run, command, lambda r: r.removed_at, "removal")
+
+
+async def record_once(
+    app: App,
+    run: RunState,
+    command: RunCommand,
+    recorded: Callable[[RunState], object | None],
+    what: str,
+) -> bool:
+    """Append a pass's intent (`run.removed`, `run.log_pruned`) on the run; False if
+    another pass recorded it first (the run's fresh state has it `recorded`), RemovalError
+    if the core refused it for any other reason."""
+    try:
+        await app.run_command(run.org, run.workspace, run.run_id, command)
+    except DomainError as e:
+        fresh = (await app.load_run(run.org, run.workspace, run.run_id)).state
+        if recorded(fresh) is None:
+            raise RemovalError(f"{what} of run {run.run_id} refused: {e}") from e
+        return False
+    return True
 
 
 def _by_run(infos: list[ObjectInfo], run_of: Callable[[str], str]) -> dict[str, list[ObjectInfo]]:

@@ -41,7 +41,6 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js.api import ObjectInfo
 
-from events.errors import DomainError
 from events.run import PrunedObject, PruneLog, RunState
 from events.settings import LOG_RETENTION, days_problem
 from infra.directget import InfraError
@@ -49,7 +48,7 @@ from infra.steplogs import READ_DEADLINE_S, log_subject
 from infra.streams import LOGS, LOGS_BUCKET
 from infra.tasks import cancel_and_wait
 from services.app.commands import App
-from services.processes.removal import Removals, delete_objects, hex_digest
+from services.processes.removal import Removals, delete_objects, hex_digest, record_once
 
 log = structlog.get_logger(__name__)
 
@@ -196,14 +195,7 @@ class Retention:
         """Append `run.log_pruned` (the intent); False if another pass recorded it."""
         objects = [PrunedObject(name=i.name, sha256=hex_digest(i), size=i.size or 0) for i in infos]
         command = PruneLog(actor=ACTOR, objects=objects, ended_before=cutoff, days=keep)
-        try:
-            await self.app.run_command(run.org, run.workspace, run.run_id, command)
-        except DomainError as e:
-            fresh = (await self.app.load_run(run.org, run.workspace, run.run_id)).state
-            if fresh.log_removed_at is None:
-                raise InfraError(f"retention of run {run.run_id} refused: {e}") from e
-            return False
-        return True
+        return await record_once(self.app, run, command, lambda r: r.log_removed_at, "retention")
 
     async def _days(self, org: str, cache: dict[str, int]) -> int:
         """The organization's log retention in days (its setting, else the default)."""
