@@ -79,7 +79,7 @@ def _wait_up(base: str, ca: Path, deadline: float) -> Https:
         if ca.is_file():
             api = Https(base, ca)
             try:
-                api.call("GET", "/healthz")
+                api.call("GET", "/readyz")
                 return api
             except OSError:
                 pass

@@ -11,6 +11,8 @@ runs' liveness (projections/board.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -37,7 +39,11 @@ class Projector:
     (committed or not yet); `read` queries the same database; `skipped` counts messages
     recorded as skipped (undecodable or unprojectable); `received` counts messages taken
     from the stream by this instance, redeliveries included. `board` folds `board_stream`
-    (None: no board fold, the liveness tables stay as they are).
+    (None: no board fold, the liveness tables stay as they are). `start_target` is the
+    stream's last sequence as its leader had it when this projector started (None until
+    asked; moved with a rebuild): a read model at or past it has caught up with what
+    existed at the start (the api's /readyz). `failed_at`: the loop time of the last
+    failure that restarted the consumption (None: none yet).
     """
 
     def __init__(
@@ -61,6 +67,8 @@ class Projector:
         self.skipped = 0
         self.received = 0
         self.board: BoardFold | None = None
+        self.start_target: int | None = None
+        self.failed_at: float | None = None
         self._reader: OrderedReader | None = None
         self._writing = asyncio.Lock()  # one transaction at a time on the shared writer
         self._db: aiosqlite.Connection | None = None
@@ -133,6 +141,19 @@ class Projector:
         return True
 
     @property
+    def running(self) -> bool:
+        """Whether the consuming loop is alive (started and neither ended nor cancelled)."""
+        return self._task is not None and not self._task.done()
+
+    @contextlib.asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        """Nothing is committed while this is held: what arrives waits in the reader
+        (bounded by the server's flow control). For a consistent copy of the read model's
+        file, or a test's replica held behind the stream."""
+        async with self._writing:
+            yield
+
+    @property
     def received_seq(self) -> int:
         """The last stream sequence that reached this projector: committed, in the batch
         being applied, or buffered by its reader."""
@@ -178,6 +199,7 @@ class Projector:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure restarts from the checkpoint
                 self._reader = None
+                self.failed_at = asyncio.get_running_loop().time()
                 log.warning("projector_restarting", seq=self.seq, error=repr(e), delay=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -207,4 +229,7 @@ class Projector:
             async with self._writing:
                 await schema.reset(self._db)
             self.seq, self.taken, self.skipped = 0, 0, 0
+            self.start_target = last  # a rebuild: caught up once the new stream is read
+        if self.start_target is None:
+            self.start_target = last
         self._verified.set()

@@ -116,14 +116,16 @@ class Client:
 
 
 async def wait_healthy(base: str, timeout: float = 60) -> None:
+    """Until the api at `base` is ready (/readyz: caught up, and `up`'s components started)."""
+
     async def probe() -> bool:
         try:
-            async with aiohttp.ClientSession() as s, s.get(base + "/healthz") as r:
+            async with aiohttp.ClientSession() as s, s.get(base + "/readyz") as r:
                 return r.status == 200
         except aiohttp.ClientError:
             return False
 
-    await eventually(probe, timeout=timeout, interval=0.1, what=f"{base}/healthz")
+    await eventually(probe, timeout=timeout, interval=0.1, what=f"{base}/readyz")
 
 
 def pids_alive(pids: list[int]) -> list[int]:

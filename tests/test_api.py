@@ -64,20 +64,26 @@ async def _awaiting_approval(app: App, org: str, ws: str, run_id: str) -> None:
     )
 
 
-async def test_healthz_needs_no_token_and_follows_ready(http: Http) -> None:
-    """/healthz answers without a token: 200 when ready, a 503 problem when not."""
+async def test_healthz_is_liveness_and_readyz_follows_ready(http: Http) -> None:
+    """/healthz and /readyz answer without a token; /healthz 200 whatever `ready` says,
+    /readyz a 503 not-ready problem while `ready` (the components of `up`) is false."""
     a = await http.get("/healthz", token=None)
     assert (a.status, a.body) == (200, {"status": "ok"})
+    a = await http.get("/readyz", token=None)
+    assert (a.status, a.body) == (200, {"status": "ready"})
     ready = {"v": False}
     not_ready = build_app(
         app=http.app, projector=http.api.projector, admin_token="x", ready=lambda: ready["v"]
     )
     async with TestClient(TestServer(not_ready)) as client:
-        async with client.get("/healthz") as resp:
+        async with client.get("/readyz") as resp:
             assert resp.status == 503
             assert resp.content_type == "application/problem+json"
-        ready["v"] = True
+            assert (await resp.json())["type"].endswith("/not-ready")
         async with client.get("/healthz") as resp:
+            assert resp.status == 200
+        ready["v"] = True
+        async with client.get("/readyz") as resp:
             assert resp.status == 200
 
 

@@ -268,7 +268,7 @@ async def test_a_role_without_the_permission_is_forbidden(
 
 async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
     """Without a token, with another scheme or with an unknown token: 401 and a Bearer
-    challenge, on every route but /healthz and the API reference."""
+    challenge, on every route but /healthz, /readyz and the API reference."""
     http.api.token_wait = 0.2
     for method, template in sorted(_routes()):
         if template in PUBLIC:
@@ -384,6 +384,7 @@ async def test_openapi_documents_exactly_the_routes(http: Http) -> None:
             assert {seg.strip("{}") for seg in path.split("/") if seg.startswith("{")} <= params
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert doc["paths"]["/healthz"]["get"]["security"] == []
+    assert doc["paths"]["/readyz"]["get"]["security"] == []
     assert set(schemas["Problem"]["required"]) == {"type", "title", "status", "detail"}
 
 

@@ -106,7 +106,7 @@ async def plane(tmp_path: Path) -> AsyncIterator[tuple[Https, str, Path, Proc]]:
                 return False
             api = api or Https(f"https://{host}", ca)
             try:
-                return (await api.call("GET", "/healthz"))[0] == 200
+                return (await api.call("GET", "/readyz"))[0] == 200
             except (aiohttp.ClientError, ssl.SSLError):
                 return False
 

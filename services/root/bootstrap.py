@@ -172,7 +172,8 @@ class Plane:
 
     async def start_api(self, ready: Callable[[], bool] = lambda: True) -> str:
         """The projector (its read model in the data directory) and the HTTP API over it;
-        the base URL it serves at. `ready`: what /readyz answers once the API is up."""
+        the base URL it serves at. `ready`: false keeps /readyz 503 (`up`: until its other
+        components are started), whatever the read model."""
         projector = await self.stack.enter_async_context(self.projector())
         web_app = self.web_app(projector, ready=ready)
         return await self.stack.enter_async_context(

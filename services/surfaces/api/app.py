@@ -34,6 +34,7 @@ from services.surfaces.api import (
     openapi,
     orgs,
     people,
+    readiness,
     rollback,
     runs,
     secrets,
@@ -66,7 +67,7 @@ async def openapi_document(request: web.Request) -> web.Response:
 OPENAPI: web.AppKey[dict[str, object]] = web.AppKey("runplane.openapi", dict)
 
 ROUTES = [
-    web.get("/healthz", orgs.healthz, allow_head=False),
+    *readiness.ROUTES,
     web.get("/metrics", metrics.metrics, allow_head=False),
     web.get(V1 + "/openapi.json", openapi_document, allow_head=False),
     *docs.ROUTES,

@@ -30,6 +30,7 @@ PUBLIC = (
     frozenset(
         {
             "/healthz",
+            "/readyz",  # liveness and readiness: no tenant's data (readiness.py)
             "/metrics",
             "/api/v1/chat/slack/commands",
             "/api/v1/chat/slack/interactions",

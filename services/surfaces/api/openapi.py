@@ -21,6 +21,7 @@ from services.surfaces.api import (
     locks,
     logs,
     people,
+    readiness,
     rollback,
     runs,
     secrets,
@@ -45,7 +46,6 @@ from services.surfaces.api.schemas import (
     SEQ_DOC,
     STR,
     Doc,
-    json_content,
     operation,
     problems,
     ref,
@@ -188,17 +188,7 @@ _DOCS: dict[str, Doc] = {
 
 WS_PARAM: Doc = {"$ref": "#/components/parameters/ws"}
 PATHS: dict[str, Doc] = {
-    "/healthz": {
-        "get": {
-            "operationId": "healthz",
-            "summary": "Liveness and readiness",
-            "security": [],
-            "responses": {
-                "200": {"description": "ready", "content": json_content("Health")},
-                "503": _problem("not-ready"),
-            },
-        }
-    },
+    **readiness.PATHS,
     "/api/v1/openapi.json": {
         "get": {
             "operationId": "openapi",

@@ -336,12 +336,6 @@ async def get_workspace(request: web.Request) -> web.Response:
     return json_response(row)
 
 
-async def healthz(request: web.Request) -> web.Response:
-    if request.app[API].ready():
-        return json_response({"status": "ok"})
-    raise Problem("not-ready", "starting up or shutting down")
-
-
 ROUTES = [
     web.post(V1 + "/orgs", create_org),
     web.get(ORG, get_org, allow_head=False),

@@ -75,6 +75,8 @@ KINDS: dict[str, tuple[int, str]] = {
         "Too much history to fold in one request",
     ),
     "not-ready": (503, "Not ready"),
+    "projector-stopped": (503, "This replica's read model no longer follows the stream"),
+    "projector-failing": (503, "This replica's read model fails to follow the stream"),
 }
 
 _encoder = msgspec.json.Encoder()

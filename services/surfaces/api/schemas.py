@@ -110,6 +110,7 @@ SCHEMAS: dict[str, Doc] = {
         + ", ".join(KINDS),
     },
     "Health": _obj(["status"], status={"const": "ok"}),
+    "Ready": _obj(["status"], status={"const": "ready"}),
     "Org": _obj(["name"], name=ID, created_at=TIME, created_by=STR),
     "Token": _obj(
         ["token", "token_id", "user", "role", "org"],
