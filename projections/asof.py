@@ -210,7 +210,7 @@ class PastModels:
             s = await self._model(org, ws, seq)
             before = s.events
             try:
-                await self._advance(s, seq)
+                await self._advance(s, seq, self._allowance(org))
             except BaseException:
                 if s.broken:
                     self._drop(s)
@@ -231,6 +231,14 @@ class PastModels:
                 f"organization {org}'s as_of requests folded {spent} events within the "
                 f"minute (at most {self.per_minute}): ask again later"
             )
+
+    def _allowance(self, org: str) -> int:
+        """What one request of the organization may fold: `max_events`, and no more than
+        is left of its minute's `per_minute` (at least 1: `_afford` let it start)."""
+        start, spent = self._spent.get(org, (0.0, 0))
+        if not self.per_minute or time.monotonic() - start >= _WINDOW:
+            return self.max_events
+        return max(1, min(self.max_events, self.per_minute - spent))
 
     def _spend(self, org: str, events: int) -> None:
         now = time.monotonic()
@@ -279,18 +287,20 @@ class PastModels:
             return None
         return first.subject.split(".")[3]
 
-    async def _advance(self, s: Scratch, seq: int) -> None:
+    async def _advance(self, s: Scratch, seq: int, allowance: int | None = None) -> None:
         """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
-        `max_events` of them (TooCostly past that, `s` kept where it got to). A new model
-        is filled as replay fills (projections/fill.py: folded on the event loop while a
-        thread writes), a cached one moved on by the projector's `apply_batch`."""
+        `allowance` (default `max_events`) of them, the reads again of a replica behind
+        included (TooCostly past that, `s` kept where it got to). A new model is filled as
+        replay fills (projections/fill.py: folded on the event loop while a thread
+        writes), a cached one moved on by the projector's `apply_batch`."""
         if seq <= s.upto:
             return
         self.advanced += 1
+        cap = s.events + (self.max_events if allowance is None else allowance)
         if s.events == 0:
-            await self._fill_new(s, seq)
+            await self._fill_new(s, seq, cap)
         else:
-            await self._read(s, seq, lambda batch: self._apply(s, batch))
+            await self._read(s, seq, lambda batch: self._apply(s, batch), cap)
         for _ in range(_TRIES):
             if not await self._missed(s, seq):
                 s.upto = seq
@@ -300,7 +310,7 @@ class PastModels:
             # prefix, the rest comes once that replica has it.
             self.behind += 1
             await asyncio.sleep(_PAUSE)
-            await self._read(s, seq, lambda batch: self._apply(s, batch))
+            await self._read(s, seq, lambda batch: self._apply(s, batch), cap)
         raise Behind(
             f"the event stream's replica serving as_of {seq} is behind its leader; "
             f"sequence {s.upto} reached, try again"
@@ -318,13 +328,18 @@ class PastModels:
         return False
 
     async def _read(
-        self, s: Scratch, seq: int, apply: Callable[[list[Delivered]], Awaitable[None]]
+        self,
+        s: Scratch,
+        seq: int,
+        apply: Callable[[list[Delivered]], Awaitable[None]],
+        cap: int,
     ) -> None:
         """Hand `apply` the organization's events after `s.upto` up to `seq`, in batches,
-        at most `max_events` of them. Read by an ordered consumer of the organization's
+        until `s.events` reaches `cap` (the request's budget: a read again after a replica
+        behind spends the same one). Read by an ordered consumer of the organization's
         subjects, to the first message past `seq` or the stream's end as it was when the
         consumer was made."""
-        budget = self.max_events
+        budget = cap - s.events
         reader = OrderedReader(
             self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org, s.ws)
         )
@@ -337,16 +352,17 @@ class PastModels:
                 if len(batch) > budget:
                     await apply(batch[:budget])
                     raise TooCostly(
-                        f"as_of {seq} needs more than {self.max_events} events of "
-                        f"organization {s.org} folded at once; what was folded is kept: "
-                        "ask again to go on"
+                        f"as_of {seq} needs more events of organization {s.org} folded "
+                        f"than one request may fold now (at most {self.max_events}, and "
+                        "what is left of the minute's); what was folded is kept: ask "
+                        "again to go on"
                     )
                 await apply(batch)
                 budget -= len(batch)
                 if len(batch) < len(msgs):  # one past `seq`
                     break
 
-    async def _fill_new(self, s: Scratch, seq: int) -> None:
+    async def _fill_new(self, s: Scratch, seq: int, cap: int) -> None:
         """Fill a new model with the replay's writer; reopen it for reads and for moving
         on. A failure but TooCostly leaves it `broken` (the writer keeps no journal)."""
         await s.read.close()
@@ -361,7 +377,7 @@ class PastModels:
         try:
             await writer.open()
             try:
-                await self._read(s, seq, apply)
+                await self._read(s, seq, apply, cap)
             finally:
                 await filler.drain()
                 s.folded = filler.seq
