@@ -48,14 +48,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import shutil
 import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -66,12 +65,15 @@ from nats.aio.client import Client as NATS
 from infra.directget import as_raw, leader_get
 from infra.streams import EVENTS
 from projections import schema
+from projections.asof_time import AsOfError, bounds, parse_time, resolve
 from projections.batch import apply_batch
 from projections.fill import Filler, Writer
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
 
 log = structlog.get_logger(__name__)
+
+__all__ = ["AsOfError", "bounds", "parse_time", "resolve"]  # (projections/asof_time.py)
 
 MAX_MODELS = 16  # scratch models kept
 MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
@@ -83,8 +85,6 @@ _NEAR = _BATCH  # sequences an organization's model may be moved for a workspace
 _FETCH_TIMEOUT = 5.0
 _TRIES = 20  # reads of a replica behind the leader before 503 stale-read
 _PAUSE = 0.1  # seconds between them
-_API = "$JS.API"
-_NO_MESSAGE = 10037  # JetStream's "no message found"
 
 
 class Bounds(NamedTuple):
@@ -95,12 +95,6 @@ class Bounds(NamedTuple):
     events: int = MAX_EVENTS
     held: int = MAX_HELD
     per_minute: int = PER_MINUTE  # 0: no bound
-
-
-class AsOfError(RuntimeError):
-    """An `as_of` that cannot be answered; `slug` is the problem type."""
-
-    slug = "invalid-as-of"
 
 
 class Behind(AsOfError):
@@ -446,69 +440,3 @@ async def _open(path: Path) -> tuple[aiosqlite.Connection, ReadModel]:
     except BaseException:
         await db.close()
         raise
-
-
-# ---------------------------------------------------------------- as_of -> sequence
-
-
-async def bounds(nc: NATS, stream: str = EVENTS) -> tuple[int, int]:
-    """The stream's first and last sequences, as its leader has them."""
-    state = (await nc.jetstream().stream_info(stream)).state
-    return state.first_seq, state.last_seq
-
-
-async def resolve(nc: NATS, raw: str, *, stream: str = EVENTS, now: datetime | None = None) -> int:
-    """The stream sequence `raw` (a sequence, or an RFC 3339 time) names; AsOfError if
-    it is unparseable, in the future, past the stream's last or before its first."""
-    text = raw.strip()
-    first, last = await bounds(nc, stream)
-    if text.isascii() and text.isdigit():
-        seq = int(text) if len(text) <= 19 else last + 1
-        if seq > last:
-            raise AsOfError(f"as_of {text[:24]} is past the stream's last sequence ({last})")
-    else:
-        when = parse_time(text)
-        if when > (now or datetime.now(UTC)):
-            raise AsOfError(f"as_of {raw[:64]} is in the future")
-        after = await _first_at(nc, stream, when, nanos=1)
-        seq = last if after is None else after - 1
-    if seq < max(first, 1):
-        raise AsOfError(f"as_of {raw[:64]} is before the stream's first event ({first})")
-    return seq
-
-
-async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) -> int | None:
-    """The sequence of the first message stored at or after `when` (plus `nanos`
-    nanoseconds), or None: one request, answered by the stream's leader."""
-    utc = when.astimezone(UTC)
-    stamp = f"{utc:%Y-%m-%dT%H:%M:%S}.{utc.microsecond * 1000 + nanos:09d}Z"
-    req = json.dumps({"start_time": stamp}).encode()
-    reply = await nc.request(f"{_API}.STREAM.MSG.GET.{stream}", req, timeout=5)
-    answer = json.loads(reply.data)
-    if "error" in answer:
-        if answer["error"].get("err_code") == _NO_MESSAGE:
-            return None
-        raise RuntimeError(f"reading {stream} at {stamp}: {answer['error']}")
-    return int(answer["message"]["seq"])
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # no stream holds a message before it
-
-
-def parse_time(text: str) -> datetime:
-    """An RFC 3339 time with its offset (`Z` or `+hh:mm`); AsOfError otherwise."""
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise AsOfError(
-            f"as_of {text[:64]!r} is neither a stream sequence nor an RFC 3339 time"
-        ) from None
-    if when.tzinfo is None or "T" not in text.upper():
-        raise AsOfError(f"as_of {text[:64]!r} needs a date, a time and an offset (RFC 3339)")
-    try:  # in UTC, within the calendar (year 1 at +01:00 is not), after the epoch
-        utc = when.astimezone(UTC)
-    except OverflowError:
-        raise AsOfError(f"as_of {text[:64]!r} is out of range") from None
-    if utc < _EPOCH:
-        raise AsOfError(f"as_of {text[:64]!r} is before the stream's first event")
-    return utc
