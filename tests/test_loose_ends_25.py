@@ -8,19 +8,26 @@ endpoints only)."""
 from __future__ import annotations
 
 import ipaddress
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 
+from events import folder as fo
 from events.values import Workspace
+from infra.ids import utcnow
 from infra.streams import EVENTS
 from projections.asof import PastModels, TooCostly
 from services.app.commands import App
 from services.processes.notifications import Refused, guard
-from tests.api_support import Http
+from services.processes.retention import Retention
+from tests.api_support import ADMIN_TOKEN, Http
 from tests.audit_stream_support import shttp_fixture  # noqa: F401  # `shttp`
+from tests.lograce_support import finished_run, text_of
 from tests.notify_support import nhttp_fixture  # noqa: F401  # `nhttp`
+from tests.ui.support import Browser, Ui, ui_fixture  # noqa: F401  # `ui`
 
 V1 = "/api/v1/orgs"
 
@@ -150,3 +157,59 @@ async def test_an_org_admin_cannot_point_a_siem_destination_at_an_embedded_addre
     siem = await shttp.post(f"{V1}/evil/audit/destinations", json=body)
     siem.problem("destination-refused", 422)
     assert (await shttp.get(f"{V1}/evil/audit/destinations")).body["items"] == []
+
+
+# ---------------------------------------------------------------- the UI's log
+
+
+async def _shown_whole(ui: Ui, nc: NATS, tmp_path: Path) -> tuple[str, Browser]:
+    """A finished run with stored logs, its log page whole in a signed-in browser."""
+    run_id = await finished_run(ui.http, nc, tmp_path)
+    browser = ui.browser()
+    await browser.signin(ADMIN_TOKEN, "acme")
+    whole = await browser.get(f"/orgs/acme/runs/{run_id}/log")
+    assert text_of("checkout", 1) in whole.text and "Log removed" not in whole.text
+    return run_id, browser
+
+
+async def _set(app: App, **settings: int) -> None:
+    await app.org_command("acme", fo.SetOrgSettings(actor="admin", changes=settings))
+
+
+async def test_the_ui_log_page_and_live_view_say_the_log_was_removed_while_the_read_model_lags(
+    ui: Ui, nc: NATS, tmp_path: Path
+) -> None:
+    """Attack on the review's race, in the UI: the log page read the lines with no
+    removal check, so once retention had deleted the stored logs (the replica's read
+    model not yet holding `run.log_pruned`) it showed an empty log as if whole; the live
+    view likewise sent no line and `end`. Now both ask the event log's leader as the
+    API's log read does and say "Log removed by retention on <date>"."""
+    app = ui.http.app
+    run_id, browser = await _shown_whole(ui, nc, tmp_path)
+    async with ui.http.api.projector._writing:  # this replica's read model lags
+        await _set(app, log_retention_days=0)
+        assert (await Retention(nc, app, grace=0).pass_once()).pruned == [run_id]
+        page = await browser.get(f"/orgs/acme/runs/{run_id}/log")
+        assert page.status == 200, page.text[:300]
+        assert "Log removed by retention on 20" in page.text, page.text[-600:]
+        assert text_of("checkout", 1) not in page.text
+        live = await browser.get(f"/orgs/acme/runs/{run_id}/live")
+        assert "Log removed by retention on 20" in live.text, live.text[-600:]
+        assert "event: end" in live.text
+
+
+async def test_the_ui_log_page_of_a_run_removed_whole_while_the_read_model_lags_is_410(
+    ui: Ui, nc: NATS, tmp_path: Path
+) -> None:
+    """The same with the whole record removed: the log page was an empty 200 (the rows
+    still there, the objects gone); now the removed run's 410 page, as once projected."""
+    app = ui.http.app
+    run_id, browser = await _shown_whole(ui, nc, tmp_path)
+    async with ui.http.api.projector._writing:
+        await _set(app, record_retention_days=1)
+        app.clock = lambda: utcnow() + timedelta(days=2)  # type: ignore[method-assign]
+        assert (await Retention(nc, app, grace=0).pass_once()).removed == [run_id]
+        page = await browser.get(f"/orgs/acme/runs/{run_id}/log")
+        assert page.status == 410 and "removed by retention on 20" in page.text, page.text[:600]
+        live = await browser.get(f"/orgs/acme/runs/{run_id}/live")
+        assert live.status == 410, live.text[:300]
