@@ -48,14 +48,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import shutil
 import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import NamedTuple
 
@@ -66,12 +65,15 @@ from nats.aio.client import Client as NATS
 from infra.directget import as_raw, leader_get
 from infra.streams import EVENTS
 from projections import schema
+from projections.asof_time import AsOfError, bounds, parse_time, resolve
 from projections.batch import apply_batch
 from projections.fill import Filler, Writer
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
 
 log = structlog.get_logger(__name__)
+
+__all__ = ["AsOfError", "bounds", "parse_time", "resolve"]  # (projections/asof_time.py)
 
 MAX_MODELS = 16  # scratch models kept
 MAX_EVENTS = 20_000  # events one request may fold (~2 s of one core)
@@ -83,8 +85,6 @@ _NEAR = _BATCH  # sequences an organization's model may be moved for a workspace
 _FETCH_TIMEOUT = 5.0
 _TRIES = 20  # reads of a replica behind the leader before 503 stale-read
 _PAUSE = 0.1  # seconds between them
-_API = "$JS.API"
-_NO_MESSAGE = 10037  # JetStream's "no message found"
 
 
 class Bounds(NamedTuple):
@@ -95,12 +95,6 @@ class Bounds(NamedTuple):
     events: int = MAX_EVENTS
     held: int = MAX_HELD
     per_minute: int = PER_MINUTE  # 0: no bound
-
-
-class AsOfError(RuntimeError):
-    """An `as_of` that cannot be answered; `slug` is the problem type."""
-
-    slug = "invalid-as-of"
 
 
 class Behind(AsOfError):
@@ -210,7 +204,7 @@ class PastModels:
             s = await self._model(org, ws, seq)
             before = s.events
             try:
-                await self._advance(s, seq)
+                await self._advance(s, seq, self._allowance(org))
             except BaseException:
                 if s.broken:
                     self._drop(s)
@@ -231,6 +225,14 @@ class PastModels:
                 f"organization {org}'s as_of requests folded {spent} events within the "
                 f"minute (at most {self.per_minute}): ask again later"
             )
+
+    def _allowance(self, org: str) -> int:
+        """What one request of the organization may fold: `max_events`, and no more than
+        is left of its minute's `per_minute` (at least 1: `_afford` let it start)."""
+        start, spent = self._spent.get(org, (0.0, 0))
+        if not self.per_minute or time.monotonic() - start >= _WINDOW:
+            return self.max_events
+        return max(1, min(self.max_events, self.per_minute - spent))
 
     def _spend(self, org: str, events: int) -> None:
         now = time.monotonic()
@@ -279,18 +281,20 @@ class PastModels:
             return None
         return first.subject.split(".")[3]
 
-    async def _advance(self, s: Scratch, seq: int) -> None:
+    async def _advance(self, s: Scratch, seq: int, allowance: int | None = None) -> None:
         """Fold the organization's events in (`s.upto`, `seq`] into `s`, at most
-        `max_events` of them (TooCostly past that, `s` kept where it got to). A new model
-        is filled as replay fills (projections/fill.py: folded on the event loop while a
-        thread writes), a cached one moved on by the projector's `apply_batch`."""
+        `allowance` (default `max_events`) of them, the reads again of a replica behind
+        included (TooCostly past that, `s` kept where it got to). A new model is filled as
+        replay fills (projections/fill.py: folded on the event loop while a thread
+        writes), a cached one moved on by the projector's `apply_batch`."""
         if seq <= s.upto:
             return
         self.advanced += 1
+        cap = s.events + (self.max_events if allowance is None else allowance)
         if s.events == 0:
-            await self._fill_new(s, seq)
+            await self._fill_new(s, seq, cap)
         else:
-            await self._read(s, seq, lambda batch: self._apply(s, batch))
+            await self._read(s, seq, lambda batch: self._apply(s, batch), cap)
         for _ in range(_TRIES):
             if not await self._missed(s, seq):
                 s.upto = seq
@@ -300,7 +304,7 @@ class PastModels:
             # prefix, the rest comes once that replica has it.
             self.behind += 1
             await asyncio.sleep(_PAUSE)
-            await self._read(s, seq, lambda batch: self._apply(s, batch))
+            await self._read(s, seq, lambda batch: self._apply(s, batch), cap)
         raise Behind(
             f"the event stream's replica serving as_of {seq} is behind its leader; "
             f"sequence {s.upto} reached, try again"
@@ -318,13 +322,18 @@ class PastModels:
         return False
 
     async def _read(
-        self, s: Scratch, seq: int, apply: Callable[[list[Delivered]], Awaitable[None]]
+        self,
+        s: Scratch,
+        seq: int,
+        apply: Callable[[list[Delivered]], Awaitable[None]],
+        cap: int,
     ) -> None:
         """Hand `apply` the organization's events after `s.upto` up to `seq`, in batches,
-        at most `max_events` of them. Read by an ordered consumer of the organization's
+        until `s.events` reaches `cap` (the request's budget: a read again after a replica
+        behind spends the same one). Read by an ordered consumer of the organization's
         subjects, to the first message past `seq` or the stream's end as it was when the
         consumer was made."""
-        budget = self.max_events
+        budget = cap - s.events
         reader = OrderedReader(
             self.nc, self.stream, start_seq=s.upto + 1, filter_subjects=subjects(s.org, s.ws)
         )
@@ -337,16 +346,17 @@ class PastModels:
                 if len(batch) > budget:
                     await apply(batch[:budget])
                     raise TooCostly(
-                        f"as_of {seq} needs more than {self.max_events} events of "
-                        f"organization {s.org} folded at once; what was folded is kept: "
-                        "ask again to go on"
+                        f"as_of {seq} needs more events of organization {s.org} folded "
+                        f"than one request may fold now (at most {self.max_events}, and "
+                        "what is left of the minute's); what was folded is kept: ask "
+                        "again to go on"
                     )
                 await apply(batch)
                 budget -= len(batch)
                 if len(batch) < len(msgs):  # one past `seq`
                     break
 
-    async def _fill_new(self, s: Scratch, seq: int) -> None:
+    async def _fill_new(self, s: Scratch, seq: int, cap: int) -> None:
         """Fill a new model with the replay's writer; reopen it for reads and for moving
         on. A failure but TooCostly leaves it `broken` (the writer keeps no journal)."""
         await s.read.close()
@@ -361,7 +371,7 @@ class PastModels:
         try:
             await writer.open()
             try:
-                await self._read(s, seq, apply)
+                await self._read(s, seq, apply, cap)
             finally:
                 await filler.drain()
                 s.folded = filler.seq
@@ -430,69 +440,3 @@ async def _open(path: Path) -> tuple[aiosqlite.Connection, ReadModel]:
     except BaseException:
         await db.close()
         raise
-
-
-# ---------------------------------------------------------------- as_of -> sequence
-
-
-async def bounds(nc: NATS, stream: str = EVENTS) -> tuple[int, int]:
-    """The stream's first and last sequences, as its leader has them."""
-    state = (await nc.jetstream().stream_info(stream)).state
-    return state.first_seq, state.last_seq
-
-
-async def resolve(nc: NATS, raw: str, *, stream: str = EVENTS, now: datetime | None = None) -> int:
-    """The stream sequence `raw` (a sequence, or an RFC 3339 time) names; AsOfError if
-    it is unparseable, in the future, past the stream's last or before its first."""
-    text = raw.strip()
-    first, last = await bounds(nc, stream)
-    if text.isascii() and text.isdigit():
-        seq = int(text) if len(text) <= 19 else last + 1
-        if seq > last:
-            raise AsOfError(f"as_of {text[:24]} is past the stream's last sequence ({last})")
-    else:
-        when = parse_time(text)
-        if when > (now or datetime.now(UTC)):
-            raise AsOfError(f"as_of {raw[:64]} is in the future")
-        after = await _first_at(nc, stream, when, nanos=1)
-        seq = last if after is None else after - 1
-    if seq < max(first, 1):
-        raise AsOfError(f"as_of {raw[:64]} is before the stream's first event ({first})")
-    return seq
-
-
-async def _first_at(nc: NATS, stream: str, when: datetime, *, nanos: int = 0) -> int | None:
-    """The sequence of the first message stored at or after `when` (plus `nanos`
-    nanoseconds), or None: one request, answered by the stream's leader."""
-    utc = when.astimezone(UTC)
-    stamp = f"{utc:%Y-%m-%dT%H:%M:%S}.{utc.microsecond * 1000 + nanos:09d}Z"
-    req = json.dumps({"start_time": stamp}).encode()
-    reply = await nc.request(f"{_API}.STREAM.MSG.GET.{stream}", req, timeout=5)
-    answer = json.loads(reply.data)
-    if "error" in answer:
-        if answer["error"].get("err_code") == _NO_MESSAGE:
-            return None
-        raise RuntimeError(f"reading {stream} at {stamp}: {answer['error']}")
-    return int(answer["message"]["seq"])
-
-
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # no stream holds a message before it
-
-
-def parse_time(text: str) -> datetime:
-    """An RFC 3339 time with its offset (`Z` or `+hh:mm`); AsOfError otherwise."""
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise AsOfError(
-            f"as_of {text[:64]!r} is neither a stream sequence nor an RFC 3339 time"
-        ) from None
-    if when.tzinfo is None or "T" not in text.upper():
-        raise AsOfError(f"as_of {text[:64]!r} needs a date, a time and an offset (RFC 3339)")
-    try:  # in UTC, within the calendar (year 1 at +01:00 is not), after the epoch
-        utc = when.astimezone(UTC)
-    except OverflowError:
-        raise AsOfError(f"as_of {text[:64]!r} is out of range") from None
-    if utc < _EPOCH:
-        raise AsOfError(f"as_of {text[:64]!r} is before the stream's first event")
-    return utc

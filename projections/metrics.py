@@ -19,6 +19,9 @@
   what the executors' steps used (executor/usage.py), summed (the peak: the highest one
   step had) over the steps this read model holds; `phase` is `plan`, `apply` or `custom`
   (a custom step's number is the template's, so not a label);
+- `runplane_audit_destinations_failing`: audit stream destinations whose last tries
+  failed (`failing_since` set; their records wait and are tried again), all
+  organizations' in one count;
 - `runplane_metrics_ok{part}`: 1 if the part was read at this scrape, 0 if it failed
   (the rest is still answered);
 - the process's own `process_*` and `python_*` figures.
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +74,7 @@ class Figures:
     waiting: int | None = None  # dispatched phases not yet claimed
     attempts: dict[str, int] | None = None  # None also: the read model has no such table
     steps: dict[str, tuple[int, float, float, int]] | None = None  # phase: n, cpu, wall, peak
+    failing: int | None = None  # audit destinations whose last tries failed
     ok: dict[str, bool] = field(default_factory=dict)
 
     def collect(self) -> Iterator[Metric]:
@@ -116,6 +120,12 @@ class Figures:
             yield attempts
         if self.steps is not None:
             yield from _step_families(self.steps)
+        if self.failing is not None:
+            yield GaugeMetricFamily(
+                "runplane_audit_destinations_failing",
+                "Audit stream destinations whose last tries failed (their records wait)",
+                self.failing,
+            )
         ok = GaugeMetricFamily("runplane_metrics_ok", "Part read at this scrape", labels=["part"])
         for part, fine in sorted(self.ok.items()):
             ok.add_metric([part], 1 if fine else 0)
@@ -127,8 +137,16 @@ class Metrics:
     of its own, so a scrape's counts never queue the api's reads behind them) and the
     JetStream consumers' state."""
 
-    def __init__(self, nc: NATS, db_path: Path, *, cache_s: float = CACHE_S) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        db_path: Path,
+        *,
+        cache_s: float = CACHE_S,
+        audit_failing: Callable[[], Awaitable[int]] | None = None,
+    ) -> None:
         self.nc = nc
+        self.audit_failing = audit_failing  # the root's port: failing audit destinations
         self.db_path = db_path
         self.cache_s = cache_s
         self._db: ReadModel | None = None
@@ -158,6 +176,8 @@ class Metrics:
         f.waiting = await self._part(f, "dispatch", self._waiting())
         f.attempts = await self._part(f, "notifications", self._attempts())
         f.steps = await self._part(f, "steps", self._steps())
+        if self.audit_failing is not None:
+            f.failing = await self._part(f, "audit_stream", self.audit_failing())
         return f
 
     async def _part(self, f: Figures, name: str, read: Any) -> Any:

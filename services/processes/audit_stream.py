@@ -7,7 +7,11 @@ cursor only once the destination answered 2xx. So delivery is at least once and 
 per organization; a batch a kill interrupted is sent again (the same records, the same
 `delivery_id`s), never skipped. Any other answer, a timeout or a refused address is
 tried again with backoff (`--audit-stream-retry`, the receiver's Retry-After if longer)
-for as long as it takes: an audit record is never given up.
+for as long as it takes: an audit record is never given up. A destination that keeps
+failing is made visible instead: its cursor keeps `failing_since` and the last failure
+(status, error, time; the destination's answer shows them), a warning is logged at most
+once a minute per destination, and `/metrics` counts the failing destinations
+(`failing_destinations`).
 
 The cursor is the key `stream.<org>.<destination>` of the bucket `rp-audit` (the last
 stream sequence and chain place delivered, and the last failure), so progress survives
@@ -60,6 +64,7 @@ log = structlog.get_logger(__name__)
 RETRY = (2.0, 10.0, 60.0, 300.0)
 MAX_BODY = 1024 * 1024  # bytes of one request's body, at most (a record is < 2 KiB)
 MAX_RETRY_AFTER = 3600.0
+WARN_EVERY_S = 60.0  # a failing destination's warning, at most once this often
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,10 @@ class Progress(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     delivered_at: float = 0.0  # unix time of the last 2xx
     error: str = ""  # the last failure ("" once delivered)
     failures: int = 0  # failures in a row
+    failing_since: float = 0.0  # unix time of the first of those failures (0: delivering)
+    last_error: str = ""  # the last failure, kept once delivered again
+    last_status: int = 0  # its HTTP status (0: no answer, a timeout, a refusal)
+    last_failed_at: float = 0.0  # its unix time
 
 
 _progress = msgspec.json.Decoder(Progress)
@@ -105,6 +114,22 @@ _encode = msgspec.json.Encoder().encode
 
 def cursor_key(org: str, destination_id: str) -> str:
     return f"stream.{org}.{destination_id}"
+
+
+async def failing_destinations(nc: NATS) -> int:
+    """How many destinations' last tries failed (`failing_since` set), all
+    organizations': the `/metrics` gauge (a count, no organization named)."""
+    kv = await nc.jetstream().key_value(AUDIT_BUCKET)
+    try:
+        keys = await kv.keys()  # (its `filters` match substrings)
+    except nats.js.errors.NoKeysError:
+        return 0
+    count = 0
+    for key in (k for k in keys if k.startswith("stream.")):
+        org, _, destination_id = key.removeprefix("stream.").partition(".")
+        if (await read_progress(kv, org, destination_id))[0].failing_since:
+            count += 1
+    return count
 
 
 class DestinationSecrets(TokenStore):
@@ -146,6 +171,7 @@ class AuditStreamer:
         self.holder = uuid.uuid4().hex
         self.slots = asyncio.Semaphore(settings.concurrency)
         self.lanes: dict[str, Lane] = {}  # by destination subject
+        self.warned: dict[str, float] = {}  # destination subject: its last warning (monotonic)
         self._states: dict[str, ads.DestinationState] = {}
         self._subs: list[Subscription] = []
         self.kv: KeyValue | None = None
@@ -278,11 +304,22 @@ class Lane:
             else:
                 failures += 1
                 wait = self.s.settings.delay(failures, done.retry_after)
-                log.warning(
-                    "audit_stream_failed", org=self.d.org, destination=self.d.id,
-                    error=done.error or None, status=done.status or None, retry_in=wait,
-                )  # fmt: skip
+                self._tell(done, failures, wait)
                 await asyncio.sleep(wait)
+
+    def _tell(self, done: Answer, failures: int, wait: float) -> None:
+        """A failure logged: a warning at most once a minute per destination (one that
+        keeps failing is tried for ever: no record is skipped), the others at debug."""
+        subject = ads.subject(self.d.org, self.d.id)
+        now = time.monotonic()
+        warn = now - self.s.warned.get(subject, -WARN_EVERY_S) >= WARN_EVERY_S
+        if warn:
+            self.s.warned[subject] = now
+        (log.warning if warn else log.debug)(
+            "audit_stream_failing", org=self.d.org, destination=self.d.id,
+            error=done.error or None, status=done.status or None, failures=failures,
+            retry_in=wait,
+        )  # fmt: skip
 
     async def _pass(self) -> Answer | None:
         """Send the next batch: its answer, or None when there is nothing to send here
@@ -304,12 +341,18 @@ class Lane:
             done = Progress(
                 seq=last, n=batch[-1][2].n, holder=self.s.holder,
                 until=time.time() + self.s.settings.lease, delivered_at=time.time(),
+                last_error=p.last_error, last_status=p.last_status,
+                last_failed_at=p.last_failed_at,
             )  # fmt: skip
             await self.s.save(self.d, done, revision)
             self.sent += len(batch)
             return answer
         error = answer.error or f"HTTP {answer.status}: {answer.excerpt[:200]}"
-        failed = msgspec.structs.replace(mine, error=error, failures=p.failures + 1)
+        at = time.time()
+        failed = msgspec.structs.replace(
+            mine, error=error, failures=p.failures + 1, failing_since=p.failing_since or at,
+            last_error=error, last_status=answer.status, last_failed_at=at,
+        )  # fmt: skip
         await self.s.save(self.d, failed, revision)
         return answer
 

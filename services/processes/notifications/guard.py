@@ -38,9 +38,17 @@ def allowed_from_env() -> frozenset[str]:
 
 
 def kind_of(ip: IP) -> str:
-    """ "public", "loopback", "private", or why it is never allowed."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return kind_of(ip.ipv4_mapped)
+    """ "public", "loopback", "private", or why it is never allowed. An IPv6 address that
+    embeds an IPv4 one (mapped, NAT64, 6to4, Teredo) is judged by it too: routed through
+    a NAT64 gateway or a 6to4 relay, 64:ff9b::a9fe:a9fe reaches 169.254.169.254."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return kind_of(ip.ipv4_mapped)
+        for inner in _embedded(ip):
+            if (kind := kind_of(inner)) != "public":
+                return kind
+        if ip in _NAT64:  # DNS64's synthesized address of a public IPv4 host
+            return "public"
     if ip.is_loopback:
         return "loopback"
     if ip.is_link_local:
@@ -57,6 +65,26 @@ def kind_of(ip: IP) -> str:
 
 
 _CGNAT = ipaddress.IPv4Network("100.64.0.0/10")
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # RFC 6052's well-known prefix
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")  # RFC 8215: any RFC 6052 length
+
+
+def _embedded(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses `ip` may carry: NAT64's (the local-use prefix's at every place
+    RFC 6052 allows, since its length is the operator's choice), 6to4's, Teredo's server
+    and client."""
+    n = int(ip)
+    if ip in _NAT64:
+        return [ipaddress.IPv4Address(n & 0xFFFFFFFF)]
+    if ip in _NAT64_LOCAL:
+        raw = ip.packed
+        places = [raw[12:16], raw[6:8] + raw[9:11], raw[7:8] + raw[9:12], raw[9:13]]
+        return [ipaddress.IPv4Address(b) for b in places if any(b)]  # 0s: a place unused
+    if ip.sixtofour is not None:
+        return [ip.sixtofour]
+    if ip.teredo is not None:
+        return list(ip.teredo)
+    return []
 
 
 def judge(ip: IP, allow: frozenset[str], host: str = "") -> None:

@@ -7,6 +7,7 @@ composition root owns their lifetimes (the projector is an async context manager
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from aiohttp import web
 
@@ -17,6 +18,7 @@ from projections.projector import Projector
 from services.app.commands import App
 from services.app.repositories import Sources
 from services.app.secrets import SecretStore
+from services.processes.audit_stream import failing_destinations
 from services.processes.vcs.deliveries import Deliveries
 from services.processes.vcs.heads import GitHeads, Heads
 from services.surfaces.api import (
@@ -97,6 +99,12 @@ ROUTES = [
 ]
 
 
+def _figures(app: App, projector: Projector) -> Metrics:
+    """`/metrics`' figures, the audit stream's failing destinations among them."""
+    failing = partial(failing_destinations, app.store.nc)
+    return Metrics(app.store.nc, projector.db_path, audit_failing=failing)
+
+
 def build_app(
     *,
     app: App,
@@ -140,9 +148,9 @@ def build_app(
     web_app[vcs_webhook.DELIVERIES] = Deliveries(app, projector, heads)
     web_app[OPENAPI] = openapi.document()
     web_app[INTAKE] = Intake(webhook_limits or Limits())
-    web_app[metrics.METRICS] = deployment_metrics = Metrics(app.store.nc, projector.db_path)
+    web_app[metrics.METRICS] = figures = _figures(app, projector)
     web_app[metrics.METRICS_TOKEN] = metrics.token_digest(metrics_token)
-    web_app.on_cleanup.append(lambda _: deployment_metrics.close())
+    web_app.on_cleanup.append(lambda _: figures.close())
     web_app.add_routes(ROUTES)
     # the web UI: its own routes, authenticated by its session cookie
     ui.mount(web_app, behind_tls_proxy=behind_tls_proxy)

@@ -10,17 +10,21 @@ secrets bucket as a notification token is, never answered (`has_secret` says one
 set). The URL must be https:// unless the deployment allows http
 (`--audit-stream-allow-http`), and is judged by the notifications' address guard when
 saved and at every send (422 `destination-refused`). Each answer carries the
-destination's progress (`delivered`: the last record delivered, the last failure).
+destination's progress (`delivered`: the last record delivered, the last failure;
+`last_failure`: status, error and time of the last failed try, kept once delivered
+again; `failing_since`: when the tries began failing, null while delivering).
 The organization streamed is the path's: a destination of another organization is not
 found, whatever the caller's role there.
 """
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
 import msgspec
+import nats.js.errors
 from aiohttp import web
 from msgspec import Meta
 
@@ -122,7 +126,20 @@ async def _row(api: Api, d: ads.AuditDestination) -> Row:
         "has_secret": d.has_secret, "sourcetype": d.sourcetype or None,
         "index": d.index or None, "created_at": _iso(d.created_at),
         "created_by": d.created_by, "delivered": _delivered(p),
+        "last_failure": _last_failure(p), "failing_since": _at(p.failing_since),
     }  # fmt: skip
+
+
+def _last_failure(p: Progress) -> Row | None:
+    """The last failed try (kept once delivered again): its HTTP status (None: no
+    answer), why, and when."""
+    if not p.last_failed_at:
+        return None
+    return {"status": p.last_status or None, "error": p.last_error, "at": _at(p.last_failed_at)}
+
+
+def _at(unix: float) -> str | None:
+    return _iso(datetime.fromtimestamp(unix, UTC)) if unix else None
 
 
 def _delivered(p: Progress) -> Row:
@@ -214,10 +231,26 @@ async def patch_destination(request: web.Request) -> web.Response:
     done = await api.app.execute(DESTINATION, ads.subject(org, did), cmd)
     if body.secret == "":  # once the change is taken (an enabled destination needs one)
         await _secrets(request).delete(org, did)
+    if body.enabled is False:
+        await _not_failing(api, org, did)
     assert done.state.destination is not None
     await api.after_write(done.seq)
     answer = await _row(api, done.state.destination)
     return json_response(answer, headers={SEQ_HEADER: str(done.seq)})
+
+
+async def _not_failing(api: Api, org: str, did: str) -> None:
+    """A disabled destination is tried no more: no longer counted failing (its last
+    failure stays on record). A checked update, so a lane's last write is not undone."""
+    kv = await api.app.store.nc.jetstream().key_value(AUDIT_BUCKET)
+    for _ in range(5):
+        p, revision = await read_progress(kv, org, did)
+        if not p.failing_since:
+            return
+        cleared = msgspec.structs.replace(p, failing_since=0.0, failures=0)
+        with contextlib.suppress(nats.js.errors.KeyWrongLastSequenceError):
+            await kv.update(cursor_key(org, did), msgspec.json.encode(cleared), last=revision)
+            return
 
 
 async def delete_destination(request: web.Request) -> web.Response:
@@ -265,6 +298,16 @@ _DESTINATION: Doc = {
             "type": "object",
             "description": "the last record delivered (stream seq, chain n, when) and the "
             "last failure",
+        },
+        "last_failure": {
+            "type": ["object", "null"],
+            "description": "the last failed try, kept once delivered again: status (the "
+            "HTTP status, null: no answer), error, at",
+        },
+        "failing_since": {
+            "type": ["string", "null"],
+            "description": "when the tries began failing (null: delivering); the records "
+            "wait, none is skipped, and are tried again for as long as it takes",
         },
     },
 }

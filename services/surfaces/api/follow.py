@@ -28,7 +28,7 @@ from infra.steplogs import parse_live
 from infra.streams import EVENTS, LOGS
 from projections.ordered import Delivered
 from services.surfaces.api.runfeed import Cursor, hub
-from services.surfaces.api.runlog import Key, Out, StepCursor, Target, step_lines
+from services.surfaces.api.runlog import Key, Out, Removed, StepCursor, Target, step_lines
 
 Send = Callable[[list[Out]], Awaitable[None]]
 _FLUSH = 500  # events sent in one write, at most
@@ -37,8 +37,17 @@ _FLUSH = 500  # events sent in one write, at most
 class Follower:
     """Sends a run's log as it grows (through `send`) until the run is terminal."""
 
-    def __init__(self, nc: NATS, target: Target, send: Send, *, keepalive: float = 15.0) -> None:
+    def __init__(
+        self,
+        nc: NATS,
+        target: Target,
+        send: Send,
+        *,
+        keepalive: float = 15.0,
+        removed: Removed | None = None,
+    ) -> None:
         self.nc = nc
+        self.removed = removed  # a stored log found gone: LogError if retention took it
         self.target = target
         self.send = send
         self.keepalive = keepalive
@@ -126,7 +135,10 @@ class Follower:
     async def _rest(self, key: Key, stored: str) -> None:
         """What is owed of a step that ended: from its object, else from RP_LOGS."""
         cursor = self._cursor(key)
-        async for lines in step_lines(self.nc, self.target.run_id, key, stored, cursor=cursor):
+        lines_of = step_lines(
+            self.nc, self.target.run_id, key, stored, cursor=cursor, removed=self.removed
+        )
+        async for lines in lines_of:
             await self._emit([("line", line) for line in lines])
 
     async def _end(self) -> None:

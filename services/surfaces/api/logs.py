@@ -22,7 +22,6 @@ import re
 import msgspec
 import structlog
 from aiohttp import web
-from nats.aio.client import Client as NATS
 
 from events.run import TERMINAL
 from events.templates import valid_phase
@@ -99,7 +98,7 @@ async def run_logs(request: web.Request) -> web.StreamResponse:
         await check_kept(api, target)
     nc = api.app.store.nc
     if follow:
-        return await _follow_stream(request, nc, target)
+        return await _follow_stream(request, api, target)
     lines = Lines(nc, api.read, target, ended=ended, removed=lambda: is_removed(api, target))
     return await _lines_stream(request, api, lines, page)
 
@@ -109,22 +108,30 @@ def removed(at: str) -> Problem:
     return Problem("log-removed", f"log removed by retention on {at[:10]}", log_removed_at=at)
 
 
-async def check_kept(api: Api, target: Target) -> None:
-    """410 if retention recorded the removal of the run's logs, or of its whole record
-    (`run-removed`), as the event log's leader has it now (the read model may not have
-    folded that record yet)."""
+async def removal(api: Api, target: Target) -> Problem | None:
+    """The 410 a read of the run's log answers if retention recorded the removal of its
+    logs (`log-removed`, with `log_removed_at`) or of its whole record (`run-removed`,
+    with `removed_at`), as the event log's leader has it now (the read model may not
+    have folded that record yet); None while the log is kept. The one check of every
+    surface that shows a log (this API, the web UI's log page and live view)."""
     state = (await api.app.load_run(target.org, target.ws, target.run_id, min_seq=LATEST)).state
     if state.removed_at is not None:
-        raise run_removed(target.run_id, iso(state.removed_at))
+        return run_removed(target.run_id, iso(state.removed_at))
     if state.log_removed_at is not None:
-        raise removed(iso(state.log_removed_at))
+        return removed(iso(state.log_removed_at))
+    return None
+
+
+async def check_kept(api: Api, target: Target) -> None:
+    """Raises `removal`'s 410, if any."""
+    if (gone := await removal(api, target)) is not None:
+        raise gone
 
 
 async def is_removed(api: Api, target: Target) -> bool:
     """Whether retention recorded the removal of the run's logs, alone or with its whole
     record (the leader's answer)."""
-    state = (await api.app.load_run(target.org, target.ws, target.run_id, min_seq=LATEST)).state
-    return state.log_removed_at is not None or state.removed_at is not None
+    return await removal(api, target) is not None
 
 
 async def _lines_stream(
@@ -169,7 +176,7 @@ def _items(batch: list[LogLine]) -> bytes:
     return _encoder.encode(batch)[1:-1]
 
 
-async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.StreamResponse:
+async def _follow_stream(request: web.Request, api: Api, target: Target) -> web.StreamResponse:
     """Server-sent events until the run ends. Once the headers are out, a failure can only
     be told as an `error` event; the client reconnects and skips lines it already has."""
     resp = web.StreamResponse(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -182,7 +189,10 @@ async def _follow_stream(request: web.Request, nc: NATS, target: Target) -> web.
         await resp.write(encode_sse(batch))
 
     try:
-        await Follower(nc, target, send).run()
+        # A stored log found gone that retention took fails the stream (its `error`
+        # says reconnect; the next request is the 410), never RP_LOGS's remains as whole.
+        removed = lambda: is_removed(api, target)  # noqa: E731 - a closure over target
+        await Follower(api.app.store.nc, target, send, removed=removed).run()
     except Lapsed as e:
         log.info("log_follow_lapsed", reason=str(e))
         with contextlib.suppress(ConnectionError):

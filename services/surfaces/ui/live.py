@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp_jinja2
 import structlog
 from aiohttp import web
 
+from events.run import TERMINAL
 from events.templates import valid_phase
+from infra.steplogs import LogError
 from services.surfaces.api.bodies import check_name
+from services.surfaces.api.context import Api
 from services.surfaces.api.follow import Follower
+from services.surfaces.api.logs import is_removed, removal
 from services.surfaces.api.problems import Problem
 from services.surfaces.api.removed import missing_run
 from services.surfaces.api.runlog import Lines, Out, Target
@@ -119,8 +122,12 @@ async def run_feed(visit: Visit) -> web.StreamResponse:
     if run is None:
         raise await missing_run(visit.api, visit.org, run_id)
     skip = _last_event_id(visit.request)
+    target = Target(org=visit.org, ws=run["workspace"], run_id=run_id)
+    gone = None
+    if run["status"] in TERMINAL and not run["log_removed_at"]:
+        gone = await _removal(visit.api, target)  # the read model may not have it yet
     resp = await _open(visit)
-    feed = _RunFeed(visit, run, resp, skip)
+    feed = _RunFeed(visit, run, resp, skip, gone)
     with contextlib.suppress(ConnectionError, Closing):
         try:
             await feed.run()
@@ -141,8 +148,14 @@ class _RunFeed:
     """One browser's run stream: the follower's lines, and the state when it moves."""
 
     def __init__(
-        self, visit: Visit, run: dict[str, Any], resp: web.StreamResponse, skip: int
+        self,
+        visit: Visit,
+        run: dict[str, Any],
+        resp: web.StreamResponse,
+        skip: int,
+        gone: str | None = None,
     ) -> None:
+        self.gone = gone  # when retention removed the log, if the read model lags
         self.visit = visit
         self.row = run
         self.resp = resp
@@ -156,9 +169,15 @@ class _RunFeed:
             await self._state()
             await self._write(sse("end", "ended"))
             return
+        if self.gone is not None:
+            await self._removed(self.gone)
+            return
+        api = self.visit.api
         target = Target(org=self.visit.org, ws=self.row["workspace"], run_id=self.row["id"])
-        nc = self.visit.api.app.store.nc
-        follower = Follower(nc, target, self._lines, keepalive=KEEPALIVE_S)
+        follower = Follower(
+            api.app.store.nc, target, self._lines, keepalive=KEEPALIVE_S,
+            removed=lambda: is_removed(api, target),
+        )  # fmt: skip
         follow = asyncio.create_task(follower.run())
         watch = asyncio.create_task(self._watch())
         try:
@@ -170,9 +189,20 @@ class _RunFeed:
         if follow not in done:  # the watch ended: the browser went, or the process stops
             raise watch.exception() or Closing()
         if (error := follow.exception()) is not None:
+            if isinstance(error, LogError) and (at := await _removal(api, target)) is not None:
+                await self._removed(at)
+                return
             raise error
-        api = self.visit.api
         await api.reached(await api.app.store.last_seq(), api.read_wait)  # the run's end
+        await self._state()
+        await self._write(sse("end", "ended"))
+
+    async def _removed(self, at: str) -> None:
+        """Retention removed the log (the read model did not say so yet): the log's place
+        says when, never an empty log that passes for whole."""
+        text = f"Log removed by retention on {at[:10]}."
+        html = fragment(self.visit.request, "_removed.html", {"text": text})
+        await self._write(sse("line", html))
         await self._state()
         await self._write(sse("end", "ended"))
 
@@ -220,11 +250,16 @@ class _RunFeed:
             await self._write(sse("state", html))
 
 
-async def _nothing() -> AsyncIterator[list[Any]]:
-    """No lines: retention removed the run's stored logs (the page says when)."""
-    empty: tuple[list[Any], ...] = ()
-    for batch in empty:
-        yield batch
+async def _removal(api: Api, target: Target) -> str | None:
+    """When retention removed the run's log, as the event log's leader has it (the API's
+    own check, services/surfaces/api/logs.py `removal`), else None; the run's whole
+    record removed is its 410 page."""
+    gone = await removal(api, target)
+    if gone is None:
+        return None
+    if gone.slug == "run-removed":
+        raise gone
+    return str(gone.extra["log_removed_at"])
 
 
 def _step_query(request: web.Request) -> tuple[str | None, str | None]:
@@ -246,11 +281,31 @@ async def log_page(visit: Visit) -> web.StreamResponse:
         raise await missing_run(visit.api, visit.org, run_id)
     phase, step = _step_query(visit.request)
     target = Target(org=visit.org, ws=run["workspace"], run_id=run_id, phase=phase, step=step)
-    lines = Lines(visit.api.app.store.nc, visit.api.read, target, ended=True)
-    shown: list[Any] = []
-    async for batch in _nothing() if run["log_removed_at"] else lines.batches():
-        shown.extend(batch)
-        if len(shown) >= 20_000:
-            break
-    context = await base(visit, run=run, lines=shown, phase=phase, step=step)
+    gone = run["log_removed_at"]
+    if not gone and run["status"] in TERMINAL:  # the read model may not have it yet
+        gone = await _removal(visit.api, target)
+    shown = [] if gone else await _shown(visit.api, target)
+    if isinstance(shown, str):  # found removed while read
+        shown, gone = [], shown
+    context = await base(
+        visit, run={**run, "log_removed_at": gone}, lines=shown, phase=phase, step=step
+    )
     return render(visit.request, "log.html", context)
+
+
+async def _shown(api: Api, target: Target) -> list[Any] | str:
+    """The log's first 20,000 lines, or when retention removed it (found while read)."""
+    lines = Lines(
+        api.app.store.nc, api.read, target, ended=True, removed=lambda: is_removed(api, target)
+    )
+    shown: list[Any] = []
+    try:
+        async for batch in lines.batches():
+            shown.extend(batch)
+            if len(shown) >= 20_000:
+                break
+    except LogError as e:
+        if (at := await _removal(api, target)) is not None:
+            return at
+        raise Problem("unavailable", f"the log store is unavailable: {e}") from e
+    return shown
