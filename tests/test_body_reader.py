@@ -83,6 +83,13 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
         "source": "package p\ndeny contains m if { m := input.x }\n",
     },
     ("POST", "/api/v1/orgs/{org}/notifications"): {"name": "n", "url": "https://example.com/h"},
+    ("POST", "/api/v1/orgs/{org}/audit/destinations"): {
+        "name": "siem",
+        "format": "runplane",
+        "url": "https://siem.example/runplane",
+        "secret": "s",
+    },
+    ("PATCH", "/api/v1/orgs/{org}/audit/destinations/{destination}"): {"enabled": False},
     ("PATCH", "/api/v1/orgs/{org}/notifications/{notification}"): {"enabled": False},
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/notifications"): {
         "name": "n",
@@ -311,6 +318,7 @@ def _api_path(template: str, ids: dict[str, str]) -> str:
         policy="p",
         template="t",
         notification="01jnotificationofnone00000",
+        destination="01jdestinationofnone000000",
         schedule=ids["schedule"],
         id="sv-acme.net.1.0123456789abcdef",
         slack_id="U0BOB",
