@@ -35,6 +35,12 @@ resource "null_resource" "slow" {
 }
 """
 
+FOREVER_APPLY_TF = """
+resource "null_resource" "forever" {
+  provisioner "local-exec" { command = "sleep 3600" }
+}
+"""
+
 
 async def executor_proc(plane: Plane, server: EmbeddedNats, name: str) -> Proc:
     """A `runplane executor` of the plane's deployment (its key: the plane's key file)."""
@@ -143,3 +149,36 @@ async def test_sigterm_mid_apply_lets_the_apply_finish_then_the_executor_exits(
     assert not [e for e in events if isinstance(e, (R.PhaseReleased, R.RunFailed))]
     applies = [e for e in events if isinstance(e, R.PhaseStarted) and e.phase == "apply"]
     assert len(applies) == 1
+
+
+async def test_a_tenant_apply_that_never_ends_holds_a_drain_no_longer_than_its_timeout(
+    plane: Plane, repo: Path
+) -> None:
+    """Hostile code (an apply whose provisioner never ends) cannot hold an upgrade
+    hostage: the drain waits for it `drain_timeout`, then stops hard as a second SIGTERM
+    does (Terraform interrupted, killed after the apply's stop grace), the run fails
+    `executor_stopped` and the executor is free to go. Meanwhile it took nothing new."""
+    commit(repo, {"main.tf": FOREVER_APPLY_TF})
+    await api_workspace(plane.http, repo)
+    await api_workspace(plane.http, repo, name="other")
+    ex = await plane.executor("e1")
+    ex.apply_grace_period = 2.0
+    run_id = await plane.start("net")
+    await plane.reaches("net", run_id, "awaiting_approval")
+    await plane.approve(run_id)
+
+    async def applying() -> bool:
+        run = await plane.run("net", run_id)
+        assert (run.status, run.phase_step) == (R.Status.APPLYING, "apply")
+        return True
+
+    await eventually(applying, timeout=60, what="the apply step under way")
+    waiting = await plane.start("other", run_type="plan")
+    began = time.monotonic()
+    await ex.drained(timeout=2.0)
+    took = time.monotonic() - began
+    assert took < 20, f"the drain held {took:.1f} s"
+    run = await plane.reaches("net", run_id, "failed")
+    assert run.reason == "executor_stopped"
+    other = await plane.run("other", waiting)
+    assert other.status in (R.Status.PENDING, R.Status.QUEUED), other.status
