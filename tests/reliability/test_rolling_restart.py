@@ -2,7 +2,8 @@
 (issue 26, item 4: "no run lost to an upgrade").
 
 The cluster suite's deployment (tests/reliability/chaos_support.py): three nats-servers,
-two `runplane api`, two `runplane scheduler`, two `runplane executor`, real Terraform.
+two `runplane api`, two `runplane scheduler`, two `runplane executor`, two `runplane subscribers` notifying
+a local receiver, real Terraform.
 A driver keeps apply runs coming through both apis and approves them. Each NATS node,
 then each process, is stopped with SIGTERM as `systemctl restart` does (an executor
 while a run plans or applies on it, when one does), waited for to exit 0, started again
@@ -21,7 +22,10 @@ from pathlib import Path
 import pytest
 
 from tests.cluster_support import NatsCluster
+from tests.helpers import eventually
+from tests.notify_support import Receiver
 from tests.reliability.chaos_support import (
+    NOTIFY_ENV,
     ORG,
     Api,
     ClusterNats,
@@ -29,6 +33,7 @@ from tests.reliability.chaos_support import (
     Plane,
     Witness,
     Workload,
+    _subscribers,
     applies_from_terraform,
     settle,
     setup_org,
@@ -37,6 +42,7 @@ from tests.reliability.chaos_support import (
 pytestmark = pytest.mark.terraform
 
 RUNS = 10
+TOKEN = "rolling-notify-token-1d2c3b"
 
 
 async def _in_flight(api: Api, timeout: float = 20) -> str:
@@ -67,17 +73,31 @@ async def _restart(c: Component, api: Api, log: list[str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 async def test_a_rolling_restart_of_every_process_with_runs_in_flight_fails_no_run(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every run applied, none twice; the subscribers, restarted too, lose no
+    notification: every run's `run:created` and `run:completed` reach the receiver, each
+    under one delivery id."""
+    for k, v in NOTIFY_ENV.items():  # the api's guard judges the receiver's URL too
+        monkeypatch.setenv(k, v)
     rng = random.Random(26)
     nats_side = ClusterNats(NatsCluster(tmp_path / "cluster", size=3))
     plane = await Plane.start(tmp_path / "plane", nats_side, count=2)
+    subs = _subscribers(tmp_path / "plane", nats_side)
+    for sub in subs:
+        await sub.start()
+    for sub in subs:
+        await sub.ready()
     api = Api(plane.bases)
     witness = await Witness().start()
+    receiver = await Receiver(token=TOKEN, delay=0.2).__aenter__()
     log: list[str] = []
     try:
         workspaces = ["ws0", "ws1", "ws2"]
         await setup_org(api, tmp_path, workspaces, {}, witness)
+        triggers = ["run:created", "run:completed", "run:errored"]
+        body = {"name": "rolling", "url": receiver.url, "token": TOKEN, "triggers": triggers}
+        await api.ok("POST", f"/api/v1/orgs/{ORG}/notifications", body)
         work = Workload(api, workspaces, RUNS, rng)
         stop = asyncio.Event()
         background = [
@@ -91,7 +111,7 @@ async def test_a_rolling_restart_of_every_process_with_runs_in_flight_fails_no_r
             await nats_side.cluster.wait_ready()
             log.append(f"nats {node.name}: restarted")
             await asyncio.sleep(1)
-        for c in (*plane.executors, *plane.schedulers, *plane.apis, *plane.executors):
+        for c in (*plane.executors, *plane.schedulers, *plane.apis, *subs, *plane.executors):
             await _restart(c, api, log)
             await asyncio.sleep(1)
         work.faults_done.set()
@@ -115,7 +135,24 @@ async def test_a_rolling_restart_of_every_process_with_runs_in_flight_fails_no_r
             page = await api.ok("GET", f"/api/v1/orgs/{ORG}/runs/{r['id']}/events")
             released += sum(e["type"] == "run.phase_released" for e in page["items"])
         print("phases given back:", released, flush=True)
+        want = {(r["id"], t) for r in runs for t in ("run:created", "run:completed")}
+        got: dict[tuple[str, str], set[str]] = {}
+
+        async def every_delivery() -> bool:
+            got.clear()
+            for g in receiver.got:
+                key = (g.json["run_id"], g.json["notifications"][0]["trigger"])
+                got.setdefault(key, set()).add(g.delivery)
+            assert set(got) == want, sorted(set(got) ^ want)
+            return True
+
+        await eventually(every_delivery, timeout=120, interval=0.2, what="every notification")
+        assert all(len(ids) == 1 for ids in got.values()), got
     finally:
+        await receiver.__aexit__(None, None, None)
+        for sub in subs:
+            if sub.proc and sub.returncode() is None:
+                await sub.kill()
         witness.close()
         await api.close()
         await plane.kill_all()
