@@ -182,3 +182,38 @@ async def test_a_tenant_apply_that_never_ends_holds_a_drain_no_longer_than_its_t
     assert run.reason == "executor_stopped"
     other = await plane.run("other", waiting)
     assert other.status in (R.Status.PENDING, R.Status.QUEUED), other.status
+
+
+async def test_a_second_sigterm_stops_a_draining_executor_hard(
+    plane: Plane, repo: Path, nats_server: EmbeddedNats
+) -> None:
+    """The first SIGTERM drains (the apply goes on); a second stops hard, as one did
+    before the drain: Terraform interrupted, the run failed `executor_stopped`, exit 0."""
+    commit(repo, {"main.tf": FOREVER_APPLY_TF})
+    await api_workspace(plane.http, repo)
+    ex = await executor_proc(plane, nats_server, "e1")
+    try:
+        run_id = await plane.start("net")
+        await plane.reaches("net", run_id, "awaiting_approval")
+        await plane.approve(run_id)
+
+        async def applying() -> bool:
+            run = await plane.run("net", run_id)
+            assert (run.status, run.phase_step) == (R.Status.APPLYING, "apply")
+            return True
+
+        await eventually(applying, timeout=60, what="the apply step under way")
+        assert ex.proc is not None
+        ex.proc.send_signal(signal.SIGTERM)
+
+        async def draining() -> bool:
+            return "executor_draining" in ex.output()
+
+        await eventually(draining, timeout=30, what="the drain to begin")
+        assert (await plane.run("net", run_id)).status == R.Status.APPLYING
+        code = await ex.stop(signal.SIGTERM, timeout=60)
+        assert code == 0, ex.output()[-3000:]
+    finally:
+        await ex.stop(signal.SIGKILL)
+    run = await plane.reaches("net", run_id, "failed")
+    assert run.reason == "executor_stopped", run.error_message

@@ -2,14 +2,15 @@
 (issue 26, item 4: "no run lost to an upgrade").
 
 The cluster suite's deployment (tests/reliability/chaos_support.py): three nats-servers,
-two `runplane api`, two `runplane scheduler`, two `runplane executor`, two `runplane subscribers` notifying
-a local receiver, real Terraform.
-A driver keeps apply runs coming through both apis and approves them. Each NATS node,
-then each process, is stopped with SIGTERM as `systemctl restart` does (an executor
-while a run plans or applies on it, when one does), waited for to exit 0, started again
-and waited for ready; then the next. Afterwards every run is `applied`: an executor's
-SIGTERM gives its plan back to the pool (`run.phase_released`) and lets its apply finish
-(before the drain, each executor's restart failed its phase `executor_stopped`)."""
+two `runplane api`, two `runplane scheduler`, two `runplane executor`, two `runplane
+subscribers` notifying a local receiver, real Terraform. A driver keeps apply runs
+coming through both apis and approves them. Each NATS node, then each process, is
+stopped with SIGTERM as `systemctl restart` does (an executor while a run plans or
+applies on it, when one does), waited for to exit 0, started again and waited for
+ready; then the next. Afterwards every run is `applied` and every notification
+delivered once: an executor's SIGTERM gives its plan back to the pool
+(`run.phase_released`) and lets its apply finish (before the drain, the same test failed
+4 runs of 14 `executor_stopped`)."""
 
 from __future__ import annotations
 
