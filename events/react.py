@@ -57,6 +57,7 @@ from events.run import (
     ApplyFinished,
     CustomStepFinished,
     LogPruned,
+    PhaseReleased,
     PhaseStarted,
     PlanFinished,
     ResourceStateChanged,
@@ -337,6 +338,7 @@ RunEventT = (
     | RunQueued
     | RunPinned
     | PhaseStarted
+    | PhaseReleased
     | PlanFinished
     | RunApproved
     | ApplyFinished
@@ -364,6 +366,8 @@ def _run(event: RunEventT, s: RunState) -> list[Action]:
             return [*_dispatch(s, key), Deadline(**key)]
         case PhaseStarted():
             return [Watch(**key, adopt=True), *_started(s, key)]
+        case PhaseReleased():  # its board entry first: the new dispatch marks it afresh
+            return [Watch(**key, purge=(event.phase,)), *_dispatch(s, key), Deadline(**key)]
         case PlanFinished() | RunApproved() | ApplyFinished() | CustomStepFinished():
             return [*_moved(s, key), *_ended(event, key), Deadline(**key), *_reached(s, key)]
         case RunDiscarded():

@@ -37,6 +37,7 @@ from events.run_commands import (
     PruneLog,
     RecordStateVersion,
     RecoverStateVersion,
+    ReleasePhase,
     RemoveRun,
     ReportResource,
     RunCommand,
@@ -54,6 +55,7 @@ from events.run_events import (
     ApplyFinished,
     CustomStepFinished,
     LogPruned,
+    PhaseReleased,
     PhaseStarted,
     PlanFinished,
     PrunedObject,
@@ -112,6 +114,7 @@ def _moved(state: RunState, event: RunEvent) -> RunState:
             return _replace(s, status=status)
         case (
             RunQueued(status=status, step_at=at)
+            | PhaseReleased(status=status, step_at=at)
             | PlanFinished(status=status, step_at=at)
             | RunApproved(status=status, step_at=at)
             | ApplyFinished(status=status, step_at=at)
@@ -140,9 +143,19 @@ def _facts(s: RunState, event: RunEvent) -> RunState:
             return _replace(_snapshot(s, event.snapshot), pinning=False)
         case PhaseStarted():
             return _replace(
-                s, phase=event.phase, lease_id=event.lease_id, executor_id=event.executor_id
+                s,
+                phase=event.phase,
+                lease_id=event.lease_id,
+                executor_id=event.executor_id,
+                phase_step="",
             )
-        case StepStarted() | StepFinished() | ResourceStateChanged() | StateVersionCreated():
+        case PhaseReleased():
+            return _replace(
+                s, phase="", lease_id="", executor_id="", phase_step="", released=event.attempt
+            )
+        case StepStarted():
+            return _replace(s, phase_step=event.step)
+        case StepFinished() | ResourceStateChanged() | StateVersionCreated():
             return s
         case PlanFinished():
             return _planned(s, event)
@@ -258,6 +271,7 @@ __all__ = [
     "FinishPlan",
     "FinishStep",
     "LogPruned",
+    "PhaseReleased",
     "PhaseStarted",
     "PinRun",
     "PlanFinished",
@@ -266,6 +280,7 @@ __all__ = [
     "PrunedObject",
     "RecordStateVersion",
     "RecoverStateVersion",
+    "ReleasePhase",
     "RemoveRun",
     "ReportResource",
     "ResourceChange",

@@ -50,6 +50,15 @@ class ClaimPhase(Command, frozen=True, kw_only=True):
     executor_id: str
 
 
+class ReleasePhase(Command, frozen=True, kw_only=True):
+    """Give the claimed phase back to its pool (the executor drains), fenced by its lease:
+    refused once the phase began what must run once (an apply's `apply` step, a custom
+    step's command)."""
+
+    lease_id: str
+    reason: str = ""
+
+
 class StartStep(Command, frozen=True, kw_only=True):
     lease_id: str
     step: str
@@ -188,6 +197,7 @@ RunCommand = (
     | AdmitRun
     | PinRun
     | ClaimPhase
+    | ReleasePhase
     | StartStep
     | FinishStep
     | FinishPlan

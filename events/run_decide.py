@@ -35,6 +35,7 @@ from events.run_commands import (
     PruneLog,
     RecordStateVersion,
     RecoverStateVersion,
+    ReleasePhase,
     RemoveRun,
     ReportResource,
     RunCommand,
@@ -50,6 +51,7 @@ from events.run_events import (
     ApplyFinished,
     CustomStepFinished,
     LogPruned,
+    PhaseReleased,
     PhaseStarted,
     PlanFinished,
     ResourceStateChanged,
@@ -118,6 +120,41 @@ def _check_claim(state: RunState, command: ClaimPhase) -> None:
         raise Invalid("a claim needs a lease id")
 
 
+# The steps of a phase that may run again: a plan changes nothing (its state lock is given
+# back when Terraform is interrupted); an apply until its `apply` step began; a custom
+# step until its command began.
+RELEASABLE: dict[Status, frozenset[str] | None] = {
+    Status.PLANNING: None,
+    Status.APPLYING: frozenset({"", "checkout", "init"}),
+    Status.RUNNING: frozenset({"", "checkout"}),
+}
+
+
+def _release_phase(state: RunState, command: ReleasePhase, now: datetime) -> PhaseReleased:
+    """Give a claimed phase back to its pool: it waits again, under no lease."""
+    _fence(state, command.lease_id)
+    if state.status not in RELEASABLE:
+        raise IllegalTransition("no phase runs to give back", status=str(state.status))
+    steps = RELEASABLE[state.status]
+    if steps is not None and state.phase_step not in steps:
+        raise IllegalTransition(
+            f"the {state.phase} phase began its {state.phase_step} step: it runs once",
+            status=str(state.status),
+        )
+    waiting = Status.APPLY_QUEUED if state.status == Status.APPLYING else Status.QUEUED
+    return _record(
+        PhaseReleased,
+        command,
+        now,
+        phase=state.phase,
+        executor_id=state.executor_id,
+        reason=command.reason or "executor_draining",
+        attempt=state.released + 1,
+        status=waiting,
+        step_at=state.step_at,
+    )
+
+
 def _check_cancel(state: RunState) -> None:
     if state.status == Status.AWAITING_APPROVAL:
         raise IllegalTransition(
@@ -183,6 +220,8 @@ def _decide(
         case ClaimPhase():
             _check_claim(state, command)
             return [_record(PhaseStarted, command, now, status=running_status(command.phase))]
+        case ReleasePhase():
+            return [_release_phase(state, command, now)]
         case StartStep():
             _fence(state, command.lease_id)
             return [_record(StepStarted, command, now)]

@@ -120,6 +120,21 @@ class PhaseStarted(Event, frozen=True, kw_only=True, tag="run.phase_started"):
     status: Status | None = None  # the run's status while it runs (None: recorded before)
 
 
+class PhaseReleased(Event, frozen=True, kw_only=True, tag="run.phase_released"):
+    """The executor holding the phase gave it back before it began anything that must run
+    once (it drains: SIGTERM). The phase waits for an executor again under no lease, so
+    the old executor's late reports are refused; `attempt` numbers the claims given back
+    (1: the first). A retry, not a failure."""
+
+    phase: str
+    lease_id: str
+    executor_id: str
+    reason: str = "executor_draining"
+    attempt: int = 1
+    status: Status | None = None  # the run's status after it (queued, apply_queued)
+    step_at: int | None = None
+
+
 class StepStarted(Event, frozen=True, kw_only=True, tag="run.step_started"):
     lease_id: str
     step: str
@@ -286,6 +301,7 @@ RunEvent = (
     | RunQueued
     | RunPinned
     | PhaseStarted
+    | PhaseReleased
     | StepStarted
     | StepFinished
     | PlanFinished

@@ -25,6 +25,8 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     phase: str = ""
     lease_id: str = ""
     executor_id: str = ""
+    phase_step: str = ""  # the last step started under the current lease
+    released: int = 0  # the claims given back (`run.phase_released`): dispatch's attempt
     commit: str = ""
     snapshot: Snapshot | None = None
     pinning: bool = False  # admitted, its snapshot still to come: no executor may claim it

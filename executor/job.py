@@ -21,7 +21,8 @@ from typing import Any, TypeVar
 import structlog
 
 from events.errors import DomainError
-from events.run import STOPPABLE, FinishStep, RunCommand, RunState, StartStep
+from events.run import STOPPABLE, FinishStep, RunCommand, RunState, StartStep, running_status
+from events.run_decide import RELEASABLE
 from executor.caps import REASON as CAP_REASON
 from executor.changes import show_plan
 from executor.context import PhaseContext
@@ -47,6 +48,7 @@ T = TypeVar("T")
 STOPPED = "executor_stopped"
 LEASE_LOST = "lease_lost"
 STOP_REQUESTED = "stop_requested"  # someone asked to stop the phase (run.stop_requested)
+RELEASED = "executor_draining"  # the executor drains: the phase goes back to its pool
 
 
 @dataclass(kw_only=True)
@@ -128,6 +130,17 @@ class Job:
             return
         self.cancel_reason = self.cancel_reason or reason
         self.task.cancel(reason)
+
+
+def releasable(job: Job) -> bool:
+    """Whether a draining executor may give the phase back (events/run_decide.py
+    RELEASABLE): a plan until its final report, an apply until its `apply` step, a custom
+    step until its command. Judged on the loop, between the job's awaits: `job.step` is
+    set before its `StartStep` goes out, so a step not yet named here was not reported."""
+    if job.finishing:
+        return False
+    steps = RELEASABLE.get(running_status(job.ctx.phase), frozenset())
+    return steps is None or job.step in steps
 
 
 async def step(job: Job, name: str, body: Callable[[StepLog], Awaitable[T]]) -> T:

@@ -17,12 +17,12 @@ import structlog
 from nats.js import JetStreamContext
 
 from events import wire
-from events.errors import DomainError
-from events.run import CancelRun, FailRun
+from events.errors import DomainError, StaleLease
+from events.run import CancelRun, FailRun, ReleasePhase
 from events.wire import Heartbeat
 from executor.caps import WATCH_S
 from executor.custom import is_custom
-from executor.job import STOP_REQUESTED, STOPPED, Job
+from executor.job import RELEASED, STOP_REQUESTED, STOPPED, Job
 from executor.jobfiles import remove_tree
 from executor.phases import run_phase
 from infra import tracing
@@ -69,7 +69,8 @@ async def _in_thread(work: Callable[[], None]) -> None:
 class PhaseRunner:
     """Runs an executor's claimed phases, each beside its heartbeat, and removes their
     directories in the background. `jobs` are the phases running now; once `stopping`
-    is set, a phase that starts is interrupted at once."""
+    is set, a phase that starts is given back to its pool at once (or interrupted, once
+    `hard`: the executor stops rather than drains)."""
 
     def __init__(
         self,
@@ -84,6 +85,7 @@ class PhaseRunner:
         self.heartbeat_interval = heartbeat_interval
         self._stopping = stopping
         self.jobs: set[Job] = set()
+        self.hard = False  # stopping interrupts every phase (else it drains: executor/worker.py)
         self._removals: set[asyncio.Future[bool]] = set()  # phase directories being removed
 
     async def execute(self, job: Job) -> None:
@@ -97,8 +99,8 @@ class PhaseRunner:
         beat = asyncio.create_task(self._heartbeat(job), name=f"{ctx.run_id}-{ctx.phase}-beat")
         watch = asyncio.create_task(_watch(job), name=f"{ctx.run_id}-{ctx.phase}-caps")
         try:
-            if self._stopping.is_set():  # stop() came while we were claiming
-                job.cancel(STOPPED)
+            if self._stopping.is_set():  # drain() or stop() came while we were claiming
+                job.cancel(STOPPED if self.hard else RELEASED)
             await asyncio.wait([job.task])
         finally:
             beat.cancel()
@@ -135,6 +137,8 @@ class PhaseRunner:
         if job.task.cancelled():
             if job.cancel_reason == STOP_REQUESTED:
                 await self._cancel(job)
+            elif job.cancel_reason == RELEASED:
+                await self._release(job)
             elif job.cancel_reason == STOPPED:
                 await self._fail(
                     job,
@@ -166,6 +170,27 @@ class PhaseRunner:
             log.info("phase_failure_not_reported", reason=reason, why=str(e))
         except Exception:
             log.exception("phase_failure_not_reported", reason=reason)
+
+    async def _release(self, job: Job) -> None:
+        """Give the interrupted phase back to its pool (the run waits for an executor
+        again: a retry, recorded as `run.phase_released`). Refused (it began what runs
+        once, which `releasable` should have seen), it fails as a stop always did."""
+        cmd = ReleasePhase(actor=job.ctx.actor, lease_id=job.ctx.lease_id, reason=RELEASED)
+        try:
+            await job.report(cmd)
+            log.info("phase_released", step=job.step)
+            return
+        except StaleLease as e:
+            log.info("phase_release_not_reported", why=str(e))
+            return
+        except DomainError as e:
+            log.warning("phase_release_refused", why=str(e))
+        except Exception:
+            log.exception("phase_release_not_reported")
+        step = job.step or job.ctx.phase
+        await self._fail(
+            job, STOPPED, f"executor {self.executor_id} stopped during the {step} step"
+        )
 
     async def _cancel(self, job: Job) -> None:
         """Report the stopped phase: the run ends `canceled` (fenced by the lease)."""

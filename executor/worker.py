@@ -36,7 +36,7 @@ from executor.custody import Custody, Vault
 from executor.git import GitCache
 from executor.intake import Intake, Taken
 from executor.isolation import Isolation, Jail
-from executor.job import STOPPED, Job, Tools
+from executor.job import RELEASED, STOPPED, Job, Tools, releasable
 from executor.jobfiles import private_dir, remove_tree
 from executor.logstream import LogBudget
 from executor.objects import Objects
@@ -252,12 +252,50 @@ class Executor:
         finally:
             os.close(fd)
 
+    def drain(self) -> None:
+        """Stop taking work; give back to the pool at once every phase that may run again
+        (a plan, an apply before its `apply` step, a custom step before its command:
+        `job.releasable`), which another executor then claims; let the others (an apply
+        under way) run to their end. `run()` returns once they have."""
+        if self._stopping.is_set():
+            return
+        running = list(self.runner.jobs)
+        given = [job for job in running if releasable(job)]
+        log.info(
+            "executor_draining",
+            executor_id=self.executor_id,
+            running=len(running),
+            given_back=len(given),
+        )
+        self._stopping.set()
+        for job in given:
+            job.cancel(RELEASED)
+
+    async def drained(self, timeout: float = 0) -> None:
+        """Drain (`drain()`) until every phase ended: what SIGTERM does to `runplane
+        executor`. A second SIGTERM or SIGINT, or `timeout` seconds (0: none), stop hard
+        (`stop()`): Terraform interrupted, the phases fail `executor_stopped`."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        try:
+            self.drain()
+            try:
+                await asyncio.wait_for(self.run(), timeout or None)
+            except TimeoutError:
+                log.warning("executor_drain_timeout", executor_id=self.executor_id, after=timeout)
+                self.stop()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
     def stop(self) -> None:
         """Stop taking work; interrupt running phases, which fail with `executor_stopped`."""
-        if not self._stopping.is_set():
+        if not self.runner.hard:
             log.info(
                 "executor_stopping", executor_id=self.executor_id, running=len(self.runner.jobs)
             )
+        self.runner.hard = True
         self._stopping.set()
         for job in list(self.runner.jobs):
             job.cancel(STOPPED)

@@ -95,6 +95,7 @@ class Options:
     replay_output: str = ""
     org_weights: str = ""
     org_max_phases: int = 0
+    drain_timeout: float = 1800.0  # SIGTERM's drain, then a hard stop (executor/worker.py)
     # streaming the audit log to its destinations (services/processes/audit_stream.py):
     # seconds between tries (the last repeats), one request's timeout, records a request
     # carries, and whether http:// destinations are taken (else https:// only)
@@ -150,6 +151,8 @@ class Options:
                 raise ConfigError(f"{flag} wants 1 to {MAX_OPEN_RUNS}, got {value}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigError(f"--concurrency wants 1 to {MAX_CONCURRENCY}")
+        if not 0 <= self.drain_timeout <= 7 * 86400:
+            raise ConfigError("--drain-timeout must be 0 to 604800 seconds")
         if not 0 <= self.org_max_phases <= self.concurrency:
             raise ConfigError("--org-max-phases wants 0 (automatic) to --concurrency")
         low, high = WEBHOOK_CONCURRENCY_RANGE

@@ -336,6 +336,25 @@ def failed_executor_unavailable() -> Recorder:
     return r
 
 
+def released_applied() -> Recorder:
+    """A draining executor gave the plan back mid-plan, and the apply before its apply
+    step (`run.phase_released`, attempts 1 and 2); the next claims ran them."""
+    r = Recorder("released-applied", "apply")
+    r.admit()
+    lease = r.claim()
+    r.step(lease, "checkout")
+    r.do(R.StartStep(actor="exec-1", lease_id=lease, step="plan"))
+    r.do(R.ReleasePhase(actor="executor:exec-1", lease_id=lease, reason="executor_draining"))
+    r.plan()
+    r.approve()
+    lease = r.claim()
+    r.step(lease, "checkout")
+    r.step(lease, "init")
+    r.do(R.ReleasePhase(actor="executor:exec-1", lease_id=lease, reason="executor_draining"))
+    r.apply()
+    return r
+
+
 def failed_plan_step() -> Recorder:
     r = Recorder("failed-plan-step", "plan")
     r.admit()
@@ -533,6 +552,7 @@ SCENARIOS: dict[str, Callable[[], Recorder]] = {
     "apply-discarded": apply_discarded,
     "apply-approval-timeout": apply_approval_timeout,
     "failed-executor-unavailable": failed_executor_unavailable,
+    "released-applied": released_applied,
     "failed-plan-step": failed_plan_step,
     "failed-apply": failed_apply,
     "failed-run-timeout": failed_run_timeout,

@@ -167,6 +167,38 @@ def test_a_claimed_plan_is_watched_on_its_lease_and_announced_planning() -> None
     )
 
 
+def _given_back(phase: str, nth: int = 1) -> tuple[Given, R.PhaseReleased]:
+    """A golden run up to just after its `nth` claim, and a drain's release of it."""
+    g, started = run_at("apply-applied", "run.phase_started", nth)
+    g = given(*g.history, started)
+    status = R.Status.APPLY_QUEUED if phase == "apply" else R.Status.QUEUED
+    ran: R.RunState = R.fold(list(g.history))
+    released = R.PhaseReleased(
+        at=AT,
+        actor="executor:a",
+        phase=phase,
+        lease_id=started.lease_id,
+        executor_id=started.executor_id,
+        status=status,
+        step_at=ran.step_at,
+    )
+    return g, released
+
+
+@pytest.mark.parametrize(("phase", "nth"), [("plan", 1), ("apply", 2)])
+def test_a_phase_given_back_is_purged_from_the_board_and_dispatched_again(
+    phase: str, nth: int
+) -> None:
+    """The draining executor's release: the old lease's beats go, then the phase is
+    dispatched afresh (a new message: `released` counts it) and its deadline kept."""
+    g, released = _given_back(phase, nth)
+    g.when(released).then(
+        Watch(**key("apply-applied"), purge=(phase,)),
+        Dispatch(**key("apply-applied"), phase=phase),
+        Deadline(**key("apply-applied")),
+    )
+
+
 def test_a_claimed_apply_is_announced_applying() -> None:
     g, started = run_at("apply-applied", "run.phase_started", 2)
     g.when(started).then_triggers(rx.APPLYING)
@@ -445,6 +477,9 @@ def _samples() -> list[tuple[Any, Any]]:
         for e in events:
             state = R.evolve(state, e)
             out.append((e, state))
+    g, released = _given_back("plan")
+    before: R.RunState = R.fold(list(g.history))
+    out.append((released, R.evolve(before, released)))
     # retention's record, after the last golden run ended (services/processes/retention.py)
     objects = [R.PrunedObject(name="r/plan/init.log", sha256="0" * 64, size=1)]
     pruned = R.LogPruned(at=AT, actor="retention", objects=objects, days=0)

@@ -188,11 +188,13 @@ def failed_event(events: list[Any]) -> Any:
     return event
 
 
-async def test_sigterm_mid_plan_fails_the_step_cleanly_and_exits_0(
+async def test_sigterm_mid_plan_gives_the_plan_back_cleanly_and_exits_0(
     nats_server: EmbeddedNats, nc: NATS, app: App, system: System, repo: Path, tmp_path: Path
 ) -> None:
-    """`runplane executor` gets SIGTERM while Terraform plans: it interrupts Terraform,
-    reports the plan step and the run failed with `executor_stopped`, and exits 0."""
+    """`runplane executor` gets SIGTERM while Terraform plans: it drains (interrupts
+    Terraform, reports the plan step interrupted and gives the phase back to the pool:
+    the run waits `queued` again, its first claim released) and exits 0. (Before the
+    drain it failed the run `executor_stopped`: tests/test_drain.py.)"""
     gate = tmp_path / "gate"
     os.mkfifo(gate)
     # Held open for writing, so Terraform's open() returns and its read() waits for data.
@@ -207,16 +209,18 @@ async def test_sigterm_mid_plan_fails_the_step_cleanly_and_exits_0(
 
         assert ex.proc is not None
         ex.proc.send_signal(signal.SIGTERM)
-        await eventually(lambda: _says(ex, "executor_stopping"), what="the stop to begin")
+        await eventually(lambda: _says(ex, "executor_draining"), what="the drain to begin")
         os.write(writer, b"open")  # the plan may go on, to find it was interrupted
         os.close(writer)
         code = await asyncio.wait_for(ex.proc.wait(), 30)
     assert code == 0, ex.output()[-3000:]
-    failed = await state(app, "net", run_id)
-    assert (failed.status, failed.reason) == (R.Status.FAILED, "executor_stopped")
-    assert "plan step" in failed.error_message
-    [plan] = [e for e in await run_events(app, "net", run_id) if isinstance(e, R.StepFinished)][-1:]
-    assert (plan.step, plan.ok, plan.error) == ("plan", False, "interrupted (executor_stopped)")
+    waiting = await state(app, "net", run_id)
+    assert (waiting.status, waiting.released, waiting.lease_id) == (R.Status.QUEUED, 1, "")
+    events = await run_events(app, "net", run_id)
+    [plan] = [e for e in events if isinstance(e, R.StepFinished)][-1:]
+    assert (plan.step, plan.ok, plan.error) == ("plan", False, "interrupted (executor_draining)")
+    [released] = [e for e in events if isinstance(e, R.PhaseReleased)]
+    assert (released.phase, released.attempt) == ("plan", 1)
 
 
 @pytest.mark.slow  # ~20 s: the chaos suite races executors too

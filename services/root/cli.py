@@ -424,7 +424,7 @@ def options(ns: argparse.Namespace) -> Options:
             b.strip() for b in getattr(ns, "terraform_binaries", "").split(",") if b.strip()
         ],
         quotas=_quotas(ns),
-        **tenant_flags.retention(ns),
+        **tenant_flags.retention(ns),  # and the executor's drain
         **past_flags.options(ns),
         public_url=getattr(ns, "public_url", ""),
         workload_key_rotation=getattr(ns, "workload_key_rotation", WORKLOAD_KEY_ROTATION),

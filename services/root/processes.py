@@ -11,6 +11,7 @@ from pathlib import Path
 
 import structlog
 
+from executor import Executor
 from infra import options, tracing
 from infra.options import ConfigError, Options, admin_token
 from projections import asof
@@ -51,13 +52,17 @@ async def _run(
     start: Callable[[Plane], Awaitable[str]],
     *,
     create_key: bool = False,
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Every process's one path: traced as `service`, its graph built (bootstrap.py),
-    `start`ed (which says what runs, printed), until SIGINT or SIGTERM."""
+    `start`ed (which says what runs, printed), until SIGINT or SIGTERM; then `drain`
+    (the executor's), if given, before its resources close."""
     _traced(stack, service)
     plane = await _plane(opts, stack, create_key=create_key)
     print(await start(plane), flush=True)
     await wait_for_signal()
+    if drain is not None:
+        await drain()
 
 
 async def start_all(plane: Plane) -> str:
@@ -157,12 +162,16 @@ def runplane_command() -> str:
 
 
 async def _serve(
-    opts: Options, stack: AsyncExitStack, process: str, start: Callable[[Plane], Awaitable[str]]
+    opts: Options,
+    stack: AsyncExitStack,
+    process: str,
+    start: Callable[[Plane], Awaitable[str]],
+    drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """One process of a deployment, against the given NATS servers (`_run`)."""
     if not opts.nats_url:
         raise ConfigError(f"runplane {process} needs --nats-url (or RUNPLANE_NATS_URL)")
-    await _run(opts, stack, f"runplane-{process}", start)
+    await _run(opts, stack, f"runplane-{process}", start, drain=drain)
 
 
 async def _api(plane: Plane) -> str:
@@ -179,11 +188,6 @@ async def _subscribers(plane: Plane) -> str:
     return f"runplane subscribers running ({', '.join(names) or 'none registered'})"
 
 
-async def _executor(plane: Plane) -> str:
-    await plane.start_executor()
-    return f"runplane executor running (pool {plane.opts.pool})"
-
-
 async def api(opts: Options, stack: AsyncExitStack) -> None:
     await _serve(opts, stack, "api", _api)
 
@@ -198,7 +202,18 @@ async def subscribers(opts: Options, stack: AsyncExitStack) -> None:
 
 
 async def executor(opts: Options, stack: AsyncExitStack) -> None:
-    await _serve(opts, stack, "executor", _executor)
+    """An executor until SIGTERM, then its drain (`Executor.drained`): no new work, plans
+    given back to the pool, a running apply finished; a second SIGTERM stops it hard."""
+    started: list[Executor] = []
+
+    async def start(plane: Plane) -> str:
+        started.append(await plane.start_executor())
+        return f"runplane executor running (pool {plane.opts.pool})"
+
+    async def drain() -> None:
+        await started[0].drained(opts.drain_timeout)
+
+    await _serve(opts, stack, "executor", start, drain)
 
 
 async def replay(opts: Options, stack: AsyncExitStack) -> None:

@@ -50,6 +50,14 @@ def share_opts(p: argparse.ArgumentParser) -> None:
         "default): all but one while another organization has had a phase waiting in "
         "the last 10 minutes, all of them otherwise",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(os.environ.get("RUNPLANE_DRAIN_TIMEOUT", "1800") or 1800),
+        help="on SIGTERM the executor drains: it takes no more work, gives its plans back "
+        "to the pool and lets a running apply finish; after this many seconds (0: no "
+        "bound) or a second SIGTERM it stops hard (default 1800)",
+    )
 
 
 def retention_opts(p: argparse.ArgumentParser) -> None:
@@ -81,7 +89,8 @@ def retention_opts(p: argparse.ArgumentParser) -> None:
 
 
 def retention(ns: argparse.Namespace) -> dict[str, Any]:
-    """The retention and audit stream flags given, as Options' fields."""
-    names = ("log_retention_days", "record_retention_days", "retention_interval")
+    """The retention and audit stream flags given (and the executor's drain timeout), as
+    Options' fields."""
+    names = ("log_retention_days", "record_retention_days", "retention_interval", "drain_timeout")
     given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
     return {**given, **audit_flags.values(ns)}

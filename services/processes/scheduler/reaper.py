@@ -346,7 +346,7 @@ class Reaper:
         """Dispatch a waiting phase again unless its pool's queue still holds its message;
         then rewrite the marker (unless it changed meanwhile) to time the next check."""
         pool = beat.body.pool or pool_of(run, "default")
-        if watch.dispatch_id(run.run_id, beat.phase) not in await self._pending(pool):
+        if watch.dispatch_id(run.run_id, beat.phase, run.released) not in await self._pending(pool):
             sent = await watch.dispatch(self.nc, run, beat.phase, pool)
             log.warning("phase_redispatched" if sent else "redispatch_deduplicated", pool=pool)
         since = beat.body.dispatched_at or beat.time

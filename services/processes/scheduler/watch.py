@@ -51,10 +51,12 @@ def dispatch_message(state: RunState, phase: str) -> bytes:
     )
 
 
-def dispatch_id(run_id: str, phase: str) -> str:
+def dispatch_id(run_id: str, phase: str, attempt: int = 0) -> str:
     """The work-queue message's `Nats-Msg-Id`: a phase is one message (deduplicated by the
-    server for its duplicate window), however often it is dispatched."""
-    return f"{run_id}:{phase}"
+    server for its duplicate window), however often it is dispatched. A phase given back
+    by a draining executor (`attempt` claims given back, `RunState.released`) is a new
+    message: the first one's id may still be in the window."""
+    return f"{run_id}:{phase}:{attempt}" if attempt else f"{run_id}:{phase}"
 
 
 async def dispatch(nc: NATS, run: RunState, phase: str, pool: str) -> bool:
@@ -65,7 +67,7 @@ async def dispatch(nc: NATS, run: RunState, phase: str, pool: str) -> bool:
             streams.dispatch_subject(pool, run.org),
             dispatch_message(run, phase),
             # the trace of the event that caused it (the executor's phase span follows it)
-            headers=tracing.inject({"Nats-Msg-Id": dispatch_id(run.run_id, phase)}),
+            headers=tracing.inject({"Nats-Msg-Id": dispatch_id(run.run_id, phase, run.released)}),
         )
     return not ack.duplicate
 
