@@ -42,10 +42,17 @@ class Chrome:
         await self.call(lambda: self.driver.get(url))
 
     async def until(self, condition: Callable[[Any], T], what: str) -> T:
-        """Poll `condition(driver)` (bounded) until it is truthy."""
+        """Poll `condition(driver)` (bounded) until it is truthy. An element found and then
+        replaced before it is read (the page reloaded between the two: seen in CI) is
+        polled again, as one not found yet is."""
+        from selenium.common.exceptions import (
+            NoSuchElementException,
+            StaleElementReferenceException,
+        )
         from selenium.webdriver.support.ui import WebDriverWait
 
-        wait = WebDriverWait(self.driver, WAIT_S, poll_frequency=0.1)
+        ignored = (NoSuchElementException, StaleElementReferenceException)
+        wait = WebDriverWait(self.driver, WAIT_S, poll_frequency=0.1, ignored_exceptions=ignored)
         return await self.call(lambda: wait.until(condition, message=what))
 
     async def gone(self, element: Any, what: str) -> None:
