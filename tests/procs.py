@@ -22,10 +22,21 @@ TEST_KEY = base64.b64encode(bytes(range(32))).decode()  # tests only
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_GIVEN: set[int] = set()  # ports this process handed out already
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now and never handed out before by this process: the kernel may give
+    the same ephemeral port to two binds in a row once the first socket is closed (CI saw
+    a cluster node's client and route ports equal, and the node exit on its route bind)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no fresh free port in 100 tries")
 
 
 class Proc:
