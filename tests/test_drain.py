@@ -53,6 +53,21 @@ async def executor_proc(plane: Plane, server: EmbeddedNats, name: str) -> Proc:
     return await Proc(args, plane.root / f"{name}.log", env).start()
 
 
+async def _in_apply_step(plane: Plane) -> str:
+    """An apply run on `net`, approved, once Terraform's `apply` step is under way."""
+    run_id = await plane.start("net")
+    await plane.reaches("net", run_id, "awaiting_approval")
+    await plane.approve(run_id)
+
+    async def applying() -> bool:
+        run = await plane.run("net", run_id)
+        assert (run.status, run.phase_step) == (R.Status.APPLYING, "apply")
+        return True
+
+    await eventually(applying, timeout=60, what="the apply step under way")
+    return run_id
+
+
 async def test_sigterm_mid_plan_gives_the_plan_to_another_executor_and_the_run_ends_well(
     plane: Plane, repo: Path, tmp_path: Path, nats_server: EmbeddedNats
 ) -> None:
@@ -125,16 +140,7 @@ async def test_sigterm_mid_apply_lets_the_apply_finish_then_the_executor_exits(
     await api_workspace(plane.http, repo, name="other")
     ex = await executor_proc(plane, nats_server, "e1")
     try:
-        run_id = await plane.start("net")
-        await plane.reaches("net", run_id, "awaiting_approval")
-        await plane.approve(run_id)
-
-        async def applying() -> bool:
-            run = await plane.run("net", run_id)
-            assert (run.status, run.phase_step) == (R.Status.APPLYING, "apply")
-            return True
-
-        await eventually(applying, timeout=60, what="the apply step under way")
+        run_id = await _in_apply_step(plane)
         ex.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         waiting = await plane.start("other", run_type="plan")
         code = await ex.stop(signal.SIGCONT, timeout=60)  # waits for its own exit
@@ -163,16 +169,7 @@ async def test_a_tenant_apply_that_never_ends_holds_a_drain_no_longer_than_its_t
     await api_workspace(plane.http, repo, name="other")
     ex = await plane.executor("e1")
     ex.apply_grace_period = 2.0
-    run_id = await plane.start("net")
-    await plane.reaches("net", run_id, "awaiting_approval")
-    await plane.approve(run_id)
-
-    async def applying() -> bool:
-        run = await plane.run("net", run_id)
-        assert (run.status, run.phase_step) == (R.Status.APPLYING, "apply")
-        return True
-
-    await eventually(applying, timeout=60, what="the apply step under way")
+    run_id = await _in_apply_step(plane)
     waiting = await plane.start("other", run_type="plan")
     began = time.monotonic()
     await ex.drained(timeout=2.0)
@@ -193,16 +190,7 @@ async def test_a_second_sigterm_stops_a_draining_executor_hard(
     await api_workspace(plane.http, repo)
     ex = await executor_proc(plane, nats_server, "e1")
     try:
-        run_id = await plane.start("net")
-        await plane.reaches("net", run_id, "awaiting_approval")
-        await plane.approve(run_id)
-
-        async def applying() -> bool:
-            run = await plane.run("net", run_id)
-            assert (run.status, run.phase_step) == (R.Status.APPLYING, "apply")
-            return True
-
-        await eventually(applying, timeout=60, what="the apply step under way")
+        run_id = await _in_apply_step(plane)
         assert ex.proc is not None
         ex.proc.send_signal(signal.SIGTERM)
 
