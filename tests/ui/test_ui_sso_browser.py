@@ -166,7 +166,9 @@ async def test_sso_sign_in_lands_with_the_groups_teams_and_suspension_locks_out_
     await _no_serious_violation(chrome, "sso-03-tokens")
     await chrome.call(lambda: chrome.driver.find_element(By.ID, "token-name").send_keys("laptop"))
     await _click(chrome, "#create-token")
-    personal = await chrome.text("#new-token")
+    personal = await chrome.until(
+        lambda d: d.find_element(By.ID, "new-token").text, "the new token's page"
+    )
     me = await sso.http.get("/api/v1/whoami", token=personal)
     assert me.status == 200 and me.body["teams"] == ["network"], me.body
     await chrome.open(base + "/app/settings/tokens")
