@@ -60,6 +60,10 @@ class Options:
     pool: str = "default"
     terraform_binary: str = ""
     provider_mirrors: list[Path] = field(default_factory=list)
+    # the host's provider cache (executor/providers.py): "" beside the jobs directory,
+    # "none" off; at most provider_cache_size bytes
+    provider_cache: str = ""
+    provider_cache_size: int = 10 * 1024**3
     demo: bool = True
     executor_id: str = ""
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key

@@ -36,7 +36,7 @@ from executor.caps import JobCaps
 from executor.errors import IsolationError
 from executor.isolation import Isolation
 from executor.turns import parse_weights
-from executor.worker import Executor, TerraformSettings, default_executor_id
+from executor.worker import Executor, TerraformSettings, default_executor_id, default_jobs_dir
 from infra import options
 from infra.auditkeys import AuditKeys
 from infra.crypto import KeyRing
@@ -143,6 +143,17 @@ def _say_repository_rules(sources: Sources) -> None:
         )
     if sources.host_git:
         log.warning("git_host_credentials", organizations=sorted(sources.host_git))
+
+
+def _provider_cache(opts: Options) -> Path | None:
+    """The executor's provider cache directory (executor/providers.py): beside its jobs
+    directory unless the options name one; None: `none`, off."""
+    if opts.provider_cache == "none":
+        return None
+    if opts.provider_cache:
+        return Path(opts.provider_cache)
+    jobs = default_jobs_dir(opts.data_dir / "work")
+    return jobs.with_name(f"{jobs.name}-providers")
 
 
 def readmodel_path(opts: Options) -> Path:
@@ -318,6 +329,8 @@ class Plane:
                 binary=opts.terraform_binary or None,
                 provider_mirrors=opts.provider_mirrors,
                 mirror_root=opts.data_dir / "providers",
+                provider_cache_dir=_provider_cache(opts),
+                provider_cache_bytes=opts.provider_cache_size,
                 allowed_binaries=tuple(opts.terraform_binaries),
             ),
             "executor_id": opts.executor_id or default_executor_id(),
