@@ -64,6 +64,10 @@ _BLOCK = re.compile(r'(?ms)^provider\s+"([^"\n]+)"\s*\{(.*?)^\}')
 _VERSION = re.compile(r'(?m)^\s*version\s*=\s*"([^"\n]+)"')
 _HASHES = re.compile(r"(?ms)^(\s*hashes\s*=\s*\[)(.*?)(\])")
 _HASH = re.compile(r'"((?:h1|zh):[A-Za-z0-9+/=]+)"')
+# What Terraform takes for a provider's address and version: nothing else names a path
+# under a mirror (a tenant's `../..` would lead the fill out of the operator's mirrors).
+_SOURCE = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::[0-9]+)?/[A-Za-z0-9_-]+/[a-z0-9_-]+")
+_SEMVER = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z.-]+)?")
 _LAUNCHER = '#!/bin/sh\nexec "${0%/*}/../package/NAME" "$@"\n'
 
 
@@ -100,7 +104,8 @@ def read_lock(text: str) -> list[Locked]:
     for m in _BLOCK.finditer(text):
         version = _VERSION.search(m.group(2))
         hashes = _HASHES.search(m.group(2))
-        if version and hashes and len(m.group(1).split("/")) == 3:
+        valid = version and _SEMVER.fullmatch(version.group(1)) and _SOURCE.fullmatch(m.group(1))
+        if valid and version and hashes:
             found.append(Locked(m.group(1), version.group(1), frozenset(_HASH.findall(hashes[2]))))
     return found
 
@@ -179,6 +184,8 @@ class ProviderCache:
             link.parent.mkdir(parents=True, exist_ok=True)
             for d in _parents(link.parent, phase_root):
                 os.chmod(d, 0o755)
+            with contextlib.suppress(FileNotFoundError):
+                link.unlink()  # this phase's init again
             link.symlink_to(entry.path / "launcher")
         return served
 
@@ -253,6 +260,9 @@ class ProviderCache:
             staging = Path(tempfile.mkdtemp(dir=self.root / "tmp"))
             try:
                 return self._unpack(locked, source, staging)
+            except OSError as e:  # a package we cannot unpack: Terraform's own install
+                log.warning("provider_cache_fill_failed", source=locked.source, error=repr(e))
+                return None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 

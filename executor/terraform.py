@@ -144,7 +144,10 @@ def prepare(config: TerraformConfig, data_dir: Path, tools: Path | None = None) 
     cache = None
     if config.provider_cache_dir is not None:
         cache = ProviderCache(Path(config.provider_cache_dir), mirrors, config.provider_cache_bytes)
-        cache.open()
+        try:
+            cache.open()
+        except OSError as e:
+            raise SetupError(f"provider cache {config.provider_cache_dir}: {e}") from e
     if tools is not None:
         published = publish(tools, binary.resolve(), mirrors, dict(config.extra_env))
         return replace(

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from executor.isolation import sandbox_problem
-from executor.providers import HASH_MISMATCH, ProviderCache, ProviderMismatch, use_cache
+from executor.providers import HASH_MISMATCH, ProviderCache, ProviderMismatch, h1_of, use_cache
 from executor.terraform import cli_config_text, default_binary
 from executor.uids import uid_range
 from tests.executor_support import git
@@ -154,6 +154,34 @@ def test_a_lock_file_with_other_hashes_is_refused_though_the_package_is_cached(
     assert (root / "src" / ".terraform.lock.hcl").read_text() == wrong
     after = _entry_file(cache).stat()
     assert (after.st_ino, after.st_ctime_ns) == (before.st_ino, before.st_ctime_ns)
+
+
+def test_a_lock_file_cannot_lead_the_fill_out_of_the_operators_mirrors(
+    tmp_path: Path, packed: Packed
+) -> None:
+    """Attack: a lock file naming a source (or a version) with `..` so that the path under
+    the mirror lands in a directory the tenant could write (here beside the mirror, with
+    a package whose hash the lock names): nothing is served or filled from it."""
+    evil = packed.mirror.parent / "evil" / "x" / "1.0.0" / "linux_amd64"
+    evil.mkdir(parents=True)
+    exe = evil / "terraform-provider-x_v1.0.0"
+    exe.write_text("#!/bin/sh\necho PLANTED\n")
+    exe.chmod(0o755)
+    h1 = h1_of({exe.name: exe})
+    lock = "".join(
+        f'provider "{source}" {{\n  version = "{version}"\n  hashes = [\n    "{h1}",\n  ]\n}}\n'
+        for source, version in (
+            ("../evil/x", "1.0.0"),
+            ("registry.example/test/x", "../../../../evil/x/1.0.0"),
+        )
+    )
+    cache = ProviderCache(tmp_path / "cache", [packed.mirror]).open()
+    root = _phase(tmp_path, packed, lock)
+    try:
+        assert use_cache(cache, root / "src", root / "src", root) == {}
+        assert cache.fills == 0 and not list((cache.root / "entries").iterdir())
+    finally:
+        shutil.rmtree(evil.parent.parent.parent)
 
 
 def test_over_its_bound_the_least_recently_used_entry_no_phase_holds_goes(
