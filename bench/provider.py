@@ -11,8 +11,10 @@ apply run has a plan and an apply phase.
 Each round: a fresh `runplane up` (`--isolation`, default sandbox) with that mirror
 (RUNPLANE_PROVIDER_MIRRORS) and an empty provider cache of its own
 (RUNPLANE_PROVIDER_CACHE; a tree without the cache ignores it), then two apply runs of
-the same commit: the steps' `init` seconds of each phase, and the CPU seconds of `up`
-and what it waited for (`/proc/<pid>/stat`) per run. By hand, beside it: `terraform init`
+the same commit: the steps' `init` seconds of each phase and the CPU seconds of their job
+processes (the step's `cpu_seconds`, from the phase's control group: Terraform, not the
+executor's own unpacking), and the CPU seconds of `up` and what it waited for
+(`/proc/<pid>/stat`) per run. By hand, beside it: `terraform init`
 of the same configuration from the packed mirror in a fresh directory (what a cold init
 costs Terraform alone).
 
@@ -118,13 +120,27 @@ async def _apply(client: Client, pid: int) -> dict[str, float]:
     took, used = time.perf_counter() - t, _cpu_s(pid) - cpu
     if done["status"] != "applied":
         raise RuntimeError(f"the bench run ended {done['status']}: {done.get('error_message')}")
-    steps = _step_seconds(await client.ok("GET", f"{V1}/runs/{run['id']}/steps"))
+    listed = await client.ok("GET", f"{V1}/runs/{run['id']}/steps")
+    steps, job = _step_seconds(listed), _job_cpu(listed)
     return {
         "plan_init_s": steps["plan/init"],
         "apply_init_s": steps["apply/init"],
+        "plan_init_job_cpu_s": job.get("plan/init", -1.0),
+        "apply_init_job_cpu_s": job.get("apply/init", -1.0),
         "run_s": took,
         "cpu_s": used,
     }
+
+
+def _job_cpu(steps: Any) -> dict[str, float]:
+    """CPU seconds of each `phase/step`'s job processes (its control group), where measured."""
+    items = steps.get("items", []) if isinstance(steps, dict) else steps
+    out: dict[str, float] = {}
+    for s in items or []:
+        cpu = (s.get("metrics") or {}).get("cpu_seconds")
+        if cpu is not None:
+            out[f"{s.get('phase', '')}/{s.get('step', '')}"] = float(cpu)
+    return out
 
 
 async def _round(packed: Packed, scratch: Path, tree: Path | None, isolation: str) -> Any:
@@ -211,6 +227,9 @@ async def provider(
         ],
         "first_run_s": med("first", "run_s"),
         "second_run_s": med("second", "run_s"),
+        "first_run_plan_init_job_cpu_s": med("first", "plan_init_job_cpu_s"),
+        "second_run_plan_init_job_cpu_s": med("second", "plan_init_job_cpu_s"),
+        "second_run_apply_init_job_cpu_s": med("second", "apply_init_job_cpu_s"),
         "first_run_cpu_s": med("first", "cpu_s"),
         "second_run_cpu_s": med("second", "cpu_s"),
         "runs": seen,

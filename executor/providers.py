@@ -155,7 +155,12 @@ class ProviderCache:
     _held: dict[Path, list[int]] = field(default_factory=dict)
 
     def open(self) -> ProviderCache:
-        """Make the cache's directories: root's, readable by all, writable by it alone."""
+        """Make the cache's directories: root's, readable by all, writable by it alone
+        (and the parents it makes crossable: a job's uid reads the entries)."""
+        missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
+        for path in reversed(missing):
+            path.mkdir(exist_ok=True)
+            os.chmod(path, 0o755)
         for sub, mode in (("", 0o755), ("entries", 0o755), ("locks", 0o700), ("tmp", 0o700)):
             path = self.root / sub
             path.mkdir(parents=True, exist_ok=True)

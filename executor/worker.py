@@ -217,8 +217,7 @@ class Executor:
         hidden = (self.work_dir, self.jobs_dir, self.tmp_dir)
         shown = [self.jobs_root / "tools"]
         cache = self.terraform_config.provider_cache_dir
-        if cache is not None:  # the host's provider cache: read-only to jobs
-            Path(cache).mkdir(parents=True, exist_ok=True)
+        if cache is not None:  # the host's provider cache (made by `prepare`): read-only
             shown.append(Path(cache))
         return isolation.hiding(*hidden, shown=shown)
 

@@ -84,8 +84,15 @@ def test_a_locked_package_is_unpacked_once_and_terraform_runs_it(
     tmp_path: Path, packed: Packed
 ) -> None:
     """Two phases of the same lock file: the first unpacks the package (one fill), the
-    second finds it (no fill, the same inode); Terraform installs and runs it in both."""
-    cache = ProviderCache(tmp_path / "cache", [packed.mirror]).open()
+    second finds it (no fill, the same inode); Terraform installs and runs it in both.
+    The directories it made are crossable by all (a job's uid reads the entries)."""
+    umask = os.umask(0o077)  # runplane's processes run with it
+    try:
+        cache = ProviderCache(tmp_path / "made" / "for" / "cache", [packed.mirror]).open()
+    finally:
+        os.umask(umask)
+    for made in (cache.root, cache.root.parent, cache.root.parent.parent, cache.root / "entries"):
+        assert made.stat().st_mode & 0o777 == 0o755, made
     first = _phase(tmp_path, packed, packed.lock(), "one")
     served = use_cache(cache, first / "src", first / "src", first)
     assert list(served) == [packed.source] and served[packed.source].h1 == packed.h1
