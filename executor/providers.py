@@ -33,17 +33,14 @@ is left to Terraform as before (its mirrors, its own checks).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import fcntl
 import hashlib
 import json
 import os
-import re
 import shutil
 import stat
 import tempfile
-import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,22 +49,21 @@ import structlog
 
 from executor import linksafe
 from executor.errors import StepFailed
+from executor.provpackages import (
+    LOCK_FILE,
+    Locked,
+    h1_of,
+    read_lock,
+    read_phase_lock,
+    rewrite_lock,
+    stage_package,
+)
 
 log = structlog.get_logger(__name__)
 
-LOCK_FILE = ".terraform.lock.hcl"
 HASH_MISMATCH = "provider_hash_mismatch"
 DEFAULT_MAX_BYTES = 10 * 1024**3
-MAX_LOCK_BYTES = 1024 * 1024  # a lock file larger than this is left to Terraform
 _CHUNK = 1024 * 1024
-_BLOCK = re.compile(r'(?ms)^provider\s+"([^"\n]+)"\s*\{(.*?)^\}')
-_VERSION = re.compile(r'(?m)^\s*version\s*=\s*"([^"\n]+)"')
-_HASHES = re.compile(r"(?ms)^(\s*hashes\s*=\s*\[)(.*?)(\])")
-_HASH = re.compile(r'"((?:h1|zh):[A-Za-z0-9+/=]+)"')
-# What Terraform takes for a provider's address and version: nothing else names a path
-# under a mirror (a tenant's `../..` would lead the fill out of the operator's mirrors).
-_SOURCE = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::[0-9]+)?/[A-Za-z0-9_-]+/[a-z0-9_-]+")
-_SEMVER = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z.-]+)?")
 _LAUNCHER = '#!/bin/sh\nexec "${0%/*}/../package/NAME" "$@"\n'
 
 
@@ -79,62 +75,15 @@ class ProviderMismatch(StepFailed):
 
 
 @dataclass(frozen=True)
-class Locked:
-    """One `provider` block of a lock file."""
-
-    source: str
-    version: str
-    hashes: frozenset[str]
-
-
-@dataclass(frozen=True)
 class Entry:
     """A filled, checked cache entry."""
 
     key: str
     path: Path
     h1: str
+    zh: str  # "" for a package of an unpacked mirror
     launcher_h1: str
     fresh: bool = False  # unpacked by this call
-
-
-def read_lock(text: str) -> list[Locked]:
-    """The provider blocks of a lock file's text (those it can read)."""
-    found: list[Locked] = []
-    for m in _BLOCK.finditer(text):
-        version = _VERSION.search(m.group(2))
-        hashes = _HASHES.search(m.group(2))
-        valid = version and _SEMVER.fullmatch(version.group(1)) and _SOURCE.fullmatch(m.group(1))
-        if valid and version and hashes:
-            found.append(Locked(m.group(1), version.group(1), frozenset(_HASH.findall(hashes[2]))))
-    return found
-
-
-def rewrite_lock(text: str, served: dict[str, str]) -> str:
-    """`text` with the hashes of each provider in `served` (source -> h1) replaced."""
-
-    def block(m: re.Match[str]) -> str:
-        h1 = served.get(m.group(1))
-        if h1 is None:
-            return m.group(0)
-        body = _HASHES.sub(lambda h: f'{h.group(1)}\n    "{h1}",\n  {h.group(3)}', m.group(2))
-        return m.group(0).replace(m.group(2), body, 1)
-
-    return _BLOCK.sub(block, text)
-
-
-def h1_of(files: dict[str, Path]) -> str:
-    """Terraform's `h1:` (Go's dirhash Hash1) of files by their names in the package."""
-    summary = "".join(f"{_sha256(files[n])}  {n}\n" for n in sorted(files))
-    return "h1:" + base64.b64encode(hashlib.sha256(summary.encode()).digest()).decode()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _key(*parts: str) -> str:
@@ -151,7 +100,11 @@ class ProviderCache:
     max_bytes: int = DEFAULT_MAX_BYTES
     platform: str = "linux_amd64"
     fills: int = 0  # entries this process filled (tests, logs)
+    unpacks: int = 0  # packages it unpacked, a refused one too
     _verified: set[str] = field(default_factory=set)
+    # a zip's hashes by its identity (path, size, mtime, ctime, inode): a lock file naming
+    # neither is refused without unpacking it again
+    _known: dict[tuple[object, ...], tuple[str, str]] = field(default_factory=dict)
     _held: dict[Path, list[int]] = field(default_factory=dict)
 
     def open(self) -> ProviderCache:
@@ -180,10 +133,9 @@ class ProviderCache:
         self._release_dead()
         served: dict[str, Entry] = {}
         for locked in read_lock(text):
-            entry = self.entry(locked)
+            entry = self.entry(locked, phase_root)
             if entry is None:
                 continue
-            self._hold(phase_root, entry)
             served[locked.source] = entry
             link = phase_root / "providers" / locked.source / locked.version / self.platform
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -194,14 +146,25 @@ class ProviderCache:
             link.symlink_to(entry.path / "launcher")
         return served
 
-    def entry(self, locked: Locked) -> Entry | None:
-        """The checked entry of `locked`'s package (filled now if absent or changed), or
-        None if no mirror holds that provider version."""
+    def entry(self, locked: Locked, phase_root: Path) -> Entry | None:
+        """The checked entry of `locked`'s package (filled now if absent or changed), held
+        for the phase; None if no mirror holds that provider version."""
         for h in sorted(locked.hashes):
             key = self._alias(locked, h)
-            if key and (entry := self._checked(key)) is not None:
+            if key and (entry := self._held_entry(locked, key, phase_root)) is not None:
                 return entry
-        return self._fill(locked)
+        return self._fill(locked, phase_root)
+
+    def _held_entry(self, locked: Locked, key: str, phase_root: Path) -> Entry | None:
+        """The entry `key`, held for the phase (no eviction takes it from under it), if it
+        is as filled and one of the lock file's hashes is its package's."""
+        fd = self._lock(key)
+        entry = self._checked(key)
+        if entry is None or not ({entry.h1, entry.zh} & locked.hashes):
+            os.close(fd)
+            return None
+        self._held.setdefault(phase_root, []).append(fd)
+        return entry
 
     def release(self, phase_root: Path) -> None:
         for fd in self._held.pop(phase_root, []):
@@ -228,7 +191,9 @@ class ProviderCache:
             same = all(_stat(path / rel) == list(was) for rel, was in manifest["files"].items())
             if same and key not in self._verified:
                 files = {n: path / "package" / n for n in manifest["package"]}
-                same = h1_of(files) == manifest["h1"]
+                launcher = [path / rel for rel in manifest["files"] if rel.startswith("launcher/")]
+                same = h1_of(files) == manifest["h1"] and len(launcher) == 1
+                same = same and h1_of({launcher[0].name: launcher[0]}) == manifest["launcher_h1"]
         except (OSError, ValueError, KeyError, TypeError):
             same, manifest = False, {}
         if not same:
@@ -238,7 +203,7 @@ class ProviderCache:
             return None
         self._verified.add(key)
         os.utime(path / "manifest.json", follow_symlinks=False)  # its use, for eviction
-        return Entry(key, path, manifest["h1"], manifest["launcher_h1"])
+        return Entry(key, path, manifest["h1"], manifest["zh"], manifest["launcher_h1"])
 
     def _package(self, locked: Locked) -> Path | None:
         host_ns_type = Path(locked.source)
@@ -252,39 +217,42 @@ class ProviderCache:
                 return base / locked.version / self.platform
         return None
 
-    def _fill(self, locked: Locked) -> Entry | None:
+    def _fill(self, locked: Locked, phase_root: Path) -> Entry | None:
         source = self._package(locked)
         if source is None:
             return None
+        identity = _identity(source)
+        known = self._known.get(identity) if identity is not None else None
+        if known is not None and not (set(known) & locked.hashes):
+            raise _mismatch(locked, *known)  # that very zip was unpacked: nothing to learn
         fill_lock = self.root / "locks" / f"fill-{_key(locked.source, locked.version)}"
         with _flock(fill_lock, fcntl.LOCK_EX):
             for h in sorted(locked.hashes):  # a sibling filled it while we waited
                 key = self._alias(locked, h)
-                if key and (entry := self._checked(key)) is not None:
+                if key and (entry := self._held_entry(locked, key, phase_root)) is not None:
                     return entry
             staging = Path(tempfile.mkdtemp(dir=self.root / "tmp"))
             try:
-                return self._unpack(locked, source, staging)
+                return self._unpack(locked, source, staging, phase_root)
             except OSError as e:  # a package we cannot unpack: Terraform's own install
                 log.warning("provider_cache_fill_failed", source=locked.source, error=repr(e))
                 return None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    def _unpack(self, locked: Locked, source: Path, staging: Path) -> Entry:
-        """Unpack `source` into `staging`, check it against the lock, make it an entry."""
+    def _unpack(self, locked: Locked, source: Path, staging: Path, phase_root: Path) -> Entry:
+        """Unpack `source` into `staging`, check it against the lock, make it an entry
+        (held for the phase before it is in place)."""
+        self.unpacks += 1
+        identity = _identity(source)
         package = staging / "package"
-        zh = _stage(source, package)
+        zh = stage_package(source, package)
         files = {p.relative_to(package).as_posix(): p for p in package.rglob("*") if p.is_file()}
         h1 = h1_of(files)
+        if identity is not None:
+            self._known[identity] = (h1, zh)
         if not ({h1, zh} & locked.hashes):
-            raise ProviderMismatch(
-                f"the lock file's hashes for {locked.source} {locked.version} match no "
-                f"package of the executor's provider mirrors (theirs is {h1}"
-                + (f", {zh}" if zh else "")
-                + "): refusing to install it. Run `terraform init` against the same "
-                "mirror to record the right hashes, or ask the operator which build it holds."
-            )
+            raise _mismatch(locked, h1, zh)
         exe, launcher_h1 = _launcher(locked, files, staging)
         key = _key(locked.source, locked.version, self.platform, h1)
         stats = {f"package/{n}": _stat(p) for n, p in files.items()}
@@ -295,6 +263,8 @@ class ProviderCache:
         (staging / "manifest.json").write_text(json.dumps({**record, "files": stats}))
         os.chmod(staging / "manifest.json", 0o644)
         target = self.root / "entries" / key
+        held = self._lock(key)
+        self._held.setdefault(phase_root, []).append(held)
         if target.exists():
             self._remove(key)  # not as filled (else `entry` had found it)
         os.rename(staging, target)
@@ -308,7 +278,7 @@ class ProviderCache:
         self._verified.add(key)
         log.info("provider_cached", source=locked.source, version=locked.version, h1=h1, entry=key)
         self._evict(keep=key)
-        return Entry(key, target, h1, launcher_h1, fresh=True)
+        return Entry(key, target, h1, zh, launcher_h1, fresh=True)
 
     def _remove(self, key: str) -> None:
         path = self.root / "entries" / key
@@ -319,10 +289,11 @@ class ProviderCache:
 
     # ------------------------------------------------------------ bound and holds
 
-    def _hold(self, phase_root: Path, entry: Entry) -> None:
-        fd = os.open(self.root / "locks" / entry.key, os.O_RDWR | os.O_CREAT, 0o600)
+    def _lock(self, key: str) -> int:
+        """A shared lock on entry `key`: no eviction removes it while it is held."""
+        fd = os.open(self.root / "locks" / key, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        self._held.setdefault(phase_root, []).append(fd)
+        return fd
 
     def _release_dead(self) -> None:
         for root in [r for r in self._held if not r.exists()]:
@@ -356,23 +327,6 @@ class ProviderCache:
                 log.info("provider_cache_evicted", entry=key, bytes=size)
 
 
-def _stage(source: Path, package: Path) -> str:
-    """The package's files from `source` (a zip, or a directory of the unpacked layout)
-    into `package`; the zip's `zh:` ("" for a directory)."""
-    package.mkdir()
-    if source.is_file():
-        zh = "zh:" + _sha256(source)
-        _extract(source, package)
-        return zh
-    for src in sorted(source.rglob("*")):
-        if src.is_file():
-            dest = package / src.relative_to(source)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src, dest)
-            os.chmod(dest, 0o755 if os.access(src, os.X_OK) else 0o644)
-    return ""
-
-
 def _launcher(locked: Locked, files: dict[str, Path], staging: Path) -> tuple[str, str]:
     """Write the entry's launcher beside its package; (the executable's name, the
     launcher's `h1:`). The entry's directories are opened to all (read, cross)."""
@@ -388,6 +342,24 @@ def _launcher(locked: Locked, files: dict[str, Path], staging: Path) -> tuple[st
     for d in (staging, package, launcher, *(p for p in package.rglob("*") if p.is_dir())):
         os.chmod(d, 0o755)
     return exe, h1_of({exe: launcher / exe})
+
+
+def _mismatch(locked: Locked, h1: str, zh: str) -> ProviderMismatch:
+    return ProviderMismatch(
+        f"the lock file's hashes for {locked.source} {locked.version} match no "
+        f"package of the executor's provider mirrors (theirs is {h1}"
+        + (f", {zh}" if zh else "")
+        + "): refusing to install it. Run `terraform init` against the same "
+        "mirror to record the right hashes, or ask the operator which build it holds."
+    )
+
+
+def _identity(source: Path) -> tuple[object, ...] | None:
+    """A zip's path and stat (None for a directory: its files may change under it)."""
+    if not source.is_file():
+        return None
+    st = os.stat(source)
+    return (str(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def _stat(path: Path) -> list[int]:
@@ -409,44 +381,6 @@ def _flock(path: Path, how: int) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def _extract(archive: Path, into: Path) -> None:
-    """The regular files of a zip (the operator's), never a name leading out of `into`."""
-    with zipfile.ZipFile(archive) as zf:
-        for info in zf.infolist():
-            name = info.filename
-            parts = Path(name).parts
-            if info.is_dir():
-                continue
-            if name.startswith("/") or ".." in parts or not parts:
-                raise OSError(f"{archive}: entry {name!r} leads out of the package")
-            if stat.S_ISLNK(info.external_attr >> 16):
-                raise OSError(f"{archive}: entry {name!r} is a link")
-            dest = into.joinpath(*parts)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(dest, "xb") as out:
-                shutil.copyfileobj(src, out, _CHUNK)
-            executable = (info.external_attr >> 16) & 0o111 or parts[-1].startswith(
-                "terraform-provider-"
-            )
-            os.chmod(dest, 0o755 if executable else 0o644)
-
-
-def read_phase_lock(workdir: Path, within: Path) -> str:
-    """The working directory's lock file (a regular file, not through a link, at most
-    MAX_LOCK_BYTES), or "" (none, too large, not text)."""
-    try:
-        with linksafe.open_regular(workdir / LOCK_FILE, within=within, step="init") as f:
-            data = f.read(MAX_LOCK_BYTES + 1)
-    except FileNotFoundError:
-        return ""
-    if len(data) > MAX_LOCK_BYTES:
-        return ""
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        return ""
 
 
 def use_cache(cache: ProviderCache, workdir: Path, src: Path, phase_root: Path) -> dict[str, Entry]:

@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor.providers import h1_of
+from executor.provpackages import h1_of
 from executor.terraform import bundled_null_provider
 
 

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from executor.isolation import sandbox_problem
-from executor.providers import HASH_MISMATCH, ProviderCache, ProviderMismatch, h1_of, use_cache
+from executor.providers import HASH_MISMATCH, ProviderCache, ProviderMismatch, use_cache
+from executor.provpackages import h1_of
 from executor.terraform import cli_config_text, default_binary
 from executor.uids import uid_range
 from tests.executor_support import git
@@ -146,7 +147,7 @@ def test_a_lock_file_with_other_hashes_is_refused_though_the_package_is_cached(
 ) -> None:
     """The package is cached under its right hash; a lock file naming other hashes for
     the same provider and version is refused (no link to the entry, the lock file as it
-    was), and the entry stays as it was."""
+    was; the zip not unpacked again to learn its hashes), and the entry stays as it was."""
     cache = ProviderCache(tmp_path / "cache", [packed.mirror]).open()
     root = _phase(tmp_path, packed, packed.lock(), "one")
     use_cache(cache, root / "src", root / "src", root)
@@ -157,6 +158,10 @@ def test_a_lock_file_with_other_hashes_is_refused_though_the_package_is_cached(
         use_cache(cache, root / "src", root / "src", root)
     assert refused.value.reason == HASH_MISMATCH
     assert packed.source in refused.value.message and packed.h1 in refused.value.message
+    assert cache.unpacks == 1, "the zip was unpacked again to refuse it"
+    fresh = ProviderCache(tmp_path / "cache", [packed.mirror]).open()  # a new life: unpacks
+    with pytest.raises(ProviderMismatch):
+        use_cache(fresh, root / "src", root / "src", root)
     assert not (root / "providers").exists()
     assert (root / "src" / ".terraform.lock.hcl").read_text() == wrong
     after = _entry_file(cache).stat()
