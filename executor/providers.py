@@ -28,7 +28,14 @@ installed. So what Terraform is shown of an entry is a launcher (`launcher/`: a 
 reads names the launcher's `h1:` for the providers served so: the executor has checked
 the tenant's own hashes against the package (above), and Terraform checks that it runs
 the executor's launcher. A lock file without providers, or one this module cannot read,
-is left to Terraform as before (its mirrors, its own checks).
+is left to Terraform as before (its mirrors, its own checks). The launcher names its
+binary by a path relative to itself, so its `h1:` is the same on every executor host
+(a plan and its apply may run on two).
+
+The lock file is the tenant's: only addresses and versions Terraform would take name a
+path under a mirror (executor/provpackages.py). A phase holds its entries (a shared
+`flock`, taken before the entry is checked or put in place) until its directory is gone;
+past `max_bytes`, the least recently used entries no phase holds are removed.
 """
 
 from __future__ import annotations
