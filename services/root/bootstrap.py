@@ -46,6 +46,8 @@ from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from infra.signing import SigningKeys
 from projections.asof import Bounds
 from projections.projector import Projector
+from projections.snapshot_writer import SnapshotWriter
+from projections.snapshots import Snapshots
 from services.app.commands import App
 from services.app.flows import SnapshotHook
 from services.app.gitcreds import GitAccess
@@ -186,6 +188,7 @@ class Plane:
         the base URL it serves at. `ready`: false keeps /readyz 503 (`up`: until its other
         components are started), whatever the read model."""
         projector = await self.stack.enter_async_context(self.projector())
+        await self.stack.enter_async_context(self.snapshot_writer(projector))
         web_app = self.web_app(projector, ready=ready)
         return await self.stack.enter_async_context(
             http_site(web_app, self.opts.listen, self.tls())
@@ -236,8 +239,23 @@ class Plane:
     # ------------------------------------------------------------ components
 
     def projector(self, db_path: Path | None = None, **overrides: Any) -> Projector:
-        """The read model's projector, at `db_path` (default: the data directory's)."""
-        return Projector(self.nc, db_path or readmodel_path(self.opts), **overrides)
+        """The read model's projector, at `db_path` (default: the data directory's),
+        restoring from the newest snapshot when it has none (projections/snapshots.py)."""
+        given: dict[str, Any] = {"snapshots": self.snapshots(), **overrides}
+        return Projector(self.nc, db_path or readmodel_path(self.opts), **given)
+
+    def snapshots(self) -> Snapshots:
+        """The deployment's read-model snapshots, sealed with its key."""
+        return Snapshots(self.nc, self.keyring, keep=self.opts.snapshot_keep)
+
+    def snapshot_writer(self, projector: Projector, **overrides: Any) -> SnapshotWriter:
+        """Snapshots of `projector`'s read model every `--snapshot-interval` seconds."""
+        given: dict[str, Any] = {
+            "interval": self.opts.snapshot_interval,
+            "writer": new_id().lower(),
+            **overrides,
+        }
+        return SnapshotWriter(self.snapshots(), projector, **given)
 
     def web_app(self, projector: Projector, **overrides: Any) -> web.Application:
         """The API over the process's `App` and `projector` (services/surfaces/api/app.py),

@@ -90,6 +90,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         )
         _webhook_opts(p)
         past_flags.as_of_opts(p)
+        past_flags.snapshot_opts(p)
         identity_flags.sso_opts(p)
 
 
