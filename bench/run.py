@@ -30,6 +30,7 @@ from bench.common import Result, Sizes, machine
 NAMES: tuple[str, ...] = ("append", "replay", "lifecycle", "latency", "admission", "reads")
 NAMES += ("overhead", "sandbox")
 NAMES += ("provider",)
+NAMES += ("coldstart",)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -223,6 +224,8 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
         out.append(_sandbox_row(f))
     if (f := figs.get("provider")) and "error" not in f:
         out.append(_provider_row(f))
+    if (f := figs.get("coldstart")) and "error" not in f:
+        out.append(_coldstart_row(f))
     return out
 
 
@@ -279,6 +282,27 @@ async def _sandbox(sizes: Sizes) -> dict[str, Any]:
     from bench.overhead import sandbox_overhead
 
     return await sandbox_overhead(rounds=1 if sizes.read_runs < 10_000 else 5)
+
+
+async def _coldstart(sizes: Sizes) -> dict[str, Any]:
+    from bench.coldstart import coldstart
+
+    return await coldstart(sizes.replay_events, rounds=1 if sizes.read_runs < 10_000 else 3)
+
+
+def _coldstart_row(f: dict[str, Any]) -> Result:
+    return Result(
+        "10. api cold start to /readyz",
+        f["snapshot_median_s"],
+        "s",
+        f["full_replay_median_s"],
+        "full replay",
+        f["ratio"],
+        "< 5 s",
+        f["snapshot_median_s"] < 5,
+        note=f"{f['events_in_stream']:,} events, snapshot {f['snapshot_stored_bytes']:,} "
+        f"bytes stored ({f['snapshot_bytes']:,} SQLite); {f['rounds']} rounds alternated",
+    )
 
 
 def _sandbox_row(f: dict[str, Any]) -> Result:
@@ -345,6 +369,7 @@ async def measure(sizes: Sizes, only: set[str]) -> tuple[dict[str, Any], dict[st
         "overhead": _overhead,
         "sandbox": _sandbox,
         "provider": _provider,
+        "coldstart": _coldstart,
     }
     print("raw limits ...", file=sys.stderr, flush=True)
     raw_figs = await rp.raw_limits(sizes)
@@ -374,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = Sizes.smoke() if args.smoke else Sizes.quick() if args.quick else Sizes()
     # The smoke run (tests/test_bench_smoke.py) leaves out Terraform's benchmark.
-    slow = ("overhead", "sandbox", "provider")
+    slow = ("overhead", "sandbox", "provider", "coldstart")
     only = set(args.only or (n for n in NAMES if not (args.smoke and n in slow)))
 
     from infra import logs
