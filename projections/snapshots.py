@@ -4,11 +4,12 @@ A replica (the api's `SnapshotWriter`, every `--snapshot-interval` seconds) copi
 read model with `VACUUM INTO` (one read transaction: every table, the checkpoint's
 sequence S among them, as one commit left them), empties the board's tables in the copy
 (a restored replica folds RP_HEARTBEATS from its start, as a fresh one does), and stores
-it zlib-compressed in `rp-snapshots` as `readmodel/v<schema>/<S>-<writer>`. Its manifest
-(S, the schema version, the stream's name and creation time, a digest of the event at S,
-the sha256 and size of the file) travels in the object's headers, sealed with the
-deployment's key: only a holder of the key makes a snapshot a replica takes, so NATS
-access alone (or a hash recomputed over a forged file) cannot plant a read model.
+it compressed (projections/snapshot_file.py) in `rp-snapshots` as
+`readmodel/v<schema>/<S>-<writer>`. Its manifest (S, the schema version, the stream's
+name and creation time, a digest of the event at S, the sha256 of the stored form and
+the file's size) travels in the object's headers, sealed with the deployment's key: only
+a holder of the key makes a snapshot a replica takes, so NATS access alone (or a hash
+recomputed over a forged file) cannot plant a read model.
 
 A replica starting with no read model (or one of another schema, or more than
 `RESTORE_GAIN` events behind the newest snapshot) restores the newest snapshot that
@@ -30,11 +31,9 @@ import hashlib
 import os
 import sqlite3
 import tempfile
-import zlib
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO
 
 import msgspec
 import nats.errors
@@ -48,6 +47,7 @@ from infra.crypto import CryptoError, KeyRing
 from infra.streams import EVENTS, SNAPSHOTS_BUCKET
 from projections import schema
 from projections.replay import _swap as swap_in
+from projections.snapshot_file import FileError, HashingSink, pack, unpack
 
 log = structlog.get_logger(__name__)
 
@@ -73,8 +73,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     stream: str
     stream_created: str  # the stream's creation time: a recreated stream is another
     anchor: str  # sha256 of the event at `seq` (empty at 0)
-    sha256: str  # of the uncompressed SQLite file
-    size: int
+    sha256: str  # of the object as stored (projections/snapshot_file.py)
+    size: int  # of the SQLite file
     written_at: str
     writer: str
 
@@ -261,49 +261,24 @@ class Snapshots:
         fd, name = tempfile.mkstemp(dir=db_path.parent, prefix=f".{db_path.name}.", suffix=".rst")
         os.close(fd)
         scratch = Path(name)
+        packed = scratch.with_suffix(".rst.z")
         try:
-            with scratch.open("wb") as f:
-                sink = Inflater(f)
+            with packed.open("wb") as f:
+                sink = HashingSink(f)
                 patience = STALL_S + (info.size or 0) / MIN_RATE
                 store = await self.store()
                 await asyncio.wait_for(store.get(info.name, writeinto=sink), patience)  # type: ignore[arg-type]  # nats-py calls only .write
-                digest, size = sink.finish()
-            if (digest, size) != (m.sha256, m.size):
-                raise SnapshotError(f"file sha256 {digest} ({size} bytes) is not the manifest's")
+            digest = sink.h.hexdigest()
+            if digest != m.sha256:
+                raise SnapshotError(f"the stored file's sha256 {digest} is not the manifest's")
+            await asyncio.to_thread(unpack, packed, scratch, m.size)
             await asyncio.to_thread(check_file, scratch, m.seq)
             await asyncio.to_thread(swap_in, scratch, db_path)
+        except FileError as e:
+            raise SnapshotError(f"not a snapshot file: {e}") from e
         finally:
             scratch.unlink(missing_ok=True)
-
-
-class Inflater:
-    """A file-like sink for nats-py's `get(writeinto=)`: inflates, hashes and writes each
-    chunk (called on a worker thread, so zlib and sha256 run off the event loop)."""
-
-    def __init__(self, out: BinaryIO) -> None:
-        self.out = out
-        self.z = zlib.decompressobj()
-        self.h = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes) -> int:
-        try:
-            plain = self.z.decompress(data)
-        except zlib.error as e:
-            raise SnapshotError(f"not a zlib stream: {e}") from e
-        self._out(plain)
-        return len(data)
-
-    def _out(self, plain: bytes) -> None:
-        self.h.update(plain)
-        self.size += len(plain)
-        self.out.write(plain)
-
-    def finish(self) -> tuple[str, int]:
-        self._out(self.z.flush())
-        if not self.z.eof:
-            raise SnapshotError("the compressed file ends early")
-        return self.h.hexdigest(), self.size
+            packed.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- files (worker threads)
@@ -327,21 +302,6 @@ def copy_readmodel(db_path: Path, copy: Path) -> tuple[int, int]:
         dst.execute(f"INSERT INTO {schema.BOARD_TABLES[0].name} (id, seq) VALUES (1, 0)")
         dst.execute("COMMIT")
     return seq, version
-
-
-def pack(copy: Path, packed: Path) -> tuple[str, int]:
-    """zlib (level 1: fast, and a read model shrinks several times) of `copy` into
-    `packed`; the sha256 and size of `copy`."""
-    h = hashlib.sha256()
-    z = zlib.compressobj(1)
-    size = 0
-    with copy.open("rb") as fin, packed.open("wb") as fout:
-        while block := fin.read(4 * 1024 * 1024):
-            h.update(block)
-            size += len(block)
-            fout.write(z.compress(block))
-        fout.write(z.flush())
-    return h.hexdigest(), size
 
 
 def local_seq(db_path: Path) -> int | None:

@@ -5,8 +5,8 @@ object rewritten the way an attacker or a broken disk would. Holds no tests itse
 from __future__ import annotations
 
 import base64
+import hashlib
 import sqlite3
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from events.run import Workspace
 from infra.crypto import KeyRing
 from projections import replay
 from projections.readmodel import ReadModel
+from projections.snapshot_file import pack, unpack
 from projections.snapshots import HEADER, Manifest, Snapshots
 from services.app.commands import App
 from tests.projection_support import varied_history
@@ -62,14 +63,15 @@ async def stored(snapshots: Snapshots, name: str, into: Path) -> tuple[Manifest,
     packed = into.with_suffix(".z")
     with packed.open("wb") as f:
         await store.get(name, writeinto=f)
-    into.write_bytes(zlib.decompress(packed.read_bytes()))
-    return snapshots.manifest(info), into
+    manifest = snapshots.manifest(info)
+    unpack(packed, into, manifest.size)
+    return manifest, into
 
 
 async def put_raw(
     snapshots: Snapshots, name: str, body: bytes, manifest: Manifest, keyring: KeyRing
 ) -> None:
-    """Store `body` (zlib-compressed already, or not) as snapshot `name` with `manifest`
+    """Store `body` (in the stored form, or not) as snapshot `name` with `manifest`
     sealed by `keyring` (the deployment's, or an attacker's own)."""
     sealed = keyring.seal(msgspec.json.encode(manifest), snapshots.context(name))
     meta = api.ObjectMeta(name=name, headers={HEADER: base64.b64encode(sealed).decode()})
@@ -77,11 +79,19 @@ async def put_raw(
     await store.put(name, body, meta=meta)
 
 
-def edited(path: Path, change: Callable[[sqlite3.Connection], object]) -> bytes:
-    """The SQLite file at `path` after `change`, compressed as a snapshot is."""
+def edited(path: Path, change: Callable[[sqlite3.Connection], object]) -> tuple[bytes, int]:
+    """The SQLite file at `path` after `change`, in a snapshot's stored form; its size."""
     db = sqlite3.connect(path, isolation_level=None)
     try:
         change(db)
     finally:
         db.close()
-    return zlib.compress(path.read_bytes(), 1)
+    packed = path.with_suffix(".packed")
+    _, size = pack(path, packed)
+    return packed.read_bytes(), size
+
+
+def signed_for(manifest: Manifest, body: bytes, size: int, **changes: object) -> Manifest:
+    """`manifest` made to fit `body` (its sha256 and plain size), as its writer would."""
+    digest = hashlib.sha256(body).hexdigest()
+    return msgspec.structs.replace(manifest, sha256=digest, size=size, **changes)

@@ -8,12 +8,9 @@ the replica replays instead. Writers keep the newest few; two at once corrupt no
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import sqlite3
-import zlib
 from pathlib import Path
 
-import msgspec
 import pytest
 import structlog
 from nats.aio.client import Client as NATS
@@ -34,6 +31,7 @@ from tests.snapshot_support import (
     full_replay,
     put_raw,
     several_orgs,
+    signed_for,
     stored,
 )
 
@@ -116,9 +114,9 @@ async def test_the_api_replica_restores_through_the_root_and_is_ready_once_caugh
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
-        ("flipped", "sha256"),  # a byte of the file changed, compressed again
-        ("garbage", "zlib"),  # not a compressed file at all
-        ("truncated", "ends early"),  # the object cut short
+        ("flipped", "sha256"),  # a row of the file changed, stored again under its manifest
+        ("truncated", "sha256"),  # the object cut short
+        ("garbage", "not a snapshot file"),  # a key holder's writer stored junk, hashed
     ],
 )
 async def test_a_corrupt_snapshot_falls_back_to_replay(
@@ -128,11 +126,13 @@ async def test_a_corrupt_snapshot_falls_back_to_replay(
     snapshots = system.snapshots()
     name = object_name(written)
     manifest, path = await stored(snapshots, name, tmp_path / "copy.db")
-    body = {
-        "flipped": lambda: edited(path, lambda db: db.execute("UPDATE runs SET message = 'x'")),
-        "garbage": lambda: b"\x00not zlib" * 1000,
-        "truncated": lambda: zlib.compress(path.read_bytes(), 1)[:-100],
-    }[damage]()
+    if damage == "flipped":
+        body, _ = edited(path, lambda db: db.execute("UPDATE runs SET message = 'x'"))
+    elif damage == "truncated":
+        body = ((await (await snapshots.store()).get(name)).data or b"")[:-100]
+    else:
+        body = b"\x00\x00\x00\x10junk" * 1000
+        manifest = signed_for(manifest, body, manifest.size)
     await put_raw(snapshots, name, body, manifest, system.keyring)
     await _falls_back(system, nc, tmp_path, reason)
 
@@ -145,8 +145,8 @@ async def test_a_snapshot_of_another_schema_version_is_not_used(
     written = await _snapshot(system, tmp_path)
     snapshots = system.snapshots()
     manifest, path = await stored(snapshots, object_name(written), tmp_path / "copy.db")
-    older = msgspec.structs.replace(manifest, schema=schema.VERSION - 1, seq=manifest.seq - 1)
-    body = edited(path, lambda db: db.execute(f"PRAGMA user_version = {schema.VERSION - 1}"))
+    body, size = edited(path, lambda db: db.execute(f"PRAGMA user_version = {schema.VERSION - 1}"))
+    older = signed_for(manifest, body, size, schema=schema.VERSION - 1, seq=manifest.seq - 1)
     await (await snapshots.store()).delete(object_name(written))
     await put_raw(snapshots, f"{prefix()}{older.seq:016d}-old", body, older, system.keyring)
     await _falls_back(system, nc, tmp_path, "schema version")
@@ -205,11 +205,8 @@ async def test_attack_a_snapshot_forged_without_the_deployments_key_is_refused(
         }  # fmt: skip
         db.execute(schema.BY_NAME["tokens"].upsert, [values[c] for c in cols])
 
-    body = edited(path, plant)
-    plain = zlib.decompress(body)
-    forged = msgspec.structs.replace(
-        manifest, sha256=hashlib.sha256(plain).hexdigest(), size=len(plain), writer="mallory"
-    )
+    body, size = edited(path, plant)
+    forged = signed_for(manifest, body, size, writer="mallory")
     await (await snapshots.store()).delete(object_name(written))  # theirs is the only one
     await put_raw(snapshots, object_name(forged), body, forged, KeyRing.generate())
     await _falls_back(system, nc, tmp_path, "key")
