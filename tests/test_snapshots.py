@@ -20,9 +20,10 @@ from infra.crypto import KeyRing
 from infra.eventstore import EventStore
 from projections import schema
 from projections.readmodel import ReadModel
-from projections.snapshots import Manifest, Snapshots, object_name, prefix
+from projections.snapshots import Manifest, Snapshots, object_name, prefix, seq_of
 from services.app.commands import App
 from services.root.bootstrap import Plane
+from tests.helpers import eventually
 from tests.projection_support import settle
 from tests.snapshot_support import (
     HOSTILE,
@@ -245,3 +246,20 @@ async def test_writers_keep_the_newest_few_and_two_at_once_corrupt_nothing(
     assert names[0].endswith(f"{await store.last_seq():016d}-wa")
     restored, received = await _fresh_replica(system, store, tmp_path / "new.db")
     assert restored == await store.last_seq() and received == 0
+
+
+async def test_the_writer_loop_writes_once_caught_up_and_leaves_a_fresh_one_alone(
+    system: Plane, store: EventStore, app: App, tmp_path: Path
+) -> None:
+    """Entered with an interval, a replica's writer stores a snapshot by itself; another
+    replica's writer finds it fresh (written within half its interval) and adds none."""
+    async with system.projector(tmp_path / "a.db") as a:
+        await several_orgs(app)
+        await settle(a, store)
+        async with system.snapshot_writer(a, interval=0.3):
+            listed = await eventually(system.snapshots().listed, timeout=30, what="a snapshot")
+        assert seq_of(listed[0].name) == await store.last_seq()
+        await app.create_run("acme", "app", "plan", "alice", message="one more")
+        await settle(a, store)
+        assert await system.snapshot_writer(a, interval=3600).write_once() is None
+        assert len(await system.snapshots().listed()) == 1
