@@ -60,17 +60,19 @@ async def _ready(url: str, proc: asyncio.subprocess.Process, limit: float) -> No
     raise TimeoutError(f"not ready within {limit} s")
 
 
-async def cold_start(server_url: str, key: str, root: Path, limit: float) -> dict[str, float]:
-    """One `runplane api` on an empty data directory: seconds to ready, CPU seconds."""
+async def cold_start(server_url: str, key: str, root: Path, limit: float) -> dict[str, Any]:
+    """One `runplane api` on an empty data directory: seconds to ready, CPU seconds, and
+    what its `snapshot_restored` line said (download, inflate, swap seconds)."""
     data = Path(tempfile.mkdtemp(prefix="api-", dir=root))
     port = _free_port()
     env = {"RUNPLANE_ENCRYPTION_KEY": key, "RUNPLANE_SNAPSHOT_INTERVAL": "0"}
     started = time.perf_counter()
+    logs = (root / f"{data.name}.log").open("wb")
     proc = await asyncio.create_subprocess_exec(
         PY, "-m", "services.root.cli", "api", "--nats-url", server_url,
         "--data-dir", str(data), "--log-format", "json", "--listen", f"127.0.0.1:{port}",
         env=child_env(**nats_env(server_url), **env),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        stdout=logs, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     try:
         await _ready(f"http://127.0.0.1:{port}", proc, limit)
@@ -78,7 +80,16 @@ async def cold_start(server_url: str, key: str, root: Path, limit: float) -> dic
         cpu = cpu_seconds(proc.pid)
     finally:
         await stop(proc)
-    return {"seconds": seconds, "cpu_s": cpu}
+        logs.close()
+    return {"seconds": seconds, "cpu_s": cpu, **_restored(root / f"{data.name}.log")}
+
+
+def _restored(log: Path) -> dict[str, Any]:
+    for line in log.read_text(errors="replace").splitlines():
+        if '"snapshot_restored"' in line:
+            said = json.loads(line)
+            return {k: said[k] for k in ("download_s", "inflate_s", "swap_s") if k in said}
+    return {}
 
 
 async def coldstart(events: int, rounds: int = 3) -> dict[str, Any]:

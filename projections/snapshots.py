@@ -31,6 +31,7 @@ import hashlib
 import os
 import sqlite3
 import tempfile
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -239,11 +240,14 @@ class Snapshots:
                     return None
                 if await self.anchor(manifest.seq) != manifest.anchor:
                     raise SnapshotError(f"the event at {manifest.seq} is not the snapshot's")
-                await self._fetch(info, manifest, db_path)
+                took = await self._fetch(info, manifest, db_path)
             except Exception as e:  # noqa: BLE001 - whatever is wrong, the next or the replay
                 log.warning("snapshot_unusable", object=info.name, reason=str(e) or repr(e))
                 continue
-            log.info("snapshot_restored", object=info.name, seq=manifest.seq, stream_last=last)
+            log.info(
+                "snapshot_restored", object=info.name, seq=manifest.seq, stream_last=last,
+                bytes=manifest.size, stored=info.size, **took,
+            )  # fmt: skip
             return manifest.seq
         log.info("snapshot_none_usable", tried=len(candidates), local_seq=local, fallback="replay")
         return None
@@ -256,8 +260,12 @@ class Snapshots:
         if m.stream != self.stream or m.stream_created != created:
             raise SnapshotError(f"of another stream ({m.stream} created {m.stream_created})")
 
-    async def _fetch(self, info: api.ObjectInfo, m: Manifest, db_path: Path) -> None:
-        """Download, inflate, check and swap in; SnapshotError if anything is off."""
+    async def _fetch(self, info: api.ObjectInfo, m: Manifest, db_path: Path) -> dict[str, float]:
+        """Download, inflate, check and swap in; SnapshotError if anything is off. The
+        seconds each took."""
+        clock = time.perf_counter
+        took: dict[str, float] = {}
+        t = clock()
         fd, name = tempfile.mkstemp(dir=db_path.parent, prefix=f".{db_path.name}.", suffix=".rst")
         os.close(fd)
         scratch = Path(name)
@@ -271,9 +279,13 @@ class Snapshots:
             digest = sink.h.hexdigest()
             if digest != m.sha256:
                 raise SnapshotError(f"the stored file's sha256 {digest} is not the manifest's")
+            took["download_s"], t = round(clock() - t, 3), clock()
             await asyncio.to_thread(unpack, packed, scratch, m.size)
             await asyncio.to_thread(check_file, scratch, m.seq)
+            took["inflate_s"], t = round(clock() - t, 3), clock()
             await asyncio.to_thread(swap_in, scratch, db_path)
+            took["swap_s"] = round(clock() - t, 3)
+            return took
         except FileError as e:
             raise SnapshotError(f"not a snapshot file: {e}") from e
         finally:
