@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
+from projections.replay import _retire
+
 BLOCK = 8 * 1024 * 1024  # plain bytes per block
 _HEAD = struct.Struct(">II")
 
@@ -115,3 +117,57 @@ def _index(packed: Path, size: int) -> list[tuple[int, int, int, int]]:
 
 def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2))
+
+
+# ---------------------------------------------------------------- in place, synced later
+
+
+def unsynced(db: Path) -> Path:
+    """The marker of a restored read model not yet known to be on disk."""
+    return db.with_name(f"{db.name}.unsynced")
+
+
+def put_in_place(scratch: Path, db: Path) -> None:
+    """Rename the restored file over `db` without waiting for its hundreds of megabytes
+    to reach the disk: the marker, durable first, says it may not have (`settle` takes it
+    away once they have; `discard_unsynced` at the next start removes a file an OS crash
+    may have left half written)."""
+    unsynced(db).touch()
+    _fsync_dir(db.parent)
+    if db.exists():
+        _retire(db)
+    os.replace(scratch, db)
+    for suffix in ("-wal", "-shm"):  # leftovers of the old file must not pair with the new
+        Path(f"{db}{suffix}").unlink(missing_ok=True)
+    _fsync_dir(db.parent)
+
+
+def settle(db: Path) -> None:
+    """The restored file is on disk: its marker goes."""
+    fd = os.open(db, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    unsynced(db).unlink(missing_ok=True)
+    _fsync_dir(db.parent)
+
+
+def discard_unsynced(db: Path) -> bool:
+    """Remove a restored read model whose `settle` never ran (the process or the machine
+    died first); True if there was one."""
+    if not unsynced(db).exists():
+        return False
+    for path in (db, Path(f"{db}-wal"), Path(f"{db}-shm")):
+        path.unlink(missing_ok=True)
+    unsynced(db).unlink()
+    _fsync_dir(db.parent)
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -47,8 +47,15 @@ from nats.js.object_store import ObjectStore
 from infra.crypto import CryptoError, KeyRing
 from infra.streams import EVENTS, SNAPSHOTS_BUCKET
 from projections import schema
-from projections.replay import _swap as swap_in
-from projections.snapshot_file import FileError, HashingSink, pack, unpack
+from projections.snapshot_file import (
+    FileError,
+    HashingSink,
+    discard_unsynced,
+    pack,
+    put_in_place,
+    settle,
+    unpack,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +120,7 @@ class Snapshots:
         self.bucket = bucket
         self.keep = keep
         self._store: ObjectStore | None = None
+        self._settling: asyncio.Task[None] | None = None  # a restored file's fsync
 
     async def store(self) -> ObjectStore:
         if self._store is None:
@@ -224,6 +232,8 @@ class Snapshots:
     async def restore(self, db_path: Path) -> int | None:
         """Put the newest usable snapshot at `db_path` if it is worth it; its sequence,
         or None (the read model left as it was: the projector replays)."""
+        if await asyncio.to_thread(discard_unsynced, db_path):
+            log.warning("snapshot_discarded", db=str(db_path), reason="restored, never synced")
         local = await asyncio.to_thread(local_seq, db_path)
         try:
             last, created = await self.identity()
@@ -251,6 +261,12 @@ class Snapshots:
             return manifest.seq
         log.info("snapshot_none_usable", tried=len(candidates), local_seq=local, fallback="replay")
         return None
+
+    async def _settle(self, db_path: Path) -> None:
+        try:
+            await asyncio.to_thread(settle, db_path)
+        except OSError as e:  # the marker stays: the next start restores again
+            log.warning("snapshot_sync_failed", db=str(db_path), error=repr(e))
 
     def _check(self, m: Manifest, last: int, created: str) -> None:
         if m.schema != schema.VERSION:
@@ -283,8 +299,10 @@ class Snapshots:
             await asyncio.to_thread(unpack, packed, scratch, m.size)
             await asyncio.to_thread(check_file, scratch, m.seq)
             took["inflate_s"], t = round(clock() - t, 3), clock()
-            await asyncio.to_thread(swap_in, scratch, db_path)
+            await asyncio.to_thread(put_in_place, scratch, db_path)
             took["swap_s"] = round(clock() - t, 3)
+            # On disk in the background: the marker guards the file until then.
+            self._settling = asyncio.create_task(self._settle(db_path))
             return took
         except FileError as e:
             raise SnapshotError(f"not a snapshot file: {e}") from e

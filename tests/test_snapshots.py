@@ -20,6 +20,7 @@ from infra.crypto import KeyRing
 from infra.eventstore import EventStore
 from projections import schema
 from projections.readmodel import ReadModel
+from projections.snapshot_file import unsynced
 from projections.snapshots import Manifest, Snapshots, object_name, prefix, seq_of
 from services.app.commands import App
 from services.root.bootstrap import Plane
@@ -263,3 +264,27 @@ async def test_the_writer_loop_writes_once_caught_up_and_leaves_a_fresh_one_alon
         await settle(a, store)
         assert await system.snapshot_writer(a, interval=3600).write_once() is None
         assert len(await system.snapshots().listed()) == 1
+
+
+async def test_a_restart_keeps_its_read_model_unless_the_restore_never_reached_the_disk(
+    system: Plane, store: EventStore, tmp_path: Path
+) -> None:
+    """Restarted, a replica keeps the read model it has (no restore: it is not far
+    behind); one whose restored file was never synced (its marker still there: the
+    machine died first) is thrown away and restored again."""
+    written = await _snapshot(system, tmp_path)
+    db = tmp_path / "new.db"
+    assert (await _fresh_replica(system, store, db))[0] == written.seq
+
+    async def synced() -> bool:  # in the background: then its marker goes
+        return not unsynced(db).exists()
+
+    await eventually(synced, timeout=30, what="the restored file synced")
+    await after_the_snapshot(system.app)
+    restored, received = await _fresh_replica(system, store, db)
+    assert (restored, received) == (None, await store.last_seq() - written.seq)
+    unsynced(db).touch()
+    with structlog.testing.capture_logs() as logs:
+        restored, received = await _fresh_replica(system, store, db)
+    assert "snapshot_discarded" in [e["event"] for e in logs]
+    assert (restored, received) == (written.seq, await store.last_seq() - written.seq)
