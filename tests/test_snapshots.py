@@ -19,6 +19,7 @@ from infra import streams
 from infra.crypto import KeyRing
 from infra.eventstore import EventStore
 from projections import schema
+from projections import snapshots as snapshots_module
 from projections.readmodel import ReadModel
 from projections.snapshot_file import unsynced
 from projections.snapshots import Manifest, Snapshots, object_name, prefix, seq_of
@@ -288,3 +289,21 @@ async def test_a_restart_keeps_its_read_model_unless_the_restore_never_reached_t
         restored, received = await _fresh_replica(system, store, db)
     assert "snapshot_discarded" in [e["event"] for e in logs]
     assert (restored, received) == (written.seq, await store.last_seq() - written.seq)
+
+
+async def test_a_replica_far_behind_the_newest_snapshot_takes_it_over_its_own(
+    system: Plane, nc: NATS, store: EventStore, app: App, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A read model more than RESTORE_GAIN events behind the newest snapshot (here 5) is
+    replaced by it (its WAL folded and removed first), and tails from there."""
+    monkeypatch.setattr(snapshots_module, "RESTORE_GAIN", 5)
+    db = tmp_path / "old.db"
+    async with system.projector(db) as old:
+        await app.create_org("zeta", "admin")
+        await settle(old, store)
+    written = await _snapshot(system, tmp_path)  # many more events, then the snapshot
+    await after_the_snapshot(app)
+    restored, received = await _fresh_replica(system, store, db)
+    assert (restored, received) == (written.seq, await store.last_seq() - written.seq)
+    assert await _dump(db) == await full_replay(nc, tmp_path / "full.db")
