@@ -390,8 +390,9 @@ class Jail:
         return out + list(argv)
 
     def close(self) -> None:
-        """Kill every process of the job (all of its uid), remove its TMPDIR, give the
-        uid back. (Its directory is the caller's to remove.)"""
+        """Kill every process of the job (all of its uid; in the sandbox with a phase
+        group, the group's: see below), remove its TMPDIR, give the uid back, clean if
+        nothing of it is left. (Its directory is the caller's to remove.)"""
         with self._guard:
             self._closed = True
         try:

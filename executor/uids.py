@@ -3,7 +3,10 @@ and what still runs as one.
 
 A uid is allocated by an exclusive `flock` on `<lock dir>/<uid>`, held for the phase's
 life, so two executors of one machine never share one; whatever still runs as that uid is
-killed when it is taken and when it is given back (`kill_uid`).
+killed (`kill_uid`) when it is given back (in the sandbox with a phase group, the group
+is emptied instead: executor/isolation.py `Jail.close`) and when it is taken, unless its
+last phase gave it back clean (`CLEAN`). A clean uid is taken first, with no look at what
+runs (`_clean_one`).
 """
 
 from __future__ import annotations
