@@ -267,10 +267,11 @@ class PhaseLimits:
         if self.group is not None:
             self.group.kill()
 
-    def close(self) -> None:
-        """Kill what is left in the phase's group and remove it."""
-        if self.group is not None:
-            self.group.remove()
+    def close(self) -> bool:
+        """Kill what is left in the phase's group and remove it; True if there was a
+        group and it is gone: no process of the phase is left anywhere (each joined it
+        before it ran anything, and none can leave it)."""
+        return self.group.remove() if self.group is not None else False
 
 
 def disk_usage(paths: Iterable[Path]) -> int:

@@ -204,14 +204,17 @@ class PhaseGroup:
         """SIGKILL every process in the groups until none is left; how many were seen."""
         return sum(kill_group(d) for d in dict.fromkeys(self.dirs.values()))
 
-    def remove(self) -> None:
-        """Kill what is left, close the files, remove the groups."""
+    def remove(self) -> bool:
+        """Kill what is left, close the files, remove the groups; True if every group
+        was emptied and removed (nothing of the phase runs any more)."""
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        gone = True
         for path in dict.fromkeys(self.dirs.values()):
             kill_group(path)
-            _rmdir(path)
+            gone = _rmdir(path) and gone
+        return gone
 
 
 def _make(h: Hierarchy, scope: str) -> Path:
@@ -259,16 +262,18 @@ def _procs(path: Path) -> Iterator[int]:
             yield int(line)
 
 
-def _rmdir(path: Path) -> None:
+def _rmdir(path: Path) -> bool:
+    """Remove the (emptied) group at `path`; False if it would not go."""
     for _ in range(100):  # an exiting process leaves its group a moment after its SIGKILL
         try:
             path.rmdir()
-            return
+            return True
         except FileNotFoundError:
-            return
+            return True
         except OSError:
             time.sleep(0.01)
     log.warning("cgroup_not_removed", path=str(path))
+    return False
 
 
 def sweep(hierarchies: dict[str, Hierarchy], scope: str) -> int:

@@ -48,7 +48,7 @@ import structlog
 
 from executor import process
 from executor.errors import StepFailed
-from executor.gitrepo import write_repository
+from executor.gitrepo import copy_borrowed, write_repository
 from executor.output import Masker, Output
 from executor.process import StepLog
 from infra.gitenv import NONE, isolated_env
@@ -120,7 +120,8 @@ async def dissociate(dest: Path, *, step_log: StepLog, grace: float = 5.0) -> No
     alternates = dest / ".git" / "objects" / "info" / "alternates"
     if not alternates.exists():
         return  # a plain clone: its objects are its own
-    await _git(["repack", "-a", "-d", "-q"], cwd=dest, step_log=step_log, grace=grace)
+    if not await asyncio.to_thread(copy_borrowed, dest / ".git" / "objects", alternates):
+        await _git(["repack", "-a", "-d", "-q"], cwd=dest, step_log=step_log, grace=grace)
     alternates.unlink()
 
 

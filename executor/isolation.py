@@ -164,8 +164,9 @@ class Isolation:
             return cls(mode="none")
         if wanted in ("auto", "sandbox", "user") and os.geteuid() == 0:
             why = "asked for" if wanted == "user" else sandbox_problem(uids[-1])
-            if not why:
-                return cls(mode="sandbox", uids=uids, lock_dir=default_lock_dir())
+            if not why:  # bwrap by its path: no walk of PATH at each job process
+                found = shutil.which("bwrap") or "bwrap"
+                return cls(mode="sandbox", uids=uids, lock_dir=default_lock_dir(), bwrap=found)
             if wanted == "sandbox":
                 raise IsolationError(f"--isolation sandbox: bubblewrap cannot be used ({why})")
             log.warning("isolation_uid_only", why=why, not_covered=USER_ONLY)
@@ -174,7 +175,7 @@ class Isolation:
             raise IsolationError(f"--isolation {wanted} needs the executor to run as root")
         why = bwrap_problem()
         if not why:
-            return cls(mode="bwrap")
+            return cls(mode="bwrap", bwrap=shutil.which("bwrap") or "bwrap")
         if wanted == "auto" and fallback_to_none:
             log.warning(
                 "isolation_none",
@@ -389,21 +390,31 @@ class Jail:
         return out + list(argv)
 
     def close(self) -> None:
-        """Kill every process of the job (all of its uid), remove its TMPDIR, give the
-        uid back. (Its directory is the caller's to remove.)"""
+        """Kill every process of the job (all of its uid; in the sandbox with a phase
+        group, the group's: see below), remove its TMPDIR, give the uid back, clean if
+        nothing of it is left. (Its directory is the caller's to remove.)"""
         with self._guard:
             self._closed = True
         try:
-            if self.limits is not None:  # its group: everything in it killed, then removed
-                self.limits.close()
+            # its group: everything in it killed, then removed
+            emptied = self.limits.close() if self.limits is not None else False
             if self._lock >= 0:
                 assert self.uid is not None
-                kill_uid(self.uid)
                 sealed = seal(self.root)  # before the uid may serve another phase: see `seal`
-                _, cleared = clear_files_of(self.uid)
-                remove_ipc_of(self.uid)
-                if sealed and cleared and not ipc_of(self.uid):
-                    gave_back_clean(self._lock)  # its next phase needs no sweep first
+                if self.mode == "sandbox" and emptied:
+                    # Nothing of it can be left but its directories: its processes were
+                    # all in the group (gone), and the sandbox gave it no other place to
+                    # write (the system read-only, its own tmpfs mounts) and an IPC
+                    # namespace of its own, all gone with their processes. No kill of
+                    # the uid, no sweep of the shared directories, no look at SysV IPC.
+                    cleared = True
+                else:
+                    kill_uid(self.uid)
+                    _, cleared = clear_files_of(self.uid)
+                    remove_ipc_of(self.uid)
+                    cleared = cleared and not ipc_of(self.uid)
+                if sealed and cleared:
+                    gave_back_clean(self._lock, self.uid)  # its next phase needs no sweep first
         finally:
             remove_tree(self.tmp)
             for fd in self._reports:
