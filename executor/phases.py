@@ -10,6 +10,7 @@ kept on this host. Plan files travel sealed (AES-GCM), checked by digest before 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,7 @@ from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
 from executor.statebackend import write_override
 from executor.upload import unpack_source
+from executor.warm import Facts, config_digest
 from infra.crypto import CryptoError, Tampered
 from infra.gitenv import git_access
 
@@ -89,6 +91,10 @@ async def _plan_phase(job: Job) -> None:
     if pinned_policies(job):
         policies = await step(job, "policy", lambda lg: check_policies(job, lg, outcome.show))
     job.finishing = True
+    if outcome.has_changes and _applies(job):  # its checkout may serve the apply, warm
+        job.warm = Facts(
+            ctx.org, ctx.ws, ctx.run_id, commit.sha, outcome.plan_digest, config_digest(ctx.run)
+        )
     await job.report(
         FinishPlan(
             actor=ctx.actor,
@@ -107,6 +113,12 @@ async def _plan_phase(job: Job) -> None:
     )
 
 
+def _applies(job: Job) -> bool:
+    """Whether the run goes on to an apply (or destroy) after this plan."""
+    run = job.ctx.run
+    return not run.speculative and any(s.kind in ("apply", "destroy") for s in run.steps)
+
+
 def _requires_approval(job: Job) -> bool:
     """The workspace's require_approval, or the run's own ask (a CLI run's plan waits
     for the CLI's "yes", which is an approval: services/surfaces/tfe/runs.py)."""
@@ -116,9 +128,13 @@ def _requires_approval(job: Job) -> bool:
 
 
 async def _apply_phase(job: Job) -> None:
-    await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=True))
-    await step(job, "init", lambda lg: _init(job, lg))
-    summary = await step(job, "apply", lambda lg: _apply(job, lg))
+    verified = False
+    if job.ctx.warm:  # the plan's checkout and .terraform, kept here: no clone, no init
+        verified = await step(job, "warm", lambda lg: _warm(job, lg))
+    else:
+        await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=True))
+        await step(job, "init", lambda lg: _init(job, lg))
+    summary = await step(job, "apply", lambda lg: _apply(job, lg, verified=verified))
     job.finishing = True
     await job.report(FinishApply(actor=job.ctx.actor, lease_id=job.ctx.lease_id, summary=summary))
 
@@ -253,8 +269,29 @@ def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
     return summary, drifted
 
 
-async def _apply(job: Job, step_log: StepLog) -> PlanSummary:
-    await _download_plan(job, step_log)
+async def _warm(job: Job, step_log: StepLog) -> bool:
+    """The apply in the plan's own checkout (executor/warm.py checked it was planned for
+    this run's commit, plan and configuration, and left as it was): the binary as the
+    plan's init had it, and whether the plan file there is the approved one (else the
+    apply fetches the saved plan as a cold one does)."""
+    ctx = job.ctx
+    check_workdir(job, f"at {ctx.run.commit}")
+    await _use_binary(job, step_log)
+    step_log.note(f"warm: the plan's checkout at {ctx.run.commit} and its .terraform, kept here")
+    try:
+        with linksafe.open_regular(ctx.workdir / tf.PLAN_FILE, within=ctx.src, step="warm") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except (OSError, StepFailed):
+        return False
+    if digest != ctx.run.plan_digest:
+        return False
+    step_log.note(f"plan {tf.PLAN_FILE} verified, sha256 {digest}")
+    return True
+
+
+async def _apply(job: Job, step_log: StepLog, *, verified: bool = False) -> PlanSummary:
+    if not verified:
+        await _download_plan(job, step_log)
     await mask_planned_secrets(job)  # the plan's own values, which today's may not be
     async with track(job) as out:  # per-resource states, all reported on the way out
         try:
