@@ -10,7 +10,6 @@ kept on this host. Plan files travel sealed (AES-GCM), checked by digest before 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -128,13 +127,12 @@ def _requires_approval(job: Job) -> bool:
 
 
 async def _apply_phase(job: Job) -> None:
-    verified = False
     if job.ctx.warm:  # the plan's checkout and .terraform, kept here: no clone, no init
-        verified = await step(job, "warm", lambda lg: _warm(job, lg))
+        await step(job, "warm", lambda lg: _warm(job, lg))
     else:
         await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=True))
         await step(job, "init", lambda lg: _init(job, lg))
-    summary = await step(job, "apply", lambda lg: _apply(job, lg, verified=verified))
+    summary = await step(job, "apply", lambda lg: _apply(job, lg))
     job.finishing = True
     await job.report(FinishApply(actor=job.ctx.actor, lease_id=job.ctx.lease_id, summary=summary))
 
@@ -232,15 +230,32 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
     drift = ctx.run.run_type == "drift"
-    # Policies check the JSON plan, also one with nothing to change.
+    # Policies check the JSON plan, also one with nothing to change. Read once, while
+    # the plan file is sealed and stored when the exit code says there are changes.
     needed = drift or code == 2 or bool(pinned_policies(job))
-    show = await job.show_plan() if needed else {}
-    if drift:
-        summary, has_changes = _drift(show, step_log)
-    else:
-        summary, has_changes = out.summary(), code == 2
-    if not has_changes:
-        return PlanOutcome(has_changes=False, summary=summary, show=show)
+    showing = asyncio.ensure_future(job.show_plan()) if needed else None
+    try:
+        if drift:
+            assert showing is not None
+            summary, has_changes = _drift(await showing, step_log)
+        else:
+            summary, has_changes = out.summary(), code == 2
+        if not has_changes:
+            return PlanOutcome(False, summary, show=await showing if showing else {})
+        name, digest = await _store_plan(job, step_log)
+        assert showing is not None
+        show = await showing
+    finally:
+        if showing is not None and not showing.done():  # the upload failed: stop the show
+            showing.cancel()
+            await asyncio.wait([showing])
+    changes = tuple(plan_changes(show, drift=drift))
+    return PlanOutcome(True, summary, name, digest, changes, show=show)
+
+
+async def _store_plan(job: Job, step_log: StepLog) -> tuple[str, str]:
+    """Seal the plan file into the object store: (its object, its sha256)."""
+    ctx = job.ctx
     name = plan_object(ctx.run_id)
     with linksafe.scratch_dir(ctx.root) as scratch:
         # Sealed from a copy of ours: Terraform's file is read once, never through a link.
@@ -251,8 +266,7 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
         digest = sha256_file(path)
         await job.tools.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
     step_log.note(f"plan stored sealed as {PLANS_BUCKET}/{name}, sha256 {digest}")
-    changes = tuple(plan_changes(show, drift=drift))
-    return PlanOutcome(True, summary, name, digest, changes, show=show)
+    return name, digest
 
 
 def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
@@ -269,29 +283,19 @@ def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
     return summary, drifted
 
 
-async def _warm(job: Job, step_log: StepLog) -> bool:
+async def _warm(job: Job, step_log: StepLog) -> None:
     """The apply in the plan's own checkout (executor/warm.py checked it was planned for
-    this run's commit, plan and configuration, and left as it was): the binary as the
-    plan's init had it, and whether the plan file there is the approved one (else the
-    apply fetches the saved plan as a cold one does)."""
+    this run's commit, plan and configuration, and left as it was), with the binary the
+    plan's init had. The plan applied is still the sealed one, fetched and checked
+    against the approved digest as a cold apply does (`_download_plan`)."""
     ctx = job.ctx
     check_workdir(job, f"at {ctx.run.commit}")
     await _use_binary(job, step_log)
     step_log.note(f"warm: the plan's checkout at {ctx.run.commit} and its .terraform, kept here")
-    try:
-        with linksafe.open_regular(ctx.workdir / tf.PLAN_FILE, within=ctx.src, step="warm") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    except (OSError, StepFailed):
-        return False
-    if digest != ctx.run.plan_digest:
-        return False
-    step_log.note(f"plan {tf.PLAN_FILE} verified, sha256 {digest}")
-    return True
 
 
-async def _apply(job: Job, step_log: StepLog, *, verified: bool = False) -> PlanSummary:
-    if not verified:
-        await _download_plan(job, step_log)
+async def _apply(job: Job, step_log: StepLog) -> PlanSummary:
+    await _download_plan(job, step_log)
     await mask_planned_secrets(job)  # the plan's own values, which today's may not be
     async with track(job) as out:  # per-resource states, all reported on the way out
         try:
