@@ -153,14 +153,17 @@ def _children_cpu() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def _step_seconds(steps: Any) -> dict[str, float]:
-    """Seconds per `phase/step` of a run's step list (`duration_ms` of each)."""
+def _step_seconds(steps: Any, cpu: bool = False) -> dict[str, float]:
+    """Seconds per `phase/step` of a run's step list (`duration_ms` of each; `cpu`: the
+    CPU seconds its processes used, where measured)."""
     out: dict[str, float] = {}
     items = steps.get("items", []) if isinstance(steps, dict) else steps
     for s in items or []:
-        if s.get("duration_ms") is not None:
+        metrics = s.get("metrics") or {}
+        value = metrics.get("cpu_seconds") if cpu else s.get("duration_ms")
+        if value is not None:
             key = f"{s.get('phase', '')}/{s.get('step', '')}"
-            out[key] = out.get(key, 0.0) + s["duration_ms"] / 1000
+            out[key] = out.get(key, 0.0) + (value if cpu else value / 1000)
     return out
 
 
@@ -203,9 +206,12 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
     a = statistics.median(h["total"] for h in hand)
     b = statistics.median(o["total"] for o in ours)
     per_step: dict[str, list[float]] = {}
+    per_step_cpu: dict[str, list[float]] = {}
     for o in ours:
         for k, v in _step_seconds(o["steps"]).items():
             per_step.setdefault(k, []).append(v)
+        for k, v in _step_seconds(o["steps"], cpu=True).items():
+            per_step_cpu.setdefault(k, []).append(v)
     return {
         "rounds": rounds,
         "resources": RESOURCES,
@@ -226,6 +232,9 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
             k: statistics.median(h[k] for h in hand) for k in ("clone", "init", "plan", "apply")
         },
         "runplane_steps_median_s": {k: statistics.median(v) for k, v in per_step.items()},
+        "runplane_steps_cpu_median_s": {
+            k: round(statistics.median(v), 3) for k, v in per_step_cpu.items()
+        },
     }
 
 
