@@ -27,7 +27,10 @@ if __package__ in (None, ""):  # run as a script: `python bench/run.py`
 from bench import latency, rp
 from bench.common import Result, Sizes, machine
 
-NAMES = ("append", "replay", "lifecycle", "latency", "admission", "reads", "overhead", "sandbox")
+NAMES: tuple[str, ...] = ("append", "replay", "lifecycle", "latency", "admission", "reads")
+NAMES += ("overhead", "sandbox")
+NAMES += ("provider",)
+NAMES += ("coldstart",)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -219,6 +222,10 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
         out.append(_overhead_row(f))
     if (f := figs.get("sandbox")) and "error" not in f:
         out.append(_sandbox_row(f))
+    if (f := figs.get("provider")) and "error" not in f:
+        out.append(_provider_row(f))
+    if (f := figs.get("coldstart")) and "error" not in f:
+        out.append(_coldstart_row(f))
     return out
 
 
@@ -277,6 +284,27 @@ async def _sandbox(sizes: Sizes) -> dict[str, Any]:
     return await sandbox_overhead(rounds=1 if sizes.read_runs < 10_000 else 5)
 
 
+async def _coldstart(sizes: Sizes) -> dict[str, Any]:
+    from bench.coldstart import coldstart
+
+    return await coldstart(sizes.replay_events, rounds=1 if sizes.read_runs < 10_000 else 3)
+
+
+def _coldstart_row(f: dict[str, Any]) -> Result:
+    return Result(
+        "10. api cold start to /readyz",
+        f["snapshot_median_s"],
+        "s",
+        f["full_replay_median_s"],
+        "full replay",
+        f["ratio"],
+        "< 5 s",
+        f["snapshot_median_s"] < 5,
+        note=f"{f['events_in_stream']:,} events, snapshot {f['snapshot_stored_bytes']:,} "
+        f"bytes stored ({f['snapshot_bytes']:,} SQLite); {f['rounds']} rounds alternated",
+    )
+
+
 def _sandbox_row(f: dict[str, Any]) -> Result:
     return Result(
         "8. plan run in the sandbox",
@@ -289,6 +317,28 @@ def _sandbox_row(f: dict[str, Any]) -> Result:
         f["ratio"] <= 1.05,
         note=f"plan step {f['sandbox_plan_step_median_s']:.2f}s vs "
         f"{f['user_plan_step_median_s']:.2f}s; {f['rounds']} rounds alternated",
+    )
+
+
+async def _provider(sizes: Sizes) -> dict[str, Any]:
+    from bench.provider import provider
+
+    return await provider(rounds=1 if sizes.read_runs < 10_000 else 3)
+
+
+def _provider_row(f: dict[str, Any]) -> Result:
+    worst = max(f["second_plan_init_over_first"], f["second_apply_init_over_first"])
+    return Result(
+        "9. init of a 200 MB provider, 2nd run",
+        max(f["second_run_plan_init_median_s"], f["second_run_apply_init_median_s"]),
+        "s",
+        f["first_run_plan_init_median_s"],
+        "1st run",
+        worst,
+        "<= 0.1",
+        worst <= 0.1,
+        note=f"isolation {f['isolation']}; by hand from the packed mirror "
+        f"{f['by_hand_init_from_packed_median_s']:.2f}s; {f['rounds']} rounds",
     )
 
 
@@ -318,6 +368,8 @@ async def measure(sizes: Sizes, only: set[str]) -> tuple[dict[str, Any], dict[st
         "reads": rp.reads,
         "overhead": _overhead,
         "sandbox": _sandbox,
+        "provider": _provider,
+        "coldstart": _coldstart,
     }
     print("raw limits ...", file=sys.stderr, flush=True)
     raw_figs = await rp.raw_limits(sizes)
@@ -347,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sizes = Sizes.smoke() if args.smoke else Sizes.quick() if args.quick else Sizes()
     # The smoke run (tests/test_bench_smoke.py) leaves out Terraform's benchmark.
-    slow = ("overhead", "sandbox")
+    slow = ("overhead", "sandbox", "provider", "coldstart")
     only = set(args.only or (n for n in NAMES if not (args.smoke and n in slow)))
 
     from infra import logs

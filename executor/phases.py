@@ -36,6 +36,7 @@ from executor.output import Output, drift_summary
 from executor.phase_custody import guarded, mask_planned_secrets, rescue_errored_state
 from executor.policy import check_policies, pinned_policies
 from executor.process import StepLog
+from executor.providerphase import cached_providers
 from executor.statebackend import write_override
 from executor.upload import unpack_source
 from executor.warm import Facts, config_digest
@@ -215,6 +216,7 @@ async def _init(job: Job, step_log: StepLog) -> None:
     if ctx.config.managed_state:
         write_override(ctx.workdir, within=ctx.src)
         step_log.note("state: runplane-managed (http backend served by this executor)")
+    await cached_providers(job, step_log)  # executor/providerphase.py
     code = await _terraform(job, step_log, [*tf.init_args(), "-reconfigure"], out)
     if code != 0:
         raise StepFailed("init", out.error_text() or f"terraform init failed (exit {code})")

@@ -31,6 +31,7 @@ import structlog
 
 from events.values import RunOptions, options_problem
 from executor.errors import SetupError
+from executor.providers import DEFAULT_MAX_BYTES, ProviderCache
 from infra.childenv import child_env
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,8 @@ class TerraformConfig:
     `provider_mirrors`: extra filesystem mirrors (Terraform's unpacked or packed layout),
     searched after runplane's own mirror, which is built in `mirror_root` (default: the
     executor's `<work_dir>/terraform/providers`). `plugin_cache_dir`: optional plugin cache.
+    `provider_cache_dir`: the host's provider cache (executor/providers.py), filled from
+    those mirrors for the providers a lock file names, `provider_cache_bytes` at most.
     """
 
     binary: Path | str | None = None
@@ -83,6 +86,8 @@ class TerraformConfig:
     mirror_root: Path | None = None
     include_null_provider: bool = True
     plugin_cache_dir: Path | None = None
+    provider_cache_dir: Path | None = None
+    provider_cache_bytes: int = DEFAULT_MAX_BYTES
     extra_env: Mapping[str, str] = field(default_factory=dict)
     # what a run's `terraform_binary` may name (executor/binary.py); empty: any the job runs
     allowed_binaries: tuple[str, ...] = ()
@@ -97,6 +102,8 @@ class Terraform:
     plugin_cache_dir: Path | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
     allowed_binaries: tuple[str, ...] = ()  # TerraformConfig's
+    mirrors: tuple[Path, ...] = ()  # the mirrors `cli_config` names, as jobs see them
+    provider_cache: ProviderCache | None = None  # executor/providers.py
 
     def env(self) -> dict[str, str]:
         """The process environment: the host's, minus overrides, plus automation settings."""
@@ -134,9 +141,18 @@ def prepare(config: TerraformConfig, data_dir: Path, tools: Path | None = None) 
             mirrors.insert(0, own.resolve())
     if config.plugin_cache_dir is not None:
         Path(config.plugin_cache_dir).mkdir(parents=True, exist_ok=True)
+    cache = None
+    if config.provider_cache_dir is not None:
+        cache = ProviderCache(Path(config.provider_cache_dir), mirrors, config.provider_cache_bytes)
+        try:
+            cache.open()
+        except OSError as e:
+            raise SetupError(f"provider cache {config.provider_cache_dir}: {e}") from e
     if tools is not None:
         published = publish(tools, binary.resolve(), mirrors, dict(config.extra_env))
-        return replace(published, allowed_binaries=tuple(config.allowed_binaries))
+        return replace(
+            published, allowed_binaries=tuple(config.allowed_binaries), provider_cache=cache
+        )
     cli_config = data_dir / "terraform.rc"
     write_cli_config(cli_config, mirrors)
     return Terraform(
@@ -145,6 +161,8 @@ def prepare(config: TerraformConfig, data_dir: Path, tools: Path | None = None) 
         plugin_cache_dir=config.plugin_cache_dir,
         extra_env=dict(config.extra_env),
         allowed_binaries=tuple(config.allowed_binaries),
+        mirrors=tuple(mirrors),
+        provider_cache=cache,
     )
 
 
@@ -177,6 +195,7 @@ def publish(
         binary=final / "bin" / binary.name,
         cli_config=final / "terraform.rc",
         extra_env=dict(extra_env),
+        mirrors=tuple(_published(final, mirrors)),
     )
 
 

@@ -227,7 +227,11 @@ class Executor:
         if self.terraform_config.plugin_cache_dir is not None and isolation.mode != "none":
             log.warning("plugin_cache_ignored", why="isolated jobs may not share a cache")
         hidden = (self.work_dir, self.jobs_dir, self.tmp_dir)
-        return isolation.hiding(*hidden, shown=[self.jobs_root / "tools"])
+        shown = [self.jobs_root / "tools"]
+        cache = self.terraform_config.provider_cache_dir
+        if cache is not None:  # the host's provider cache (made by `prepare`): read-only
+            shown.append(Path(cache))
+        return isolation.hiding(*hidden, shown=shown)
 
     async def __aexit__(
         self,

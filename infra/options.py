@@ -60,6 +60,10 @@ class Options:
     pool: str = "default"
     terraform_binary: str = ""
     provider_mirrors: list[Path] = field(default_factory=list)
+    # the host's provider cache (executor/providers.py): "" beside the jobs directory,
+    # "none" off; at most provider_cache_size bytes
+    provider_cache: str = ""
+    provider_cache_size: int = 10 * 1024**3
     demo: bool = True
     executor_id: str = ""
     encryption_key: str = ""  # base64 keys, current first; else <data_dir>/encryption.key
@@ -93,6 +97,10 @@ class Options:
     # to write ("": the data directory's read model)
     replay_until: str = ""
     replay_output: str = ""
+    # read-model snapshots (projections/snapshots.py): seconds between an api's writes
+    # (0: never writes; it still restores), and how many are kept
+    snapshot_interval: float = 600.0
+    snapshot_keep: int = 3
     org_weights: str = ""
     org_max_phases: int = 0
     drain_timeout: float = 1800.0  # SIGTERM's drain, then a hard stop (executor/worker.py)
@@ -165,6 +173,8 @@ class Options:
         if not 0 <= self.log_retention_days <= 36500 or not 1 <= self.retention_interval:
             raise ConfigError("--log-retention-days wants 0 to 36500, --retention-interval 1+")
         self._check_audit_stream()
+        if not 0 <= self.snapshot_interval <= 7 * 86400 or not 1 <= self.snapshot_keep <= 100:
+            raise ConfigError("--snapshot-interval wants 0 to 604800 s, --snapshot-keep 1 to 100")
         if not 0 <= self.record_retention_days <= 36500:
             raise ConfigError("--record-retention-days wants 0 (never) to 36500")
         if problems := self.quotas.problems():

@@ -40,7 +40,8 @@ AUDIT = "RP_AUDIT"  # the organizations' audit chains (infra/auditlog.py): `audi
 PLANS_BUCKET = "rp-plans"
 LOGS_BUCKET = "rp-logs"
 STATE_BUCKET = "rp-state"
-OBJECT_BUCKETS = (PLANS_BUCKET, LOGS_BUCKET, STATE_BUCKET)
+SNAPSHOTS_BUCKET = "rp-snapshots"  # read-model snapshots (projections/snapshots.py)
+OBJECT_BUCKETS = (PLANS_BUCKET, LOGS_BUCKET, STATE_BUCKET, SNAPSHOTS_BUCKET)
 
 SCHEDULER_CONSUMER = "rp-scheduler"
 SCHEDULER_ACK_WAIT = 6  # seconds; the scheduler marks what it holds in progress every 2 s

@@ -28,6 +28,7 @@ from projections.batch import apply_batch
 from projections.board import BoardFold
 from projections.ordered import Delivered, OrderedReader
 from projections.readmodel import ReadModel
+from projections.snapshots import Snapshots
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +44,9 @@ class Projector:
     stream's last sequence as its leader had it when this projector started (None until
     asked; moved with a rebuild): a read model at or past it has caught up with what
     existed at the start (the api's /readyz). `failed_at`: the loop time of the last
-    failure that restarted the consumption (None: none yet).
+    failure that restarted the consumption (None: none yet). `snapshots`: where a read
+    model may be restored from before the start (projections/snapshots.py; None: never);
+    `restored` the sequence of the snapshot restored (None: none).
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class Projector:
         batch_size: int = 500,
         idle_heartbeat: float = 1.0,
         board_stream: str | None = HEARTBEATS,
+        snapshots: Snapshots | None = None,
     ) -> None:
         self.nc = nc
         self.db_path = Path(db_path)
@@ -69,6 +73,8 @@ class Projector:
         self.board: BoardFold | None = None
         self.start_target: int | None = None
         self.failed_at: float | None = None
+        self.snapshots = snapshots
+        self.restored: int | None = None
         self._reader: OrderedReader | None = None
         self._writing = asyncio.Lock()  # one transaction at a time on the shared writer
         self._db: aiosqlite.Connection | None = None
@@ -87,6 +93,8 @@ class Projector:
 
     async def __aenter__(self) -> Self:
         try:
+            if self.snapshots is not None:
+                self.restored = await self.snapshots.restore(self.db_path)
             self._db = await schema.connect(self.db_path)
             self.seq = await schema.checkpoint(self._db)
             async with self._db.execute("SELECT count(*) FROM skipped") as cur:

@@ -37,7 +37,7 @@ from executor.errors import IsolationError
 from executor.isolation import Isolation
 from executor.turns import parse_weights
 from executor.warm import WarmSettings
-from executor.worker import Executor, TerraformSettings, default_executor_id
+from executor.worker import Executor, TerraformSettings, default_executor_id, default_jobs_dir
 from infra import options
 from infra.auditkeys import AuditKeys
 from infra.crypto import KeyRing
@@ -47,6 +47,8 @@ from infra.options import ConfigError, Options, admin_token, prepare_data_dir
 from infra.signing import SigningKeys
 from projections.asof import Bounds
 from projections.projector import Projector
+from projections.snapshot_writer import SnapshotWriter
+from projections.snapshots import Snapshots
 from services.app.commands import App
 from services.app.flows import SnapshotHook
 from services.app.gitcreds import GitAccess
@@ -146,6 +148,17 @@ def _say_repository_rules(sources: Sources) -> None:
         log.warning("git_host_credentials", organizations=sorted(sources.host_git))
 
 
+def _provider_cache(opts: Options) -> Path | None:
+    """The executor's provider cache directory (executor/providers.py): beside its jobs
+    directory unless the options name one; None: `none`, off."""
+    if opts.provider_cache == "none":
+        return None
+    if opts.provider_cache:
+        return Path(opts.provider_cache)
+    jobs = default_jobs_dir(opts.data_dir / "work")
+    return jobs.with_name(f"{jobs.name}-providers")
+
+
 def readmodel_path(opts: Options) -> Path:
     """Where the api's projector keeps its read model: in the data directory."""
     prepare_data_dir(opts.data_dir)  # 0700: the read model holds every organization's data
@@ -176,6 +189,7 @@ class Plane:
         the base URL it serves at. `ready`: false keeps /readyz 503 (`up`: until its other
         components are started), whatever the read model."""
         projector = await self.stack.enter_async_context(self.projector())
+        await self.stack.enter_async_context(self.snapshot_writer(projector))
         web_app = self.web_app(projector, ready=ready)
         return await self.stack.enter_async_context(
             http_site(web_app, self.opts.listen, self.tls())
@@ -226,8 +240,23 @@ class Plane:
     # ------------------------------------------------------------ components
 
     def projector(self, db_path: Path | None = None, **overrides: Any) -> Projector:
-        """The read model's projector, at `db_path` (default: the data directory's)."""
-        return Projector(self.nc, db_path or readmodel_path(self.opts), **overrides)
+        """The read model's projector, at `db_path` (default: the data directory's),
+        restoring from the newest snapshot when it has none (projections/snapshots.py)."""
+        given: dict[str, Any] = {"snapshots": self.snapshots(), **overrides}
+        return Projector(self.nc, db_path or readmodel_path(self.opts), **given)
+
+    def snapshots(self) -> Snapshots:
+        """The deployment's read-model snapshots, sealed with its key."""
+        return Snapshots(self.nc, self.keyring, keep=self.opts.snapshot_keep)
+
+    def snapshot_writer(self, projector: Projector, **overrides: Any) -> SnapshotWriter:
+        """Snapshots of `projector`'s read model every `--snapshot-interval` seconds."""
+        given: dict[str, Any] = {
+            "interval": self.opts.snapshot_interval,
+            "writer": new_id().lower(),
+            **overrides,
+        }
+        return SnapshotWriter(self.snapshots(), projector, **given)
 
     def web_app(self, projector: Projector, **overrides: Any) -> web.Application:
         """The API over the process's `App` and `projector` (services/surfaces/api/app.py),
@@ -319,6 +348,8 @@ class Plane:
                 binary=opts.terraform_binary or None,
                 provider_mirrors=opts.provider_mirrors,
                 mirror_root=opts.data_dir / "providers",
+                provider_cache_dir=_provider_cache(opts),
+                provider_cache_bytes=opts.provider_cache_size,
                 allowed_binaries=tuple(opts.terraform_binaries),
             ),
             "executor_id": opts.executor_id or default_executor_id(),

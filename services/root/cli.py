@@ -26,7 +26,7 @@ from infra.options import (
 )
 from infra.sizes import parse_size
 from services.app import repositories
-from services.root import audit_cmd, identity_flags, past_flags, tenant_flags
+from services.root import audit_cmd, identity_flags, past_flags, provider_flags, tenant_flags
 from services.surfaces.client import commands as client
 from services.surfaces.client import logs as logs_cli
 
@@ -90,6 +90,7 @@ def _common(p: argparse.ArgumentParser, *, listen: bool = False) -> None:
         )
         _webhook_opts(p)
         past_flags.as_of_opts(p)
+        past_flags.snapshot_opts(p)
         identity_flags.sso_opts(p)
 
 
@@ -170,15 +171,7 @@ def _executor_opts(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("RUNPLANE_TERRAFORM_BINARY", ""),
         help="terraform or tofu binary (default: the bundled Terraform 1.0.3)",
     )
-    mirrors = [m for m in os.environ.get("RUNPLANE_PROVIDER_MIRRORS", "").split(":") if m]
-    p.add_argument(
-        "--provider-mirror",
-        dest="provider_mirrors",
-        action="append",
-        type=Path,
-        default=[Path(m) for m in mirrors],
-        help="extra filesystem mirror of providers (repeatable)",
-    )
+    provider_flags.add(p)
     p.add_argument(
         "--isolation",
         choices=("auto", "sandbox", "user", "bwrap", "none"),
@@ -405,7 +398,7 @@ def options(ns: argparse.Namespace) -> Options:
         encryption_key=os.environ.get("RUNPLANE_ENCRYPTION_KEY", ""),
         pool=getattr(ns, "pool", "default"),
         terraform_binary=getattr(ns, "terraform_binary", ""),
-        provider_mirrors=list(getattr(ns, "provider_mirrors", []) or []),
+        **provider_flags.options(ns),
         demo=getattr(ns, "demo", True),
         isolation=getattr(ns, "isolation", "auto"),
         tls=getattr(ns, "tls", False),

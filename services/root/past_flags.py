@@ -55,9 +55,29 @@ def as_of_opts(p: argparse.ArgumentParser) -> None:
         )
 
 
+def snapshot_opts(p: argparse.ArgumentParser) -> None:
+    """Read-model snapshots (projections/snapshots.py): how often this api writes one."""
+    g = p.add_argument_group("read-model snapshots (each also RUNPLANE_<FLAG>)")
+    g.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=float(os.environ.get("RUNPLANE_SNAPSHOT_INTERVAL", "600") or 600),
+        help="seconds between two snapshots of the read model into rp-snapshots, written "
+        "by whichever api replica's turn comes first (default 600; 0: this one never "
+        "writes). A new replica restores the newest and tails from there",
+    )
+    g.add_argument(
+        "--snapshot-keep",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_SNAPSHOT_KEEP", "3") or 3),
+        help="snapshots kept, the newest (default 3)",
+    )
+
+
 def options(ns: argparse.Namespace) -> dict[str, Any]:
-    """The as_of and replay flags given, as Options' fields."""
-    names = ("as_of_models", "as_of_max_events", "as_of_events_per_minute")
+    """The as_of, snapshot and replay flags given, as Options' fields."""
+    names: tuple[str, ...] = ("as_of_models", "as_of_max_events", "as_of_events_per_minute")
+    names += ("snapshot_interval", "snapshot_keep")
     given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
     if ns.command == "replay":
         given |= {"replay_until": ns.until, "replay_output": ns.output}

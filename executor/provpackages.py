@@ -1,0 +1,132 @@
+"""Provider packages and lock files as Terraform has them (executor/providers.py's
+inputs): a lock file's provider blocks read and their hashes replaced, a package's `h1:`
+(Go's dirhash Hash1), a package unpacked from the operator's zip or directory."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+import shutil
+import stat
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor import linksafe
+
+LOCK_FILE = ".terraform.lock.hcl"
+MAX_LOCK_BYTES = 1024 * 1024  # a lock file larger than this is left to Terraform
+_CHUNK = 1024 * 1024
+_BLOCK = re.compile(r'(?ms)^provider\s+"([^"\n]+)"\s*\{(.*?)^\}')
+_VERSION = re.compile(r'(?m)^\s*version\s*=\s*"([^"\n]+)"')
+_HASHES = re.compile(r"(?ms)^(\s*hashes\s*=\s*\[)(.*?)(\])")
+_HASH = re.compile(r'"((?:h1|zh):[A-Za-z0-9+/=]+)"')
+# What Terraform takes for a provider's address and version: nothing else names a path
+# under a mirror (a tenant's `../..` would lead the fill out of the operator's mirrors).
+_SOURCE = re.compile(r"[a-z0-9](?:[a-z0-9.-]*[a-z0-9])?(?::[0-9]+)?/[A-Za-z0-9_-]+/[a-z0-9_-]+")
+_SEMVER = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+(?:-[0-9A-Za-z.-]+)?")
+
+
+@dataclass(frozen=True)
+class Locked:
+    """One `provider` block of a lock file."""
+
+    source: str
+    version: str
+    hashes: frozenset[str]
+
+
+def read_lock(text: str) -> list[Locked]:
+    """The provider blocks of a lock file's text (those it can read)."""
+    found: list[Locked] = []
+    for m in _BLOCK.finditer(text):
+        version = _VERSION.search(m.group(2))
+        hashes = _HASHES.search(m.group(2))
+        valid = version and _SEMVER.fullmatch(version.group(1)) and _SOURCE.fullmatch(m.group(1))
+        if valid and version and hashes:
+            found.append(Locked(m.group(1), version.group(1), frozenset(_HASH.findall(hashes[2]))))
+    return found
+
+
+def rewrite_lock(text: str, served: dict[str, str]) -> str:
+    """`text` with the hashes of each provider in `served` (source -> h1) replaced."""
+
+    def block(m: re.Match[str]) -> str:
+        h1 = served.get(m.group(1))
+        if h1 is None:
+            return m.group(0)
+        body = _HASHES.sub(lambda h: f'{h.group(1)}\n    "{h1}",\n  {h.group(3)}', m.group(2))
+        return m.group(0).replace(m.group(2), body, 1)
+
+    return _BLOCK.sub(block, text)
+
+
+def h1_of(files: dict[str, Path]) -> str:
+    """Terraform's `h1:` (Go's dirhash Hash1) of files by their names in the package."""
+    summary = "".join(f"{_sha256(files[n])}  {n}\n" for n in sorted(files))
+    return "h1:" + base64.b64encode(hashlib.sha256(summary.encode()).digest()).decode()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def stage_package(source: Path, package: Path) -> str:
+    """The package's files from `source` (a zip, or a directory of the unpacked layout)
+    into `package`; the zip's `zh:` ("" for a directory)."""
+    package.mkdir()
+    if source.is_file():
+        zh = "zh:" + _sha256(source)
+        _extract(source, package)
+        return zh
+    for src in sorted(source.rglob("*")):
+        if src.is_file():
+            dest = package / src.relative_to(source)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest)
+            os.chmod(dest, 0o755 if os.access(src, os.X_OK) else 0o644)
+    return ""
+
+
+def _extract(archive: Path, into: Path) -> None:
+    """The regular files of a zip (the operator's), never a name leading out of `into`."""
+    with zipfile.ZipFile(archive) as zf:
+        for info in zf.infolist():
+            name = info.filename
+            parts = Path(name).parts
+            if info.is_dir():
+                continue
+            if name.startswith("/") or ".." in parts or not parts:
+                raise OSError(f"{archive}: entry {name!r} leads out of the package")
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise OSError(f"{archive}: entry {name!r} is a link")
+            dest = into.joinpath(*parts)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(dest, "xb") as out:
+                shutil.copyfileobj(src, out, _CHUNK)
+            executable = (info.external_attr >> 16) & 0o111 or parts[-1].startswith(
+                "terraform-provider-"
+            )
+            os.chmod(dest, 0o755 if executable else 0o644)
+
+
+def read_phase_lock(workdir: Path, within: Path) -> str:
+    """The working directory's lock file (a regular file, not through a link, at most
+    MAX_LOCK_BYTES), or "" (none, too large, not text)."""
+    try:
+        with linksafe.open_regular(workdir / LOCK_FILE, within=within, step="init") as f:
+            data = f.read(MAX_LOCK_BYTES + 1)
+    except FileNotFoundError:
+        return ""
+    if len(data) > MAX_LOCK_BYTES:
+        return ""
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        return ""
