@@ -61,7 +61,7 @@ def share_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warm-wait",
         type=float,
-        default=float(os.environ.get("RUNPLANE_WARM_WAIT", "2") or 0),
+        default=float(os.environ.get("RUNPLANE_WARM_WAIT", "2") or 2),
         help="seconds an executor leaves an apply to the executor that planned it, which "
         "kept the plan's checkout and .terraform for it (no second clone and init); "
         "0: no checkout is kept, every apply starts cold (default 2)",
@@ -69,7 +69,7 @@ def share_opts(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warm-max-bytes",
         type=int,
-        default=int(os.environ.get("RUNPLANE_WARM_MAX_BYTES", str(1 << 30)) or 0),
+        default=int(os.environ.get("RUNPLANE_WARM_MAX_BYTES", "") or 1 << 30),
         help="the most disk the plans' checkouts kept for their applies take on this "
         "executor, in all; the oldest go first (default 1073741824, 1 GiB)",
     )
