@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -122,14 +123,47 @@ async def _through_runplane(client: Client, repo: Path, ws: str) -> dict[str, An
     return {"total": total, "steps": steps}
 
 
-def _step_seconds(steps: Any) -> dict[str, float]:
-    """Seconds per `phase/step` of a run's step list (`duration_ms` of each)."""
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of `pid` and every live descendant, with what each reaped of its own
+    children (utime + stime + cutime + cstime from /proc/<pid>/stat)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = sum(int(x) for x in fields[11:15]) / tick
+    tree, todo = {pid}, [pid]
+    while todo:
+        here = todo.pop()
+        for child, parent in parents.items():
+            if parent == here and child not in tree:
+                tree.add(child)
+                todo.append(child)
+    return sum(times.get(p, 0.0) for p in tree)
+
+
+def _children_cpu() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def _step_seconds(steps: Any, cpu: bool = False) -> dict[str, float]:
+    """Seconds per `phase/step` of a run's step list (`duration_ms` of each; `cpu`: the
+    CPU seconds its processes used, where measured)."""
     out: dict[str, float] = {}
     items = steps.get("items", []) if isinstance(steps, dict) else steps
     for s in items or []:
-        if s.get("duration_ms") is not None:
+        metrics = s.get("metrics") or {}
+        value = metrics.get("cpu_seconds") if cpu else s.get("duration_ms")
+        if value is not None:
             key = f"{s.get('phase', '')}/{s.get('step', '')}"
-            out[key] = out.get(key, 0.0) + s["duration_ms"] / 1000
+            out[key] = out.get(key, 0.0) + (value if cpu else value / 1000)
     return out
 
 
@@ -155,9 +189,14 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
         await _through_runplane(client, repo, "warm")  # the mirror, the tools, page cache
         tools = _tools(data / "work")
         _by_hand(repo, tools, scratch)  # warm the page cache alike
+        assert up.proc is not None
         for i in range(rounds):
+            cpu = _children_cpu()
             hand.append(await asyncio.to_thread(_by_hand, repo, tools, scratch))
+            hand[-1]["cpu"] = _children_cpu() - cpu
+            cpu = tree_cpu(up.proc.pid)
             ours.append(await _through_runplane(client, repo, f"net-{i}"))
+            ours[-1]["cpu"] = tree_cpu(up.proc.pid) - cpu
         mode = next((m for m in MODES if f'"isolation": "{m}"' in up.output()), "?")
     finally:
         await client.close()
@@ -167,9 +206,12 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
     a = statistics.median(h["total"] for h in hand)
     b = statistics.median(o["total"] for o in ours)
     per_step: dict[str, list[float]] = {}
+    per_step_cpu: dict[str, list[float]] = {}
     for o in ours:
         for k, v in _step_seconds(o["steps"]).items():
             per_step.setdefault(k, []).append(v)
+        for k, v in _step_seconds(o["steps"], cpu=True).items():
+            per_step_cpu.setdefault(k, []).append(v)
     return {
         "rounds": rounds,
         "resources": RESOURCES,
@@ -177,10 +219,22 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
         "by_hand_median_s": a,
         "runplane_median_s": b,
         "ratio": b / a,
+        # each round's two ran back to back: the median of their ratios keeps the
+        # machine's drift out of the comparison (the ratio of medians above does not)
+        "paired_ratio_median": statistics.median(
+            o["total"] / h["total"] for h, o in zip(hand, ours, strict=True)
+        ),
+        # CPU seconds: by hand, its commands; runplane, `up` and all below it (nats-server,
+        # git, Terraform and the sandbox): what load distorts least
+        "by_hand_cpu_median_s": statistics.median(h["cpu"] for h in hand),
+        "runplane_cpu_median_s": statistics.median(o["cpu"] for o in ours),
         "by_hand_steps_median_s": {
             k: statistics.median(h[k] for h in hand) for k in ("clone", "init", "plan", "apply")
         },
         "runplane_steps_median_s": {k: statistics.median(v) for k, v in per_step.items()},
+        "runplane_steps_cpu_median_s": {
+            k: round(statistics.median(v), 3) for k, v in per_step_cpu.items()
+        },
     }
 
 

@@ -125,7 +125,7 @@ def _check_claim(state: RunState, command: ClaimPhase) -> None:
 # step until its command began.
 RELEASABLE: dict[Status, frozenset[str] | None] = {
     Status.PLANNING: None,
-    Status.APPLYING: frozenset({"", "checkout", "init"}),
+    Status.APPLYING: frozenset({"", "checkout", "init", "warm"}),
     Status.RUNNING: frozenset({"", "checkout"}),
 }
 

@@ -37,7 +37,7 @@ CLAIMED = "claimed"  # Heartbeat.kind of the scheduler's beat on a fresh lease's
 DEADLINE = "deadline"  # Heartbeat.kind (and phase token) of a run's deadline marker
 
 
-class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
+class Dispatch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """A phase of a run waiting for an executor of the pool. Only a hint: the claim (an
     append on the run) decides who runs it."""
 
@@ -45,6 +45,9 @@ class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
     workspace: str
     run_id: str
     phase: str
+    # An apply's: the executor that planned it, which may hold its checkout warm
+    # (executor/warm.py); the others leave it to that one for a short while.
+    planner: str = ""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

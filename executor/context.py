@@ -24,6 +24,7 @@ class PhaseContext:
     root: Path  # fresh, removed when the phase ends
     keep_dir: Path  # where files that must not be lost go if the object store refuses them
     grace: float = 20.0
+    warm: bool = False  # an apply in the plan's own checkout, kept here (executor/warm.py)
 
     @property
     def actor(self) -> str:

@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 
+from events import wire
 from events.errors import DomainError
 from events.run import ClaimPhase, FailRun, RunState
 from events.wire import Dispatch
@@ -84,6 +85,9 @@ class Intake:
         self._held: set[int] = set()  # taken here, their claims not yet decided
         self._later: dict[int, float] = {}  # not before (loop time), after a retryable refusal
         self._legacy_at = -LEGACY_EVERY
+        # An apply planned by another executor is left to it this long (executor/warm.py)
+        self.warm_wait = 0.0
+        self._first_seen: dict[int, float] = {}  # such applies: when this one first saw each
 
     async def open(self) -> None:
         """Listen for the pool's dispatches (a wake-up only: the stream is the truth)."""
@@ -167,10 +171,29 @@ class Intake:
             except nats.js.errors.NotFoundError:
                 return None
             at = got.seq or seq
-            if at in self._held or at in self._later:
+            if at in self._held or at in self._later or self._planners(at, got.data, now):
                 seq = at + 1
                 continue
             return Taken(at, org, got.data or b"", dict(got.headers or {}))
+
+    def _planners(self, seq: int, data: bytes | None, now: float) -> bool:
+        """True if the message is an apply another executor planned and may hold warm,
+        first seen here less than `warm_wait` ago: put off until then (the planner, free
+        meanwhile, takes it without a second clone and init; gone or busy, we do)."""
+        if self.warm_wait <= 0 or not data or b'"planner"' not in data:
+            return False
+        try:
+            d = wire.decode_dispatch(data)
+        except ValueError:
+            return False
+        if d.phase != "apply" or d.planner in ("", self.executor_id):
+            return False
+        self._first_seen = {s: t for s, t in self._first_seen.items() if now - t < 600}
+        due = self._first_seen.setdefault(seq, now) + self.warm_wait
+        if due <= now:
+            return False
+        self._later[seq] = due
+        return True
 
     async def drop(self, taken: Taken) -> None:
         """Delete a message (its claim is decided, or it is not a dispatch); held here

@@ -37,6 +37,7 @@ from executor.ports import RepositoryRules, RunLedger
 from executor.process import StepLog
 from executor.terraform import Terraform
 from executor.usage import StepMeter
+from executor.warm import Facts
 from infra import tracing
 from infra.eventstore import LATEST
 from infra.policy.sandbox import PolicySandbox
@@ -78,6 +79,9 @@ class Job:
     task: asyncio.Task[None] | None = None
     log_budget: LogBudget = field(default_factory=LogBudget)  # the phase's steps' logs
     meter: StepMeter | None = None  # what the running step uses (executor/usage.py)
+    # A plan's: what its checkout was planned for, set as its end is reported, if it may
+    # be kept for the run's apply (executor/warm.py)
+    warm: Facts | None = None
 
     def now(self) -> datetime:
         return self.tools.app.clock()

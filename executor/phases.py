@@ -39,6 +39,7 @@ from executor.process import StepLog
 from executor.providerphase import cached_providers
 from executor.statebackend import write_override
 from executor.upload import unpack_source
+from executor.warm import Facts, config_digest
 from infra.crypto import CryptoError, Tampered
 from infra.gitenv import git_access
 
@@ -90,6 +91,10 @@ async def _plan_phase(job: Job) -> None:
     if pinned_policies(job):
         policies = await step(job, "policy", lambda lg: check_policies(job, lg, outcome.show))
     job.finishing = True
+    if outcome.has_changes and _applies(job):  # its checkout may serve the apply, warm
+        job.warm = Facts(
+            ctx.org, ctx.ws, ctx.run_id, commit.sha, outcome.plan_digest, config_digest(ctx.run)
+        )
     await job.report(
         FinishPlan(
             actor=ctx.actor,
@@ -108,6 +113,12 @@ async def _plan_phase(job: Job) -> None:
     )
 
 
+def _applies(job: Job) -> bool:
+    """Whether the run goes on to an apply (or destroy) after this plan."""
+    run = job.ctx.run
+    return not run.speculative and any(s.kind in ("apply", "destroy") for s in run.steps)
+
+
 def _requires_approval(job: Job) -> bool:
     """The workspace's require_approval, or the run's own ask (a CLI run's plan waits
     for the CLI's "yes", which is an approval: services/surfaces/tfe/runs.py)."""
@@ -117,8 +128,11 @@ def _requires_approval(job: Job) -> bool:
 
 
 async def _apply_phase(job: Job) -> None:
-    await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=True))
-    await step(job, "init", lambda lg: _init(job, lg))
+    if job.ctx.warm:  # the plan's checkout and .terraform, kept here: no clone, no init
+        await step(job, "warm", lambda lg: _warm(job, lg))
+    else:
+        await step(job, "checkout", lambda lg: _checkout(job, lg, pinned=True))
+        await step(job, "init", lambda lg: _init(job, lg))
     summary = await step(job, "apply", lambda lg: _apply(job, lg))
     job.finishing = True
     await job.report(FinishApply(actor=job.ctx.actor, lease_id=job.ctx.lease_id, summary=summary))
@@ -218,15 +232,32 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
     if code not in (0, 2):  # -detailed-exitcode: 0 no changes, 2 changes, 1 error
         raise StepFailed("plan", out.error_text() or f"terraform plan failed (exit {code})")
     drift = ctx.run.run_type == "drift"
-    # Policies check the JSON plan, also one with nothing to change.
+    # Policies check the JSON plan, also one with nothing to change. Read once, while
+    # the plan file is sealed and stored when the exit code says there are changes.
     needed = drift or code == 2 or bool(pinned_policies(job))
-    show = await job.show_plan() if needed else {}
-    if drift:
-        summary, has_changes = _drift(show, step_log)
-    else:
-        summary, has_changes = out.summary(), code == 2
-    if not has_changes:
-        return PlanOutcome(has_changes=False, summary=summary, show=show)
+    showing = asyncio.ensure_future(job.show_plan()) if needed else None
+    try:
+        if drift:
+            assert showing is not None
+            summary, has_changes = _drift(await showing, step_log)
+        else:
+            summary, has_changes = out.summary(), code == 2
+        if not has_changes:
+            return PlanOutcome(False, summary, show=await showing if showing else {})
+        name, digest = await _store_plan(job, step_log)
+        assert showing is not None
+        show = await showing
+    finally:
+        if showing is not None and not showing.done():  # the upload failed: stop the show
+            showing.cancel()
+            await asyncio.wait([showing])
+    changes = tuple(plan_changes(show, drift=drift))
+    return PlanOutcome(True, summary, name, digest, changes, show=show)
+
+
+async def _store_plan(job: Job, step_log: StepLog) -> tuple[str, str]:
+    """Seal the plan file into the object store: (its object, its sha256)."""
+    ctx = job.ctx
     name = plan_object(ctx.run_id)
     with linksafe.scratch_dir(ctx.root) as scratch:
         # Sealed from a copy of ours: Terraform's file is read once, never through a link.
@@ -237,8 +268,7 @@ async def _plan(job: Job, step_log: StepLog) -> PlanOutcome:
         digest = sha256_file(path)
         await job.tools.custody.vault.upload_sealed(PLANS_BUCKET, name, path)
     step_log.note(f"plan stored sealed as {PLANS_BUCKET}/{name}, sha256 {digest}")
-    changes = tuple(plan_changes(show, drift=drift))
-    return PlanOutcome(True, summary, name, digest, changes, show=show)
+    return name, digest
 
 
 def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
@@ -253,6 +283,17 @@ def _drift(show: dict[str, Any], step_log: StepLog) -> tuple[PlanSummary, bool]:
         f"{summary.destroy} deleted outside Terraform"
     )
     return summary, drifted
+
+
+async def _warm(job: Job, step_log: StepLog) -> None:
+    """The apply in the plan's own checkout (executor/warm.py checked it was planned for
+    this run's commit, plan and configuration, and left as it was), with the binary the
+    plan's init had. The plan applied is still the sealed one, fetched and checked
+    against the approved digest as a cold apply does (`_download_plan`)."""
+    ctx = job.ctx
+    check_workdir(job, f"at {ctx.run.commit}")
+    await _use_binary(job, step_log)
+    step_log.note(f"warm: the plan's checkout at {ctx.run.commit} and its .terraform, kept here")
 
 
 async def _apply(job: Job, step_log: StepLog) -> PlanSummary:

@@ -25,6 +25,7 @@ from executor.custom import is_custom
 from executor.job import RELEASED, STOP_REQUESTED, STOPPED, Job
 from executor.jobfiles import remove_tree
 from executor.phases import run_phase
+from executor.warm import WarmStore
 from infra import tracing
 from infra.heartbeats import beat_interval
 
@@ -87,11 +88,14 @@ class PhaseRunner:
         self.jobs: set[Job] = set()
         self.hard = False  # stopping interrupts every phase (else it drains: executor/worker.py)
         self._removals: set[asyncio.Future[bool]] = set()  # phase directories being removed
+        self.warm: WarmStore | None = None  # where plans' checkouts wait for their applies
+        self.ending: dict[str, asyncio.Event] = {}  # by run: a phase here not yet over
 
     async def execute(self, job: Job) -> None:
         """Run the phase in its own task (so stop() can interrupt it) beside its heartbeat."""
         ctx = job.ctx
         self.jobs.add(job)
+        ending = self.ending.setdefault(ctx.run_id, asyncio.Event())
         tracing.annotate(
             f"phase {ctx.phase}", org=ctx.org, workspace=ctx.ws, run_id=ctx.run_id, phase=ctx.phase
         )
@@ -114,9 +118,29 @@ class PhaseRunner:
                     # off the loop: its kills, rm -rf and ipcrm may take seconds, and every
                     # other phase's heartbeat would wait for them
                     await _in_thread(job.tools.jail.close)
+                await self._keep(job)  # only once no process of the job is left
             finally:
                 self._remove(ctx.root)  # beside the final report, not before it
+                if self.ending.get(ctx.run_id) is ending:
+                    del self.ending[ctx.run_id]
+                ending.set()
                 await self._conclude(job)
+
+    async def _keep(self, job: Job) -> None:
+        """Keep a plan's checkout for its run's apply (executor/warm.py), if the plan
+        ended well and said it may be."""
+        store, facts, task = self.warm, job.warm, job.task
+        if store is None or facts is None or task is None or task.cancelled():
+            return
+        if task.exception() is not None:
+            return
+        uid = job.tools.jail.uid if job.tools.jail is not None else None
+        try:
+            kept = await asyncio.to_thread(store.keep, facts, job.ctx.src, uid)
+        except Exception:
+            log.exception("warm_not_kept")
+            return
+        log.info("warm_kept" if kept else "warm_not_kept", run_id=facts.run_id)
 
     def _remove(self, root: Path) -> None:
         """Remove a finished phase's directory in the background: deleting a Terraform

@@ -11,6 +11,7 @@ fails the run with `executor_unavailable`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -27,7 +28,7 @@ from nats.js import JetStreamContext
 
 from events import wire
 from events.codec import valid_id
-from events.run import RunState
+from events.run import RunState, Status
 from events.wire import Dispatch
 from executor import recovery, sweep
 from executor import terraform as tf
@@ -43,6 +44,7 @@ from executor.objects import Objects
 from executor.ports import RepositoryRules, RunLedger
 from executor.runner import PhaseRunner
 from executor.turns import Slots, Turns
+from executor.warm import Facts, WarmSettings, WarmStore
 from infra import tracing
 from infra.crypto import KeyRing
 from infra.heartbeats import Board
@@ -54,6 +56,7 @@ log = structlog.get_logger(__name__)
 
 TerraformSettings = tf.TerraformConfig  # the name the composition root uses
 MAX_REMOVALS = 4  # finished phases' directories removed in the background at once
+WARM_PRUNE_S = 30.0  # seconds between looks at whether a kept checkout's run moved on
 
 
 def parse_dispatch(data: bytes) -> Dispatch:
@@ -120,6 +123,7 @@ class Executor:
         org_weights: dict[str, int] | None = None,
         org_max_phases: int = 0,
         quotas: Quotas | None = None,
+        warm: WarmSettings | None = None,
     ) -> None:
         if not valid_id(pool):
             raise ValueError(f"pool {pool!r} is not a subject-safe token")
@@ -139,7 +143,6 @@ class Executor:
         self.apply_grace_period = apply_grace_period
         self.objects = Objects(self.js)
         self.git_cache = GitCache(self.work_dir / "git")  # shared with siblings on work_dir
-        # The repositories it checks out: never one of its own directories (its mirrors).
         self.sources = repositories.guarding(self.work_dir, "the executor's work directory")
         self.quotas = quotas or Quotas()  # the deployment's bounds on state and logs
         self.vault = Vault.create(nc, keyring, self.objects, self.work_dir, self.quotas)
@@ -153,10 +156,18 @@ class Executor:
         self.runner = PhaseRunner(  # running what was claimed: heartbeats, reports
             self.js, self.executor_id, self._stopping, heartbeat_interval=heartbeat_interval
         )
+        self._warm(warm or WarmSettings())
         self._task: asyncio.Task[None] | None = None
         self._terraform: tf.Terraform | None = None
         self._hold: int | None = None  # the work directory's shared lock (executor/sweep.py)
         self._life: recovery.Incarnation | None = None  # this life's incarnation file
+
+    def _warm(self, settings: WarmSettings) -> None:
+        """Plans' checkouts kept for their applies (executor/warm.py); a wait of 0: none."""
+        store = self.jobs_root / "warm"
+        self.warm = WarmStore(store, self.executor_id, max_bytes=settings.max_bytes)
+        self.intake.warm_wait = settings.wait
+        self.runner.warm = self.warm if settings.wait > 0 else None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -187,6 +198,7 @@ class Executor:
             tf.prepare, self.terraform_config, self.work_dir / "terraform", tools
         )
         version = await tf.check_version(self._terraform)
+        await asyncio.to_thread(self.warm.open)
         await self.intake.open()
         self._task = asyncio.create_task(self._loop(), name=f"executor-{self.executor_id}")
         log.info(
@@ -234,6 +246,7 @@ class Executor:
             await self.runner.removed(0)
         finally:
             await self.intake.close()
+            await asyncio.to_thread(self.warm.close)
             if self._hold is not None:
                 os.close(self._hold)
                 self._hold = None
@@ -318,6 +331,7 @@ class Executor:
     async def _loop(self) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
+                pruning = tg.create_task(self._prune_warm())
                 while not self._stopping.is_set():
                     await self._slots.acquire()
                     msg = await self.intake.next()
@@ -325,6 +339,7 @@ class Executor:
                         self._slots.release()
                         continue
                     tg.create_task(self._traced(msg))
+                pruning.cancel()
         finally:
             log.info("executor_stopped", executor_id=self.executor_id)
 
@@ -348,6 +363,10 @@ class Executor:
             with structlog.contextvars.bound_contextvars(
                 org=d.org, workspace=d.workspace, run_id=d.run_id, phase=d.phase
             ):
+                if (ending := self.runner.ending.get(d.run_id)) is not None:
+                    # its plan is still ending here (its checkout being kept): wait for it
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(ending.wait(), self.grace_period)
                 job = await self.intake.claim(msg, d, self._job)
                 if job is not None:
                     await self.runner.execute(job)
@@ -360,6 +379,28 @@ class Executor:
             finally:
                 self._slots.release()
 
+    def _warm_start(self, d: Dispatch, run: RunState, root: Path) -> bool:
+        """Move the checkout its plan left here into the apply's directory, if it was
+        planned for exactly this run's organization, workspace, commit, plan and
+        configuration and is as it was left (executor/warm.py); else the apply is cold."""
+        store = self.runner.warm
+        return store is not None and store.take(Facts.of(d.org, d.workspace, run), root / "src")
+
+    async def _prune_warm(self) -> None:
+        """Remove a kept checkout once its run ended, applied or is applying elsewhere."""
+        while self.runner.warm is not None:
+            await asyncio.sleep(WARM_PRUNE_S)
+            for facts in self.runner.warm.runs():
+                try:
+                    loaded = await self.app.load_run(facts.org, facts.ws, facts.run_id)
+                except Exception as e:  # looked at again next time
+                    log.warning("warm_prune_failed", error=repr(e))
+                    continue
+                run: RunState = loaded.state
+                waiting = run.status in (Status.AWAITING_APPROVAL, Status.APPLY_QUEUED)
+                if not waiting or run.plan_digest != facts.plan_digest:
+                    await asyncio.to_thread(self.runner.warm.discard, facts.run_id)
+
     def _job(self, d: Dispatch, lease_id: str, run: RunState) -> Job:
         """The phase's directory and identity (`Jail`: its uid, held until
         `PhaseRunner.execute` ends). No uid to be had is an error of the phase like any
@@ -371,7 +412,9 @@ class Executor:
         except BaseException:
             shutil.rmtree(root, ignore_errors=True)
             raise
+        warm = d.phase == "apply" and self._warm_start(d, run, Path(root))
         ctx = PhaseContext(
+            warm=warm,
             org=d.org,
             ws=d.workspace,
             run_id=d.run_id,

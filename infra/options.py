@@ -104,6 +104,8 @@ class Options:
     org_weights: str = ""
     org_max_phases: int = 0
     drain_timeout: float = 1800.0  # SIGTERM's drain, then a hard stop (executor/worker.py)
+    warm_wait: float = 2.0  # an apply left to its planner, warm (executor/warm.py); 0: off
+    warm_max_bytes: int = 1 << 30  # the planners' checkouts kept, in all
     # streaming the audit log to its destinations (services/processes/audit_stream.py):
     # seconds between tries (the last repeats), one request's timeout, records a request
     # carries, and whether http:// destinations are taken (else https:// only)
@@ -161,6 +163,8 @@ class Options:
             raise ConfigError(f"--concurrency wants 1 to {MAX_CONCURRENCY}")
         if not 0 <= self.drain_timeout <= 7 * 86400:
             raise ConfigError("--drain-timeout must be 0 to 604800 seconds")
+        if not 0 <= self.warm_wait <= 3600 or self.warm_max_bytes < 0:
+            raise ConfigError("--warm-wait wants 0 to 3600 seconds, --warm-max-bytes 0+")
         if not 0 <= self.org_max_phases <= self.concurrency:
             raise ConfigError("--org-max-phases wants 0 (automatic) to --concurrency")
         low, high = WEBHOOK_CONCURRENCY_RANGE

@@ -36,6 +36,7 @@ from executor.caps import JobCaps
 from executor.errors import IsolationError
 from executor.isolation import Isolation
 from executor.turns import parse_weights
+from executor.warm import WarmSettings
 from executor.worker import Executor, TerraformSettings, default_executor_id, default_jobs_dir
 from infra import options
 from infra.auditkeys import AuditKeys
@@ -358,6 +359,7 @@ class Plane:
             "org_weights": parse_weights(opts.org_weights),
             "org_max_phases": opts.org_max_phases,
             "quotas": opts.quotas,
+            "warm": WarmSettings(opts.warm_wait, opts.warm_max_bytes),
             **overrides,
         }
         if "isolation" not in given:

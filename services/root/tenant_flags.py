@@ -58,6 +58,21 @@ def share_opts(p: argparse.ArgumentParser) -> None:
         "to the pool and lets a running apply finish; after this many seconds (0: no "
         "bound) or a second SIGTERM it stops hard (default 1800)",
     )
+    p.add_argument(
+        "--warm-wait",
+        type=float,
+        default=float(os.environ.get("RUNPLANE_WARM_WAIT", "2") or 2),
+        help="seconds an executor leaves an apply to the executor that planned it, which "
+        "kept the plan's checkout and .terraform for it (no second clone and init); "
+        "0: no checkout is kept, every apply starts cold (default 2)",
+    )
+    p.add_argument(
+        "--warm-max-bytes",
+        type=int,
+        default=int(os.environ.get("RUNPLANE_WARM_MAX_BYTES", "") or 1 << 30),
+        help="the most disk the plans' checkouts kept for their applies take on this "
+        "executor, in all; the oldest go first (default 1073741824, 1 GiB)",
+    )
 
 
 def retention_opts(p: argparse.ArgumentParser) -> None:
@@ -91,6 +106,13 @@ def retention_opts(p: argparse.ArgumentParser) -> None:
 def retention(ns: argparse.Namespace) -> dict[str, Any]:
     """The retention and audit stream flags given (and the executor's drain timeout), as
     Options' fields."""
-    names = ("log_retention_days", "record_retention_days", "retention_interval", "drain_timeout")
+    names = (
+        "log_retention_days",
+        "record_retention_days",
+        "retention_interval",
+        "drain_timeout",
+        "warm_wait",
+        "warm_max_bytes",
+    )
     given = {name: getattr(ns, name) for name in names if hasattr(ns, name)}
     return {**given, **audit_flags.values(ns)}

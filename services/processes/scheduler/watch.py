@@ -46,8 +46,16 @@ def pool_of(state: RunState, default: str) -> str:
 
 
 def dispatch_message(state: RunState, phase: str) -> bytes:
+    """The work-queue message of a phase; an apply's names the executor that planned."""
+    planner = state.executor_id if phase == "apply" and state.planned else ""
     return wire.encode(
-        wire.Dispatch(org=state.org, workspace=state.workspace, run_id=state.run_id, phase=phase)
+        wire.Dispatch(
+            org=state.org,
+            workspace=state.workspace,
+            run_id=state.run_id,
+            phase=phase,
+            planner=planner,
+        )
     )
 
 
