@@ -367,10 +367,11 @@ async def reads(sizes: Sizes) -> dict[str, Any]:
             runs_file.write_text("\n".join(run_id_for(k) for k in range(sizes.read_runs)))
             async with runplane_process(
                 "api", server.url, data, "listening at", env, "--listen", "127.0.0.1:0"
-            ) as (_, line):
+            ) as (api, line):
                 m = re.search(r"(http://\S+)", line)
                 assert m, line
                 token = await _reads_token(m.group(1), token)
+                api_cpu = cpu_seconds(api.pid)
                 proc = await asyncio.create_subprocess_exec(
                     PY,
                     "-m",
@@ -393,7 +394,12 @@ async def reads(sizes: Sizes) -> dict[str, Any]:
                     stdout=asyncio.subprocess.PIPE,
                 )
                 out, _ = await proc.communicate()
+                api_cpu = cpu_seconds(api.pid) - api_cpu
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+    # The api process's CPU (utime + stime, /proc) per request, warm-up included: the
+    # figure the machine's load moves least.
+    served = result["requests"] + result.get("warmup_requests", 0)
+    result["api_cpu_ms_per_request"] = api_cpu * 1000 / served if served else None
     result.update({"runs": sizes.read_runs, "events": events, "fill_seconds": fill_s})
     return result
 

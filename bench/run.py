@@ -212,7 +212,8 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
                 ok,
                 note=(
                     f"p50 {f['p50_ms']:.2f} ms, {f['requests_per_s']:,.0f} req/s, "
-                    f"{f['runs']:,} runs"
+                    f"{f['runs']:,} runs; api CPU {f.get('api_cpu_ms_per_request') or 0:.2f} "
+                    "ms/req"
                 ),
             )
         )
