@@ -19,6 +19,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -156,7 +157,13 @@ async def raw_limits(sizes: Sizes) -> dict[str, Any]:
     async with private_server("raw") as server, connected(server.url) as nc:
         sync = await raw.sync_publish(nc, sizes.sync_msgs)
         pipe = await raw.pipelined_publish(nc, sizes.pipe_subjects, sizes.pipe_msgs)
-        batches = await raw.pipelined_batches(nc, sizes.pipe_subjects, sizes.pipe_msgs // 50)
+        batches: dict[str, Any]
+        try:
+            batches = await raw.pipelined_batches(nc, sizes.pipe_subjects, sizes.pipe_msgs // 50)
+        except nats.errors.TimeoutError as e:
+            # A reference only (no ratio uses it): on a loaded machine a batch's ack can
+            # take longer than its 10 s, which must not cost every benchmark of the run.
+            batches = {"error": f"timed out: {e}"}
     return {"sync_publish": sync, "pipelined_publish": pipe, "pipelined_atomic_batches": batches}
 
 

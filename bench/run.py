@@ -64,7 +64,10 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
             note=(f"{raw_figs['pipelined_publish']['subjects']} subjects in parallel"),
         )
     )
-    if bat := raw_figs.get("pipelined_atomic_batches"):
+    bat = raw_figs.get("pipelined_atomic_batches")
+    if bat and "error" in bat:
+        out.append(Result("raw: pipelined 2-msg atomic batch", None, "", note=bat["error"]))
+    elif bat:
         out.append(
             Result(
                 "raw: pipelined 2-msg atomic batch",
