@@ -35,8 +35,10 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             return time.perf_counter() - t
 
         warm_until = time.perf_counter() + args.warmup
+        warmup = 0
         while time.perf_counter() < warm_until:
             await one(rng.choice(runs))
+            warmup += 1
         statuses.clear()
 
         async def client() -> None:
@@ -55,6 +57,7 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
 
     return {
         "requests": len(lat),
+        "warmup_requests": warmup,
         "requests_per_s": len(lat) / elapsed,
         "p50_ms": pct(50),
         "p99_ms": pct(99),

@@ -67,7 +67,10 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
             note=(f"{raw_figs['pipelined_publish']['subjects']} subjects in parallel"),
         )
     )
-    if bat := raw_figs.get("pipelined_atomic_batches"):
+    bat = raw_figs.get("pipelined_atomic_batches")
+    if bat and "error" in bat:
+        out.append(Result("raw: pipelined 2-msg atomic batch", None, "", note=bat["error"]))
+    elif bat:
         out.append(
             Result(
                 "raw: pipelined 2-msg atomic batch",
@@ -201,7 +204,8 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
         out.append(r)
     else:
         f = figs["reads"]
-        ok = f["p99_ms"] <= 5 and set(f["statuses"]) == {"200"}
+        # Issue 26 (item 7) lowered the target from 5 to 2 ms: one read of the read model.
+        ok = f["p99_ms"] <= 2 and set(f["statuses"]) == {"200"}
         out.append(
             Result(
                 "6. GET run p99",
@@ -210,11 +214,12 @@ def results(raw_figs: dict[str, Any], figs: dict[str, Any]) -> list[Result]:
                 None,
                 "",
                 None,
-                "<= 5 ms",
+                "<= 2 ms",
                 ok,
                 note=(
                     f"p50 {f['p50_ms']:.2f} ms, {f['requests_per_s']:,.0f} req/s, "
-                    f"{f['runs']:,} runs"
+                    f"{f['runs']:,} runs; api CPU {f.get('api_cpu_ms_per_request') or 0:.2f} "
+                    "ms/req"
                 ),
             )
         )

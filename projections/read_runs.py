@@ -46,13 +46,17 @@ class Runs:
         `live`, also its `owner` and `deadline` as the board's fold has them
         (projections/liveness.py), read with the row.
         """
-        async with self._read.snapshot():  # the pins from the same moment as the row
-            row = await self._read.row(
-                f"SELECT {_selected(live)} WHERE runs.id = ? AND runs.org = ?", (run_id, org)
-            )
-            if row is None:
-                return None
-            pins = await state_versions.run_pins(self._read.rows, run_id)
+        # One statement: the pins from the same moment as the row (a statement is its
+        # own snapshot), in one trip to the connection's thread (five were: BEGIN, the
+        # row, two of pins, COMMIT).
+        row = await self._read.row(
+            f"SELECT {state_versions.PIN_COLUMNS}, {_selected(live)} "
+            "WHERE runs.id = ? AND runs.org = ?",
+            (run_id, org),
+        )
+        if row is None:
+            return None
+        pins = state_versions.pins_of_row(row)
         return _run(row) | pins | (liveness.of_row(row) if live else {})
 
     async def removed_at(self, org: str, run_id: str) -> str | None:

@@ -74,14 +74,18 @@ async def state_versions(query: Query, org: str, ws: str) -> list[dict[str, Any]
     ]
 
 
-async def run_pins(query: Query, run_id: str) -> dict[str, Any]:
+def pins_of_row(row: aiosqlite.Row) -> dict[str, Any]:
     """The run's snapshot (null before admission), whether it is a speculative plan, and
-    its commit's author and message."""
-    return (await runs_pins(query, [run_id]))[run_id]
+    its commit's author and message, from a row read with `PIN_COLUMNS`: what
+    `runs_pins` answers for it."""
+    state = _state.decode(row["pin_state_json"]) if row["pin_state_json"] else None
+    plan = _plan.decode(row["pin_plan_json"]) if row["pin_plan_json"] else None
+    used = [_step_usage(x) for x in _json_list(row["pin_usage_json"])]
+    return _pins(state, plan) | {"usage": _usage(used)}
 
 
 async def runs_pins(query: Query, run_ids: list[str]) -> dict[str, dict[str, Any]]:
-    """`run_pins` of each run in two queries, whatever their number (a list's page)."""
+    """`pins_of_row` of each run in two queries, whatever their number (a list's page)."""
     if not run_ids:
         return {}
     marks = ", ".join("?" * len(run_ids))
@@ -113,6 +117,15 @@ _MEASURED = (
     "AND metrics_json IS NOT NULL ORDER BY started_seq))"
 )
 _json_list = msgspec.json.Decoder(list[dict[str, Any]]).decode
+
+# What a run's pins are read from, as columns of a statement on `runs` (`pins_of_row`):
+# its state, its measured steps and its last `run.plan_finished`, so that one run's
+# answer is one statement (one trip to the read model's thread, one implicit snapshot).
+PIN_COLUMNS = (
+    f"runs.state_json AS pin_state_json, {_MEASURED} AS pin_usage_json, "
+    "(SELECT data_json FROM events WHERE events.run_id = runs.id "
+    "AND events.type = 'run.plan_finished' ORDER BY seq DESC LIMIT 1) AS pin_plan_json"
+)
 
 
 def _step_usage(step: dict[str, Any]) -> dict[str, Any]:

