@@ -362,11 +362,22 @@ def _mismatch(locked: Locked, h1: str, zh: str) -> ProviderMismatch:
 
 
 def _identity(source: Path) -> tuple[object, ...] | None:
-    """A zip's path and stat (None for a directory: its files may change under it)."""
-    if not source.is_file():
+    """A package's path and stat: a zip's, or each file of a directory's (so that a lock
+    file naming other hashes is refused without copying and hashing it again on every
+    init, the executor's CPU and disk, outside any job's caps). None if it cannot be read."""
+    try:
+        if source.is_file():
+            st = os.stat(source)
+            return (str(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        found: list[object] = [str(source)]
+        for path in sorted(source.rglob("*")):
+            if path.is_file():  # as stage_package reads them: through links
+                st = os.stat(path)
+                rel = path.relative_to(source).as_posix()
+                found.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+        return tuple(found)
+    except OSError:
         return None
-    st = os.stat(source)
-    return (str(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def _stat(path: Path) -> list[int]:

@@ -1,0 +1,132 @@
+"""Attacks on the executor host's provider cache (executor/providers.py) through what a
+tenant controls: its lock file. Each test is a way one organization's lock file made the
+shared executor do work or hold resources outside any job's caps, at every other
+organization's expense.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from executor.providers import ProviderCache, ProviderMismatch, use_cache
+from executor.provpackages import MAX_LOCK_BYTES
+from tests.provider_cache_support import Packed, packed_provider
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> Packed:
+    top = tmp_path_factory.mktemp("packed-mirror-attacks")
+    os.chmod(top.parent, 0o711)
+    return packed_provider(top / "mirror")
+
+
+def _phase(tmp_path: Path, lock: str, name: str = "phase") -> Path:
+    root = tmp_path / name
+    (root / "src").mkdir(parents=True)
+    (root / "src" / ".terraform.lock.hcl").write_text(lock)
+    return root
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# Lock files of a megabyte (Python making each, run in a child with M the most the
+# executor reads), shaped so that the former lock-file expressions backtracked.
+PAYLOADS = {
+    # a block header per line, none ever closed: each header's `.*?` ran to the end
+    "unclosed-blocks": "'provider \"a\" {\\n' * (M // 15)",
+    # one block whose body is blank lines: `^\\s*version` from each line to the end
+    "blank-body": "'provider \"registry.terraform.io/a/b\" {\\n' + '\\n' * M + '}\\n'",
+    # a list opened on every line, never closed
+    "unclosed-lists": (
+        '\'provider "registry.terraform.io/a/b" {\\n  version = "1.0.0"\\n\''
+        " + '  hashes = [\\n' * (M // 13) + '}\\n'"
+    ),
+}
+
+
+@pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
+def test_a_lock_file_made_to_backtrack_is_read_in_linear_time(payload: str) -> None:
+    """Attack: a lock file (at most MAX_LOCK_BYTES, which the executor reads) shaped so
+    that the lock-file regular expressions backtrack: 150 kB took 18 s, 300 kB 110 s of
+    the executor's own CPU, with the GIL held (`use_cache` runs in a thread, `re` never
+    lets go of it), so every phase of every organization on the executor stalled (leases,
+    logs, state). Each payload, read and rewritten, must take well under a second; the
+    limit here is generous for a loaded machine."""
+    code = textwrap.dedent(
+        f"""
+        from executor.provpackages import read_lock, rewrite_lock
+        M = {MAX_LOCK_BYTES}
+        text = {payload}
+        assert M - 64 <= len(text.encode()) <= M + 64, len(text)
+        read_lock(text)
+        rewrite_lock(text, {{"registry.terraform.io/a/b": "h1:x"}})
+        """
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, timeout=20, capture_output=True, text=True
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("a megabyte of lock file kept the executor's CPU (and its GIL) over 20 s")
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_provider_locked_many_times_holds_nothing_per_block(
+    tmp_path: Path, packed: Packed
+) -> None:
+    """Attack: the same provider's block repeated (a lock file of a megabyte holds
+    thousands): each block took a shared lock on the entry, a descriptor of the executor
+    held until the phase's directory is gone and the next phase is served. A few
+    thousand put the executor past its descriptor limit (1024 by default): every other
+    organization's phase on it failed to open a log, a pipe, a socket. Another version
+    of the same provider in a block of its own filled and held a second entry past the
+    cache's bound (every version the mirrors hold, in one lock file). Terraform refuses
+    a lock file that locks a provider twice: the cache serves none of it."""
+    other = packed_provider(packed.mirror, source=packed.source, version="1.0.1")
+    cache = ProviderCache(tmp_path / "cache", [packed.mirror]).open()
+    lock = packed.lock() * 300 + other.lock()
+    root = _phase(tmp_path, lock)
+    before = _fds()
+    served = use_cache(cache, root / "src", root / "src", root)
+    held = _fds() - before
+    assert held <= 1, f"one lock file held {held} descriptors of the executor"
+    assert served == {} and cache.fills == 0
+    assert (root / "src" / ".terraform.lock.hcl").read_text() == lock
+
+
+def test_a_directory_package_is_not_copied_again_for_each_wrong_lock(tmp_path: Path) -> None:
+    """Attack: a lock file naming hashes no package has, for a provider of an unpacked
+    (directory) mirror, e.g. the bundled one: a zip's hashes are remembered by its stat,
+    but each init of this lock file copied the whole package into the cache and hashed
+    it again, as the executor (its CPU and disk, no job's caps), under the fill lock that
+    every other organization's fill of that provider waits on."""
+    platform = tmp_path / "mirror" / "registry.example" / "test" / "dir" / "1.0.0" / "linux_amd64"
+    platform.mkdir(parents=True)
+    exe = platform / "terraform-provider-dir_v1.0.0"
+    exe.write_bytes(b"#!/bin/sh\n" + b"#" * 4096)
+    exe.chmod(0o755)
+    cache = ProviderCache(tmp_path / "cache", [tmp_path / "mirror"]).open()
+    lock = (
+        'provider "registry.example/test/dir" {\n  version = "1.0.0"\n'
+        f'  hashes = [\n    "h1:{"A" * 43}=",\n  ]\n}}\n'
+    )
+    for n in range(3):
+        root = _phase(tmp_path, lock, f"phase{n}")
+        with pytest.raises(ProviderMismatch):
+            use_cache(cache, root / "src", root / "src", root)
+    assert cache.unpacks == 1, f"the directory package was copied and hashed {cache.unpacks} times"
+    exe.write_bytes(b"#!/bin/sh\n")  # the operator's package changed: learnt again
+    root = _phase(tmp_path, lock, "changed")
+    with pytest.raises(ProviderMismatch):
+        use_cache(cache, root / "src", root / "src", root)
+    assert cache.unpacks == 2
