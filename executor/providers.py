@@ -48,6 +48,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,8 @@ class ProviderCache:
     # neither is refused without unpacking it again
     _known: dict[tuple[object, ...], tuple[str, str]] = field(default_factory=dict)
     _held: dict[Path, list[int]] = field(default_factory=dict)
+    # phases' inits run in threads at once (`asyncio.to_thread`): `_held` is theirs to share
+    _holding: threading.Lock = field(default_factory=threading.Lock)
 
     def open(self) -> ProviderCache:
         """Make the cache's directories: root's, readable by all, writable by it alone
@@ -170,11 +173,17 @@ class ProviderCache:
         if entry is None or not ({entry.h1, entry.zh} & locked.hashes):
             os.close(fd)
             return None
-        self._held.setdefault(phase_root, []).append(fd)
+        self._hold(phase_root, fd)
         return entry
 
+    def _hold(self, phase_root: Path, fd: int) -> None:
+        with self._holding:
+            self._held.setdefault(phase_root, []).append(fd)
+
     def release(self, phase_root: Path) -> None:
-        for fd in self._held.pop(phase_root, []):
+        with self._holding:
+            fds = self._held.pop(phase_root, [])
+        for fd in fds:
             os.close(fd)
 
     # ------------------------------------------------------------ entries
@@ -271,7 +280,7 @@ class ProviderCache:
         os.chmod(staging / "manifest.json", 0o644)
         target = self.root / "entries" / key
         held = self._lock(key)
-        self._held.setdefault(phase_root, []).append(held)
+        self._hold(phase_root, held)
         if target.exists():
             self._remove(key)  # not as filled (else `entry` had found it)
         os.rename(staging, target)
@@ -303,7 +312,9 @@ class ProviderCache:
         return fd
 
     def _release_dead(self) -> None:
-        for root in [r for r in self._held if not r.exists()]:
+        with self._holding:  # another phase's thread adds its holds meanwhile
+            roots = list(self._held)
+        for root in [r for r in roots if not r.exists()]:
             self.release(root)
 
     def size(self) -> int:

@@ -7,9 +7,11 @@ organization's expense.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -130,3 +132,28 @@ def test_a_directory_package_is_not_copied_again_for_each_wrong_lock(tmp_path: P
     with pytest.raises(ProviderMismatch):
         use_cache(cache, root / "src", root / "src", root)
     assert cache.unpacks == 2
+
+
+def test_phases_served_at_once_never_fail_each_other(tmp_path: Path, packed: Packed) -> None:
+    """Attack: an organization floods inits while another's run: the executor serves each
+    phase's init in a thread of its own (`asyncio.to_thread`), and one thread walked the
+    holds of every phase while another added its own ("dictionary changed size during
+    iteration"): about one init in thirty of 8 at once failed, whoever's it was."""
+    cache = ProviderCache(tmp_path / "cache", [packed.mirror]).open()
+    errors: list[BaseException] = []
+
+    def phases(n: int) -> None:
+        for i in range(120):
+            root = _phase(tmp_path, packed.lock(), f"p{n}-{i}")
+            try:
+                assert use_cache(cache, root / "src", root / "src", root)
+            except BaseException as e:  # noqa: BLE001 (collected, asserted below)
+                errors.append(e)
+            shutil.rmtree(root)
+
+    threads = [threading.Thread(target=phases, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, f"{len(errors)} of 960 inits failed: {errors[0]!r}"
