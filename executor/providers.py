@@ -119,17 +119,23 @@ class ProviderCache:
 
     def open(self) -> ProviderCache:
         """Make the cache's directories: root's, readable by all, writable by it alone
-        (and the parents it makes crossable: a job's uid reads the entries)."""
-        missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
+        (and the parents it makes crossable: a job's uid reads the entries). Every
+        directory above it must be this user's or root's and writable by no one else
+        (or sticky): whoever may rename the cache's directory may put a cache of their
+        own in its place, which the stat checks would take for the verified one."""
+        root = Path(os.path.abspath(self.root))
+        chain = (root, *root.parents)
+        missing = [p for p in chain if not os.path.lexists(p)]
+        _check_above(chain[len(missing)])
         for path in reversed(missing):
-            path.mkdir(exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+            _check_dir(path)  # ours, not a link (another's made in between)
             os.chmod(path, 0o755)
         for sub, mode in (("", 0o755), ("entries", 0o755), ("locks", 0o700), ("tmp", 0o700)):
             path = self.root / sub
             path.mkdir(parents=True, exist_ok=True)
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                raise OSError(f"{path} is not a directory of this user's (a link, or another's)")
+            _check_dir(path)
             os.chmod(path, mode)
         return self
 
@@ -343,6 +349,24 @@ class ProviderCache:
                 self._remove(key)
                 total -= size
                 log.info("provider_cache_evicted", entry=key, bytes=size)
+
+
+def _check_dir(path: Path) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(f"{path} is not a directory of this user's (a link, or another's)")
+
+
+def _check_above(path: Path) -> None:
+    """`path` and each directory above it, as named and as resolved: this user's or
+    root's, and writable by no one else unless sticky (no one else renames in it)."""
+    real = Path(os.path.realpath(path))
+    for here in sorted({path, *path.parents, real, *real.parents}):
+        st = os.lstat(here)
+        if st.st_uid not in (0, os.geteuid()):
+            raise OSError(f"{here} (above the provider cache) is another user's")
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise OSError(f"{here} (above the provider cache) is writable by others")
 
 
 def _launcher(locked: Locked, files: dict[str, Path], staging: Path) -> tuple[str, str]:

@@ -157,3 +157,39 @@ def test_phases_served_at_once_never_fail_each_other(tmp_path: Path, packed: Pac
     for t in threads:
         t.join()
     assert not errors, f"{len(errors)} of 960 inits failed: {errors[0]!r}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's directory needs root")
+def test_the_cache_is_refused_under_a_directory_another_may_rename_in(
+    tmp_path: Path, packed: Packed
+) -> None:
+    """Attack (uid mode: jobs share the host's file system): `--provider-cache` under a
+    directory a job's uid made (`/tmp/rp/cache`, /tmp/rp not there yet) or may write. The
+    cache's own directories were the executor's, so `open` took them; but whoever owns
+    the parent renames the cache away and puts a copy in its place, its package swapped
+    and its manifest recording the new files' stat: an entry this executor life had
+    verified is then checked by stat only, and the next organization's run executes the
+    planted binary. The cache refuses to open there (a sticky directory, /tmp, is fine)."""
+    job_uid = 64000
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, job_uid, job_uid)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    os.chmod(tmp_path, 0o755)
+    for parent in (theirs, shared):
+        with pytest.raises(OSError, match="above the provider cache"):
+            ProviderCache(parent / "cache", [packed.mirror]).open()
+        assert not (parent / "cache").exists()
+    squatted = sticky / "cache"  # a job's uid made it first
+    squatted.mkdir()
+    os.chown(squatted, job_uid, job_uid)
+    with pytest.raises(OSError, match="another"):
+        ProviderCache(squatted / "deeper", [packed.mirror]).open()
+    cache = ProviderCache(sticky / "mine" / "cache", [packed.mirror]).open()
+    root = _phase(tmp_path, packed.lock())
+    assert use_cache(cache, root / "src", root / "src", root)
