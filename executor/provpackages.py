@@ -156,11 +156,12 @@ def _extract(archive: Path, into: Path) -> None:
 
 def read_phase_lock(workdir: Path, within: Path) -> str:
     """The working directory's lock file (a regular file, not through a link, at most
-    MAX_LOCK_BYTES), or "" (none, too large, not text)."""
+    MAX_LOCK_BYTES), or "" (none, too large, not text, a link: left to Terraform, which
+    follows a link that stays in the checkout, as it did before the cache)."""
     try:
         with linksafe.open_regular(workdir / LOCK_FILE, within=within, step="init") as f:
             data = f.read(MAX_LOCK_BYTES + 1)
-    except FileNotFoundError:
+    except (FileNotFoundError, linksafe.UnsafePath):
         return ""
     if len(data) > MAX_LOCK_BYTES:
         return ""

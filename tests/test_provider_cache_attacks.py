@@ -193,3 +193,21 @@ def test_the_cache_is_refused_under_a_directory_another_may_rename_in(
     cache = ProviderCache(sticky / "mine" / "cache", [packed.mirror]).open()
     root = _phase(tmp_path, packed.lock())
     assert use_cache(cache, root / "src", root / "src", root)
+
+
+def test_a_lock_file_linked_within_the_checkout_is_left_to_terraform(
+    tmp_path: Path, packed: Packed
+) -> None:
+    """Not an attack, a regression the cache brought: a lock file that is a link staying
+    inside the checkout (a monorepo's shared one; the checkout check allows it, Terraform
+    follows it) failed `init` (unsafe_file) before Terraform ran. It is left to Terraform
+    as it was: nothing served, the link as it was."""
+    cache = ProviderCache(tmp_path / "cache", [packed.mirror]).open()
+    root = _phase(tmp_path, packed.lock())
+    src = root / "src"
+    (src / "shared.lock.hcl").write_text(packed.lock())
+    (src / ".terraform.lock.hcl").unlink()
+    (src / ".terraform.lock.hcl").symlink_to("shared.lock.hcl")
+    assert use_cache(cache, src, src, root) == {}
+    assert os.readlink(src / ".terraform.lock.hcl") == "shared.lock.hcl"
+    assert cache.fills == 0
