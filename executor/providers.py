@@ -92,6 +92,7 @@ class Entry:
     zh: str  # "" for a package of an unpacked mirror
     launcher_h1: str
     fresh: bool = False  # unpacked by this call
+    origin: str = ""  # the mirror's package it was unpacked from (`_identity`)
 
 
 def _key(*parts: str) -> str:
@@ -112,7 +113,7 @@ class ProviderCache:
     _verified: set[str] = field(default_factory=set)
     # a zip's hashes by its identity (path, size, mtime, ctime, inode): a lock file naming
     # neither is refused without unpacking it again
-    _known: dict[tuple[object, ...], tuple[str, str]] = field(default_factory=dict)
+    _known: dict[str, tuple[str, str]] = field(default_factory=dict)
     _held: dict[Path, list[int]] = field(default_factory=dict)
     # phases' inits run in threads at once (`asyncio.to_thread`): `_held` is theirs to share
     _holding: threading.Lock = field(default_factory=threading.Lock)
@@ -164,19 +165,26 @@ class ProviderCache:
 
     def entry(self, locked: Locked, phase_root: Path) -> Entry | None:
         """The checked entry of `locked`'s package (filled now if absent or changed), held
-        for the phase; None if no mirror holds that provider version."""
+        for the phase; None if no mirror holds that provider version. An entry is served
+        only while this executor's mirrors hold the very package it came from: a build
+        the operator withdrew (or one only another executor's mirrors hold, the cache
+        shared) is not served from the cache, and Terraform's own install refuses it."""
+        source = self._package(locked)
+        origin = _identity(source) if source is not None else None
+        if source is None or origin is None:
+            return None
         for h in sorted(locked.hashes):
             key = self._alias(locked, h)
-            if key and (entry := self._held_entry(locked, key, phase_root)) is not None:
+            if key and (entry := self._held_entry(locked, key, origin, phase_root)) is not None:
                 return entry
-        return self._fill(locked, phase_root)
+        return self._fill(locked, source, origin, phase_root)
 
-    def _held_entry(self, locked: Locked, key: str, phase_root: Path) -> Entry | None:
+    def _held_entry(self, locked: Locked, key: str, origin: str, phase_root: Path) -> Entry | None:
         """The entry `key`, held for the phase (no eviction takes it from under it), if it
         is as filled and one of the lock file's hashes is its package's."""
         fd = self._lock(key)
         entry = self._checked(key)
-        if entry is None or not ({entry.h1, entry.zh} & locked.hashes):
+        if entry is None or entry.origin != origin or not ({entry.h1, entry.zh} & locked.hashes):
             os.close(fd)
             return None
         self._hold(phase_root, fd)
@@ -225,7 +233,10 @@ class ProviderCache:
             return None
         self._verified.add(key)
         os.utime(path / "manifest.json", follow_symlinks=False)  # its use, for eviction
-        return Entry(key, path, manifest["h1"], manifest["zh"], manifest["launcher_h1"])
+        origin = str(manifest.get("origin", ""))
+        return Entry(
+            key, path, manifest["h1"], manifest["zh"], manifest["launcher_h1"], origin=origin
+        )
 
     def _package(self, locked: Locked) -> Path | None:
         host_ns_type = Path(locked.source)
@@ -239,40 +250,36 @@ class ProviderCache:
                 return base / locked.version / self.platform
         return None
 
-    def _fill(self, locked: Locked, phase_root: Path) -> Entry | None:
-        source = self._package(locked)
-        if source is None:
-            return None
-        identity = _identity(source)
-        known = self._known.get(identity) if identity is not None else None
+    def _fill(self, locked: Locked, source: Path, origin: str, phase_root: Path) -> Entry | None:
+        known = self._known.get(origin)
         if known is not None and not (set(known) & locked.hashes):
             raise _mismatch(locked, *known)  # that very zip was unpacked: nothing to learn
         fill_lock = self.root / "locks" / f"fill-{_key(locked.source, locked.version)}"
         with _flock(fill_lock, fcntl.LOCK_EX):
             for h in sorted(locked.hashes):  # a sibling filled it while we waited
                 key = self._alias(locked, h)
-                if key and (entry := self._held_entry(locked, key, phase_root)) is not None:
+                if key and (entry := self._held_entry(locked, key, origin, phase_root)):
                     return entry
             staging = Path(tempfile.mkdtemp(dir=self.root / "tmp"))
             try:
-                return self._unpack(locked, source, staging, phase_root)
+                return self._unpack(locked, source, origin, staging, phase_root)
             except OSError as e:  # a package we cannot unpack: Terraform's own install
                 log.warning("provider_cache_fill_failed", source=locked.source, error=repr(e))
                 return None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    def _unpack(self, locked: Locked, source: Path, staging: Path, phase_root: Path) -> Entry:
-        """Unpack `source` into `staging`, check it against the lock, make it an entry
-        (held for the phase before it is in place)."""
+    def _unpack(
+        self, locked: Locked, source: Path, origin: str, staging: Path, phase_root: Path
+    ) -> Entry:
+        """Unpack `source` (whose identity is `origin`) into `staging`, check it against
+        the lock, make it an entry (held for the phase before it is in place)."""
         self.unpacks += 1
-        identity = _identity(source)
         package = staging / "package"
         zh = stage_package(source, package)
         files = {p.relative_to(package).as_posix(): p for p in package.rglob("*") if p.is_file()}
         h1 = h1_of(files)
-        if identity is not None:
-            self._known[identity] = (h1, zh)
+        self._known[origin] = (h1, zh)
         if not ({h1, zh} & locked.hashes):
             raise _mismatch(locked, h1, zh)
         exe, launcher_h1 = _launcher(locked, files, staging)
@@ -282,6 +289,7 @@ class ProviderCache:
         record: dict[str, object] = {"source": locked.source, "version": locked.version}
         record["platform"] = self.platform
         record |= {"h1": h1, "zh": zh, "launcher_h1": launcher_h1, "package": sorted(files)}
+        record["origin"] = origin
         (staging / "manifest.json").write_text(json.dumps({**record, "files": stats}))
         os.chmod(staging / "manifest.json", 0o644)
         target = self.root / "entries" / key
@@ -300,7 +308,7 @@ class ProviderCache:
         self._verified.add(key)
         log.info("provider_cached", source=locked.source, version=locked.version, h1=h1, entry=key)
         self._evict(keep=key)
-        return Entry(key, target, h1, zh, launcher_h1, fresh=True)
+        return Entry(key, target, h1, zh, launcher_h1, fresh=True, origin=origin)
 
     def _remove(self, key: str) -> None:
         path = self.root / "entries" / key
@@ -396,23 +404,26 @@ def _mismatch(locked: Locked, h1: str, zh: str) -> ProviderMismatch:
     )
 
 
-def _identity(source: Path) -> tuple[object, ...] | None:
-    """A package's path and stat: a zip's, or each file of a directory's (so that a lock
-    file naming other hashes is refused without copying and hashing it again on every
-    init, the executor's CPU and disk, outside any job's caps). None if it cannot be read."""
+def _identity(source: Path) -> str | None:
+    """A digest of a package's path and stat: a zip's, or each file of a directory's (so
+    that a lock file naming other hashes is refused without copying and hashing it again
+    on every init, the executor's CPU and disk, outside any job's caps; and so that an
+    entry is served only while the mirror holds the package it came from). None if it
+    cannot be read."""
     try:
+        found: list[object] = [str(source)]
         if source.is_file():
             st = os.stat(source)
-            return (str(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-        found: list[object] = [str(source)]
-        for path in sorted(source.rglob("*")):
-            if path.is_file():  # as stage_package reads them: through links
-                st = os.stat(path)
-                rel = path.relative_to(source).as_posix()
-                found.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-        return tuple(found)
+            found.append((st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+        else:
+            for path in sorted(source.rglob("*")):
+                if path.is_file():  # as stage_package reads them: through links
+                    st = os.stat(path)
+                    rel = path.relative_to(source).as_posix()
+                    found.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
     except OSError:
         return None
+    return hashlib.sha256(repr(found).encode()).hexdigest()
 
 
 def _stat(path: Path) -> list[int]:

@@ -211,3 +211,28 @@ def test_a_lock_file_linked_within_the_checkout_is_left_to_terraform(
     assert use_cache(cache, src, src, root) == {}
     assert os.readlink(src / ".terraform.lock.hcl") == "shared.lock.hcl"
     assert cache.fills == 0
+
+
+def test_an_entry_is_served_only_while_the_mirrors_hold_its_package(tmp_path: Path) -> None:
+    """Attack: a lock file naming a package this executor's mirrors do not hold (any
+    more) but the cache does. (1) The operator withdrew a build from the mirror (a
+    compromised provider): a lock file that pinned its hash kept getting it from the
+    cache until evicted, where Terraform's own install refuses it. (2) Executors with
+    other mirrors share the cache (`--provider-cache`, one host): an organization of the
+    second got the first's private provider by naming its hashes. Neither is served."""
+    mirror = tmp_path / "mirror"
+    packed = packed_provider(mirror, source="registry.example/test/pulled")
+    cache = ProviderCache(tmp_path / "cache", [mirror]).open()
+    root = _phase(tmp_path, packed.lock(), "filled")
+    assert use_cache(cache, root / "src", root / "src", root)
+    other = ProviderCache(tmp_path / "cache", [tmp_path / "other-mirror"]).open()
+    root = _phase(tmp_path, packed.lock(), "other-executor")
+    assert use_cache(other, root / "src", root / "src", root) == {}
+    [zip_file] = mirror.rglob("*.zip")
+    zip_file.rename(tmp_path / "withdrawn.zip")
+    root = _phase(tmp_path, packed.lock(), "withdrawn")
+    assert use_cache(cache, root / "src", root / "src", root) == {}
+    assert (root / "src" / ".terraform.lock.hcl").read_text() == packed.lock()
+    (tmp_path / "withdrawn.zip").rename(zip_file)  # back (its ctime changed: checked again)
+    root = _phase(tmp_path, packed.lock(), "back")
+    assert use_cache(cache, root / "src", root / "src", root)
