@@ -71,6 +71,7 @@ log = structlog.get_logger(__name__)
 
 HASH_MISMATCH = "provider_hash_mismatch"
 DEFAULT_MAX_BYTES = 10 * 1024**3
+MAX_SERVED = 64  # providers one phase is served from the cache (and holds)
 _CHUNK = 1024 * 1024
 _LAUNCHER = '#!/bin/sh\nexec "${0%/*}/../package/NAME" "$@"\n'
 
@@ -146,10 +147,15 @@ class ProviderCache:
         """Entries for the providers `text` (the phase's lock file) locks that the mirrors
         hold, each held until `release(phase_root)`; their links made in
         `phase_root/providers` (a mirror of the phase's own). ProviderMismatch if a
-        locked package's hashes match none of the mirrors' package."""
+        locked package's hashes match none of the mirrors' package. At most MAX_SERVED
+        providers: the rest are left to Terraform (a lock file naming every provider of a
+        large mirror held an entry and a descriptor each, past the bound and the
+        executor's descriptor limit)."""
         self._release_dead()
         served: dict[str, Entry] = {}
         for locked in read_lock(text):
+            if len(served) >= MAX_SERVED:
+                break
             entry = self.entry(locked, phase_root)
             if entry is None:
                 continue

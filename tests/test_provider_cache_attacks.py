@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from executor.providers import ProviderCache, ProviderMismatch, use_cache
-from executor.provpackages import MAX_LOCK_BYTES
+from executor.providers import MAX_SERVED, ProviderCache, ProviderMismatch, use_cache
+from executor.provpackages import MAX_LOCK_BYTES, h1_of
 from tests.provider_cache_support import Packed, packed_provider
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,3 +236,36 @@ def test_an_entry_is_served_only_while_the_mirrors_hold_its_package(tmp_path: Pa
     (tmp_path / "withdrawn.zip").rename(zip_file)  # back (its ctime changed: checked again)
     root = _phase(tmp_path, packed.lock(), "back")
     assert use_cache(cache, root / "src", root / "src", root)
+
+
+def test_a_lock_file_naming_every_provider_of_the_mirrors_holds_a_bounded_few(
+    tmp_path: Path,
+) -> None:
+    """Attack: one block each (no duplicates) for every provider a large mirror holds
+    (an operator mirroring the registry holds thousands), each with its right hash:
+    every one was unpacked and held by the phase (past the cache's bound, which evicts
+    only what no phase holds) with a descriptor of the executor's each. The phase is
+    served MAX_SERVED at most; the rest are Terraform's own install, their hashes as
+    the lock file has them."""
+    mirror = tmp_path / "mirror"
+    blocks = []
+    for i in range(MAX_SERVED + 6):
+        name = f"p{i}"
+        platform = mirror / "registry.example" / "many" / name / "1.0.0" / "linux_amd64"
+        platform.mkdir(parents=True)
+        exe = platform / f"terraform-provider-{name}_v1.0.0"
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+        h1 = h1_of({exe.name: exe})
+        blocks.append(
+            f'provider "registry.example/many/{name}" {{\n  version = "1.0.0"\n'
+            f'  hashes = [\n    "{h1}",\n  ]\n}}\n'
+        )
+    cache = ProviderCache(tmp_path / "cache", [mirror]).open()
+    root = _phase(tmp_path, "".join(blocks))
+    before = _fds()
+    served = use_cache(cache, root / "src", root / "src", root)
+    assert len(served) == MAX_SERVED and _fds() - before <= MAX_SERVED
+    assert cache.fills == MAX_SERVED
+    rewritten = (root / "src" / ".terraform.lock.hcl").read_text()
+    assert blocks[-1] in rewritten, "a provider not served lost its own hashes"
