@@ -48,6 +48,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,7 @@ log = structlog.get_logger(__name__)
 
 HASH_MISMATCH = "provider_hash_mismatch"
 DEFAULT_MAX_BYTES = 10 * 1024**3
+MAX_SERVED = 64  # providers one phase is served from the cache (and holds)
 _CHUNK = 1024 * 1024
 _LAUNCHER = '#!/bin/sh\nexec "${0%/*}/../package/NAME" "$@"\n'
 
@@ -91,6 +93,7 @@ class Entry:
     zh: str  # "" for a package of an unpacked mirror
     launcher_h1: str
     fresh: bool = False  # unpacked by this call
+    origin: str = ""  # the mirror's package it was unpacked from (`_identity`)
 
 
 def _key(*parts: str) -> str:
@@ -111,22 +114,30 @@ class ProviderCache:
     _verified: set[str] = field(default_factory=set)
     # a zip's hashes by its identity (path, size, mtime, ctime, inode): a lock file naming
     # neither is refused without unpacking it again
-    _known: dict[tuple[object, ...], tuple[str, str]] = field(default_factory=dict)
+    _known: dict[str, tuple[str, str]] = field(default_factory=dict)
     _held: dict[Path, list[int]] = field(default_factory=dict)
+    # phases' inits run in threads at once (`asyncio.to_thread`): `_held` is theirs to share
+    _holding: threading.Lock = field(default_factory=threading.Lock)
 
     def open(self) -> ProviderCache:
         """Make the cache's directories: root's, readable by all, writable by it alone
-        (and the parents it makes crossable: a job's uid reads the entries)."""
-        missing = [p for p in (self.root, *self.root.parents) if not p.exists()]
+        (and the parents it makes crossable: a job's uid reads the entries). Every
+        directory above it must be this user's or root's and writable by no one else
+        (or sticky): whoever may rename the cache's directory may put a cache of their
+        own in its place, which the stat checks would take for the verified one."""
+        root = Path(os.path.abspath(self.root))
+        chain = (root, *root.parents)
+        missing = [p for p in chain if not os.path.lexists(p)]
+        _check_above(chain[len(missing)])
         for path in reversed(missing):
-            path.mkdir(exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+            _check_dir(path)  # ours, not a link (another's made in between)
             os.chmod(path, 0o755)
         for sub, mode in (("", 0o755), ("entries", 0o755), ("locks", 0o700), ("tmp", 0o700)):
             path = self.root / sub
             path.mkdir(parents=True, exist_ok=True)
-            st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-                raise OSError(f"{path} is not a directory of this user's (a link, or another's)")
+            _check_dir(path)
             os.chmod(path, mode)
         return self
 
@@ -136,10 +147,15 @@ class ProviderCache:
         """Entries for the providers `text` (the phase's lock file) locks that the mirrors
         hold, each held until `release(phase_root)`; their links made in
         `phase_root/providers` (a mirror of the phase's own). ProviderMismatch if a
-        locked package's hashes match none of the mirrors' package."""
+        locked package's hashes match none of the mirrors' package. At most MAX_SERVED
+        providers: the rest are left to Terraform (a lock file naming every provider of a
+        large mirror held an entry and a descriptor each, past the bound and the
+        executor's descriptor limit)."""
         self._release_dead()
         served: dict[str, Entry] = {}
         for locked in read_lock(text):
+            if len(served) >= MAX_SERVED:
+                break
             entry = self.entry(locked, phase_root)
             if entry is None:
                 continue
@@ -155,26 +171,39 @@ class ProviderCache:
 
     def entry(self, locked: Locked, phase_root: Path) -> Entry | None:
         """The checked entry of `locked`'s package (filled now if absent or changed), held
-        for the phase; None if no mirror holds that provider version."""
+        for the phase; None if no mirror holds that provider version. An entry is served
+        only while this executor's mirrors hold the very package it came from: a build
+        the operator withdrew (or one only another executor's mirrors hold, the cache
+        shared) is not served from the cache, and Terraform's own install refuses it."""
+        source = self._package(locked)
+        origin = _identity(source) if source is not None else None
+        if source is None or origin is None:
+            return None
         for h in sorted(locked.hashes):
             key = self._alias(locked, h)
-            if key and (entry := self._held_entry(locked, key, phase_root)) is not None:
+            if key and (entry := self._held_entry(locked, key, origin, phase_root)) is not None:
                 return entry
-        return self._fill(locked, phase_root)
+        return self._fill(locked, source, origin, phase_root)
 
-    def _held_entry(self, locked: Locked, key: str, phase_root: Path) -> Entry | None:
+    def _held_entry(self, locked: Locked, key: str, origin: str, phase_root: Path) -> Entry | None:
         """The entry `key`, held for the phase (no eviction takes it from under it), if it
         is as filled and one of the lock file's hashes is its package's."""
         fd = self._lock(key)
         entry = self._checked(key)
-        if entry is None or not ({entry.h1, entry.zh} & locked.hashes):
+        if entry is None or entry.origin != origin or not ({entry.h1, entry.zh} & locked.hashes):
             os.close(fd)
             return None
-        self._held.setdefault(phase_root, []).append(fd)
+        self._hold(phase_root, fd)
         return entry
 
+    def _hold(self, phase_root: Path, fd: int) -> None:
+        with self._holding:
+            self._held.setdefault(phase_root, []).append(fd)
+
     def release(self, phase_root: Path) -> None:
-        for fd in self._held.pop(phase_root, []):
+        with self._holding:
+            fds = self._held.pop(phase_root, [])
+        for fd in fds:
             os.close(fd)
 
     # ------------------------------------------------------------ entries
@@ -210,7 +239,10 @@ class ProviderCache:
             return None
         self._verified.add(key)
         os.utime(path / "manifest.json", follow_symlinks=False)  # its use, for eviction
-        return Entry(key, path, manifest["h1"], manifest["zh"], manifest["launcher_h1"])
+        origin = str(manifest.get("origin", ""))
+        return Entry(
+            key, path, manifest["h1"], manifest["zh"], manifest["launcher_h1"], origin=origin
+        )
 
     def _package(self, locked: Locked) -> Path | None:
         host_ns_type = Path(locked.source)
@@ -224,40 +256,36 @@ class ProviderCache:
                 return base / locked.version / self.platform
         return None
 
-    def _fill(self, locked: Locked, phase_root: Path) -> Entry | None:
-        source = self._package(locked)
-        if source is None:
-            return None
-        identity = _identity(source)
-        known = self._known.get(identity) if identity is not None else None
+    def _fill(self, locked: Locked, source: Path, origin: str, phase_root: Path) -> Entry | None:
+        known = self._known.get(origin)
         if known is not None and not (set(known) & locked.hashes):
             raise _mismatch(locked, *known)  # that very zip was unpacked: nothing to learn
         fill_lock = self.root / "locks" / f"fill-{_key(locked.source, locked.version)}"
         with _flock(fill_lock, fcntl.LOCK_EX):
             for h in sorted(locked.hashes):  # a sibling filled it while we waited
                 key = self._alias(locked, h)
-                if key and (entry := self._held_entry(locked, key, phase_root)) is not None:
+                if key and (entry := self._held_entry(locked, key, origin, phase_root)):
                     return entry
             staging = Path(tempfile.mkdtemp(dir=self.root / "tmp"))
             try:
-                return self._unpack(locked, source, staging, phase_root)
+                return self._unpack(locked, source, origin, staging, phase_root)
             except OSError as e:  # a package we cannot unpack: Terraform's own install
                 log.warning("provider_cache_fill_failed", source=locked.source, error=repr(e))
                 return None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
 
-    def _unpack(self, locked: Locked, source: Path, staging: Path, phase_root: Path) -> Entry:
-        """Unpack `source` into `staging`, check it against the lock, make it an entry
-        (held for the phase before it is in place)."""
+    def _unpack(
+        self, locked: Locked, source: Path, origin: str, staging: Path, phase_root: Path
+    ) -> Entry:
+        """Unpack `source` (whose identity is `origin`) into `staging`, check it against
+        the lock, make it an entry (held for the phase before it is in place)."""
         self.unpacks += 1
-        identity = _identity(source)
         package = staging / "package"
         zh = stage_package(source, package)
         files = {p.relative_to(package).as_posix(): p for p in package.rglob("*") if p.is_file()}
         h1 = h1_of(files)
-        if identity is not None:
-            self._known[identity] = (h1, zh)
+        self._known[origin] = (h1, zh)
         if not ({h1, zh} & locked.hashes):
             raise _mismatch(locked, h1, zh)
         exe, launcher_h1 = _launcher(locked, files, staging)
@@ -267,11 +295,12 @@ class ProviderCache:
         record: dict[str, object] = {"source": locked.source, "version": locked.version}
         record["platform"] = self.platform
         record |= {"h1": h1, "zh": zh, "launcher_h1": launcher_h1, "package": sorted(files)}
+        record["origin"] = origin
         (staging / "manifest.json").write_text(json.dumps({**record, "files": stats}))
         os.chmod(staging / "manifest.json", 0o644)
         target = self.root / "entries" / key
         held = self._lock(key)
-        self._held.setdefault(phase_root, []).append(held)
+        self._hold(phase_root, held)
         if target.exists():
             self._remove(key)  # not as filled (else `entry` had found it)
         os.rename(staging, target)
@@ -285,7 +314,7 @@ class ProviderCache:
         self._verified.add(key)
         log.info("provider_cached", source=locked.source, version=locked.version, h1=h1, entry=key)
         self._evict(keep=key)
-        return Entry(key, target, h1, zh, launcher_h1, fresh=True)
+        return Entry(key, target, h1, zh, launcher_h1, fresh=True, origin=origin)
 
     def _remove(self, key: str) -> None:
         path = self.root / "entries" / key
@@ -303,7 +332,9 @@ class ProviderCache:
         return fd
 
     def _release_dead(self) -> None:
-        for root in [r for r in self._held if not r.exists()]:
+        with self._holding:  # another phase's thread adds its holds meanwhile
+            roots = list(self._held)
+        for root in [r for r in roots if not r.exists()]:
             self.release(root)
 
     def size(self) -> int:
@@ -334,6 +365,24 @@ class ProviderCache:
                 log.info("provider_cache_evicted", entry=key, bytes=size)
 
 
+def _check_dir(path: Path) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(f"{path} is not a directory of this user's (a link, or another's)")
+
+
+def _check_above(path: Path) -> None:
+    """`path` and each directory above it, as named and as resolved: this user's or
+    root's, and writable by no one else unless sticky (no one else renames in it)."""
+    real = Path(os.path.realpath(path))
+    for here in sorted({path, *path.parents, real, *real.parents}):
+        st = os.lstat(here)
+        if st.st_uid not in (0, os.geteuid()):
+            raise OSError(f"{here} (above the provider cache) is another user's")
+        if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise OSError(f"{here} (above the provider cache) is writable by others")
+
+
 def _launcher(locked: Locked, files: dict[str, Path], staging: Path) -> tuple[str, str]:
     """Write the entry's launcher beside its package; (the executable's name, the
     launcher's `h1:`). The entry's directories are opened to all (read, cross)."""
@@ -361,12 +410,26 @@ def _mismatch(locked: Locked, h1: str, zh: str) -> ProviderMismatch:
     )
 
 
-def _identity(source: Path) -> tuple[object, ...] | None:
-    """A zip's path and stat (None for a directory: its files may change under it)."""
-    if not source.is_file():
+def _identity(source: Path) -> str | None:
+    """A digest of a package's path and stat: a zip's, or each file of a directory's (so
+    that a lock file naming other hashes is refused without copying and hashing it again
+    on every init, the executor's CPU and disk, outside any job's caps; and so that an
+    entry is served only while the mirror holds the package it came from). None if it
+    cannot be read."""
+    try:
+        found: list[object] = [str(source)]
+        if source.is_file():
+            st = os.stat(source)
+            found.append((st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+        else:
+            for path in sorted(source.rglob("*")):
+                if path.is_file():  # as stage_package reads them: through links
+                    st = os.stat(path)
+                    rel = path.relative_to(source).as_posix()
+                    found.append((rel, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
+    except OSError:
         return None
-    st = os.stat(source)
-    return (str(source), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    return hashlib.sha256(repr(found).encode()).hexdigest()
 
 
 def _stat(path: Path) -> list[int]:

@@ -5,6 +5,7 @@ inputs): a lock file's provider blocks read and their hashes replaced, a package
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import os
 import re
@@ -19,9 +20,13 @@ from executor import linksafe
 LOCK_FILE = ".terraform.lock.hcl"
 MAX_LOCK_BYTES = 1024 * 1024  # a lock file larger than this is left to Terraform
 _CHUNK = 1024 * 1024
-_BLOCK = re.compile(r'(?ms)^provider\s+"([^"\n]+)"\s*\{(.*?)^\}')
-_VERSION = re.compile(r'(?m)^\s*version\s*=\s*"([^"\n]+)"')
-_HASHES = re.compile(r"(?ms)^(\s*hashes\s*=\s*\[)(.*?)(\])")
+# Each pattern reads within one line (a blank is a space or a tab): the lock file is the
+# tenant's, and `\s*`/`.*?` reaching across lines to a close that never comes made a
+# megabyte of it hours of the executor's CPU with the GIL held (every phase stalled).
+_OPEN = re.compile(r'(?m)^provider[ \t]+"([^"\n]+)"[ \t]*\{')
+_CLOSE = re.compile(r"(?m)^\}")
+_VERSION = re.compile(r'(?m)^[ \t]*version[ \t]*=[ \t]*"([^"\n]+)"')
+_HASHES = re.compile(r"(?m)^[ \t]*hashes[ \t]*=[ \t]*\[")
 _HASH = re.compile(r'"((?:h1|zh):[A-Za-z0-9+/=]+)"')
 # What Terraform takes for a provider's address and version: nothing else names a path
 # under a mirror (a tenant's `../..` would lead the fill out of the operator's mirrors).
@@ -38,29 +43,62 @@ class Locked:
     hashes: frozenset[str]
 
 
+def _blocks(text: str) -> list[tuple[str, int, int]]:
+    """(source, start, end) of each `provider "..." {` block's body (to the first line
+    that starts with `}`), in one pass over `text`."""
+    closes = [m.start() for m in _CLOSE.finditer(text)]
+    found: list[tuple[str, int, int]] = []
+    at = 0
+    for m in _OPEN.finditer(text):
+        if m.start() < at:
+            continue  # inside the block before
+        i = bisect.bisect_left(closes, m.end())
+        if i == len(closes):
+            break
+        found.append((m.group(1), m.end(), closes[i]))
+        at = closes[i] + 1
+    return found
+
+
+def _hash_list(body: str) -> tuple[int, int] | None:
+    """(start, end) of the text between `hashes = [` and the first `]` after it."""
+    m = _HASHES.search(body)
+    if m is None:
+        return None
+    end = body.find("]", m.end())
+    return None if end < 0 else (m.end(), end)
+
+
 def read_lock(text: str) -> list[Locked]:
-    """The provider blocks of a lock file's text (those it can read)."""
+    """The provider blocks of a lock file's text (those it can read). None at all if a
+    provider is locked twice: Terraform refuses such a file, and each block would hold
+    an entry (and a descriptor) of its own."""
     found: list[Locked] = []
-    for m in _BLOCK.finditer(text):
-        version = _VERSION.search(m.group(2))
-        hashes = _HASHES.search(m.group(2))
-        valid = version and _SEMVER.fullmatch(version.group(1)) and _SOURCE.fullmatch(m.group(1))
+    for source, start, end in _blocks(text):
+        body = text[start:end]
+        version = _VERSION.search(body)
+        hashes = _hash_list(body)
+        valid = version and _SEMVER.fullmatch(version.group(1)) and _SOURCE.fullmatch(source)
         if valid and version and hashes:
-            found.append(Locked(m.group(1), version.group(1), frozenset(_HASH.findall(hashes[2]))))
+            listed = frozenset(_HASH.findall(body[hashes[0] : hashes[1]]))
+            found.append(Locked(source, version.group(1), listed))
+    if len({locked.source for locked in found}) < len(found):
+        return []
     return found
 
 
 def rewrite_lock(text: str, served: dict[str, str]) -> str:
     """`text` with the hashes of each provider in `served` (source -> h1) replaced."""
-
-    def block(m: re.Match[str]) -> str:
-        h1 = served.get(m.group(1))
-        if h1 is None:
-            return m.group(0)
-        body = _HASHES.sub(lambda h: f'{h.group(1)}\n    "{h1}",\n  {h.group(3)}', m.group(2))
-        return m.group(0).replace(m.group(2), body, 1)
-
-    return _BLOCK.sub(block, text)
+    out: list[str] = []
+    at = 0
+    for source, start, end in _blocks(text):
+        h1 = served.get(source)
+        span = _hash_list(text[start:end]) if h1 is not None else None
+        if span is None:
+            continue
+        out += [text[at : start + span[0]], f'\n    "{h1}",\n  ']
+        at = start + span[1]
+    return "".join([*out, text[at:]])
 
 
 def h1_of(files: dict[str, Path]) -> str:
@@ -118,11 +156,12 @@ def _extract(archive: Path, into: Path) -> None:
 
 def read_phase_lock(workdir: Path, within: Path) -> str:
     """The working directory's lock file (a regular file, not through a link, at most
-    MAX_LOCK_BYTES), or "" (none, too large, not text)."""
+    MAX_LOCK_BYTES), or "" (none, too large, not text, a link: left to Terraform, which
+    follows a link that stays in the checkout, as it did before the cache)."""
     try:
         with linksafe.open_regular(workdir / LOCK_FILE, within=within, step="init") as f:
             data = f.read(MAX_LOCK_BYTES + 1)
-    except FileNotFoundError:
+    except (FileNotFoundError, linksafe.UnsafePath):
         return ""
     if len(data) > MAX_LOCK_BYTES:
         return ""
