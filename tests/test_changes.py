@@ -280,7 +280,11 @@ async def stored_objects(nc: NATS) -> dict[str, bytes]:
             continue
         bucket = str(info.config.name).removeprefix("OBJ_")
         store = await js.object_store(bucket)
-        for obj in await store.list(ignore_deletes=True):
+        try:
+            listed = await store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:  # an empty bucket (rp-snapshots, at first)
+            continue
+        for obj in listed:
             buf = io.BytesIO()
             await store.get(obj.name, writeinto=buf)
             found[f"{bucket}/{obj.name}"] = buf.getvalue()
