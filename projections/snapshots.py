@@ -162,6 +162,23 @@ class Snapshots:
         ]
         return sorted(mine, key=lambda i: (seq_of(i.name), i.name), reverse=True)
 
+    async def sealed(self, version: int | None = None) -> list[tuple[api.ObjectInfo, Manifest]]:
+        """The snapshots of a schema version whose manifest opens with the key, newest
+        first. Only these count for whether a new one is worth writing and for which
+        are kept: an object anyone with NATS access put under the prefix (a name at a
+        sequence past the stream's end) neither stops the writers nor has the real ones
+        pruned. Such an object is left alone (a newer key this replica lacks may open
+        it), as the restore skips it."""
+        out = []
+        for info in await self.listed(version):
+            try:
+                manifest = self.manifest(info)
+            except SnapshotError:
+                continue
+            if object_name(manifest) == info.name:
+                out.append((info, manifest))
+        return out
+
     def manifest(self, info: api.ObjectInfo) -> Manifest:
         """The object's manifest, opened with the key (SnapshotError: not sealed by it)."""
         sealed = (info.headers or {}).get(HEADER)
@@ -185,8 +202,8 @@ class Snapshots:
         try:
             copy.unlink()  # VACUUM INTO wants a new file
             seq, version = await asyncio.to_thread(copy_readmodel, db_path, copy)
-            newest = await self.listed(version)
-            if newest and seq_of(newest[0].name) >= seq:
+            newest = await self.sealed(version)
+            if newest and newest[0][1].seq >= seq:
                 return None
             digest, size = await asyncio.to_thread(pack, copy, packed)
             last, created = await self.identity()
@@ -221,7 +238,7 @@ class Snapshots:
         """Delete all but the newest `keep` snapshots of `version`; how many went."""
         gone = 0
         store = await self.store()
-        for info in (await self.listed(version))[self.keep :]:
+        for info, _ in (await self.sealed(version))[self.keep :]:
             with contextlib.suppress(nats.js.errors.NotFoundError):  # another pruner's
                 await store.delete(info.name)
                 gone += 1

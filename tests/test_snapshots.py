@@ -307,3 +307,33 @@ async def test_a_replica_far_behind_the_newest_snapshot_takes_it_over_its_own(
     restored, received = await _fresh_replica(system, store, db)
     assert (restored, received) == (written.seq, await store.last_seq() - written.seq)
     assert await _dump(db) == await full_replay(nc, tmp_path / "full.db")
+
+
+async def test_attack_unsealed_objects_with_high_sequences_neither_stop_writers_nor_prune_real_ones(
+    system: Plane, store: EventStore, app: App, tmp_path: Path
+) -> None:
+    """Someone who can write the bucket but has no key puts junk under the prefix, named
+    at sequences far past the stream's end (and one at the real snapshot's). A writer
+    judged "the newest snapshot already holds as much" and pruned by names alone: it
+    never wrote again, and its prune deleted the real snapshots, keeping the junk, so
+    every later replica replayed the whole stream. Only objects whose manifest opens
+    count: the writer writes, the real snapshots stay, the junk is left as it is."""
+    keep = 2
+    snapshots = Snapshots(system.nc, system.keyring, keep=keep)
+    async with system.projector(tmp_path / "a.db") as a:
+        await several_orgs(app)
+        await settle(a, store)
+        first = await snapshots.write(a.db_path, "wa")
+        assert first is not None
+        junk = [f"{prefix()}{(10**16 - 1 - i):016d}-mallory" for i in range(keep + 1)]
+        for name in junk:
+            await (await snapshots.store()).put(name, b"junk")
+        await app.create_run("acme", "app", "plan", "alice", message="more")
+        await settle(a, store)
+        second = await snapshots.write(a.db_path, "wa")
+        assert second is not None and second.seq == await store.last_seq()
+    names = {i.name for i in await snapshots.listed()}
+    assert {object_name(first), object_name(second)} <= names
+    assert set(junk) <= names  # not ours to judge: a key we lack may open them
+    restored, received = await _fresh_replica(system, store, tmp_path / "new.db")
+    assert restored == second.seq and received == 0
