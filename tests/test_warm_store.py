@@ -137,3 +137,20 @@ def test_a_dead_executors_store_goes_at_the_next_start_a_live_ones_stays(tmp_pat
         assert not store.dir.exists()
     finally:
         os.close(held)
+
+
+def test_attack_empty_files_count_against_the_bound(tmp_path: Path) -> None:
+    """A plan that leaves many empty files (or links) in its checkout: they take no
+    blocks, so a bound in bytes alone kept them all, and runs left waiting for approval
+    (kept until the run moves on) piled up inodes on the executor's file system, with
+    every keep and take walking them. Each entry now costs at least a block's worth."""
+    src = _checkout(tmp_path)
+    many = src / "many"
+    many.mkdir()
+    for i in range(3000):
+        (many / f"f{i}").touch()
+        os.chown(many / f"f{i}", JOB_UID, JOB_UID)
+    os.chown(many, JOB_UID, JOB_UID)
+    store = _store(tmp_path, max_bytes=4 << 20)  # 4 MiB: about a thousand entries
+    assert not store.keep(FACTS, src, JOB_UID)
+    assert FACTS.run_id not in store.kept
