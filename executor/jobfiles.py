@@ -158,25 +158,28 @@ def _removed_here(path: Path) -> bool:
     """Remove a small tree (a short phase's) in this process, bottom up, never following
     a link nor crossing into another file system; False if it is not one (too large or
     deep, a mount, an error: `rm -rf` then removes what is left). Spares a process per
-    removal: most of a short phase's cost is the processes it starts."""
+    removal: most of a short phase's cost is the processes it starts. Every entry is
+    removed relative to the directory listed (`os.fwalk`'s descriptor), never by a path
+    a directory swapped for a link meanwhile would lead elsewhere."""
     try:
         top = os.lstat(path)
         if not stat.S_ISDIR(top.st_mode):
             os.unlink(path)
             return True
         count = 0
-        for here, dirs, files in os.walk(path, topdown=False, followlinks=False):
+        for _, dirs, files, dirfd in os.fwalk(path, topdown=False, follow_symlinks=False):
             count += len(dirs) + len(files)
-            if count > _HERE_MOST or os.lstat(here).st_dev != top.st_dev:
+            if count > _HERE_MOST or os.fstat(dirfd).st_dev != top.st_dev:
                 return False
             for name in files:
-                os.unlink(os.path.join(here, name))
+                os.unlink(name, dir_fd=dirfd)
             for name in dirs:  # a link to a directory is listed here: unlinked, not followed
-                full = os.path.join(here, name)
-                if os.path.islink(full):
-                    os.unlink(full)
+                if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=dirfd)
                 else:
-                    os.rmdir(full)
+                    os.rmdir(name, dir_fd=dirfd)
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False  # replaced meanwhile: `rm` removes it without following
         os.rmdir(path)
     except (OSError, RecursionError):
         return False
