@@ -54,6 +54,7 @@ from projections.snapshot_file import (
     pack,
     put_in_place,
     settle,
+    stored_bound,
     unpack,
 )
 
@@ -304,9 +305,13 @@ class Snapshots:
         scratch = Path(name)
         packed = scratch.with_suffix(".rst.z")
         try:
+            # Bounded by the sealed size, not the object's own (anyone with NATS access
+            # may store a sealed header again in front of gigabytes): the download stops
+            # there, and its patience is the bound's.
+            most = stored_bound(m.size)
             with packed.open("wb") as f:
-                sink = HashingSink(f)
-                patience = STALL_S + (info.size or 0) / MIN_RATE
+                sink = HashingSink(f, most)
+                patience = STALL_S + min(info.size or 0, most) / MIN_RATE
                 store = await self.store()
                 await asyncio.wait_for(store.get(info.name, writeinto=sink), patience)  # type: ignore[arg-type]  # nats-py calls only .write
             digest = sink.h.hexdigest()

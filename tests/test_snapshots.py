@@ -8,12 +8,14 @@ the replica replays instead. Writers keep the newest few; two at once corrupt no
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from pathlib import Path
 
 import pytest
 import structlog
 from nats.aio.client import Client as NATS
+from nats.js import api
 
 from infra import streams
 from infra.crypto import KeyRing
@@ -337,3 +339,24 @@ async def test_attack_unsealed_objects_with_high_sequences_neither_stop_writers_
     assert set(junk) <= names  # not ours to judge: a key we lack may open them
     restored, received = await _fresh_replica(system, store, tmp_path / "new.db")
     assert restored == second.seq and received == 0
+
+
+async def test_attack_a_sealed_snapshots_object_grown_by_someone_without_the_key_is_cut_short(
+    system: Plane, nc: NATS, tmp_path: Path
+) -> None:
+    """Someone who can write the bucket (no key) stores a real snapshot's object again
+    under its name with its sealed header copied, and 24 MiB of junk behind its bytes
+    (gigabytes, in earnest). The manifest opens, so the replica downloaded the whole
+    object to its data directory (its patience grown with the object's size) and only
+    then found the sha256 wrong: a full disk for any replica that starts. The download
+    stops past what the manifest's file size can take compressed."""
+    written = await _snapshot(system, tmp_path)
+    snapshots = system.snapshots()
+    store = await snapshots.store()
+    name = object_name(written)
+    info = await store.get_info(name)
+    body = (await store.get(name)).data or b""
+    await store.delete(name)
+    meta = api.ObjectMeta(name=name, headers=dict(info.headers or {}))
+    await store.put(name, body + os.urandom(24 << 20), meta=meta)
+    await _falls_back(system, nc, tmp_path, "more than")
