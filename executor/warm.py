@@ -130,7 +130,8 @@ def _custody_entry(name: str, dirfd: int, me: int, uid: int | None) -> int:
 
 def custody(src: Path, uid: int | None) -> int:
     """Make the finished plan's checkout the executor's alone (module docstring); its
-    size in bytes (each entry at least ENTRY_COST). Raises Refused. `uid`: the plan job's (None: it ran as the executor)."""
+    size in bytes (each entry at least ENTRY_COST). Raises Refused. `uid`: the plan
+    job's (None: it ran as the executor)."""
     me = os.geteuid()
     size = 0
     for _, dirs, files, dirfd in os.fwalk(src, follow_symlinks=False):
