@@ -152,35 +152,62 @@ def remove_tree(path: Path, *, as_uid: int | None = None) -> bool:
 
 
 _HERE_MOST = 2000  # entries a tree may have to be removed in-process rather than by rm
+_HERE_DEPTH = 64  # and levels: one descriptor open per level while it is removed
+
+
+class _NotHere(Exception):
+    """The tree is not one to remove in-process (too large or deep, a mount)."""
 
 
 def _removed_here(path: Path) -> bool:
     """Remove a small tree (a short phase's) in this process, bottom up, never following
     a link nor crossing into another file system; False if it is not one (too large or
     deep, a mount, an error: `rm -rf` then removes what is left). Spares a process per
-    removal: most of a short phase's cost is the processes it starts."""
+    removal: most of a short phase's cost is the processes it starts. Every entry is
+    removed relative to a descriptor of the directory listed (opened without following
+    a link), never by a path that a directory swapped for a link meanwhile would lead
+    elsewhere; at most `_HERE_DEPTH` descriptors are open at once."""
     try:
         top = os.lstat(path)
         if not stat.S_ISDIR(top.st_mode):
             os.unlink(path)
             return True
-        count = 0
-        for here, dirs, files in os.walk(path, topdown=False, followlinks=False):
-            count += len(dirs) + len(files)
-            if count > _HERE_MOST or os.lstat(here).st_dev != top.st_dev:
-                return False
-            for name in files:
-                os.unlink(os.path.join(here, name))
-            for name in dirs:  # a link to a directory is listed here: unlinked, not followed
-                full = os.path.join(here, name)
-                if os.path.islink(full):
-                    os.unlink(full)
-                else:
-                    os.rmdir(full)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not os.path.samestat(os.fstat(fd), top):
+                return False  # replaced meanwhile
+            _clear(fd, top.st_dev, [0], 0)
+        finally:
+            os.close(fd)
         os.rmdir(path)
-    except (OSError, RecursionError):
+    except (OSError, _NotHere):
         return False
     return True
+
+
+def _clear(dirfd: int, dev: int, count: list[int], depth: int) -> None:
+    """Empty the directory open as `dirfd` (`count`: entries seen so far, shared)."""
+    with os.scandir(dirfd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    count[0] += len(entries)
+    if count[0] > _HERE_MOST:
+        raise _NotHere
+    for name, is_dir in entries:
+        if not is_dir:  # a file, or a link (to a directory too): unlinked, not followed
+            os.unlink(name, dir_fd=dirfd)
+            continue
+        if depth >= _HERE_DEPTH:
+            raise _NotHere
+        sub = os.open(
+            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd
+        )
+        try:
+            if os.fstat(sub).st_dev != dev:
+                raise _NotHere
+            _clear(sub, dev, count, depth + 1)
+        finally:
+            os.close(sub)
+        os.rmdir(name, dir_fd=dirfd)
 
 
 def remove_files_of(uid: int, places: Sequence[Path] | None = None) -> int:

@@ -44,6 +44,10 @@ MAX_ENTRIES = 16  # runs kept at once per executor
 LOCK = ".lock"
 _STRIP = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | 0o022
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+# What an entry costs the bound at least: an empty file or a link takes no blocks, but an
+# inode of the executor's file system (and a step of every keep's and take's walk) for as
+# long as its run waits; in bytes alone a tree of empty files was kept whole.
+ENTRY_COST = 4096
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def _refuse(why: str) -> None:
 
 
 def _custody_entry(name: str, dirfd: int, me: int, uid: int | None) -> int:
-    """One entry (not a directory) of the tree made the executor's; its blocks' bytes."""
+    """One entry (not a directory) of the tree made the executor's; its blocks' bytes
+    (at least ENTRY_COST)."""
     st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
     if stat.S_ISDIR(st.st_mode):
         return 0  # the walk's own
@@ -104,7 +109,7 @@ def _custody_entry(name: str, dirfd: int, me: int, uid: int | None) -> int:
     if stat.S_ISLNK(st.st_mode):
         if st.st_uid != me:
             os.chown(name, me, me, dir_fd=dirfd, follow_symlinks=False)
-        return 0
+        return max(st.st_blocks * 512, ENTRY_COST)
     if not stat.S_ISREG(st.st_mode):
         _refuse(f"{name}: not a regular file, a directory or a link")
     if st.st_uid != me and st.st_nlink != 1:
@@ -120,12 +125,13 @@ def _custody_entry(name: str, dirfd: int, me: int, uid: int | None) -> int:
             os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~_STRIP)
     finally:
         os.close(fd)
-    return st.st_blocks * 512
+    return max(st.st_blocks * 512, ENTRY_COST)
 
 
 def custody(src: Path, uid: int | None) -> int:
     """Make the finished plan's checkout the executor's alone (module docstring); its
-    size in bytes. Raises Refused. `uid`: the plan job's (None: it ran as the executor)."""
+    size in bytes (each entry at least ENTRY_COST). Raises Refused. `uid`: the plan
+    job's (None: it ran as the executor)."""
     me = os.geteuid()
     size = 0
     for _, dirs, files, dirfd in os.fwalk(src, follow_symlinks=False):
@@ -136,7 +142,7 @@ def custody(src: Path, uid: int | None) -> int:
             os.fchown(dirfd, me, me)
         if st.st_mode & _STRIP:
             os.fchmod(dirfd, stat.S_IMODE(st.st_mode) & ~_STRIP)
-        size += st.st_blocks * 512
+        size += max(st.st_blocks * 512, ENTRY_COST)
         for name in (*dirs, *files):  # fwalk lists links to directories among `dirs`
             size += _custody_entry(name, dirfd, me, uid)
     os.chmod(src, 0o700, follow_symlinks=False)

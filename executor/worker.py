@@ -226,7 +226,11 @@ class Executor:
         private_dir(self.jobs_root / "tools", 0o755)
         if self.terraform_config.plugin_cache_dir is not None and isolation.mode != "none":
             log.warning("plugin_cache_ignored", why="isolated jobs may not share a cache")
-        hidden = (self.work_dir, self.jobs_dir, self.tmp_dir)
+        # The warm store too (executor/warm.py): in the bwrap mode every job is this
+        # uid, whom its 0700 does not stop, and the jobs directory is not always under a
+        # temporary directory the sandbox mounts empty (TMPDIR elsewhere).
+        warm = private_dir(self.jobs_root / "warm", 0o700)
+        hidden = (self.work_dir, self.jobs_dir, self.tmp_dir, warm)
         shown = [self.jobs_root / "tools"]
         cache = self.terraform_config.provider_cache_dir
         if cache is not None:  # the host's provider cache (made by `prepare`): read-only

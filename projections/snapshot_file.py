@@ -54,15 +54,27 @@ def pack(copy: Path, packed: Path) -> tuple[str, int]:
     return h.hexdigest(), size
 
 
-class HashingSink:
-    """A file-like sink for nats-py's `get(writeinto=)`: writes and hashes each chunk."""
+def stored_bound(size: int) -> int:
+    """The most bytes the stored form of a `size`-byte file can take: zlib's worst case
+    (incompressible data grows by a few bytes per 16 KiB, deflateBound) and each block's
+    header, with room to spare."""
+    blocks = max(1, -(-size // BLOCK))
+    return size + (size >> 10) + blocks * (_HEAD.size + 64) + 1024
 
-    def __init__(self, out: BinaryIO) -> None:
+
+class HashingSink:
+    """A file-like sink for nats-py's `get(writeinto=)`: writes and hashes each chunk,
+    and refuses (FileError) to write more than `most` bytes in all (None: no bound)."""
+
+    def __init__(self, out: BinaryIO, most: int | None = None) -> None:
         self.out = out
         self.h = hashlib.sha256()
         self.size = 0
+        self.most = most
 
     def write(self, data: bytes) -> int:
+        if self.most is not None and self.size + len(data) > self.most:
+            raise FileError(f"the stored object holds more than the {self.most} bytes its file can")
         self.h.update(data)
         self.size += len(data)
         return self.out.write(data)

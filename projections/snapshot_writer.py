@@ -67,8 +67,10 @@ class SnapshotWriter:
         return await self.snapshots.write(p.db_path, self.writer)
 
     async def _recent(self) -> bool:
-        newest = await self.snapshots.listed()
-        if not newest or not newest[0].mtime:
+        # Only a snapshot whose manifest opens: an object anyone with NATS access put
+        # under the prefix again and again would otherwise stop every writer.
+        newest = await self.snapshots.sealed()
+        if not newest or not newest[0][0].mtime:
             return False
-        age = datetime.now(UTC) - datetime.fromisoformat(newest[0].mtime)
+        age = datetime.now(UTC) - datetime.fromisoformat(newest[0][0].mtime)
         return age.total_seconds() < self.interval / 2

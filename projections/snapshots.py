@@ -54,6 +54,7 @@ from projections.snapshot_file import (
     pack,
     put_in_place,
     settle,
+    stored_bound,
     unpack,
 )
 
@@ -162,6 +163,23 @@ class Snapshots:
         ]
         return sorted(mine, key=lambda i: (seq_of(i.name), i.name), reverse=True)
 
+    async def sealed(self, version: int | None = None) -> list[tuple[api.ObjectInfo, Manifest]]:
+        """The snapshots of a schema version whose manifest opens with the key, newest
+        first. Only these count for whether a new one is worth writing and for which
+        are kept: an object anyone with NATS access put under the prefix (a name at a
+        sequence past the stream's end) neither stops the writers nor has the real ones
+        pruned. Such an object is left alone (a newer key this replica lacks may open
+        it), as the restore skips it."""
+        out = []
+        for info in await self.listed(version):
+            try:
+                manifest = self.manifest(info)
+            except SnapshotError:
+                continue
+            if object_name(manifest) == info.name:
+                out.append((info, manifest))
+        return out
+
     def manifest(self, info: api.ObjectInfo) -> Manifest:
         """The object's manifest, opened with the key (SnapshotError: not sealed by it)."""
         sealed = (info.headers or {}).get(HEADER)
@@ -185,8 +203,8 @@ class Snapshots:
         try:
             copy.unlink()  # VACUUM INTO wants a new file
             seq, version = await asyncio.to_thread(copy_readmodel, db_path, copy)
-            newest = await self.listed(version)
-            if newest and seq_of(newest[0].name) >= seq:
+            newest = await self.sealed(version)
+            if newest and newest[0][1].seq >= seq:
                 return None
             digest, size = await asyncio.to_thread(pack, copy, packed)
             last, created = await self.identity()
@@ -221,7 +239,7 @@ class Snapshots:
         """Delete all but the newest `keep` snapshots of `version`; how many went."""
         gone = 0
         store = await self.store()
-        for info in (await self.listed(version))[self.keep :]:
+        for info, _ in (await self.sealed(version))[self.keep :]:
             with contextlib.suppress(nats.js.errors.NotFoundError):  # another pruner's
                 await store.delete(info.name)
                 gone += 1
@@ -287,9 +305,13 @@ class Snapshots:
         scratch = Path(name)
         packed = scratch.with_suffix(".rst.z")
         try:
+            # Bounded by the sealed size, not the object's own (anyone with NATS access
+            # may store a sealed header again in front of gigabytes): the download stops
+            # there, and its patience is the bound's.
+            most = stored_bound(m.size)
             with packed.open("wb") as f:
-                sink = HashingSink(f)
-                patience = STALL_S + (info.size or 0) / MIN_RATE
+                sink = HashingSink(f, most)
+                patience = STALL_S + min(info.size or 0, most) / MIN_RATE
                 store = await self.store()
                 await asyncio.wait_for(store.get(info.name, writeinto=sink), patience)  # type: ignore[arg-type]  # nats-py calls only .write
             digest = sink.h.hexdigest()

@@ -268,3 +268,36 @@ def test_a_checkout_owns_its_objects_once_copied_from_the_mirror(
     _git("fsck", "--strict", "--no-dangling", cwd=dest)
     _git("read-tree", "--reset", "-u", "HEAD", cwd=dest)
     assert (dest / "main.tf").read_text() == "# 2\n"
+
+
+def test_attack_a_directory_swapped_for_a_link_mid_removal_does_not_lead_outside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The in-process removal runs as root. If anything of the job still ran as its tree
+    is removed (a process that escaped the kill, or a removal raced with its end), it
+    could swap a directory already listed for a link to another place: a removal by path
+    (`here/name`) then unlinks the same names there (/etc/passwd...). Here the swap is
+    made just before the first unlink, as that process would; what the link points at
+    stays, because each entry is removed relative to the directory actually listed."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim").write_text("not the job's")
+    job = tmp_path / "job"
+    (job / "a" / "x").mkdir(parents=True)
+    (job / "a" / "x" / "victim").write_text("the job's")
+    real = os.unlink
+    swapped: list[bool] = []
+
+    def racing(path: object, *args: object, **kw: object) -> None:
+        if not swapped:
+            swapped.append(True)
+            os.rename(job / "a" / "x", job / "a" / "moved")
+            (job / "a" / "x").symlink_to(outside)
+        real(path, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", racing)
+    remove_tree(job)
+    monkeypatch.setattr(os, "unlink", real)
+    assert swapped
+    assert (outside / "victim").exists(), "the removal followed a swapped-in link"
+    assert remove_tree(job) and not job.exists()

@@ -8,12 +8,14 @@ the replica replays instead. Writers keep the newest few; two at once corrupt no
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from pathlib import Path
 
 import pytest
 import structlog
 from nats.aio.client import Client as NATS
+from nats.js import api
 
 from infra import streams
 from infra.crypto import KeyRing
@@ -307,3 +309,62 @@ async def test_a_replica_far_behind_the_newest_snapshot_takes_it_over_its_own(
     restored, received = await _fresh_replica(system, store, db)
     assert (restored, received) == (written.seq, await store.last_seq() - written.seq)
     assert await _dump(db) == await full_replay(nc, tmp_path / "full.db")
+
+
+async def test_attack_unsealed_objects_with_high_sequences_neither_stop_writers_nor_prune_real_ones(
+    system: Plane, store: EventStore, app: App, tmp_path: Path
+) -> None:
+    """Someone who can write the bucket but has no key puts junk under the prefix, named
+    at sequences far past the stream's end (and one at the real snapshot's). A writer
+    judged "the newest snapshot already holds as much" and pruned by names alone: it
+    never wrote again, and its prune deleted the real snapshots, keeping the junk, so
+    every later replica replayed the whole stream. Only objects whose manifest opens
+    count: the writer writes, the real snapshots stay, the junk is left as it is."""
+    keep = 2
+    snapshots = Snapshots(system.nc, system.keyring, keep=keep)
+    async with system.projector(tmp_path / "a.db") as a:
+        await several_orgs(app)
+        await settle(a, store)
+        first = await snapshots.write(a.db_path, "wa")
+        assert first is not None
+        junk = [f"{prefix()}{(10**16 - 1 - i):016d}-mallory" for i in range(keep + 1)]
+        for name in junk:
+            await (await snapshots.store()).put(name, b"junk")
+        await app.create_run("acme", "app", "plan", "alice", message="more")
+        await settle(a, store)
+        second = await snapshots.write(a.db_path, "wa")
+        assert second is not None and second.seq == await store.last_seq()
+        names = {i.name for i in await snapshots.listed()}
+        assert {object_name(first), object_name(second)} <= names  # not pruned for junk
+        # the writer's loop: junk put just now is not "a snapshot written lately"
+        for real in (first, second):
+            await (await snapshots.store()).delete(object_name(real))
+        await (await snapshots.store()).put(junk[0], b"junk again")
+        looped = await system.snapshot_writer(a, interval=3600).write_once()
+        assert looped is not None and looped.seq == second.seq
+    names = {i.name for i in await snapshots.listed()}
+    assert object_name(looped) in names
+    assert set(junk) <= names  # not ours to judge: a key we lack may open them
+    restored, received = await _fresh_replica(system, store, tmp_path / "new.db")
+    assert restored == looped.seq and received == 0
+
+
+async def test_attack_a_sealed_snapshots_object_grown_by_someone_without_the_key_is_cut_short(
+    system: Plane, nc: NATS, tmp_path: Path
+) -> None:
+    """Someone who can write the bucket (no key) stores a real snapshot's object again
+    under its name with its sealed header copied, and 24 MiB of junk behind its bytes
+    (gigabytes, in earnest). The manifest opens, so the replica downloaded the whole
+    object to its data directory (its patience grown with the object's size) and only
+    then found the sha256 wrong: a full disk for any replica that starts. The download
+    stops past what the manifest's file size can take compressed."""
+    written = await _snapshot(system, tmp_path)
+    snapshots = system.snapshots()
+    store = await snapshots.store()
+    name = object_name(written)
+    info = await store.get_info(name)
+    body = (await store.get(name)).data or b""
+    await store.delete(name)
+    meta = api.ObjectMeta(name=name, headers=dict(info.headers or {}))
+    await store.put(name, body + os.urandom(24 << 20), meta=meta)
+    await _falls_back(system, nc, tmp_path, "more than")

@@ -137,3 +137,72 @@ def test_a_dead_executors_store_goes_at_the_next_start_a_live_ones_stays(tmp_pat
         assert not store.dir.exists()
     finally:
         os.close(held)
+
+
+def test_attack_empty_files_count_against_the_bound(tmp_path: Path) -> None:
+    """A plan that leaves many empty files (or links) in its checkout: they take no
+    blocks, so a bound in bytes alone kept them all, and runs left waiting for approval
+    (kept until the run moves on) piled up inodes on the executor's file system, with
+    every keep and take walking them. Each entry now costs at least a block's worth."""
+    src = _checkout(tmp_path)
+    many = src / "many"
+    many.mkdir()
+    for i in range(3000):
+        (many / f"f{i}").touch()
+        os.chown(many / f"f{i}", JOB_UID, JOB_UID)
+    os.chown(many, JOB_UID, JOB_UID)
+    store = _store(tmp_path, max_bytes=4 << 20)  # 4 MiB: about a thousand entries
+    assert not store.keep(FACTS, src, JOB_UID)
+    assert FACTS.run_id not in store.kept
+
+
+def test_attack_a_bwrap_job_sees_no_kept_checkout_under_a_jobs_directory_outside_tmp(
+    tmp_path: Path,
+) -> None:
+    """The bwrap mode (an executor that is not root) runs every organization's jobs as
+    its own uid: only what its sandbox hides keeps them apart, and the store's 0700 is
+    nothing to them. The jobs directory is under the system's temporary directory, a
+    tmpfs in the sandbox, unless TMPDIR names another place: then the warm store (beside
+    `jobs/` and `tmp/`, which are hidden) was in view, read-only, and org B's job read
+    org A's kept checkout (its variables, its plan, its .terraform). Hidden like them."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    from executor import terraform as tf
+    from executor.isolation import Isolation, bwrap_problem
+    from executor.worker import Executor
+
+    if bwrap_problem():
+        pytest.skip(f"no bubblewrap: {bwrap_problem()}")
+    base = Path(tempfile.mkdtemp(dir="/work" if os.path.isdir("/work") else "/srv"))
+    try:
+        ex = Executor.__new__(Executor)
+        ex.isolation_setting = Isolation(mode="bwrap", bwrap=shutil.which("bwrap") or "bwrap")
+        ex.work_dir = base / "work"
+        ex.jobs_root = base / "jobs-root"
+        ex.jobs_dir, ex.tmp_dir = ex.jobs_root / "jobs", ex.jobs_root / "tmp"
+        ex.terraform_config = tf.TerraformConfig()
+        iso = ex._isolation()
+        store = WarmStore(ex.jobs_root / "warm", "e1", max_bytes=1 << 30)
+        store.open()
+        src = _checkout(base)
+        (src / "secret.auto.tfvars").write_text('token = "org-a-secret"\n')
+        assert store.keep(FACTS, src, JOB_UID)
+        root = Path(tempfile.mkdtemp(dir=ex.jobs_dir))
+        jail = iso.enter(root, ex.tmp_dir)
+        try:
+            kept = store.dir / FACTS.run_id / "src" / "secret.auto.tfvars"
+            script = f"cat {kept}; echo done"
+            how = jail.spawn(["/bin/sh", "-c", script], {"PATH": "/usr/bin:/bin"}, jail.home)
+            options = {k: v for k, v in how.options.items() if k != "preexec_fn"}
+            out = subprocess.run(
+                how.argv, cwd=how.cwd, env=how.env, capture_output=True, text=True, **options
+            )
+            assert "done" in out.stdout, out
+            assert "org-a-secret" not in out.stdout, "org B's bwrap job read org A's kept checkout"
+        finally:
+            jail.close()
+            store.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
