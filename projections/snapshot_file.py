@@ -91,7 +91,9 @@ def unpack(packed: Path, dest: Path, size: int) -> None:
         def one(job: tuple[int, int, int, int]) -> None:
             at, clen, plen, out_at = job
             try:
-                plain = zlib.decompress(os.pread(fd_in, clen, at))
+                # never more than the block says plus one byte: a block that inflates
+                # past its stated length is refused without being inflated whole
+                plain = zlib.decompressobj().decompress(os.pread(fd_in, clen, at), plen + 1)
             except zlib.error as e:
                 raise FileError(f"block at {at}: {e}") from e
             if len(plain) != plen:

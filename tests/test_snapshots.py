@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import struct
+import tracemalloc
+import zlib
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from nats.js import api
 from infra import streams
 from infra.crypto import KeyRing
 from infra.eventstore import EventStore
-from projections import schema
+from projections import schema, snapshot_file
 from projections import snapshots as snapshots_module
 from projections.readmodel import ReadModel
 from projections.snapshot_file import unsynced
@@ -368,3 +371,22 @@ async def test_attack_a_sealed_snapshots_object_grown_by_someone_without_the_key
     meta = api.ObjectMeta(name=name, headers=dict(info.headers or {}))
     await store.put(name, body + os.urandom(24 << 20), meta=meta)
     await _falls_back(system, nc, tmp_path, "more than")
+
+
+def test_attack_a_block_that_inflates_past_its_stated_length_is_refused_unread(
+    tmp_path: Path,
+) -> None:
+    """A block stating 10 plain bytes whose zlib inflates to 256 MiB (a decompression bomb
+    only the key's holder could store, but a restore should not take the replica's memory
+    for it): refused at 11 bytes, the memory it took a few MiB, not the 256 MiB it hides."""
+    bomb = zlib.compress(bytes(256 * 1024 * 1024), 9)
+    packed = tmp_path / "bomb.packed"
+    packed.write_bytes(struct.pack(">II", len(bomb), 10) + bomb)
+    tracemalloc.start()
+    try:
+        with pytest.raises(snapshot_file.FileError, match="is 11 bytes, not 10"):
+            snapshot_file.unpack(packed, tmp_path / "out.sqlite", 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 * 1024 * 1024, peak
