@@ -71,7 +71,7 @@ async def steps_ended(http: Http, run_id: str, count: int) -> list[dict[str, Any
 
 
 PLAN_STEPS = [("plan", "checkout"), ("plan", "init"), ("plan", "plan")]
-ALL_STEPS = [*PLAN_STEPS, ("apply", "checkout"), ("apply", "init"), ("apply", "apply")]
+ALL_STEPS = [*PLAN_STEPS, ("apply", "warm"), ("apply", "apply")]  # a warm apply (one executor)
 
 
 def lines_of(events: list[Event]) -> list[Any]:
@@ -168,7 +168,7 @@ async def test_logs_read_running_steps_live_and_finished_ones_from_the_store(
     assert {i["phase"] for i in items} == {"apply"}
     gate.touch()
     await h.reaches("net", run_id, "applied")
-    await steps_ended(http, run_id, 6)
+    await steps_ended(http, run_id, len(ALL_STEPS))
 
     a = await http.get(logs_path(run_id))
     assert a.status == 200 and a.body["items"] == await all_stored(h, run_id, ALL_STEPS)
@@ -186,7 +186,7 @@ async def test_logs_stay_readable_after_the_live_stream_aged_out(
     run_id = await talking_run(h, repo, gate)
     await h.approve("net", run_id)
     await h.reaches("net", run_id, "applied")
-    await steps_ended(http, run_id, 6)
+    await steps_ended(http, run_id, len(ALL_STEPS))
     before = (await http.get(logs_path(run_id))).body["items"]
 
     await nc.jetstream().purge_stream(LOGS, subject=f"rp.log.{run_id}.>")

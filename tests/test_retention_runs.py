@@ -36,8 +36,9 @@ async def test_an_applied_runs_log_goes_after_0_days_and_an_awaiting_runs_stays(
     http: Http, h: Harness, repo: Path, executor: Executor, system: Plane, nc: NATS, tmp_path: Path
 ) -> None:
     """After the scheduler's pass: the applied run's logs are 410 `log-removed`, its
-    answer says when, its six steps and every event answer as before plus
-    `run.log_pruned`; the run awaiting approval still reads every plan line."""
+    answer says when, its five steps (the apply warm: warm, apply) and every event
+    answer as before plus `run.log_pruned`; the run awaiting approval still reads every
+    plan line."""
     gate = tmp_path / "gate"
     gate.touch()
     done = await talking_run(h, repo, gate, ws="net")
@@ -49,7 +50,7 @@ async def test_an_applied_runs_log_goes_after_0_days_and_an_awaiting_runs_stays(
 
     async def stored() -> bool:
         by_run = await stored_logs(nc)
-        return len(by_run.get(done, [])) == 6 and len(by_run.get(waiting, [])) == 3
+        return len(by_run.get(done, [])) == 5 and len(by_run.get(waiting, [])) == 3
 
     await eventually(stored, what="both runs' logs stored")
     assert any("end-42" in i["text"] for i in await logs(http, done))
@@ -77,7 +78,7 @@ async def test_an_applied_runs_log_goes_after_0_days_and_an_awaiting_runs_stays(
     assert run["status"] == "applied" and run["log_removed_at"]
     assert problem["detail"] == f"log removed by retention on {run['log_removed_at'][:10]}"
     steps = (await http.get(f"{V1}/runs/{done}/steps")).body["items"]
-    assert len(steps) == 6 and all(s["status"] == "ok" for s in steps)
+    assert len(steps) == 5 and all(s["status"] == "ok" for s in steps)
     after = (await http.get(f"{V1}/runs/{done}/events")).body["items"]
     assert after[: len(before)] == before
     assert [e["type"] for e in after[len(before) :]] == ["run.log_pruned"]
