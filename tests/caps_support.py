@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from executor import isolation, uids
 from executor.cgroups import TOP, find
 from executor.isolation import sandbox_problem
 from executor.uids import DEFAULT_UIDS
@@ -142,3 +145,16 @@ def job_files() -> list[str]:
             except OSError:
                 continue
     return out
+
+
+def kill_uid_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The uids `kill_uid` is called for from now on (it still kills)."""
+    calls: list[int] = []
+    real = uids.kill_uid
+
+    def counted(uid: int) -> None:
+        calls.append(uid)
+        real(uid)
+
+    monkeypatch.setattr(isolation, "kill_uid", counted)
+    return calls

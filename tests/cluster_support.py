@@ -19,14 +19,18 @@ import asyncio
 import json
 import secrets
 import signal
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import nats
 import nats.errors
+import pytest
 from nats.aio.client import Client as NATS
 
+from infra import streams
 from infra.natsclient import NatsAuth, client_env
 from infra.natsserver import (
     _die_with_parent,
@@ -211,3 +215,27 @@ class NatsCluster:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+@pytest.fixture(name="cluster")
+async def declared_cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
+    """Three nodes with runplane's streams declared at R3 (a test imports this to use the
+    `cluster` fixture)."""
+    async with NatsCluster(tmp_path / "cluster") as c:
+        nc = await c.connect()
+        await streams.declare(nc, nc.jetstream(), replicas=3)
+        await nc.close()
+        yield c
+
+
+async def leader_and_follower(cluster: NatsCluster, stack: AsyncExitStack) -> tuple[NATS, NATS]:
+    """A connection to RP_EVENTS's leader (the writer) and one to a follower only (the
+    replica under test), both closed with `stack`."""
+    leader = await cluster.stream_leader(streams.EVENTS)
+    follower = next(n for n in cluster.nodes if n is not leader)
+    auth = cluster.auth.connect_options()
+    wnc = await nats.connect(leader.url, **auth)
+    stack.push_async_callback(wnc.close)
+    rnc = await nats.connect(follower.url, **auth)
+    stack.push_async_callback(rnc.close)
+    return wnc, rnc

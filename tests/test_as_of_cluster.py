@@ -8,9 +8,7 @@ the newest run at least once: the lag is real.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 
@@ -21,20 +19,12 @@ from infra.eventstore import Append, EventStore
 from projections.asof import PastModels
 from services.app.commands import App
 from tests.cluster_support import NatsCluster
+from tests.cluster_support import declared_cluster as declared_cluster  # `cluster`
 from tests.stale_reads_support import PAYLOAD, Lagging
 
 TIMEOUT = 2.0  # a follower far behind may not answer a direct get at all
 TRIALS = 40
 CONFIG = Workspace(repository="/repo")
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    async with NatsCluster(tmp_path / "cluster") as c:
-        nc = await c.connect()
-        await streams.declare(nc, nc.jetstream(), replicas=3)
-        await nc.close()
-        yield c
 
 
 @pytest.mark.slow

@@ -6,33 +6,22 @@ it (every acknowledged write, not what the follower may hold yet), it answers 50
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from events.run import Workspace
-from infra import streams
 from tests.api_support import web_app_of
 from tests.bootstrap_support import built
-from tests.cluster_support import NatsCluster
+from tests.cluster_support import NatsCluster, leader_and_follower
+from tests.cluster_support import declared_cluster as declared_cluster  # `cluster`
 from tests.helpers import eventually
 
 CONFIG = Workspace(repository="https://example.com/infra.git")
 PROBLEMS = "https://runplane.dev/problems/"
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    async with NatsCluster(tmp_path / "cluster") as c:
-        nc = await c.connect()
-        await streams.declare(nc, nc.jetstream(), replicas=3)
-        await nc.close()
-        yield c
 
 
 async def _readyz(client: TestClient[Any, Any]) -> tuple[int, Any]:
@@ -44,14 +33,8 @@ async def _readyz(client: TestClient[Any, Any]) -> tuple[int, Any]:
 async def test_a_replica_on_a_follower_is_ready_at_the_leaders_last_sequence(
     cluster: NatsCluster, tmp_path: Path
 ) -> None:
-    leader = await cluster.stream_leader(streams.EVENTS)
-    follower = next(n for n in cluster.nodes if n is not leader)
-    auth = cluster.auth.connect_options()
     async with AsyncExitStack() as stack:
-        wnc = await nats.connect(leader.url, **auth)
-        stack.push_async_callback(wnc.close)
-        rnc = await nats.connect(follower.url, **auth)  # the replica reaches the follower only
-        stack.push_async_callback(rnc.close)
+        wnc, rnc = await leader_and_follower(cluster, stack)  # the replica reaches the follower
         writer = built(wnc, stack, tmp_path / "writer")
         await writer.app.create_org("acme", "alice")
         for i in range(40):

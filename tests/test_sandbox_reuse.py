@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from executor import isolation, uids
+from executor import uids
 from executor.gitrepo import copy_borrowed, write_repository
 from executor.isolation import Isolation, Jail, sandbox_problem
 from executor.jobfiles import remove_tree, world_writable
 from executor.uids import DEFAULT_UIDS
+from tests.caps_support import kill_uid_calls
 
 NO_SANDBOX = sandbox_problem(DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
 sandboxed = pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
@@ -62,19 +63,6 @@ async def _sh(jail: Jail, script: str) -> tuple[int, str]:
     )
     out, _ = await proc.communicate()
     return await proc.wait(), out.decode()
-
-
-def _kills(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The uids `kill_uid` is called for from now on (it still kills)."""
-    calls: list[int] = []
-    real = uids.kill_uid
-
-    def counted(uid: int) -> None:
-        calls.append(uid)
-        real(uid)
-
-    monkeypatch.setattr(isolation, "kill_uid", counted)
-    return calls
 
 
 def _pids_of(uid: int) -> list[int]:
@@ -138,7 +126,7 @@ async def test_a_sandboxed_job_leaves_nothing_for_the_next_holder_of_its_uid(
     `--unshare-ipc`, the rest as here.)"""
     iso = _iso(tmp_path)
     assert iso.limits.cgroups, "this host gives the phase a control group"
-    kills = _kills(monkeypatch)
+    kills = kill_uid_calls(monkeypatch)
     a = _enter(iso, tmp_path, "org-a")
     kills.clear()  # its first holder: a uid never given back clean is swept as it is taken
     code, out = await _sh(a, LEAVE)
@@ -171,7 +159,7 @@ async def test_a_sandbox_without_a_phase_group_still_sweeps_its_uid(
     might outlive its sandbox's end (an init stopping gracefully): the phase's end kills
     every process of the uid and sweeps, as the uid mode does."""
     iso = _iso(tmp_path, cgroups=False)
-    kills = _kills(monkeypatch)
+    kills = kill_uid_calls(monkeypatch)
     jail = _enter(iso, tmp_path, "a")
     kills.clear()
     code, out = await _sh(jail, "echo ran")

@@ -6,42 +6,26 @@ and holds the full replay's rows."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 
-import nats
 import pytest
 
 from infra import streams
 from projections.readmodel import ReadModel
 from tests.bootstrap_support import built
-from tests.cluster_support import NatsCluster
+from tests.cluster_support import NatsCluster, leader_and_follower
+from tests.cluster_support import declared_cluster as declared_cluster  # `cluster`
 from tests.projection_support import settle
 from tests.snapshot_support import after_the_snapshot, full_replay, several_orgs
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    async with NatsCluster(tmp_path / "cluster") as c:
-        nc = await c.connect()
-        await streams.declare(nc, nc.jetstream(), replicas=3)
-        await nc.close()
-        yield c
 
 
 @pytest.mark.slow
 async def test_a_replica_on_a_follower_restores_and_catches_up(
     cluster: NatsCluster, tmp_path: Path
 ) -> None:
-    leader = await cluster.stream_leader(streams.EVENTS)
-    follower = next(n for n in cluster.nodes if n is not leader)
-    auth = cluster.auth.connect_options()
     async with AsyncExitStack() as stack:
-        wnc = await nats.connect(leader.url, **auth)
-        stack.push_async_callback(wnc.close)
-        rnc = await nats.connect(follower.url, **auth)
-        stack.push_async_callback(rnc.close)
+        wnc, rnc = await leader_and_follower(cluster, stack)  # the replica reaches the follower
         writer = built(wnc, stack, tmp_path)
         info = json.loads(
             (await wnc.request(f"$JS.API.STREAM.INFO.OBJ_{streams.SNAPSHOTS_BUCKET}", b"")).data

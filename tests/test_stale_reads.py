@@ -25,9 +25,7 @@ not read back): that is no decision, and is counted apart.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import nats
 import nats.js.errors
@@ -46,19 +44,11 @@ from services.app.commands import App
 from services.processes.scheduler import limits
 from tests.builders import queued_run
 from tests.cluster_support import NatsCluster
+from tests.cluster_support import declared_cluster as declared_cluster  # `cluster`
 from tests.reaper_support import ORG, state, workspace
 from tests.stale_reads_support import PAYLOAD, Lagging, Tally, trials
 
 TIMEOUT = 2.0  # a follower far behind may not answer a direct get at all
-
-
-@pytest.fixture
-async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
-    async with NatsCluster(tmp_path / "cluster") as c:
-        nc = await c.connect()
-        await streams.declare(nc, nc.jetstream(), replicas=3)
-        await nc.close()
-        yield c
 
 
 async def events(cluster: NatsCluster) -> Tally:

@@ -16,6 +16,7 @@ import pytest
 
 from executor import isolation, uids
 from executor.isolation import Isolation, Jail
+from tests.caps_support import kill_uid_calls
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root")
@@ -34,26 +35,13 @@ def _enter(iso: Isolation, tmp_path: Path, name: str) -> Jail:
     return iso.enter(root, tmp)
 
 
-def _kills(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The uids `kill_uid` is called for from now on (it still kills)."""
-    calls: list[int] = []
-    real = uids.kill_uid
-
-    def counted(uid: int) -> None:
-        calls.append(uid)
-        real(uid)
-
-    monkeypatch.setattr(isolation, "kill_uid", counted)
-    return calls
-
-
 def test_a_uid_given_back_clean_serves_its_next_phase_without_a_sweep(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     iso = _iso(tmp_path)
     _enter(iso, tmp_path, "a").close()
     assert (tmp_path / "locks" / str(UID)).read_bytes() == uids.CLEAN
-    kills = _kills(monkeypatch)
+    kills = kill_uid_calls(monkeypatch)
     jail = _enter(iso, tmp_path, "b")
     assert jail.uid == UID and kills == [], "no sweep of a clean uid"
     assert (tmp_path / "locks" / str(UID)).read_bytes() == b"", "dirty while it serves"
@@ -76,7 +64,7 @@ async def test_a_uid_whose_executor_died_mid_phase_is_swept_before_it_serves_aga
     assert await proc.wait() == 0
     assert _pids_of(UID) and Path(f"/tmp/left-{UID}").exists()
     os.close(jail._lock)  # the executor's death, as the kernel lets its lock go
-    kills = _kills(monkeypatch)
+    kills = kill_uid_calls(monkeypatch)
     nxt = _enter(iso, tmp_path, "c")
     try:
         assert nxt.uid == UID and kills == [UID], "a dirty uid is swept first"
