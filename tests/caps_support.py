@@ -158,3 +158,16 @@ def kill_uid_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(isolation, "kill_uid", counted)
     return calls
+
+
+def live_pids_of(uid: int) -> list[int]:
+    """The live processes (not zombies) of `uid`, anywhere on the host."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid:
+                if "State:\tZ" not in Path(f"/proc/{name}/status").read_text():
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found

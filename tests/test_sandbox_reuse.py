@@ -26,7 +26,7 @@ from executor.gitrepo import copy_borrowed, write_repository
 from executor.isolation import Isolation, Jail, sandbox_problem
 from executor.jobfiles import remove_tree, world_writable
 from executor.uids import DEFAULT_UIDS
-from tests.caps_support import kill_uid_calls
+from tests.caps_support import kill_uid_calls, live_pids_of
 
 NO_SANDBOX = sandbox_problem(DEFAULT_UIDS[-1]) if os.geteuid() == 0 else "not root"
 sandboxed = pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
@@ -63,19 +63,6 @@ async def _sh(jail: Jail, script: str) -> tuple[int, str]:
     )
     out, _ = await proc.communicate()
     return await proc.wait(), out.decode()
-
-
-def _pids_of(uid: int) -> list[int]:
-    """The live processes (not zombies) of `uid`, anywhere on the host."""
-    found = []
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid:
-                if "State:\tZ" not in Path(f"/proc/{name}/status").read_text():
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
 
 
 def _files_of(uid: int) -> list[str]:
@@ -135,7 +122,7 @@ async def test_a_sandboxed_job_leaves_nothing_for_the_next_holder_of_its_uid(
     a.close()
     assert (tmp_path / "locks" / str(UID)).read_bytes() == uids.CLEAN
     assert kills == [], "the sandbox's end needs no kill of its uid"
-    assert not _pids_of(UID), "a daemon of the job outlived its phase"
+    assert not live_pids_of(UID), "a daemon of the job outlived its phase"
     assert not _files_of(UID), "a file of the job is left in a shared directory"
     assert not _ipc_of(UID), "a SysV object of the job outlived its phase"
     b = _enter(iso, tmp_path, "org-b")

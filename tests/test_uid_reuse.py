@@ -16,7 +16,7 @@ import pytest
 
 from executor import isolation, uids
 from executor.isolation import Isolation, Jail
-from tests.caps_support import kill_uid_calls
+from tests.caps_support import kill_uid_calls, live_pids_of
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root")
@@ -62,7 +62,7 @@ async def test_a_uid_whose_executor_died_mid_phase_is_swept_before_it_serves_aga
     how = jail.spawn(["/bin/sh", "-c", leave], {"PATH": "/usr/bin:/bin"}, jail.home)
     proc = await asyncio.create_subprocess_exec(*how.argv, cwd=how.cwd, env=how.env, **how.options)
     assert await proc.wait() == 0
-    assert _pids_of(UID) and Path(f"/tmp/left-{UID}").exists()
+    assert live_pids_of(UID) and Path(f"/tmp/left-{UID}").exists()
     os.close(jail._lock)  # the executor's death, as the kernel lets its lock go
     kills = kill_uid_calls(monkeypatch)
     nxt = _enter(iso, tmp_path, "c")
@@ -88,21 +88,8 @@ def test_a_uid_whose_end_left_something_is_not_given_back_clean(
     assert (tmp_path / "locks" / str(UID)).read_bytes() == b""
 
 
-def _pids_of(uid: int) -> list[int]:
-    """The live processes (not zombies) of `uid`."""
-    found = []
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid == uid:
-                if "State:\tZ" not in Path(f"/proc/{name}/status").read_text():
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
-
-
 async def _none_of_uid() -> bool:
-    return not _pids_of(UID)
+    return not live_pids_of(UID)
 
 
 def _segments_of(uid: int) -> list[str]:
