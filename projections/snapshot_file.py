@@ -8,9 +8,12 @@ stored form, checked as it downloads (cheaper than hashing the larger SQLite fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import mmap
 import os
 import struct
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -81,10 +84,17 @@ class HashingSink:
 
 
 def unpack(packed: Path, dest: Path, size: int) -> None:
-    """Inflate `packed` into `dest` (`size` plain bytes), blocks on every core."""
+    """Inflate `packed` into `dest` (`size` plain bytes), blocks on every core.
+
+    Whole blocks go to the disk with O_DIRECT where the file system takes it: a new
+    file's pages filled through the page cache cost the kernel several times the
+    inflating itself (768 MiB: about 4 s of system time against 0.4 s direct, on ext4
+    here), and the api reads only the pages it needs afterwards."""
     jobs = _index(packed, size)
     fd_in = os.open(packed, os.O_RDONLY)
     fd_out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd_direct = _open_direct(dest)
+    local = threading.local()
     try:
         os.ftruncate(fd_out, size)
 
@@ -98,6 +108,13 @@ def unpack(packed: Path, dest: Path, size: int) -> None:
                 raise FileError(f"block at {at}: {e}") from e
             if len(plain) != plen:
                 raise FileError(f"block at {at} is {len(plain)} bytes, not {plen}")
+            if fd_direct is not None and _aligned(plen, out_at):
+                if not hasattr(local, "buf"):  # page-aligned, as O_DIRECT wants
+                    local.buf = mmap.mmap(-1, BLOCK)
+                local.buf[:plen] = plain
+                with contextlib.suppress(OSError):  # refused after all: the page cache
+                    if os.pwrite(fd_direct, memoryview(local.buf)[:plen], out_at) == plen:
+                        return
             os.pwrite(fd_out, plain, out_at)
 
         with _pool() as pool:
@@ -105,6 +122,27 @@ def unpack(packed: Path, dest: Path, size: int) -> None:
     finally:
         os.close(fd_in)
         os.close(fd_out)
+        if fd_direct is not None:
+            os.close(fd_direct)
+
+
+_ALIGN = 4096
+
+
+def _aligned(length: int, offset: int) -> bool:
+    return length % _ALIGN == 0 and offset % _ALIGN == 0
+
+
+def _open_direct(dest: Path) -> int | None:
+    """`dest` opened again for O_DIRECT writes, or None where there is no such thing
+    (tmpfs, another OS)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(dest, os.O_WRONLY | flag)
+    except OSError:
+        return None
 
 
 def _index(packed: Path, size: int) -> list[tuple[int, int, int, int]]:

@@ -390,3 +390,19 @@ def test_attack_a_block_that_inflates_past_its_stated_length_is_refused_unread(
     finally:
         tracemalloc.stop()
     assert peak < 16 * 1024 * 1024, peak
+
+
+@pytest.mark.parametrize("size", [2 * snapshot_file.BLOCK + 8192, 2 * snapshot_file.BLOCK + 1000])
+def test_pack_and_unpack_give_back_the_file_byte_for_byte(tmp_path: Path, size: int) -> None:
+    """Whole blocks inflate to the disk with O_DIRECT (here on the test's file system, if it
+    takes it), a last block that is not a multiple of 4 KiB through the page cache: either
+    way the file comes back byte for byte, over an older file of the same name."""
+    plain = tmp_path / "plain.sqlite"
+    plain.write_bytes(os.urandom(size // 2) + bytes(size - size // 2))
+    packed = tmp_path / "plain.packed"
+    _, plain_size = snapshot_file.pack(plain, packed)
+    assert plain_size == size
+    out = tmp_path / "out.sqlite"
+    out.write_bytes(b"\xff" * (size + 4096))  # longer and different: must not show through
+    snapshot_file.unpack(packed, out, size)
+    assert out.read_bytes() == plain.read_bytes()
