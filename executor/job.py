@@ -82,6 +82,9 @@ class Job:
     # A plan's: what its checkout was planned for, set as its end is reported, if it may
     # be kept for the run's apply (executor/warm.py)
     warm: Facts | None = None
+    # The phase's providers came from the host's cache (executor/providerphase.py): its
+    # `.terraform` links into the phase's own mirror, gone with the phase
+    providers_cached: bool = False
 
     def now(self) -> datetime:
         return self.tools.app.clock()

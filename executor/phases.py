@@ -91,7 +91,10 @@ async def _plan_phase(job: Job) -> None:
     if pinned_policies(job):
         policies = await step(job, "policy", lambda lg: check_policies(job, lg, outcome.show))
     job.finishing = True
-    if outcome.has_changes and _applies(job):  # its checkout may serve the apply, warm
+    # Its checkout may serve the apply, warm; not one whose `.terraform` links into this
+    # phase's mirror of the provider cache, removed with the phase (the apply's `init`
+    # is served by the cache: cheap)
+    if outcome.has_changes and _applies(job) and not job.providers_cached:
         job.warm = Facts(
             ctx.org, ctx.ws, ctx.run_id, commit.sha, outcome.plan_digest, config_digest(ctx.run)
         )

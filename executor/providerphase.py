@@ -24,6 +24,7 @@ async def cached_providers(job: Job, step_log: StepLog) -> None:
     served = await asyncio.to_thread(use_cache, cache, ctx.workdir, ctx.src, ctx.root)
     if not served:
         return
+    job.providers_cached = True
     config = ctx.root / "terraform.rc"
     mirrors = [ctx.root / "providers", *tools.terraform.mirrors]
     config.write_text(cli_config_text(mirrors))

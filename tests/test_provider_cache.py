@@ -383,3 +383,28 @@ async def test_through_runplane_the_cache_serves_checks_and_resists_a_tenant(
     lines = await _log(plane, "acme", refused["id"], "plan")
     assert not any("terraform init" in ln.lower() and "installed" in ln.lower() for ln in lines)
     assert _digest(plane.cache) == before
+
+
+@pytest.mark.terraform
+async def test_an_apply_after_a_plan_served_from_the_cache_applies(
+    plane: Plane, tmp_path: Path, packed: Packed
+) -> None:
+    """A plan whose providers came from the cache leaves links into its own phase's
+    mirror in `.terraform`, gone with that phase: its checkout is not kept warm, and the
+    apply (on the same executor) checks out and inits again, its providers served from
+    the cache too, and applies. A warm apply of that checkout failed: `no package for
+    ... cached in .terraform/providers`."""
+    good = _repo(tmp_path / "repos" / "good", packed.main_tf(), packed.lock())
+    await plane.client.ok(
+        "POST", "/api/v1/orgs/acme/workspaces", {"name": "net", "repository": str(good)}
+    )
+    await plane.client.ok(
+        "PATCH", "/api/v1/orgs/acme/workspaces/net/settings", {"require_approval": False}
+    )
+    run = await _run(plane, "acme", "net", {"type": "apply"})
+    assert run["status"] == "applied", run
+    listed = await plane.client.ok("GET", f"/api/v1/orgs/acme/runs/{run['id']}/steps")
+    items = listed["items"] if isinstance(listed, dict) else listed
+    assert [s["step"] for s in items if s["phase"] == "apply"] == ["checkout", "init", "apply"]
+    lines = await _log(plane, "acme", run["id"], "apply")
+    assert any("providers from the executor's cache" in ln for ln in lines), lines
