@@ -33,7 +33,8 @@ AUDITED: Final = frozenset(
         "org.user_teams_synced", "org.vcs_connection_deleted", "org.vcs_connection_saved",
         "chat.slack_configured", "chat.slack_removed", "chat.slack_user_mapped",
         "chat.slack_user_unmapped", "org.audit_destination_saved",
-        "org.audit_destination_deleted",
+        "org.audit_destination_deleted", "org.stack_created", "org.stack_changed",
+        "org.stack_deleted",
     }
 )  # fmt: skip
 

@@ -38,7 +38,7 @@ from events import chat as ch
 from events import members as mb
 from events import run_triggers as rt
 from events import schedule as sc
-from events import sso, vcs
+from events import sso, stacks, vcs
 from events import teams as tm
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -256,6 +256,7 @@ OthersEvent = (
     | sc.ScheduleEvent
     | sso.SsoEvent
     | ads.AuditDestinationEvent
+    | stacks.StackEvent
 )
 
 
@@ -329,6 +330,8 @@ def _others_own(event: OthersEvent) -> bool:
             return True
         case ads.DestinationSaved() | ads.DestinationDeleted():  # the audit streamer's own
             return True
+        case stacks.StackCreated() | stacks.StackChanged() | stacks.StackDeleted():
+            return True  # read by a stack run from its subject when it starts
         case _:
             assert_never(event)
 

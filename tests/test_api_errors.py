@@ -47,6 +47,11 @@ ORG_ENDPOINTS = [
     ("POST", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"),
     ("GET", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers"),
     ("DELETE", "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers/{source}"),
+    ("POST", "/api/v1/orgs/{org}/stacks"),
+    ("GET", "/api/v1/orgs/{org}/stacks"),
+    ("GET", "/api/v1/orgs/{org}/stacks/{stack}"),
+    ("PUT", "/api/v1/orgs/{org}/stacks/{stack}"),
+    ("DELETE", "/api/v1/orgs/{org}/stacks/{stack}"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/events"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/steps"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/changes"),
@@ -145,6 +150,8 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/lock": {"reason": "maintenance"},
     "/api/v1/orgs/{org}/workspaces/{ws}/state-versions/{id}/rollback": {"reason": "r"},
     "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers": {"source": "other"},
+    "/api/v1/orgs/{org}/stacks": {"name": "s", "workspaces": ["net"]},
+    "/api/v1/orgs/{org}/stacks/{stack}": {"workspaces": ["net"]},
     "/api/v1/orgs/{org}/workspaces/{ws}/schedules": {"cron": "* * * * *", "run_type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}": {"enabled": False},
     "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}": {"value": "v"},
@@ -233,6 +240,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 connection="01jconnofanotherorg000000a",
                 destination="01jdestofanotherorg000000a",
                 source="other",
+                stack="s",
                 id="sv-acme.net.1.0123456789abcdef",
             )
             kw = {"json": body} if body is not None else {}
@@ -291,6 +299,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             connection="01jconnofanotherorg000000a",
             destination="01jdestofanotherorg000000a",
             source="other",
+            stack="s",
             id="sv-acme.net.1.0123456789abcdef",
             asset="swagger-ui.css",
         )

@@ -16,6 +16,7 @@ from events import members as mb
 from events import notification as nt
 from events import run_triggers as rt
 from events import schedule as sc
+from events import stacks as sk
 from events import teams as tm
 from events import vcs_report as vr
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
@@ -427,6 +428,21 @@ SAMPLES += [
     ads.DestinationDeleted(at=AT, actor="alice", destination_id="01jsiem"),
 ]
 
+SAMPLES += [
+    sk.StackCreated(
+        at=AT,
+        actor="alice",
+        name="prod",
+        definition=sk.Definition(
+            workspaces=["app", "net"], edges=[sk.Edge(source="net", target="app")]
+        ),
+    ),
+    sk.StackChanged(
+        at=AT, actor="alice", name="prod", definition=sk.Definition(workspaces=["net"])
+    ),
+    sk.StackDeleted(at=AT, actor="alice", name="prod"),
+]
+
 EVENT_TYPES = [
     *get_args(RunEvent),
     *get_args(WorkspaceEvent),
@@ -439,6 +455,7 @@ EVENT_TYPES = [
     *get_args(sc.ScheduleEvent),
     *get_args(sso.SsoEvent),
     *get_args(ads.AuditDestinationEvent),
+    *get_args(sk.StackEvent),
 ]
 
 

@@ -667,6 +667,10 @@ def _samples() -> list[tuple[Any, Any]]:
             },
         },
         {"type": "org.audit_destination_deleted", "destination_id": "d1"},
+        # stacks (events/stacks.py): read by a stack run from their subjects
+        {"type": "org.stack_created", "name": "s", "definition": {"workspaces": ["a"]}},
+        {"type": "org.stack_changed", "name": "s", "definition": {"workspaces": ["a"]}},
+        {"type": "org.stack_deleted", "name": "s"},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

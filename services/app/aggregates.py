@@ -15,7 +15,7 @@ from events import org as org_agg
 from events import run as run_agg
 from events import run_triggers as rt
 from events import schedule as sc
-from events import sso, vcs
+from events import sso, stacks, vcs
 from events import workspace as ws_agg
 from services.app.execute import Aggregate
 
@@ -84,4 +84,10 @@ SSO: Aggregate[sso.SsoState, sso.SsoCommand] = Aggregate(
     initial=sso.INITIAL,
     fold=sso.fold,
     decide=lambda s, c, now, new_id: sso.decide(s, c, now=now, new_id=new_id),
+)
+STACK: Aggregate[stacks.StackState, stacks.StackCommand] = Aggregate(
+    name="stack",
+    initial=stacks.INITIAL,
+    fold=stacks.fold,
+    decide=lambda s, c, now, new_id: stacks.decide(s, c, now=now, new_id=new_id),
 )
