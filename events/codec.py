@@ -14,6 +14,7 @@ from events.run import RunEvent
 from events.run_triggers import RunTriggerEvent
 from events.schedule import ScheduleEvent
 from events.sso import SsoEvent
+from events.stack_run_events import StackRunEvent
 from events.stacks import StackEvent
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
@@ -32,6 +33,7 @@ AnyEvent = (
     | SsoEvent
     | AuditDestinationEvent
     | StackEvent
+    | StackRunEvent
 )
 
 _encoder = msgspec.json.Encoder()

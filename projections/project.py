@@ -38,6 +38,7 @@ from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
 from events.run_triggers import RunTriggerEvent
 from events.schedule import ScheduleEvent
 from events.sso import SsoEvent
+from events.stack_run_events import StackRunEvent
 from events.stacks import StackEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs import VcsEvent
@@ -454,4 +455,6 @@ FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     # audit destinations: the audit history only (the streamer reads their own subjects)
     **{t: _audit_only for t in get_args(AuditDestinationEvent)},
     **{t: project_stack for t in get_args(StackEvent)},
+    # stack runs: the audit history only (the API reads each run's own subject)
+    **{t: _audit_only for t in get_args(StackRunEvent)},
 }

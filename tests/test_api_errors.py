@@ -52,6 +52,9 @@ ORG_ENDPOINTS = [
     ("GET", "/api/v1/orgs/{org}/stacks/{stack}"),
     ("PUT", "/api/v1/orgs/{org}/stacks/{stack}"),
     ("DELETE", "/api/v1/orgs/{org}/stacks/{stack}"),
+    ("POST", "/api/v1/orgs/{org}/stacks/{stack}/runs"),
+    ("GET", "/api/v1/orgs/{org}/stack-runs/{stack_run}"),
+    ("POST", "/api/v1/orgs/{org}/stack-runs/{stack_run}/resume"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/events"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/steps"),
     ("GET", "/api/v1/orgs/{org}/runs/{run}/changes"),
@@ -152,6 +155,7 @@ VALID_BODIES: dict[str, Any] = {
     "/api/v1/orgs/{org}/workspaces/{ws}/run-triggers": {"source": "other"},
     "/api/v1/orgs/{org}/stacks": {"name": "s", "workspaces": ["net"]},
     "/api/v1/orgs/{org}/stacks/{stack}": {"workspaces": ["net"]},
+    "/api/v1/orgs/{org}/stacks/{stack}/runs": {"type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/schedules": {"cron": "* * * * *", "run_type": "plan"},
     "/api/v1/orgs/{org}/workspaces/{ws}/schedules/{schedule}": {"enabled": False},
     "/api/v1/orgs/{org}/workspaces/{ws}/secret-variables/{name}": {"value": "v"},
@@ -241,6 +245,7 @@ async def test_another_orgs_things_are_not_found_on_every_endpoint(
                 destination="01jdestofanotherorg000000a",
                 source="other",
                 stack="s",
+                stack_run="01jstackrunofanotherorg0a",
                 id="sv-acme.net.1.0123456789abcdef",
             )
             kw = {"json": body} if body is not None else {}
@@ -300,6 +305,7 @@ async def test_every_route_needs_a_valid_bearer_token(http: Http) -> None:
             destination="01jdestofanotherorg000000a",
             source="other",
             stack="s",
+            stack_run="01jstackrunofanotherorg0a",
             id="sv-acme.net.1.0123456789abcdef",
             asset="swagger-ui.css",
         )

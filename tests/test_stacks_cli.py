@@ -56,3 +56,30 @@ async def test_stack_create_show_set_list_and_delete_from_the_command_line(
     (await cli("stack", "show", f"x{ESC}")).one_error("not a valid name")
     assert (await cli("stack", "delete", "prod")).code == 0
     (await cli("stack", "show", "prod")).one_error("not-found")
+
+
+async def test_stack_run_run_show_and_resume_from_the_command_line(
+    plane: Plane, repo: Path, tmp_path: Path
+) -> None:
+    """No subscribers here: the stack run stays as created, which is all these need."""
+    commit(repo, {"main.tf": 'resource "null_resource" "a" {}\n'})
+    for ws in ("net", "app"):
+        await api_workspace(plane.http, repo, ws)
+    body = {"name": "prod", "workspaces": ["net", "app"],
+            "edges": [{"source": "net", "target": "app"}]}  # fmt: skip
+    assert (await plane.http.post(f"{V1}/stacks", json=body)).status == 201
+    a = await plane.http.post(f"{V1}/tokens", json={"user": "bob", "role": "operator"})
+    cli = Cli(tmp_path / "home")
+    await cli.login(str(plane.http.client.make_url("")).rstrip("/"), str(a.body["token"]))
+    made = await cli("stack", "run", "prod", "--type", "plan", "--json")
+    assert made.code == 0, made.err
+    sid = json.loads(made.out)["id"]
+    shown = await cli("stack", "run-show", sid)
+    assert shown.code == 0, shown.err
+    assert shown.out.splitlines() == [
+        f"stack run {sid} prod  plan  running",
+        "  level 0: net=waiting",
+        "  level 1: app=waiting",
+    ]
+    (await cli("stack", "resume", sid)).one_error("conflict")
+    (await cli("stack", "run", "prod", "--target", "nope")).one_error("invalid-stack")

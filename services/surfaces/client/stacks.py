@@ -4,6 +4,10 @@
 `create NAME --workspace A --workspace B --edge A:B` makes stack NAME of A and B where B
 depends on A (`--edge SOURCE:TARGET`, repeatable); `set NAME ...` replaces its whole
 definition with the same flags; `--failure-policy pause|abort|continue`.
+
+`run NAME --type plan|apply|destroy [--target WS ...] [--skip-dependencies]
+[--failure-policy P]` starts a stack run; `run-show ID` shows one; `resume ID` resumes a
+paused, failed or aborted one.
 """
 
 from __future__ import annotations
@@ -52,6 +56,17 @@ def add_parsers(sub: Any, leaf: Any) -> None:
             help="TARGET depends on SOURCE (repeatable)",
         )
         p.add_argument("--failure-policy", choices=POLICIES, default="pause")
+    p = leaf(ssub, "run", stack_run, "run a stack in dependency order")
+    p.add_argument("stack")
+    p.add_argument("--type", choices=("plan", "apply", "destroy"), default="plan")
+    p.add_argument("--target", action="append", default=[], help="only these (repeatable)")
+    p.add_argument("--skip-dependencies", action="store_true",
+                   help="the targets alone, not what they need first")  # fmt: skip
+    p.add_argument("--failure-policy", choices=POLICIES, default=None)
+    leaf(ssub, "run-show", run_show, "one stack run, its nodes and runs").add_argument("id")
+    leaf(ssub, "resume", run_resume, "resume a paused, failed or aborted stack run").add_argument(
+        "id"
+    )
 
 
 def _definition(ns: argparse.Namespace) -> dict[str, Any]:
@@ -115,4 +130,45 @@ async def stack_set(s: Session, ns: argparse.Namespace) -> int:
 async def stack_delete(s: Session, ns: argparse.Namespace) -> int:
     await s.api.call("DELETE", _path(await s.org(), checked("stack", ns.stack)))
     s.show({"deleted": ns.stack}, [f"stack {short(ns.stack)} deleted"])
+    return 0
+
+
+def run_lines(r: dict[str, Any]) -> list[str]:
+    """A stack run as people read it: its status, then a line per level, each node with
+    its status and run."""
+    out = [f"stack run {short(str(r.get('id', '')))} {short(str(r.get('stack', '')))}  "
+           f"{short(str(r.get('type', '')))}  {short(str(r.get('status', '')))}"]  # fmt: skip
+    nodes = r.get("nodes") if isinstance(r.get("nodes"), dict) else {}
+    for i, level in enumerate(r.get("levels") or []):
+        said = []
+        for w in level:
+            n = nodes.get(w) if isinstance(nodes, dict) else None
+            n = n if isinstance(n, dict) else {}
+            said.append(
+                f"{w}={n.get('status', '?')}" + (f"({n['run_id']})" if n.get("run_id") else "")
+            )
+        out.append(f"  level {i}: {short(' '.join(said))}")
+    return out
+
+
+async def stack_run(s: Session, ns: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"type": ns.type, "targets": [checked("target", t) for t in ns.target],
+                            "skip_dependencies": ns.skip_dependencies}  # fmt: skip
+    if ns.failure_policy:
+        body["failure_policy"] = ns.failure_policy
+    answer = await s.api.post(_path(await s.org(), checked("stack", ns.stack)) + "/runs", body)
+    s.show(answer.body, run_lines(answer.body) if isinstance(answer.body, dict) else [])
+    return 0
+
+
+async def run_show(s: Session, ns: argparse.Namespace) -> int:
+    row = await s.api.get(f"/api/v1/orgs/{await s.org()}/stack-runs/{checked('id', ns.id)}")
+    s.show(row, run_lines(row) if isinstance(row, dict) else [])
+    return 0
+
+
+async def run_resume(s: Session, ns: argparse.Namespace) -> int:
+    path = f"/api/v1/orgs/{await s.org()}/stack-runs/{checked('id', ns.id)}/resume"
+    answer = await s.api.post(path, {})
+    s.show(answer.body, run_lines(answer.body) if isinstance(answer.body, dict) else [])
     return 0
