@@ -22,7 +22,8 @@ from typing import Any
 from events import stacks as sk
 from events.errors import DomainError
 from events.run import CancelRun, Workspace
-from events.stack_run_events import child_run_id
+from events.stack_run_events import RUNNING, child_run_id
+from infra.eventstore import LATEST
 from services.app import stack_runs as runs_app
 from services.app import stacks as stacks_app
 
@@ -65,8 +66,9 @@ async def fanout(workspaces: int, rounds: int) -> dict[str, Any]:
 
 
 async def _round(nc: Any, app: Any, pids: dict[str, int], n: int) -> dict[str, Any]:
-    """One stack run (a plan of every node); waits for every child queued, then cancels
-    them so the next round's are admitted at once too."""
+    """One stack run (a plan of every node): every child queued; then every child
+    canceled at once, until each end is recorded in the stack run (so that the next
+    round's children are admitted at once too, and each round is measured alone)."""
     async with Watch(nc, "run.created") as created, Watch(nc, "run.queued") as queued:
         cpu = {k: cpu_seconds(p) for k, p in pids.items() if p}
         t = time.perf_counter()
@@ -77,14 +79,33 @@ async def _round(nc: Any, app: Any, pids: dict[str, int], n: int) -> dict[str, A
         cpu = {k: cpu_seconds(pids[k]) - v for k, v in cpu.items()}
         made = max((created.seen[i] for i in ids if i in created.seen), default=t) - t
         done = max((queued.seen[i] for i in ids if i in queued.seen), default=t) - t
-    await gather_limited(n, 20, lambda i: _cancel(app, i, run.state.stack_run_id))
+    sid = run.state.stack_run_id
+    before = {k: cpu_seconds(p) for k, p in pids.items() if p}
+    t = time.perf_counter()
+    await gather_limited(n, 20, lambda i: _cancel(app, i, sid))
+    ended = await _all_ended(app, sid)
+    ends_s = time.perf_counter() - t
+    ends_cpu = {k: cpu_seconds(pids[k]) - v for k, v in before.items()}
     return {
         "all_created": ok_created,
         "all_queued": ok,
         "all_created_s": made,
         "all_queued_s": done,
         "cpu_ms_per_child": {k: v * 1000 / n for k, v in cpu.items()},
+        "all_ends_recorded": ended,
+        "ends_recorded_s": ends_s,
+        "cpu_ms_per_child_end": {k: v * 1000 / n for k, v in ends_cpu.items()},
     }
+
+
+async def _all_ended(app: Any, sid: str, timeout: float = 120) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = (await runs_app.load(app, ORG, sid, min_seq=LATEST)).state
+        if all(node.status != RUNNING for node in s.nodes.values()):
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 def _child_ids(stack_run_id: str, n: int) -> list[str]:

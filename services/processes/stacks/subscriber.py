@@ -24,6 +24,7 @@ once; an end delivered before its start was recorded records both (events/stack_
 from __future__ import annotations
 
 import asyncio
+import weakref
 from typing import Final
 
 import structlog
@@ -105,7 +106,7 @@ class StackRuns:
             log.warning("stack_node_refused", org=s.org, stack_run=s.stack_run_id, node=node,
                         reason=str(made))  # fmt: skip
             end = sr.RecordEnded(actor=ACTOR, node=node, run_id="", reason=str(made))
-            await runs_app.execute(self.app, s.org, s.stack_run_id, end)
+            await _recorded(self.app, s.org, s.stack_run_id, end)
             return
         if not made.existed:
             self.started += 1
@@ -113,7 +114,7 @@ class StackRuns:
         ended = str(child.status) if child.terminal else ""
         record = sr.RecordStarted(actor=ACTOR, node=node, run_id=run_id, attempt=attempt,
                                   ended_status=ended)  # fmt: skip
-        await runs_app.execute(self.app, s.org, s.stack_run_id, record)
+        await _recorded(self.app, s.org, s.stack_run_id, record)
         log.info("stack_node_started", org=s.org, stack_run=s.stack_run_id, node=node,
                  run_id=run_id, attempt=attempt, existed=made.existed)  # fmt: skip
 
@@ -132,9 +133,23 @@ async def child_ended(app: App, action: StackChild, status: str) -> None:
     """Record a stack run's child run's end (`status`: its terminal status)."""
     end = sr.RecordEnded(actor=ACTOR, node=action.ws, run_id=action.run_id, run_status=status)
     try:
-        await runs_app.execute(app, action.org, action.stack_run, end)
+        await _recorded(app, action.org, action.stack_run, end)
     except NotFound:  # no such stack run: a cause made up by no stack run
         log.warning("stack_child_orphan", org=action.org, run_id=action.run_id)
+
+
+# One writer at a time per stack run in this process: the ends of a level's children
+# arrive on as many lanes at once, and appended at once they collide at the expected
+# sequence, each loser reading the run again (100 children canceled together cost the
+# subscribers 19 ms of CPU each, against 3 ms for their starts). Replicas still collide
+# among themselves, rarely; the append's check keeps that correct.
+_writing: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+
+
+async def _recorded(app: App, org: str, stack_run_id: str, command: sr.StackRunCommand) -> None:
+    lock = _writing.setdefault(f"{org}.{stack_run_id}", asyncio.Lock())
+    async with lock:
+        await runs_app.execute(app, org, stack_run_id, command)
 
 
 def subscription(runs: StackRuns) -> Subscription:
