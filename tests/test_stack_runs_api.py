@@ -267,3 +267,37 @@ async def test_two_resumes_decided_at_once_land_once(nc: Any, app: App, process:
     s = (await runs_app.load(app, "resume2", sid)).state
     assert s.resumes == 1 and s.nodes["x"].attempt == 2
     assert len(gated.store.waited) == 2  # type: ignore[attr-defined]  # the race was real
+
+
+async def test_abort_cancels_the_running_children_and_the_run_ends_aborted(
+    app: App, process: Process
+) -> None:
+    """Policy `abort` on real NATS: x's failure makes the run aborting; the process
+    cancels y's and z's runs (still waiting for an executor here), their ends close the
+    run `aborted`, and w (after x) never starts."""
+    await organization(app, "ab", actor="test")
+    await workspaces(app, "x", "y", "z", "w", org="ab", actor="t", repository="https://e.com/r.git")
+    d = sk.Definition(workspaces=["w", "x", "y", "z"], edges=[sk.Edge(source="x", target="w")])
+    await stacks_app.create(app, "ab", "s", d, "alice")
+    ask = runs_app.Start(run_type="apply", failure_policy="abort")
+    sid = (await runs_app.start(app, "ab", "s", ask, "alice")).state.stack_run_id
+    runs = StackRuns(process().app)
+    await runs.advance("ab", sid)
+    x_run = child_run_id(sid, "x", 1)
+    await child_ended(app, StackChild(org="ab", ws="x", run_id=x_run, stack_run=sid), "failed")
+    s = (await runs_app.load(app, "ab", sid)).state
+    assert s.aborting and s.nodes["x"].status == "failed"
+    await runs.advance("ab", sid)  # cancels what runs
+    for ws in ("y", "z"):
+        run_id = child_run_id(sid, ws, 1)
+        child = (await app.load_run("ab", ws, run_id)).state
+        assert str(child.status) == "canceled", ws
+        await child_ended(
+            app, StackChild(org="ab", ws=ws, run_id=run_id, stack_run=sid), "canceled"
+        )
+    s = (await runs_app.load(app, "ab", sid)).state
+    assert s.status == "aborted" and not s.aborting
+    assert {n: v.status for n, v in s.nodes.items()} == {
+        "w": "waiting", "x": "failed", "y": "canceled", "z": "canceled",
+    }  # fmt: skip
+    assert await _runs_of(app, "ab", "w") == []
