@@ -33,7 +33,8 @@ AUDITED: Final = frozenset(
         "org.user_teams_synced", "org.vcs_connection_deleted", "org.vcs_connection_saved",
         "chat.slack_configured", "chat.slack_removed", "chat.slack_user_mapped",
         "chat.slack_user_unmapped", "org.audit_destination_saved",
-        "org.audit_destination_deleted",
+        "org.audit_destination_deleted", "org.stack_created", "org.stack_changed",
+        "org.stack_deleted", "org.stack_run_created", "org.stack_run_resumed",
     }
 )  # fmt: skip
 
@@ -48,7 +49,7 @@ H_REQUEST, H_CLIENT, H_VIA, H_ACTOR_KIND = (
 _NAMED: Final = (
     ("team", "team"), ("name", ""), ("user_id", "user"), ("token_id", "token"),
     ("connection_id", "vcs connection"), ("schedule_id", "schedule"), ("folder", "folder"),
-    ("destination_id", "audit destination"),
+    ("destination_id", "audit destination"), ("stack_run_id", "stack run"),
 )  # fmt: skip
 
 

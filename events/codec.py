@@ -14,6 +14,8 @@ from events.run import RunEvent
 from events.run_triggers import RunTriggerEvent
 from events.schedule import ScheduleEvent
 from events.sso import SsoEvent
+from events.stack_run_events import StackRunEvent
+from events.stacks import StackEvent
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
 from events.workspace import WorkspaceEvent
@@ -30,6 +32,8 @@ AnyEvent = (
     | ScheduleEvent
     | SsoEvent
     | AuditDestinationEvent
+    | StackEvent
+    | StackRunEvent
 )
 
 _encoder = msgspec.json.Encoder()

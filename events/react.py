@@ -38,7 +38,7 @@ from events import chat as ch
 from events import members as mb
 from events import run_triggers as rt
 from events import schedule as sc
-from events import sso, vcs
+from events import sso, stacks, vcs
 from events import teams as tm
 from events.codec import AnyEvent
 from events.folder import FolderCreated, FolderSettingsSet, OrgSettingsSet
@@ -77,6 +77,7 @@ from events.run import (
     StepFinished,
     StepStarted,
 )
+from events.stack_run_events import STACK_RUN_EVENTS, StackRunEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs_report import CommentClaimed, CommentLinked, RowSet, VcsReportEvent
 from events.workspace import (
@@ -191,13 +192,24 @@ class Follow(msgspec.Struct, frozen=True, kw_only=True):
     run_id: str
 
 
+class StackChild(msgspec.Struct, frozen=True, kw_only=True):
+    """A stack run's child run ended: its stack run records it (services/processes/stacks)."""
+
+    org: str
+    ws: str
+    run_id: str
+    stack_run: str
+
+
 class _Key(TypedDict):
     org: str
     ws: str
     run_id: str
 
 
-Action = Admit | Enqueue | AdmitSpeculative | Dispatch | Watch | Deadline | Notify | Follow
+Action = (
+    Admit | Enqueue | AdmitSpeculative | Dispatch | Watch | Deadline | Notify | Follow | StackChild
+)
 
 
 def react(event: AnyEvent, state: RunState | WorkspaceState | None) -> list[Action]:
@@ -256,6 +268,8 @@ OthersEvent = (
     | sc.ScheduleEvent
     | sso.SsoEvent
     | ads.AuditDestinationEvent
+    | stacks.StackEvent
+    | StackRunEvent
 )
 
 
@@ -278,8 +292,8 @@ _IDENTITY = (
 def _others_own(event: OthersEvent) -> bool:
     """Every other aggregate's event calls for nothing here: each is read by its own
     process, or by none."""
-    if isinstance(event, _IDENTITY):
-        return True
+    if isinstance(event, _IDENTITY) or isinstance(event, STACK_RUN_EVENTS):
+        return True  # a stack run's: its process reads its subject on each (processes/stacks)
     match event:
         case (
             OrgCreated()
@@ -329,6 +343,8 @@ def _others_own(event: OthersEvent) -> bool:
             return True
         case ads.DestinationSaved() | ads.DestinationDeleted():  # the audit streamer's own
             return True
+        case stacks.StackCreated() | stacks.StackChanged() | stacks.StackDeleted():
+            return True  # read by a stack run from its subject when it starts
         case _:
             assert_never(event)
 
@@ -413,8 +429,13 @@ def _dispatch(s: RunState, key: _Key) -> list[Action]:
 
 def _release(s: RunState) -> list[Action]:
     """An ended run gives its workspace back: an admission attempt releases it if its
-    writer did not live to, then admits the next. A speculative plan never held it."""
-    return [] if s.speculative else [Admit(org=s.org, ws=s.workspace)]
+    writer did not live to, then admits the next. A speculative plan never held it. A
+    stack run's child tells its stack run."""
+    out: list[Action] = [] if s.speculative else [Admit(org=s.org, ws=s.workspace)]
+    if s.cause is not None and s.cause.kind == "stack_run":
+        key = _Key(org=s.org, ws=s.workspace, run_id=s.run_id)
+        out.append(StackChild(**key, stack_run=s.cause.stack_run))
+    return out
 
 
 def _moved(s: RunState, key: _Key) -> list[Action]:

@@ -45,7 +45,9 @@ class Workspace(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # Every way a run starts (`Cause.kind`).
-CAUSE_KINDS = ("api", "cli", "ui", "vcs", "schedule", "run_trigger", "chat", "rerun")
+CAUSE_KINDS = (
+    "api", "cli", "ui", "vcs", "schedule", "run_trigger", "chat", "rerun", "stack_run",
+)  # fmt: skip
 
 
 class Cause(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -72,6 +74,10 @@ class Cause(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     source_run: str = ""
     # rerun
     rerun_of: str = ""
+    # stack_run (events/stack_runs.py): the stack, its run, and the node's attempt
+    stack: str = ""
+    stack_run: str = ""
+    attempt: int = 0
 
     def describe(self) -> str:
         """One line for people: `push of 1a2b3c4d on refs/heads/main (github)`."""
@@ -90,6 +96,8 @@ class Cause(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
                 return f"run trigger: run {self.source_run} of {self.source_workspace}"
             case "rerun":
                 return f"rerun of {self.rerun_of}{by}"
+            case "stack_run":
+                return f"stack {self.stack} run {self.stack_run} (attempt {self.attempt}){by}"
             case _:
                 return f"{self.kind}{by}"
 

@@ -38,6 +38,8 @@ from events.run import RunEvent, RunState, StepFinished, StepStarted, Workspace
 from events.run_triggers import RunTriggerEvent
 from events.schedule import ScheduleEvent
 from events.sso import SsoEvent
+from events.stack_run_events import StackRunEvent
+from events.stacks import StackEvent
 from events.templates import TemplateDeleted, TemplateSaved
 from events.vcs import VcsEvent
 from events.vcs_report import VcsReportEvent
@@ -63,6 +65,7 @@ from projections.chat import project_chat
 from projections.notifications import project_notification
 from projections.schedules import project_schedule
 from projections.schema import BY_NAME, Row
+from projections.stacks import project_stack
 from projections.state_versions import project_state_version
 from projections.vcs import forget_binding, project_binding, project_vcs
 from projections.working import Meta, RunView, Unprojectable, Working, iso, opt
@@ -451,4 +454,7 @@ FOLDS: dict[type, Callable[[Working, Meta, Any], None]] = {
     **{t: _audit_only for t in get_args(VcsReportEvent)},
     # audit destinations: the audit history only (the streamer reads their own subjects)
     **{t: _audit_only for t in get_args(AuditDestinationEvent)},
+    **{t: project_stack for t in get_args(StackEvent)},
+    # stack runs: the audit history only (the API reads each run's own subject)
+    **{t: _audit_only for t in get_args(StackRunEvent)},
 }

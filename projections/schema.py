@@ -265,6 +265,8 @@ SCHEDULE_FIRES = Table(  # every fire time a schedule handled (events/schedule.p
     "detail TEXT",
     "at TEXT",
 )
+STACKS = Table("stacks", ("org", "name"), "org TEXT NOT NULL", "name TEXT NOT NULL",  # stacks
+    "definition_json TEXT", "changed_at TEXT", "changed_by TEXT", "seq INTEGER")  # fmt: skip
 SLACK_APPS = Table(  # an organization's Slack app (events/chat.py); secrets sealed apart
     "slack_apps",
     ("org",),
@@ -383,6 +385,7 @@ TABLES: tuple[Table, ...] = (
     NOTIFICATIONS,
     NOTIFY_ATTEMPTS,
     SCHEDULE_FIRES,
+    STACKS,  # came without a bump too: no stack event is older than the table
     SLACK_APPS,
     SLACK_USERS,
     VCS_CONNECTIONS,

@@ -66,6 +66,10 @@ def _aggregate_of(subject: str) -> tuple[str, str | None, str | None, str | None
             return ("chat", org, None, None)
         case ["rp", "org", org, "run_triggers"]:  # events/run_triggers.py
             return ("triggers", org, None, None)
+        case ["rp", "org", org, "stack", _]:  # events/stacks.py
+            return ("stack", org, None, None)
+        case ["rp", "org", org, "stack_run", _]:  # events/stack_run_events.py
+            return ("stack_run", org, None, None)
         case _:
             return ("", None, None, None)
 

@@ -16,6 +16,8 @@ from events import members as mb
 from events import notification as nt
 from events import run_triggers as rt
 from events import schedule as sc
+from events import stack_run_events as srv
+from events import stacks as sk
 from events import teams as tm
 from events import vcs_report as vr
 from events.codec import AnyEvent, decode, encode, tag_of, valid_id
@@ -427,6 +429,41 @@ SAMPLES += [
     ads.DestinationDeleted(at=AT, actor="alice", destination_id="01jsiem"),
 ]
 
+SAMPLES += [
+    sk.StackCreated(
+        at=AT,
+        actor="alice",
+        name="prod",
+        definition=sk.Definition(
+            workspaces=["app", "net"], edges=[sk.Edge(source="net", target="app")]
+        ),
+    ),
+    sk.StackChanged(
+        at=AT, actor="alice", name="prod", definition=sk.Definition(workspaces=["net"])
+    ),
+    sk.StackDeleted(at=AT, actor="alice", name="prod"),
+    srv.StackRunCreated(
+        at=AT,
+        actor="alice",
+        stack_run_id="01jsr",
+        org="acme",
+        stack="prod",
+        run_type="apply",
+        definition=sk.Definition(workspaces=["net"]),
+        selected=["net"],
+        failure_policy="pause",
+    ),
+    srv.StackNodeStarted(at=AT, actor="p", node="net", run_id="01jr", attempt=1),
+    srv.StackNodeEnded(
+        at=AT, actor="p", node="net", run_id="01jr", run_status="failed", outcome="failed"
+    ),
+    srv.StackNodesSkipped(at=AT, actor="p", nodes=["app"], because_of="net"),
+    srv.StackRunPaused(at=AT, actor="p", node="net"),
+    srv.StackRunAborting(at=AT, actor="p", node="net", cancel=["01jr"]),
+    srv.StackRunResumed(at=AT, actor="bob", nodes=["net"]),
+    srv.StackRunEnded(at=AT, actor="p", status="completed"),
+]
+
 EVENT_TYPES = [
     *get_args(RunEvent),
     *get_args(WorkspaceEvent),
@@ -439,6 +476,8 @@ EVENT_TYPES = [
     *get_args(sc.ScheduleEvent),
     *get_args(sso.SsoEvent),
     *get_args(ads.AuditDestinationEvent),
+    *get_args(sk.StackEvent),
+    *get_args(srv.StackRunEvent),
 ]
 
 

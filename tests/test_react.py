@@ -667,6 +667,28 @@ def _samples() -> list[tuple[Any, Any]]:
             },
         },
         {"type": "org.audit_destination_deleted", "destination_id": "d1"},
+        # stacks (events/stacks.py): read by a stack run from their subjects
+        {"type": "org.stack_created", "name": "s", "definition": {"workspaces": ["a"]}},
+        {"type": "org.stack_changed", "name": "s", "definition": {"workspaces": ["a"]}},
+        {"type": "org.stack_deleted", "name": "s"},
+        # stack runs (events/stack_run_events.py): their process reads their subjects
+        {
+            "type": "org.stack_run_created",
+            "stack_run_id": "sr",
+            "org": "acme",
+            "stack": "s",
+            "run_type": "apply",
+            "definition": {"workspaces": ["a"]},
+            "selected": ["a"],
+            "failure_policy": "pause",
+        },
+        {"type": "org.stack_node_started", "node": "a", "run_id": "r", "attempt": 1},
+        {"type": "org.stack_node_ended", "node": "a", "run_id": "r", "outcome": "failed"},
+        {"type": "org.stack_nodes_skipped", "nodes": ["b"], "because_of": "a"},
+        {"type": "org.stack_run_paused", "node": "a"},
+        {"type": "org.stack_run_aborting", "node": "a", "cancel": ["r"]},
+        {"type": "org.stack_run_resumed", "nodes": ["a"]},
+        {"type": "org.stack_run_ended", "status": "completed"},
     ]
     for raw in org_events:
         out.append((msgspec.convert({"at": AT, "actor": "a", **raw}, AnyEvent), None))

@@ -87,7 +87,8 @@ async def test_the_registry_and_extra_modules_make_the_hosts_list(
     # would give these options the chat-ops subscriptions.
     opts = Options(data_dir=tmp_path)
     ctx = SubscriberContext(nc=nc, app=app, opts=opts, readmodel_path=tmp_path / "rm.sqlite")
-    assert [s.name for s in registry.subscriptions(ctx)] == ["notifications", "run-triggers"]
+    names = [s.name for s in registry.subscriptions(ctx)]
+    assert names == ["notifications", "run-triggers", "stack-runs"]
     monkeypatch.setenv(MODULES_ENV, f"{MODULE},{MODULE}")
     with pytest.raises(ConfigError, match="share a name"):
         all_subscriptions(ctx)
@@ -100,7 +101,7 @@ async def test_the_registry_and_extra_modules_make_the_hosts_list(
     monkeypatch.setenv(MODULES_ENV, MODULE)
     async with Host(ctx) as host:
         # chat-ops' subscriptions need the encryption key, which these options lack
-        assert host.names == ["notifications", "run-triggers", "test-probe"]
+        assert host.names == ["notifications", "run-triggers", "stack-runs", "test-probe"]
         await host.consumers[-1].ready.wait()
     info = await nc.jetstream().consumer_info(streams.EVENTS, "rp-sub-test-probe")
     assert info.config.filter_subjects == ["rp.run.>"]

@@ -15,7 +15,9 @@ from events import org as org_agg
 from events import run as run_agg
 from events import run_triggers as rt
 from events import schedule as sc
-from events import sso, vcs
+from events import sso, stacks, vcs
+from events import stack_run_events as sre
+from events import stack_runs as sr
 from events import workspace as ws_agg
 from services.app.execute import Aggregate
 
@@ -84,4 +86,16 @@ SSO: Aggregate[sso.SsoState, sso.SsoCommand] = Aggregate(
     initial=sso.INITIAL,
     fold=sso.fold,
     decide=lambda s, c, now, new_id: sso.decide(s, c, now=now, new_id=new_id),
+)
+STACK: Aggregate[stacks.StackState, stacks.StackCommand] = Aggregate(
+    name="stack",
+    initial=stacks.INITIAL,
+    fold=stacks.fold,
+    decide=lambda s, c, now, new_id: stacks.decide(s, c, now=now, new_id=new_id),
+)
+STACK_RUN: Aggregate[sre.StackRunState, sr.StackRunCommand] = Aggregate(
+    name="stack_run",
+    initial=sre.INITIAL,
+    fold=sr.fold,
+    decide=lambda s, c, now, new_id: sr.decide(s, c, now=now, new_id=new_id),
 )

@@ -41,6 +41,7 @@ from events.react import (
     Enqueue,
     Follow,
     Notify,
+    StackChild,
     Watch,
     quiet,
     react,
@@ -171,7 +172,7 @@ class Scheduler:
                 await watch.follow(self.nc, self.app, action)
             case Deadline(org=org, ws=ws, run_id=run_id):
                 await limits.follow(self.app, self.board, org, ws, run_id, pool=self.pool)
-            case Notify() | Follow():
+            case Notify() | Follow() | StackChild():
                 pass  # the subscribers' (services/processes/subscribers/)
 
     async def _admit(self, org: str, ws: str, hint: str = "", *, seq: int = 0) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from infra.consumer import Subscription
 from services.processes.chat import subscriber as chat
 from services.processes.notifications import subscriber as notifications
+from services.processes.stacks import subscriber as stack_runs
 from services.processes.subscribers.context import SubscriberContext
 from services.processes.triggers import subscriber as run_triggers
 from services.processes.vcs import report as vcs_report
@@ -25,4 +26,5 @@ def subscriptions(ctx: SubscriberContext) -> list[Subscription]:
         *chat.subscriptions(ctx),
         *vcs_report.subscriptions(ctx),
         *run_triggers.subscriptions(ctx),
+        *stack_runs.subscriptions(ctx),
     ]

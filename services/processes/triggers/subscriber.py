@@ -1,6 +1,10 @@
 """The run-triggers subscriber: an apply that changed something starts a run in each
 workspace that follows its workspace.
 
+It also records the end of a stack run's child run in its stack run (the `StackChild`
+actions: services/processes/stacks/subscriber.py), since it sees every run event with
+its state already: a consumer of its own would cost every run's events once more.
+
 It acts on the `Follow` actions of the reaction table (events/react.py: the event that
 ends a run `applied` having changed a resource), reads the organization's trigger graph
 as it was at that event (its stream sequence: the graph is on the same stream) and
@@ -22,12 +26,13 @@ from typing import Final, get_args
 import structlog
 
 from events.errors import DomainError, NotFound
-from events.react import Follow, react
+from events.react import Follow, StackChild, react
 from events.run import RunEvent, RunState
 from events.values import Cause
 from infra.consumer import Received, Subscription
 from infra.ids import derived_id
 from services.app.commands import App
+from services.processes.stacks.subscriber import child_ended
 from services.processes.subscribers.context import SubscriberContext
 from services.processes.triggers import graph
 
@@ -52,6 +57,8 @@ class Triggers:
         for action in react(r.event, r.state):
             if isinstance(action, Follow):
                 await self.follow(action, at=r.seq)
+            elif isinstance(action, StackChild):  # its stack run's (processes/stacks)
+                await child_ended(self.app, action, str(r.state.status))
 
     async def follow(self, action: Follow, *, at: int = 0) -> list[str]:
         """A run in each workspace that followed the action's when its run ended (stream

@@ -50,6 +50,8 @@ from services.surfaces.api import run_triggers as run_triggers_api
 from services.surfaces.api import schedules as schedules_api
 from services.surfaces.api import settings as settings_api
 from services.surfaces.api import sso as sso_api
+from services.surfaces.api import stack_runs as stack_runs_api
+from services.surfaces.api import stacks as stacks_api
 from services.surfaces.api import templates as templates_api
 from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.common import json_response
@@ -93,6 +95,8 @@ ROUTES = [
     *notifications_api.routes(ORG, WS),
     *run_triggers_api.routes(WS),
     *schedules_api.routes(WS),
+    *stacks_api.ROUTES,
+    *stack_runs_api.ROUTES,
     *chat.ROUTES,
     *sso_api.ROUTES,
     *vcs_api.routes(ORG),

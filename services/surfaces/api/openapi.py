@@ -34,6 +34,8 @@ from services.surfaces.api import run_triggers as run_triggers_api
 from services.surfaces.api import schedules as schedules_api
 from services.surfaces.api import settings as settings_api
 from services.surfaces.api import sso as sso_api
+from services.surfaces.api import stack_runs as stack_runs_api
+from services.surfaces.api import stacks as stacks_api
 from services.surfaces.api import templates as templates_api
 from services.surfaces.api import vcs as vcs_api
 from services.surfaces.api.bodies import BODIES
@@ -106,6 +108,8 @@ PARAMETERS: dict[str, Doc] = {
     **templates_api.PARAMETERS,
     **notifications_api.PARAMETERS,
     **schedules_api.PARAMETERS,
+    **stacks_api.PARAMETERS,
+    **stack_runs_api.PARAMETERS,
     **policies_api.PARAMETERS,
     **chat.PARAMETERS,
     **vcs_api.PARAMETERS,
@@ -420,6 +424,8 @@ PATHS: dict[str, Doc] = {
     **policies_api.PATHS,
     **notifications_api.PATHS,
     **schedules_api.PATHS,
+    **stacks_api.PATHS,
+    **stack_runs_api.PATHS,
     **chat.PATHS,
     **sso_api.PATHS,
     **vcs_api.PATHS,
@@ -476,6 +482,8 @@ def document() -> Doc:
                 **policies_api.SCHEMAS,
                 **notifications_api.SCHEMAS,
                 **schedules_api.SCHEMAS,
+                **stacks_api.SCHEMAS,
+                **stack_runs_api.SCHEMAS,
                 **chat.SCHEMAS,
                 **sso_api.SCHEMAS,
                 **whoami.SCHEMAS,

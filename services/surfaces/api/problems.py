@@ -64,6 +64,8 @@ KINDS: dict[str, tuple[int, str]] = {
     "policy-limit-exceeded": (422, "The policy passed the sandbox's memory or time cap"),
     "run-trigger-cycle": (422, "The run trigger would close a cycle"),
     "run-trigger-limit": (422, "A workspace would follow or be followed by too many"),
+    "stack-cycle": (422, "The stack's edges would close a cycle"),
+    "invalid-stack": (422, "The stack's definition breaks a rule (a node, an edge, a limit)"),
     "invalid-schedule": (422, "The schedule's cron, time zone, run type or template is invalid"),
     "schedule-limit-exceeded": (422, "The workspace has as many schedules as it may"),
     "idempotency-key-reused": (422, "The Idempotency-Key was used for another request"),

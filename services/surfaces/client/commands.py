@@ -30,13 +30,13 @@ from typing import Any
 
 from events.codec import valid_id
 from events.run import SUCCEEDED  # the core's: a run that ended well
-from services.surfaces.client import login, output
+from services.surfaces.client import login, output, stacks
 from services.surfaces.client.credentials import Login
 from services.surfaces.client.errors import ClientError
 from services.surfaces.client.http import Api
 from services.surfaces.client.output import short
 
-COMMANDS = frozenset({"login", "logout", "run", "workspace"})
+COMMANDS = frozenset({"login", "logout", "run", "workspace", "stack"})
 OK, RUN_FAILED, ERROR, NEEDS_APPROVAL, INTERRUPTED = 0, 1, 2, 3, 130
 UNSUCCESSFUL = frozenset({"failed", "canceled", "discarded"})
 ATTENTION = frozenset({"awaiting_approval"})
@@ -123,6 +123,7 @@ def add_parsers(sub: Any) -> None:
     wsub = ws.add_subparsers(dest="action", required=True, metavar="{list,show}")
     _leaf(wsub, "list", workspace_list, "the organization's workspaces")
     _leaf(wsub, "show", workspace_show, "one workspace").add_argument("workspace")
+    stacks.add_parsers(sub, _leaf)
 
 
 def _run_parsers(run: argparse.ArgumentParser) -> None:

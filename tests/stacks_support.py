@@ -1,0 +1,28 @@
+"""Helpers for the stack tests (tests/test_stacks.py, tests/test_stack_runs_api.py):
+an event store that lines up concurrent deciders. Holds no tests itself."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from infra.eventstore import Envelope, EventStore
+
+
+class Gate(EventStore):
+    """An event store whose first read of a subject holding `part` in each of `parties`
+    tasks waits for the others' (so each decides on the same state), once."""
+
+    def __init__(self, nc: Any, parties: int, part: str) -> None:
+        super().__init__(nc)
+        self.barrier = asyncio.Barrier(parties)
+        self.part = part
+        self.waited: set[int] = set()
+
+    async def read(self, subject: str, after: int = 0, *, min_seq: int = 0) -> list[Envelope]:
+        envs = await super().read(subject, after, min_seq=min_seq)
+        task = id(asyncio.current_task())
+        if self.part in subject and task not in self.waited:
+            self.waited.add(task)
+            await asyncio.wait_for(self.barrier.wait(), 10)
+        return envs
