@@ -121,6 +121,10 @@ API_BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("PUT", "/api/v1/orgs/{org}/folders/{folder}/access"): {"team": "network", "level": "read"},
     ("PUT", "/api/v1/orgs/{org}/workspaces/{ws}/access"): {"team": "network", "level": "plan"},
     ("PUT", "/api/v1/orgs/{org}/sso"): {"issuer": "https://idp.example", "client_id": "c"},
+    ("POST", "/api/v1/orgs/{org}/stacks"): {"name": "s2", "workspaces": ["net"]},
+    ("PUT", "/api/v1/orgs/{org}/stacks/{stack}"): {"workspaces": ["net"]},
+    ("POST", "/api/v1/orgs/{org}/stacks/{stack}/runs"): {"type": "plan"},
+    ("POST", "/api/v1/orgs/{org}/stack-runs/{stack_run}/resume"): {},
 }
 # Routes that write and read no body (a DELETE never does).
 API_NO_BODY = frozenset(
@@ -325,6 +329,8 @@ def _api_path(template: str, ids: dict[str, str]) -> str:
         connection=ids["connection"],
         team="network",
         user=user_id_of("bob@acme.io"),
+        stack="s1",
+        stack_run="01jstackrunofnone000000000",
     )
 
 
