@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ async def _through_runplane(client: Client, repo: Path, ws: str) -> dict[str, An
     """One apply run on a new workspace (fresh state, as by hand: 10 to create)."""
     await client.ok("POST", f"{V1}/workspaces", {"name": ws, "repository": str(repo)})
     await client.ok("PATCH", f"{V1}/workspaces/{ws}/settings", {"require_approval": False})
-    t = time.perf_counter()
+    t, wall = time.perf_counter(), time.time()
     run = await client.ok("POST", f"{V1}/workspaces/{ws}/runs", {"type": "apply"})
     wanted = {"applied", "failed", "awaiting_approval", "canceled", "discarded", "planned"}
     done = await client.wait_status("bench", run["id"], wanted, timeout=120)
@@ -120,7 +121,41 @@ async def _through_runplane(client: Client, repo: Path, ws: str) -> dict[str, An
         why = done.get("error_message") or done["status"]
         raise RuntimeError(f"the bench run ended {done['status']}: {why}")
     steps = await client.ok("GET", f"{V1}/runs/{run['id']}/steps")
-    return {"total": total, "steps": steps}
+    events = await client.ok("GET", f"{V1}/runs/{run['id']}/events")
+    marks = timeline(events, wall)
+    # to the run's last event (`applied`), by the events' own clock: the run's time
+    # without the poll's lag (the API stamps them on this machine)
+    to_end = marks[-1][1] if marks else total
+    return {"total": total, "to_applied": to_end, "steps": steps, "marks": marks}
+
+
+def timeline(events: Any, start: float) -> list[tuple[str, float]]:
+    """Each of the run's events (`type`, with its step) and its time since `start`
+    (seconds of the epoch, the create request's)."""
+    items = events.get("items", []) if isinstance(events, dict) else events
+    out = []
+    for e in items or []:
+        data = e.get("data") or {}
+        name = e["type"].removeprefix("run.")
+        if data.get("step"):
+            name += f" {data['step']}"
+        elif data.get("phase"):
+            name += f" {data['phase']}"
+        at = datetime.fromisoformat(str(e["at"]).replace("Z", "+00:00")).timestamp()
+        out.append((name, at - start))
+    return out
+
+
+def gaps(rounds: list[list[tuple[str, float]]]) -> dict[str, float]:
+    """The median time from each event to the next (`a -> b`) over the rounds, in order:
+    the run's hand-offs and each step's cost, where its wall time goes."""
+    seen: dict[str, list[float]] = {}
+    for marks in rounds:
+        prev, at = "request", 0.0
+        for name, t in marks:
+            seen.setdefault(f"{prev} -> {name}", []).append(t - at)
+            prev, at = name, t
+    return {k: round(statistics.median(v), 4) for k, v in seen.items()}
 
 
 def tree_cpu(pid: int) -> float:
@@ -228,6 +263,12 @@ async def overhead(rounds: int = 5, isolation: str = "auto") -> dict[str, Any]:
         # git, Terraform and the sandbox): what load distorts least
         "by_hand_cpu_median_s": statistics.median(h["cpu"] for h in hand),
         "runplane_cpu_median_s": statistics.median(o["cpu"] for o in ours),
+        # the run's time to its last event, by the events' clock (no poll lag)
+        "runplane_to_applied_median_s": statistics.median(o["to_applied"] for o in ours),
+        "paired_ratio_to_applied_median": statistics.median(
+            o["to_applied"] / h["total"] for h, o in zip(hand, ours, strict=True)
+        ),
+        "runplane_gaps_median_s": gaps([o["marks"] for o in ours]),
         "by_hand_steps_median_s": {
             k: statistics.median(h[k] for h in hand) for k in ("clone", "init", "plan", "apply")
         },

@@ -212,10 +212,16 @@ class Reporter:
 class ApplyOutput(Output):
     """`Output` that also follows the resources through the apply and reports them."""
 
-    def __init__(self, tracker: Tracker, reporter: Reporter) -> None:
+    def __init__(
+        self, tracker: Tracker, reporter: Reporter, planned: asyncio.Future[dict[str, str]]
+    ) -> None:
         super().__init__()
         self.tracker = tracker
         self.reporter = reporter
+        # The plan's changes, read while Terraform starts: until they are known, a
+        # diagnostic (which may name a planned resource) waits, in order, for them.
+        self.planned = planned
+        self._held: list[dict[str, Any]] | None = []
 
     def feed(self, line: str) -> None:
         super().feed(line)
@@ -225,7 +231,24 @@ class ApplyOutput(Output):
             except ValueError:
                 return
             if isinstance(record, dict):
-                self.reporter.send(self.tracker.take(record))
+                self._take(record)
+
+    def _take(self, record: dict[str, Any]) -> None:
+        if self._held is not None and self.planned.done():
+            self.known(self.planned.result())
+        if self._held is not None and (self._held or record.get("type") == "diagnostic"):
+            self._held.append(record)
+            return
+        self.reporter.send(self.tracker.take(record))
+
+    def known(self, planned: dict[str, str]) -> None:
+        """The plan's changes are known: what waited for them is taken now."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        self.tracker.planned = planned
+        for record in held:
+            self.reporter.send(self.tracker.take(record))
 
     def error_text(self) -> str:
         """Errors that belong to no resource, else the failed resources' errors."""
@@ -252,12 +275,17 @@ async def planned_changes(job: Job) -> dict[str, str]:
 
 @asynccontextmanager
 async def track(job: Job) -> AsyncIterator[ApplyOutput]:
-    """An `ApplyOutput` for the apply; on the way out, the final reports are sent."""
-    tracker = Tracker(await planned_changes(job))
+    """An `ApplyOutput` for the apply; on the way out, the final reports are sent. The
+    plan's changes are read while Terraform starts, not before it (they are needed only
+    for a diagnostic, which Terraform 1.0 prints once the apply has ended, and for what
+    never started: both wait for them)."""
+    planned = asyncio.ensure_future(planned_changes(job))  # never raises
+    tracker = Tracker({})
     reporter = Reporter(job)
-    out = ApplyOutput(tracker, reporter)
+    out = ApplyOutput(tracker, reporter, planned)
     try:
         yield out
     finally:
+        out.known(await asyncio.shield(planned))
         reporter.send(tracker.finish())
         await reporter.close()

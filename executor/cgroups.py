@@ -225,12 +225,31 @@ def _make(h: Hierarchy, scope: str) -> Path:
         path = path / part
         with contextlib.suppress(FileExistsError):
             path.mkdir(mode=0o755)
+        if part == TOP and h.controller == "cpus":
+            _weigh(path, h.version)
         if h.version == 2:
             enabled = (path.parent / "cgroup.subtree_control").read_text().split()
             wanted = [f"+{c}" for c in ("memory", "pids", "cpu") if c in enabled]
             with contextlib.suppress(OSError):
                 (path / "cgroup.subtree_control").write_text(" ".join(wanted))
     return path
+
+
+def job_weight(version: int, cores: int | None = None) -> int:
+    """The CPU weight of the group all jobs of the host share (`runplane/`): that of one
+    busy process per core. A group weighs as one process against those outside it (by
+    default), so every phase of every executor would share one process's turn on a busy
+    host: a Terraform run by hand, outside, got twice as much CPU as the same one
+    sandboxed at a load of 5 (bench/README.md, overhead). No phase gets more than its
+    quota (`--job-cpus`) either way."""
+    n = max(1, cores or os.cpu_count() or 1)
+    return 1024 * n if version == 1 else min(10_000, 100 * n)
+
+
+def _weigh(top: Path, version: int) -> None:
+    name = "cpu.shares" if version == 1 else "cpu.weight"
+    with contextlib.suppress(OSError):  # not ours to weigh (a delegated v2 parent): as is
+        (top / name).write_text(str(job_weight(version)))
 
 
 def kill_group(path: Path) -> int:

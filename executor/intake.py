@@ -226,15 +226,8 @@ class Intake:
             self._held.discard(taken.seq)
 
     async def _claim(self, taken: Taken, d: Dispatch, start: StartJob) -> Job | None:
-        lease_id = new_id()
-        claim = ClaimPhase(
-            actor=f"executor:{self.executor_id}",
-            phase=d.phase,
-            lease_id=lease_id,
-            executor_id=self.executor_id,
-        )
         try:
-            result = await self.app.run_command(d.org, d.workspace, d.run_id, claim)
+            claimed = await self._claimed(d)
         except DomainError as e:
             if e.retryable:
                 self._put_off(taken, 1)
@@ -247,13 +240,55 @@ class Intake:
             self._put_off(taken, 2)
             return None
         await self.drop(taken)  # the claim is ours even if this delete is lost: run it
+        return await self._started(d, claimed, start)
+
+    async def claim_next(self, d: Dispatch, start: StartJob) -> Job | None:
+        """Claim at once the phase `d` of a run whose previous phase just ended here and
+        left it waiting (a plan that needs no approval, then its apply): no round trip
+        through the scheduler's dispatch and the pool's queue. Only while no other
+        organization's phases wait in the pool (their turn would come first, as
+        executor/turns.py has it) and we are not stopping. The dispatch the scheduler
+        publishes meanwhile finds the phase claimed and is dropped (`_claim`), whichever
+        executor takes it. None: not claimed here; the phase goes the usual way."""
+        if self._stopping.is_set():
+            return None
+        try:
+            waiting = await self._waiting(asyncio.get_running_loop().time())
+            if any(org != d.org and n > 0 for org, n in waiting.counts.items()):
+                return None
+            claimed = await self._claimed(d)
+        except DomainError as e:  # claimed by another, or no longer waiting: theirs
+            log.info("next_phase_not_claimed", why=e.code, detail=str(e))
+            return None
+        except Exception as e:  # the dispatch brings it back
+            log.warning("next_phase_not_claimed", error=repr(e))
+            return None
+        return await self._started(d, claimed, start)
+
+    async def _claimed(self, d: Dispatch) -> tuple[str, RunState]:
+        """Append the claim of `d`'s phase under a fresh lease: (lease, the run then)."""
+        lease_id = new_id()
+        claim = ClaimPhase(
+            actor=f"executor:{self.executor_id}",
+            phase=d.phase,
+            lease_id=lease_id,
+            executor_id=self.executor_id,
+        )
+        result = await self.app.run_command(d.org, d.workspace, d.run_id, claim)
+        return lease_id, result.state
+
+    async def _started(
+        self, d: Dispatch, claimed: tuple[str, RunState], start: StartJob
+    ) -> Job | None:
+        """The claimed phase's Job; if it cannot be had, the claimed run fails now."""
+        lease_id, state = claimed
         log.info("phase_claimed", lease_id=lease_id)
         try:
-            return start(d, lease_id, result.state)
+            return start(d, lease_id, state)
         except Exception as e:  # no directory or identity for it: the claimed run fails now
             log.exception("phase_not_started", lease_id=lease_id)
             cmd = FailRun(
-                actor=claim.actor,
+                actor=f"executor:{self.executor_id}",
                 lease_id=lease_id,
                 reason="executor_unavailable",
                 message=f"executor {self.executor_id} could not start the phase: {e}",

@@ -85,6 +85,7 @@ class Job:
     # The phase's providers came from the host's cache (executor/providerphase.py): its
     # `.terraform` links into the phase's own mirror, gone with the phase
     providers_cached: bool = False
+    after: RunState | None = None  # the run as the phase's last report left it
 
     def now(self) -> datetime:
         return self.tools.app.clock()
@@ -95,9 +96,10 @@ class Job:
         Its free text is masked on the way (`executor.output.masked_command`): every
         report of the executor goes through here, so nothing reaches an event unmasked."""
         ctx = self.ctx
-        await self.tools.app.run_command(
+        done = await self.tools.app.run_command(
             ctx.org, ctx.ws, ctx.run_id, masked_command(self.tools.masker, command)
         )
+        self.after = done.state
 
     async def show_plan(self) -> dict[str, Any]:
         """`terraform show -json` of the phase's saved plan (executor/changes.py)."""

@@ -372,8 +372,9 @@ class Executor:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(ending.wait(), self.grace_period)
                 job = await self.intake.claim(msg, d, self._job)
-                if job is not None:
+                while job is not None:
                     await self.runner.execute(job)
+                    job = await self._next_phase(job)
         except Exception:
             log.exception("dispatch_handling_failed")
         finally:
@@ -382,6 +383,21 @@ class Executor:
                 await self.runner.removed(MAX_REMOVALS)
             finally:
                 self._slots.release()
+
+    async def _next_phase(self, job: Job) -> Job | None:
+        """The apply of the plan that just ended here, claimed at once in the same slot if
+        the plan left the run waiting for it (no approval needed) and its checkout was
+        kept warm (executor/intake.py `claim_next`); else None: it is dispatched."""
+        after, ctx = job.after, job.ctx
+        if ctx.phase != "plan" or job.warm is None or after is None or self.runner.warm is None:
+            return None
+        if after.status != Status.APPLY_QUEUED or after.waiting_phase != "apply":
+            return None
+        if all(kept.run_id != ctx.run_id for kept in self.runner.warm.runs()):
+            return None  # not kept (refused): the apply goes cold, anywhere
+        d = Dispatch(org=ctx.org, workspace=ctx.ws, run_id=ctx.run_id, phase="apply")
+        with structlog.contextvars.bound_contextvars(phase="apply"):
+            return await self.intake.claim_next(d, self._job)
 
     def _warm_start(self, d: Dispatch, run: RunState, root: Path) -> bool:
         """Move the checkout its plan left here into the apply's directory, if it was

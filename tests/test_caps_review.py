@@ -19,6 +19,7 @@ from events.run import RunState, Workspace
 from events.templates import SaveTemplate, TemplateStep
 from executor import Executor
 from executor.caps import JobCaps
+from executor.cgroups import TOP
 from executor.diskuse import walk
 from executor.errors import IsolationError
 from executor.isolation import Isolation, Jail
@@ -271,6 +272,28 @@ async def test_a_phase_uses_no_more_cores_than_its_cpus_cap(
     throttled = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
     assert int(throttled["nr_throttled"]) > 0, throttled
     assert jail.limits.group.cpu_seconds() < 3 * 0.1 + 0.5
+
+
+def test_the_jobs_weigh_on_the_cpu_as_one_busy_process_per_core(
+    tmp_path: Path, jails: list[Jail]
+) -> None:
+    """The group every phase of the host sits under (`runplane/`) weighs one busy process
+    per core against the processes outside it (main: one process, whatever the number
+    of phases, so a sandboxed Terraform got half the CPU of the same one run by hand at
+    a load of 5: bench/README.md, overhead). Its own quota still holds (above)."""
+    jail = _jail(tmp_path, JobCaps())
+    jails.append(jail)
+    assert jail.limits is not None and jail.limits.group is not None
+    group = jail.limits.group.dirs.get("cpus")
+    if group is None:
+        pytest.skip("no cgroup cpu controller on this host")
+    top = group.parent.parent  # runplane/<scope>/<phase>
+    assert top.name == TOP
+    cores = os.cpu_count() or 1
+    if jail.limits.group.version["cpus"] == 1:
+        assert (top / "cpu.shares").read_text().strip() == str(1024 * cores)
+    else:
+        assert (top / "cpu.weight").read_text().strip() == str(min(10_000, 100 * cores))
 
 
 SEMAPHORES = (

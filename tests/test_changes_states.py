@@ -3,6 +3,8 @@ projection's rows from the events. Records have the shapes Terraform 1.0.3 print
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -19,7 +21,7 @@ from events.run import (
     RunCommand,
 )
 from events.values import ResourceChange
-from executor.applystate import UNFINISHED, Report, Tracker
+from executor.applystate import UNFINISHED, ApplyOutput, Report, Reporter, Tracker
 from projections.changes import current_state
 from tests.projection_support import CREATE, SUBJECT, Stream, decide_all
 
@@ -139,6 +141,42 @@ def test_a_resource_that_fails_before_it_starts_is_failed_only() -> None:
     (failed,) = feed(t, diagnostic("Provider configuration not present", "a.x"))
     assert (failed.action, failed.state) == ("update", "failed")
     assert t.finish() == []
+
+
+class _Sent(Reporter):
+    """The reports in the order the apply's output sends them (no run to send them to)."""
+
+    def __init__(self) -> None:
+        self.sent: list[Report] = []
+
+    def send(self, reports: list[Report]) -> None:
+        self.sent += reports
+
+
+async def test_the_apply_reads_the_plans_changes_beside_terraform_and_a_diagnostic_waits() -> None:
+    """The plan's changes are read while Terraform starts (executor/applystate.py
+    `track`): hooks go out at once, but a diagnostic naming a planned resource waits for
+    them (read first, it would be the run's error, not the resource's) and so does all
+    that follows it, in order."""
+    planned: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
+    sent = _Sent()
+    out = ApplyOutput(Tracker({}), sent, planned)
+
+    def line(record: dict[str, Any]) -> str:  # as Terraform prints it
+        return json.dumps(record, separators=(",", ":"))
+
+    out.feed(line(hook("apply_start", "a.x", "update")))
+    assert sent.sent == [Report("a.x", "update", "applying")]
+    out.feed(line(diagnostic("boom", "a.x")))
+    out.feed(line(hook("apply_errored", "a.x", "update")))
+    assert len(sent.sent) == 1  # held until the changes are known
+    planned.set_result({"a.x": "update", "a.y": "create"})
+    out.feed(line(hook("apply_start", "a.y", "create")))
+    assert sent.sent[1:] == [
+        Report("a.x", "update", "failed", "Error: boom\ndetails"),
+        Report("a.y", "create", "applying"),
+    ]
+    assert out.tracker.run_error() == "a.x: Error: boom\ndetails"
 
 
 def test_an_error_after_completion_fails_the_resource() -> None:
