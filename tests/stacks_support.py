@@ -1,5 +1,6 @@
 """Helpers for the stack tests (tests/test_stacks.py, tests/test_stack_runs_api.py):
-an event store that lines up concurrent deciders. Holds no tests itself."""
+the stack of four, and an event store that lines up concurrent deciders. Holds no
+tests itself."""
 
 from __future__ import annotations
 
@@ -7,6 +8,18 @@ import asyncio
 from typing import Any
 
 from infra.eventstore import Envelope, EventStore
+
+# A diamond: a first; b and c on a; d on b and c (issue 27's stack of four)
+DIAMOND: dict[str, Any] = {
+    "name": "prod",
+    "workspaces": ["a", "b", "c", "d"],
+    "edges": [
+        {"source": "a", "target": "b"},
+        {"source": "a", "target": "c"},
+        {"source": "b", "target": "d"},
+        {"source": "c", "target": "d"},
+    ],
+}
 
 
 class Gate(EventStore):

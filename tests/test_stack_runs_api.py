@@ -21,23 +21,11 @@ from tests.access_support import person
 from tests.api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 from tests.bootstrap_support import Process
 from tests.builders import organization, workspaces
-from tests.stacks_support import Gate
+from tests.stacks_support import DIAMOND, Gate
 
 
 def _p(org: str) -> str:
     return f"/api/v1/orgs/{org}"
-
-
-DIAMOND = {
-    "name": "prod",
-    "workspaces": ["a", "b", "c", "d"],
-    "edges": [
-        {"source": "a", "target": "b"},
-        {"source": "a", "target": "c"},
-        {"source": "b", "target": "d"},
-        {"source": "c", "target": "d"},
-    ],
-}
 
 
 async def _stack(http: Http, org: str) -> dict[str, str]:

@@ -25,7 +25,7 @@ from tests.bootstrap_support import Process
 from tests.builders import organization, workspaces
 from tests.gwt import NOW, Aggregate, given
 from tests.projection_support import settle
-from tests.stacks_support import Gate
+from tests.stacks_support import DIAMOND, Gate
 
 STACK = Aggregate(initial=sk.INITIAL, decide=sk.decide, evolve=sk.evolve)
 
@@ -165,16 +165,7 @@ def _p(org: str, name: str = "") -> str:
     return f"/api/v1/orgs/{org}/stacks" + (f"/{name}" if name else "")
 
 
-BODY = {
-    "name": "prod",
-    "workspaces": ["a", "b", "c", "d"],
-    "edges": [
-        {"source": "a", "target": "b"},
-        {"source": "a", "target": "c"},
-        {"source": "b", "target": "d"},
-        {"source": "c", "target": "d"},
-    ],
-}
+BODY = DIAMOND
 
 
 async def test_the_api_creates_shows_lists_changes_and_deletes_a_stack(http: Http) -> None:
