@@ -65,6 +65,7 @@ class Window:
         self.received: Counter[str] = Counter()
         self.profile: cProfile.Profile | None = None
         self.cpu0 = 0.0
+        self.times0 = os.times()
         self.t0 = 0.0
         self.open = False
         self.gc_s = [0.0, 0.0, 0.0]  # the collector's time by generation, in the window
@@ -85,6 +86,7 @@ class Window:
         self.received.clear()
         self.gc_s, self.gc_n = [0.0, 0.0, 0.0], [0, 0, 0]
         self.cpu0, self.t0, self.open = _cpu(), time.monotonic(), True
+        self.times0 = os.times()
         if self.mode == "cprofile":
             self.profile = cProfile.Profile(time.thread_time)  # CPU, not wall
             self.profile.enable()
@@ -98,14 +100,17 @@ class Window:
             "sent": dict(self.sent.most_common()),
             "received": dict(self.received.most_common()),
             "cpu_s": _cpu() - self.cpu0,
+            "user_s": os.times().user - self.times0.user,
+            "system_s": os.times().system - self.times0.system,
             "wall_s": time.monotonic() - self.t0,
             "gc_s": self.gc_s,
             "gc_collections": self.gc_n,
             "gc_objects": len(gc.get_objects()),
         }
         self.open = False
-        with open(self.out + ".json", "w") as f:
+        with open(self.out + ".part", "w") as f:
             json.dump(body, f, indent=1)
+        os.replace(self.out + ".part", self.out + ".json")  # whole when the bench sees it
 
 
 def _cpu() -> float:

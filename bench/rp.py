@@ -142,7 +142,7 @@ async def profile_window(pids: list[int], outs: list[str], runs: int) -> dict[st
         os.kill(pid, signal.SIGUSR2)
     sent: dict[str, float] = {}
     received: dict[str, float] = {}
-    cpu = 0.0
+    cpu = user = system = 0.0
     gc_s = [0.0, 0.0, 0.0]
     gc_n = [0, 0, 0]
     for out in outs:
@@ -154,6 +154,8 @@ async def profile_window(pids: list[int], outs: list[str], runs: int) -> dict[st
         body = json.loads(path.read_text())
         path.unlink()
         cpu += body["cpu_s"]
+        user += body["user_s"]
+        system += body["system_s"]
         for g in range(3):
             gc_s[g] += body["gc_s"][g]
             gc_n[g] += body["gc_collections"][g]
@@ -166,6 +168,8 @@ async def profile_window(pids: list[int], outs: list[str], runs: int) -> dict[st
         "sent_total_per_run": sum(sent.values()),
         "received_total_per_run": sum(received.values()),
         "cpu_ms_per_run": cpu * 1000 / runs,
+        "user_ms_per_run": user * 1000 / runs,
+        "system_ms_per_run": system * 1000 / runs,
         "gc_ms_per_run_by_generation": [t * 1000 / runs for t in gc_s],
         "gc_collections": gc_n,
         "profiles": [o + ".prof" for o in outs if Path(o + ".prof").exists()],
