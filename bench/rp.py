@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import math
 import os
 import re
+import signal
 import subprocess
 import tempfile
 import time
@@ -34,6 +36,7 @@ from services.app.openruns import Limits, OpenRuns
 from . import history, raw
 from .common import (
     PY,
+    ROOT,
     Firehose,
     Sizes,
     child_env,
@@ -115,15 +118,81 @@ class Watch:
                 pass
 
 
+_profiled = itertools.count()
+PROFILED: dict[int, str] = {}  # pid -> its bench/profiled.py output, without suffix
+
+
+def profiled(command: str) -> tuple[str, str] | None:
+    """(the output's path without suffix, `count` or `cprofile`) if `command`'s process
+    runs under bench/profiled.py (`RP_BENCH_PROFILE`), else None."""
+    mode = os.environ.get("RP_BENCH_PROFILE", "")
+    if mode not in ("count", "cprofile"):
+        return None
+    if command not in os.environ.get("RP_BENCH_PROFILE_OF", "executor").split(","):
+        return None
+    where = Path(os.environ.get("RP_BENCH_PROFILE_DIR", "") or tempfile.gettempdir())
+    where.mkdir(parents=True, exist_ok=True)
+    return str(where / f"{command}-{os.getpid()}-{next(_profiled)}"), mode
+
+
+async def profile_window(pids: list[int], outs: list[str], runs: int) -> dict[str, Any]:
+    """End the window of processes under bench/profiled.py (SIGUSR2) and sum what they
+    counted: messages per run by kind, sent and received, and their CPU per run."""
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR2)
+    sent: dict[str, float] = {}
+    received: dict[str, float] = {}
+    cpu = user = system = 0.0
+    gc_s = [0.0, 0.0, 0.0]
+    gc_n = [0, 0, 0]
+    for out in outs:
+        path = Path(out + ".json")
+        for _ in range(100):
+            if path.exists():
+                break
+            await asyncio.sleep(0.05)
+        body = json.loads(path.read_text())
+        path.unlink()
+        cpu += body["cpu_s"]
+        user += body["user_s"]
+        system += body["system_s"]
+        for g in range(3):
+            gc_s[g] += body["gc_s"][g]
+            gc_n[g] += body["gc_collections"][g]
+        for mine, theirs in ((sent, body["sent"]), (received, body["received"])):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0.0) + v / runs
+    return {
+        "sent_per_run": dict(sorted(sent.items(), key=lambda kv: -kv[1])),
+        "received_per_run": dict(sorted(received.items(), key=lambda kv: -kv[1])),
+        "sent_total_per_run": sum(sent.values()),
+        "received_total_per_run": sum(received.values()),
+        "cpu_ms_per_run": cpu * 1000 / runs,
+        "user_ms_per_run": user * 1000 / runs,
+        "system_ms_per_run": system * 1000 / runs,
+        "gc_ms_per_run_by_generation": [t * 1000 / runs for t in gc_s],
+        "gc_collections": gc_n,
+        "profiles": [o + ".prof" for o in outs if Path(o + ".prof").exists()],
+    }
+
+
 @asynccontextmanager
 async def runplane_process(
     command: str, url: str, data_dir: Path, ready: str, env: dict[str, str], *extra: str
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
-    """`python -m services.root.cli <command>` against our server, until it prints `ready`."""
+    """`python -m services.root.cli <command>` against our server, until it prints `ready`.
+
+    `RP_BENCH_TREE`: the runplane tree the process runs (default this one: a paired
+    benchmark runs the tree before under the same harness). `RP_BENCH_PROFILE`
+    (`count` or `cprofile`) with `RP_BENCH_PROFILE_OF` (default `executor`): such
+    processes run under bench/profiled.py, their output in `RP_BENCH_PROFILE_DIR`."""
+    tree = os.environ.get("RP_BENCH_TREE", "") or str(ROOT)
+    argv = [PY, "-m", "services.root.cli"]
+    how = profiled(command)
+    if how is not None:
+        argv = [PY, str(ROOT / "bench" / "profiled.py"), how[0], how[1], "services.root.cli"]
     proc = await asyncio.create_subprocess_exec(
-        PY,
-        "-m",
-        "services.root.cli",
+        *argv,
         command,
         "--nats-url",
         url,
@@ -132,11 +201,14 @@ async def runplane_process(
         "--log-format",
         "json",
         *extra,
-        env=child_env(**nats_env(url), **env),
+        env=child_env(**nats_env(url), **env, PYTHONPATH=tree),
+        cwd=tree,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
     )
     assert proc.stdout is not None
+    if how is not None:
+        PROFILED[proc.pid] = how[0]
     try:
         line = ""
         async with asyncio.timeout(60):
@@ -503,6 +575,7 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                     )
                 )
                 executors = []
+                watched = profiled("executor") is not None
                 for k in range(sizes.lifecycle_executors):
                     proc, _ = await stack.enter_async_context(
                         runplane_process(
@@ -527,6 +600,10 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                     return sum(cpu_seconds(p, children_only=True) for p in executors)
 
                 first = await last_seq(nc)
+                outs = [PROFILED[pid] for pid in executors if pid in PROFILED]
+                if watched:  # bench/profiled.py: the window opens (counters, profiler)
+                    for pid in executors:
+                        os.kill(pid, signal.SIGUSR1)
                 cpu0, kids0 = cpu(), children()
                 t0 = time.perf_counter()
                 created = await gather_limited(
@@ -543,6 +620,7 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
                         await asyncio.wait_for(changed.wait(), 1.0)
                 t_end = max((released[r][0] for r in runs if r in released), default=t0)
                 cpu1, kids1 = cpu(), children()
+                window = await profile_window(executors, outs, n) if watched else None
                 await asyncio.sleep(0.5)
                 events = await last_seq(nc) - first
             await sub.unsubscribe()
@@ -567,4 +645,5 @@ async def lifecycle(sizes: Sizes) -> dict[str, Any]:
         "runs_per_s": len(done) / span if span > 0 else 0.0,
         "cpu_ms_per_run": {k: (cpu1[k] - cpu0[k]) * 1000 / n for k in cpu0},
         "executor_children_cpu_ms_per_run": (kids1 - kids0) * 1000 / n,
+        **({"executor_messages": window} if window is not None else {}),
     }

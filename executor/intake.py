@@ -36,6 +36,38 @@ LEGACY_EVERY = 60.0  # seconds between looks at the pool's subject of older vers
 StartJob = Callable[[Dispatch, str, RunState], Job]
 
 
+class _ApiError(msgspec.Struct, frozen=True):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _Counts(msgspec.Struct, frozen=True):
+    subjects: dict[str, int] | None = None
+
+
+class _Info(msgspec.Struct, frozen=True):
+    """What a pool's count needs of a stream info: the messages by subject."""
+
+    state: _Counts | None = None
+    error: _ApiError | None = None
+
+
+_info = msgspec.json.Decoder(_Info)
+
+
+async def waiting_by_subject(nc: NATS, subjects: str, timeout: float = 5.0) -> dict[str, int]:
+    """The dispatch stream's messages by subject among `subjects` (a filter), as its
+    leader counts them: a stream info decoded for its counts alone (nats-py's
+    `stream_info` builds the whole configuration each time, twice the CPU)."""
+    req = msgspec.json.encode({"subjects_filter": subjects})
+    reply = await nc.request(f"$JS.API.STREAM.INFO.{DISPATCH}", req, timeout=timeout)
+    info = _info.decode(reply.data)
+    if info.error is not None:
+        raise nats.js.errors.APIError.from_error(msgspec.structs.asdict(info.error))
+    return dict(info.state.subjects or {}) if info.state is not None else {}
+
+
 class Taken(msgspec.Struct, frozen=True):
     """A dispatch message as read from the pool's queue: it stays there until the claim
     it calls for is decided (`Intake.claim`), so an executor killed before then leaves
@@ -135,13 +167,10 @@ class Intake:
         """This pool's waiting phases by organization (only its own subjects: another
         pool's, however many, cost nothing here); the pool's own subject, of versions
         before organizations took turns, looked at once every LEGACY_EVERY seconds."""
-        info = await self.js.stream_info(DISPATCH, subjects_filter=pool_subjects(self.pool))
-        subjects = dict(info.state.subjects or {})
+        subjects = await waiting_by_subject(self.nc, pool_subjects(self.pool))
         if now - self._legacy_at >= LEGACY_EVERY:
             self._legacy_at = now
-            own = dispatch_subject(self.pool)
-            old = await self.js.stream_info(DISPATCH, subjects_filter=own)
-            subjects.update(old.state.subjects or {})
+            subjects.update(await waiting_by_subject(self.nc, dispatch_subject(self.pool)))
         return Waiting.of(subjects, dispatch_subject(self.pool))
 
     async def _take(self) -> Taken | None:

@@ -94,11 +94,13 @@ class Job:
         """Append a command to the run; raises StaleLease once the lease is not current.
 
         Its free text is masked on the way (`executor.output.masked_command`): every
-        report of the executor goes through here, so nothing reaches an event unmasked."""
+        report of the executor goes through here, so nothing reaches an event unmasked.
+        A report that ends the run leaves its workspace to the scheduler, whose admission
+        attempt on the run's end releases it (`release=False`): the executor's own
+        release raced that one and mostly lost (a conflict, two more reads)."""
         ctx = self.ctx
-        done = await self.tools.app.run_command(
-            ctx.org, ctx.ws, ctx.run_id, masked_command(self.tools.masker, command)
-        )
+        masked = masked_command(self.tools.masker, command)
+        done = await self.tools.app.run_command(ctx.org, ctx.ws, ctx.run_id, masked, release=False)
         self.after = done.state
 
     async def show_plan(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import os
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -161,37 +162,48 @@ class Objects:
 
     async def _put_new(self, bucket: str, name: str, data: bytes) -> None:
         """nats-py's `ObjectStore.put` of bytes, less its lookup of an object to replace:
-        the same chunks and meta message, read back by any object-store client."""
+        the same chunks and meta message, read back by any object-store client.
+
+        The chunks and the meta go out together and their acknowledgements are awaited
+        together (one write to the socket, one wait, not one per message): the object is
+        new, so nobody reads it before this returns (its name reaches an event only
+        then), and the order in which the stream stores them does not matter. Should any
+        be refused, what did land is purged: chunks without their meta, or a meta
+        without all of its chunks."""
         nuid = uuid.uuid4().hex
         chunks = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
         size = OBJ_DEFAULT_CHUNK_SIZE
-        try:
-            for offset in range(0, len(data), size):
-                await self.js.publish(chunks, data[offset : offset + size])
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
-            info = api.ObjectInfo(
-                name=name,
-                bucket=bucket,
-                nuid=nuid,
-                size=len(data),
-                chunks=(len(data) + size - 1) // size,
-                mtime=datetime.now(UTC).isoformat(),
-                digest=OBJ_DIGEST_TEMPLATE.format(digest=digest),
-                options=api.ObjectMetaOptions(max_chunk_size=size),
-            )
-            meta = OBJ_META_PRE_TEMPLATE.format(
-                bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode()
-            )
-            await self.js.publish(
-                meta,
-                json.dumps(info.as_dict()).encode(),
-                headers={api.Header.ROLLUP: MSG_ROLLUP_SUBJECT},
-            )
-        except Exception:
-            if data:  # as nats-py does: no chunks left behind without their meta
-                stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
-                try:
-                    await self.js.purge_stream(stream, subject=chunks)
-                except _NATS_ERRORS:
-                    pass
-            raise
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+        info = api.ObjectInfo(
+            name=name,
+            bucket=bucket,
+            nuid=nuid,
+            size=len(data),
+            chunks=(len(data) + size - 1) // size,
+            mtime=datetime.now(UTC).isoformat(),
+            digest=OBJ_DIGEST_TEMPLATE.format(digest=digest),
+            options=api.ObjectMetaOptions(max_chunk_size=size),
+        )
+        meta = OBJ_META_PRE_TEMPLATE.format(
+            bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode()
+        )
+        sends = [
+            self.js.publish(chunks, data[offset : offset + size])
+            for offset in range(0, len(data), size)
+        ]
+        rollup: dict[str, Any] = {api.Header.ROLLUP: MSG_ROLLUP_SUBJECT}
+        sends.append(self.js.publish(meta, json.dumps(info.as_dict()).encode(), headers=rollup))
+        acks = await asyncio.gather(*sends, return_exceptions=True)
+        failed = [a for a in acks if isinstance(a, BaseException)]
+        if not failed:
+            return
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+        purge = [chunks] if data else []
+        if not isinstance(acks[-1], BaseException):
+            purge.append(meta)  # a fresh name: the meta is this attempt's alone
+        for subject in purge:
+            try:
+                await self.js.purge_stream(stream, subject=subject)
+            except _NATS_ERRORS:
+                pass
+        raise failed[0]

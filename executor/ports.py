@@ -74,10 +74,12 @@ class RunWriter(Protocol):
         command: RunCommand,
         *,
         guard: Callable[[RunState], None] | None = None,
+        release: bool = True,
     ) -> Awaitable[RunRecord]:
         """Decide `command` on the run and append what it decided; a DomainError if it is
         refused (`StaleLease` once the command's lease is not current). `guard` sees the
-        state it is decided on and may refuse it too."""
+        state it is decided on and may refuse it too. `release`: a run the command ends
+        gives its workspace back now (False: the scheduler does, on the run's end)."""
         ...
 
 

@@ -19,6 +19,7 @@ from nats.js import JetStreamContext as JetStream
 
 from events.run import RunState, Workspace
 from events.templates import SaveTemplate, TemplateStep
+from events.workspace import RunReleased
 from executor import Executor, git
 from executor.errors import StepFailed
 from executor.git import GitCache
@@ -400,3 +401,38 @@ async def test_custom_steps_run_in_a_clone_of_exactly_their_commit(
         return not any(executor.jobs_dir.iterdir())
 
     await eventually(removed, what="phase directories removed")
+
+
+async def test_a_run_the_executor_ends_is_released_by_the_schedulers_admission_not_by_it(
+    nc: NATS, app: App, process: Process, repo: Path, executor: Executor, tmp_path: Path
+) -> None:
+    """The executor's last report of a run leaves the workspace alone: the scheduler's
+    admission attempt on the run's end (events/react.py) releases it, once. (The
+    executor's own release raced that one and mostly lost: a conflict and two reads of
+    the workspace per run.) With no scheduler running here, the workspace still holds
+    the ended run until an admission attempt, which releases it and admits the next."""
+    scheduler = process(store=app.store, pinning=Snapshotter).app
+    await app.create_org("acme", "alice")
+    step = TemplateStep(number=100, kind="custom", name="show", command=SHOW)
+    await app.org_command("acme", SaveTemplate(actor="alice", name="show", steps=[step]))
+    config = Workspace(repository=str(repo), variables={"out": str(tmp_path / "seen")})
+    await app.create_workspace("acme", "net", config, "alice")
+    commit(repo, {"main.tf": "v1\n"})
+    run_id = await _custom_run(app, scheduler, nc.jetstream(), "net")
+
+    async def applied() -> bool:
+        state: RunState = (await app.load_run("acme", "net", run_id)).state
+        assert str(state.status) == "applied", (state.status, state.error_message)
+        return True
+
+    await eventually(applied, what=f"run {run_id} applied")
+    ws = (await app.load_ws("acme", "net")).state
+    assert ws.active == run_id  # the executor did not release it
+    envs = await app.store.read("rp.ws.acme.net")
+    assert not [e for e in envs if isinstance(e.event, RunReleased)]
+    created = await app.create_run("acme", "net", "apply", "alice", template="show")
+    next_id = str(created.state.run_id)
+    assert await scheduler.admit_next("acme", "net") == next_id  # released, then admitted
+    envs = await app.store.read("rp.ws.acme.net")
+    released = [e.event for e in envs if isinstance(e.event, RunReleased)]
+    assert [(r.run_id, r.status, r.actor) for r in released] == [(run_id, "applied", "scheduler")]

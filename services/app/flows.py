@@ -287,8 +287,10 @@ class RunFlows(Repository):
         command: run_agg.RunCommand,
         *,
         guard: Callable[[run_agg.RunState], None] | None = None,
+        release: bool = True,
     ) -> Result[run_agg.RunState]:
-        """Apply a command to a run; a run it ends gives its workspace back (`release`).
+        """Apply a command to a run; a run it ends gives its workspace back (`release`;
+        False: the scheduler's admission on the run's end does, events/react.py).
 
         `guard` sees the very state the command is decided on (on every retry) and may
         raise a DomainError to refuse it: a precondition the core does not know about.
@@ -332,7 +334,7 @@ class RunFlows(Repository):
 
         result, ended = await self.retrying(attempt)
         # A speculative plan never held its workspace: there is nothing to release.
-        if ended and not result.state.speculative:
+        if ended and release and not result.state.speculative:
             await self._release_ended(result.state, command.actor)
         return result
 
