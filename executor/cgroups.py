@@ -144,6 +144,22 @@ class PhaseGroup:
         for path in dict.fromkeys(self.dirs.values()):
             self._fds.append(os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
 
+    def procs_files(self) -> list[Path]:
+        """The `cgroup.procs` of each of its groups (a process joins by writing 0 there)."""
+        return [path / "cgroup.procs" for path in dict.fromkeys(self.dirs.values())]
+
+    def delegate(self, uid: int) -> bool:
+        """Let the phase's own uid join its groups by their paths (executor/spawn.py's
+        exec chain, which has no `preexec_fn`): each `cgroup.procs` becomes `uid`'s.
+        v1 only (True if done): there a write of 0 moves the writer itself, checked
+        against its own uid, and the uid may write into no other group (all root's); v2
+        would ask for write access to the groups above too, which stay root's."""
+        if any(version != 1 for version in self.version.values()):
+            return False
+        for path in self.procs_files():
+            os.chown(path, uid, uid, follow_symlinks=False)
+        return True
+
     def join(self) -> None:
         """Put the calling process in the phase's groups: in a child, before exec."""
         for fd in self._fds:

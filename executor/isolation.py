@@ -74,7 +74,7 @@ from executor.jobfiles import (
 )
 from executor.jobinit import SCRATCH, init_python, read_reports, state_carry, under_init
 from executor.shellinit import shell_init, under_shell_init, usable_for
-from executor.spawn import Spawn, death_signal, graceful, setpriv
+from executor.spawn import Spawn, chain, death_signal, graceful, setpriv
 from executor.uids import (
     DEFAULT_UIDS,
     allocate,
@@ -331,10 +331,24 @@ class Jail:
         if not carry and tool and usable_for(argv):
             inner = [tool, "--pdeathsig", "TERM", "--", *under_shell_init(argv, report=True)]
             bwrapped = self._bwrap_argv(inner, cwd, init=True, files=(shell_init(),))
+            chained = self._chained(bwrapped, signal.SIGKILL)
+            if chained is not None:  # no preexec_fn, no uid switch: vforked (spawn.py)
+                plain = {k: options[k] for k in ("start_new_session", "close_fds", "umask")}
+                return Spawn(chained, env, cwd, plain, stdin=self._reports[1])
             return Spawn(bwrapped, env, cwd, options, stdin=self._reports[1])
         inner = under_init(argv, parent=0, report=self._reports[1], carry=carry)
         bwrapped = self._bwrap_argv(inner, cwd, init=True)
         return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
+
+    def _chained(self, argv: Sequence[str], death: signal.Signals) -> list[str] | None:
+        """`argv` behind the exec chain that switches to the job's uid, sets `death` as
+        its parent death signal, joins the phase's groups and takes its rlimits
+        (executor/spawn.py `chain`), or None where the chain cannot (no setpriv, a
+        control group v2): then the `preexec_fn`."""
+        assert self.uid is not None and self.limits is not None
+        groups = self.limits.by_path()
+        prefix = None if groups is None else chain(self.uid, groups, self.limits.ulimit(), death)
+        return None if prefix is None else [*prefix, *argv]
 
     def ended(self, code: int) -> bool:
         """A job's process ended with `code` (its rlimits may have killed it). True if it
