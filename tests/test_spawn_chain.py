@@ -11,6 +11,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,9 +36,17 @@ def _jail(tmp_path: Path, name: str = "phase") -> Jail:
     root, tmp = tmp_path / "jobs" / name, tmp_path / f"tmp-{name}"
     root.mkdir(parents=True)
     tmp.mkdir()
-    for path in (tmp_path, tmp_path / "jobs"):
+    for path in (tmp_path, tmp_path / "jobs", tmp):
         path.chmod(0o711)  # the sandbox's job crosses them to its own directory
     return Isolation.choose("sandbox", caps=CAPS).enter(root, tmp)
+
+
+@pytest.fixture(autouse=True)
+def umask() -> Iterator[None]:
+    """As every runplane command runs (README): the groups it makes are 0700."""
+    before = os.umask(0o077)
+    yield
+    os.umask(before)
 
 
 @pytest.fixture
@@ -122,7 +131,7 @@ async def test_a_sandboxed_job_has_its_ids_caps_groups_and_rlimits_and_cannot_re
 
 
 ESCAPE = """
-for f in /sys/fs/cgroup/*/cgroup.procs /sys/fs/cgroup/*/*/cgroup.procs \
+for f in "$@" /sys/fs/cgroup/*/cgroup.procs /sys/fs/cgroup/*/*/cgroup.procs \
          /sys/fs/cgroup/*/*/*/cgroup.procs; do
   (echo 0 > "$f") 2>/dev/null && echo "joined $f"
 done
@@ -145,8 +154,10 @@ async def test_a_job_can_join_no_other_group_through_the_files_delegated_to_its_
     assert jail.limits is not None and other.limits is not None and other.uid is not None
     if jail.limits.group is None:
         pytest.skip("no control groups on this host")
-    assert other.limits.by_path()  # delegated to the neighbour's uid, as at its first spawn
-    code, log = await _run(jail, ["/bin/sh", "-c", ESCAPE], tmp_path)
+    delegated = other.limits.by_path()  # delegated to the neighbour's uid, as at its first spawn
+    assert delegated
+    files = [*jail.limits.group.procs_files(), *delegated]  # its own too
+    code, log = await _run(jail, ["/bin/sh", "-c", ESCAPE, "sh", *map(str, files)], tmp_path)
     assert code == 0 and log.strip().endswith("done"), log
     assert "joined" not in log, log
     for path in jail.limits.group.dirs.values():
@@ -212,21 +223,24 @@ asyncio.run(main())
 async def test_a_sandboxed_job_dies_when_its_executor_is_killed(tmp_path: Path) -> None:
     """kill -9 of the executor while its job (and a daemon in a session of its own) run:
     every process of the job's uid is gone, bwrap's and the chain's too."""
-    (tmp_path / "jobs" / "phase").mkdir(parents=True)
-    (tmp_path / "tmp").mkdir()
-    for path in (tmp_path, tmp_path / "jobs"):
+    base = Path(tempfile.mkdtemp(dir=tmp_path))  # the scope of its groups: a name of its own
+    (base / "jobs" / "phase").mkdir(parents=True)
+    (base / "tmp").mkdir()
+    for path in (tmp_path, base, base / "jobs", base / "tmp"):
         path.chmod(0o711)
     executor = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
         KILLED,
-        str(tmp_path),
+        str(base),
         stdout=asyncio.subprocess.PIPE,
+        stderr=(tmp_path / "executor.err").open("wb"),
         cwd=Path(__file__).parent.parent,
     )
     assert executor.stdout is not None
-    uid = int(await asyncio.wait_for(executor.stdout.readline(), 30))
-    log = tmp_path / "step.log"
+    said = await asyncio.wait_for(executor.stdout.readline(), 30)
+    assert said.strip().isdigit(), (tmp_path / "executor.err").read_text()
+    uid, log = int(said), base / "step.log"
 
     async def started() -> bool:
         return log.exists() and "started" in log.read_text() and len(_pids_of(uid)) >= 3
@@ -241,7 +255,7 @@ async def test_a_sandboxed_job_dies_when_its_executor_is_killed(tmp_path: Path) 
     try:
         await eventually(gone, timeout=20, what="every process of the job's uid gone")
     finally:  # its phase group, which the next executor's sweep removes
-        Isolation.choose("sandbox", caps=JobCaps()).sweep(tmp_path.name)
+        Isolation.choose("sandbox", caps=JobCaps()).sweep(base.name)
 
 
 def _pids_of(uid: int) -> list[int]:
