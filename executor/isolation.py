@@ -301,6 +301,11 @@ class Jail:
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
             if usable_for(argv):  # executor/shellinit.py: the death signal set here
+                inited = under_shell_init(argv, report=False)
+                chained = self._chained(inited, signal.SIGTERM)
+                if chained is not None:  # vforked (executor/spawn.py)
+                    plain = {k: options[k] for k in ("start_new_session", "close_fds", "umask")}
+                    return Spawn(chained, env, cwd, plain)
                 setup = death_signal(os.getpid(), signal.SIGTERM)
                 options["preexec_fn"] = self.limits.preexec(setup)
                 return Spawn(under_shell_init(argv, report=False), env, cwd, options)
@@ -347,7 +352,8 @@ class Jail:
         control group v2): then the `preexec_fn`."""
         assert self.uid is not None and self.limits is not None
         groups = self.limits.by_path()
-        prefix = None if groups is None else chain(self.uid, groups, self.limits.ulimit(), death)
+        shell, ulimit = shell_init(), self.limits.ulimit()
+        prefix = None if groups is None else chain(self.uid, groups, ulimit, death, shell)
         return None if prefix is None else [*prefix, *argv]
 
     def ended(self, code: int) -> bool:

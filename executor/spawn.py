@@ -132,15 +132,19 @@ exec "$@"
 """
 
 
-def chain(uid: int, groups: Sequence[Path], ulimit: str, death: signal.Signals) -> list[str] | None:
+def chain(
+    uid: int, groups: Sequence[Path], ulimit: str, death: signal.Signals, shell: str
+) -> list[str] | None:
     """The argv before a job's own that does what `death_signal` and the phase's
     `preexec` did, with no `preexec_fn` (module docstring): as `uid`, its parent death
     signal `death`, in the groups whose `cgroup.procs` are `groups`, with the `ulimit`
-    commands (executor/caps.py). None without `setpriv`."""
+    commands (executor/caps.py), by `shell`: the init's execute-only copy, which the
+    kernel keeps undumpable (a daemon of the same uid cannot trace it past the groups and
+    rlimits). None without `setpriv` or `shell`."""
     tool = setpriv()
-    if tool is None:
+    if tool is None or not shell:
         return None
     ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
     script = CHAIN.replace("ULIMIT\n", ulimit)
-    out = [tool, *ids, "--pdeathsig", death.name.removeprefix("SIG"), "--", _SHELL, "-c"]
+    out = [tool, *ids, "--pdeathsig", death.name.removeprefix("SIG"), "--", shell, "-c"]
     return [*out, script, "runplane-spawn", str(os.getpid()), *map(str, groups), "--"]

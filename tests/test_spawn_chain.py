@@ -24,21 +24,22 @@ from executor.process import StepLog, run
 from tests.caps_support import NO_SANDBOX
 from tests.helpers import eventually
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root"),
-    pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}"),
-]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root")
+SANDBOX = pytest.param(
+    "sandbox", marks=pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
+)
+MODES = ["user", SANDBOX]
 
 CAPS = JobCaps(cpu_seconds=1234, disk=3 * 1024**3, processes=77)
 
 
-def _jail(tmp_path: Path, name: str = "phase") -> Jail:
+def _jail(tmp_path: Path, name: str = "phase", mode: str = "sandbox") -> Jail:
     root, tmp = tmp_path / "jobs" / name, tmp_path / f"tmp-{name}"
     root.mkdir(parents=True)
     tmp.mkdir()
     for path in (tmp_path, tmp_path / "jobs", tmp):
         path.chmod(0o711)  # the sandbox's job crosses them to its own directory
-    return Isolation.choose("sandbox", caps=CAPS).enter(root, tmp)
+    return Isolation.choose(mode, caps=CAPS).enter(root, tmp)
 
 
 @pytest.fixture(autouse=True)
@@ -68,16 +69,19 @@ async def _run(jail: Jail, argv: list[str], tmp_path: Path) -> tuple[int, str]:
     return code, (tmp_path / "step.log").read_text()
 
 
-async def test_a_sandboxed_job_is_spawned_without_a_preexec_fn_nor_a_uid_switch(
-    tmp_path: Path, jails: list[Jail]
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_job_is_spawned_without_a_preexec_fn_nor_a_uid_switch(
+    tmp_path: Path, jails: list[Jail], mode: str
 ) -> None:
     """What makes CPython fork the ~100 MB executor instead of vforking it."""
-    jail = _jail(tmp_path)
+    jail = _jail(tmp_path, mode=mode)
     jails.append(jail)
     how = jail.spawn(["/bin/true"], {}, jail.home)
     assert not {"preexec_fn", "user", "group", "extra_groups"} & set(how.options), how.options
     assert how.options["start_new_session"] and how.options["umask"] == 0o077
     assert os.path.basename(how.argv[0]) == "setpriv" and "--no-new-privs" in how.argv
+    death = "KILL" if mode == "sandbox" else "TERM"  # the sandbox's init: TERM inside
+    assert how.argv[how.argv.index("--pdeathsig") + 1] == death
 
 
 LOOK = """
@@ -96,14 +100,15 @@ for how in (lambda: os.setresuid(0, 0, 0), lambda: os.setgid(0), lambda: os.setg
 """
 
 
-async def test_a_sandboxed_job_has_its_ids_caps_groups_and_rlimits_and_cannot_regain_root(
-    tmp_path: Path, jails: list[Jail]
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_job_has_its_ids_caps_groups_and_rlimits_and_cannot_regain_root(
+    tmp_path: Path, jails: list[Jail], mode: str
 ) -> None:
     """The chain's job is the `preexec_fn`'s: the phase's uid and gid, real, effective and
     saved; no supplementary group; no_new_privs; no capability; in the phase's control
     groups; the phase's rlimits; umask 077. Its attempts to set its ids back to root's
     are refused."""
-    jail = _jail(tmp_path)
+    jail = _jail(tmp_path, mode=mode)
     jails.append(jail)
     assert jail.uid is not None and jail.limits is not None
     code, log = await _run(jail, ["/bin/sh", "-c", LOOK], tmp_path)
@@ -140,6 +145,7 @@ echo done
 """
 
 
+@pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
 async def test_a_job_can_join_no_other_group_through_the_files_delegated_to_its_uid(
     tmp_path: Path, jails: list[Jail]
 ) -> None:
@@ -181,14 +187,15 @@ def _join_as(uid: int | None, procs: Path) -> int:
     return subprocess.run(argv, capture_output=True, check=False).returncode
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_the_chain_runs_nothing_once_its_executor_is_gone(
-    tmp_path: Path, jails: list[Jail]
+    tmp_path: Path, jails: list[Jail], mode: str
 ) -> None:
     """The race a parent death signal leaves: the executor killed after the vfork but
     before `setpriv` set the signal, which then never comes. The chain's shell finds its
     parent is not the executor any more and execs nothing: here the parent it expects is
     another process (the same as one whose executor died: its parent is init)."""
-    jail = _jail(tmp_path)
+    jail = _jail(tmp_path, mode=mode)
     jails.append(jail)
     marker = jail.home / "ran"
     how = jail.spawn(["/bin/sh", "-c", f"touch {marker}"], {"PATH": "/usr/bin:/bin"}, jail.home)
@@ -210,8 +217,9 @@ from executor.process import StepLog, run
 
 async def main():
     base = Path(sys.argv[1])
-    jail = Isolation.choose("sandbox", caps=JobCaps()).enter(base / "jobs" / "phase", base / "tmp")
-    print(jail.uid, flush=True)
+    isolation = Isolation.choose(sys.argv[2], caps=JobCaps())
+    jail = isolation.enter(base / "jobs" / "phase", base / "tmp")
+    (base / "uid").write_text(str(jail.uid))
     log = StepLog(base / "step.log", Masker())
     await run(["/bin/sh", "-c", "setsid sleep 300 & echo started; sleep 300"],
               cwd=jail.home, env={"PATH": "/usr/bin:/bin"}, step_log=log, jail=jail)
@@ -220,7 +228,8 @@ asyncio.run(main())
 """
 
 
-async def test_a_sandboxed_job_dies_when_its_executor_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_job_dies_when_its_executor_is_killed(tmp_path: Path, mode: str) -> None:
     """kill -9 of the executor while its job (and a daemon in a session of its own) run:
     every process of the job's uid is gone, bwrap's and the chain's too."""
     base = Path(tempfile.mkdtemp(dir=tmp_path))  # the scope of its groups: a name of its own
@@ -233,14 +242,19 @@ async def test_a_sandboxed_job_dies_when_its_executor_is_killed(tmp_path: Path) 
         "-c",
         KILLED,
         str(base),
-        stdout=asyncio.subprocess.PIPE,
+        mode,
+        stdout=asyncio.subprocess.DEVNULL,
         stderr=(tmp_path / "executor.err").open("wb"),
         cwd=Path(__file__).parent.parent,
     )
-    assert executor.stdout is not None
-    said = await asyncio.wait_for(executor.stdout.readline(), 30)
-    assert said.strip().isdigit(), (tmp_path / "executor.err").read_text()
-    uid, log = int(said), base / "step.log"
+
+    async def said() -> int:
+        assert executor.returncode is None, (tmp_path / "executor.err").read_text()
+        text = (base / "uid").read_text() if (base / "uid").exists() else ""
+        return int(text) if text.strip() else 0
+
+    uid = await eventually(said, timeout=30, what="the executor's job uid")
+    log = base / "step.log"
 
     async def started() -> bool:
         return log.exists() and "started" in log.read_text() and len(_pids_of(uid)) >= 3
@@ -255,7 +269,7 @@ async def test_a_sandboxed_job_dies_when_its_executor_is_killed(tmp_path: Path) 
     try:
         await eventually(gone, timeout=20, what="every process of the job's uid gone")
     finally:  # its phase group, which the next executor's sweep removes
-        Isolation.choose("sandbox", caps=JobCaps()).sweep(base.name)
+        Isolation.choose(mode, caps=JobCaps()).sweep(base.name)
 
 
 def _pids_of(uid: int) -> list[int]:
