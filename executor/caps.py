@@ -247,6 +247,15 @@ class PhaseLimits:
                 out.append(f"command ulimit {side} -{flag} {said} || exit 125")
         return "\n".join(out) + "\n"
 
+    def limit_words(self) -> list[str]:
+        """The rlimits of `preexec` as the spawn helper takes them (executor/spawnhelper.c):
+        `LETTER=SOFT:HARD`, the letter `ulimit`'s, in bytes and seconds, `-` unlimited."""
+
+        def said(value: int) -> str:
+            return "-" if value == resource.RLIM_INFINITY else str(value)
+
+        return [f"{_ULIMIT[w][0]}={said(s)}:{said(h)}" for w, (s, h) in self._rlimits]
+
     def saw_exit(self, code: int) -> None:
         """A job's process ended with `code`: killed by SIGXCPU or SIGXFSZ (its rlimit),
         directly or as its init reports it, is that cap."""

@@ -26,7 +26,9 @@ death signal after the switch; then a shell as the job (`CHAIN`) checks that its
 is still the executor (one that died before the signal was set would never send it: the
 chain stops), joins the phase's control groups through their `cgroup.procs` (the
 phase's uid's to write: executor/cgroups.py `delegate`), takes the rlimits, and execs the
-rest. Its own process group and umask CPython sets in the vforked child.
+rest. Its own process group and umask CPython sets in the vforked child. Where the spawn
+helper was built (executor/spawnhelper.py), one exec of it does what `setpriv` and the
+chain's shell did, the same steps in the same order (`helper_chain`).
 """
 
 from __future__ import annotations
@@ -148,3 +150,15 @@ def chain(
     script = CHAIN.replace("ULIMIT\n", ulimit)
     out = [tool, *ids, "--pdeathsig", death.name.removeprefix("SIG"), "--", shell, "-c"]
     return [*out, script, "runplane-spawn", str(os.getpid()), *map(str, groups), "--"]
+
+
+def helper_chain(
+    helper: str, uid: int, groups: Sequence[Path], limits: Sequence[str], death: signal.Signals
+) -> list[str]:
+    """`chain` done by the spawn helper (executor/spawnhelper.c) in one exec: as `uid`,
+    its parent death signal `death`, its parent still the executor, in the groups whose
+    `cgroup.procs` are `groups`, with the rlimits `limits` (executor/caps.py
+    `limit_words`)."""
+    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
+    out = [helper, *ids, "--pdeathsig", death.name.removeprefix("SIG"), "runplane-spawn"]
+    return [*out, str(os.getpid()), *map(str, groups), "--", *limits, "--"]

@@ -1,6 +1,7 @@
 """A sandboxed job's process is started without a `preexec_fn` (issue 26): CPython vforks
 the executor, and an exec chain (`setpriv`, then a shell as the job: executor/spawn.py
-`chain`) does what the `preexec_fn` did. Every guarantee is kept: the job's uid, gid and
+`chain`; or one exec of the spawn helper, executor/spawnhelper.py, where it was built:
+each test runs both) does what the `preexec_fn` did. Every guarantee is kept: the job's uid, gid and
 saved ids, no groups, no_new_privs, no capability, the phase's control groups and
 rlimits, and death with the executor, killed at any line. Real job uids, bubblewrap and
 signals; as root, as CI runs."""
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from executor import isolation, shellinit, spawnhelper
 from executor.caps import JobCaps
 from executor.isolation import Isolation, Jail
 from executor.output import Masker
@@ -50,6 +52,20 @@ def umask() -> Iterator[None]:
     os.umask(before)
 
 
+@pytest.fixture(params=["helper", "tools"])
+def chain(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The exec chain by the spawn helper, or by the tools it stands in for (setpriv, a
+    shell, env, stat: a host where it could not be built)."""
+    if request.param == "tools":
+        for module in (isolation, shellinit):
+            monkeypatch.setattr(module, "spawn_helper", lambda: "")
+    elif not spawnhelper.spawn_helper():
+        pytest.skip("the spawn helper cannot be built here (no cc -static)")
+    shellinit.script.cache_clear()  # the init's script names the helper, or env and stat
+    yield request.param
+    shellinit.script.cache_clear()
+
+
 @pytest.fixture
 def jails() -> Iterator[list[Jail]]:
     made: list[Jail] = []
@@ -71,7 +87,7 @@ async def _run(jail: Jail, argv: list[str], tmp_path: Path) -> tuple[int, str]:
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_job_is_spawned_without_a_preexec_fn_nor_a_uid_switch(
-    tmp_path: Path, jails: list[Jail], mode: str
+    tmp_path: Path, jails: list[Jail], mode: str, chain: str
 ) -> None:
     """What makes CPython fork the ~100 MB executor instead of vforking it."""
     jail = _jail(tmp_path, mode=mode)
@@ -79,7 +95,8 @@ async def test_a_job_is_spawned_without_a_preexec_fn_nor_a_uid_switch(
     how = jail.spawn(["/bin/true"], {}, jail.home)
     assert not {"preexec_fn", "user", "group", "extra_groups"} & set(how.options), how.options
     assert how.options["start_new_session"] and how.options["umask"] == 0o077
-    assert os.path.basename(how.argv[0]) == "setpriv" and "--no-new-privs" in how.argv
+    first = "setpriv" if chain == "tools" else os.path.basename(spawnhelper.spawn_helper())
+    assert os.path.basename(how.argv[0]) == first and "--no-new-privs" in how.argv
     death = "KILL" if mode == "sandbox" else "TERM"  # the sandbox's init: TERM inside
     assert how.argv[how.argv.index("--pdeathsig") + 1] == death
 
@@ -102,7 +119,7 @@ for how in (lambda: os.setresuid(0, 0, 0), lambda: os.setgid(0), lambda: os.setg
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_job_has_its_ids_caps_groups_and_rlimits_and_cannot_regain_root(
-    tmp_path: Path, jails: list[Jail], mode: str
+    tmp_path: Path, jails: list[Jail], mode: str, chain: str
 ) -> None:
     """The chain's job is the `preexec_fn`'s: the phase's uid and gid, real, effective and
     saved; no supplementary group; no_new_privs; no capability; in the phase's control
@@ -147,7 +164,7 @@ echo done
 
 @pytest.mark.skipif(bool(NO_SANDBOX), reason=f"no sandbox: {NO_SANDBOX}")
 async def test_a_job_can_join_no_other_group_through_the_files_delegated_to_its_uid(
-    tmp_path: Path, jails: list[Jail]
+    tmp_path: Path, jails: list[Jail], chain: str
 ) -> None:
     """Attack: the phase's `cgroup.procs` is its uid's (the chain joins by path). A job
     writes itself into every group's file it can see, its neighbour phase's (another
@@ -189,7 +206,7 @@ def _join_as(uid: int | None, procs: Path) -> int:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_chain_runs_nothing_once_its_executor_is_gone(
-    tmp_path: Path, jails: list[Jail], mode: str
+    tmp_path: Path, jails: list[Jail], mode: str, chain: str
 ) -> None:
     """The race a parent death signal leaves: the executor killed after the vfork but
     before `setpriv` set the signal, which then never comes. The chain's shell finds its
