@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,10 +48,13 @@ print("seized" if seized else "refused", environ, flush=True)
 
 
 def _jail(tmp_path: Path, mode: str) -> Jail:
-    root, tmp = tmp_path / "jobs" / "phase", tmp_path / "tmp"
+    # the scope of its control groups (the jobs directory's parent): a name of its own,
+    # not the test's, which a session running the same test at once would share
+    base = Path(tempfile.mkdtemp(dir=tmp_path))
+    root, tmp = base / "jobs" / "phase", base / "tmp"
     root.mkdir(parents=True)
     tmp.mkdir()
-    for path in (tmp_path, tmp_path / "jobs"):
+    for path in (tmp_path, base, base / "jobs"):
         path.chmod(0o711)  # the sandbox's job crosses them to its own directory
     return Isolation.choose(mode, caps=JobCaps()).enter(root, tmp)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,10 +36,13 @@ def helper() -> str:
 
 
 def _jail(tmp_path: Path, mode: str, name: str = "phase") -> Jail:
-    root, tmp = tmp_path / "jobs" / name, tmp_path / f"tmp-{name}"
+    # the scope of its control groups (the jobs directory's parent): a name of its own,
+    # not the test's, which a session running the same test at once would share
+    base = Path(tempfile.mkdtemp(dir=tmp_path))
+    root, tmp = base / "jobs" / name, base / f"tmp-{name}"
     root.mkdir(parents=True)
     tmp.mkdir()
-    for path in (tmp_path, tmp_path / "jobs", tmp):
+    for path in (tmp_path, base, base / "jobs", tmp):
         path.chmod(0o711)  # the job crosses them to its own directory
     return Isolation.choose(mode, caps=JobCaps()).enter(root, tmp)
 
