@@ -163,6 +163,17 @@ class Enforcement:
         return sweep_cgroups(self.cgroups, scope) if self.cgroups else 0
 
 
+# dash's `ulimit` flag and unit of each rlimit the phase takes (`PhaseLimits.ulimit`)
+_ULIMIT = {
+    resource.RLIMIT_CPU: ("t", 1),
+    resource.RLIMIT_FSIZE: ("f", 512),
+    resource.RLIMIT_CORE: ("c", 512),
+    resource.RLIMIT_NOFILE: ("n", 1),
+    resource.RLIMIT_DATA: ("d", 1024),
+    resource.RLIMIT_NPROC: ("p", 1),
+}
+
+
 class PhaseLimits:
     """One phase's caps: how its processes start (`preexec`), whether it went over one
     (`check`), and its end (`close`)."""
@@ -182,6 +193,7 @@ class PhaseLimits:
         self._devs = devices(paths)  # their file systems: where an unlinked file counts
         self.exceeded: Exceeded | None = None
         self._rlimits = self._limits()
+        self._delegated: bool | None = None  # the group's files the uid's (`by_path`)
 
     def _limits(self) -> list[tuple[int, tuple[int, int]]]:
         caps, group = self.caps, self.group
@@ -210,6 +222,39 @@ class PhaseLimits:
             then()
 
         return setup
+
+    def by_path(self) -> list[Path] | None:
+        """The `cgroup.procs` files a process of the phase joins its group through by
+        itself, as the phase's uid (delegated to it at the first call: executor/spawn.py
+        `chain`), [] without a group; None where that cannot be (a v2 group, or no uid):
+        then `preexec`."""
+        if self.group is None:
+            return []
+        if self.uid is None:
+            return None
+        if self._delegated is None:
+            self._delegated = self.group.delegate(self.uid)
+        return self.group.procs_files() if self._delegated else None
+
+    def ulimit(self) -> str:
+        """The rlimits of `preexec` as the shell's `ulimit` commands (soft before hard,
+        each in the shell's unit: a size rounded down)."""
+        out = []
+        for which, values in self._rlimits:
+            flag, unit = _ULIMIT[which]
+            for side, value in zip(("-S", "-H"), values, strict=True):
+                said = "unlimited" if value == resource.RLIM_INFINITY else str(value // unit)
+                out.append(f"command ulimit {side} -{flag} {said} || exit 125")
+        return "\n".join(out) + "\n"
+
+    def limit_words(self) -> list[str]:
+        """The rlimits of `preexec` as the spawn helper takes them (executor/spawnhelper.c):
+        `LETTER=SOFT:HARD`, the letter `ulimit`'s, in bytes and seconds, `-` unlimited."""
+
+        def said(value: int) -> str:
+            return "-" if value == resource.RLIM_INFINITY else str(value)
+
+        return [f"{_ULIMIT[w][0]}={said(s)}:{said(h)}" for w, (s, h) in self._rlimits]
 
     def saw_exit(self, code: int) -> None:
         """A job's process ended with `code`: killed by SIGXCPU or SIGXFSZ (its rlimit),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -143,6 +144,32 @@ class PhaseGroup:
                 (d / "cpu.max").write_text(f"{quota} {CFS_PERIOD_US}")
         for path in dict.fromkeys(self.dirs.values()):
             self._fds.append(os.open(path / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
+
+    def procs_files(self) -> list[Path]:
+        """The `cgroup.procs` of each of its groups (a process joins by writing 0 there)."""
+        return [path / "cgroup.procs" for path in dict.fromkeys(self.dirs.values())]
+
+    def delegate(self, uid: int) -> bool:
+        """Let the phase's own uid join its groups by their paths (executor/spawn.py's
+        exec chain, which has no `preexec_fn`): each `cgroup.procs` becomes `uid`'s.
+        v1 only (True if done): there a write of 0 moves the writer itself, checked
+        against its own uid, and the uid may write into no other group (all root's); v2
+        would ask for write access to the groups above too, which stay root's. Its
+        directory becomes crossable by the uid's group alone (0710), those of runplane
+        and of the executor's scope by anyone (0711: no listing)."""
+        if any(version != 1 for version in self.version.values()):
+            return False
+        for path in dict.fromkeys(self.dirs.values()):
+            for above in (path.parent, path.parent.parent):  # <scope>, runplane: crossed
+                mode = stat.S_IMODE(os.stat(above).st_mode)  # (0700 under umask 077)
+                if mode & 0o011 != 0o011:
+                    os.chmod(above, mode | 0o011)
+            if any(not os.stat(above).st_mode & 0o001 for above in path.parents):
+                return False  # the host's groups above ours: not ours to open
+            os.chown(path, 0, uid, follow_symlinks=False)  # its own group's only:
+            os.chmod(path, 0o710)  # crossed by the uid, listed and written by none
+            os.chown(path / "cgroup.procs", uid, uid, follow_symlinks=False)
+        return True
 
     def join(self) -> None:
         """Put the calling process in the phase's groups: in a child, before exec."""

@@ -74,7 +74,8 @@ from executor.jobfiles import (
 )
 from executor.jobinit import SCRATCH, init_python, read_reports, state_carry, under_init
 from executor.shellinit import shell_init, under_shell_init, usable_for
-from executor.spawn import Spawn, death_signal, graceful, setpriv
+from executor.spawn import Spawn, chain, death_signal, graceful, helper_chain, setpriv
+from executor.spawnhelper import spawn_helper
 from executor.uids import (
     DEFAULT_UIDS,
     allocate,
@@ -152,6 +153,7 @@ class Isolation:
             return replace(chosen, network=network, limits=Enforcement(caps or JobCaps()))
         limits = Enforcement.find(caps or JobCaps(), cgroups=cgroups)
         shell_init()  # installed now, and said now if the Python init stands in for it
+        spawn_helper()  # built now (once per machine), or said now if it cannot be
         return replace(chosen, network=network, limits=limits)
 
     @classmethod
@@ -301,6 +303,11 @@ class Jail:
             adopt(self.root / "src", self.uid)
             options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
             if usable_for(argv):  # executor/shellinit.py: the death signal set here
+                inited = under_shell_init(argv, report=False)
+                chained = self._chained(inited, signal.SIGTERM)
+                if chained is not None:  # vforked (executor/spawn.py)
+                    plain = {k: options[k] for k in ("start_new_session", "close_fds", "umask")}
+                    return Spawn(chained, env, cwd, plain)
                 setup = death_signal(os.getpid(), signal.SIGTERM)
                 options["preexec_fn"] = self.limits.preexec(setup)
                 return Spawn(under_shell_init(argv, report=False), env, cwd, options)
@@ -327,14 +334,35 @@ class Jail:
         options.update(user=self.uid, group=self.uid, extra_groups=[], umask=0o077)
         options["preexec_fn"] = self.limits.preexec(death_signal(os.getpid(), signal.SIGKILL))
         carry = state_carry(env, self.root) if self.isolation.network == "none" else ""
-        tool = setpriv()
+        helper = spawn_helper()
+        tool = helper or setpriv()  # the helper takes setpriv's `--pdeathsig SIG --`
         if not carry and tool and usable_for(argv):
             inner = [tool, "--pdeathsig", "TERM", "--", *under_shell_init(argv, report=True)]
-            bwrapped = self._bwrap_argv(inner, cwd, init=True, files=(shell_init(),))
+            files = (shell_init(), helper) if helper else (shell_init(),)
+            bwrapped = self._bwrap_argv(inner, cwd, init=True, files=files)
+            chained = self._chained(bwrapped, signal.SIGKILL)
+            if chained is not None:  # no preexec_fn, no uid switch: vforked (spawn.py)
+                plain = {k: options[k] for k in ("start_new_session", "close_fds", "umask")}
+                return Spawn(chained, env, cwd, plain, stdin=self._reports[1])
             return Spawn(bwrapped, env, cwd, options, stdin=self._reports[1])
         inner = under_init(argv, parent=0, report=self._reports[1], carry=carry)
         bwrapped = self._bwrap_argv(inner, cwd, init=True)
         return Spawn(bwrapped, env, cwd, options, keep_fds=(self._reports[1],))
+
+    def _chained(self, argv: Sequence[str], death: signal.Signals) -> list[str] | None:
+        """`argv` behind the exec chain that switches to the job's uid, sets `death` as
+        its parent death signal, joins the phase's groups and takes its rlimits
+        (executor/spawn.py `chain`), or None where the chain cannot (no setpriv, a
+        control group v2): then the `preexec_fn`."""
+        assert self.uid is not None and self.limits is not None
+        groups, helper = self.limits.by_path(), spawn_helper()
+        if groups is None:
+            return None
+        if helper:  # one exec of a static program (executor/spawnhelper.py)
+            limits = self.limits.limit_words()
+            return [*helper_chain(helper, self.uid, groups, limits, death), *argv]
+        prefix = chain(self.uid, groups, self.limits.ulimit(), death, shell_init())
+        return None if prefix is None else [*prefix, *argv]
 
     def ended(self, code: int) -> bool:
         """A job's process ended with `code` (its rlimits may have killed it). True if it

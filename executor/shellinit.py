@@ -4,7 +4,9 @@ fortieth of its cost.
 Every process of a job starts under an init (the uid and sandbox modes). The Python init
 costs ~28 ms of CPU per process (the interpreter and `subprocess`), more than the rest of
 a short phase's isolation together; this one is the system's POSIX shell (dash on Debian,
-~1 ms) and `env` (~0.5 ms). It does the same, with the same guarantees:
+~1 ms) and `env` (~0.5 ms), or in place of `env` and `stat` the spawn helper, a static
+program that loads nothing (executor/spawnhelper.py). It does the same, with the same
+guarantees:
 
 - It runs as the job's uid, with a parent death signal (SIGTERM) set after the uid switch:
   in the uid mode by the executor's `preexec_fn` (CPython's `_posixsubprocess` calls it
@@ -53,13 +55,17 @@ import structlog
 
 from executor.jobfiles import private_dir
 from executor.jobinit import SCRATCH, STOP_GRACE_S
+from executor.spawnhelper import init_dir, spawn_helper
 
 log = structlog.get_logger(__name__)
 
 _SHELL = "/bin/sh"
 _BIN_PATH = "/usr/bin:/bin"
 # $1: "report" (the sandbox: report the tmpfs mounts on standard input) or ""; then the
-# job's argv. ENV, SLEEP and STAT are absolute paths, GRACE and SCRATCH constants.
+# job's argv. ENV and SLEEP are absolute paths, STATFS a command (`stat -f` printing
+# `tmpfs PLACE FREE BLOCKS` per place, or the spawn helper's `--statfs`, which prints the
+# same), GRACE and SCRATCH constants. ENV is `env` or the spawn helper, which take the
+# same `--default-signal=INT,QUIT --`.
 SH_INIT = """\
 report=$1
 shift
@@ -83,7 +89,7 @@ while [ "$s" -gt 128 ] && kill -0 "$job" 2>/dev/null; do
   wait "$job" 2>/dev/null
   s=$?
 done
-if [ -n "$report" ]; then STAT -f -c 'tmpfs %n %a %b' SCRATCH >&0 2>/dev/null; fi
+if [ -n "$report" ]; then STATFS SCRATCH >&0 2>/dev/null; fi
 if [ -n "$told" ]; then kill -KILL -1 2>/dev/null; fi
 exit "$s"
 """
@@ -101,23 +107,16 @@ def _tools() -> dict[str, str] | None:
 @functools.cache
 def script() -> str:
     """SH_INIT with its tools' paths and constants in place."""
-    tools = _tools()
+    tools, helper = _tools(), spawn_helper()
     assert tools is not None
+    statfs = f"{helper} --statfs" if helper else f"{tools['stat']} -f -c 'tmpfs %n %a %b'"
     return (
-        SH_INIT.replace("ENV", tools["env"])
+        SH_INIT.replace("ENV", helper or tools["env"])
         .replace("SLEEP", tools["sleep"])
-        .replace("STAT", tools["stat"])
+        .replace("STATFS", statfs)
         .replace("GRACE", str(STOP_GRACE_S))
         .replace("SCRATCH", " ".join(SCRATCH))
     )
-
-
-def init_dir() -> Path:
-    """Where the execute-only shell is kept: a directory only root may write in, which
-    every uid may cross (0711)."""
-    if os.path.isdir("/run") and os.access("/run", os.W_OK):
-        return Path("/run/runplane-init")
-    return Path(tempfile.gettempdir()) / f"runplane-init-{os.geteuid()}"
 
 
 @functools.cache

@@ -16,6 +16,19 @@ shell, and gets one SIGTERM when it dies. The signals are set in `preexec_fn`, w
 CPython's `_posixsubprocess` calls after `setreuid` (a change of credentials clears them,
 so they could not be set earlier). Without `setpriv`, the job's process gets the death
 signal straight from the executor, as before.
+
+A `preexec_fn`, or a uid or groups to switch to, makes CPython fork the executor (~100 MB:
+its page tables copied, then its pages faulted back as written, ~5 ms of CPU per job
+process on the shared machine of issue 26); without them it vforks. So where it can, a
+job's process is started by an exec chain instead (`chain`): `setpriv` switches to the
+job's uid and gid (saved ids too), drops the groups, sets no_new_privs and the parent
+death signal after the switch; then a shell as the job (`CHAIN`) checks that its parent
+is still the executor (one that died before the signal was set would never send it: the
+chain stops), joins the phase's control groups through their `cgroup.procs` (the
+phase's uid's to write: executor/cgroups.py `delegate`), takes the rlimits, and execs the
+rest. Its own process group and umask CPython sets in the vforked child. Where the spawn
+helper was built (executor/spawnhelper.py), one exec of it does what `setpriv` and the
+chain's shell did, the same steps in the same order (`helper_chain`).
 """
 
 from __future__ import annotations
@@ -103,3 +116,49 @@ def graceful(argv: Sequence[str]) -> tuple[list[str], signal.Signals]:
         return list(argv), DEATH_SIGNAL
     wrapped = [_SHELL, "-c", GRACEFUL, "runplane-job", tool, "--pdeathsig", "TERM", "--"]
     return wrapped + list(argv), signal.SIGKILL
+
+
+# The job's side of the exec chain (module docstring): $1 the executor's pid, then the
+# group files to join, `--`, and what to exec. Regular builtins through `command`: an
+# exported function of the job's environment (bash as /bin/sh) cannot stand in for one.
+CHAIN = """\
+command test "$PPID" = "$1" || exit 125
+shift
+while command test "$1" != --; do
+  command printf 0 > "$1" || exit 125
+  shift
+done
+shift
+ULIMIT
+exec "$@"
+"""
+
+
+def chain(
+    uid: int, groups: Sequence[Path], ulimit: str, death: signal.Signals, shell: str
+) -> list[str] | None:
+    """The argv before a job's own that does what `death_signal` and the phase's
+    `preexec` did, with no `preexec_fn` (module docstring): as `uid`, its parent death
+    signal `death`, in the groups whose `cgroup.procs` are `groups`, with the `ulimit`
+    commands (executor/caps.py), by `shell`: the init's execute-only copy, which the
+    kernel keeps undumpable (a daemon of the same uid cannot trace it past the groups and
+    rlimits). None without `setpriv` or `shell`."""
+    tool = setpriv()
+    if tool is None or not shell:
+        return None
+    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
+    script = CHAIN.replace("ULIMIT\n", ulimit)
+    out = [tool, *ids, "--pdeathsig", death.name.removeprefix("SIG"), "--", shell, "-c"]
+    return [*out, script, "runplane-spawn", str(os.getpid()), *map(str, groups), "--"]
+
+
+def helper_chain(
+    helper: str, uid: int, groups: Sequence[Path], limits: Sequence[str], death: signal.Signals
+) -> list[str]:
+    """`chain` done by the spawn helper (executor/spawnhelper.c) in one exec: as `uid`,
+    its parent death signal `death`, its parent still the executor, in the groups whose
+    `cgroup.procs` are `groups`, with the rlimits `limits` (executor/caps.py
+    `limit_words`)."""
+    ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
+    out = [helper, *ids, "--pdeathsig", death.name.removeprefix("SIG"), "runplane-spawn"]
+    return [*out, str(os.getpid()), *map(str, groups), "--", *limits, "--"]

@@ -5,8 +5,10 @@ as root, as CI runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,10 +48,13 @@ print("seized" if seized else "refused", environ, flush=True)
 
 
 def _jail(tmp_path: Path, mode: str) -> Jail:
-    root, tmp = tmp_path / "jobs" / "phase", tmp_path / "tmp"
+    # the scope of its control groups (the jobs directory's parent): a name of its own,
+    # not the test's, which a session running the same test at once would share
+    base = Path(tempfile.mkdtemp(dir=tmp_path))
+    root, tmp = base / "jobs" / "phase", base / "tmp"
     root.mkdir(parents=True)
     tmp.mkdir()
-    for path in (tmp_path, tmp_path / "jobs"):
+    for path in (tmp_path, base, base / "jobs"):
         path.chmod(0o711)  # the sandbox's job crosses them to its own directory
     return Isolation.choose(mode, caps=JobCaps()).enter(root, tmp)
 
@@ -113,8 +118,12 @@ async def test_the_same_trace_takes_a_readable_shell_for_its_init(
     assert "seized read" in log, log
 
 
+# The job ends only once the test has sent its signals (`sent`): all of them reach the
+# init while the job is still stopping, as a dying executor's do. Without that wait, a
+# test process held off the CPU for the job's ~50 ms between two of its kills (a loaded
+# machine) sent the next one to an init already gone and reaped: ProcessLookupError.
 TERMS = """
-trap 'echo got TERM; echo $$ >> terms; exit 7' TERM
+trap 'echo got TERM; echo $$ >> terms; while [ ! -e sent ]; do sleep 0.01; done; exit 7' TERM
 setsid sleep 300 >/dev/null 2>&1 &
 echo started
 while :; do sleep 0.05; done
@@ -140,9 +149,15 @@ async def test_however_many_death_signals_the_job_gets_one_sigterm_then_its_uid_
         return "started" in (tmp_path / "step.log").read_text()
 
     await eventually(started, what="the job and its daemon started")
-    init = _pids_of(jail.uid)[0]  # the oldest: its init
-    for _ in range(3):
-        os.kill(init, signal.SIGTERM)
+    init = _child_of_this_process(jail.uid)  # its init, the job's parent
+    pidfd = os.pidfd_open(init)  # signals for this process only, never for a pid reused
+    try:
+        assert _child_of_this_process(jail.uid) == init  # the pidfd's: still the init
+        for _ in range(3):
+            signal.pidfd_send_signal(pidfd, signal.SIGTERM)
+    finally:
+        os.close(pidfd)
+    (jail.home / "sent").touch()
     code = await asyncio.wait_for(task, 30)
     log.close()
     assert code == 7
@@ -229,6 +244,18 @@ def _pids_of(uid: int) -> list[int]:
             if line.startswith("Uid:") and int(line.split()[1]) == uid:
                 found.append(int(name))
     return sorted(found, key=_started_at)
+
+
+def _child_of_this_process(uid: int) -> int:
+    """The one process of `uid` whose parent is this process (the job's init)."""
+    found = []
+    for pid in _pids_of(uid):
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text()
+            if f"\nPPid:\t{os.getpid()}\n" in status:
+                found.append(pid)
+    assert len(found) == 1, found
+    return found[0]
 
 
 def _started_at(pid: int) -> int:
