@@ -6,7 +6,9 @@ On every event of a stack run (`rp.org.<org>.stack_run.<id>`, its own durable co
 - creates the child run of each node `ready` names, its id derived from the stack
   run, the node and the attempt (`child_run_id`: a second creation finds the first,
   `existed`), caused by the stack run (`Cause(kind="stack_run", ...)`) and created by
-  the person who started it (their approvals rules hold as for any of their runs), then
+  the person who started it, or after a resume by who resumed it (their approvals
+  rules hold as for any of their runs: four-eyes keeps a resumer from approving the
+  runs their resume started), then
   records it started (`RecordStarted`: a start recorded already decides nothing). A
   run found ended already is recorded ended with it. A node whose run cannot be made
   (its workspace gone, its template no longer suits) is recorded failed with why;
@@ -87,12 +89,13 @@ class StackRuns:
 
     async def _create(self, s: StackRunState, node: str, attempt: int, run_id: str) -> Made:
         """The node's child run (created now, or found), or why it can never be."""
-        cause = Cause(kind="stack_run", user=s.created_by, stack=s.stack,
+        by = s.starter  # the last resumer's runs are theirs (four-eyes holds them)
+        cause = Cause(kind="stack_run", user=by, stack=s.stack,
                       stack_run=s.stack_run_id, attempt=attempt)  # fmt: skip
         message = s.message or f"stack {s.stack} run {s.stack_run_id}"
         try:
             return await self.app.create_run(
-                s.org, node, s.run_type, s.created_by, message, cause=cause, run_id=run_id
+                s.org, node, s.run_type, by, message, cause=cause, run_id=run_id
             )
         except DomainError as e:
             if e.retryable:

@@ -92,6 +92,7 @@ def view(s: StackRunState, seen: Any) -> dict[str, Any]:
         "levels": [[name(n) for n in level] for level in levels(s)],
         "nodes": nodes,  # those the caller may read; the others are (hidden) in levels
         "resumes": s.resumes,
+        "resumed_by": s.resumed_by or None,
         "message": s.message,
         "created_by": s.created_by,
         "created_at": iso(s.created_at) if s.created_at else None,
@@ -189,6 +190,10 @@ SCHEMAS: dict[str, Doc] = {
                 "canceled, skipped), attempt, run_id, run_status, runs (every attempt's)",
             },
             "resumes": {"type": "integer"},
+            "resumed_by": {
+                "type": ["string", "null"],
+                "description": "who resumed it last: the runs started since are theirs",
+            },
         },
     },
 }

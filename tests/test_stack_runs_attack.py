@@ -1,0 +1,42 @@
+"""Attacks on stack runs (issue 27): a resume that would let its resumer approve the runs
+it started (four-eyes)."""
+
+from __future__ import annotations
+
+from events import stack_runs as sr
+from events import stacks as sk
+from events.stack_run_events import child_run_id
+from services.app import stack_runs as runs_app
+from services.app import stacks as stacks_app
+from services.app.commands import App
+from services.processes.stacks.subscriber import StackRuns
+from tests.bootstrap_support import Process
+from tests.builders import organization, workspaces
+
+
+async def test_attack_a_resumer_is_the_creator_of_the_runs_a_resume_starts(
+    app: App, process: Process
+) -> None:
+    """Alice starts a stack run; x fails and it pauses (bob can make that happen: he may
+    cancel x's run). Bob resumes it: x's new run and w's (after x) are bob's doing. Were
+    they created as alice, four-eyes (the run's creator may not approve it) would let bob
+    approve the runs he started himself, on code he may have just pushed: they were."""
+    await organization(app, "fe", actor="test")
+    await workspaces(app, "x", "w", org="fe", actor="t", repository="https://e.com/r.git")
+    d = sk.Definition(workspaces=["w", "x"], edges=[sk.Edge(source="x", target="w")])
+    await stacks_app.create(app, "fe", "s", d, "alice")
+    sid = (await runs_app.start(app, "fe", "s", runs_app.Start(run_type="apply"), "alice")).state
+    sid_ = sid.stack_run_id
+    runs = StackRuns(process().app)
+    await runs.advance("fe", sid_)
+    first = (await app.load_run("fe", "x", child_run_id(sid_, "x", 1))).state
+    assert first.created_by == "alice"
+    end = sr.RecordEnded(actor="p", node="x", run_id=child_run_id(sid_, "x", 1),
+                         run_status="canceled")  # fmt: skip
+    await runs_app.execute(app, "fe", sid_, end)
+    assert (await runs_app.load(app, "fe", sid_)).state.status == "paused"
+    await runs_app.resume(app, "fe", sid_, "bob")
+    await runs.advance("fe", sid_)
+    again = (await app.load_run("fe", "x", child_run_id(sid_, "x", 2))).state
+    assert again.created_by == "bob", again.created_by
+    assert again.cause is not None and again.cause.user == "bob"
