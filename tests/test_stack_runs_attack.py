@@ -1,5 +1,5 @@
 """Attacks on stack runs (issue 27): a resume that would let its resumer approve the runs
-it started (four-eyes)."""
+it started (four-eyes), and a refusal that named a workspace the caller may not read."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from services.app import stack_runs as runs_app
 from services.app import stacks as stacks_app
 from services.app.commands import App
 from services.processes.stacks.subscriber import StackRuns
+from tests.access_support import person
+from tests.api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 from tests.bootstrap_support import Process
 from tests.builders import organization, workspaces
+from tests.stacks_support import DIAMOND
 
 
 async def test_attack_a_resumer_is_the_creator_of_the_runs_a_resume_starts(
@@ -40,3 +43,24 @@ async def test_attack_a_resumer_is_the_creator_of_the_runs_a_resume_starts(
     again = (await app.load_run("fe", "x", child_run_id(sid_, "x", 2))).state
     assert again.created_by == "bob", again.created_by
     assert again.cause is not None and again.cause.user == "bob"
+
+
+async def test_attack_a_stack_run_refused_names_no_workspace_the_caller_may_not_read(
+    http: Http,
+) -> None:
+    """Pat may write `a` only; the stack's other workspaces are `(hidden)` to her. Starting
+    the stack (or `d` with what it needs) is refused 404, without naming `b` (its name
+    was in the refusal: `workspace b not found`)."""
+    tokens = await http.org("acme")
+    for ws in ("a", "b", "c", "d"):
+        await http.workspace("acme", ws)
+    made = await http.post("/api/v1/orgs/acme/stacks", json=DIAMOND, token=tokens["admin"])
+    assert made.status == 201, made.body
+    pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
+    runs = "/api/v1/orgs/acme/stacks/prod/runs"
+    for body in ({"type": "apply"}, {"type": "plan", "targets": ["d"]}):
+        got = await http.post(runs, json=body, token=pat)
+        got.problem("not-found", 404)
+        text = str(got.body)
+        for hidden in ("workspace b", "workspace c", "workspace d"):
+            assert hidden not in text, text

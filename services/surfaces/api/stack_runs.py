@@ -25,6 +25,7 @@ from aiohttp import web
 
 from events import access
 from events import stacks as sk
+from events.errors import NotFound
 from events.stack_run_events import RUN_TYPES, StackRunState
 from events.stack_runs import select
 from infra.eventstore import LATEST
@@ -100,9 +101,13 @@ def view(s: StackRunState, seen: Any) -> dict[str, Any]:
 
 
 async def _may_run(api: Api, who: Any, org: str, run_type: str, nodes: list[str]) -> None:
-    """The caller may start `run_type` on every node (403 or 404 as for one run)."""
+    """The caller may start `run_type` on every node (403 or 404 as for one run). A 404
+    names no workspace: the caller may not read it, and the stack shows it (hidden)."""
     for ws in nodes:
-        await require_on(api, who, org, access.run_action(run_type), ws)
+        try:
+            await require_on(api, who, org, access.run_action(run_type), ws)
+        except NotFound:
+            raise NotFound(f"a workspace of the stack is {HIDDEN} or not found") from None
 
 
 async def create_stack_run(request: web.Request) -> web.Response:
