@@ -3,6 +3,8 @@ it started (four-eyes), and a refusal that named a workspace the caller may not 
 
 from __future__ import annotations
 
+from typing import Any
+
 from events import stack_runs as sr
 from events import stacks as sk
 from events.stack_run_events import child_run_id
@@ -64,3 +66,37 @@ async def test_attack_a_stack_run_refused_names_no_workspace_the_caller_may_not_
         text = str(got.body)
         for hidden in ("workspace b", "workspace c", "workspace d"):
             assert hidden not in text, text
+
+
+async def test_attack_a_stack_changed_between_the_check_and_the_start_runs_only_what_was_checked(
+    http: Http, monkeypatch: Any
+) -> None:
+    """Pat may write `a`, the only workspace of stack `one`. She starts it as the admin
+    makes `one` the diamond: the run is of the definition her access was checked on. The
+    start read the stack again, and ran b, c and d as her."""
+    tokens = await http.org("acme")
+    for ws in ("a", "b", "c", "d"):
+        await http.workspace("acme", ws)
+    alone = {"name": "one", "workspaces": ["a"]}
+    made = await http.post("/api/v1/orgs/acme/stacks", json=alone, token=tokens["admin"])
+    assert made.status == 201, made.body
+    pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
+    load = stacks_app.load
+    calls = 0
+
+    async def racing(app: Any, org: str, name: str, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # after her access was checked: the admin's change lands
+            d = sk.Definition(workspaces=["a", "b", "c", "d"], edges=[
+                sk.Edge(source="a", target=t) for t in ("b", "c", "d")])  # fmt: skip
+            await stacks_app.change(app, org, name, d, "admin")
+        return await load(app, org, name, **kw)
+
+    monkeypatch.setattr(stacks_app, "load", racing)
+    got = await http.post("/api/v1/orgs/acme/stacks/one/runs", json={"type": "apply"}, token=pat)
+    monkeypatch.setattr(stacks_app, "load", load)
+    assert got.status in (201, 404), got.body
+    if got.status == 201:
+        s = (await runs_app.load(http.app, "acme", got.body["id"])).state
+        assert s.selected == ["a"], s.selected

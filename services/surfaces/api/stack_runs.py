@@ -128,7 +128,7 @@ async def create_stack_run(request: web.Request) -> web.Response:
             run_type=body.type, targets=body.targets, skip_dependencies=body.skip_dependencies,
             failure_policy=body.failure_policy, message=body.message,
         )  # fmt: skip
-        done = await runs_app.start(api.app, org, stack, ask, who.user)
+        done = await runs_app.start(api.app, org, stack, ask, who.user, found)
     except sk.InvalidStack as e:
         raise Problem("invalid-stack", str(e)) from e
     location = f"/api/v1/orgs/{org}/stack-runs/{done.state.stack_run_id}"
