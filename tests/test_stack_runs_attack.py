@@ -100,3 +100,36 @@ async def test_attack_a_stack_changed_between_the_check_and_the_start_runs_only_
     if got.status == 201:
         s = (await runs_app.load(http.app, "acme", got.body["id"])).state
         assert s.selected == ["a"], s.selected
+
+
+async def test_attack_a_stack_run_starts_nothing_more_for_someone_whose_access_is_gone(
+    http: Http, process: Process
+) -> None:
+    """Pat (write on a and b, b after a) starts the stack; a's run is made. Then she is
+    taken out of her team (or suspended, or leaves): b's run must not be made in her
+    name. It was: the process made every later level's runs as the starter, asking
+    nobody whether she still may."""
+    tokens = await http.org("acme")
+    for ws in ("a", "b"):
+        await http.workspace("acme", ws)
+    stack = {"name": "ab", "workspaces": ["a", "b"], "edges": [{"source": "a", "target": "b"}]}
+    made = await http.post("/api/v1/orgs/acme/stacks", json=stack, token=tokens["admin"])
+    assert made.status == 201, made.body
+    pat = await person(http, "acme", "pat@example.com", "ab-team",
+                       **{"workspaces/a": "write", "workspaces/b": "write"})  # fmt: skip
+    got = await http.post("/api/v1/orgs/acme/stacks/ab/runs", json={"type": "apply"}, token=pat)
+    assert got.status == 201, got.body
+    sid = got.body["id"]
+    runs = StackRuns(process().app)
+    await runs.advance("acme", sid)
+    a_run = child_run_id(sid, "a", 1)
+    assert (await http.app.load_run("acme", "a", a_run)).state.created_by == "pat@example.com"
+    out = await http.call("PUT", "/api/v1/orgs/acme/teams/ab-team/members", json={"members": []})
+    assert out.status == 200, out.body
+    await runs_app.execute(http.app, "acme", sid,
+                           sr.RecordEnded(actor="t", node="a", run_id=a_run,
+                                          run_status="applied"))  # fmt: skip
+    await runs.advance("acme", sid)
+    s = (await runs_app.load(http.app, "acme", sid)).state
+    assert s.nodes["b"].status == "failed" and s.nodes["b"].runs == [], s.nodes["b"]
+    assert not (await http.app.load_run("acme", "b", child_run_id(sid, "b", 1))).state.exists
