@@ -51,7 +51,7 @@ async def test_attack_a_stack_run_refused_names_no_workspace_the_caller_may_not_
     http: Http,
 ) -> None:
     """Pat may write `a` only; the stack's other workspaces are `(hidden)` to her. Starting
-    the stack (or `d` with what it needs) is refused 404, without naming `b` (its name
+    the whole stack is refused 404, without naming `b` (its name
     was in the refusal: `workspace b not found`)."""
     tokens = await http.org("acme")
     for ws in ("a", "b", "c", "d"):
@@ -60,7 +60,7 @@ async def test_attack_a_stack_run_refused_names_no_workspace_the_caller_may_not_
     assert made.status == 201, made.body
     pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
     runs = "/api/v1/orgs/acme/stacks/prod/runs"
-    for body in ({"type": "apply"}, {"type": "plan", "targets": ["d"]}):
+    for body in ({"type": "apply"}, {"type": "plan"}):
         got = await http.post(runs, json=body, token=pat)
         got.problem("not-found", 404)
         text = str(got.body)
@@ -133,3 +133,25 @@ async def test_attack_a_stack_run_starts_nothing_more_for_someone_whose_access_i
     s = (await runs_app.load(http.app, "acme", sid)).state
     assert s.nodes["b"].status == "failed" and s.nodes["b"].runs == [], s.nodes["b"]
     assert not (await http.app.load_run("acme", "b", child_run_id(sid, "b", 1))).state.exists
+
+
+async def test_attack_targets_tell_nobody_which_hidden_workspaces_are_in_a_stack(
+    http: Http,
+) -> None:
+    """Pat may read `a` only. Asking for a target she may not read answers as for a name
+    not in the stack at all: otherwise trying names tells her which hidden workspaces
+    the stack holds (422 `targets not in the stack` for one, 404 for the other)."""
+    tokens = await http.org("acme")
+    for ws in ("a", "b", "c", "d"):
+        await http.workspace("acme", ws)
+    made = await http.post("/api/v1/orgs/acme/stacks", json=DIAMOND, token=tokens["admin"])
+    assert made.status == 201, made.body
+    pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
+    runs = "/api/v1/orgs/acme/stacks/prod/runs"
+    answers = []
+    for target in ("b", "zz"):
+        body = {"type": "plan", "targets": [target], "skip_dependencies": True}
+        got = await http.post(runs, json=body, token=pat)
+        answers.append((got.status, got.body.get("type"),
+                        got.body.get("detail", "").replace(target, "X")))  # fmt: skip
+    assert answers[0] == answers[1], answers

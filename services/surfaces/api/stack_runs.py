@@ -5,8 +5,10 @@
   Location `/api/v1/orgs/{org}/stack-runs/{id}`. The caller must be allowed the run
   type on every workspace the run covers (the targets and, unless
   `skip_dependencies`, what they need first), exactly as if they started each run
-  themselves: the children are their runs. 422 `invalid-stack` for a target not in
-  the stack or an unknown type or policy.
+  themselves: the children are their runs (a 404 names no workspace). 422
+  `invalid-stack` for a target not in the stack, or one the caller may not read (the
+  same answer: trying names tells nobody what a stack holds), or an unknown type or
+  policy.
 - `GET .../stack-runs/{id}` (viewer): its status, its nodes (each with its runs) and the
   levels it goes by.
 - `POST .../stack-runs/{id}/resume`: the failed, canceled and skipped nodes start again
@@ -121,7 +123,11 @@ async def create_stack_run(request: web.Request) -> web.Response:
     found = await stacks_app.load(api.app, org, stack, min_seq=LATEST)
     if not found.state.exists:
         raise Problem("not-found", f"stack {stack} not found")
+    seen = await readable(api, who, org)
     try:
+        unseen = sorted({t for t in body.targets if not seen(t)})
+        if unseen:  # answered as a name not in the stack: trying names tells nothing
+            raise sk.InvalidStack(f"targets not in the stack: {', '.join(unseen)}")
         nodes = select(found.state.definition, body.type, body.targets, body.skip_dependencies)
         await _may_run(api, who, org, body.type, nodes)
         ask = runs_app.Start(
@@ -133,7 +139,6 @@ async def create_stack_run(request: web.Request) -> web.Response:
         raise Problem("invalid-stack", str(e)) from e
     location = f"/api/v1/orgs/{org}/stack-runs/{done.state.stack_run_id}"
     headers = {SEQ_HEADER: str(done.seq), "Location": location}
-    seen = await readable(api, who, org)
     return json_response(view(done.state, seen), status=201, headers=headers)
 
 
