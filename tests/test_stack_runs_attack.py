@@ -155,3 +155,23 @@ async def test_attack_targets_tell_nobody_which_hidden_workspaces_are_in_a_stack
         answers.append((got.status, got.body.get("type"),
                         got.body.get("detail", "").replace(target, "X")))  # fmt: skip
     assert answers[0] == answers[1], answers
+
+
+async def test_attack_an_organization_s_stacks_are_bounded(http: Http, monkeypatch: Any) -> None:
+    """Each listing computes every stack's levels, unpaginated: an admin who made stacks
+    without end made every listing of the shared API cost without end. Past MAX_STACKS
+    a new one is refused (422 invalid-stack); a change of one is not."""
+    monkeypatch.setattr(sk, "MAX_STACKS", 2, raising=False)
+    tokens = await http.org("acme")
+    await http.workspace("acme", "a")
+    for i in range(2):
+        body = {"name": f"s{i}", "workspaces": ["a"]}
+        made = await http.post("/api/v1/orgs/acme/stacks", json=body, token=tokens["admin"])
+        assert made.status == 201, made.body
+    body = {"name": "s2", "workspaces": ["a"]}
+    (await http.post("/api/v1/orgs/acme/stacks", json=body, token=tokens["admin"])).problem(
+        "invalid-stack", 422
+    )
+    put = await http.call("PUT", "/api/v1/orgs/acme/stacks/s1",
+                          json={"workspaces": ["a"], "failure_policy": "abort"})  # fmt: skip
+    assert put.status == 200, put.body
