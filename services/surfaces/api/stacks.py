@@ -110,6 +110,7 @@ async def create_stack(request: web.Request) -> web.Response:
     api, org, who = await scope(request, "org.settings")
     body = await read_body(request, StackBody)
     name = check_name("name", body.name)
+    await api.reached(await api.app.store.last_seq(), api.read_wait)  # stacks just made
     if await count_stacks(api.read.rows, org) >= sk.MAX_STACKS:
         raise Problem("invalid-stack", f"an organization has at most {sk.MAX_STACKS} stacks")
     s = await _decided(store.create(api.app, org, name, _definition(body), who.user))
