@@ -145,8 +145,16 @@ class StackRunState(msgspec.Struct, frozen=True, kw_only=True):
     status: str = ""
     nodes: dict[str, Node] = {}
     resumes: int = 0
+    # who resumed it last: the runs started after a resume are that person's doing, so
+    # they are created as them (four-eyes holds the resumer, not the first starter)
+    resumed_by: str = ""
     aborting: bool = False
     version: int = 0
+
+    @property
+    def starter(self) -> str:
+        """Who the next child runs are created as: the last resumer, else the starter."""
+        return self.resumed_by or self.created_by
 
     @property
     def exists(self) -> bool:
@@ -210,8 +218,9 @@ def evolve(s: StackRunState, e: StackRunEvent) -> StackRunState:
                 old = nodes[n]
                 nodes[n] = msgspec.structs.replace(old, status=WAITING, attempt=old.attempt + 1)
             return msgspec.structs.replace(
-                s, nodes=nodes, status=S_RUNNING, aborting=False, resumes=s.resumes + 1
-            )
+                s, nodes=nodes, status=S_RUNNING, aborting=False, resumes=s.resumes + 1,
+                resumed_by=e.actor,
+            )  # fmt: skip
         case StackRunEnded():
             return msgspec.structs.replace(s, status=e.status, aborting=False)
         case _:

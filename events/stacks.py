@@ -34,6 +34,9 @@ from events.errors import AlreadyExists, Invalid, NotFound
 
 MAX_NODES: Final = 200  # workspaces in one stack
 MAX_EDGES: Final = 1000
+# per organization (checked by the API on its read model): each is listed with its levels
+# computed (about 1 ms for 200 nodes and 1,000 edges), so their number is bounded too
+MAX_STACKS = 200
 POLICIES: Final = ("pause", "abort", "continue")
 DEFAULT_POLICY: Final = "pause"
 

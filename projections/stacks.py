@@ -55,3 +55,9 @@ async def list_stacks(q: Query, org: str) -> list[dict[str, Any]]:
     """The organization's stacks, by name."""
     sql = "SELECT * FROM stacks WHERE org = ? ORDER BY name"
     return [view(r) for r in await q(sql, (org,))]
+
+
+async def count_stacks(q: Query, org: str) -> int:
+    """How many stacks the organization has."""
+    rows = await q("SELECT COUNT(*) AS n FROM stacks WHERE org = ?", (org,))
+    return int(rows[0]["n"]) if rows else 0

@@ -133,8 +133,9 @@ async def test_attack_a_person_with_one_workspace_cannot_run_the_others_through_
     pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
     runs = f"{_p('acme')}/stacks/prod/runs"
     (await http.post(runs, json={"type": "apply"}, token=pat)).problem("not-found", 404)
+    # a target she may not read is answered as one not in the stack (tells her nothing)
     (await http.post(runs, json={"type": "plan", "targets": ["d"]}, token=pat)).problem(
-        "not-found", 404
+        "invalid-stack", 422
     )
     own = await http.post(runs, json={"type": "apply", "targets": ["a"]}, token=pat)
     assert own.status == 201, own.body

@@ -36,9 +36,14 @@ class Start(msgspec.Struct, frozen=True, kw_only=True):
     message: str = ""
 
 
-async def start(app: App, org: str, stack: str, ask: Start, actor: str) -> StackRun:
-    """A new stack run of the stack as the stream's leader has it (NotFound if none)."""
-    found = await stacks_app.load(app, org, stack, min_seq=LATEST)
+async def start(
+    app: App, org: str, stack: str, ask: Start, actor: str, found: stacks_app.Stack | None = None
+) -> StackRun:
+    """A new stack run of the stack as the stream's leader has it (NotFound if none), or
+    of `found`: the definition the caller's access was checked on (read again here, a
+    change landed between would run workspaces nobody checked)."""
+    if found is None:
+        found = await stacks_app.load(app, org, stack, min_seq=LATEST)
     if not found.state.exists:
         raise NotFound(f"stack {stack} not found")
     stack_run_id = app.ids()

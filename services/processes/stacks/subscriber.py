@@ -6,8 +6,12 @@ On every event of a stack run (`rp.org.<org>.stack_run.<id>`, its own durable co
 - creates the child run of each node `ready` names, its id derived from the stack
   run, the node and the attempt (`child_run_id`: a second creation finds the first,
   `existed`), caused by the stack run (`Cause(kind="stack_run", ...)`) and created by
-  the person who started it (their approvals rules hold as for any of their runs), then
-  records it started (`RecordStarted`: a start recorded already decides nothing). A
+  the person who started it, or after a resume by who resumed it (their approvals
+  rules hold as for any of their runs: four-eyes keeps a resumer from approving the
+  runs their resume started), then
+  records it started (`RecordStarted`: a start recorded already decides nothing). The
+  person's access is read again first: one removed, suspended or no longer granted the
+  run type starts nothing more (the node fails, saying why). A
   run found ended already is recorded ended with it. A node whose run cannot be made
   (its workspace gone, its template no longer suits) is recorded failed with why;
 - while the run is aborting, cancels every running child (one already applying
@@ -29,14 +33,17 @@ from typing import Final
 
 import structlog
 
+from events import access
 from events import run as run_agg
 from events import stack_runs as sr
-from events.errors import DomainError, IllegalTransition, NotFound
+from events.errors import DomainError, Forbidden, IllegalTransition, NotFound
+from events.members import user_id_of
 from events.react import StackChild
 from events.run import RunState
 from events.stack_run_events import RUNNING, StackRunState
 from events.values import Cause
 from infra.consumer import Received, Subscription, by_subject
+from infra.eventstore import LATEST
 from services.app import stack_runs as runs_app
 from services.app.commands import App
 from services.app.execute import Result
@@ -87,17 +94,42 @@ class StackRuns:
 
     async def _create(self, s: StackRunState, node: str, attempt: int, run_id: str) -> Made:
         """The node's child run (created now, or found), or why it can never be."""
-        cause = Cause(kind="stack_run", user=s.created_by, stack=s.stack,
+        by = s.starter  # the last resumer's runs are theirs (four-eyes holds them)
+        cause = Cause(kind="stack_run", user=by, stack=s.stack,
                       stack_run=s.stack_run_id, attempt=attempt)  # fmt: skip
         message = s.message or f"stack {s.stack} run {s.stack_run_id}"
         try:
+            refused = await self._refusal(s, by, node)
+            if (
+                refused is not None
+                and not (await self.app.load_run(s.org, node, run_id, min_seq=LATEST)).state.exists
+            ):
+                return refused  # (one made before, while they could, is found as usual)
             return await self.app.create_run(
-                s.org, node, s.run_type, s.created_by, message, cause=cause, run_id=run_id
+                s.org, node, s.run_type, by, message, cause=cause, run_id=run_id
             )
         except DomainError as e:
             if e.retryable:
                 raise  # contention outlasted create_run's retries: the event comes again
             return e
+
+    async def _refusal(self, s: StackRunState, by: str, node: str) -> DomainError | None:
+        """Why `by` may no longer start the stack run's type of run on `node` (None: they
+        may). A person's access is read as it is now: removed from the organization,
+        suspended or no longer granted it, they start nothing more through a stack run
+        begun before. Others (organization and team tokens: no member) are not judged."""
+        if "@" not in by:
+            return None
+        org = (await self.app.load_org(s.org)).state
+        who = access.for_member(s.org, org.members.get(user_id_of(by)), org.teams)
+        if who is None:
+            return Forbidden(f"{by} is no longer an active user of {s.org}")
+        folder = (await self.app.load_ws(s.org, node)).state.folder
+        target = access.Target(org=s.org, workspace=node, folders=(folder,) if folder else ())
+        action = access.run_action(s.run_type)
+        if not access.allowed(access.inherited(who, org.folders), action, target):
+            return Forbidden(f"{by} may no longer start a {s.run_type} run on {node}")
+        return None
 
     async def _record(
         self, s: StackRunState, node: str, attempt: int, run_id: str, made: Made

@@ -5,8 +5,10 @@
   Location `/api/v1/orgs/{org}/stack-runs/{id}`. The caller must be allowed the run
   type on every workspace the run covers (the targets and, unless
   `skip_dependencies`, what they need first), exactly as if they started each run
-  themselves: the children are their runs. 422 `invalid-stack` for a target not in
-  the stack or an unknown type or policy.
+  themselves: the children are their runs (a 404 names no workspace). 422
+  `invalid-stack` for a target not in the stack, or one the caller may not read (the
+  same answer: trying names tells nobody what a stack holds), or an unknown type or
+  policy.
 - `GET .../stack-runs/{id}` (viewer): its status, its nodes (each with its runs) and the
   levels it goes by.
 - `POST .../stack-runs/{id}/resume`: the failed, canceled and skipped nodes start again
@@ -25,6 +27,7 @@ from aiohttp import web
 
 from events import access
 from events import stacks as sk
+from events.errors import NotFound
 from events.stack_run_events import RUN_TYPES, StackRunState
 from events.stack_runs import select
 from infra.eventstore import LATEST
@@ -92,6 +95,7 @@ def view(s: StackRunState, seen: Any) -> dict[str, Any]:
         "levels": [[name(n) for n in level] for level in levels(s)],
         "nodes": nodes,  # those the caller may read; the others are (hidden) in levels
         "resumes": s.resumes,
+        "resumed_by": s.resumed_by or None,
         "message": s.message,
         "created_by": s.created_by,
         "created_at": iso(s.created_at) if s.created_at else None,
@@ -99,9 +103,13 @@ def view(s: StackRunState, seen: Any) -> dict[str, Any]:
 
 
 async def _may_run(api: Api, who: Any, org: str, run_type: str, nodes: list[str]) -> None:
-    """The caller may start `run_type` on every node (403 or 404 as for one run)."""
+    """The caller may start `run_type` on every node (403 or 404 as for one run). A 404
+    names no workspace: the caller may not read it, and the stack shows it (hidden)."""
     for ws in nodes:
-        await require_on(api, who, org, access.run_action(run_type), ws)
+        try:
+            await require_on(api, who, org, access.run_action(run_type), ws)
+        except NotFound:
+            raise NotFound(f"a workspace of the stack is {HIDDEN} or not found") from None
 
 
 async def create_stack_run(request: web.Request) -> web.Response:
@@ -115,19 +123,22 @@ async def create_stack_run(request: web.Request) -> web.Response:
     found = await stacks_app.load(api.app, org, stack, min_seq=LATEST)
     if not found.state.exists:
         raise Problem("not-found", f"stack {stack} not found")
+    seen = await readable(api, who, org)
     try:
+        unseen = sorted({t for t in body.targets if not seen(t)})
+        if unseen:  # answered as a name not in the stack: trying names tells nothing
+            raise sk.InvalidStack(f"targets not in the stack: {', '.join(unseen)}")
         nodes = select(found.state.definition, body.type, body.targets, body.skip_dependencies)
         await _may_run(api, who, org, body.type, nodes)
         ask = runs_app.Start(
             run_type=body.type, targets=body.targets, skip_dependencies=body.skip_dependencies,
             failure_policy=body.failure_policy, message=body.message,
         )  # fmt: skip
-        done = await runs_app.start(api.app, org, stack, ask, who.user)
+        done = await runs_app.start(api.app, org, stack, ask, who.user, found)
     except sk.InvalidStack as e:
         raise Problem("invalid-stack", str(e)) from e
     location = f"/api/v1/orgs/{org}/stack-runs/{done.state.stack_run_id}"
     headers = {SEQ_HEADER: str(done.seq), "Location": location}
-    seen = await readable(api, who, org)
     return json_response(view(done.state, seen), status=201, headers=headers)
 
 
@@ -189,6 +200,10 @@ SCHEMAS: dict[str, Doc] = {
                 "canceled, skipped), attempt, run_id, run_status, runs (every attempt's)",
             },
             "resumes": {"type": "integer"},
+            "resumed_by": {
+                "type": ["string", "null"],
+                "description": "who resumed it last: the runs started since are theirs",
+            },
         },
     },
 }

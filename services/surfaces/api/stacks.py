@@ -5,7 +5,8 @@
   "failure_policy"?}` (org admin): 201, Location `.../stacks/{name}`. 404 if a node is
   not a live workspace of the organization, 409 if the name is taken, 422
   `stack-cycle` naming a cycle (`cycle`: `["a", "b", "a"]`), 422 `invalid-stack`
-  (a node listed twice, an edge to a workspace not in the stack, a limit, a policy).
+  (a node listed twice, an edge to a workspace not in the stack, a limit, a policy, the
+  organization's MAX_STACKS reached).
 - `GET .../stacks` (viewer): the organization's stacks, from the read model.
 - `GET .../stacks/{stack}` (viewer): one stack as the stream's leader has it, with its
   DAG `levels`.
@@ -27,7 +28,7 @@ from aiohttp import web
 
 from events import stacks as sk
 from infra.eventstore import LATEST
-from projections.stacks import list_stacks
+from projections.stacks import count_stacks, list_stacks
 from projections.working import iso
 from services.app import stacks as store
 from services.surfaces.api.bodies import Body, Name, check_name, read_body
@@ -109,6 +110,9 @@ async def create_stack(request: web.Request) -> web.Response:
     api, org, who = await scope(request, "org.settings")
     body = await read_body(request, StackBody)
     name = check_name("name", body.name)
+    await api.reached(await api.app.store.last_seq(), api.read_wait)  # stacks just made
+    if await count_stacks(api.read.rows, org) >= sk.MAX_STACKS:
+        raise Problem("invalid-stack", f"an organization has at most {sk.MAX_STACKS} stacks")
     s = await _decided(store.create(api.app, org, name, _definition(body), who.user))
     headers = {SEQ_HEADER: str(s.seq), "Location": f"/api/v1/orgs/{org}/stacks/{name}"}
     return json_response(_view(s.state), status=201, headers=headers)
