@@ -9,7 +9,6 @@ import contextlib
 import os
 import signal
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,8 @@ from executor.output import Masker
 from executor.process import StepLog, run
 from tests.caps_support import NO_SANDBOX
 from tests.helpers import eventually
+from tests.jail_support import jails as jails  # the fixture
+from tests.jail_support import run_as_job
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root")
 
@@ -59,24 +60,8 @@ def _jail(tmp_path: Path, mode: str) -> Jail:
     return Isolation.choose(mode, caps=JobCaps()).enter(root, tmp)
 
 
-@pytest.fixture
-def jails() -> Iterator[list[Jail]]:
-    made: list[Jail] = []
-    yield made
-    for jail in made:
-        jail.close()
-
-
 async def _run(jail: Jail, argv: list[str], tmp_path: Path) -> tuple[int, str]:
-    """Run `argv` as the job; its exit code and its log."""
-    log = StepLog(tmp_path / "step.log", Masker())
-    try:
-        code = await asyncio.wait_for(
-            run(argv, cwd=jail.home, env={"PATH": "/usr/bin:/bin"}, step_log=log, jail=jail), 60
-        )
-    finally:
-        log.close()
-    return code, (tmp_path / "step.log").read_text()
+    return await run_as_job(jail, argv, tmp_path / "step.log")
 
 
 @pytest.mark.parametrize("mode", ["user", SANDBOX])

@@ -21,10 +21,10 @@ import pytest
 from executor import isolation, shellinit, spawnhelper
 from executor.caps import JobCaps
 from executor.isolation import Isolation, Jail
-from executor.output import Masker
-from executor.process import StepLog, run
 from tests.caps_support import NO_SANDBOX
 from tests.helpers import eventually
+from tests.jail_support import jails as jails  # the fixture
+from tests.jail_support import run_as_job
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root")
 SANDBOX = pytest.param(
@@ -66,23 +66,8 @@ def chain(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     shellinit.script.cache_clear()
 
 
-@pytest.fixture
-def jails() -> Iterator[list[Jail]]:
-    made: list[Jail] = []
-    yield made
-    for jail in made:
-        jail.close()
-
-
 async def _run(jail: Jail, argv: list[str], tmp_path: Path) -> tuple[int, str]:
-    log = StepLog(tmp_path / "step.log", Masker())
-    try:
-        code = await asyncio.wait_for(
-            run(argv, cwd=jail.home, env={"PATH": "/usr/bin:/bin"}, step_log=log, jail=jail), 60
-        )
-    finally:
-        log.close()
-    return code, (tmp_path / "step.log").read_text()
+    return await run_as_job(jail, argv, tmp_path / "step.log")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -4,11 +4,9 @@ it must reach no other's job. Real job uids and bubblewrap; as root, as CI runs.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,9 @@ import pytest
 from executor import spawnhelper
 from executor.caps import JobCaps
 from executor.isolation import Isolation, Jail
-from executor.output import Masker
-from executor.process import StepLog, run
 from tests.caps_support import NO_SANDBOX
+from tests.jail_support import jails as jails  # the fixture
+from tests.jail_support import run_as_job
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="job uids need root")
 SANDBOX = pytest.param(
@@ -47,24 +45,8 @@ def _jail(tmp_path: Path, mode: str, name: str = "phase") -> Jail:
     return Isolation.choose(mode, caps=JobCaps()).enter(root, tmp)
 
 
-@pytest.fixture
-def jails() -> Iterator[list[Jail]]:
-    made: list[Jail] = []
-    yield made
-    for jail in made:
-        jail.close()
-
-
 async def _run(jail: Jail, argv: list[str], tmp_path: Path) -> tuple[int, str]:
-    path = tmp_path / f"{jail.root.name}.log"
-    log = StepLog(path, Masker())
-    try:
-        code = await asyncio.wait_for(
-            run(argv, cwd=jail.home, env={"PATH": "/usr/bin:/bin"}, step_log=log, jail=jail), 60
-        )
-    finally:
-        log.close()
-    return code, path.read_text()
+    return await run_as_job(jail, argv, tmp_path / f"{jail.root.name}.log")
 
 
 POISON = """
