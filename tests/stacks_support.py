@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from infra.eventstore import Envelope, EventStore
+from tests.api_support import Http
 
 # A diamond: a first; b and c on a; d on b and c (issue 27's stack of four)
 DIAMOND: dict[str, Any] = {
@@ -39,3 +40,14 @@ class Gate(EventStore):
             self.waited.add(task)
             await asyncio.wait_for(self.barrier.wait(), 10)
         return envs
+
+
+async def diamond_stack(http: Http, org: str) -> dict[str, str]:
+    """Organization `org` with workspaces a, b, c and d and the stack `prod` of DIAMOND
+    (made by its admin): the organization's tokens."""
+    tokens = await http.org(org)
+    for ws in ("a", "b", "c", "d"):
+        await http.workspace(org, ws)
+    made = await http.post(f"/api/v1/orgs/{org}/stacks", json=DIAMOND, token=tokens["admin"])
+    assert made.status == 201, made.body
+    return tokens

@@ -21,26 +21,17 @@ from tests.access_support import person
 from tests.api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 from tests.bootstrap_support import Process
 from tests.builders import organization, workspaces
-from tests.stacks_support import DIAMOND, Gate
+from tests.stacks_support import Gate, diamond_stack
 
 
 def _p(org: str) -> str:
     return f"/api/v1/orgs/{org}"
 
 
-async def _stack(http: Http, org: str) -> dict[str, str]:
-    tokens = await http.org(org)
-    for ws in ("a", "b", "c", "d"):
-        await http.workspace(org, ws)
-    made = await http.post(f"{_p(org)}/stacks", json=DIAMOND, token=tokens["admin"])
-    assert made.status == 201, made.body
-    return tokens
-
-
 async def test_the_api_starts_shows_and_refuses_to_resume_a_running_stack_run(
     http: Http,
 ) -> None:
-    tokens = await _stack(http, "acme")
+    tokens = await diamond_stack(http, "acme")
     op = tokens["operator"]
     a = await http.post(f"{_p('acme')}/stacks/prod/runs", json={"type": "apply"}, token=op)
     assert a.status == 201, a.body
@@ -60,7 +51,7 @@ async def test_the_api_starts_shows_and_refuses_to_resume_a_running_stack_run(
 
 
 async def test_bad_stack_run_input_is_a_problem_with_a_stable_type(http: Http) -> None:
-    tokens = await _stack(http, "acme")
+    tokens = await diamond_stack(http, "acme")
     op = tokens["operator"]
     runs = f"{_p('acme')}/stacks/prod/runs"
     (await http.post(runs, json={"type": "drift"}, token=op)).problem("invalid-stack", 422)
@@ -81,7 +72,7 @@ async def test_a_viewer_may_read_but_neither_start_nor_resume_a_stack_run(http: 
     """The children are the caller's runs: starting (or resuming) needs the run type's
     level on every workspace covered, not only a read of the organization. A version
     that checked only the organization let a viewer apply four workspaces."""
-    tokens = await _stack(http, "acme")
+    tokens = await diamond_stack(http, "acme")
     runs = f"{_p('acme')}/stacks/prod/runs"
     for kind in ("plan", "apply", "destroy"):
         (await http.post(runs, json={"type": kind}, token=tokens["viewer"])).problem(
@@ -101,7 +92,7 @@ async def test_attack_org_a_s_admin_cannot_start_read_or_resume_org_b_s_stack_ru
     """Org B's stack and stack run are not found from org A's admin (their subjects are
     B's own; the paths' organization is checked before anything is read)."""
     a_tokens = await http.org("orga")
-    b_tokens = await _stack(http, "orgb")
+    b_tokens = await diamond_stack(http, "orgb")
     attacker = a_tokens["admin"]
     b_run = await http.post(f"{_p('orgb')}/stacks/prod/runs", json={"type": "plan"},
                             token=b_tokens["operator"])  # fmt: skip
@@ -129,7 +120,7 @@ async def test_attack_a_person_with_one_workspace_cannot_run_the_others_through_
     covering the others: each is refused as starting that run directly would be (404
     for a workspace they may not read). A version that checked only the organization
     let them apply b, c and d as themselves. What they read hides the others."""
-    tokens = await _stack(http, "acme")
+    tokens = await diamond_stack(http, "acme")
     pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
     runs = f"{_p('acme')}/stacks/prod/runs"
     (await http.post(runs, json={"type": "apply"}, token=pat)).problem("not-found", 404)

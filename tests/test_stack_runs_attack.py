@@ -16,7 +16,7 @@ from tests.access_support import person
 from tests.api_support import Http, http_fixture  # noqa: F401 - the `http` fixture
 from tests.bootstrap_support import Process
 from tests.builders import organization, workspaces
-from tests.stacks_support import DIAMOND
+from tests.stacks_support import diamond_stack
 
 
 async def test_attack_a_resumer_is_the_creator_of_the_runs_a_resume_starts(
@@ -53,11 +53,7 @@ async def test_attack_a_stack_run_refused_names_no_workspace_the_caller_may_not_
     """Pat may write `a` only; the stack's other workspaces are `(hidden)` to her. Starting
     the whole stack is refused 404, without naming `b` (its name
     was in the refusal: `workspace b not found`)."""
-    tokens = await http.org("acme")
-    for ws in ("a", "b", "c", "d"):
-        await http.workspace("acme", ws)
-    made = await http.post("/api/v1/orgs/acme/stacks", json=DIAMOND, token=tokens["admin"])
-    assert made.status == 201, made.body
+    await diamond_stack(http, "acme")
     pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
     runs = "/api/v1/orgs/acme/stacks/prod/runs"
     for body in ({"type": "apply"}, {"type": "plan"}):
@@ -141,11 +137,7 @@ async def test_attack_targets_tell_nobody_which_hidden_workspaces_are_in_a_stack
     """Pat may read `a` only. Asking for a target she may not read answers as for a name
     not in the stack at all: otherwise trying names tells her which hidden workspaces
     the stack holds (422 `targets not in the stack` for one, 404 for the other)."""
-    tokens = await http.org("acme")
-    for ws in ("a", "b", "c", "d"):
-        await http.workspace("acme", ws)
-    made = await http.post("/api/v1/orgs/acme/stacks", json=DIAMOND, token=tokens["admin"])
-    assert made.status == 201, made.body
+    await diamond_stack(http, "acme")
     pat = await person(http, "acme", "pat@example.com", "only-a", **{"workspaces/a": "write"})
     runs = "/api/v1/orgs/acme/stacks/prod/runs"
     answers = []
